@@ -1,0 +1,58 @@
+"""Ahead-of-time compilation of the train step on abstract shapes: will this config fit?
+
+Nothing is materialized: the state comes from `jax.eval_shape` with its shardings, the batch from
+ShapeDtypeStructs, and `jax.jit(...).lower(...).compile()` gives XLA's per-device memory analysis.
+Works for a mesh you do not have by faking devices on the CPU (`--xla_force_host_platform_device_
+count`); CPU numbers approximate the GPU's (same shapes and shardings, different fusion and
+scheduling), so use a GPU host of the target kind for the final word.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from distca_jax import config as config_lib
+from distca_jax import sharding as shard_lib
+from distca_jax import trainer
+
+
+def compile_train_step(c: ml_collections.ConfigDict, devices=None):
+  """(compiled step, info dict) for config `c` on `devices` (default: all visible)."""
+  config_lib.validate(c)
+  mesh = shard_lib.make_mesh(data=c.mesh.data, tensor=c.mesh.tensor, pipe=c.mesh.pipe,
+                             devices=devices)
+  model = trainer.make_model(c)
+  tx = trainer.make_optimizer(c)
+  abstract_state, state_sh = trainer.state_shardings(c, model, tx, mesh)
+  rows = mesh.shape["data"] * c.rows_per_rank
+  bsh = shard_lib.batch_sharding(mesh)
+  batch = {k: jax.ShapeDtypeStruct((rows, c.tokens_per_rank),
+                                   jnp.float32 if k == "loss_mask" else jnp.int32, sharding=bsh)
+           for k in trainer.BATCH_KEYS}
+  t0 = time.time()
+  with trainer.mesh_context(mesh):
+    step = trainer.jit_train_step(c, model, tx, mesh, state_sh)
+    lowered = step.lower(abstract_state, batch)
+  t1 = time.time()
+  compiled = lowered.compile()
+  t2 = time.time()
+  mem = compiled.memory_analysis()
+  info = {
+      "mesh": dict(mesh.shape),
+      "device_kind": mesh.devices.flat[0].device_kind,
+      "params": model.cfg.num_params(),
+      "lower_s": t1 - t0,
+      "compile_s": t2 - t1,
+  }
+  if mem is not None:
+    for field in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                  "alias_size_in_bytes", "generated_code_size_in_bytes"):
+      info[field] = int(getattr(mem, field, 0) or 0)
+    # Donated state aliases its output, so arguments + temporaries is the live peak's bound.
+    info["total_per_device_bytes"] = (info["argument_size_in_bytes"] + info["temp_size_in_bytes"]
+                                      + info["output_size_in_bytes"] - info["alias_size_in_bytes"])
+  return compiled, info

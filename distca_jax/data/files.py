@@ -1,0 +1,173 @@
+"""Tokenized documents from local files: ``PREFIX.tokens.npy`` + ``PREFIX.offsets.npy``.
+
+* ``PREFIX.tokens.npy``: 1-D int32 token ids of all documents back to back (memory-mapped).
+* ``PREFIX.offsets.npy``: 1-D int64, D + 1 offsets; document d is
+  ``tokens[offsets[d]:offsets[d+1]]``; ``offsets[0] == 0``, strictly increasing (no empty
+  documents), ``offsets[-1] == len(tokens)``.
+
+``python -m distca_jax.data.tokenize`` writes this format from text files. The documents form an
+endless stream, epoch after epoch (a seeded permutation per epoch, or file order with
+``shuffle=False``); step s takes stream tokens [s * B * T, (s + 1) * B * T) cut into rows by the
+split rule of ``distca_jax.data.batch``. Everything is validated when the dataset is opened; each
+problem raises ``DataError`` naming the file, the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from distca_jax.data.batch import (DataError, DocumentStream, Pieces, batch_from_pieces, check_step,
+                                   cut_rows)
+
+TOKENS_SUFFIX = ".tokens.npy"
+OFFSETS_SUFFIX = ".offsets.npy"
+_MAKE_ONE = "write one with: python -m distca_jax.data.tokenize --output PREFIX FILE..."
+_SCAN_CHUNK = 1 << 24  # tokens per chunk when checking ids, so the check never loads the whole file
+
+
+def dataset_paths(prefix: str) -> tuple[str, str]:
+  """(tokens path, offsets path) of a dataset prefix."""
+  return prefix + TOKENS_SUFFIX, prefix + OFFSETS_SUFFIX
+
+
+def _load(path: str, what: str, prefix: str) -> np.ndarray:
+  if not os.path.exists(path):
+    hint = ""
+    for suffix in (TOKENS_SUFFIX, OFFSETS_SUFFIX):
+      if prefix.endswith(suffix):
+        hint = f" (data.path is the prefix: drop {suffix!r}, i.e. {prefix[:-len(suffix)]!r})"
+    raise DataError(f"{path}: {what} file not found; a dataset is PREFIX{TOKENS_SUFFIX} + "
+                    f"PREFIX{OFFSETS_SUFFIX} and data.path={prefix!r} is the PREFIX{hint}; "
+                    f"{_MAKE_ONE}")
+  try:
+    return np.load(path, mmap_mode="r", allow_pickle=False)
+  except (ValueError, OSError, EOFError) as e:
+    raise DataError(f"{path}: not a readable NumPy .npy file ({e}); save the {what} with np.save "
+                    f"or {_MAKE_ONE}") from e
+
+
+def open_dataset(prefix: str, *, vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """Open and validate a dataset.
+
+  Args:
+    prefix: the dataset prefix (files ``PREFIX.tokens.npy`` and ``PREFIX.offsets.npy``).
+    vocab_size: if given, every token id must lie in [0, vocab_size).
+
+  Returns:
+    (tokens [total] int32, memory-mapped; offsets [D + 1] int64, in memory).
+
+  Raises:
+    DataError: a file is missing or unreadable, has the wrong dtype or shape, the offsets are not
+      0 = o_0 < o_1 < ... < o_D = len(tokens), the dataset is empty, or a token id is out of range.
+  """
+  prefix = os.fspath(prefix)
+  tokens_path, offsets_path = dataset_paths(prefix)
+  tokens = _load(tokens_path, "tokens", prefix)
+  offsets_map = _load(offsets_path, "offsets", prefix)
+
+  if tokens.ndim != 1 or tokens.dtype != np.int32:
+    raise DataError(f"{tokens_path}: tokens must be a 1-D int32 array, got {tokens.dtype=} "
+                    f"{tokens.shape=}; fix with np.save(path, tokens.reshape(-1).astype(np.int32))")
+  if offsets_map.ndim != 1 or offsets_map.dtype != np.int64:
+    raise DataError(f"{offsets_path}: offsets must be a 1-D int64 array, got {offsets_map.dtype=} "
+                    f"{offsets_map.shape=}; fix with "
+                    "np.save(path, offsets.reshape(-1).astype(np.int64))")
+  offsets = np.array(offsets_map)  # D + 1 numbers: small next to the tokens, and read at every step
+  if tokens.size == 0 or offsets.size < 2:
+    raise DataError(f"{tokens_path}: the dataset is empty ({tokens.size} tokens, "
+                    f"{max(offsets.size - 1, 0)} documents in {offsets_path}); it needs at least "
+                    f"one non-empty document; {_MAKE_ONE}")
+  if offsets[0] != 0:
+    raise DataError(f"{offsets_path}: offsets must start at 0, got offsets[0]={int(offsets[0])}; "
+                    f"offsets are [0, len(doc_0), len(doc_0) + len(doc_1), ..., len(tokens)]")
+  lens = np.diff(offsets)
+  if (lens < 0).any():
+    d = int(np.flatnonzero(lens < 0)[0])
+    raise DataError(f"{offsets_path}: offsets must increase, but offsets[{d}]={int(offsets[d])} > "
+                    f"offsets[{d + 1}]={int(offsets[d + 1])}; write them as the cumulative sum of "
+                    "the document lengths")
+  if offsets[-1] != tokens.size:
+    raise DataError(f"{offsets_path}: the last offset must equal the number of tokens in "
+                    f"{tokens_path}, got offsets[-1]={int(offsets[-1])} and len(tokens)="
+                    f"{tokens.size}; the two files do not belong together or one is truncated")
+  if (lens == 0).any():
+    empty = np.flatnonzero(lens == 0)
+    raise DataError(f"{offsets_path}: {empty.size} empty documents (zero length), the first is "
+                    f"document {int(empty[0])} (offsets[{int(empty[0])}] == "
+                    f"offsets[{int(empty[0]) + 1}] == {int(offsets[empty[0]])}); drop them from "
+                    "the offsets (np.unique(offsets)) or re-tokenize without empty inputs")
+  if vocab_size is not None:
+    _check_token_range(tokens, offsets, int(vocab_size), tokens_path)
+  return tokens, offsets
+
+
+def _check_token_range(tokens: np.ndarray, offsets: np.ndarray, vocab_size: int,
+                       tokens_path: str) -> None:
+  for lo in range(0, tokens.size, _SCAN_CHUNK):
+    chunk = np.asarray(tokens[lo:lo + _SCAN_CHUNK])
+    bad = (chunk < 0) | (chunk >= vocab_size)
+    if bad.any():
+      i = int(np.flatnonzero(bad)[0])
+      pos, value = lo + i, int(chunk[i])
+      doc = int(np.searchsorted(offsets, pos, side="right")) - 1
+      raise DataError(
+          f"{tokens_path}: token id {value} at position {pos} (document {doc}) is outside "
+          f"[0, {vocab_size=}); token ids must be in [0, vocab_size): tokenize with a tokenizer "
+          f"whose vocabulary fits the model, or raise the model's vocab_size above the largest id "
+          f"({int(tokens.max())})")
+
+
+class FileSource:
+  """A ``Source`` reading tokenized documents from ``PREFIX.tokens.npy`` + ``PREFIX.offsets.npy``.
+
+  Args:
+    path: the dataset prefix.
+    rows: B, rows per step.
+    tokens_per_row: T, the token budget of one row.
+    vocab_size: V; every token id in the file must be in [0, V) (checked at open).
+    seed: seeds the per-epoch document permutations.
+    shuffle: a fresh seeded permutation of the documents per epoch; False keeps file order.
+  """
+
+  def __init__(self, path: str, *, rows: int, tokens_per_row: int, vocab_size: int, seed: int,
+               shuffle: bool = True):
+    for name, value in (("rows", rows), ("tokens_per_row", tokens_per_row),
+                        ("vocab_size", vocab_size)):
+      if int(value) <= 0:
+        raise DataError(f"{name}={value} must be a positive integer")
+    if not isinstance(shuffle, (bool, np.bool_)):
+      raise DataError(f"{shuffle=} must be True or False")
+    self.path = os.fspath(path)
+    self.rows = int(rows)
+    self.tokens_per_row = int(tokens_per_row)
+    self.vocab_size = int(vocab_size)
+    self.seed = int(seed)
+    self.shuffle = bool(shuffle)
+    self.tokens, self.offsets = open_dataset(self.path, vocab_size=self.vocab_size)
+    self.stream = DocumentStream(np.diff(self.offsets), self.seed, shuffle=self.shuffle, salt=2)
+
+  def _pieces(self, step: int) -> Pieces:
+    n = self.rows * self.tokens_per_row
+    return cut_rows(self.stream.pieces(check_step(step) * n, n), self.tokens_per_row, self.rows)
+
+  def _tokens(self, epoch_M: np.ndarray, doc_M: np.ndarray, offset_M: np.ndarray) -> np.ndarray:
+    del epoch_M  # a document's tokens are the same in every epoch
+    return self.tokens[self.offsets[doc_M] + offset_M]
+
+  def batch(self, step: int) -> dict[str, np.ndarray]:
+    """Step ``step``'s batch: arrays [B, T] (see ``distca_jax.data.batch``)."""
+    return batch_from_pieces(self._pieces(step), self.rows, self.tokens_per_row, self._tokens)
+
+  def doclens(self, step: int) -> list[list[int]]:
+    """Step ``step``'s piece lengths per row."""
+    return self._pieces(step).row_doclens(self.rows)
+
+  def describe(self) -> str:
+    lens = self.stream.lens_D
+    per_step = self.rows * self.tokens_per_row
+    return (f"files {self.path}: {lens.size} docs, {self.stream.num_tokens} tokens (median "
+            f"{int(np.median(lens))}, max {int(lens.max())}), {self.rows} rows x "
+            f"{self.tokens_per_row} tokens, one epoch = {self.stream.num_tokens / per_step:.2f} "
+            f"steps, shuffle={self.shuffle}, seed {self.seed}, vocab {self.vocab_size}")

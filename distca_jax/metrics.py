@@ -1,0 +1,125 @@
+"""FLOPs, MFU and the run's outputs: progress lines on stdout, a JSONL log, TensorBoard events.
+
+MFU counts document-masked FLOPs, the work the model really needs for the real tokens:
+  token-linear   6 * N * sum(l)                  (N: every matmul weight, the LM head included,
+                                                  the input embedding lookup excluded)
+  core attention 6 * layers * Hq * D * sum(l^2)  (causal, per document: l^2 / 2 pairs, 4 FLOPs per
+                                                  pair and head-dim element forward, x3 for
+                                                  forward + backward, Megatron's convention)
+summed over the documents (pieces) l of the batch, padding excluded, divided by
+(step time * devices * peak). Attention never crosses a document boundary, so packing many short
+documents costs much less than sum(l)^2 would suggest; this is what the formula reflects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Iterable, Sequence
+
+import jax
+
+from distca_jax.model import ModelConfig
+
+# Dense bf16 peak per device, by substring of jax's device_kind.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+  """N: weights that take part in a matmul per token (layers + LM head, not the embedding lookup)."""
+  e, h, k, d, f = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.mlp_dim
+  per_layer = e * (h + 2 * k) * d + h * d * e + 3 * e * f
+  return cfg.n_layers * per_layer + e * cfg.vocab_size
+
+
+def step_flops(cfg: ModelConfig, doc_lens: Iterable[Sequence[int]] | Sequence[int]) -> float:
+  """Document-masked training FLOPs (forward + backward) for one batch's document lengths."""
+  flat = _flatten(doc_lens)
+  sum_l = float(sum(flat))
+  sum_l2 = float(sum(l * l for l in flat))
+  return (6.0 * matmul_params(cfg) * sum_l
+          + 6.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * sum_l2)
+
+
+def _flatten(doc_lens) -> list[int]:
+  out = []
+  for x in doc_lens:
+    if isinstance(x, (list, tuple)) or hasattr(x, "__len__"):
+      out.extend(int(v) for v in x)
+    else:
+      out.append(int(x))
+  return out
+
+
+def peak_flops_per_device(override_tflops: float = 0.0) -> float | None:
+  """Peak FLOP/s of one device: the override if set, else by device kind, else None (no MFU)."""
+  if override_tflops > 0:
+    return override_tflops * 1e12
+  kind = jax.devices()[0].device_kind
+  for name, tf in PEAK_TFLOPS.items():
+    if name in kind:
+      return tf * 1e12
+  return None
+
+
+class RunLog:
+  """Progress lines, `metrics.jsonl` and TensorBoard events for one workdir (process 0 only)."""
+
+  def __init__(self, workdir: str, total_steps: int, tensorboard: bool = True):
+    self.total = total_steps
+    self.enabled = jax.process_index() == 0
+    self._jsonl = None
+    self._tb = None
+    self._t0 = time.time()
+    if not self.enabled:
+      return
+    os.makedirs(workdir, exist_ok=True)
+    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    if tensorboard:
+      try:
+        from tensorboardX import SummaryWriter
+      except ImportError as e:
+        raise ImportError("TensorBoard logging needs tensorboardX: `pip install tensorboardX`, or "
+                          "run with --config.tensorboard=False") from e
+      self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+  def write(self, step: int, record: dict) -> None:
+    if not self.enabled:
+      return
+    record = {"step": step, **{k: float(v) for k, v in record.items()}}
+    self._jsonl.write(json.dumps(record) + "\n")
+    self._jsonl.flush()
+    if self._tb is not None:
+      for k, v in record.items():
+        if k != "step":
+          self._tb.add_scalar(k, v, step)
+      self._tb.flush()
+    self._print(step, record)
+
+  def _print(self, step: int, r: dict) -> None:
+    width = 24
+    done = int(width * step / max(1, self.total))
+    bar = "#" * done + "." * (width - done)
+    parts = [f"[{bar}] step {step}/{self.total}", f"loss {r['loss']:.4f}"]
+    if "tokens_per_s" in r:
+      parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
+    if "mfu" in r:
+      parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    if "step_time_s" in r:
+      parts.append(f"{r['step_time_s']:.3f} s/step")
+      eta = r["step_time_s"] * (self.total - step)
+      parts.append(f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
+    print(" | ".join(parts), flush=True)
+
+  def info(self, msg: str) -> None:
+    if self.enabled:
+      print(msg, flush=True)
+      sys.stdout.flush()
+
+  def close(self) -> None:
+    if self._jsonl:
+      self._jsonl.close()
+    if self._tb:
+      self._tb.close()

@@ -1,0 +1,283 @@
+"""Llama-3 family decoder in Flax Linen, written as pre-CA / core attention / post-CA per layer.
+
+Each layer is three named pieces so that core attention (no weights) can be moved elsewhere:
+  * `PreCA`: RMSNorm, Q/K/V projections, RoPE at each token's position inside its own document.
+  * core attention: `attention.get_backend(name).fn`, a function of (q, k, v, layout).
+  * `PostCA`: output projection, residual, RMSNorm, SwiGLU MLP, residual.
+Layers run under `nn.scan` (compile time independent of depth) with optional rematerialization.
+Parameters are float32 (master copy), compute runs in `dtype` (bf16 by default).
+
+Shape letters: B rows, T tokens per row, E embed, H query heads, K kv heads, D head dim,
+F MLP hidden, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
+
+from distca_jax import attention as attn_lib
+
+Layout = attn_lib.Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The model's dimensions and numerics (the glossary of shape letters)."""
+  vocab_size: int = 256          # V
+  dim: int = 64                  # E, residual width
+  n_layers: int = 2              # L
+  n_heads: int = 4               # H, query heads
+  n_kv_heads: int = 2            # K, key/value heads (GQA when K < H; must divide H)
+  head_dim: int = 16             # D
+  mlp_dim: int = 128             # F, SwiGLU hidden width
+  rope_theta: float = 500_000.0  # RoPE base
+  # Llama-3 frequency scaling: factor 0 disables it. Llama-3.1 uses factor 8, low 1, high 4,
+  # original context 8192.
+  rope_scaling_factor: float = 0.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_position: int = 8192
+  norm_eps: float = 1e-5         # RMSNorm epsilon
+  tie_embeddings: bool = False   # share the input embedding with the LM head
+  dtype: str = "bfloat16"        # compute dtype; params and optimizer state stay float32
+  param_dtype: str = "float32"
+  # Rematerialization of each layer in the backward: 'none' (keep all activations), 'full'
+  # (recompute the whole layer), 'save_dots' (keep matmul outputs, recompute the rest),
+  # 'save_qkv_out' (keep the layer input, q/k/v and core-attention output: never recompute core
+  # attention).
+  remat: str = "full"
+  scan_layers: bool = True       # nn.scan over layers (compile time does not grow with depth)
+  init_std: float = 0.02         # normal init of every weight matrix
+  loss_chunk: int = 4096         # tokens per chunk of the LM head + loss (bounds logits memory)
+
+  def __post_init__(self):
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+    if self.remat not in _REMAT_POLICIES:
+      raise ValueError(f"remat={self.remat!r}; choose one of {sorted(_REMAT_POLICIES)}")
+    for f in ("dtype", "param_dtype"):
+      jnp.dtype(getattr(self, f))  # raises on an unknown dtype name
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  def num_params(self, *, embeddings: bool = True) -> int:
+    """Parameter count; `embeddings=False` leaves out the input embedding and LM head."""
+    e, h, k, d, f = self.dim, self.n_heads, self.n_kv_heads, self.head_dim, self.mlp_dim
+    per_layer = e * (h + 2 * k) * d + h * d * e + 3 * e * f + 2 * e
+    n = self.n_layers * per_layer + e
+    if embeddings:
+      n += self.vocab_size * e * (1 if self.tie_embeddings else 2)
+    return n
+
+
+_REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "save_qkv_out": jax.checkpoint_policies.save_only_these_names("qkv", "ca_out"),
+}
+
+
+def _dense_init(std: float, names: tuple[str | None, ...]):
+  return nn.with_logical_partitioning(nn.initializers.normal(std), names)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+  dtype: Any
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+                       (x.shape[-1],), jnp.float32)
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    # Explicit broadcast: tests run with jax_numpy_rank_promotion="raise".
+    return (y * scale.reshape((1,) * (y.ndim - 1) + scale.shape)).astype(self.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> jnp.ndarray:
+  """[D/2] inverse frequencies, with Llama-3 scaling when `rope_scaling_factor` > 0."""
+  d = cfg.head_dim
+  freqs = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  if cfg.rope_scaling_factor > 0:
+    low_wavelen = cfg.rope_original_max_position / cfg.rope_low_freq_factor
+    high_wavelen = cfg.rope_original_max_position / cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    smooth = ((cfg.rope_original_max_position / wavelen - cfg.rope_low_freq_factor)
+              / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
+    scaled = (1 - smooth) * freqs / cfg.rope_scaling_factor + smooth * freqs
+    freqs = jnp.where(wavelen < high_wavelen, freqs,
+                      jnp.where(wavelen > low_wavelen, freqs / cfg.rope_scaling_factor, scaled))
+  return freqs
+
+
+def apply_rope(x_BxTxNxD, positions_BxT, freqs_D2):
+  """Rotary embedding, half-split convention (as Hugging Face Llama checkpoints expect)."""
+  ang = positions_BxT.astype(jnp.float32)[..., None] * freqs_D2[None, None]  # [B, T, D/2]
+  cos, sin = jnp.cos(ang)[:, :, None], jnp.sin(ang)[:, :, None]
+  x = x_BxTxNxD.astype(jnp.float32)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxNxD.dtype)
+
+
+class PreCA(nn.Module):
+  """Norm, Q/K/V projections and RoPE: x [B,T,E] -> q [B,T,H,D], k, v [B,T,K,D]."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxE, positions_BxT):
+    cfg = self.cfg
+    dt = cfg.compute_dtype
+    h = RMSNorm(cfg.norm_eps, dt, name="attn_norm")(x_BxTxE)
+
+    def proj(name, heads, head_axis):
+      w = self.param(name, _dense_init(cfg.init_std, ("embed", head_axis, "head_dim")),
+                     (cfg.dim, heads, cfg.head_dim), jnp.dtype(cfg.param_dtype))
+      return jnp.einsum("bte,ehd->bthd", h, w.astype(dt))
+
+    q = proj("wq", cfg.n_heads, "heads")
+    k = proj("wk", cfg.n_kv_heads, "kv_heads")
+    v = proj("wv", cfg.n_kv_heads, "kv_heads")
+    freqs = rope_frequencies(cfg)
+    q, k = apply_rope(q, positions_BxT, freqs), apply_rope(k, positions_BxT, freqs)
+    q = nn.with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
+    k = nn.with_logical_constraint(k, ("batch", "length", "kv_heads", "head_dim"))
+    v = nn.with_logical_constraint(v, ("batch", "length", "kv_heads", "head_dim"))
+    return q, k, v
+
+
+class PostCA(nn.Module):
+  """Output projection + residual, then RMSNorm + SwiGLU MLP + residual."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxE, o_BxTxHxD):
+    cfg = self.cfg
+    dt = cfg.compute_dtype
+    pdt = jnp.dtype(cfg.param_dtype)
+    wo = self.param("wo", _dense_init(cfg.init_std, ("heads", "head_dim", "embed")),
+                    (cfg.n_heads, cfg.head_dim, cfg.dim), pdt)
+    x = x_BxTxE + jnp.einsum("bthd,hde->bte", o_BxTxHxD.astype(dt), wo.astype(dt))
+    h = RMSNorm(cfg.norm_eps, dt, name="mlp_norm")(x)
+    w_gate = self.param("w_gate", _dense_init(cfg.init_std, ("embed", "mlp")), (cfg.dim, cfg.mlp_dim), pdt)
+    w_up = self.param("w_up", _dense_init(cfg.init_std, ("embed", "mlp")), (cfg.dim, cfg.mlp_dim), pdt)
+    w_down = self.param("w_down", _dense_init(cfg.init_std, ("mlp", "embed")), (cfg.mlp_dim, cfg.dim), pdt)
+    gate = jnp.einsum("bte,ef->btf", h, w_gate.astype(dt))
+    up = jnp.einsum("bte,ef->btf", h, w_up.astype(dt))
+    act = nn.with_logical_constraint(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+    x = x + jnp.einsum("btf,fe->bte", act, w_down.astype(dt))
+    return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+
+class DecoderLayer(nn.Module):
+  cfg: ModelConfig
+  core_attention: attn_lib.CoreAttentionFn
+
+  @nn.compact
+  def __call__(self, x_BxTxE, layout: Layout):
+    q, k, v = PreCA(self.cfg, name="pre_ca")(x_BxTxE, layout.positions_BxT)
+    q, k, v = (checkpoint_name(a, "qkv") for a in (q, k, v))
+    o = self.core_attention(q, k, v, layout, softmax_scale=1.0 / math.sqrt(self.cfg.head_dim))
+    o = checkpoint_name(o, "ca_out")
+    return PostCA(self.cfg, name="post_ca")(x_BxTxE, o)
+
+
+class _ScanBody(nn.Module):
+  """Adapter: (carry, broadcast layout) -> (carry, None) for nn.scan."""
+  cfg: ModelConfig
+  core_attention: attn_lib.CoreAttentionFn
+
+  @nn.compact
+  def __call__(self, x, layout):
+    layer_cls = DecoderLayer
+    if self.cfg.remat != "none":
+      layer_cls = nn.remat(DecoderLayer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+    return layer_cls(self.cfg, self.core_attention, name="layer")(x, layout), None
+
+
+class Transformer(nn.Module):
+  """Decoder stack: tokens [B,T] + layout -> final hidden states [B,T,E] (before the LM head)."""
+  cfg: ModelConfig
+  core_attention: attn_lib.CoreAttentionFn
+
+  def setup(self):
+    cfg = self.cfg
+    self.embedding = self.param(
+        "embedding", _dense_init(1.0, ("vocab", "embed")), (cfg.vocab_size, cfg.dim),
+        jnp.dtype(cfg.param_dtype))
+    if not cfg.tie_embeddings:
+      self.lm_head = self.param("lm_head", _dense_init(cfg.init_std, ("embed", "vocab")),
+                                (cfg.dim, cfg.vocab_size), jnp.dtype(cfg.param_dtype))
+    self.final_norm = RMSNorm(cfg.norm_eps, cfg.compute_dtype)
+    if cfg.scan_layers:
+      self.layers = nn.scan(
+          _ScanBody, variable_axes={"params": 0}, split_rngs={"params": True},
+          in_axes=(nn.broadcast,), length=cfg.n_layers,
+          metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.core_attention)
+    else:
+      self.layer_list = [_ScanBody(cfg, self.core_attention, name=f"layer_{i}")
+                         for i in range(cfg.n_layers)]
+
+  def __call__(self, tokens_BxT, layout: Layout):
+    """Final normalized hidden states [B, T, E] in the compute dtype."""
+    x = jnp.take(self.embedding, tokens_BxT, axis=0).astype(self.cfg.compute_dtype)
+    x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+    if self.cfg.scan_layers:
+      x, _ = self.layers(x, layout)
+    else:
+      for layer in self.layer_list:
+        x, _ = layer(x, layout)
+    return self.final_norm(x)
+
+  def head_weights(self):
+    """[E, V] LM-head matrix (the embedding's transpose when tied)."""
+    return self.embedding.T if self.cfg.tie_embeddings else self.lm_head
+
+  def logits(self, tokens_BxT, layout: Layout):
+    """Full logits [B, T, V] in float32 (tests and small models; training uses `loss`)."""
+    h = self(tokens_BxT, layout)
+    return jnp.einsum("bte,ev->btv", h, self.head_weights().astype(h.dtype),
+                      preferred_element_type=jnp.float32)
+
+  def loss(self, tokens_BxT, targets_BxT, loss_mask_BxT, layout: Layout):
+    """(sum of masked token cross-entropies, number of loss tokens), LM head chunked over T."""
+    h = self(tokens_BxT, layout)
+    w = self.head_weights()
+    return chunked_cross_entropy(h, w, targets_BxT, loss_mask_BxT, self.cfg.loss_chunk)
+
+
+def chunked_cross_entropy(h_BxTxE, w_ExV, targets_BxT, mask_BxT, chunk: int):
+  """Sum of masked cross-entropies without materializing all [B, T, V] logits at once."""
+  b, t, e = h_BxTxE.shape
+  c = math.gcd(t, max(1, chunk))
+  n = t // c
+
+  @jax.checkpoint
+  def one(h_c, y_c, m_c):
+    logits = jnp.einsum("bte,ev->btv", h_c, w_ExV.astype(h_c.dtype),
+                        preferred_element_type=jnp.float32)
+    logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    tgt = jnp.take_along_axis(logits, y_c[..., None], axis=-1)[..., 0]
+    return ((lse - tgt) * m_c).sum()
+
+  def body(total, xs):
+    return total + one(*xs), None
+
+  split = lambda a: jnp.moveaxis(a.reshape(b, n, c, *a.shape[2:]), 1, 0)
+  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                          (split(h_BxTxE), split(targets_BxT), split(mask_BxT.astype(jnp.float32))))
+  return total, mask_BxT.astype(jnp.float32).sum()

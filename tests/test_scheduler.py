@@ -1,0 +1,528 @@
+"""Property tests of the core-attention scheduler (host, NumPy) and its metadata contract."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from distca_jax import scheduler as sc
+from distca_jax.data.workloads import WorkloadSampler
+
+K = 1024
+_TOKEN_BUDGETS = (16 * K, 32 * K, 64 * K, 128 * K, 256 * K, 512 * K)
+_SERVERS = (2, 3, 4, 8, 16, 32, 64, 128, 512)
+
+
+def _sweep_cases(n: int, seed: int):
+  """Seeded (workload, tokens_per_rank, servers, tolerance, nested, step) tuples."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(n):
+    t = int(rng.choice(_TOKEN_BUDGETS))
+    s = int(rng.choice(_SERVERS))
+    if s * t > 64 * 512 * K:  # keep the sweep fast: at most 32M tokens per batch
+      s = max(2, (64 * 512 * K) // t)
+    tol = 0.0 if i % 7 == 0 else float(rng.uniform(0.0, 0.3))
+    out.append(("pretrain" if i % 2 == 0 else "prolong", t, s, tol, bool(i % 3 == 2),
+                int(rng.integers(0, 50))))
+  return out
+
+
+def _layout(name, t, s, nested, step, seed=0):
+  w = WorkloadSampler(name, t, seed=seed)
+  return w.step_doclens(step, s) if nested else w.flat_doclens(step, s)
+
+
+def _check_plan(plan: sc.Plan, tol: float) -> None:
+  """Coverage, key ranges, conservation, bookkeeping and the imbalance guarantee."""
+  lens, s = plan.doc_lens, plan.num_servers
+  tasks = plan.tasks
+  assert tasks.ndim == 2 and tasks.shape[1] == 4 and tasks.dtype == np.int64
+  doc, a, b, srv = tasks.T
+  assert ((srv >= 0) & (srv < s)).all()
+  assert ((a >= 0) & (a < b) & (b <= lens[doc])).all()
+  # Every query token of every document is covered exactly once: sorted by (doc, start), the
+  # shards of one document tile [0, L).
+  order = np.lexsort((a, doc))
+  d_s, a_s, b_s = doc[order], a[order], b[order]
+  first = np.r_[True, d_s[1:] != d_s[:-1]]
+  last = np.r_[d_s[1:] != d_s[:-1], True]
+  assert np.array_equal(np.unique(d_s), np.arange(lens.size))
+  assert (a_s[first] == 0).all()
+  assert (b_s[last] == lens[d_s[last]]).all()
+  assert (a_s[~first] == b_s[np.flatnonzero(~first) - 1]).all()
+  # Work is conserved, and the reported loads are the tasks' loads.
+  total = int((lens * (lens + 1) // 2).sum())
+  assert int(sc.pairs(a, b).sum()) == total
+  assert plan.loads_before.sum() == total and plan.loads_after.sum() == total
+  np.testing.assert_array_equal(plan.loads_after, sc.server_loads(plan))
+  assert plan.imbalance_after == pytest.approx(sc.imbalance(plan.loads_after))
+  # Traffic bookkeeping agrees with an independent recount from the tasks.
+  q_rows, kv_rows = sc.traffic_rows(plan)
+  np.testing.assert_array_equal(q_rows, plan.pair_q_rows)
+  np.testing.assert_array_equal(kv_rows, plan.pair_kv_rows)
+  assert (np.diag(q_rows) == 0).all() and (np.diag(kv_rows) == 0).all()
+  # Balancing never raises the maximum load; a plan that is not degraded is within tolerance.
+  assert plan.loads_after.max() <= plan.loads_before.max()
+  if plan.degraded:
+    assert plan.degraded_reason
+  else:
+    assert plan.imbalance_after <= (1 + tol) * (1 + 1e-9)
+  # Merged tasks: no two adjacent shards of one document on one server.
+  same = (d_s[1:] == d_s[:-1]) & (srv[order][1:] == srv[order][:-1])
+  assert not (same & (a_s[1:] == b_s[:-1])).any()
+
+
+def _granularity(plan: sc.Plan) -> float:
+  """Largest smallest-move: the balance tolerance the greedy is guaranteed to reach uncapped."""
+  return 4.0 * plan.min_shard * (float(plan.doc_lens.max(initial=0)) + 1)
+
+
+@pytest.mark.parametrize("case", _sweep_cases(36, seed=3), ids=lambda c: "-".join(map(str, c)))
+def test_properties_on_workloads(case):
+  name, t, s, tol, nested, step = case
+  doc_lens = _layout(name, t, s, nested, step)
+  plan = sc.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol)
+  _check_plan(plan, tol)
+  mean = plan.loads_after.mean()
+  if _granularity(plan) <= tol * mean:
+    # Exact balance is feasible (no caps, shards of min_shard fit any destination's room).
+    assert not plan.degraded, plan.degraded_reason
+    assert plan.imbalance_after <= 1 + tol + 1e-9
+
+
+def test_tolerance_reached_when_feasible():
+  """Large budgets where the min_shard granularity is far below tolerance * mean."""
+  hits = 0
+  for name in ("pretrain", "prolong"):
+    for s, t, tol in ((8, 512 * K, 0.05), (64, 256 * K, 0.1), (16, 128 * K, 0.2)):
+      plan = sc.schedule(_layout(name, t, s, False, 7), s, tokens_per_rank=t, tolerance=tol)
+      _check_plan(plan, tol)
+      if _granularity(plan) <= tol * plan.loads_after.mean():
+        hits += 1
+        assert plan.imbalance_after <= 1 + tol + 1e-9
+        assert plan.imbalance_before > 1 + tol  # the test exercises real balancing
+  assert hits >= 4
+
+
+def _initial_needs(doc_lens, s, t) -> sc.Capacity:
+  """Caps the layout needs before any move (plan with tolerance so high nothing moves)."""
+  plan = sc.schedule(doc_lens, s, tokens_per_rank=t, tolerance=1e9)
+  assert plan.num_moves == 0
+  return sc.required_capacity(plan)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_caps_never_exceeded(seed):
+  rng = np.random.default_rng(seed)
+  name = ("pretrain", "prolong")[seed % 2]
+  s = int(rng.choice([4, 8, 16, 32]))
+  t = int(rng.choice([16 * K, 64 * K, 128 * K]))
+  tol = float(rng.uniform(0.0, 0.3))
+  doc_lens = _layout(name, t, s, seed % 3 == 0, seed)
+  free = sc.required_capacity(sc.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol))
+  need = _initial_needs(doc_lens, s, t)
+  frac = rng.uniform(0.2, 1.0, size=5)
+  cap = sc.Capacity(**{f: max(getattr(need, f), int(getattr(free, f) * x))
+                       for f, x in zip(sc._CAP_FIELDS, frac)})
+  plan = sc.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol, capacity=cap)
+  _check_plan(plan, tol)
+  got = sc.required_capacity(plan)
+  for f in sc._CAP_FIELDS:
+    assert getattr(got, f) <= getattr(cap, f), (f, got, cap)
+  if plan.imbalance_after > (1 + tol) * (1 + 1e-9):
+    assert plan.degraded and plan.degraded_reason
+  assert plan.imbalance_after <= plan.imbalance_before
+  # The metadata builds in exactly the configured shapes.
+  if s <= 8 and t <= 16 * K:
+    meta = sc.plan_to_metadata(plan, cap)
+    assert meta.q_send_idx.shape == (s, s, cap.q_slot)
+    assert meta.kv_attn_idx.shape == (s, cap.kv_tokens)
+    assert meta.cu_seqlens_q.shape == (s, cap.tasks + 1)
+
+
+def test_caps_never_exceeded_small_layouts():
+  """Many small layouts with spanning documents and tight random caps (exact-check paths)."""
+  rng = np.random.default_rng(7)
+  capped = 0
+  for trial in range(150):
+    kind = ("flat", "huge", "rank_huge", "nested")[trial % 4]
+    doc_lens, s, t = _random_small_layout(rng, kind)
+    # Longer ranks and two more empty ranks: more spanning documents, more destinations.
+    t *= 8
+    if kind in ("flat", "huge"):
+      doc_lens = [8 * v for v in doc_lens]
+    else:
+      doc_lens = [[8 * v for v in row] for row in doc_lens] + [[], []]
+    s += 2
+    tol = float(rng.uniform(0.0, 0.3))
+    m0 = int(rng.integers(2, 16))
+    free = sc.required_capacity(sc.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol,
+                                            min_shard=m0))
+    need = _initial_needs(doc_lens, s, t)
+    cap = sc.Capacity(**{f: max(getattr(need, f), int(getattr(free, f) * rng.uniform(0.3, 1.0)))
+                         for f in sc._CAP_FIELDS})
+    plan = sc.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol, min_shard=m0,
+                       capacity=cap)
+    _check_plan(plan, tol)
+    got = sc.required_capacity(plan)
+    for f in sc._CAP_FIELDS:
+      assert getattr(got, f) <= getattr(cap, f), (trial, f, got, cap)
+    capped += plan.degraded
+  assert capped > 10  # the caps really bind in many trials
+
+
+def test_caps_degrade_with_reason():
+  # One 1000-token document on rank 0 of 2: the other rank may take at most 10 query rows.
+  plan = sc.schedule([[1000], []], 2, tokens_per_rank=1000, min_shard=8,
+                     capacity=sc.Capacity(q_tokens=1000, q_slot=10))
+  assert plan.degraded and "q_slot" in plan.degraded_reason
+  assert sc.required_capacity(plan).q_slot <= 10
+  free = sc.schedule([[1000], []], 2, tokens_per_rank=1000, min_shard=8)
+  assert not free.degraded and free.imbalance_after <= 1.1 + 1e-9
+
+
+def test_min_shard_degrades_with_reason():
+  plan = sc.schedule([[1000], []], 2, tokens_per_rank=1000, min_shard=512)
+  assert plan.degraded and "min_shard" in plan.degraded_reason
+  assert plan.imbalance_after == pytest.approx(2.0)
+  # Mirrored split exactness: 250 mirrored pairs of a 1000-token document cost 250 * 1001.
+  ok = sc.schedule([[1000], []], 2, tokens_per_rank=1000, min_shard=64, tolerance=0.0,
+                   split="mirrored")
+  assert ok.loads_after.max() - ok.loads_after.min() <= 2 * 1001
+
+
+def test_mirrored_pairs_identity():
+  rng = np.random.default_rng(0)
+  for _ in range(200):
+    length = int(rng.integers(2, 10**6))
+    m = int(rng.integers(1, length // 2 + 1))
+    s0 = int(rng.integers(0, length // 2 - m + 1))
+    got = sc.pairs(s0, s0 + m) + sc.pairs(length - s0 - m, length - s0)
+    assert got == m * (length + 1)
+
+
+def test_determinism_and_input_forms():
+  doc_lens = _layout("prolong", 64 * K, 16, False, 3)
+  p1 = sc.schedule(doc_lens, 16, tokens_per_rank=64 * K, tolerance=0.05)
+  p2 = sc.schedule(tuple(doc_lens), 16, tokens_per_rank=64 * K, tolerance=0.05)
+  p3 = sc.schedule(np.asarray(doc_lens), 16, tokens_per_rank=64 * K, tolerance=0.05)
+  for p in (p2, p3):
+    np.testing.assert_array_equal(p1.tasks, p.tasks)
+    np.testing.assert_array_equal(p1.loads_after, p.loads_after)
+    np.testing.assert_array_equal(p1.pair_kv_rows, p.pair_kv_rows)
+  assert p1.num_moves > 0
+  # The nested form with every document inside one rank equals the flat form.
+  nested = [[100, 28], [64, 64], [128]]
+  flat = [100, 28, 64, 64, 128]
+  a = sc.schedule(nested, 3, tokens_per_rank=128, min_shard=4)
+  b = sc.schedule(flat, 3, tokens_per_rank=128, min_shard=4)
+  np.testing.assert_array_equal(a.tasks, b.tasks)
+
+
+@pytest.mark.parametrize("split", ["mirrored", "suffix"])
+def test_split_modes(split):
+  doc_lens = _layout("pretrain", 128 * K, 8, False, 1)
+  plan = sc.schedule(doc_lens, 8, tokens_per_rank=128 * K, tolerance=0.1, split=split)
+  _check_plan(plan, 0.1)
+  auto = sc.schedule(doc_lens, 8, tokens_per_rank=128 * K, tolerance=0.1)
+  assert auto.num_moves > 0 and plan.num_moves > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata round trip through the NumPy reference executor.
+# ---------------------------------------------------------------------------------------------
+def _random_small_layout(rng, kind: str):
+  s = int(rng.integers(2, 7))
+  t = int(rng.integers(12, 72))
+  if kind == "huge":  # one document spanning every rank (and padding at the end)
+    return [int(rng.integers(s * t // 2, s * t + 1))], s, t
+  if kind == "rank_huge":  # rank 0 holds one huge document, the others short ones
+    nested = [[t]] + [[int(v) for v in _split_total(rng, int(rng.integers(0, t + 1)), t // 3)]
+                      for _ in range(s - 1)]
+    return nested, s, t
+  if kind == "nested":
+    return [[int(v) for v in _split_total(rng, int(rng.integers(0, t + 1)), t)]
+            for _ in range(s)], s, t
+  total = int(rng.integers(s * t // 2, s * t + 1))
+  return [int(v) for v in _split_total(rng, total, 2 * t)], s, t
+
+
+def _split_total(rng, total: int, max_len: int) -> list[int]:
+  out = []
+  while total > 0:
+    n = int(min(total, rng.integers(1, max(2, max_len))))
+    out.append(n)
+    total -= n
+  return out
+
+
+def _global_tokens(meta: sc.PlanMetadata, d: int):
+  """Global token id of every attention Q and KV row of server ``d`` (-1 for padding)."""
+  s, t = meta.num_servers, meta.tokens_per_rank
+  cap = meta.capacity
+
+  def resolve(idx, slot, send):
+    out = np.full(idx.shape, -1, np.int64)
+    own = idx < t
+    out[own] = d * t + idx[own]
+    rec = (idx >= t) & (idx < t + s * slot)
+    p, j = np.divmod(idx[rec] - t, slot)
+    row = send[p, d, j]
+    assert (row < t).all(), "an attention row points at a padding slot"
+    out[rec] = p * t + row
+    return out
+
+  return (resolve(meta.q_attn_idx[d], cap.q_slot, meta.q_send_idx),
+          resolve(meta.kv_attn_idx[d], cap.kv_slot, meta.kv_send_idx))
+
+
+def _check_metadata_structure(plan: sc.Plan, meta: sc.PlanMetadata) -> None:
+  s, t = plan.num_servers, plan.tokens_per_rank
+  for f in sc.PlanMetadata.DEVICE_FIELDS:
+    assert getattr(meta, f).dtype == np.int32, f
+  cap = meta.capacity
+  for p in range(s):
+    assert (meta.q_send_idx[p, p] == t).all() and (meta.kv_send_idx[p, p] == t).all()
+  # Every task's queries are rows [a, b) of its document and its keys rows [0, b), aligned.
+  for d in range(s):
+    gq, gk = _global_tokens(meta, d)
+    cu_q, cu_k = meta.cu_seqlens_q[d], meta.cu_seqlens_k[d]
+    assert (np.diff(cu_q) >= 0).all() and (np.diff(cu_k) >= 0).all()
+    for i in range(cap.tasks):
+      ti = meta.task_index[d, i]
+      if ti < 0:
+        assert cu_q[i + 1] == cu_q[i] and cu_k[i + 1] == cu_k[i]
+        continue
+      doc, a, b, srv = plan.tasks[ti]
+      assert srv == d
+      g = plan.doc_starts[doc]
+      np.testing.assert_array_equal(gq[cu_q[i]:cu_q[i + 1]], g + np.arange(a, b))
+      np.testing.assert_array_equal(gk[cu_k[i]:cu_k[i + 1]], g + np.arange(0, b))
+    # Each KV row is sent at most once per (sender, server) pair.
+    for p in range(s):
+      rows = meta.kv_send_idx[p, d]
+      rows = rows[rows < t]
+      assert np.unique(rows).size == rows.size
+  # Every non-padding local query row gets exactly one output row back.
+  lens, starts = plan.doc_lens, plan.doc_starts
+  real = np.zeros(s * t, bool)
+  for g, n in zip(starts, lens):
+    real[g:g + n] = True
+  assert ((meta.o_local_idx.reshape(-1) < cap.q_tokens + s * cap.q_slot) == real).all()
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_metadata_round_trip(seed):
+  rng = np.random.default_rng(100 + seed)
+  kind = ("flat", "huge", "rank_huge", "nested")[seed % 4]
+  doc_lens, s, t = _random_small_layout(rng, kind)
+  tol = float(rng.choice([0.0, 0.05, 0.3]))
+  plan = sc.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol,
+                     min_shard=int(rng.integers(1, 6)), q_heads=4, kv_heads=2, head_dim=8,
+                     split=("auto", "mirrored", "suffix")[seed % 3])
+  _check_plan(plan, tol)
+  tight = sc.required_capacity(plan)
+  if seed % 2:  # padded buffers: every cap a little larger than needed
+    cap = sc.Capacity(**{f: getattr(tight, f) + int(rng.integers(0, 5))
+                         for f in sc._CAP_FIELDS})
+  else:
+    cap = None
+  meta = sc.plan_to_metadata(plan, cap)
+  _check_metadata_structure(plan, meta)
+  q = rng.standard_normal((s, t, 4, 8))
+  k = rng.standard_normal((s, t, 2, 8))
+  v = rng.standard_normal((s, t, 2, 8))
+  o, lse = sc.reference_execute(meta, q, k, v)
+  o_ref, lse_ref = sc.reference_document_attention(doc_lens, q, k, v)
+  np.testing.assert_allclose(o, o_ref, atol=1e-10, rtol=1e-10)
+  np.testing.assert_allclose(lse, lse_ref, atol=1e-10, rtol=1e-10)
+  if kind != "huge" or plan.num_moves:
+    assert np.abs(o_ref).max() > 0
+
+
+def test_metadata_from_workload_layout():
+  """A real (scaled-down) layout: spanning documents, many tasks, padded caps."""
+  t, s = K, 4
+  doc_lens = WorkloadSampler("prolong", t, seed=5, context_length=8 * K).flat_doclens(2, s)
+  plan = sc.schedule(doc_lens, s, tokens_per_rank=t, tolerance=0.05, min_shard=16,
+                     q_heads=2, kv_heads=1, head_dim=4)
+  assert plan.num_moves > 0
+  cap = sc.Capacity.envelope([sc.required_capacity(plan)], multiple=64)
+  meta = sc.plan_to_metadata(plan, cap)
+  _check_metadata_structure(plan, meta)
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.standard_normal((s, t, h, 4)) for h in (2, 1, 1))
+  o, _ = sc.reference_execute(meta, q, k, v)
+  o_ref, _ = sc.reference_document_attention(doc_lens, q, k, v)
+  np.testing.assert_allclose(o, o_ref, atol=1e-10)
+
+
+def test_metadata_rank_subset():
+  doc_lens = [50, 90, 30, 10, 60]
+  plan = sc.schedule(doc_lens, 4, tokens_per_rank=64, min_shard=4, tolerance=0.0)
+  full = sc.plan_to_metadata(plan)
+  part = sc.plan_to_metadata(plan, ranks=[2, 0])
+  for f in sc.PlanMetadata.DEVICE_FIELDS:
+    np.testing.assert_array_equal(getattr(part, f), getattr(full, f)[[2, 0]], err_msg=f)
+  with pytest.raises(ValueError, match="ranks"):
+    sc.plan_to_metadata(plan, ranks=[0, 0])
+
+
+def test_metadata_capacity_too_small():
+  plan = sc.schedule([40, 30, 20, 38], 2, tokens_per_rank=64, min_shard=2)
+  need = sc.required_capacity(plan)
+  for f in sc._CAP_FIELDS:
+    if getattr(need, f) > 1:
+      small = dataclasses.replace(need, **{f: getattr(need, f) - 1})
+      with pytest.raises(ValueError, match=f):
+        sc.plan_to_metadata(plan, small)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input.
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args,kwargs,match", [
+    (([10, 0, 5], 2), {"tokens_per_rank": 16}, "positive"),
+    (([10, -1], 2), {"tokens_per_rank": 16}, "positive"),
+    (([10, 2.5], 2), {"tokens_per_rank": 16}, "positive int"),
+    (([40], 2), {"tokens_per_rank": 16}, "tokens_per_rank"),
+    (([[10], [5]], 3), {"tokens_per_rank": 16}, "num_servers"),
+    (([[10, 10], [5]], 2), {"tokens_per_rank": 16}, "rank 0"),
+    (([[10], 5], 2), {"tokens_per_rank": 16}, "mixes"),
+    (([10], 0), {"tokens_per_rank": 16}, "num_servers"),
+    (([10], 2), {"tokens_per_rank": 0}, "tokens_per_rank"),
+    (([10], 2), {"tokens_per_rank": 16, "tolerance": -0.1}, "tolerance"),
+    (([10], 2), {"tokens_per_rank": 16, "tolerance": float("nan")}, "tolerance"),
+    (([10], 2), {"tokens_per_rank": 16, "min_shard": 0}, "min_shard"),
+    (([10], 2), {"tokens_per_rank": 16, "split": "middle"}, "split"),
+    (([10], 2), {"tokens_per_rank": 16, "capacity": {"slots": 3}}, "unknown capacity"),
+    (([10], 2), {"tokens_per_rank": 16, "capacity": {"tasks": 0}}, "tasks"),
+    (([10], 2), {"tokens_per_rank": 16, "q_heads": 6, "kv_heads": 4}, "multiple"),
+    (([20, 12], 2), {"tokens_per_rank": 16, "capacity": {"kv_slot": 8}}, "kv_slot >= 16"),
+    (([[3, 3, 3], [4]], 2), {"tokens_per_rank": 16, "capacity": {"tasks": 2}}, "tasks >= 3"),
+])
+def test_bad_input(args, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    sc.schedule(*args, **kwargs)
+
+
+def test_bad_types():
+  with pytest.raises(TypeError, match="doc_lens"):
+    sc.schedule("100", 2, tokens_per_rank=64)
+  with pytest.raises(TypeError, match="capacity"):
+    sc.schedule([10], 2, tokens_per_rank=64, capacity=5)
+  with pytest.raises(TypeError, match="cost_model"):
+    sc.schedule([10], 2, tokens_per_rank=64, cost_model=3)
+
+
+def test_empty_layout():
+  plan = sc.schedule([], 4, tokens_per_rank=64)
+  assert plan.tasks.shape == (0, 4) and plan.imbalance_after == 1.0 and not plan.degraded
+  meta = sc.plan_to_metadata(plan)
+  assert (meta.o_local_idx == meta.capacity.q_tokens + 4 * meta.capacity.q_slot).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model, capacities, diagnostics.
+# ---------------------------------------------------------------------------------------------
+def _power_table(q_lens, kv_lens):
+  """A power law t = c q^0.8 kv^0.6: log-bilinear interpolation reproduces it exactly."""
+  q = np.asarray(q_lens, float)[:, None]
+  kv = np.asarray(kv_lens, float)[None, :]
+  t = 1e-9 * q**0.8 * kv**0.6
+  return np.where(q <= kv, t, np.nan)
+
+
+def test_cost_table_interpolation(tmp_path):
+  q_lens, kv_lens = [64, 256, 1024, 4096], [256, 1024, 4096, 16384]
+  grid = _power_table(q_lens, kv_lens)
+  path = tmp_path / "table.json"
+  path.write_text(json.dumps({"q_lens": q_lens, "kv_lens": kv_lens,
+                              "fwd_bwd_s": [[None if np.isnan(x) else x for x in row]
+                                            for row in grid]}))
+  table = sc.CostTable.from_json(str(path))
+  rng = np.random.default_rng(0)
+  kv = np.exp(rng.uniform(np.log(256), np.log(16384), 50))
+  q = np.minimum(np.exp(rng.uniform(np.log(64), np.log(4096), 50)), kv)
+  # Inside the triangle away from the diagonal's filled cells the power law is exact.
+  inner = (q * 4 <= kv)
+  np.testing.assert_allclose(table.time(q[inner], kv[inner]),
+                             1e-9 * q[inner]**0.8 * kv[inner]**0.6, rtol=1e-9)
+  np.testing.assert_allclose(table.time(1024, 4096), grid[2, 2], rtol=1e-12)
+  # Beyond the grid: scaled by causal pairs.
+  big = table.time(4096, 65536)
+  ref = grid[3, 3] * (4096 * (2 * 65536 - 4096 + 1)) / (4096 * (2 * 16384 - 4096 + 1))
+  assert big == pytest.approx(ref, rel=1e-12)
+  with pytest.raises(ValueError, match="q_len <= kv_len"):
+    table.time(100, 50)
+
+
+def test_cost_table_in_plan(tmp_path):
+  q_lens, kv_lens = [64, 512, 4096, 32768], [512, 4096, 32768, 262144]
+  grid = _power_table(q_lens, kv_lens)
+  table = sc.CostTable.from_arrays(q_lens, kv_lens, grid, meta={"device": "synthetic"})
+  doc_lens = _layout("pretrain", 64 * K, 8, False, 0)
+  plan = sc.schedule(doc_lens, 8, tokens_per_rank=64 * K, cost_model=table)
+  t = plan.tasks
+  want = np.bincount(t[:, 3], weights=table.time(t[:, 2] - t[:, 1], t[:, 2]), minlength=8)
+  np.testing.assert_allclose(plan.times_after, want)
+  assert plan.times_before.sum() > 0
+  diag = sc.diagnostics(plan)
+  assert diag["time_imbalance_after"] == pytest.approx(sc.imbalance(plan.times_after))
+  path = tmp_path / "t.json"
+  path.write_text(json.dumps({"q_lens": q_lens, "kv_lens": kv_lens, "fwd_bwd_s": [[
+      None if np.isnan(x) else x for x in row] for row in grid]}))
+  again = sc.schedule(doc_lens, 8, tokens_per_rank=64 * K, cost_model=str(path))
+  np.testing.assert_allclose(again.times_after, plan.times_after)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(q_lens=[64, 32], kv_lens=[64], time_s=[[1.0], [1.0]]), "increasing"),
+    (dict(q_lens=[64], kv_lens=[64, 128], time_s=[[1.0]]), "shape"),
+    (dict(q_lens=[64], kv_lens=[64], time_s=[[-1.0]]), "positive"),
+    (dict(q_lens=[64], kv_lens=[128], time_s=[[None]]), "positive"),
+])
+def test_cost_table_bad(bad, match):
+  with pytest.raises(ValueError, match=match):
+    sc.CostTable.from_arrays(**bad)
+
+
+def test_cost_table_missing_file(tmp_path):
+  with pytest.raises(FileNotFoundError, match="cost_table.py"):
+    sc.schedule([10], 2, tokens_per_rank=16, cost_model=str(tmp_path / "nope.json"))
+
+
+def test_capacity_memory_and_envelope():
+  cap = sc.Capacity(q_slot=1024, kv_slot=2048, q_tokens=8192, kv_tokens=16384, tasks=64)
+  mem = cap.memory_bytes(8, q_heads=32, kv_heads=8, head_dim=128, dtype_bytes=2)
+  bq, bkv = 32 * 128 * 2, 8 * 128 * 2
+  assert mem["q_exchange"] == 2 * 8 * 1024 * bq
+  assert mem["kv_exchange"] == 4 * 8 * 2048 * bkv
+  assert mem["attention_kv"] == 2 * 16384 * bkv
+  assert mem["total"] == sum(v for k, v in mem.items() if k != "total")
+  env = sc.Capacity.envelope([cap, dataclasses.replace(cap, q_slot=1500, tasks=70)])
+  assert env.q_slot == 1536 and env.tasks == 72 and env.kv_slot == 2048
+  with pytest.raises(ValueError, match="every cap"):
+    sc.Capacity(q_slot=4).memory_bytes(8)
+  with pytest.raises(ValueError, match="q_slot"):
+    sc.Capacity(q_slot=-3)
+
+
+def test_diagnostics_and_plot():
+  doc_lens = _layout("prolong", 32 * K, 8, False, 4)
+  plan = sc.schedule(doc_lens, 8, tokens_per_rank=32 * K)
+  diag = sc.diagnostics(plan)
+  assert diag["bytes_total"] == plan.bytes_q + plan.bytes_kv
+  np.testing.assert_array_equal(sc.pair_bytes(plan), plan.pair_bytes)
+  assert plan.pair_bytes.sum() == plan.bytes_total
+  assert plan.summary().startswith("servers=8")
+  try:
+    import matplotlib  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+      sc.plot_loads(plan)
+  else:
+    fig = sc.plot_loads(plan)
+    assert fig.axes

@@ -1,15 +1,15 @@
-"""Core attention over a fused batch of CA-tasks: a Pallas (Triton backend) kernel and its reference.
+"""Core attention over a fused batch of CA-tasks: a Pallas (Triton backend) kernel and reference.
 
 Contract (the same as FlashAttention's varlen call with separate ``cu_seqlens_q``/``cu_seqlens_k``):
 task ``i`` owns query rows ``[cu_q[i], cu_q[i+1])`` of the packed query buffer and key/value rows
 ``[cu_k[i], cu_k[i+1])`` of the packed key/value buffers. Inside a task the causal mask is aligned
 bottom-right: local query row ``r`` of a task with ``lq`` queries and ``lk`` keys sees local keys
-``j <= r + (lk - lq)`` (for ``lq == lk`` this is ordinary causal attention; the last query row always
-sees every key). Query heads are a multiple of key/value heads (GQA: query head ``h`` reads KV head
+``j <= r + (lk - lq)`` (for ``lq == lk`` this is ordinary causal attention; the last query row
+always sees every key). Query heads are a multiple of key/value heads (GQA: query head ``h`` reads KV head
 ``h // (H // K)``). Inputs are bf16, fp16 or f32; all accumulation is f32.
 
-Rows that see no key (padding rows outside every task, rows of empty tasks, and the first rows of a
-task with ``lq > lk``) get output 0 and log-sum-exp ``-inf``; their gradients are 0. Key rows outside
+Rows that see no key (padding rows outside every task, rows of empty tasks, and the first rows of
+a task with ``lq > lk``) get output 0 and log-sum-exp ``-inf``; their gradients are 0. Key rows outside
 every task get dK = dV = 0. Nothing is NaN.
 
 Preconditions that cannot be checked on traced values (checked when the tables are concrete):
@@ -27,6 +27,9 @@ Kernel layout (why it looks like this):
   form two pseudo-tasks without keys, so every output row is written exactly once (to zero).
 * Each query block loops only over its own task's key blocks up to its causal limit: first the
   blocks every row sees in full (no mask), then the few diagonal blocks (masked).
+* The grid is (heads, blocks) with heads fastest, so the query heads of one GQA group read the
+  same K/V tiles at about the same time (L2 reuse), and blocks are sorted by descending work
+  (longest-processing-time order) so that no long block starts last.
 * Backward is FlashAttention-2 style without atomics: a dK/dV kernel over key blocks (looping over
   the GQA group's query heads and the task's query rows that see the block) and a dQ kernel over
   query blocks. Both recompute P from the saved log-sum-exp.
@@ -74,11 +77,14 @@ class BlockSizes:
     num_warps_dkv: warps per dK/dV program.
     num_stages_dkv: pipelining depth of the dK/dV query loop.
   """
-  # Defaults: the fastest of the tilings swept on one H200 (bf16, D=128, 32/8 heads; see
-  # results/kernel_sweep*.md). 128-row query tiles at 4 warps spill; 64 x 64 everywhere won.
-  block_q: int = 64
-  block_k: int = 64
-  num_warps: int = 4
+  # Defaults: the fastest tilings of two sweeps on one H200 (bf16, D=128, 32/8 heads; see
+  # results/kernel_sweep1.md, kernel_sweep2.md): forward 128 x 128 at 8 warps, 3 stages (342
+  # TFLOP/s dense 16K; 128 x 64 at 4 warps spills: 213); backward 64 x 64 at 4 warps, 2 stages
+  # (3 stages: 35% slower). With 64-token shards half of each 128-row query tile is idle:
+  # block_q=64, block_k=64, num_warps=4 forwards those at ~320 TFLOP/s instead.
+  block_q: int = 128
+  block_k: int = 128
+  num_warps: int = 8
   num_stages: int = 3
   block_q_dq: int = 64
   block_k_dq: int = 64
@@ -98,6 +104,24 @@ class BlockSizes:
         raise ValueError(
             f"BlockSizes.{field.name}={value} must be a power of two >= 16 (Triton tile shapes "
             "are powers of two and its matrix units need at least 16 rows)")
+
+  @classmethod
+  def default_for(cls, dtype, head_dim: int) -> BlockSizes:
+    """Default tiles for a dtype and head dim.
+
+    bf16/fp16 with D <= 128 get the measured-fastest ``BlockSizes()``. f32 (no tensor-core path
+    for IEEE f32 products) and D > 128 get the 64 x 64 forward tile that was validated on an
+    H200 for f32 D = 64, 80 and 128, and rows of 1 KiB (f32, D > 128) also 32-row backward tiles;
+    bf16 D > 128 and f32 D > 128 were not run on a GPU.
+    """
+    itemsize = jnp.dtype(dtype).itemsize
+    row_bytes = itemsize * pl.next_power_of_2(head_dim)
+    if itemsize <= 2 and row_bytes <= 256:
+      return cls()
+    if row_bytes <= 512:
+      return cls(block_q=64, block_k=64, num_warps=4, num_stages=3)
+    return cls(block_q=32, block_k=32, num_warps=4, num_stages=2, block_q_dq=32, block_k_dq=32,
+               block_k_dkv=32, block_q_dkv=32)
 
   @classmethod
   def for_interpret(cls) -> BlockSizes:
@@ -128,16 +152,20 @@ def validate_inputs(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
         f"query heads must be a positive multiple of kv heads (GQA); got {num_q_heads=}, "
         f"{num_kv_heads=}")
   if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
-    raise ValueError(f"{head_dim=} is outside the supported range [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
+    raise ValueError(
+        f"{head_dim=} is outside the supported range [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
   if not (q.dtype == k.dtype == v.dtype):
     raise ValueError(f"q, k, v must share a dtype; got {q.dtype=}, {k.dtype=}, {v.dtype=}")
   if q.dtype not in SUPPORTED_DTYPES:
-    raise ValueError(f"{q.dtype=} is not supported; use one of {[str(d) for d in SUPPORTED_DTYPES]}")
+    raise ValueError(
+        f"{q.dtype=} is not supported; use one of {[str(d) for d in SUPPORTED_DTYPES]}")
   for name, cu in (("cu_seqlens_q", cu_seqlens_q_N1), ("cu_seqlens_k", cu_seqlens_k_N1)):
     if cu.ndim != 1 or cu.shape[0] < 2:
-      raise ValueError(f"{name} must be 1-D [tasks + 1] with tasks >= 1; got {name}.shape={cu.shape}")
+      raise ValueError(
+          f"{name} must be 1-D [tasks + 1] with tasks >= 1; got {name}.shape={cu.shape}")
     if cu.dtype != jnp.int32:
-      raise ValueError(f"{name} must be int32; got {name}.dtype={cu.dtype} (cast with .astype(int32))")
+      raise ValueError(
+          f"{name} must be int32; got {name}.dtype={cu.dtype} (cast with .astype(int32))")
   if cu_seqlens_q_N1.shape != cu_seqlens_k_N1.shape:
     raise ValueError(
         f"cu_seqlens_q and cu_seqlens_k must have one entry per task boundary each; got "
@@ -523,7 +551,8 @@ def varlen_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
     cu_seqlens_q_N1: int32 [N + 1]; task i owns query rows [cu_q[i], cu_q[i+1]).
     cu_seqlens_k_N1: int32 [N + 1]; task i owns key rows [cu_k[i], cu_k[i+1]).
     softmax_scale: logit scale; default 1 / sqrt(D).
-    block_sizes: kernel tiles; default ``BlockSizes()`` (``for_interpret()`` when interpreting).
+    block_sizes: kernel tiles; default ``BlockSizes.default_for(dtype, D)`` (``for_interpret()``
+      when interpreting).
     interpret: run the kernels in the Pallas interpreter (CPU).
 
   Returns:
@@ -532,7 +561,8 @@ def varlen_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
   """
   validate_inputs(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1)
   if block_sizes is None:
-    block_sizes = BlockSizes.for_interpret() if interpret else BlockSizes()
+    block_sizes = (BlockSizes.for_interpret() if interpret else
+                   BlockSizes.default_for(q_TxHxD.dtype, q_TxHxD.shape[2]))
   if not isinstance(block_sizes, BlockSizes):
     raise ValueError(f"block_sizes must be a BlockSizes; got {type(block_sizes).__name__}")
   head_dim = q_TxHxD.shape[2]

@@ -25,10 +25,45 @@ def base_config() -> ml_collections.ConfigDict:
 
   # --- attention: core attention, the pluggable middle of every layer.
   c.attention = ml_collections.ConfigDict()
-  c.attention.backend = "local"   # 'local' (blockwise jnp, each row its own documents) or
-                                  # 'reference' (dense O(T^2) jnp; tests only)
+  c.attention.backend = "local"   # 'local' (blockwise jnp, each row its own documents),
+                                  # 'reference' (dense O(T^2) jnp; tests only) or 'distca' (CAD)
   c.attention.block_q = 512       # `local`: query block (clamped to a divisor of tokens_per_rank)
   c.attention.block_k = 512       # `local`: key block
+  c.attention.nano_batches = 1    # 2 = ping-pong: each rank's rows form two nano-batches whose
+                                  # core attention (and its all-to-alls) is independent of the
+                                  # other's linear layers; needs rows_per_rank % nano_batches == 0
+  # `distca`: core attention disaggregation (distca_jax/dispatch.py). Every data rank is an
+  # attention server; each batch is planned on the host (scheduler.schedule) and executed in the
+  # step by one all-to-all out, one fused kernel call per server and one all-to-all back. Buffer
+  # caps are rows per device (rows_per_rank x tokens_per_rank tokens); 0 = auto, see
+  # dispatch.default_capacity (q_slot T/2, kv_slot T, q_tokens 1.5 T, kv_tokens 4 T, tasks 64 per
+  # row). The planner never exceeds a cap (tighter caps cost balance, looser ones memory); tune
+  # them with dispatch.suggest_capacity on sampled batches.
+  c.attention.distca = ml_collections.ConfigDict()
+  c.attention.distca.tolerance = 0.1      # epsilon: every server within (1 + eps) x mean pairs
+  c.attention.distca.min_shard = 0        # shortest query piece a split may create; 0 = auto
+                                          # (512, or tokens_per_rank / 16 for short rows)
+  c.attention.distca.q_slot = 0           # query rows one rank sends one server
+  c.attention.distca.kv_slot = 0          # key/value rows one rank sends one server
+  c.attention.distca.q_tokens = 0         # query rows in a server's attention input
+  c.attention.distca.kv_tokens = 0        # key/value rows in a server's attention input
+  c.attention.distca.tasks = 0            # CA-tasks (varlen segments) per server
+  c.attention.distca.kernel = "reference" # ops.core_attention backend: 'reference' (jnp),
+                                          # 'pallas' (interpret mode on CPU), 'flash3' (Hopper)
+  c.attention.distca.memory_mode = "keep" # 'keep': servers keep received Q/K/V for the
+                                          # backward; 'resend': they are re-sent (recomputed)
+  # Baselines (distca_jax/baselines): 'packed_dp' (each rank its own documents, one fused varlen
+  # call), 'cp' (per-sequence context parallelism: groups of cp_size consecutive data ranks, head-
+  # tail chunks, K/V all-gathered) and 'wlb' (WLB-LLM packing over DP groups + per-document CP).
+  # 'cp' and 'wlb' need their batch rearranged on the host (Backend.host_arrange), which the
+  # trainer's data path does not call yet.
+  c.attention.baselines = ml_collections.ConfigDict()
+  c.attention.baselines.kernel = "reference"   # ops.core_attention backend of the fused calls
+  c.attention.baselines.cp_size = 1            # cp / wlb: ranks per CP group (divides mesh.data)
+  c.attention.baselines.wlb_alpha = 1.0        # wlb: per-rank token cap Lmax = alpha x
+                                               # tokens_per_rank (>= 1; > 1 trades memory balance
+                                               # for attention balance)
+  c.attention.baselines.max_docs_per_row = 1024  # task-table slots per row (documents or pieces)
 
   # --- mesh: named axes; data x tensor x pipe must equal the device count.
   c.mesh = ml_collections.ConfigDict()
@@ -89,4 +124,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.optim.warmup_steps < 0 or c.optim.warmup_steps > c.num_steps:
     raise ValueError(f"optim.warmup_steps={c.optim.warmup_steps} must be in [0, num_steps="
                      f"{c.num_steps}]")
+  if c.attention.nano_batches not in (1, 2):
+    raise ValueError(f"attention.nano_batches={c.attention.nano_batches}; use 1 (single stream) "
+                     "or 2 (ping-pong)")
+  if c.rows_per_rank % c.attention.nano_batches:
+    raise ValueError(f"rows_per_rank={c.rows_per_rank} must be a multiple of attention."
+                     f"nano_batches={c.attention.nano_batches} (each nano-batch is whole rows)")
   model_config(c)

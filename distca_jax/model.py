@@ -182,36 +182,92 @@ class PostCA(nn.Module):
     return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
 
+def split_rows(tree, n: int):
+  """Splits every array of `tree` (leading dim = rows) into n nano-batches, per data rank.
+
+  Rows are sharded over the mesh's `data` axis, rank r holding a contiguous block of R rows;
+  nano-batch i takes rows [i R/n, (i+1) R/n) of every rank's block, so no row moves between
+  devices.
+  """
+  d = _data_axis_size()
+
+  def one(i):
+    def take(a):
+      rows = a.shape[0]
+      if rows % (d * n):
+        raise ValueError(f"{rows} rows cannot form {n} nano-batches on {d} data ranks: set "
+                         f"rows_per_rank to a multiple of attention.nano_batches={n}")
+      r = rows // d
+      blk = a.reshape(d, r, *a.shape[1:])[:, i * (r // n):(i + 1) * (r // n)]
+      return blk.reshape(d * (r // n), *a.shape[1:])
+    return jax.tree.map(take, tree)
+
+  return [one(i) for i in range(n)]
+
+
+def merge_rows(parts):
+  """Inverse of `split_rows` for a list of arrays."""
+  d = _data_axis_size()
+  blocks = [p.reshape(d, p.shape[0] // d, *p.shape[1:]) for p in parts]
+  out = jnp.concatenate(blocks, axis=1)
+  return out.reshape(-1, *out.shape[2:])
+
+
+def _data_axis_size() -> int:
+  mesh = jax.sharding.get_abstract_mesh()
+  return dict(mesh.shape).get("data", 1) if mesh is not None and mesh.shape else 1
+
+
 class DecoderLayer(nn.Module):
+  """pre-CA -> core attention -> post-CA.
+
+  With `nano_batches` = 2 (ping-pong, DistCA Sec. 4.1) each rank's rows form two nano-batches,
+  issued as pre(A), CA(A), pre(B), CA(B), post(A), post(B): CA(A)'s all-to-alls are independent of
+  pre(B), and CA(B)'s of post(A), so XLA's scheduler may overlap communication with linear work.
+  The math is unchanged (tests assert equality with `nano_batches` = 1).
+  """
   cfg: ModelConfig
   core_attention: attn_lib.CoreAttentionFn
+  nano_batches: int = 1
 
   @nn.compact
   def __call__(self, x_BxTxE, layout: Layout):
-    q, k, v = PreCA(self.cfg, name="pre_ca")(x_BxTxE, layout.positions_BxT)
-    q, k, v = (checkpoint_name(a, "qkv") for a in (q, k, v))
-    o = self.core_attention(q, k, v, layout, softmax_scale=1.0 / math.sqrt(self.cfg.head_dim))
-    o = checkpoint_name(o, "ca_out")
-    return PostCA(self.cfg, name="post_ca")(x_BxTxE, o)
+    pre = PreCA(self.cfg, name="pre_ca")
+    post = PostCA(self.cfg, name="post_ca")
+    scale = 1.0 / math.sqrt(self.cfg.head_dim)
+
+    def attend(x, lay):
+      q, k, v = pre(x, lay.positions_BxT)
+      q, k, v = (checkpoint_name(a, "qkv") for a in (q, k, v))
+      return checkpoint_name(self.core_attention(q, k, v, lay, softmax_scale=scale), "ca_out")
+
+    if self.nano_batches == 1:
+      return post(x_BxTxE, attend(x_BxTxE, layout))
+    xs = split_rows(x_BxTxE, self.nano_batches)
+    lays = split_rows(layout, self.nano_batches)
+    outs = [attend(x, lay) for x, lay in zip(xs, lays)]
+    return merge_rows([post(x, o) for x, o in zip(xs, outs)])
 
 
 class _ScanBody(nn.Module):
   """Adapter: (carry, broadcast layout) -> (carry, None) for nn.scan."""
   cfg: ModelConfig
   core_attention: attn_lib.CoreAttentionFn
+  nano_batches: int = 1
 
   @nn.compact
   def __call__(self, x, layout):
     layer_cls = DecoderLayer
     if self.cfg.remat != "none":
       layer_cls = nn.remat(DecoderLayer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-    return layer_cls(self.cfg, self.core_attention, name="layer")(x, layout), None
+    return layer_cls(self.cfg, self.core_attention, self.nano_batches, name="layer")(x, layout), None
 
 
 class Transformer(nn.Module):
   """Decoder stack: tokens [B,T] + layout -> final hidden states [B,T,E] (before the LM head)."""
   cfg: ModelConfig
   core_attention: attn_lib.CoreAttentionFn
+  nano_batches: int = 1  # 2: ping-pong of two nano-batches per rank (see DecoderLayer)
 
   def setup(self):
     cfg = self.cfg
@@ -226,9 +282,10 @@ class Transformer(nn.Module):
       self.layers = nn.scan(
           _ScanBody, variable_axes={"params": 0}, split_rngs={"params": True},
           in_axes=(nn.broadcast,), length=cfg.n_layers,
-          metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.core_attention)
+          metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.core_attention,
+                                                         self.nano_batches)
     else:
-      self.layer_list = [_ScanBody(cfg, self.core_attention, name=f"layer_{i}")
+      self.layer_list = [_ScanBody(cfg, self.core_attention, self.nano_batches, name=f"layer_{i}")
                          for i in range(cfg.n_layers)]
 
   def __call__(self, tokens_BxT, layout: Layout):

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from custom_ops import BlockSizes
-from custom_ops import varlen_attention as va
 from distca_jax import ops
 
 BLOCKS = BlockSizes.for_interpret()  # 16-row tiles: tasks of up to 40 rows span several blocks
@@ -134,7 +133,7 @@ def _backend_kwargs(backend: str) -> dict:
   if backend == "pallas":
     return dict(backend="pallas", interpret=not ON_GPU, block_sizes=BLOCKS)
   if backend == "pallas-default":
-    return dict(backend="pallas", interpret=False, block_sizes=BlockSizes())
+    return dict(backend="pallas", interpret=False)  # BlockSizes.default_for(dtype, D)
   return dict(backend=backend)
 
 

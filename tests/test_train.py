@@ -168,3 +168,27 @@ def test_8b_128k_compiles_ahead_of_time_on_8_devices():
   # f32 params + Adam moments of 8B over tensor=4: about 24 GB of arguments per device.
   assert 20 * 2**30 < info["argument_size_in_bytes"] < 30 * 2**30
   assert info["total_per_device_bytes"] > info["argument_size_in_bytes"]
+
+
+@pytest.mark.parametrize("data,tensor", [(4, 2)])
+def test_ping_pong_equals_single_stream(data, tensor):
+  seed = int(np.random.default_rng().integers(1 << 30))
+  over = {"mesh.data": data, "mesh.tensor": tensor, "seed": seed, "rows_per_rank": 2}
+  single = _with_heads(tiny_config(**over))
+  pingpong = _with_heads(tiny_config(**over, **{"attention.nano_batches": 2}))
+  src = make_source(single.data, rows=data * 2, tokens_per_row=single.tokens_per_rank,
+                    vocab_size=single.model.vocab_size, seed=seed)
+  batch = src.batch(int(np.random.default_rng(seed).integers(1000)))
+  devices = jax.devices()[:data * tensor]
+  loss_1, g_1 = loss_and_grads(single, devices, batch)
+  loss_2, g_2 = loss_and_grads(pingpong, devices, batch)
+  np.testing.assert_allclose(loss_2, loss_1, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g_1), jax.tree.leaves(g_2)):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_nano_batches_must_divide_rows():
+  from distca_jax import config as config_lib
+  c = tiny_config(**{"attention.nano_batches": 2, "rows_per_rank": 3})
+  with pytest.raises(ValueError, match="multiple of attention.nano_batches"):
+    config_lib.validate(c)

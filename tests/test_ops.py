@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
+import sys
 import zlib
 
 import jax
@@ -398,3 +400,56 @@ def test_reference_agrees_with_dense_causal_attention():
   with jax.default_matmul_precision("highest"):  # no tf32 on GPUs
     o_dense = jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
   assert rel_err(o, o_dense) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# experiments/kernel_bench.py: scheduler workloads are the scheduler's per-server task tables
+# ------------------------------------------------------------------------------------------------
+
+
+def _kernel_bench():
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                      "kernel_bench.py")
+  spec = importlib.util.spec_from_file_location("kernel_bench", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules.setdefault("kernel_bench", module)  # its dataclasses look their module up there
+  spec.loader.exec_module(sys.modules["kernel_bench"])
+  return sys.modules["kernel_bench"]
+
+
+@pytest.mark.parametrize("family", ["pretrain", "prolong"])
+def test_kernel_bench_sched_workload_is_the_servers_task_table(family):
+  from distca_jax import scheduler  # pylint: disable=import-outside-toplevel
+  from distca_jax.data.workloads import WorkloadSampler  # pylint: disable=import-outside-toplevel
+  kb = _kernel_bench()
+  servers, tokens, step, seed, min_shard = 4, 512, 2, 7, 32
+  plan = scheduler.schedule(
+      WorkloadSampler(family, tokens_per_row=tokens, seed=seed).step_doclens(step, servers),
+      servers, tokens_per_rank=tokens, tolerance=0.05, min_shard=min_shard, q_heads=4,
+      kv_heads=2, head_dim=32)
+  per_task = lambda t: sorted(zip((t[:, 2] - t[:, 1]).tolist(), t[:, 2].tolist()))
+  tables = {}
+  for server, buffers in (("max", "used"), ("max", "envelope"), ("1", "used"), ("all", "used")):
+    cfg = kb.SchedConfig(tokens_per_rank=tokens, servers=servers, step=step, tolerance=0.05,
+                         server=server, buffers=buffers, seed=seed, q_heads=4, kv_heads=2,
+                         head_dim=32)
+    [wl] = kb.make_workloads([f"sched-{family}-m{min_shard}"], 256, 256, 0, cfg)
+    lq, lk = np.diff(wl.cu_q), np.diff(wl.cu_k)
+    assert (lq >= 0).all() and (lk >= 0).all() and (lk >= lq).all()
+    got = sorted((int(a), int(b)) for a, b in zip(lq, lk) if a > 0)
+    if server == "all":
+      want, load = per_task(plan.tasks), plan.loads_after.sum()
+      assert wl.q_rows == wl.cu_q[-1] and wl.kv_rows == wl.cu_k[-1]
+    else:
+      s = int(np.argmax(plan.loads_after)) if server == "max" else int(server)
+      assert wl.info["server"] == s
+      want, load = per_task(plan.tasks[plan.tasks[:, 3] == s]), plan.loads_after[s]
+      # Empty trailing slots only, and the buffers hold every task row (padding past them).
+      assert all(a > 0 for a in lq[:wl.num_tasks]) and not lq[wl.num_tasks:].any()
+      pad = (wl.q_rows - wl.cu_q[-1], wl.kv_rows - wl.cu_k[-1])
+      assert pad == (0, 0) if buffers == "used" else min(pad) >= 0
+      tables[server, buffers] = (wl.cu_q, wl.cu_k)
+    assert got == want
+    assert ops.attention_pairs(wl.cu_q, wl.cu_k) == load
+  # Padding changes the buffers, not the table.
+  assert tables["max", "used"] == tables["max", "envelope"]

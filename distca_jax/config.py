@@ -36,9 +36,9 @@ def base_config() -> ml_collections.ConfigDict:
   # attention server; each batch is planned on the host (scheduler.schedule) and executed in the
   # step by one all-to-all out, one fused kernel call per server and one all-to-all back. Buffer
   # caps are rows per device (rows_per_rank x tokens_per_rank tokens); 0 = auto, see
-  # dispatch.default_capacity (q_slot T/2, kv_slot T, q_tokens 1.5 T, kv_tokens 4 T, tasks 64 per
-  # row). The planner never exceeds a cap (tighter caps cost balance, looser ones memory); tune
-  # them with dispatch.suggest_capacity on sampled batches.
+  # dispatch.default_capacity (q_slot T/2, kv_slot T, q_tokens 1.5 T, kv_tokens 3 T, tasks 64 per
+  # row). The planner never exceeds a cap (tighter caps cost balance, looser ones memory); derive
+  # them for a config from its data with dispatch.suggest_config_capacity(config).
   c.attention.distca = ml_collections.ConfigDict()
   c.attention.distca.tolerance = 0.1      # epsilon: every server within (1 + eps) x mean pairs
   c.attention.distca.min_shard = 0        # shortest query piece a split may create; 0 = auto

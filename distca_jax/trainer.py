@@ -56,8 +56,18 @@ def make_backend(c: ml_collections.ConfigDict) -> attn_lib.Backend:
     # The plan's byte model uses the model's shapes; rows_per_rank fixes the plan's layout.
     m = config_lib.model_config(c)
     options = dict(c.attention.distca.to_dict(), rows_per_rank=c.rows_per_rank,
-                   q_heads=m.n_heads, kv_heads=m.n_kv_heads, head_dim=m.head_dim,
+                   nano_batches=c.attention.nano_batches, q_heads=m.n_heads,
+                   kv_heads=m.n_kv_heads, head_dim=m.head_dim,
                    dtype_bytes=jnp.dtype(m.dtype).itemsize)
+  elif c.attention.backend in ("packed_dp", "cp", "wlb"):
+    b = c.attention.baselines
+    options = dict(kernel=b.kernel, max_docs_per_row=b.max_docs_per_row)
+    if c.attention.backend != "packed_dp":
+      options.update(cp_size=b.cp_size, rows_per_rank=c.rows_per_rank)
+    if c.attention.backend == "wlb":
+      from distca_jax.baselines import ModelDims  # imported lazily like the backend itself
+      options.update(alpha=b.wlb_alpha,
+                     balance_len=ModelDims.from_model(config_lib.model_config(c)).balance_len)
   return attn_lib.get_backend(c.attention.backend, **options)
 
 
@@ -146,7 +156,11 @@ def layout_of(batch) -> attn_lib.Layout:
 
 
 def add_host_plan(np_batch: dict, backend: attn_lib.Backend, doclens, tokens_per_row: int) -> dict:
-  """Runs the backend's host planner (if any) and adds its arrays to the batch."""
+  """Runs the backend's host work (if any): rearranging the batch's tokens (`host_arrange`, the
+  `cp` and `wlb` baselines) or adding plan arrays (`host_prepare`)."""
+  arrange = getattr(backend, "host_arrange", None)
+  if arrange is not None:
+    return arrange(np_batch, doclens)
   if backend.host_prepare is None:
     return np_batch
   extra = backend.host_prepare(doclens, tokens_per_row)

@@ -1,0 +1,183 @@
+"""Baselines in the same system as CAD: `packed_dp`, `wlb` and `cp` core-attention backends.
+
+Importing this package registers the three backends with `distca_jax.attention` (which imports it
+lazily on first use of any of the names):
+
+* ``packed_dp``: no balancing; each rank computes its own rows' documents in one fused varlen call
+  (``host_prepare`` adds the per-row document lengths). Runs in the trainer as it is.
+* ``cp``: per-sequence context parallelism (Megatron / MaxText): groups of ``cp_size`` consecutive
+  ``data`` ranks; a group's packed sequence cut into ``2 cp`` head-tail chunks, rank ``i`` holding
+  chunks ``i`` and ``2cp - 1 - i``; K/V all-gathered in the group; document masks respected.
+* ``wlb``: WLB-LLM variable-length packing (documents dealt to DP groups to equalize
+  ``W = sum (l/B)^2 + l/B`` under the per-rank cap ``Lmax = alpha T``) with per-document context
+  parallelism inside each group (every document in ``2 cp`` chunks, rank ``i`` holding ``i`` and
+  ``2cp - 1 - i``), K/V all-gathered in the group.
+
+``cp`` and ``wlb`` change which tokens live on which rank, so their batch must be rearranged on the
+host before the step: ``Backend.host_arrange(np_batch, doclens) -> np_batch`` does it (it also adds
+the task tables under ``extra/``). The trainer's data path does not call ``host_arrange`` yet; a
+step given an unarranged batch fails with an error saying so (never a silent wrong answer).
+
+Modules: ``packing`` (host planning: WLB packing, CP placements, task tables), ``device``
+(the shard_map functions), ``metrics`` (per-rank work / tokens / bytes of every strategy, CAD
+included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import numpy as np
+
+from distca_jax import attention as attn_lib
+from distca_jax import ops
+from distca_jax.baselines import device, metrics, packing
+from distca_jax.baselines.metrics import (ModelDims, RankMetrics, Hardware, cp_metrics,
+                                          distca_metrics, estimate_layer_seconds, imbalance,
+                                          packed_dp_metrics, placement_metrics, rank_metrics,
+                                          wlb_metrics, wlb_row_tokens)
+from distca_jax.baselines.packing import (Placement, WlbPacking, cp_placement, natural_placement,
+                                          task_tables, wlb_pack, wlb_placement)
+
+# Must equal `trainer.EXTRA_PREFIX` (tested): batch keys that become `layout.extra`.
+EXTRA_PREFIX = "extra/"
+DEFAULT_MAX_DOCS_PER_ROW = 1024
+
+__all__ = [
+    "BaselineBackend", "Hardware", "ModelDims", "Placement", "RankMetrics", "WlbPacking",
+    "arrange_batch", "cp_metrics", "cp_placement", "distca_metrics", "estimate_layer_seconds",
+    "imbalance", "natural_placement", "packed_dp_metrics", "placement_metrics", "rank_metrics",
+    "task_tables", "wlb_metrics", "wlb_pack", "wlb_placement", "wlb_row_tokens",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class BaselineBackend(attn_lib.Backend):
+  """A `Backend` whose batches must be rearranged on the host (``cp``, ``wlb``).
+
+  Attributes:
+    host_arrange: ``host_arrange(np_batch, doclens) -> np_batch'``: the trainer's batch (arrays
+      [B, T], ``doclens`` its per-row document lengths) moved into the strategy's token
+      arrangement [B, T'], with the device function's tables under ``extra/``. The per-token loss
+      terms are only permuted, so the loss is unchanged.
+  """
+  host_arrange: Callable[..., dict] | None = None
+
+
+def _check_kernel(kernel: str) -> str:
+  if kernel not in ops.BACKENDS:
+    raise ValueError(f"attention kernel {kernel=} is not one of {ops.BACKENDS}; set "
+                     "config.attention.kernel")
+  return kernel
+
+
+def _check_cp(cp_size, name: str) -> int:
+  if cp_size is None:
+    raise ValueError(f"backend {name!r} needs cp_size (ranks per context-parallel group, a divisor "
+                     "of mesh.data); set config.attention.cp_size")
+  return packing.check_pos_int("cp_size", cp_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# packed_dp
+# ----------------------------------------------------------------------------------------------
+def make_packed_dp(kernel: str = "reference",
+                   max_docs_per_row: int = DEFAULT_MAX_DOCS_PER_ROW) -> attn_lib.Backend:
+  """``packed_dp`` backend: options ``kernel`` (ops backend), ``max_docs_per_row`` (table cap)."""
+  kernel = _check_kernel(kernel)
+  nd = packing.check_pos_int("max_docs_per_row", max_docs_per_row)
+
+  def host_prepare(doclens, tokens_per_row):
+    return {"doc_lens": packing.packed_doc_lens(doclens, tokens_per_row, nd)}
+
+  return attn_lib.Backend(functools.partial(device.packed_dp_attention, kernel=kernel),
+                          host_prepare)
+
+
+# ----------------------------------------------------------------------------------------------
+# cp and wlb
+# ----------------------------------------------------------------------------------------------
+def _tables_with_prefix(pl: Placement, max_tasks: int) -> dict[str, np.ndarray]:
+  return {EXTRA_PREFIX + k: v for k, v in task_tables(pl, max_tasks=max_tasks).items()}
+
+
+def arrange_batch(strategy: str, np_batch: dict[str, np.ndarray],
+                  doclens: Sequence[Sequence[int]], *, cp_size: int, rows_per_rank: int = 1,
+                  alpha: float = 1.0, balance_len: float | None = None,
+                  max_docs_per_row: int = DEFAULT_MAX_DOCS_PER_ROW
+                  ) -> tuple[dict[str, np.ndarray], Placement]:
+  """Rearranges a trainer batch for ``cp`` or ``wlb`` and adds the task tables.
+
+  Args:
+    strategy: 'cp' or 'wlb'.
+    np_batch: arrays [B, T] (rows rank-major: row b on rank b // rows_per_rank).
+    doclens: per-row document lengths of ``np_batch``.
+    cp_size, rows_per_rank: the DP x CP split and rows per rank.
+    alpha: ``wlb``: per-rank token cap Lmax = floor(alpha T) (the arranged rows' length).
+    balance_len: ``wlb``: B of W = (l/B)^2 + l/B (``ModelDims.balance_len``).
+    max_docs_per_row: task slots per row.
+
+  Returns:
+    (arranged batch [B, T'] with ``extra/kv_index``, ``extra/cu_seqlens_q``,
+    ``extra/cu_seqlens_k``; the placement).
+  """
+  rows, t = np.asarray(np_batch["segment_ids"]).shape
+  if len(doclens) != rows:
+    raise ValueError(f"{len(doclens)=} must equal the batch's {rows} rows")
+  nat = natural_placement(doclens, t, rows_per_rank=rows_per_rank)
+  c = _check_cp(cp_size, strategy)
+  if strategy == "cp":
+    lanes = metrics.lanes_from_rows(doclens, c, rows_per_rank)
+    pl = cp_placement(lanes, c, t, rows_per_rank=rows_per_rank)
+    # cp numbers documents lane by lane, in the order lanes_from_rows concatenated the rows.
+    first = np.cumsum([len(d) for d in doclens]) - np.array([len(d) for d in doclens])
+    src = []
+    for lane in range(rows // c):
+      g, j = divmod(lane, rows_per_rank)
+      for i in range(c):
+        b = (g * c + i) * rows_per_rank + j
+        src.extend(range(int(first[b]), int(first[b]) + len(doclens[b])))
+    src_doc = np.asarray(src, np.int64)
+    src_off = np.zeros(src_doc.size, np.int64)
+  elif strategy == "wlb":
+    if balance_len is None:
+      raise ValueError("wlb needs balance_len (ModelDims.from_model(cfg).balance_len)")
+    pk = wlb_pack(nat.doc_lens_J.tolist(), rows // c, c, wlb_row_tokens(alpha, t), balance_len)
+    pl = wlb_placement(pk, rows_per_rank=rows_per_rank)
+    src_doc, src_off = pk.src_J, pk.offset_J
+  else:
+    raise ValueError(f"arrange_batch: {strategy=} must be 'cp' or 'wlb'")
+  out = packing.arrange_arrays(np_batch, nat, pl, src_doc, src_off)
+  out.update(_tables_with_prefix(pl, max_docs_per_row))
+  return out, pl
+
+
+def _make_group_backend(name: str, cp_size=None, kernel: str = "reference",
+                        max_docs_per_row: int = DEFAULT_MAX_DOCS_PER_ROW, rows_per_rank: int = 1,
+                        alpha: float = 1.0, balance_len: float | None = None) -> BaselineBackend:
+  c = _check_cp(cp_size, name)
+  kernel = _check_kernel(kernel)
+  if name == "wlb":
+    wlb_row_tokens(alpha, 2)  # validates alpha
+    if balance_len is None or not balance_len > 0:
+      raise ValueError(f"wlb needs balance_len > 0 (got {balance_len!r}): the document length "
+                       "where attention FLOPs equal token-linear FLOPs, "
+                       "ModelDims.from_model(model_cfg).balance_len")
+
+  def host_arrange(np_batch, doclens):
+    return arrange_batch(name, np_batch, doclens, cp_size=c, rows_per_rank=rows_per_rank,
+                         alpha=alpha, balance_len=balance_len,
+                         max_docs_per_row=max_docs_per_row)[0]
+
+  fn = functools.partial(device.group_attention, cp_size=c, kernel=kernel, name=name)
+  return BaselineBackend(fn, None, host_arrange)
+
+
+make_cp = functools.partial(_make_group_backend, "cp")
+make_wlb = functools.partial(_make_group_backend, "wlb")
+
+attn_lib.register_backend("packed_dp", make_packed_dp)
+attn_lib.register_backend("cp", make_cp)
+attn_lib.register_backend("wlb", make_wlb)

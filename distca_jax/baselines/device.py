@@ -1,0 +1,130 @@
+"""Device functions of the baselines: each a `CoreAttentionFn` run inside `shard_map` over `data`.
+
+Both run where the trainer calls core attention (inside jit, under the mesh set by
+`trainer.mesh_context`): q [B, T, H, D] and k, v [B, T, K, D] with rows sharded over `data` (heads
+over `tensor` when the mesh has that axis), host-planned tables in `layout.extra` (rows over
+`data` too). Each rank runs ONE fused varlen `ops.core_attention` call per row it holds.
+
+* `packed_dp_attention`: every rank computes its own rows' documents; no communication.
+* `group_attention` (`cp` and `wlb`): ranks form CP groups of `cp_size` consecutive `data` ranks;
+  K and V are all-gathered inside the group (`lax.all_gather` with `axis_index_groups`; its
+  transpose, a grouped reduce-scatter, sums dK/dV in the backward), every task's key prefix is
+  gathered from them into a per-row key buffer (`kv_index`), and the row's tasks run in one call.
+  The rows must already hold the CP arrangement (`packing.cp_placement` / `wlb_placement`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from distca_jax import attention as attn_lib
+from distca_jax import ops
+
+DATA_AXIS = "data"
+TENSOR_AXIS = "tensor"
+
+
+def _mesh_and_specs(name: str):
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or DATA_AXIS not in mesh.axis_names:
+    raise ValueError(
+        f"core-attention backend {name!r} runs inside shard_map over the {DATA_AXIS!r} mesh axis, "
+        f"but no mesh with that axis is set (got axes {mesh.axis_names}); call it under "
+        "`with jax.set_mesh(mesh)` (the trainer's `mesh_context` does this)")
+  heads = TENSOR_AXIS if TENSOR_AXIS in mesh.axis_names else None
+  return mesh, P(DATA_AXIS, None, heads, None)
+
+
+def _extra(layout: attn_lib.Layout, name: str, keys: tuple[str, ...], how: str):
+  missing = [k for k in keys if k not in layout.extra]
+  if missing:
+    raise ValueError(
+        f"core-attention backend {name!r} needs layout.extra{missing} (host-planned tables), "
+        f"got keys {sorted(layout.extra)}; {how}")
+  return [layout.extra[k] for k in keys]
+
+
+def packed_dp_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *,
+                        softmax_scale: float, kernel: str = "reference"):
+  """Data parallel, no balancing: each rank's rows in one fused varlen call.
+
+  Needs ``layout.extra['doc_lens']`` [B, Nd] int32 (``packing.packed_doc_lens``, the backend's
+  ``host_prepare``): the lengths of each row's documents, zero-padded.
+  """
+  # pylint: disable-next=protected-access
+  attn_lib._check_shapes(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout)
+  (doc_lens_BxN,) = _extra(layout, "packed_dp", ("doc_lens",),
+                           "the trainer adds them through Backend.host_prepare")
+  _, spec = _mesh_and_specs("packed_dp")
+
+  def per_rank(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, doc_lens_RxN):
+    r, t, h, d = q_RxTxHxD.shape
+    kh = k_RxTxKxD.shape[2]
+    lens = doc_lens_RxN.astype(jnp.int32)
+    pad_R1 = t - lens.sum(1, keepdims=True)
+    zero_R1 = jnp.zeros_like(pad_R1)
+    # Each row's padding is two pseudo-tasks (its queries without keys, its keys without
+    # queries) so the next row's tasks start at the right offsets and padding outputs are 0.
+    lens_q = jnp.concatenate([lens, pad_R1, zero_R1], axis=1).reshape(-1)
+    lens_k = jnp.concatenate([lens, zero_R1, pad_R1], axis=1).reshape(-1)
+    zero = jnp.zeros((1,), jnp.int32)
+    cu_q = jnp.concatenate([zero, jnp.cumsum(lens_q)]).astype(jnp.int32)
+    cu_k = jnp.concatenate([zero, jnp.cumsum(lens_k)]).astype(jnp.int32)
+    o = ops.core_attention(q_RxTxHxD.reshape(r * t, h, d), k_RxTxKxD.reshape(r * t, kh, d),
+                           v_RxTxKxD.reshape(r * t, kh, d), cu_q, cu_k, backend=kernel,
+                           softmax_scale=softmax_scale)
+    return o.reshape(r, t, h, d)
+
+  return jax.shard_map(per_rank, in_specs=(spec, spec, spec, P(DATA_AXIS, None)),
+                       out_specs=spec)(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, doc_lens_BxN)
+
+
+def group_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *,
+                    softmax_scale: float, cp_size: int, kernel: str = "reference",
+                    name: str = "cp"):
+  """Context parallelism over groups of ``cp_size`` consecutive `data` ranks (``cp``, ``wlb``).
+
+  Needs ``layout.extra`` ``kv_index`` [B, Nkv], ``cu_seqlens_q`` / ``cu_seqlens_k`` [B, Nt + 1]
+  (``packing.task_tables`` of the rows' placement) and rows holding that placement's tokens.
+  """
+  # pylint: disable-next=protected-access
+  attn_lib._check_shapes(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout)
+  kv_index_BxU, cu_q_BxN1, cu_k_BxN1 = _extra(
+      layout, name, ("kv_index", "cu_seqlens_q", "cu_seqlens_k"),
+      "arrange the batch with distca_jax.baselines.arrange_batch (the trainer's data path does "
+      "not call it yet)")
+  mesh, spec = _mesh_and_specs(name)
+  c = int(cp_size)
+  s = mesh.shape[DATA_AXIS]
+  if c < 1 or s % c:
+    raise ValueError(f"{name}: cp_size={cp_size} must divide the {s} ranks of the "
+                     f"{DATA_AXIS!r} axis; set config.attention.cp_size to a divisor of mesh.data")
+  groups = [list(range(g * c, (g + 1) * c)) for g in range(s // c)]
+
+  def per_rank(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, kv_index_RxU, cu_q_RxN1, cu_k_RxN1):
+    r, t = q_RxTxHxD.shape[:2]
+    kh, d = k_RxTxKxD.shape[2:]
+    if c > 1:
+      # [c, R, T, K, D] in group-rank order (what kv_index addresses).
+      k_all = lax.all_gather(k_RxTxKxD, DATA_AXIS, axis_index_groups=groups)
+      v_all = lax.all_gather(v_RxTxKxD, DATA_AXIS, axis_index_groups=groups)
+    else:
+      k_all, v_all = k_RxTxKxD[None], v_RxTxKxD[None]
+    outs = []
+    for j in range(r):  # rows per rank: a static, usually 1
+      k_src = k_all[:, j].reshape(c * t, kh, d)
+      v_src = v_all[:, j].reshape(c * t, kh, d)
+      k_buf = jnp.take(k_src, kv_index_RxU[j], axis=0, mode="fill", fill_value=0)
+      v_buf = jnp.take(v_src, kv_index_RxU[j], axis=0, mode="fill", fill_value=0)
+      outs.append(ops.core_attention(q_RxTxHxD[j], k_buf, v_buf, cu_q_RxN1[j].astype(jnp.int32),
+                                     cu_k_RxN1[j].astype(jnp.int32), backend=kernel,
+                                     softmax_scale=softmax_scale))
+    return jnp.stack(outs)
+
+  table = P(DATA_AXIS, None)
+  return jax.shard_map(per_rank, in_specs=(spec, spec, spec, table, table, table),
+                       out_specs=spec)(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, kv_index_BxU, cu_q_BxN1,
+                                       cu_k_BxN1)

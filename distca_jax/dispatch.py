@@ -1,0 +1,734 @@
+"""CAD data plane: move each CA-task's rows to its attention server, attend, and bring O back.
+
+The scheduler (``distca_jax.scheduler``, host, NumPy) decides which server computes which query
+shard and writes the decision as fixed-shape int32 routing tables (``PlanMetadata``). This module
+executes those tables on devices, inside one ``jax.shard_map`` over the mesh's ``data`` axis
+(every data rank is an in-place attention server):
+
+  1. sender gather: local Q/K/V rows into padded per-server slots ``[S, slot, heads, dim]``;
+  2. one dense ``lax.all_to_all`` carrying Q, K and V together (DESIGN_NOTES Sec. 3: dense
+     all-to-all over padded slots beat ``ragged_all_to_all`` 50-190x on H200s, and the ragged one
+     does not run on CPU);
+  3. server gather: own rows + received rows into the attention buffers (a KV row sent once per
+     (sender, server) may be gathered several times, once per task that needs it);
+  4. ONE fused ``ops.core_attention`` call over all of the server's tasks;
+  5. O (and the LSE on request) gathered into return slots, ``lax.all_to_all`` back, scattered
+     into the owners' rows; padding rows come back as zeros.
+
+Backward: steps 1-3 and 5 are gathers and all-to-alls, which JAX transposes (gather ->
+scatter-add, so dK/dV of a KV row used by several tasks or servers are summed; all-to-all ->
+all-to-all); the kernel has its own ``custom_vjp``. Memory modes:
+  'keep'    default autodiff: the kernel's residuals (the server's received Q/K/V attention
+            buffers, O and LSE) stay alive until the backward.
+  'resend'  ``jax.checkpoint`` around the per-device body whose policy saves only the kernel's
+            outputs (O, LSE): the attention buffers are rebuilt in the backward by re-running the
+            gathers and the all-to-all (the owners re-send Q/K/V), and the kernel's forward is not
+            rerun. With the plain-jnp 'reference' kernel there is no kernel primitive to save, so
+            its forward is recomputed too (it is a test kernel).
+
+No recompiles: every shape comes from the capacity (``scheduler.Capacity``), the server count and
+the tokens per device; a batch's plan enters the step as one int32 array ``[rows, W]`` (the
+``PlanMetadata`` fields of each device, flattened and split over that device's rows).
+
+Rows per rank. The trainer gives each data rank ``R = rows_per_rank`` rows of ``T`` tokens and
+never lets a document cross a row. Planning is per device: a device's rows are concatenated into
+``R * T`` local tokens (its documents packed first, padding last, so the scheduler's "per-rank
+list" form applies), and the host rewrites every local row index of the metadata through that
+packing permutation, so the device works on its rows in their natural ``[R, T]`` order.
+With ``attention.nano_batches = n`` (ping-pong) the model calls core attention once per
+nano-batch (``R / n`` rows of every rank); each is planned and balanced on its own (see
+``make_backend``).
+
+Entry points:
+  ``core_attention(q, k, v, doc_lens, mesh, **options)``: notebooks and tests (plans on the host,
+    then runs the jitted device part).
+  ``make_backend(**options)``: the ``distca`` core-attention backend of the trainer
+    (``config.attention.backend = 'distca'``, options in ``config.attention.distca``).
+  ``dispatch_attention(...)``: the device function, given a packed plan.
+  ``host_plan(...)``: the host planner (schedule + metadata + packing).
+
+Letters: S servers (= data ranks), R rows per device, T tokens per row (per rank in the notebook
+entry), H query heads, K kv heads, D head dim, W packed plan width per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Mapping, Sequence
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
+
+from distca_jax import attention as attn_lib
+from distca_jax import ops
+from distca_jax import scheduler as sc
+from distca_jax.scheduler import Capacity
+
+MEMORY_MODES = ("keep", "resend")
+KERNELS = ops.BACKENDS
+PLAN_KEY = "distca_plan"  # the one key of ``layout.extra`` this backend reads
+CAP_FIELDS = ("q_slot", "kv_slot", "q_tokens", "kv_tokens", "tasks")
+
+# Primitives whose outputs 'resend' keeps: the kernels' forward calls (our Pallas kernel, the
+# flash-attn3-jax primitive, FFI/custom calls). Everything else in the body is recomputed.
+_KERNEL_PRIMITIVES = frozenset({"pallas_call", "flash_mha_varlen_fwd", "ffi_call", "custom_call"})
+
+# Default tasks per row when config leaves ``tasks`` at 0. Measured with
+# ``scheduler.required_capacity`` on both workloads (WorkloadSampler, context_length =
+# tokens_per_row, tolerance 0.1, 8 ranks of 256 to 16K tokens and 2 of 64K): at most 43 tasks per
+# rank. Tasks cost only int32 table entries and empty kernel blocks.
+_TASKS_PER_ROW = 64
+
+
+def _check_int(name: str, v, lo: int) -> int:
+  if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+    raise ValueError(f"{name}={v!r} must be an int >= {lo}")
+  return int(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Static shapes of a packed plan.
+# ---------------------------------------------------------------------------------------------
+def default_capacity(tokens_per_device: int, rows_per_device: int = 1) -> Capacity:
+  """The capacity used for config fields left at 0 (rows; ``Td`` = tokens per device).
+
+  ``q_slot = Td/2``, ``kv_slot = Td``, ``q_tokens = 3 Td/2``, ``kv_tokens = 3 Td``,
+  ``tasks = 64 * rows``; row fields are rounded up to a multiple of 128 (16 below 1024 tokens).
+  Measured ``required_capacity`` over 20 batches of each workload, one list per rank (tolerance
+  0.1; 8 ranks of 256 and 16K tokens, 2 of 64K; context_length = tokens per rank unless noted):
+  q_slot <= 0.36 Td, kv_slot <= Td, q_tokens <= 1.46 Td, kv_tokens <= 3.1 Td (90th percentile
+  <= 3.05 Td; 4.2 Td at 256 tokens with context_length 4096; 2.0 Td at 64K). Flat layouts whose
+  documents span ranks reached 0.59 / 1.0 / 1.97 / 7.8 Td. The planner never exceeds a cap: a
+  tighter cap only costs balance (``Plan.degraded``), a looser one memory
+  (``Capacity.memory_bytes``) and, for the dense 'reference' kernel, time. Derive caps for a run
+  with ``suggest_config_capacity``.
+  """
+  td = int(tokens_per_device)
+  mult = 128 if td >= 1024 else 16
+
+  def up(x: float) -> int:
+    return max(mult, int(math.ceil(x / mult) * mult))
+
+  return Capacity(q_slot=up(td / 2), kv_slot=up(td), q_tokens=up(1.5 * td), kv_tokens=up(3 * td),
+                  tasks=_TASKS_PER_ROW * int(rows_per_device))
+
+
+def resolve_capacity(capacity: Capacity | Mapping[str, int | None] | None, tokens_per_device: int,
+                     rows_per_device: int = 1) -> Capacity:
+  """A bounded capacity: fields that are None or 0 take ``default_capacity``'s values."""
+  if capacity is None:
+    capacity = {}
+  if isinstance(capacity, Capacity):
+    capacity = dataclasses.asdict(capacity)
+  unknown = set(capacity) - set(CAP_FIELDS)
+  if unknown:
+    raise ValueError(f"unknown capacity fields {sorted(unknown)}; valid: {CAP_FIELDS}")
+  given = {f: capacity.get(f) for f in CAP_FIELDS if capacity.get(f)}
+  return Capacity(**given).replace_none(default_capacity(tokens_per_device, rows_per_device))
+
+
+def suggest_capacity(doc_lens_samples: Sequence[Any], num_servers: int, tokens_per_rank: int, *,
+                     quantile: float = 1.0, multiple: int = 128, **schedule_options) -> Capacity:
+  """Caps covering ``quantile`` of sampled layouts, planned without caps (``Capacity.envelope``).
+
+  Args:
+    doc_lens_samples: layouts, each as ``scheduler.schedule`` takes them.
+    num_servers: ``S``.
+    tokens_per_rank: tokens per device (rows per device x tokens per row).
+    quantile: per-field quantile over the samples (1.0 = the maximum).
+    multiple: row fields are rounded up to a multiple of this.
+    **schedule_options: passed to ``scheduler.schedule`` (tolerance, min_shard, ...).
+  """
+  reqs = [sc.required_capacity(sc.schedule(d, num_servers, tokens_per_rank=tokens_per_rank,
+                                           **schedule_options)) for d in doc_lens_samples]
+  return Capacity.envelope(reqs, quantile=quantile, multiple=multiple)
+
+
+def _nano_batch_rows(num_devices: int, rows_per_device: int, nano_batches: int,
+                     i: int) -> list[int]:
+  """Batch rows of nano-batch ``i``: rows ``[i R/n, (i+1) R/n)`` of every device's block."""
+  rn = rows_per_device // nano_batches
+  return [p * rows_per_device + i * rn + j for p in range(num_devices) for j in range(rn)]
+
+
+def suggest_config_capacity(c, *, num_batches: int = 32, quantile: float = 1.0,
+                            data: int | None = None) -> dict[str, int]:
+  """Caps for a run config from its own data source: ``config.attention.distca`` overrides.
+
+  Plans ``num_batches`` batches of ``c.data`` (the steps a run starts with) the way
+  ``host_prepare`` will (per nano-batch), without caps, and returns ``suggest_capacity``'s
+  envelope as a dict of ``q_slot, kv_slot, q_tokens, kv_tokens, tasks`` (e.g. print them as
+  ``--config.attention.distca.<name>=<value>`` flags).
+
+  Args:
+    c: the run config (``config.base_config`` tree).
+    num_batches: batches to sample.
+    quantile: per-field quantile over the batches (1.0 = the maximum seen).
+    data: the data-axis size; default ``c.mesh.data``, or (when -1) every visible device over
+      ``c.mesh.tensor * c.mesh.pipe``.
+  """
+  from distca_jax.data import make_source  # pylint: disable=import-outside-toplevel
+  if data is None:
+    data = c.mesh.data if c.mesh.data > 0 else jax.device_count() // (c.mesh.tensor * c.mesh.pipe)
+  r, t, n = int(c.rows_per_rank), int(c.tokens_per_rank), int(c.attention.nano_batches)
+  rn = r // n
+  src = make_source(c.data, rows=data * r, tokens_per_row=t, vocab_size=c.model.vocab_size,
+                    seed=c.seed)
+  spec = PlanSpec(num_servers=data, tokens_per_row=t, rows_per_device=rn,
+                  capacity=default_capacity(rn * t, rn))
+  layouts = []
+  for step in range(num_batches):
+    doclens = src.doclens(step)
+    for i in range(n):
+      rows = [doclens[x] for x in _nano_batch_rows(data, r, n, i)]
+      layouts.append(_device_layout(rows, spec)[0])
+  d = c.attention.distca
+  cap = suggest_capacity(layouts, data, rn * t, quantile=quantile,
+                         multiple=128 if rn * t >= 1024 else 16, tolerance=d.tolerance,
+                         min_shard=d.min_shard or auto_min_shard(t), q_heads=c.model.n_heads,
+                         kv_heads=c.model.n_kv_heads, head_dim=c.model.head_dim)
+  return dataclasses.asdict(cap)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSpec:
+  """Everything static about a packed plan (hashable: a jit static argument).
+
+  Attributes:
+    num_servers: ``S``, the size of the data axis.
+    tokens_per_row: ``T``.
+    rows_per_device: ``R``; a device holds ``R * T`` tokens.
+    capacity: the bounded capacity that sizes every buffer.
+  """
+  num_servers: int
+  tokens_per_row: int
+  rows_per_device: int
+  capacity: Capacity
+
+  def __post_init__(self):
+    for name in ("num_servers", "tokens_per_row", "rows_per_device"):
+      _check_int(name, getattr(self, name), 1)
+    if not self.capacity.bounded:
+      raise ValueError(f"PlanSpec needs a bounded capacity (every field set); got {self.capacity}")
+
+  @property
+  def tokens_per_device(self) -> int:
+    return self.tokens_per_row * self.rows_per_device
+
+  @property
+  def fields(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, per-device shape) of every ``PlanMetadata.DEVICE_FIELDS`` entry, in packing order."""
+    s, c = self.num_servers, self.capacity
+    return (("q_send_idx", (s, c.q_slot)), ("kv_send_idx", (s, c.kv_slot)),
+            ("q_attn_idx", (c.q_tokens,)), ("kv_attn_idx", (c.kv_tokens,)),
+            ("cu_seqlens_q", (c.tasks + 1,)), ("cu_seqlens_k", (c.tasks + 1,)),
+            ("o_send_idx", (s, c.q_slot)), ("o_local_idx", (self.tokens_per_device,)))
+
+  @property
+  def device_width(self) -> int:
+    """int32 entries of one device's metadata."""
+    return sum(math.prod(shape) for _, shape in self.fields)
+
+  @property
+  def width(self) -> int:
+    """``W``: entries per row of the packed plan array ``[S * R, W]``."""
+    return -(-self.device_width // self.rows_per_device)
+
+  def pack(self, meta: sc.PlanMetadata) -> np.ndarray:
+    """``PlanMetadata`` (all ranks) -> int32 ``[S * R, W]``: each device's fields, flattened."""
+    s, r = self.num_servers, self.rows_per_device
+    if meta.num_servers != s or meta.tokens_per_rank != self.tokens_per_device:
+      raise ValueError(f"metadata for {meta.num_servers} servers x {meta.tokens_per_rank} tokens "
+                       f"does not match {self}")
+    flat = np.concatenate([getattr(meta, name).reshape(s, -1) for name, _ in self.fields], axis=1)
+    if flat.shape[1] != self.device_width:
+      raise ValueError(f"metadata shapes do not match the capacity: {flat.shape[1]=} entries per "
+                       f"device, expected {self.device_width} from {self.capacity}")
+    out = np.zeros((s, r * self.width), np.int32)
+    out[:, :flat.shape[1]] = flat
+    return out.reshape(s * r, self.width)
+
+  def unpack_local(self, plan_RxW: jax.Array) -> dict[str, jax.Array]:
+    """One device's block ``[R, W]`` of the packed plan -> its metadata fields (jnp)."""
+    flat = plan_RxW.reshape(-1)
+    out, off = {}, 0
+    for name, shape in self.fields:
+      n = math.prod(shape)
+      out[name] = flat[off:off + n].reshape(shape)
+      off += n
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Host: plan a batch.
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class HostPlan:
+  """A batch's plan, its routing tables and the packed array the device step reads.
+
+  Attributes:
+    plan: ``scheduler.Plan`` over devices (each device's rows concatenated, documents first).
+    meta: ``scheduler.PlanMetadata`` with local rows in the devices' natural ``[R, T]`` order.
+    packed: int32 ``[S * R, W]`` (``PlanSpec.pack``), rows sharded like the batch.
+    spec: the static shapes.
+  """
+  plan: sc.Plan
+  meta: sc.PlanMetadata
+  packed: np.ndarray
+  spec: PlanSpec
+
+
+def auto_min_shard(tokens_per_row: int) -> int:
+  """Default ``min_shard``: the scheduler's 512, or ``T / 16`` (at least 8) for short rows."""
+  return int(min(sc.DEFAULT_MIN_SHARD, max(8, tokens_per_row // 16)))
+
+
+def _device_layout(doc_lens, spec: PlanSpec):
+  """Scheduler layout over devices and the per-device packing permutation ``[S, R * T]``.
+
+  Returns (layout for ``schedule``, perm) where ``perm[p, i]`` is the natural local row
+  (``row * T + token``) of packed local row ``i`` (documents of row 0, row 1, ..., then padding).
+  """
+  s, r, t = spec.num_servers, spec.rows_per_device, spec.tokens_per_row
+  perm = np.tile(np.arange(r * t, dtype=np.int64), (s, 1))
+  is_seq = [isinstance(v, (list, tuple, np.ndarray)) for v in doc_lens]
+  nested = bool(doc_lens) and all(is_seq)
+  if not nested or r == 1:
+    # Flat (documents may span ranks) or one list per rank: the scheduler's own forms.
+    if not nested and r != 1:
+      raise ValueError(f"a flat doc_lens list needs rows_per_device=1 (got {r}); pass one list "
+                       "per row")
+    return doc_lens, perm
+  if len(doc_lens) != s * r:
+    raise ValueError(f"doc_lens has {len(doc_lens)} rows but {s} devices x {r} rows per device "
+                     f"= {s * r}; check rows_per_rank")
+  per_device = []
+  for p in range(s):
+    rows = [list(map(int, doc_lens[p * r + j])) for j in range(r)]
+    used = [sum(x) for x in rows]
+    for j, u in enumerate(used):
+      if u > t:
+        raise ValueError(f"row {p * r + j} holds {u} tokens > tokens_per_row={t}")
+    real = np.concatenate([j * t + np.arange(u) for j, u in enumerate(used)])
+    pad = np.concatenate([j * t + np.arange(u, t) for j, u in enumerate(used)])
+    perm[p] = np.concatenate([real, pad])
+    per_device.append([x for row in rows for x in row])
+  return per_device, perm
+
+
+def _remap_local_rows(meta: sc.PlanMetadata, perm: np.ndarray) -> sc.PlanMetadata:
+  """Rewrites every local-row reference of ``meta`` from packed to natural row order."""
+  td = meta.tokens_per_rank
+  if np.array_equal(perm, np.broadcast_to(np.arange(td), perm.shape)):
+    return meta
+
+  def local(idx: np.ndarray) -> np.ndarray:
+    # Values < td are own rows (sentinels and received-buffer rows are >= td).
+    out = idx.copy()
+    for p in range(idx.shape[0]):
+      m = out[p] < td
+      out[p][m] = perm[p][out[p][m]]
+    return out
+
+  o_local = np.empty_like(meta.o_local_idx)
+  for p in range(perm.shape[0]):
+    o_local[p, perm[p]] = meta.o_local_idx[p]
+  return dataclasses.replace(
+      meta, q_send_idx=local(meta.q_send_idx), kv_send_idx=local(meta.kv_send_idx),
+      q_attn_idx=local(meta.q_attn_idx), kv_attn_idx=local(meta.kv_attn_idx),
+      o_local_idx=o_local)
+
+
+def host_plan(doc_lens, spec: PlanSpec, *, tolerance: float = sc.DEFAULT_TOLERANCE,
+              min_shard: int | None = None, **schedule_options) -> HostPlan:
+  """Plans a batch on the host: schedule, routing tables, packing (NumPy only).
+
+  Args:
+    doc_lens: a flat list packed across ranks (``rows_per_device`` must be 1; documents may span
+      ranks), or one list per row (``S * R`` lists; with ``R = 1`` one list per rank).
+    spec: the static shapes (servers, tokens per row, rows per device, capacity).
+    tolerance: the balancing epsilon.
+    min_shard: shortest query piece a split may create; None = ``auto_min_shard``.
+    **schedule_options: further ``scheduler.schedule`` keywords (split, q_heads, kv_heads,
+      head_dim, dtype_bytes, cost_model, max_moves).
+
+  Returns:
+    ``HostPlan``. Raises ``ValueError`` naming the cap to raise when the layout overflows it.
+  """
+  layout, perm = _device_layout(doc_lens, spec)
+  if min_shard is None or min_shard == 0:
+    min_shard = auto_min_shard(spec.tokens_per_row)
+  try:
+    plan = sc.schedule(layout, spec.num_servers, tokens_per_rank=spec.tokens_per_device,
+                       tolerance=tolerance, capacity=spec.capacity, min_shard=min_shard,
+                       **schedule_options)
+  except ValueError as e:
+    raise ValueError(f"distca: cannot plan this batch within {spec.capacity}: {e} (set the cap in "
+                     "config.attention.distca or the capacity= option)") from e
+  meta = _remap_local_rows(sc.plan_to_metadata(plan, spec.capacity), perm)
+  return HostPlan(plan=plan, meta=meta, packed=spec.pack(meta), spec=spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# Device: the per-device body and its shard_map.
+# ---------------------------------------------------------------------------------------------
+def _take(x: jax.Array, idx: jax.Array, fill=0) -> jax.Array:
+  """Rows ``x[idx]``; an out-of-range index (the metadata's sentinel) gives ``fill``."""
+  return jnp.take(x, idx, axis=0, mode="fill", fill_value=fill)
+
+
+def _save_kernel_outputs(prim, *_, **__) -> bool:
+  """'resend' remat policy: keep only what the attention kernel's forward produced."""
+  return prim.name in _KERNEL_PRIMITIVES
+
+
+def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec: PlanSpec,
+                    axis: str):
+  """Steps 1-3 on one device (inside ``shard_map``): its rows out, its attention inputs in.
+
+  Args:
+    q_TxHxD, k_TxKxD, v_TxKxD: this device's rows (``T = R * tokens_per_row``, local heads).
+    m: this device's metadata (``PlanSpec.unpack_local``).
+    spec: the static shapes.
+    axis: the servers' mesh axis.
+
+  Returns:
+    (q_attn [Nq, H, D], k_attn [Nkv, K, D], v_attn [Nkv, K, D]); rows no task uses are zero.
+  """
+  s, cq, ckv = spec.num_servers, spec.capacity.q_slot, spec.capacity.kv_slot
+  _, h, d = q_TxHxD.shape
+  kh = k_TxKxD.shape[1]
+  # 1-2. Sender gather into per-server slots, one all-to-all for Q, K and V together.
+  q_send = _take(q_TxHxD, m["q_send_idx"].reshape(-1)).reshape(s, cq * h * d)
+  kv_idx = m["kv_send_idx"].reshape(-1)
+  k_send = _take(k_TxKxD, kv_idx).reshape(s, ckv * kh * d)
+  v_send = _take(v_TxKxD, kv_idx).reshape(s, ckv * kh * d)
+  send = jnp.concatenate([q_send, k_send, v_send], axis=1)
+  recv = lax.all_to_all(send, axis, 0, 0, tiled=True)  # recv[p] = what sender p sent here
+  nq_el, nkv_el = cq * h * d, ckv * kh * d
+  q_recv = recv[:, :nq_el].reshape(s * cq, h, d)
+  k_recv = recv[:, nq_el:nq_el + nkv_el].reshape(s * ckv, kh, d)
+  v_recv = recv[:, nq_el + nkv_el:].reshape(s * ckv, kh, d)
+  # 3. Server gather: own rows first, then everything received (the metadata's source order).
+  q_attn = _take(jnp.concatenate([q_TxHxD, q_recv]), m["q_attn_idx"])
+  k_attn = _take(jnp.concatenate([k_TxKxD, k_recv]), m["kv_attn_idx"])
+  v_attn = _take(jnp.concatenate([v_TxKxD, v_recv]), m["kv_attn_idx"])
+  return q_attn, k_attn, v_attn
+
+
+def return_to_owners(x_NqxF, m: Mapping[str, jax.Array], spec: PlanSpec, axis: str, fill=0):
+  """Step 5 on one device: attention-output rows back to the devices their queries came from.
+
+  Args:
+    x_NqxF: per attention query row values ``[Nq, ...]`` (O ``[Nq, H, D]`` or LSE ``[Nq, H]``).
+    m, spec, axis: as in ``send_to_servers``.
+    fill: value of local rows no task produced (padding).
+
+  Returns:
+    ``[T, ...]``: this device's rows in its natural order.
+  """
+  s, cq = spec.num_servers, spec.capacity.q_slot
+  feat = x_NqxF.shape[1:]
+  n_el = cq * math.prod(feat)
+  send = _take(x_NqxF, m["o_send_idx"].reshape(-1)).reshape(s, n_el)
+  recv = lax.all_to_all(send, axis, 0, 0, tiled=True)
+  src = jnp.concatenate([x_NqxF, recv.reshape((s * cq,) + feat)])
+  return _take(src, m["o_local_idx"], fill=fill)
+
+
+def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec, axis: str,
+                 kernel: str, softmax_scale: float, return_lse: bool,
+                 kernel_options: tuple[tuple[str, Any], ...]):
+  """One device: send, fused kernel over all of its tasks, return."""
+  r, t, h, d = q_RxTxHxD.shape
+  kh = k_RxTxKxD.shape[2]
+  m = spec.unpack_local(plan_RxW)
+  q_attn, k_attn, v_attn = send_to_servers(
+      q_RxTxHxD.reshape(r * t, h, d), k_RxTxKxD.reshape(r * t, kh, d),
+      v_RxTxKxD.reshape(r * t, kh, d), m, spec, axis)
+  # 4. One fused varlen call over all of this server's tasks.
+  out = ops.core_attention(q_attn, k_attn, v_attn, m["cu_seqlens_q"], m["cu_seqlens_k"],
+                           backend=kernel, softmax_scale=softmax_scale, return_lse=return_lse,
+                           **dict(kernel_options))
+  o_attn, lse_attn = out if return_lse else (out, None)
+  # 5. O back to the owners (zeros at padding).
+  o_RxTxHxD = return_to_owners(o_attn, m, spec, axis).reshape(r, t, h, d)
+  if not return_lse:
+    return o_RxTxHxD
+  lse_RxTxH = return_to_owners(lse_attn, m, spec, axis, fill=-jnp.inf).reshape(r, t, h)
+  return o_RxTxHxD, lse_RxTxH
+
+
+def _check_options(kernel: str, memory_mode: str) -> None:
+  if kernel not in KERNELS:
+    raise ValueError(f"distca {kernel=} is not a core_attention backend; choose one of {KERNELS}")
+  if memory_mode not in MEMORY_MODES:
+    raise ValueError(f"distca {memory_mode=}; choose one of {MEMORY_MODES}")
+
+
+def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Array,
+                       plan_BxW: jax.Array, spec: PlanSpec, *, kernel: str = "reference",
+                       memory_mode: str = "keep", softmax_scale: float | None = None,
+                       data_axis: str = "data", head_axis: str | None = None, mesh=None,
+                       return_lse: bool = False, kernel_options: Mapping[str, Any] | None = None):
+  """Core attention of every document by CAD, given a packed plan (device side, jit-able).
+
+  Args:
+    q_BxTxHxD: queries, rows ``B = S * R`` sharded over ``data_axis`` (heads over ``head_axis``).
+    k_BxTxKxD, v_BxTxKxD: keys and values, sharded the same way.
+    plan_BxW: int32 packed plan (``HostPlan.packed``), rows sharded over ``data_axis``.
+    spec: the plan's static shapes.
+    kernel: ``ops.core_attention`` backend ('reference', 'pallas', 'flash3').
+    memory_mode: 'keep' or 'resend' (module docstring).
+    softmax_scale: default ``1 / sqrt(D)``.
+    data_axis: the mesh axis of the servers.
+    head_axis: mesh axis the heads are split over (tensor parallelism), or None.
+    mesh: the mesh; default the one set by ``jax.set_mesh`` (``trainer.mesh_context``).
+    return_lse: also return the softmax log-sum-exp ``[B, T, H]`` (f32; -inf at padding).
+    kernel_options: extra keywords for ``ops.core_attention`` (e.g. ``interpret``).
+
+  Returns:
+    O ``[B, T, H, D]`` like q (zeros at padding), or ``(O, lse)``.
+  """
+  _check_options(kernel, memory_mode)
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      raise ValueError("dispatch_attention needs a mesh: pass mesh= or call it under "
+                       "jax.set_mesh(mesh) (the trainer's mesh_context)")
+  if data_axis not in mesh.axis_names:
+    raise ValueError(f"{data_axis=} is not an axis of the mesh {dict(mesh.shape)}")
+  s = mesh.shape[data_axis]
+  b, t, h, d = q_BxTxHxD.shape
+  kh = k_BxTxKxD.shape[2]
+  if k_BxTxKxD.shape != (b, t, kh, d) or v_BxTxKxD.shape != k_BxTxKxD.shape:
+    raise ValueError(f"expected q [B,T,H,D], k and v [B,T,K,D]; got {q_BxTxHxD.shape=} "
+                     f"{k_BxTxKxD.shape=} {v_BxTxKxD.shape=}")
+  if not q_BxTxHxD.dtype == k_BxTxKxD.dtype == v_BxTxKxD.dtype:
+    raise ValueError(f"q, k, v must share a dtype (one all-to-all carries them); got "
+                     f"{q_BxTxHxD.dtype=} {k_BxTxKxD.dtype=} {v_BxTxKxD.dtype=}")
+  if s != spec.num_servers or b != s * spec.rows_per_device or t != spec.tokens_per_row:
+    raise ValueError(f"q {q_BxTxHxD.shape} on a {data_axis}={s} mesh does not match the plan's "
+                     f"{spec}: expected rows = {spec.num_servers} x {spec.rows_per_device}, "
+                     f"tokens per row = {spec.tokens_per_row}")
+  if plan_BxW.shape != (b, spec.width) or plan_BxW.dtype != jnp.int32:
+    raise ValueError(f"{plan_BxW.shape=} {plan_BxW.dtype=} must be int32 {(b, spec.width)} "
+                     "(built by host_plan for the same capacity, rows_per_rank and mesh)")
+  if head_axis is not None:
+    tp = mesh.shape[head_axis]
+    if h % tp or kh % tp:
+      raise ValueError(f"query heads {h} and kv heads {kh} must divide by {head_axis}={tp}")
+  scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+  body = functools.partial(_device_body, spec=spec, axis=data_axis, kernel=kernel,
+                           softmax_scale=scale, return_lse=return_lse,
+                           kernel_options=tuple(sorted((kernel_options or {}).items())))
+  if memory_mode == "resend":
+    body = jax.checkpoint(body, policy=_save_kernel_outputs)
+  qkv = P(data_axis, None, head_axis, None)
+  out_specs = (qkv, P(data_axis, None, head_axis)) if return_lse else qkv
+  # check_vma=False: the Pallas kernel's pallas_call carries no varying-axes annotations.
+  f = jax.shard_map(body, mesh=mesh, in_specs=(qkv, qkv, qkv, P(data_axis, None)),
+                    out_specs=out_specs, check_vma=False)
+  return f(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, plan_BxW)
+
+
+# ---------------------------------------------------------------------------------------------
+# Notebook entry point.
+# ---------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("spec", "kernel", "memory_mode", "softmax_scale",
+                                             "data_axis", "head_axis", "mesh", "return_lse",
+                                             "kernel_options"))
+def _dispatch_jit(q, k, v, plan, *, spec, kernel, memory_mode, softmax_scale, data_axis,
+                  head_axis, mesh, return_lse, kernel_options):
+  return dispatch_attention(q, k, v, plan, spec, kernel=kernel, memory_mode=memory_mode,
+                            softmax_scale=softmax_scale, data_axis=data_axis, head_axis=head_axis,
+                            mesh=mesh, return_lse=return_lse,
+                            kernel_options=dict(kernel_options))
+
+
+def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
+                   tolerance: float = sc.DEFAULT_TOLERANCE,
+                   capacity: Capacity | Mapping[str, int | None] | None = None,
+                   kernel: str = "reference", softmax_scale: float | None = None,
+                   memory_mode: str = "keep", min_shard: int | None = None,
+                   data_axis: str = "data", head_axis: str | None = None,
+                   return_lse: bool = False, return_plan: bool = False,
+                   kernel_options: Mapping[str, Any] | None = None, **schedule_options):
+  """Each document's causal attention, computed by CAD: plan, dispatch, fused kernel, return.
+
+  Args:
+    q: ``[ranks, tokens_per_rank, q_heads, head_dim]``, sharded over ``mesh``'s ``data_axis``.
+    k, v: ``[ranks, tokens_per_rank, kv_heads, head_dim]``, sharded the same way.
+    doc_lens: as ``scheduler.schedule`` takes it: a flat list packed in order across ranks
+      (documents may span ranks; the unfilled tail is padding) or one list per rank. Must be
+      concrete (Python ints): the plan is made on the host, also under ``jit``/``grad``.
+    mesh: a ``jax.sharding.Mesh`` with a ``data_axis`` of size ``ranks``.
+    tolerance: balancing epsilon (every server within ``(1 + tolerance)`` x mean pairs).
+    capacity: buffer caps (``Capacity`` or dict); None or missing fields: the plan's own
+      required sizes rounded up to a multiple of 128 (a new layout may then recompile).
+    kernel: ``ops.core_attention`` backend: 'reference', 'pallas' (interpret mode on CPU) or
+      'flash3'.
+    softmax_scale: default ``1 / sqrt(head_dim)``.
+    memory_mode: 'keep' or 'resend' (what the backward keeps; see the module docstring).
+    min_shard: shortest query piece a split may create; None = ``auto_min_shard``.
+    data_axis: the mesh axis of the ranks (= attention servers).
+    head_axis: mesh axis the heads are sharded over, if any.
+    return_lse: also return the log-sum-exp ``[ranks, tokens_per_rank, q_heads]``.
+    return_plan: also return the ``HostPlan`` (last element).
+    kernel_options: extra ``ops.core_attention`` keywords (``interpret``, ``block_sizes``, ...).
+    **schedule_options: further ``scheduler.schedule`` keywords (split, cost_model, ...).
+
+  Returns:
+    O shaped like q (zeros at padding); ``(O, lse)`` with ``return_lse``; the ``HostPlan``
+    appended with ``return_plan``. Differentiable in q, k, v.
+  """
+  _check_options(kernel, memory_mode)
+  if q.ndim != 4 or k.ndim != 4:
+    raise ValueError(f"q must be [ranks, tokens_per_rank, q_heads, head_dim] and k, v "
+                     f"[ranks, tokens_per_rank, kv_heads, head_dim]; got {q.shape=} {k.shape=}")
+  s, t, h, d = q.shape
+  if data_axis not in mesh.axis_names or mesh.shape[data_axis] != s:
+    raise ValueError(f"q has {s} ranks but mesh {dict(mesh.shape)} has "
+                     f"{data_axis}={mesh.shape.get(data_axis)}; the ranks are the data axis")
+  if min_shard is None:
+    min_shard = auto_min_shard(t)
+  byte_model = dict(q_heads=h, kv_heads=k.shape[2], head_dim=d,
+                    dtype_bytes=jnp.dtype(q.dtype).itemsize)
+  byte_model.update(schedule_options)
+  cap = capacity if isinstance(capacity, Capacity) else Capacity(**dict(capacity or {}))
+  if not cap.bounded:
+    free = sc.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tolerance, capacity=cap,
+                       min_shard=min_shard, **byte_model)
+    cap = cap.replace_none(Capacity.envelope([sc.required_capacity(free)], multiple=128))
+  spec = PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1, capacity=cap)
+  hp = host_plan(doc_lens, spec, tolerance=tolerance, min_shard=min_shard, **byte_model)
+  plan = hp.packed
+  if not isinstance(q, jax.core.Tracer):
+    plan = jax.device_put(plan, NamedSharding(mesh, P(data_axis, None)))
+  out = _dispatch_jit(q, k, v, plan, spec=spec, kernel=kernel, memory_mode=memory_mode,
+                      softmax_scale=softmax_scale, data_axis=data_axis, head_axis=head_axis,
+                      mesh=mesh, return_lse=return_lse,
+                      kernel_options=tuple(sorted((kernel_options or {}).items())))
+  if return_plan:
+    return (*out, hp) if return_lse else (out, hp)
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer's backend.
+# ---------------------------------------------------------------------------------------------
+def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
+                 q_slot: int = 0, kv_slot: int = 0, q_tokens: int = 0, kv_tokens: int = 0,
+                 tasks: int = 0, kernel: str = "reference", memory_mode: str = "keep",
+                 rows_per_rank: int = 1, nano_batches: int = 1,
+                 q_heads: int = sc.DEFAULT_Q_HEADS, kv_heads: int = sc.DEFAULT_KV_HEADS,
+                 head_dim: int = sc.DEFAULT_HEAD_DIM, dtype_bytes: int = sc.DEFAULT_DTYPE_BYTES,
+                 data_axis: str = "data", head_axis: str | None = "tensor") -> attn_lib.Backend:
+  """The ``distca`` core-attention backend (options: ``config.attention.distca`` + model shapes).
+
+  ``host_prepare(doclens, tokens_per_row)`` plans each batch on the input thread (one list of
+  document lengths per row; ``len(doclens) = data ranks x rows_per_rank``) and returns
+  ``{'distca_plan': int32 [rows, W]}``; ``fn`` reads it from ``layout.extra`` and runs
+  ``dispatch_attention`` over the mesh set by ``trainer.mesh_context``.
+
+  With ``nano_batches = n`` (ping-pong, ``model.split_rows``) the model calls core attention once
+  per nano-batch, on rows ``[i R/n, (i+1) R/n)`` of every rank's block; each nano-batch is planned
+  and balanced on its own, and its plan is stored in exactly those rows of ``distca_plan``, so
+  ``split_rows`` hands every call its own plan.
+
+  Caps are per device for one call (``R/n`` rows of ``tokens_per_row``); 0 takes
+  ``default_capacity``, ``min_shard`` 0 takes ``auto_min_shard``.
+  """
+  _check_options(kernel, memory_mode)
+  r = _check_int("rows_per_rank", rows_per_rank, 1)
+  n = _check_int("nano_batches", nano_batches, 1)
+  if r % n:
+    raise ValueError(f"{rows_per_rank=} must be a multiple of {nano_batches=}")
+  caps = dict(q_slot=q_slot, kv_slot=kv_slot, q_tokens=q_tokens, kv_tokens=kv_tokens,
+              tasks=tasks)
+  for name, v in caps.items():
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+      raise ValueError(f"config.attention.distca.{name}={v!r} must be an int >= 0 (0 = auto)")
+  rn = r // n  # rows per device in one core-attention call
+  byte_model = dict(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                    dtype_bytes=dtype_bytes)
+
+  def spec_for(num_servers: int, tokens_per_row: int) -> PlanSpec:
+    return PlanSpec(num_servers=num_servers, tokens_per_row=tokens_per_row, rows_per_device=rn,
+                    capacity=resolve_capacity(caps, rn * tokens_per_row, rn))
+
+  def host_prepare(doclens, tokens_per_row: int) -> dict[str, np.ndarray]:
+    rows = len(doclens)
+    if rows % r:
+      raise ValueError(f"the batch has {rows} rows, not a multiple of {rows_per_rank=}")
+    s = rows // r
+    spec = spec_for(s, int(tokens_per_row))
+    out = np.zeros((s, r, spec.width), np.int32)
+    for i in range(n):
+      # Nano-batch i: rows [i rn, (i + 1) rn) of every device's block (model.split_rows).
+      sel = _nano_batch_rows(s, r, n, i)
+      hp = host_plan([list(doclens[x]) for x in sel], spec, tolerance=tolerance,
+                     min_shard=min_shard or None, **byte_model)
+      out[:, i * rn:(i + 1) * rn] = hp.packed.reshape(s, rn, spec.width)
+    return {PLAN_KEY: out.reshape(rows, spec.width)}
+
+  def fn(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *, softmax_scale: float):
+    if PLAN_KEY not in layout.extra:
+      raise ValueError(f"the 'distca' backend needs layout.extra['{PLAN_KEY}'] (got keys "
+                       f"{sorted(layout.extra)}); run backend.host_prepare on the batch "
+                       "(trainer.add_host_plan)")
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      raise ValueError("the 'distca' backend runs under a mesh: trace the step inside "
+                       "trainer.mesh_context(mesh)")
+    if data_axis not in mesh.axis_names:
+      raise ValueError(f"the mesh {dict(mesh.shape)} has no {data_axis!r} axis")
+    s = mesh.shape[data_axis]
+    if q_BxTxHxD.shape[0] != s * rn:
+      raise ValueError(f"core attention got {q_BxTxHxD.shape[0]} rows on {data_axis}={s}; the "
+                       f"backend was built for {rows_per_rank=} / {nano_batches=} = {rn} rows per "
+                       "device and call (pass the config's values to make_backend)")
+    spec = spec_for(s, q_BxTxHxD.shape[1])
+    hax = head_axis if head_axis in mesh.axis_names and mesh.shape[head_axis] > 1 else None
+    return dispatch_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout.extra[PLAN_KEY], spec,
+                              kernel=kernel, memory_mode=memory_mode,
+                              softmax_scale=softmax_scale, data_axis=data_axis, head_axis=hax)
+
+  return attn_lib.Backend(fn=fn, host_prepare=host_prepare)
+
+
+attn_lib.register_backend("distca", make_backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# Byte accounting (benchmarks).
+# ---------------------------------------------------------------------------------------------
+def exchange_bytes(meta: sc.PlanMetadata, *, q_heads: int, kv_heads: int, head_dim: int,
+                   dtype_bytes: int) -> dict[str, float]:
+  """Per-device mean bytes of one forward exchange: useful (plan rows) vs moved (padded slots).
+
+  ``dispatch_*`` counts Q + K + V rows sent to other devices; ``return_*`` the O rows coming back
+  (same count as the query rows). ``*_padded`` is what the dense all-to-all moves off-device:
+  every slot of every peer, the self slot excluded. ``dispatch_useful_busiest_device``: the most
+  any one device sends; ``max_pair_dispatch_useful``: the largest (sender, server) pair.
+  """
+  s = meta.num_servers
+  c = meta.capacity
+  bq = q_heads * head_dim * dtype_bytes
+  bkv = 2 * kv_heads * head_dim * dtype_bytes
+  useful_q = float(meta.q_send_len.sum()) / s * bq
+  useful_kv = float(meta.kv_send_len.sum()) / s * bkv
+  sent = meta.q_send_len.sum(axis=1) * bq + meta.kv_send_len.sum(axis=1) * bkv
+  return {
+      "dispatch_useful": useful_q + useful_kv,
+      "dispatch_useful_busiest_device": float(sent.max()),
+      "dispatch_padded": float((s - 1) * (c.q_slot * bq + c.kv_slot * bkv)),
+      "return_useful": useful_q,
+      "return_padded": float((s - 1) * c.q_slot * bq),
+      "max_pair_dispatch_useful": float((meta.q_send_len * bq + meta.kv_send_len * bkv).max()),
+  }

@@ -1,0 +1,400 @@
+"""CAD data plane: exchange bandwidth on real plans, and memory/time of 'keep' vs 'resend'.
+
+For each workload, a few batches are planned on the host (``dispatch.host_plan``, per-rank
+document lists as the trainer makes them, caps = ``dispatch.suggest_capacity`` of those batches,
+so one compiled program serves them all) and every device-side piece is timed on every visible
+device (one server per device, the mesh's ``data`` axis):
+
+  exchange   sender gather + the one Q/K/V ``lax.all_to_all`` + server gather
+             (``dispatch.send_to_servers``);
+  return     O gather + ``lax.all_to_all`` + owner gather (``dispatch.return_to_owners``);
+  raw a2a    a bare dense ``lax.all_to_all`` moving (a) the same useful bytes per device with no
+             padding and (b) the exchange's padded slot buffer;
+  CAD attention a chain of ``--layers`` ``dispatch.dispatch_attention`` calls (each layer's O
+             is the next one's Q, so every layer's residuals are alive before the backward, as
+             in a model), memory mode 'keep' and 'resend': forward and forward+backward time per
+             layer, XLA's compiled temp memory, and the jaxpr's all-to-all and kernel-forward
+             counts (resend adds one all-to-all per layer and no kernel forward);
+  no CAD     each device's own documents through the same kernel, no exchange (forward+backward).
+
+Bandwidth is per device: useful bytes = mean over devices of the Q+K+V (or O) bytes the plan
+sends to other devices; effective bandwidth = useful bytes / time of the whole stage; the target
+is >= 80% of the raw all-to-all bandwidth for the same bytes (issue 4). Times are medians over
+``--iters`` runs after a warm-up.
+
+Run:
+  python experiments/dispatch_bench.py          # every visible GPU on `data` (e.g. 2 H200s):
+                                                # Llama-3-8B heads, bf16, 64K tokens per GPU
+  python experiments/dispatch_bench.py --tiny   # CPU smoke test: 8 fake devices, tiny shapes
+Writes results/dispatch_bench.{json,md} (--tiny: results/dispatch_bench_tiny.{json,md}; --out
+changes the stem) and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.util
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _args():
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--tiny", action="store_true",
+                 help="CPU smoke test on 8 fake devices with tiny shapes")
+  p.add_argument("--workloads", default="pretrain,prolong")
+  p.add_argument("--tokens-per-rank", type=int, default=None, help="default 65536 (tiny: 256)")
+  p.add_argument("--heads", type=int, default=None, help="query heads (default 32; tiny: 4)")
+  p.add_argument("--kv-heads", type=int, default=None, help="default 8 (tiny: 2)")
+  p.add_argument("--head-dim", type=int, default=None, help="default 128 (tiny: 16)")
+  p.add_argument("--dtype", default=None, help="default bfloat16 (tiny: float32)")
+  p.add_argument("--kernel", default="auto",
+                 choices=("auto", "reference", "pallas", "flash3"),
+                 help="auto: flash3 if installed on a GPU, else pallas on GPU, reference on CPU")
+  p.add_argument("--tolerance", type=float, default=0.1)
+  p.add_argument("--batches", type=int, default=None, help="planned batches (default 3; tiny: 2)")
+  p.add_argument("--iters", type=int, default=None, help="timed runs (default 10; tiny: 2)")
+  p.add_argument("--layers", type=int, default=None,
+                 help="CAD attentions chained for the keep/resend runs (default 4; tiny: 2)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default=None, help="output stem (default results/dispatch_bench)")
+  a = p.parse_args()
+  tiny = a.tiny
+  for name, big, small in (("tokens_per_rank", 65536, 256), ("heads", 32, 4), ("kv_heads", 8, 2),
+                           ("head_dim", 128, 16), ("dtype", "bfloat16", "float32"),
+                           ("batches", 3, 2), ("iters", 10, 2), ("layers", 4, 2)):
+    if getattr(a, name) is None:
+      setattr(a, name, small if tiny else big)
+  if a.out is None:
+    a.out = os.path.join(REPO, "results", "dispatch_bench_tiny" if tiny else "dispatch_bench")
+  return a
+
+
+ARGS = _args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.tiny:  # before jax is imported
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+  os.environ["JAX_PLATFORMS"] = "cpu"
+
+if REPO not in sys.path:
+  sys.path.insert(0, REPO)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import numpy as np  # noqa: E402
+
+from distca_jax import dispatch, ops  # noqa: E402
+from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
+
+AXIS = "data"
+
+
+def _pick_kernel(a, dtype) -> str:
+  if a.kernel != "auto":
+    return a.kernel
+  if jax.default_backend() != "gpu":
+    return "reference"
+  if importlib.util.find_spec("flash_attn3_jax") is None:
+    return "pallas"
+  ok = a.head_dim in ops.FLASH3_HEAD_DIMS and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+  return "flash3" if ok else "pallas"
+
+
+def _time(f, *args, iters: int) -> dict:
+  """Median / min seconds of ``f(*args)`` after one warm-up call."""
+  jax.block_until_ready(f(*args))
+  ts = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    ts.append(time.perf_counter() - t0)
+  return {"median_s": statistics.median(ts), "min_s": min(ts)}
+
+
+def _memory(jitted, *args) -> dict:
+  """XLA's buffer assignment of the compiled program (bytes per device)."""
+  m = jitted.lower(*args).compile().memory_analysis()
+  if m is None:
+    return {}
+  return {k: int(getattr(m, k)) for k in ("temp_size_in_bytes", "argument_size_in_bytes",
+                                           "output_size_in_bytes", "alias_size_in_bytes")
+          if hasattr(m, k)}
+
+
+def _zeros(shape, dtype, sharding):
+  """Zeros created directly in their sharding (no full copy on one device)."""
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+def _count_kernel_forwards(jaxpr) -> int:
+  """Kernel forward calls in a jaxpr ('resend' must not add one to the backward)."""
+  n = 0
+  for e in jaxpr.eqns:
+    name = e.primitive.name
+    if name == "pallas_call":
+      n += "fwd" in str(e.params.get("name", ""))
+    elif "flash" in name and "fwd" in name:
+      n += 1
+    for p in e.params.values():
+      for sub in p if isinstance(p, (list, tuple)) else [p]:
+        if hasattr(sub, "eqns"):
+          n += _count_kernel_forwards(sub)
+        elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+          n += _count_kernel_forwards(sub.jaxpr)
+  return n
+
+
+def _count_all_to_all(jaxpr) -> int:
+  n = 0
+  for e in jaxpr.eqns:
+    n += e.primitive.name == "all_to_all"
+    for p in e.params.values():
+      for sub in p if isinstance(p, (list, tuple)) else [p]:
+        if hasattr(sub, "eqns"):
+          n += _count_all_to_all(sub)
+        elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+          n += _count_all_to_all(sub.jaxpr)
+  return n
+
+
+def _local_cu_seqlens(doc_lens_per_rank, tasks: int) -> np.ndarray:
+  """[S, tasks + 1] cu_seqlens of each rank's own documents (no CAD), last value repeated."""
+  out = np.zeros((len(doc_lens_per_rank), tasks + 1), np.int32)
+  for r, lens in enumerate(doc_lens_per_rank):
+    if len(lens) > tasks:
+      raise ValueError(f"rank {r} has {len(lens)} documents > tasks={tasks}")
+    c = np.cumsum([0] + list(lens))
+    out[r, :c.size] = c
+    out[r, c.size:] = c[-1]
+  return out
+
+
+def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
+  s = mesh.shape[AXIS]
+  t, h, kh, d = a.tokens_per_rank, a.heads, a.kv_heads, a.head_dim
+  dbytes = jnp.dtype(dtype).itemsize
+  byte_model = dict(q_heads=h, kv_heads=kh, head_dim=d, dtype_bytes=dbytes)
+  sampler = WorkloadSampler(name, t, seed=a.seed)
+  layouts = [sampler.step_doclens(step, s) for step in range(a.batches)]
+  min_shard = dispatch.auto_min_shard(t)
+  cap = dispatch.suggest_capacity(layouts, s, t, tolerance=a.tolerance, min_shard=min_shard,
+                                  multiple=128 if t >= 1024 else 16, **byte_model)
+  spec = dispatch.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1, capacity=cap)
+  print(f"[{name}] {s} servers x {t} tokens, heads {h}/{kh}x{d} {jnp.dtype(dtype).name}, "
+        f"kernel {kernel}, caps {cap}", flush=True)
+  row_sh = NamedSharding(mesh, P(AXIS))
+  plan_sh = NamedSharding(mesh, P(AXIS, None))
+
+  # Random Q/K/V, cotangent and attention outputs, born sharded.
+  def make_inputs(key):
+    ks = jax.random.split(key, 5)
+    q = jax.random.normal(ks[0], (s, t, h, d), dtype)
+    k = jax.random.normal(ks[1], (s, t, kh, d), dtype)
+    v = jax.random.normal(ks[2], (s, t, kh, d), dtype)
+    ct = jax.random.normal(ks[3], (s, t, h, d), dtype)
+    o_attn = jax.random.normal(ks[4], (s, cap.q_tokens, h, d), dtype)
+    return q, k, v, ct, o_attn
+
+  make_inputs = jax.jit(make_inputs, out_shardings=(row_sh,) * 5)
+  q, k, v, ct, o_attn = make_inputs(jax.random.key(a.seed))
+
+  # Device programs (one compile each; every plan has the same shapes).
+  def local(f):
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS),
+                                 check_vma=False))
+
+  def exchange(q, k, v, plan):
+    m = spec.unpack_local(plan)
+    qa, ka, va = dispatch.send_to_servers(q[0], k[0], v[0], m, spec, AXIS)
+    return qa[None], ka[None], va[None]
+
+  def ret(o_attn, plan):
+    return dispatch.return_to_owners(o_attn[0], spec.unpack_local(plan), spec, AXIS)[None]
+
+  def raw_a2a(x):
+    return lax.all_to_all(x, AXIS, 1, 1, tiled=True)
+
+  exchange_f, return_f, raw_f = local(exchange), local(ret), local(raw_a2a)
+
+  def cad(mode):
+    # A chain of `layers` CAD attentions (each layer's O is the next layer's Q), like a model's
+    # stack: the residuals of every layer are alive together before the backward, which is where
+    # 'keep' and 'resend' differ.
+    def fwd(q, k, v, plan):
+      x = q
+      for _ in range(a.layers):
+        x = dispatch.dispatch_attention(x, k, v, plan, spec, kernel=kernel, memory_mode=mode,
+                                        mesh=mesh)
+      return x
+
+    def fwd_bwd(q, k, v, plan, ct):
+      _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, plan), q, k, v)
+      return vjp(ct)
+
+    return jax.jit(fwd), jax.jit(fwd_bwd)
+
+  def no_cad_body(q, k, v, cu):
+    def f(q, k, v):
+      return ops.core_attention(q[0], k[0], v[0], cu[0], cu[0], backend=kernel)[None]
+
+    o, vjp = jax.vjp(f, q, k, v)
+    return vjp(o)  # the cotangent's values do not change the kernel's work
+
+  no_cad_f = jax.jit(jax.shard_map(no_cad_body, mesh=mesh, in_specs=P(AXIS),
+                                   out_specs=P(AXIS), check_vma=False))
+
+  rows, padded = [], None
+  # No-CAD baseline: one task per own document; one table size for every batch (one compile).
+  local_tasks = max(len(rank_lens) for layout in layouts for rank_lens in layout)
+  modes = {m: cad(m) for m in dispatch.MEMORY_MODES}
+  for i, doc_lens in enumerate(layouts):
+    hp = dispatch.host_plan(doc_lens, spec, tolerance=a.tolerance, min_shard=min_shard,
+                            **byte_model)
+    plan = jax.device_put(hp.packed, plan_sh)
+    by = dispatch.exchange_bytes(hp.meta, **byte_model)
+    rec = {"batch": i, "docs": int(hp.plan.doc_lens.size), "tasks": int(len(hp.plan.tasks)),
+           "imbalance_before": hp.plan.imbalance_before,
+           "imbalance_after": hp.plan.imbalance_after, "degraded": hp.plan.degraded,
+           "moves": hp.plan.num_moves, **{f"bytes_{k}": v for k, v in by.items()}}
+    rec["exchange"] = _time(exchange_f, q, k, v, plan, iters=a.iters)
+    rec["return"] = _time(return_f, o_attn, plan, iters=a.iters)
+    for stage, useful_key in (("exchange", "dispatch_useful"), ("return", "return_useful")):
+      rec[stage]["useful_GBps"] = by[useful_key] / rec[stage]["median_s"] / 1e9
+    # Raw all_to_all moving the same useful bytes per device with no padding.
+    if s > 1:
+      for stage, useful_key in (("exchange", "dispatch_useful"), ("return", "return_useful")):
+        per_peer = max(1, int(np.ceil(by[useful_key] / (s - 1) / dbytes)))
+        raw = _time(raw_f, _zeros((s, s, per_peer), dtype, row_sh), iters=a.iters)
+        raw["GBps"] = per_peer * (s - 1) * dbytes / raw["median_s"] / 1e9
+        rec[f"raw_a2a_{stage}_same_bytes"] = raw
+        rec[stage]["fraction_of_raw"] = rec[stage]["useful_GBps"] / raw["GBps"]
+    for mode, (fwd_f, fwd_bwd_f) in modes.items():
+      for key, f, args in (("fwd", fwd_f, (q, k, v, plan)),
+                           ("fwd_bwd", fwd_bwd_f, (q, k, v, plan, ct))):
+        tm = _time(f, *args, iters=a.iters)
+        rec[f"cad_{mode}_{key}"] = {"median_s": tm["median_s"] / a.layers,
+                                    "min_s": tm["min_s"] / a.layers, "per": "layer"}
+    cu = jax.device_put(_local_cu_seqlens(doc_lens, local_tasks), plan_sh)
+    rec["no_cad_fwd_bwd"] = _time(no_cad_f, q, k, v, cu, iters=a.iters)
+    rows.append(rec)
+    print(f"  batch {i}: imbalance {rec['imbalance_before']:.2f} -> "
+          f"{rec['imbalance_after']:.2f}; exchange {rec['exchange']['median_s'] * 1e3:.2f} ms "
+          f"({rec['exchange']['useful_GBps']:.1f} GB/s useful); CAD fwd+bwd keep "
+          f"{rec['cad_keep_fwd_bwd']['median_s'] * 1e3:.1f} ms, resend "
+          f"{rec['cad_resend_fwd_bwd']['median_s'] * 1e3:.1f} ms, no CAD "
+          f"{rec['no_cad_fwd_bwd']['median_s'] * 1e3:.1f} ms", flush=True)
+    padded = by
+
+  # Raw all_to_all of the exchange's padded slot buffer (same for every batch).
+  out = {"workload": name, "capacity": dataclasses.asdict(cap), "batches": rows}
+  if s > 1:
+    per_peer = int(padded["dispatch_padded"] / (s - 1) / dbytes)
+    raw = _time(raw_f, _zeros((s, s, per_peer), dtype, row_sh), iters=a.iters)
+    raw["GBps"] = padded["dispatch_padded"] / raw["median_s"] / 1e9
+    raw["bytes"] = padded["dispatch_padded"]
+    out["raw_a2a_padded_exchange_buffer"] = raw
+  # Memory and structure of keep vs resend.
+  plan = jax.device_put(dispatch.host_plan(layouts[0], spec, tolerance=a.tolerance,
+                                           min_shard=min_shard, **byte_model).packed, plan_sh)
+  for mode, (_, fwd_bwd_f) in modes.items():
+    jaxpr = jax.make_jaxpr(fwd_bwd_f)(q, k, v, plan, ct).jaxpr
+    out[f"cad_{mode}_memory"] = _memory(fwd_bwd_f, q, k, v, plan, ct)
+    out[f"cad_{mode}_structure"] = {"all_to_all": _count_all_to_all(jaxpr),
+                                    "kernel_forward_calls": _count_kernel_forwards(jaxpr)}
+  out["capacity_memory_bytes"] = cap.memory_bytes(s, q_heads=h, kv_heads=kh, head_dim=d,
+                                                  dtype_bytes=dbytes)
+  return out
+
+
+def _markdown(res: dict) -> str:
+  mb = 2**20
+
+  def fmt(x):
+    return f"{x:.3g}"
+
+  lines = [f"# CAD data plane benchmark ({res['date']})", "",
+           f"Command: `{res['command']}`", "",
+           f"Device: {res['devices']} x {res['device_kind']} ({res['backend']}); mesh data="
+           f"{res['servers']}; tokens per device {res['tokens_per_rank']}; heads "
+           f"{res['heads']}/{res['kv_heads']} x {res['head_dim']} {res['dtype']}; kernel "
+           f"`{res['kernel']}`; tolerance {res['tolerance']}. Times: median of {res['iters']}.",
+           ""]
+  for w in res["workloads"]:
+    lines += [f"## {w['workload']}", "", f"Capacity: `{w['capacity']}`", "",
+              "| batch | imbalance | useful Q+K+V MB/dev | padded MB/dev | exchange ms | "
+              "useful GB/s | raw a2a GB/s (same bytes) | fraction | return ms | return GB/s | "
+              "return fraction |", "|" + "---|" * 11]
+    for r in w["batches"]:
+      ex, rt = r["exchange"], r["return"]
+      raw = r.get("raw_a2a_exchange_same_bytes", {}).get("GBps", float("nan"))
+      lines.append(
+          f"| {r['batch']} | {r['imbalance_before']:.2f} -> {r['imbalance_after']:.2f} | "
+          f"{fmt(r['bytes_dispatch_useful'] / mb)} | {fmt(r['bytes_dispatch_padded'] / mb)} | "
+          f"{fmt(ex['median_s'] * 1e3)} | {fmt(ex['useful_GBps'])} | {fmt(raw)} | "
+          f"{ex.get('fraction_of_raw', float('nan')):.2f} | {fmt(rt['median_s'] * 1e3)} | "
+          f"{fmt(rt['useful_GBps'])} | {rt.get('fraction_of_raw', float('nan')):.2f} |")
+    if "raw_a2a_padded_exchange_buffer" in w:
+      raw = w["raw_a2a_padded_exchange_buffer"]
+      lines += ["", f"Raw all_to_all of the padded exchange buffer ({fmt(raw['bytes'] / mb)} MB "
+                f"off-device per device): {fmt(raw['median_s'] * 1e3)} ms, "
+                f"{fmt(raw['GBps'])} GB/s."]
+    lines += ["", "Per-layer attention time (ms; CAD = plan's exchange + fused kernel + return; "
+              "no CAD = each device's own documents, same kernel, the slowest device sets the "
+              "time):", "",
+              "| batch | CAD fwd keep | CAD fwd+bwd keep | CAD fwd resend | CAD fwd+bwd resend | "
+              "no-CAD fwd+bwd |", "|---|---|---|---|---|---|"]
+    for r in w["batches"]:
+      lines.append(
+          f"| {r['batch']} | {fmt(r['cad_keep_fwd']['median_s'] * 1e3)} | "
+          f"{fmt(r['cad_keep_fwd_bwd']['median_s'] * 1e3)} | "
+          f"{fmt(r['cad_resend_fwd']['median_s'] * 1e3)} | "
+          f"{fmt(r['cad_resend_fwd_bwd']['median_s'] * 1e3)} | "
+          f"{fmt(r['no_cad_fwd_bwd']['median_s'] * 1e3)} |")
+    lines += ["", f"Memory of the {res['layers']}-layer CAD chain's forward+backward program "
+              "(XLA buffer assignment, per device):", "",
+              "| memory mode | temp MB | all_to_alls | kernel forwards |", "|---|---|---|---|"]
+    for mode in ("keep", "resend"):
+      m, st = w[f"cad_{mode}_memory"], w[f"cad_{mode}_structure"]
+      lines.append(f"| {mode} | {fmt(m.get('temp_size_in_bytes', float('nan')) / mb)} | "
+                   f"{st['all_to_all']} | {st['kernel_forward_calls']} |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+def main(a) -> None:
+  devices = jax.devices()
+  mesh = Mesh(np.asarray(devices), (AXIS,), axis_types=(AxisType.Auto,))
+  dtype = jnp.dtype(a.dtype)
+  kernel = _pick_kernel(a, dtype)
+  res = {"command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
+         "date": datetime.datetime.now().isoformat(timespec="seconds"),
+         "backend": jax.default_backend(), "devices": len(devices),
+         "device_kind": devices[0].device_kind, "servers": len(devices),
+         "tokens_per_rank": a.tokens_per_rank, "heads": a.heads, "kv_heads": a.kv_heads,
+         "head_dim": a.head_dim, "dtype": dtype.name, "kernel": kernel,
+         "tolerance": a.tolerance, "iters": a.iters, "layers": a.layers, "tiny": a.tiny,
+         "workloads": []}
+  for name in a.workloads.split(","):
+    res["workloads"].append(run_workload(name, a, mesh, kernel, dtype))
+  os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+  with open(a.out + ".json", "w") as f:
+    json.dump(res, f, indent=1, default=str)
+  md = _markdown(res)
+  with open(a.out + ".md", "w") as f:
+    f.write(md + "\n")
+  print(md)
+  print(f"wrote {a.out}.json and {a.out}.md")
+
+
+if __name__ == "__main__":
+  main(ARGS)

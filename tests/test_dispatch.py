@@ -1,0 +1,362 @@
+"""CAD data plane on 8 fake CPU devices: outputs and gradients equal per-document attention.
+
+Every comparison is against each document's causal attention computed alone (dense, float32, one
+device), on random layouts from both workloads (documents spanning ranks, a rank holding one huge
+document, padding) and random plans with tolerance in [0, 0.3].
+"""
+
+import collections
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from distca_jax import attention as attn_lib
+from distca_jax import configs_io, dispatch, trainer
+from distca_jax import scheduler as sc
+from distca_jax import sharding as shard_lib
+from distca_jax.data import make_source
+from distca_jax.data.workloads import WorkloadSampler
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+S, T, H, KH, D = 8, 128, 4, 2, 16
+# Fixed buffers for every layout below (flat layouts whose documents span all ranks need
+# kv_tokens >= S * T on the server computing a document's last rows; twice that lets mirrored
+# pieces of one all-rank document balance).
+CAP = sc.Capacity(q_slot=T // 2, kv_slot=T, q_tokens=3 * T // 2, kv_tokens=2 * S * T, tasks=48)
+SPEC = dispatch.PlanSpec(num_servers=S, tokens_per_row=T, rows_per_device=1, capacity=CAP)
+ATOL, RTOL = 2e-5, 2e-4
+
+
+def _mesh(data=S, tensor=1):
+  devs = np.asarray(jax.devices()[:data * tensor]).reshape(data, tensor)
+  return jax.sharding.Mesh(devs, ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _segments(doc_lens, rows, t):
+  """[1, rows * t] segment ids of a flat or per-row layout (each document its own id)."""
+  lens, starts = sc.parse_layout(doc_lens, rows, t)
+  seg = np.zeros(rows * t, np.int32)
+  for j, (g, n) in enumerate(zip(starts.tolist(), lens.tolist())):
+    seg[g:g + n] = j + 1
+  return seg[None]
+
+
+@jax.jit
+def _reference(q, k, v, seg, ct):
+  """Each document alone: dense masked attention over all ranks' tokens as one row, and its VJP."""
+  b, t = q.shape[:2]
+  flat = lambda x: x.reshape((1, b * t) + x.shape[2:])
+  layout = attn_lib.Layout(seg, jnp.zeros_like(seg))
+
+  def f(q, k, v):
+    o = attn_lib.dense_reference(flat(q), flat(k), flat(v), layout, softmax_scale=D**-0.5)
+    return o.reshape(q.shape)
+
+  o, vjp = jax.vjp(f, q, k, v)
+  return (o, *vjp(ct))
+
+
+def _inputs(rng, rows=S, t=T):
+  q = rng.standard_normal((rows, t, H, D), np.float32)
+  k = rng.standard_normal((rows, t, KH, D), np.float32)
+  v = rng.standard_normal((rows, t, KH, D), np.float32)
+  ct = rng.standard_normal((rows, t, H, D), np.float32)
+  return q, k, v, ct
+
+
+def _make_run(mesh, spec, trace_counter=None, head_axis=None, **options):
+  """jit(output and VJP of dispatch_attention); the plan is an argument (one trace)."""
+
+  def run(q, k, v, plan, ct):
+    if trace_counter is not None:
+      trace_counter.append(1)
+    o, vjp = jax.vjp(lambda q, k, v: dispatch.dispatch_attention(
+        q, k, v, plan, spec, mesh=mesh, head_axis=head_axis, **options), q, k, v)
+    return (o, *vjp(ct))
+
+  qkv = NamedSharding(mesh, P("data", None, head_axis, None))
+  return jax.jit(run, in_shardings=(qkv, qkv, qkv, NamedSharding(mesh, P("data", None)), qkv))
+
+
+def _layouts(seed):
+  """(name, doc_lens, tolerance) cases: both workloads, per rank and flat, hand-made extremes."""
+  rng = np.random.default_rng(seed)
+  eps = [0.0, 0.3] + list(rng.uniform(0.0, 0.3, 6))
+  out = []
+  for i, name in enumerate(("pretrain", "prolong")):
+    ws = WorkloadSampler(name, T, seed=int(rng.integers(1 << 20)))
+    out.append((f"{name}-per-rank", ws.step_doclens(int(rng.integers(100)), S), eps[i]))
+    wide = WorkloadSampler(name, T, seed=int(rng.integers(1 << 20)), context_length=4 * T)
+    out.append((f"{name}-flat", wide.flat_doclens(int(rng.integers(100)), S), eps[2 + i]))
+  # One rank holding one huge document (the whole rank), the others short documents + padding.
+  nested = [list(rng.integers(1, 24, size=int(rng.integers(1, 5)))) for _ in range(S)]
+  nested[int(rng.integers(S))] = [T]
+  out.append(("huge-rank", [[int(x) for x in r] for r in nested], eps[4]))
+  # A document spanning five ranks, short documents around it, a padded tail.
+  short = [int(x) for x in rng.integers(1, 40, size=6)]
+  out.append(("span-5-ranks", short[:3] + [5 * T + 17] + short[3:], eps[5]))
+  # Half-empty ranks (padding in the middle of the global token range).
+  nested = [[int(x) for x in rng.integers(1, 30, size=int(rng.integers(0, 4)))] for _ in range(S)]
+  out.append(("sparse", nested, eps[6]))
+  # Everything in one document: all servers share its work.
+  out.append(("one-doc", [S * T], eps[7]))
+  return out
+
+
+def _check(got, want, what):
+  for g, w, n in zip(got, want, ("o", "dq", "dk", "dv")):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=ATOL, rtol=RTOL,
+                               err_msg=f"{what}: {n}")
+
+
+def test_outputs_and_grads_equal_per_document_attention_single_trace():
+  mesh = _mesh()
+  traces = []
+  run = _make_run(mesh, SPEC, trace_counter=traces)
+  seed = int(np.random.default_rng().integers(1 << 30))
+  rng = np.random.default_rng(seed)
+  moves = split_docs = 0
+  packed = []
+  for name, doc_lens, eps in _layouts(seed):
+    hp = dispatch.host_plan(doc_lens, SPEC, tolerance=float(eps), q_heads=H, kv_heads=KH,
+                            head_dim=D, dtype_bytes=4)
+    q, k, v, ct = _inputs(rng)
+    got = run(q, k, v, hp.packed, ct)
+    want = _reference(q, k, v, _segments(doc_lens, S, T), ct)
+    _check(got, want, f"{name} eps={eps:.3f} seed={seed} {hp.plan.summary()}")
+    pad = _segments(doc_lens, S, T).reshape(S, T) == 0
+    assert not np.asarray(got[0])[pad].any() and not np.asarray(got[1])[pad].any()
+    moves += hp.plan.num_moves
+    per_doc = collections.Counter(hp.plan.tasks[:, 0].tolist())
+    split_docs += sum(1 for d, n in per_doc.items()
+                      if len(set(hp.plan.tasks[hp.plan.tasks[:, 0] == d, 3].tolist())) > 1)
+    packed.append(hp.packed)
+  # The plans really moved work and split documents over servers; one trace served them all.
+  assert moves >= 10 and split_docs >= 5, (moves, split_docs)
+  assert len(traces) == 1
+  assert all(not np.array_equal(packed[0], p) for p in packed[1:])
+
+
+def test_notebook_entry_flat_and_per_rank_with_grads():
+  mesh = _mesh()
+  rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+  q, k, v, ct = _inputs(rng)
+  sh = NamedSharding(mesh, P("data"))
+  doc_lens = [40, 3 * T + 5, 77, 200, 9]  # flat, spanning ranks, padded tail
+
+  @jax.jit
+  def grads(q, k, v, ct):
+    o, vjp = jax.vjp(lambda q, k, v: dispatch.core_attention(q, k, v, doc_lens, mesh,
+                                                             tolerance=0.05), q, k, v)
+    return (o, *vjp(ct))
+
+  got = grads(*(jax.device_put(x, sh) for x in (q, k, v, ct)))
+  _check(got, _reference(q, k, v, _segments(doc_lens, S, T), ct), "notebook flat")
+  # Per-rank lists, eager call (jitted inside), and the log-sum-exp.
+  nested = [[T], [60, 60], [5], [], [128], [1, 2, 3], [100], [127]]
+  o, lse, hp = dispatch.core_attention(*(jax.device_put(x, sh) for x in (q, k, v)), nested, mesh,
+                                       tolerance=0.0, return_lse=True, return_plan=True)
+  want_o, want_lse = sc.reference_document_attention(nested, q, k, v)
+  np.testing.assert_allclose(np.asarray(o), want_o, atol=ATOL, rtol=RTOL)
+  seg = _segments(nested, S, T).reshape(S, T)
+  lse = np.asarray(lse)
+  np.testing.assert_allclose(lse[seg > 0], want_lse[seg > 0], atol=ATOL, rtol=RTOL)
+  assert np.isneginf(lse[seg == 0]).all()
+  assert hp.plan.num_moves > 0
+
+
+def _count_prims(jaxpr, names, acc=None):
+  acc = collections.Counter() if acc is None else acc
+  for e in jaxpr.eqns:
+    if e.primitive.name in names:
+      acc[e.primitive.name] += 1
+    if e.primitive.name == "pallas_call":
+      acc[str(e.params["name"])] += 1
+    for p in e.params.values():
+      for sub in p if isinstance(p, (list, tuple)) else [p]:
+        if hasattr(sub, "eqns"):
+          _count_prims(sub, names, acc)
+        elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+          _count_prims(sub.jaxpr, names, acc)
+  return acc
+
+
+@pytest.mark.parametrize("kernel", ["reference", "pallas"])
+def test_resend_equals_keep_and_resends_in_the_backward(kernel):
+  mesh = _mesh()
+  seed = int(np.random.default_rng().integers(1 << 30))
+  rng = np.random.default_rng(seed)
+  name, doc_lens, eps = _layouts(seed)[int(rng.integers(8))]
+  hp = dispatch.host_plan(doc_lens, SPEC, tolerance=float(eps))
+  q, k, v, ct = _inputs(rng)
+  opts = dict(kernel=kernel)
+  if kernel == "pallas":
+    opts["kernel_options"] = {"interpret": True}
+  keep = _make_run(mesh, SPEC, memory_mode="keep", **opts)
+  resend = _make_run(mesh, SPEC, memory_mode="resend", **opts)
+  want = _reference(q, k, v, _segments(doc_lens, S, T), ct)
+  if kernel == "reference":  # (keep with the Pallas kernel: see the pytest above for 'reference')
+    _check(keep(q, k, v, hp.packed, ct), want, f"{kernel} keep {name} seed={seed}")
+  _check(resend(q, k, v, hp.packed, ct), want, f"{kernel} resend {name} seed={seed}")
+
+  # Keep: 2 all-to-alls forward (Q/K/V out, O back) + their 2 transposes. Resend also re-sends
+  # Q/K/V in the backward (one more), and never reruns the Pallas forward kernel.
+  counts = {}
+  for mode, fn in (("keep", keep), ("resend", resend)):
+    jaxpr = jax.make_jaxpr(fn)(q, k, v, hp.packed, ct).jaxpr
+    counts[mode] = _count_prims(jaxpr, {"all_to_all"})
+  assert counts["keep"]["all_to_all"] == 4, counts
+  assert counts["resend"]["all_to_all"] == 5, counts
+  if kernel == "pallas":
+    for mode in ("keep", "resend"):
+      assert counts[mode]["varlen_attention_fwd"] == 1, counts
+      assert counts[mode]["varlen_attention_dkv"] == 1, counts
+
+
+def test_rows_per_device_with_inner_padding_and_tensor_heads():
+  """data=4 x tensor=2, two rows per device, rows padded inside a device's token range."""
+  mesh = _mesh(data=4, tensor=2)
+  rows, r = 8, 2
+  spec = dispatch.PlanSpec(num_servers=4, tokens_per_row=T, rows_per_device=r,
+                           capacity=dispatch.resolve_capacity(None, r * T, r))
+  seed = int(np.random.default_rng().integers(1 << 30))
+  rng = np.random.default_rng(seed)
+  per_row = [[int(x) for x in rng.integers(1, 50, size=int(rng.integers(0, 4)))]
+             for _ in range(rows)]
+  per_row[3] = [T]
+  per_row[6] = [90, 38]
+  hp = dispatch.host_plan(per_row, spec, tolerance=0.0, min_shard=8)
+  assert hp.plan.num_moves > 0
+  q, k, v, ct = _inputs(rng, rows=rows)
+  run = _make_run(mesh, spec, head_axis="tensor")
+  got = run(q, k, v, hp.packed, ct)
+  _check(got, _reference(q, k, v, _segments(per_row, rows, T), ct), f"R=2 TP=2 seed={seed}")
+
+
+def test_suggested_config_caps_fit_the_run_batches():
+  c = _tiny_config("distca", 4, 2, 0, rows_per_rank=4, nano_batches=2)
+  caps = dispatch.suggest_config_capacity(c, num_batches=6, data=4)
+  for k, v in caps.items():
+    c.attention.distca[k] = v
+  backend = trainer.make_backend(c)
+  src = make_source(c.data, rows=16, tokens_per_row=c.tokens_per_rank,
+                    vocab_size=c.model.vocab_size, seed=c.seed)
+  spec = dispatch.PlanSpec(4, c.tokens_per_rank, 2, sc.Capacity(**caps))
+  for step in range(6):
+    plan = backend.host_prepare(src.doclens(step), c.tokens_per_rank)[dispatch.PLAN_KEY]
+    assert plan.shape == (16, spec.width) and plan.dtype == np.int32
+
+
+def test_errors_name_the_fix():
+  with pytest.raises(ValueError, match="memory_mode"):
+    dispatch.make_backend(memory_mode="forget")
+  with pytest.raises(ValueError, match="kernel"):
+    dispatch.make_backend(kernel="cudnn")
+  with pytest.raises(ValueError, match="q_tokens"):
+    dispatch.make_backend(q_tokens=-1)
+  tight = dispatch.PlanSpec(num_servers=2, tokens_per_row=64, rows_per_device=1,
+                            capacity=sc.Capacity(q_slot=8, kv_slot=8, q_tokens=64,
+                                                 kv_tokens=64, tasks=2))
+  with pytest.raises(ValueError, match="tasks"):
+    dispatch.host_plan([[10, 10, 10], [5]], tight)
+  backend = dispatch.make_backend(rows_per_rank=2)
+  with pytest.raises(ValueError, match="rows_per_rank=2"):
+    backend.host_prepare([[4], [4], [4]], 16)
+  with pytest.raises(ValueError, match="nano_batches"):
+    dispatch.make_backend(rows_per_rank=3, nano_batches=2)
+  with pytest.raises(ValueError, match="host_prepare"):
+    q = jnp.zeros((1, 8, H, D))
+    backend.fn(q, q, q, attn_lib.Layout(jnp.ones((1, 8), jnp.int32), jnp.zeros((1, 8), jnp.int32)),
+               softmax_scale=1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Train step with the 'distca' backend.
+# ---------------------------------------------------------------------------------------------
+def _tiny_config(backend, data, tensor, seed, rows_per_rank=None, nano_batches=1):
+  c = configs_io.load_config(os.path.join(ROOT, "configs", "tiny_cpu.py"))
+  c.model.n_layers = 2
+  c.model.n_heads, c.model.n_kv_heads, c.model.head_dim = 4, 2, 16
+  c.model.dim = 64
+  c.model.mlp_dim = 128
+  c.model.loss_chunk = 64
+  c.tokens_per_rank = 64
+  c.rows_per_rank = rows_per_rank or 8 // data
+  c.attention.nano_batches = nano_batches
+  c.attention.block_q = 16
+  c.attention.block_k = 32
+  c.attention.backend = backend
+  c.attention.distca.tolerance = 0.05
+  c.mesh.data, c.mesh.tensor = data, tensor
+  c.data.context_length = 256  # documents up to a few rows long, cut at row boundaries
+  c.seed = seed
+  return c
+
+
+def _grad_fn(c, mesh, backend, traces=None):
+  model = trainer.make_model(c, backend)
+
+  def f(params, batch):
+    if traces is not None:
+      traces.append(1)
+    total, count = model.apply({"params": params}, batch["inputs"], batch["targets"],
+                               batch["loss_mask"], trainer.layout_of(batch), method=model.loss)
+    return total / count
+
+  return jax.jit(jax.value_and_grad(f))
+
+
+@pytest.mark.parametrize("data,tensor,rows_per_rank,nano_batches", [(8, 1, 1, 1), (4, 2, 4, 2)])
+def test_train_loss_and_grads_distca_equal_local(data, tensor, rows_per_rank, nano_batches):
+  """Two batches per mesh: equal loss and gradients, and one trace of the distca step.
+
+  data=4 x tensor=2 runs ping-pong (two nano-batches of two rows per rank, each planned apart).
+  """
+  seed = int(np.random.default_rng().integers(1 << 30))
+  c_local = _tiny_config("local", data, tensor, seed, rows_per_rank, nano_batches)
+  c_cad = _tiny_config("distca", data, tensor, seed, rows_per_rank, nano_batches)
+  mesh = shard_lib.make_mesh(data=data, tensor=tensor, devices=jax.devices()[:data * tensor])
+  cad = trainer.make_backend(c_cad)
+  local = trainer.make_backend(c_local)
+  # The backend has no parameters: one state serves both models.
+  params = trainer.create_train_state(c_local, trainer.make_model(c_local, local),
+                                      trainer.make_optimizer(c_local), mesh).params
+  src = make_source(c_cad.data, rows=data * rows_per_rank, tokens_per_row=c_cad.tokens_per_rank,
+                    vocab_size=c_cad.model.vocab_size, seed=seed)
+  traces = []
+  with trainer.mesh_context(mesh):
+    f_local = _grad_fn(c_local, mesh, local)
+    f_cad = _grad_fn(c_cad, mesh, cad, traces)
+    plans = []
+    for step in np.random.default_rng(seed).choice(1000, size=2, replace=False).tolist():
+      batch = trainer.add_host_plan(src.batch(step), cad, src.doclens(step), c_cad.tokens_per_rank)
+      plans.append(batch["extra/" + dispatch.PLAN_KEY])
+      loss_l, g_l = f_local(params, trainer.device_batch(src.batch(step), mesh))
+      loss_c, g_c = f_cad(params, trainer.device_batch(batch, mesh))
+      assert np.isfinite(float(loss_l)) and float(loss_l) > 1.0
+      np.testing.assert_allclose(float(loss_c), float(loss_l), rtol=1e-5)
+      flat_l, flat_c = jax.tree.leaves(g_l), jax.tree.leaves(g_c)
+      assert len(flat_l) == len(flat_c)
+      for a, b in zip(flat_l, flat_c):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-4, atol=2e-6)
+  assert not np.array_equal(plans[0], plans[1])
+  assert len(traces) == 1
+
+
+def test_train_and_evaluate_with_distca_compiles_once(tmp_path, monkeypatch):
+  """The real job (Prefetcher -> host_prepare -> jitted step) over different batches, one trace."""
+  c = _tiny_config("distca", 8, 1, int(np.random.default_rng().integers(1 << 30)))
+  c.rows_per_rank = 2  # 16 rows: two per device
+  c.num_steps, c.log_every, c.checkpoint_every, c.tensorboard = 3, 1, 0, False
+  c.optim.warmup_steps = 1
+  make_step = trainer.make_train_step
+  monkeypatch.setattr(trainer, "make_train_step",
+                      lambda *a: chex.assert_max_traces(make_step(*a), n=1))
+  records = trainer.train_and_evaluate(c, str(tmp_path))
+  assert [r["step"] for r in records] == [1, 2, 3]
+  assert all(np.isfinite(r["loss"]) and r["loss"] > 1.0 for r in records)

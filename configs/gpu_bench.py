@@ -3,8 +3,9 @@
 Run (one or two GPUs; every visible GPU goes on `data`):
   python -m distca_jax.train --config configs/gpu_bench.py --workdir /tmp/distca_bench
 
-Expect: steps of the real 8B layer shapes (4 of 32 layers) on Pretrain-workload documents, with
-tokens/s and MFU (document-masked FLOPs) printed every 5 steps; loss falls from about 11.8.
+Expect: steps of the real 8B layer shapes (4 of 32 layers) on Pretrain-workload documents with
+CAD (`distca`, FlashAttention-3 kernel: pip install -e ".[gpu]"), with
+tokens/s and MFU (document-masked FLOPs) printed every 5 steps; loss starts near 12.6 and falls.
 """
 
 import importlib.util
@@ -29,4 +30,7 @@ def get_config():
   c.log_every = 5
   c.checkpoint_every = 0
   c.optim.warmup_steps = 5
+  c.attention.backend = "distca"           # CAD; compare: packed_dp, cp, wlb, local
+  c.attention.distca.kernel = "flash3"     # FlashAttention-3 (pip install -e ".[gpu]")
+  c.attention.baselines.kernel = "flash3"
   return c

@@ -12,12 +12,12 @@ from __future__ import annotations
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 from distca_jax import config as config_lib
 from distca_jax import sharding as shard_lib
 from distca_jax import trainer
+from distca_jax.data import make_source
 
 
 def compile_train_step(c: ml_collections.ConfigDict, devices=None):
@@ -25,17 +25,21 @@ def compile_train_step(c: ml_collections.ConfigDict, devices=None):
   config_lib.validate(c)
   mesh = shard_lib.make_mesh(data=c.mesh.data, tensor=c.mesh.tensor, pipe=c.mesh.pipe,
                              devices=devices)
-  model = trainer.make_model(c)
+  backend = trainer.make_backend(c)
+  model = trainer.make_model(c, backend)
   tx = trainer.make_optimizer(c)
   abstract_state, state_sh = trainer.state_shardings(c, model, tx, mesh)
   rows = mesh.shape["data"] * c.rows_per_rank
-  bsh = shard_lib.batch_sharding(mesh)
-  batch = {k: jax.ShapeDtypeStruct((rows, c.tokens_per_rank),
-                                   jnp.float32 if k == "loss_mask" else jnp.int32, sharding=bsh)
-           for k in trainer.BATCH_KEYS}
+  # Batch shapes (a backend's plan arrays included) from one real host batch: cheap, and the
+  # shapes never depend on the batch.
+  source = make_source(c.data, rows=rows, tokens_per_row=c.tokens_per_rank,
+                       vocab_size=model.cfg.vocab_size, seed=c.seed)
+  np_batch = trainer.add_host_plan(source.batch(0), backend, source.doclens(0), c.tokens_per_rank)
+  sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for k, a in np_batch.items()}
   t0 = time.time()
   with trainer.mesh_context(mesh):
-    step = trainer.jit_train_step(c, model, tx, mesh, state_sh)
+    step = trainer.jit_train_step(c, model, tx, mesh, state_sh, tuple(batch))
     lowered = step.lower(abstract_state, batch)
   t1 = time.time()
   compiled = lowered.compile()

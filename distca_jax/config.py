@@ -52,6 +52,10 @@ def base_config() -> ml_collections.ConfigDict:
                                           # 'pallas' (interpret mode on CPU), 'flash3' (Hopper)
   c.attention.distca.memory_mode = "keep" # 'keep': servers keep received Q/K/V for the
                                           # backward; 'resend': they are re-sent (recomputed)
+  c.attention.distca.cost_table = ""      # optional JSON of measured kernel time over (q_len,
+                                          # kv_len) from experiments/cost_table.py (e.g.
+                                          # results/cost_table_flash3_h200.json); plans then also
+                                          # predict per-server time (balancing stays in pairs)
   # Baselines (distca_jax/baselines): 'packed_dp' (each rank its own documents, one fused varlen
   # call), 'cp' (per-sequence context parallelism: groups of cp_size consecutive data ranks, head-
   # tail chunks, K/V all-gathered) and 'wlb' (WLB-LLM packing over DP groups + per-document CP).

@@ -628,7 +628,8 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
                  rows_per_rank: int = 1, nano_batches: int = 1,
                  q_heads: int = sc.DEFAULT_Q_HEADS, kv_heads: int = sc.DEFAULT_KV_HEADS,
                  head_dim: int = sc.DEFAULT_HEAD_DIM, dtype_bytes: int = sc.DEFAULT_DTYPE_BYTES,
-                 data_axis: str = "data", head_axis: str | None = "tensor") -> attn_lib.Backend:
+                 data_axis: str = "data", head_axis: str | None = "tensor",
+                 cost_table: str = "") -> attn_lib.Backend:
   """The ``distca`` core-attention backend (options: ``config.attention.distca`` + model shapes).
 
   ``host_prepare(doclens, tokens_per_row)`` plans each batch on the input thread (one list of
@@ -673,7 +674,7 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
       # Nano-batch i: rows [i rn, (i + 1) rn) of every device's block (model.split_rows).
       sel = _nano_batch_rows(s, r, n, i)
       hp = host_plan([list(doclens[x]) for x in sel], spec, tolerance=tolerance,
-                     min_shard=min_shard or None, **byte_model)
+                     min_shard=min_shard or None, cost_model=cost_table or None, **byte_model)
       out[:, i * rn:(i + 1) * rn] = hp.packed.reshape(s, rn, spec.width)
     return {PLAN_KEY: out.reshape(rows, spec.width)}
 

@@ -231,7 +231,7 @@ def test_rows_per_device_with_inner_padding_and_tensor_heads():
   per_row[3] = [T]
   per_row[6] = [90, 38]
   hp = dispatch.host_plan(per_row, spec, tolerance=0.0, min_shard=8)
-  assert hp.plan.num_moves > 0
+  assert hp.plan.num_moves > 0, f"no moves for {per_row=} (seed={seed})"
   q, k, v, ct = _inputs(rng, rows=rows)
   run = _make_run(mesh, spec, head_axis="tensor")
   got = run(q, k, v, hp.packed, ct)
@@ -360,3 +360,23 @@ def test_train_and_evaluate_with_distca_compiles_once(tmp_path, monkeypatch):
   records = trainer.train_and_evaluate(c, str(tmp_path))
   assert [r["step"] for r in records] == [1, 2, 3]
   assert all(np.isfinite(r["loss"]) and r["loss"] > 1.0 for r in records)
+
+
+def test_config_cost_table_reaches_the_planner(monkeypatch):
+  """attention.distca.cost_table is loaded and handed to the scheduler for every plan."""
+  import os
+  from distca_jax import scheduler as sc
+  from distca_jax import dispatch as dispatch_lib
+  seen = []
+  real = sc.schedule
+
+  def spy(*a, **kw):
+    seen.append(kw.get("cost_model"))
+    return real(*a, **kw)
+
+  monkeypatch.setattr(sc, "schedule", spy)
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
+                      "cost_table_flash3_h200.json")
+  backend = dispatch_lib.make_backend(cost_table=path, q_heads=4, kv_heads=2, head_dim=16)
+  backend.host_prepare([[100, 28], [60, 60, 8]], 128)
+  assert seen and all(s == path for s in seen)

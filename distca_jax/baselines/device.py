@@ -78,8 +78,10 @@ def packed_dp_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout
                            softmax_scale=softmax_scale)
     return o.reshape(r, t, h, d)
 
+  # check_vma=False: kernel primitives (pallas_call, flash3's FFI custom_vjp) carry no
+  # varying-manual-axes types; with checking on, flash3's backward fails type matching on GPUs.
   return jax.shard_map(per_rank, in_specs=(spec, spec, spec, P(DATA_AXIS, None)),
-                       out_specs=spec)(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, doc_lens_BxN)
+                       out_specs=spec, check_vma=False)(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, doc_lens_BxN)
 
 
 def group_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *,
@@ -125,6 +127,7 @@ def group_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *,
     return jnp.stack(outs)
 
   table = P(DATA_AXIS, None)
+  # check_vma=False: see packed_dp_attention.
   return jax.shard_map(per_rank, in_specs=(spec, spec, spec, table, table, table),
-                       out_specs=spec)(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, kv_index_BxU, cu_q_BxN1,
+                       out_specs=spec, check_vma=False)(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, kv_index_BxU, cu_q_BxN1,
                                        cu_k_BxN1)

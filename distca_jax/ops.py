@@ -25,12 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from custom_ops import varlen_attention as va
+from distca_jax import scheduler
 
 BACKENDS = ("reference", "pallas", "flash3")
 FLASH3_PIP_SPEC = "flash-attn3-jax==0.2.3"
 FLASH3_HEAD_DIMS = (128,)  # the head dims the published wheel was built for
 # Kernel backward cost over forward cost (the backward recomputes QK^T): fwd+bwd = 3.5x forward.
-BACKWARD_FLOPS_RATIO = 2.5
+BACKWARD_FLOPS_RATIO = scheduler.BWD_FWD_RATIO  # one place holds it: the scheduler
 
 
 class BackendUnavailableError(RuntimeError):

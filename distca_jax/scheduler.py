@@ -1443,11 +1443,11 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
   sel = row_of[p_srv] >= 0
   r_ = row_of[p_srv[sel]]
   val0 = np.where(p_cross[sel], t + p_own[sel] * cq + p_pos[sel], p_s[sel] % t)
-  q_attn_idx.reshape(-1)[_ranges(r_ * nq + p_attn[sel], p_len[sel])] = _ranges(val0, p_len[sel])
+  q_attn_idx.reshape(-1)[ranges(r_ * nq + p_attn[sel], p_len[sel])] = ranges(val0, p_len[sel])
   selc = sel & p_cross
   r_ = row_of[p_srv[selc]]
-  o_send_idx.reshape(-1)[_ranges((r_ * s + p_own[selc]) * cq + p_pos[selc], p_len[selc])] = (
-      _ranges(p_attn[selc], p_len[selc]))
+  o_send_idx.reshape(-1)[ranges((r_ * s + p_own[selc]) * cq + p_pos[selc], p_len[selc])] = (
+      ranges(p_attn[selc], p_len[selc]))
   # Each task's keys [0, b) of its document, cut at rank boundaries; a cross-rank piece starts
   # where the (server, document, owner) KV slot piece starts, so it inherits that slot position.
   tsel = np.flatnonzero(row_of[srv] >= 0)
@@ -1462,7 +1462,7 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
   k_upos = u_pos[u_order[np.searchsorted(u_key[u_order], k_key)]] if kt.size else k_key
   val0 = np.where(k_cross, t + k_own * ckv + k_upos, k_s % t)
   dst0 = row_of[k_srv] * nkv + k_off[kt] + (k_s - g_doc[doc[kt]])
-  kv_attn_idx.reshape(-1)[_ranges(dst0, k_e - k_s)] = _ranges(val0, k_e - k_s)
+  kv_attn_idx.reshape(-1)[ranges(dst0, k_e - k_s)] = ranges(val0, k_e - k_s)
   for d in ranks_arr.tolist():
     r = row_of[d]
     lo_t, n_task = int(first_task[d]), int(num_tasks[d])
@@ -1475,16 +1475,16 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
   osel = row_of[p_own] >= 0
   ro = row_of[p_own[osel]]
   val0 = np.where(p_cross[osel], nq + p_srv[osel] * cq + p_pos[osel], p_attn[osel])
-  o_local_idx.reshape(-1)[_ranges(ro * t + p_s[osel] % t, p_len[osel])] = (
-      _ranges(val0, p_len[osel]))
+  o_local_idx.reshape(-1)[ranges(ro * t + p_s[osel] % t, p_len[osel])] = (
+      ranges(val0, p_len[osel]))
   osel &= p_cross
   ro = row_of[p_own[osel]]
-  q_send_idx.reshape(-1)[_ranges((ro * s + p_srv[osel]) * cq + p_pos[osel], p_len[osel])] = (
-      _ranges(p_s[osel] % t, p_len[osel]))
+  q_send_idx.reshape(-1)[ranges((ro * s + p_srv[osel]) * cq + p_pos[osel], p_len[osel])] = (
+      ranges(p_s[osel] % t, p_len[osel]))
   usel = (row_of[u_own] >= 0) & u_cross
   ro = row_of[u_own[usel]]
-  kv_send_idx.reshape(-1)[_ranges((ro * s + u_psrv[usel]) * ckv + u_pos[usel], u_len[usel])] = (
-      _ranges(u_s[usel] % t, u_len[usel]))
+  kv_send_idx.reshape(-1)[ranges((ro * s + u_psrv[usel]) * ckv + u_pos[usel], u_len[usel])] = (
+      ranges(u_s[usel] % t, u_len[usel]))
   return PlanMetadata(q_send_idx=q_send_idx, kv_send_idx=kv_send_idx, q_attn_idx=q_attn_idx,
                       kv_attn_idx=kv_attn_idx, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                       o_send_idx=o_send_idx, o_local_idx=o_local_idx, q_send_len=q_send_len,
@@ -1527,7 +1527,7 @@ def _slot_positions(server: np.ndarray, owner: np.ndarray, lengths: np.ndarray,
   return pos
 
 
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
   """Concatenation of ``arange(starts[i], starts[i] + lengths[i])`` (int64)."""
   lengths = np.asarray(lengths, dtype=np.int64)
   total = int(lengths.sum())

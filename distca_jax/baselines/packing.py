@@ -35,6 +35,8 @@ from typing import Sequence
 
 import numpy as np
 
+from distca_jax import scheduler
+
 
 def check_pos_int(name: str, v, lo: int = 1) -> int:
   if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
@@ -42,14 +44,7 @@ def check_pos_int(name: str, v, lo: int = 1) -> int:
   return int(v)
 
 
-def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-  """Concatenation of ``arange(starts[i], starts[i] + lengths[i])`` (int64)."""
-  lengths = np.asarray(lengths, dtype=np.int64)
-  total = int(lengths.sum())
-  if total == 0:
-    return np.zeros(0, np.int64)
-  offs = np.cumsum(lengths) - lengths
-  return np.repeat(np.asarray(starts, np.int64) - offs, lengths) + np.arange(total)
+ranges = scheduler.ranges  # concatenated aranges; one implementation, in the scheduler
 
 
 def split_at(g0: np.ndarray, g1: np.ndarray, width: int):

@@ -471,6 +471,18 @@ def _check_options(kernel: str, memory_mode: str) -> None:
     raise ValueError(f"distca {memory_mode=}; choose one of {MEMORY_MODES}")
 
 
+def _mesh_and_servers(mesh, data_axis: str):
+  """(mesh, servers): the given mesh or the one set by `jax.set_mesh`, and its data-axis size."""
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      raise ValueError("CAD core attention needs a mesh: pass mesh= or trace under "
+                       "jax.set_mesh(mesh) (the trainer's mesh_context)")
+  if data_axis not in mesh.axis_names:
+    raise ValueError(f"{data_axis=} is not an axis of the mesh {dict(mesh.shape)}")
+  return mesh, mesh.shape[data_axis]
+
+
 def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Array,
                        plan_BxW: jax.Array, spec: PlanSpec, *, kernel: str = "reference",
                        memory_mode: str = "keep", softmax_scale: float | None = None,
@@ -496,14 +508,7 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
     O ``[B, T, H, D]`` like q (zeros at padding), or ``(O, lse)``.
   """
   _check_options(kernel, memory_mode)
-  if mesh is None:
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-      raise ValueError("dispatch_attention needs a mesh: pass mesh= or call it under "
-                       "jax.set_mesh(mesh) (the trainer's mesh_context)")
-  if data_axis not in mesh.axis_names:
-    raise ValueError(f"{data_axis=} is not an axis of the mesh {dict(mesh.shape)}")
-  s = mesh.shape[data_axis]
+  mesh, s = _mesh_and_servers(mesh, data_axis)
   b, t, h, d = q_BxTxHxD.shape
   kh = k_BxTxKxD.shape[2]
   if k_BxTxKxD.shape != (b, t, kh, d) or v_BxTxKxD.shape != k_BxTxKxD.shape:
@@ -683,13 +688,7 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
       raise ValueError(f"the 'distca' backend needs layout.extra['{PLAN_KEY}'] (got keys "
                        f"{sorted(layout.extra)}); run backend.host_prepare on the batch "
                        "(trainer.add_host_plan)")
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-      raise ValueError("the 'distca' backend runs under a mesh: trace the step inside "
-                       "trainer.mesh_context(mesh)")
-    if data_axis not in mesh.axis_names:
-      raise ValueError(f"the mesh {dict(mesh.shape)} has no {data_axis!r} axis")
-    s = mesh.shape[data_axis]
+    mesh, s = _mesh_and_servers(None, data_axis)
     if q_BxTxHxD.shape[0] != s * rn:
       raise ValueError(f"core attention got {q_BxTxHxD.shape[0]} rows on {data_axis}={s}; the "
                        f"backend was built for {rows_per_rank=} / {nano_batches=} = {rn} rows per "

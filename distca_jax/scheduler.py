@@ -1405,7 +1405,7 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
   gs = g_doc[doc] + qa
 
   # Query pieces: task query intervals cut at rank boundaries; slots per (owner, server) pair.
-  pt, p_own, p_s, p_e = _split_by_rank(gs, g_doc[doc] + qb_, t)
+  pt, p_own, p_s, p_e = split_at(gs, g_doc[doc] + qb_, t)
   p_srv = srv[pt]
   p_len = p_e - p_s
   p_attn = q_off[pt] + (p_s - gs[pt])
@@ -1426,7 +1426,7 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
     grp = np.zeros(0, np.int64)
     u_end = np.zeros(0, np.int64)
   u_srv, u_doc = srv[grp], doc[grp]
-  ut, u_own, u_s, u_e = _split_by_rank(g_doc[u_doc], g_doc[u_doc] + u_end, t)
+  ut, u_own, u_s, u_e = split_at(g_doc[u_doc], g_doc[u_doc] + u_end, t)
   u_psrv = u_srv[ut]
   u_len = u_e - u_s
   u_cross = u_own != u_psrv
@@ -1451,7 +1451,7 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
   # Each task's keys [0, b) of its document, cut at rank boundaries; a cross-rank piece starts
   # where the (server, document, owner) KV slot piece starts, so it inherits that slot position.
   tsel = np.flatnonzero(row_of[srv] >= 0)
-  kt, k_own, k_s, k_e = _split_by_rank(g_doc[doc[tsel]], g_doc[doc[tsel]] + qb_[tsel], t)
+  kt, k_own, k_s, k_e = split_at(g_doc[doc[tsel]], g_doc[doc[tsel]] + qb_[tsel], t)
   kt = tsel[kt]
   k_srv = srv[kt]
   k_cross = k_own != k_srv
@@ -1493,21 +1493,25 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
                       capacity=cap)
 
 
-def _split_by_rank(g0: np.ndarray, g1: np.ndarray, t: int):
-  """Cuts global intervals [g0, g1) at rank boundaries.
+def split_at(g0: np.ndarray, g1: np.ndarray, width: int):
+  """Cuts intervals [g0, g1) at multiples of ``width`` (rank boundaries when width = T).
 
-  Returns (interval index, owner rank, piece start, piece end), pieces in interval order.
+  Empty intervals yield no piece. Returns (interval index, block index, piece start, piece end),
+  pieces in interval order.
   """
   g0 = np.asarray(g0, np.int64)
   g1 = np.asarray(g1, np.int64)
+  keep = g1 > g0
+  g0, g1, src = g0[keep], g1[keep], np.flatnonzero(keep)
   if g0.size == 0:
     z = np.zeros(0, np.int64)
     return z, z, z, z
-  r0 = g0 // t
-  cnt = (g1 - 1) // t - r0 + 1
+  r0 = g0 // width
+  cnt = (g1 - 1) // width - r0 + 1
   idx = np.repeat(np.arange(g0.size), cnt)
-  owner = r0[idx] + (np.arange(idx.size) - np.repeat(np.cumsum(cnt) - cnt, cnt))
-  return idx, owner, np.maximum(g0[idx], owner * t), np.minimum(g1[idx], (owner + 1) * t)
+  block = r0[idx] + (np.arange(idx.size) - np.repeat(np.cumsum(cnt) - cnt, cnt))
+  return (src[idx], block, np.maximum(g0[idx], block * width),
+          np.minimum(g1[idx], (block + 1) * width))
 
 
 def _slot_positions(server: np.ndarray, owner: np.ndarray, lengths: np.ndarray,

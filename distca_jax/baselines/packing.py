@@ -47,24 +47,7 @@ def check_pos_int(name: str, v, lo: int = 1) -> int:
 ranges = scheduler.ranges  # concatenated aranges; one implementation, in the scheduler
 
 
-def split_at(g0: np.ndarray, g1: np.ndarray, width: int):
-  """Cuts intervals [g0, g1) at multiples of ``width``.
-
-  Returns (interval index, block index, piece start, piece end), pieces in interval order.
-  """
-  g0 = np.asarray(g0, np.int64)
-  g1 = np.asarray(g1, np.int64)
-  keep = g1 > g0
-  g0, g1, src = g0[keep], g1[keep], np.flatnonzero(keep)
-  if g0.size == 0:
-    z = np.zeros(0, np.int64)
-    return z, z, z, z
-  r0 = g0 // width
-  cnt = (g1 - 1) // width - r0 + 1
-  idx = np.repeat(np.arange(g0.size), cnt)
-  block = r0[idx] + (np.arange(idx.size) - np.repeat(np.cumsum(cnt) - cnt, cnt))
-  return (src[idx], block, np.maximum(g0[idx], block * width),
-          np.minimum(g1[idx], (block + 1) * width))
+split_at = scheduler.split_at  # intervals cut at multiples of a width (one implementation)
 
 
 # ----------------------------------------------------------------------------------------------

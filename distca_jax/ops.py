@@ -126,17 +126,12 @@ def _flash3(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k):
   num_k_rows = k.shape[0]
   cu_q = cu_q.astype(jnp.int32)
   cu_k = cu_k.astype(jnp.int32)
-  # Padding rows become four pseudo-tasks (queries without keys, keys without queries) so that
-  # FlashAttention-3 writes zeros there (out, dQ, dK, dV) instead of leaving them unwritten.
-  zero = jnp.zeros((1,), jnp.int32)
-  t_q = jnp.full((1,), num_q_rows, jnp.int32)
-  t_k = jnp.full((1,), num_k_rows, jnp.int32)
-  cu_q_ext = jnp.concatenate([zero, cu_q[:1], cu_q, t_q, t_q])
-  cu_k_ext = jnp.concatenate([zero, zero, cu_k, cu_k[-1:], t_k])
+  msq = max(int(max_seqlen_q or num_q_rows), 1)
+  msk = max(int(max_seqlen_k or num_k_rows), 1)
+  cu_q_ext, cu_k_ext = flash3_task_table(cu_q, cu_k, num_q_rows, num_k_rows, msq, msk)
   num_ext = cu_q_ext.shape[0] - 1
   # The bindings size the LSE buffer [tasks, H, max_seqlen_q] while FA3 writes it as [H, T].
-  msq = max(int(max_seqlen_q or num_q_rows), -(-num_q_rows // num_ext), 1)
-  msk = max(int(max_seqlen_k or num_k_rows), 1)
+  msq = max(msq, -(-num_q_rows // num_ext))
   scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
   _, _, q_valid = va.rows_to_tasks(cu_q, num_q_rows)
   # Zeroing padding query rows on the way in makes their dQ exactly 0 whatever FA3 leaves there.
@@ -148,6 +143,48 @@ def _flash3(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k):
   lse_HxT = lse_raw.reshape(-1)[: num_heads * num_q_rows].reshape(num_heads, num_q_rows)
   lse_TxH = jnp.where(q_valid[:, None], lse_HxT.T, -jnp.inf)
   return o, lse_TxH
+
+
+def _pad_chunks(lo, hi, n: int, width: int):
+  """``n + 1`` boundaries cutting rows ``[lo, hi)`` into ``n`` pieces of at most ``width``."""
+  return jnp.minimum(lo + width * jnp.arange(n + 1, dtype=jnp.int32), hi)
+
+
+def flash3_task_table(cu_q_N1, cu_k_N1, num_q_rows: int, num_k_rows: int, max_seqlen_q: int,
+                      max_seqlen_k: int):
+  """The task table FlashAttention-3 is called with: the tasks plus padding pseudo-tasks.
+
+  Rows outside ``[cu_q[0], cu_q[-1])`` (queries) and ``[cu_k[0], cu_k[-1])`` (keys) become
+  pseudo-tasks (queries without keys, keys without queries) so that FA3 writes zeros there (O,
+  dQ, dK, dV) instead of leaving them unwritten. FA3 only visits ``max_seqlen`` rows of any task,
+  so every pseudo-task is cut to at most ``max_seqlen_q`` query and ``max_seqlen_k`` key rows:
+  callers can then pass the bound of the real tasks (e.g. the row length), however much padding
+  the buffers hold, and FA3's grid (blocks per task x ceil(max_seqlen / 128)) stays small.
+
+  Args:
+    cu_q_N1, cu_k_N1: int32 [N + 1] task boundaries (the caller's).
+    num_q_rows, num_k_rows: buffer rows (static).
+    max_seqlen_q, max_seqlen_k: static bounds on the real tasks' query / key rows.
+
+  Returns:
+    (cu_q_ext, cu_k_ext): int32 [N + 1 + 2 (nq + nk)], nq = ceil(num_q_rows / max_seqlen_q) and
+    nk = ceil(num_k_rows / max_seqlen_k): leading pieces, the tasks, trailing query pieces (no
+    keys), trailing key pieces (no queries); empty pieces are zero-length tasks.
+  """
+  nq = -(-int(num_q_rows) // int(max_seqlen_q))
+  nk = -(-int(num_k_rows) // int(max_seqlen_k))
+  zero = jnp.zeros((), jnp.int32)
+  q0, qn, k0, kn = cu_q_N1[0], cu_q_N1[-1], cu_k_N1[0], cu_k_N1[-1]
+  tq, tk = jnp.int32(num_q_rows), jnp.int32(num_k_rows)
+  # Leading: nq query-only pieces of [0, q0), then nk key-only pieces of [0, k0).
+  lead_q = jnp.concatenate([_pad_chunks(zero, q0, nq, max_seqlen_q), jnp.full((nk,), q0)])
+  lead_k = jnp.concatenate([jnp.zeros((nq + 1,), jnp.int32), _pad_chunks(zero, k0, nk, max_seqlen_k)[1:]])
+  # Trailing: query-only pieces of [qn, T), then key-only pieces of [kn, U).
+  tail_q = jnp.concatenate([_pad_chunks(qn, tq, nq, max_seqlen_q)[1:], jnp.full((nk,), tq)])
+  tail_k = jnp.concatenate([jnp.full((nq,), kn), _pad_chunks(kn, tk, nk, max_seqlen_k)[1:]])
+  cu_q = jnp.concatenate([lead_q, cu_q_N1[1:], tail_q]).astype(jnp.int32)
+  cu_k = jnp.concatenate([lead_k, cu_k_N1[1:], tail_k]).astype(jnp.int32)
+  return cu_q, cu_k
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))

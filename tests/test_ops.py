@@ -453,3 +453,63 @@ def test_kernel_bench_sched_workload_is_the_servers_task_table(family):
     assert ops.attention_pairs(wl.cu_q, wl.cu_k) == load
   # Padding changes the buffers, not the table.
   assert tables["max", "used"] == tables["max", "envelope"]
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_flash3_task_table_cuts_padding_and_keeps_results(seed):
+  """The table ops hands FA3: padding becomes pseudo-tasks no longer than max_seqlen, and the
+  attention it describes (checked with the float64 oracle) equals the caller's table's."""
+  rng = np.random.default_rng(seed)
+  lq = rng.integers(0, 9, size=int(rng.integers(1, 5)))
+  lk = lq + rng.integers(0, 7, size=lq.size)  # q_len <= kv_len, bottom-right causal
+  q0, k0 = int(rng.integers(0, 20)), int(rng.integers(0, 20))
+  cu_q = np.concatenate([[q0], q0 + np.cumsum(lq)]).astype(np.int32)
+  cu_k = np.concatenate([[k0], k0 + np.cumsum(lk)]).astype(np.int32)
+  tq, tk = int(cu_q[-1] + rng.integers(0, 30)), int(cu_k[-1] + rng.integers(0, 30))
+  msq, msk = max(int(lq.max()), 1), max(int(lk.max()), 1)
+  ext_q, ext_k = (np.asarray(x) for x in jax.jit(
+      ops.flash3_task_table, static_argnums=(2, 3, 4, 5))(cu_q, cu_k, tq, tk, msq, msk))
+  assert ext_q[0] == 0 and ext_k[0] == 0 and ext_q[-1] == tq and ext_k[-1] == tk
+  assert (np.diff(ext_q) >= 0).all() and (np.diff(ext_k) >= 0).all()
+  assert np.diff(ext_q).max() <= msq and np.diff(ext_k).max() <= msk
+  # Every pseudo-task has queries or keys, never both (it must attend to nothing).
+  real = {(int(a), int(b), int(c), int(d)) for a, b, c, d in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])}
+  for a, b, c, d in zip(ext_q[:-1], ext_q[1:], ext_k[:-1], ext_k[1:]):
+    if (int(a), int(b), int(c), int(d)) not in real:
+      assert b == a or d == c, (a, b, c, d)
+  h, kh, dim = 2, 1, 4
+  q = rng.standard_normal((tq, h, dim))
+  k = rng.standard_normal((tk, kh, dim))
+  v = rng.standard_normal((tk, kh, dim))
+  do, dlse = rng.standard_normal((tq, h, dim)), np.zeros((tq, h))
+  want = oracle(q, k, v, cu_q, cu_k, 0.5, do, dlse)
+  got = oracle(q, k, v, ext_q, ext_k, 0.5, do, dlse)
+  for w, g in zip(want, got):
+    np.testing.assert_allclose(g, w)
+
+
+@pytest.mark.skipif(not (ON_GPU and HAS_FLASH3), reason="FlashAttention-3 runs on Hopper GPUs only")
+def test_flash3_max_seqlen_hints_with_long_padding():
+  """flash3 given max_seqlen = the longest real task (40) while the buffers' padding is longer
+  (leading 3/2 rows, trailing 12/43 rows): the pseudo-task cutting keeps results exact."""
+  case = CASES[1]
+  lq = [1, 1, 0, 7, 0, 33, 16, 17, 6, 0]
+  lk = [1, 5, 9, 4, 0, 33, 40, 17, 6, 0]
+  cu_q = np.concatenate([[3], 3 + np.cumsum(lq)]).astype(np.int32)[: case.num_tasks + 1]
+  cu_k = np.concatenate([[2], 2 + np.cumsum(lk)]).astype(np.int32)[: case.num_tasks + 1]
+  assert case.num_k_rows - cu_k[-1] > 40 and max(lk) == 40
+  rng = np.random.default_rng(17)
+  q, k, v, do, dlse = random_inputs(rng, case)
+
+  def loss(q, k, v, cu_q, cu_k, do):
+    o, lse = ops.core_attention(q, k, v, cu_q, cu_k, return_lse=True, backend="flash3",
+                                max_seqlen_q=40, max_seqlen_k=40)
+    return jnp.sum(o.astype(jnp.float32) * do), (o, lse)
+
+  FNS["flash3-hinted"] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+  try:
+    fn = FNS["flash3-hinted"]
+    FNS["flash3-hinted"] = lambda q, k, v, cu_q, cu_k, do, dlse: fn(q, k, v, cu_q, cu_k, do)
+    check_against_oracle("flash3-hinted", case, q, k, v, cu_q, cu_k, do, np.zeros_like(dlse))
+  finally:
+    FNS.pop("flash3-hinted")

@@ -43,7 +43,7 @@ from distca_jax.baselines.packing import (Placement, WlbPacking, cp_placement, n
 
 # Must equal `trainer.EXTRA_PREFIX` (tested): batch keys that become `layout.extra`.
 EXTRA_PREFIX = "extra/"
-DEFAULT_MAX_DOCS_PER_ROW = 1024
+DEFAULT_MAX_DOCS_PER_ROW = 128
 
 __all__ = [
     "BaselineBackend", "Hardware", "ModelDims", "Placement", "RankMetrics", "WlbPacking",

@@ -68,6 +68,8 @@ def packed_dp_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout
     zero_R1 = jnp.zeros_like(pad_R1)
     # Each row's padding is two pseudo-tasks (its queries without keys, its keys without
     # queries) so the next row's tasks start at the right offsets and padding outputs are 0.
+    # No task is longer than a row (documents never cross rows): max_seqlen = t tells flash3
+    # (its backward launches blocks per task x ceil(max_seqlen_k / 128)).
     lens_q = jnp.concatenate([lens, pad_R1, zero_R1], axis=1).reshape(-1)
     lens_k = jnp.concatenate([lens, zero_R1, pad_R1], axis=1).reshape(-1)
     zero = jnp.zeros((1,), jnp.int32)
@@ -75,7 +77,7 @@ def packed_dp_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout
     cu_k = jnp.concatenate([zero, jnp.cumsum(lens_k)]).astype(jnp.int32)
     o = ops.core_attention(q_RxTxHxD.reshape(r * t, h, d), k_RxTxKxD.reshape(r * t, kh, d),
                            v_RxTxKxD.reshape(r * t, kh, d), cu_q, cu_k, backend=kernel,
-                           softmax_scale=softmax_scale)
+                           softmax_scale=softmax_scale, max_seqlen_q=t, max_seqlen_k=t)
     return o.reshape(r, t, h, d)
 
   # check_vma=False: kernel primitives (pallas_call, flash3's FFI custom_vjp) carry no
@@ -96,8 +98,8 @@ def group_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *,
   attn_lib._check_shapes(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout)
   kv_index_BxU, cu_q_BxN1, cu_k_BxN1 = _extra(
       layout, name, ("kv_index", "cu_seqlens_q", "cu_seqlens_k"),
-      "arrange the batch with distca_jax.baselines.arrange_batch (the trainer's data path does "
-      "not call it yet)")
+      "arrange the batch with distca_jax.baselines.arrange_batch (the trainer does it through "
+      "trainer.add_host_plan)")
   mesh, spec = _mesh_and_specs(name)
   c = int(cp_size)
   s = mesh.shape[DATA_AXIS]

@@ -56,18 +56,27 @@ def base_config() -> ml_collections.ConfigDict:
                                           # kv_len) from experiments/cost_table.py (e.g.
                                           # results/cost_table_flash3_h200.json); plans then also
                                           # predict per-server time (balancing stays in pairs)
+  c.attention.distca.exchange_buckets = 8  # int >= 1: per batch the exchange moves only the
+                                          # smallest of 1/n, 2/n, ..., 1 of each slot that holds
+                                          # the batch's fullest slot (lax.switch over n static
+                                          # branches); 1 = always the full slots
+  c.attention.distca.signal_only = False  # benchmarks only: every all-to-all carries one row per
+                                          # slot (same program otherwise); results are WRONG
   # Baselines (distca_jax/baselines): 'packed_dp' (each rank its own documents, one fused varlen
   # call), 'cp' (per-sequence context parallelism: groups of cp_size consecutive data ranks, head-
   # tail chunks, K/V all-gathered) and 'wlb' (WLB-LLM packing over DP groups + per-document CP).
-  # 'cp' and 'wlb' need their batch rearranged on the host (Backend.host_arrange), which the
-  # trainer's data path does not call yet.
+  # 'cp' and 'wlb' rearrange each batch on the host (Backend.host_arrange, called by the trainer's
+  # input thread through trainer.add_host_plan).
   c.attention.baselines = ml_collections.ConfigDict()
   c.attention.baselines.kernel = "reference"   # ops.core_attention backend of the fused calls
   c.attention.baselines.cp_size = 1            # cp / wlb: ranks per CP group (divides mesh.data)
   c.attention.baselines.wlb_alpha = 1.0        # wlb: per-rank token cap Lmax = alpha x
                                                # tokens_per_rank (>= 1; > 1 trades memory balance
                                                # for attention balance)
-  c.attention.baselines.max_docs_per_row = 1024  # task-table slots per row (documents or pieces)
+  c.attention.baselines.max_docs_per_row = 128  # task-table slots per row (documents or pieces);
+                                               # unused slots cost flash3 launch work, so keep
+                                               # it tight (Pretrain/ProLong rows hold <= 38
+                                               # documents); packing errors name the need
 
   # --- mesh: named axes; data x tensor x pipe must equal the device count.
   c.mesh = ml_collections.ConfigDict()
@@ -109,6 +118,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.peak_tflops = 0.0             # per-device peak for MFU; 0 = look up by device kind (H100/H200:
                                   # 989 dense bf16), unknown devices report no MFU
   c.tensorboard = True            # write TensorBoard event files under WORKDIR/tb
+  c.profile_step = -1             # -1: off. N: profile step N (0-based; N = 0 also traces the
+                                  # compilation on the host) into WORKDIR/profile, write
+                                  # report.json / report.md there (distca_jax.profiling: per-rank
+                                  # busy, attention, matmul, exposed-communication time) and log
+                                  # the straggler table; that step is left out of step_time_s
   return c
 
 

@@ -38,6 +38,10 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> ml_collections.Conf
       new = ast.literal_eval(value)
     except (ValueError, SyntaxError):
       new = value
+    if isinstance(old, bool) and isinstance(new, str):  # absl-flag style true/false
+      if new.lower() not in ("true", "false"):
+        raise ValueError(f"override {item!r}: {key} is a bool; use True/False (or true/false)")
+      new = new.lower() == "true"
     if isinstance(old, float) and isinstance(new, int) and not isinstance(new, bool):
       new = float(new)
     node[leaf] = new

@@ -15,9 +15,29 @@ executes those tables on devices, inside one ``jax.shard_map`` over the mesh's `
   5. O (and the LSE on request) gathered into return slots, ``lax.all_to_all`` back, scattered
      into the owners' rows; padding rows come back as zeros.
 
+Bucketed exchange. The slots must hold the worst batch, so a typical batch fills a fraction of
+them. A slot's used rows are packed at its front (``scheduler.plan_to_metadata``; checked by
+``PlanSpec.pack``), and the host stores in every device's plan the most rows any (sender, server
+!= sender) slot uses, for Q and for K/V (``exchange_rows``, identical on every device). With
+``exchange_buckets = n`` the device picks the smallest fraction ``f`` of ``1/n, 2/n, ..., 1``
+whose slot prefix (``ceil(f * slot)`` rows, rounded up to a multiple of 8) holds them, and a
+``lax.switch`` runs that bucket's branch: steps 1-2 gather and send only the first rows of every
+slot, and the received rows are padded back to the full slot with zeros, so step 3's indices are
+unchanged. Step 5 does the same with the Q bucket (a server returns as many O rows to an owner as
+it received from it). Every branch has static shapes (one compiled step for all batches), and
+every device takes the same branch, so the collectives match. ``exchange_buckets = 1`` is the
+plain full-slot exchange (no switch). ``exchange_bytes`` reports the bytes a batch moves.
+
+Signal-only (``signal_only=True``; benchmarks only, results are WRONG by design): every
+all-to-all of the data plane carries one row per slot, and each device uses its own send buffer
+in place of the rows it would have received. Gathers, kernel and return scatter keep their
+shapes and their data dependences, so timing the step against the real one measures what the
+wire costs (the paper's "signal-only" ablation, DESIGN_NOTES Sec. 6).
+
 Backward: steps 1-3 and 5 are gathers and all-to-alls, which JAX transposes (gather ->
 scatter-add, so dK/dV of a KV row used by several tasks or servers are summed; all-to-all ->
-all-to-all); the kernel has its own ``custom_vjp``. Memory modes:
+all-to-all; the bucket switch -> a switch on the same bucket); the kernel has its own
+``custom_vjp``. Memory modes:
   'keep'    default autodiff: the kernel's residuals (the server's received Q/K/V attention
             buffers, O and LSE) stay alive until the backward.
   'resend'  ``jax.checkpoint`` around the per-device body whose policy saves only the kernel's
@@ -26,9 +46,10 @@ all-to-all); the kernel has its own ``custom_vjp``. Memory modes:
             rerun. With the plain-jnp 'reference' kernel there is no kernel primitive to save, so
             its forward is recomputed too (it is a test kernel).
 
-No recompiles: every shape comes from the capacity (``scheduler.Capacity``), the server count and
-the tokens per device; a batch's plan enters the step as one int32 array ``[rows, W]`` (the
-``PlanMetadata`` fields of each device, flattened and split over that device's rows).
+No recompiles: every shape comes from the capacity (``scheduler.Capacity``), the server count,
+the tokens per device and the bucket count; a batch's plan enters the step as one int32 array
+``[rows, W]`` (the ``PlanMetadata`` fields and ``exchange_rows`` of each device, flattened and
+split over that device's rows).
 
 Rows per rank. The trainer gives each data rank ``R = rows_per_rank`` rows of ``T`` tokens and
 never lets a document cross a row. Planning is per device: a device's rows are concatenated into
@@ -83,6 +104,11 @@ _KERNEL_PRIMITIVES = frozenset({"pallas_call", "flash_mha_varlen_fwd", "ffi_call
 # tokens_per_row, tolerance 0.1, 8 ranks of 256 to 16K tokens and 2 of 64K): at most 43 tasks per
 # rank. Tasks cost only int32 table entries and empty kernel blocks.
 _TASKS_PER_ROW = 64
+
+# Exchange buckets (module docstring): the default count, and bucket slot rows are rounded up to a
+# multiple of this (whole sublanes/tiles; fewer distinct branches for small slots).
+DEFAULT_EXCHANGE_BUCKETS = 8
+_BUCKET_ROW_MULTIPLE = 8
 
 
 def _check_int(name: str, v, lo: int) -> int:
@@ -222,12 +248,18 @@ class PlanSpec:
 
   @property
   def fields(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """(name, per-device shape) of every ``PlanMetadata.DEVICE_FIELDS`` entry, in packing order."""
+    """(name, per-device shape) of every packed field, in packing order.
+
+    Every ``PlanMetadata.DEVICE_FIELDS`` entry, then ``exchange_rows`` (int32 [2], the same on
+    every device, from ``exchange_rows(meta)``): the most query and key/value rows any (sender,
+    server != sender) slot uses, which picks the exchange bucket on the device.
+    """
     s, c = self.num_servers, self.capacity
     return (("q_send_idx", (s, c.q_slot)), ("kv_send_idx", (s, c.kv_slot)),
             ("q_attn_idx", (c.q_tokens,)), ("kv_attn_idx", (c.kv_tokens,)),
             ("cu_seqlens_q", (c.tasks + 1,)), ("cu_seqlens_k", (c.tasks + 1,)),
-            ("o_send_idx", (s, c.q_slot)), ("o_local_idx", (self.tokens_per_device,)))
+            ("o_send_idx", (s, c.q_slot)), ("o_local_idx", (self.tokens_per_device,)),
+            ("exchange_rows", (2,)))
 
   @property
   def device_width(self) -> int:
@@ -240,12 +272,19 @@ class PlanSpec:
     return -(-self.device_width // self.rows_per_device)
 
   def pack(self, meta: sc.PlanMetadata) -> np.ndarray:
-    """``PlanMetadata`` (all ranks) -> int32 ``[S * R, W]``: each device's fields, flattened."""
+    """``PlanMetadata`` (all ranks) -> int32 ``[S * R, W]``: each device's fields, flattened.
+
+    Also checks that every send slot's used rows are at its front (the bucketed exchange sends
+    only a prefix of each slot) and appends ``exchange_rows``.
+    """
     s, r = self.num_servers, self.rows_per_device
     if meta.num_servers != s or meta.tokens_per_rank != self.tokens_per_device:
       raise ValueError(f"metadata for {meta.num_servers} servers x {meta.tokens_per_rank} tokens "
                        f"does not match {self}")
-    flat = np.concatenate([getattr(meta, name).reshape(s, -1) for name, _ in self.fields], axis=1)
+    _check_slots_front_packed(meta)
+    arrays = dict(meta.device_arrays(),
+                  exchange_rows=np.broadcast_to(exchange_rows(meta), (s, 2)))
+    flat = np.concatenate([arrays[name].reshape(s, -1) for name, _ in self.fields], axis=1)
     if flat.shape[1] != self.device_width:
       raise ValueError(f"metadata shapes do not match the capacity: {flat.shape[1]=} entries per "
                        f"device, expected {self.device_width} from {self.capacity}")
@@ -262,6 +301,74 @@ class PlanSpec:
       out[name] = flat[off:off + n].reshape(shape)
       off += n
     return out
+
+
+def exchange_rows(meta: sc.PlanMetadata) -> np.ndarray:
+  """int32 [2]: the most (query, key/value) rows any (sender, server != sender) slot holds."""
+  off = ~np.eye(meta.num_servers, dtype=bool)
+  return np.array([np.where(off, meta.q_send_len, 0).max(initial=0),
+                   np.where(off, meta.kv_send_len, 0).max(initial=0)], np.int32)
+
+
+def _check_slots_front_packed(meta: sc.PlanMetadata) -> None:
+  """Raises unless every send slot holds exactly its plan rows, at its front.
+
+  The bucketed exchange moves only a prefix of each slot; a used entry behind it would be lost.
+  Slots: ``q_send_idx[p, d]`` and ``kv_send_idx[p, d]`` (sender p to server d, sentinel ``T``)
+  hold ``q_send_len[p, d]`` / ``kv_send_len[p, d]`` rows; ``o_send_idx[d, p]`` (server d back to
+  owner p, sentinel ``Nq``) holds ``q_send_len[p, d]``.
+  """
+  if meta.ranks.size != meta.num_servers:
+    raise ValueError(f"packing needs every device's metadata; got ranks {meta.ranks.tolist()} of "
+                     f"{meta.num_servers} (call plan_to_metadata without ranks=)")
+  t, nq = meta.tokens_per_rank, meta.capacity.q_tokens
+  for name, sentinel, want in (("q_send_idx", t, meta.q_send_len),
+                               ("kv_send_idx", t, meta.kv_send_len),
+                               ("o_send_idx", nq, meta.q_send_len.T)):
+    used = getattr(meta, name) != sentinel
+    front = np.arange(used.shape[-1]) < np.asarray(want)[..., None]
+    if not np.array_equal(used, front):
+      p, d = np.argwhere((used != front).any(-1))[0].tolist()
+      raise ValueError(f"metadata slot {name}[{p}, {d}] does not hold exactly its "
+                       f"{int(want[p, d])} plan rows at its front (used entries at "
+                       f"{np.flatnonzero(used[p, d]).tolist()[:8]}...); build metadata with "
+                       "scheduler.plan_to_metadata")
+
+
+def exchange_bucket_rows(capacity: Capacity, exchange_buckets: int) -> tuple[tuple[int, int], ...]:
+  """(query rows, key/value rows) per slot of each exchange bucket, ascending.
+
+  Bucket ``i`` of ``n`` keeps ``ceil(i / n * slot)`` rows of a slot, rounded up to a multiple of 8
+  and at most the slot; buckets equal to the previous one are dropped, so the last is always the
+  full slot and none is empty.
+  """
+  n = _check_int("exchange_buckets", exchange_buckets, 1)
+
+  def rows(i: int, slot: int) -> int:
+    r = -(-i * slot // n)
+    return min(slot, -(-r // _BUCKET_ROW_MULTIPLE) * _BUCKET_ROW_MULTIPLE)
+
+  out = []
+  for i in range(1, n + 1):
+    b = (rows(i, capacity.q_slot), rows(i, capacity.kv_slot))
+    if not out or b != out[-1]:
+      out.append(b)
+  return tuple(out)
+
+
+def _return_bucket_rows(capacity: Capacity, exchange_buckets: int) -> tuple[tuple[int], ...]:
+  """Query rows per slot of each return (O / LSE) bucket: the exchange buckets' Q sizes."""
+  return tuple((q,) for q in sorted({q for q, _ in exchange_bucket_rows(capacity,
+                                                                        exchange_buckets)}))
+
+
+def choose_bucket(rows: Sequence[int], bucket_rows: Sequence[Sequence[int]]) -> int:
+  """Host twin of the device's choice: the first bucket holding ``rows`` in every part."""
+  for i, b in enumerate(bucket_rows):
+    if all(x <= y for x, y in zip(rows, b)):
+      return i
+  raise ValueError(f"{tuple(rows)=} exceed the largest bucket {tuple(bucket_rows[-1])}: the plan "
+                   "does not fit its capacity")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,8 +494,46 @@ def _save_kernel_outputs(prim, *_, **__) -> bool:
   return prim.name in _KERNEL_PRIMITIVES
 
 
+def _bucket_index(rows_K: jax.Array, bucket_rows: Sequence[Sequence[int]]) -> jax.Array:
+  """Device twin of ``choose_bucket``: the first bucket whose sizes cover ``rows_K`` (int32)."""
+  sizes_NxK = jnp.asarray(bucket_rows, jnp.int32)
+  # Bucket sizes ascend in every part, so the buckets too small in some part come first.
+  short = jnp.sum(jnp.any(sizes_NxK < rows_K[None, :], axis=1), dtype=jnp.int32)
+  return jnp.minimum(short, len(bucket_rows) - 1)
+
+
+def _bucketed(rows_K: jax.Array, bucket_rows: Sequence[Sequence[int]], branch, *operands):
+  """``branch(*sizes)(*operands)`` for the bucket ``rows_K`` picks; no switch for one bucket."""
+  if len(bucket_rows) == 1:
+    return branch(*bucket_rows[0])(*operands)
+  return lax.switch(_bucket_index(rows_K, bucket_rows), [branch(*b) for b in bucket_rows],
+                    *operands)
+
+
+def _all_to_all(send_SxF: jax.Array, axis: str, signal_only: bool, row_elems: int) -> jax.Array:
+  """``recv[p]`` = what device ``p`` put in ``send[me]``, one tiled all-to-all over ``axis``.
+
+  ``signal_only`` (timing ablation, wrong results): only the first ``row_elems`` entries of each
+  slot cross the wire; the rest of ``recv[p]`` is this device's own ``send[p]``, which keeps the
+  sender gather live (XLA would otherwise drop the rows nobody reads).
+  """
+  if not signal_only:
+    return lax.all_to_all(send_SxF, axis, 0, 0, tiled=True)
+  n = min(row_elems, send_SxF.shape[1])
+  return send_SxF.at[:, :n].set(lax.all_to_all(send_SxF[:, :n], axis, 0, 0, tiled=True))
+
+
+def _pad_slots(x_SxBxF: jax.Array, slot: int) -> jax.Array:
+  """``[S, b, ...]`` -> ``[S * slot, ...]``: each slot's received rows, zeros behind them."""
+  b = x_SxBxF.shape[1]
+  if b < slot:
+    x_SxBxF = jnp.pad(x_SxBxF, [(0, 0), (0, slot - b)] + [(0, 0)] * (x_SxBxF.ndim - 2))
+  return x_SxBxF.reshape((-1,) + x_SxBxF.shape[2:])
+
+
 def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec: PlanSpec,
-                    axis: str):
+                    axis: str, *, exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
+                    signal_only: bool = False):
   """Steps 1-3 on one device (inside ``shard_map``): its rows out, its attention inputs in.
 
   Args:
@@ -396,6 +541,8 @@ def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec:
     m: this device's metadata (``PlanSpec.unpack_local``).
     spec: the static shapes.
     axis: the servers' mesh axis.
+    exchange_buckets: slot fractions to choose from (module docstring); 1 = full slots.
+    signal_only: timing ablation: one row per slot crosses the wire (wrong results).
 
   Returns:
     (q_attn [Nq, H, D], k_attn [Nkv, K, D], v_attn [Nkv, K, D]); rows no task uses are zero.
@@ -403,17 +550,28 @@ def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec:
   s, cq, ckv = spec.num_servers, spec.capacity.q_slot, spec.capacity.kv_slot
   _, h, d = q_TxHxD.shape
   kh = k_TxKxD.shape[1]
-  # 1-2. Sender gather into per-server slots, one all-to-all for Q, K and V together.
-  q_send = _take(q_TxHxD, m["q_send_idx"].reshape(-1)).reshape(s, cq * h * d)
-  kv_idx = m["kv_send_idx"].reshape(-1)
-  k_send = _take(k_TxKxD, kv_idx).reshape(s, ckv * kh * d)
-  v_send = _take(v_TxKxD, kv_idx).reshape(s, ckv * kh * d)
-  send = jnp.concatenate([q_send, k_send, v_send], axis=1)
-  recv = lax.all_to_all(send, axis, 0, 0, tiled=True)  # recv[p] = what sender p sent here
-  nq_el, nkv_el = cq * h * d, ckv * kh * d
-  q_recv = recv[:, :nq_el].reshape(s * cq, h, d)
-  k_recv = recv[:, nq_el:nq_el + nkv_el].reshape(s * ckv, kh, d)
-  v_recv = recv[:, nq_el + nkv_el:].reshape(s * ckv, kh, d)
+
+  def exchange(bq: int, bkv: int):
+    # 1-2. Sender gather of the first (bq, bkv) rows of every slot, one all-to-all for Q, K and V
+    # together; the received rows are padded back to full slots.
+    def run(q_TxHxD, k_TxKxD, v_TxKxD, q_send_idx_SxCq, kv_send_idx_SxCkv):
+      q_send = _take(q_TxHxD, q_send_idx_SxCq[:, :bq].reshape(-1)).reshape(s, bq * h * d)
+      kv_idx = kv_send_idx_SxCkv[:, :bkv].reshape(-1)
+      k_send = _take(k_TxKxD, kv_idx).reshape(s, bkv * kh * d)
+      v_send = _take(v_TxKxD, kv_idx).reshape(s, bkv * kh * d)
+      send = jnp.concatenate([q_send, k_send, v_send], axis=1)
+      recv = _all_to_all(send, axis, signal_only, h * d)  # recv[p] = what sender p sent here
+      nq_el, nkv_el = bq * h * d, bkv * kh * d
+      q_recv = _pad_slots(recv[:, :nq_el].reshape(s, bq, h, d), cq)
+      k_recv = _pad_slots(recv[:, nq_el:nq_el + nkv_el].reshape(s, bkv, kh, d), ckv)
+      v_recv = _pad_slots(recv[:, nq_el + nkv_el:].reshape(s, bkv, kh, d), ckv)
+      return q_recv, k_recv, v_recv
+
+    return run
+
+  q_recv, k_recv, v_recv = _bucketed(
+      m["exchange_rows"], exchange_bucket_rows(spec.capacity, exchange_buckets), exchange,
+      q_TxHxD, k_TxKxD, v_TxKxD, m["q_send_idx"], m["kv_send_idx"])
   # 3. Server gather: own rows first, then everything received (the metadata's source order).
   q_attn = _take(jnp.concatenate([q_TxHxD, q_recv]), m["q_attn_idx"])
   k_attn = _take(jnp.concatenate([k_TxKxD, k_recv]), m["kv_attn_idx"])
@@ -421,12 +579,14 @@ def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec:
   return q_attn, k_attn, v_attn
 
 
-def return_to_owners(x_NqxF, m: Mapping[str, jax.Array], spec: PlanSpec, axis: str, fill=0):
+def return_to_owners(x_NqxF, m: Mapping[str, jax.Array], spec: PlanSpec, axis: str, fill=0, *,
+                     exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS, signal_only: bool = False):
   """Step 5 on one device: attention-output rows back to the devices their queries came from.
 
   Args:
     x_NqxF: per attention query row values ``[Nq, ...]`` (O ``[Nq, H, D]`` or LSE ``[Nq, H]``).
-    m, spec, axis: as in ``send_to_servers``.
+    m, spec, axis, exchange_buckets, signal_only: as in ``send_to_servers`` (the return uses the
+      query-slot sizes of the buckets).
     fill: value of local rows no task produced (padding).
 
   Returns:
@@ -434,41 +594,61 @@ def return_to_owners(x_NqxF, m: Mapping[str, jax.Array], spec: PlanSpec, axis: s
   """
   s, cq = spec.num_servers, spec.capacity.q_slot
   feat = x_NqxF.shape[1:]
-  n_el = cq * math.prod(feat)
-  send = _take(x_NqxF, m["o_send_idx"].reshape(-1)).reshape(s, n_el)
-  recv = lax.all_to_all(send, axis, 0, 0, tiled=True)
-  src = jnp.concatenate([x_NqxF, recv.reshape((s * cq,) + feat)])
+  row_el = math.prod(feat)
+
+  def back(bq: int):
+    def run(x_NqxF, o_send_idx_SxCq):
+      send = _take(x_NqxF, o_send_idx_SxCq[:, :bq].reshape(-1)).reshape(s, bq * row_el)
+      recv = _all_to_all(send, axis, signal_only, row_el)
+      return _pad_slots(recv.reshape((s, bq) + feat), cq)
+
+    return run
+
+  recv = _bucketed(m["exchange_rows"][:1], _return_bucket_rows(spec.capacity, exchange_buckets),
+                   back, x_NqxF, m["o_send_idx"])
+  src = jnp.concatenate([x_NqxF, recv])
   return _take(src, m["o_local_idx"], fill=fill)
 
 
 def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec, axis: str,
                  kernel: str, softmax_scale: float, return_lse: bool,
-                 kernel_options: tuple[tuple[str, Any], ...]):
+                 kernel_options: tuple[tuple[str, Any], ...], exchange_buckets: int,
+                 signal_only: bool):
   """One device: send, fused kernel over all of its tasks, return."""
   r, t, h, d = q_RxTxHxD.shape
   kh = k_RxTxKxD.shape[2]
   m = spec.unpack_local(plan_RxW)
+  wire = dict(exchange_buckets=exchange_buckets, signal_only=signal_only)
   q_attn, k_attn, v_attn = send_to_servers(
       q_RxTxHxD.reshape(r * t, h, d), k_RxTxKxD.reshape(r * t, kh, d),
-      v_RxTxKxD.reshape(r * t, kh, d), m, spec, axis)
+      v_RxTxKxD.reshape(r * t, kh, d), m, spec, axis, **wire)
   # 4. One fused varlen call over all of this server's tasks.
   out = ops.core_attention(q_attn, k_attn, v_attn, m["cu_seqlens_q"], m["cu_seqlens_k"],
                            backend=kernel, softmax_scale=softmax_scale, return_lse=return_lse,
                            **dict(kernel_options))
   o_attn, lse_attn = out if return_lse else (out, None)
   # 5. O back to the owners (zeros at padding).
-  o_RxTxHxD = return_to_owners(o_attn, m, spec, axis).reshape(r, t, h, d)
+  o_RxTxHxD = return_to_owners(o_attn, m, spec, axis, **wire).reshape(r, t, h, d)
   if not return_lse:
     return o_RxTxHxD
-  lse_RxTxH = return_to_owners(lse_attn, m, spec, axis, fill=-jnp.inf).reshape(r, t, h)
+  lse_RxTxH = return_to_owners(lse_attn, m, spec, axis, fill=-jnp.inf, **wire).reshape(r, t, h)
   return o_RxTxHxD, lse_RxTxH
 
 
-def _check_options(kernel: str, memory_mode: str) -> None:
+def _check_options(kernel: str, memory_mode: str,
+                   exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
+                   signal_only: bool = False) -> None:
   if kernel not in KERNELS:
     raise ValueError(f"distca {kernel=} is not a core_attention backend; choose one of {KERNELS}")
   if memory_mode not in MEMORY_MODES:
     raise ValueError(f"distca {memory_mode=}; choose one of {MEMORY_MODES}")
+  if (isinstance(exchange_buckets, bool) or not isinstance(exchange_buckets, (int, np.integer))
+      or exchange_buckets < 1):
+    raise ValueError(f"distca {exchange_buckets=} must be an int >= 1 (1 = full slots always; "
+                     f"default {DEFAULT_EXCHANGE_BUCKETS})")
+  if not isinstance(signal_only, (bool, np.bool_)):
+    raise ValueError(f"distca {signal_only=} must be True or False (True only for timing "
+                     "benchmarks: it gives wrong results)")
 
 
 def _mesh_and_servers(mesh, data_axis: str):
@@ -487,7 +667,9 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
                        plan_BxW: jax.Array, spec: PlanSpec, *, kernel: str = "reference",
                        memory_mode: str = "keep", softmax_scale: float | None = None,
                        data_axis: str = "data", head_axis: str | None = None, mesh=None,
-                       return_lse: bool = False, kernel_options: Mapping[str, Any] | None = None):
+                       return_lse: bool = False, kernel_options: Mapping[str, Any] | None = None,
+                       exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
+                       signal_only: bool = False):
   """Core attention of every document by CAD, given a packed plan (device side, jit-able).
 
   Args:
@@ -503,11 +685,15 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
     mesh: the mesh; default the one set by ``jax.set_mesh`` (``trainer.mesh_context``).
     return_lse: also return the softmax log-sum-exp ``[B, T, H]`` (f32; -inf at padding).
     kernel_options: extra keywords for ``ops.core_attention`` (e.g. ``interpret``).
+    exchange_buckets: slot fractions the exchange chooses from per batch (module docstring);
+      1 = always the full slots.
+    signal_only: benchmarks only: every all-to-all carries one row per slot, shapes unchanged,
+      results WRONG by design (module docstring).
 
   Returns:
     O ``[B, T, H, D]`` like q (zeros at padding), or ``(O, lse)``.
   """
-  _check_options(kernel, memory_mode)
+  _check_options(kernel, memory_mode, exchange_buckets, signal_only)
   mesh, s = _mesh_and_servers(mesh, data_axis)
   b, t, h, d = q_BxTxHxD.shape
   kh = k_BxTxKxD.shape[2]
@@ -531,7 +717,8 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
   scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
   body = functools.partial(_device_body, spec=spec, axis=data_axis, kernel=kernel,
                            softmax_scale=scale, return_lse=return_lse,
-                           kernel_options=tuple(sorted((kernel_options or {}).items())))
+                           kernel_options=tuple(sorted((kernel_options or {}).items())),
+                           exchange_buckets=int(exchange_buckets), signal_only=bool(signal_only))
   if memory_mode == "resend":
     body = jax.checkpoint(body, policy=_save_kernel_outputs)
   qkv = P(data_axis, None, head_axis, None)
@@ -547,13 +734,15 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
 # ---------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("spec", "kernel", "memory_mode", "softmax_scale",
                                              "data_axis", "head_axis", "mesh", "return_lse",
-                                             "kernel_options"))
+                                             "kernel_options", "exchange_buckets",
+                                             "signal_only"))
 def _dispatch_jit(q, k, v, plan, *, spec, kernel, memory_mode, softmax_scale, data_axis,
-                  head_axis, mesh, return_lse, kernel_options):
+                  head_axis, mesh, return_lse, kernel_options, exchange_buckets, signal_only):
   return dispatch_attention(q, k, v, plan, spec, kernel=kernel, memory_mode=memory_mode,
                             softmax_scale=softmax_scale, data_axis=data_axis, head_axis=head_axis,
                             mesh=mesh, return_lse=return_lse,
-                            kernel_options=dict(kernel_options))
+                            kernel_options=dict(kernel_options),
+                            exchange_buckets=exchange_buckets, signal_only=signal_only)
 
 
 def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
@@ -563,7 +752,9 @@ def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
                    memory_mode: str = "keep", min_shard: int | None = None,
                    data_axis: str = "data", head_axis: str | None = None,
                    return_lse: bool = False, return_plan: bool = False,
-                   kernel_options: Mapping[str, Any] | None = None, **schedule_options):
+                   kernel_options: Mapping[str, Any] | None = None,
+                   exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS, signal_only: bool = False,
+                   **schedule_options):
   """Each document's causal attention, computed by CAD: plan, dispatch, fused kernel, return.
 
   Args:
@@ -586,13 +777,15 @@ def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
     return_lse: also return the log-sum-exp ``[ranks, tokens_per_rank, q_heads]``.
     return_plan: also return the ``HostPlan`` (last element).
     kernel_options: extra ``ops.core_attention`` keywords (``interpret``, ``block_sizes``, ...).
+    exchange_buckets: slot fractions the exchange chooses from (module docstring); 1 = full.
+    signal_only: benchmarks only: one row per slot on the wire, results WRONG by design.
     **schedule_options: further ``scheduler.schedule`` keywords (split, cost_model, ...).
 
   Returns:
     O shaped like q (zeros at padding); ``(O, lse)`` with ``return_lse``; the ``HostPlan``
     appended with ``return_plan``. Differentiable in q, k, v.
   """
-  _check_options(kernel, memory_mode)
+  _check_options(kernel, memory_mode, exchange_buckets, signal_only)
   if q.ndim != 4 or k.ndim != 4:
     raise ValueError(f"q must be [ranks, tokens_per_rank, q_heads, head_dim] and k, v "
                      f"[ranks, tokens_per_rank, kv_heads, head_dim]; got {q.shape=} {k.shape=}")
@@ -618,7 +811,8 @@ def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
   out = _dispatch_jit(q, k, v, plan, spec=spec, kernel=kernel, memory_mode=memory_mode,
                       softmax_scale=softmax_scale, data_axis=data_axis, head_axis=head_axis,
                       mesh=mesh, return_lse=return_lse,
-                      kernel_options=tuple(sorted((kernel_options or {}).items())))
+                      kernel_options=tuple(sorted((kernel_options or {}).items())),
+                      exchange_buckets=int(exchange_buckets), signal_only=bool(signal_only))
   if return_plan:
     return (*out, hp) if return_lse else (out, hp)
   return out
@@ -634,7 +828,8 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
                  q_heads: int = sc.DEFAULT_Q_HEADS, kv_heads: int = sc.DEFAULT_KV_HEADS,
                  head_dim: int = sc.DEFAULT_HEAD_DIM, dtype_bytes: int = sc.DEFAULT_DTYPE_BYTES,
                  data_axis: str = "data", head_axis: str | None = "tensor",
-                 cost_table: str = "") -> attn_lib.Backend:
+                 cost_table: str = "", exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
+                 signal_only: bool = False) -> attn_lib.Backend:
   """The ``distca`` core-attention backend (options: ``config.attention.distca`` + model shapes).
 
   ``host_prepare(doclens, tokens_per_row)`` plans each batch on the input thread (one list of
@@ -648,9 +843,13 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
   ``split_rows`` hands every call its own plan.
 
   Caps are per device for one call (``R/n`` rows of ``tokens_per_row``); 0 takes
-  ``default_capacity``, ``min_shard`` 0 takes ``auto_min_shard``.
+  ``default_capacity``, ``min_shard`` 0 takes ``auto_min_shard``. ``exchange_buckets`` and
+  ``signal_only`` (benchmarks only: wrong results) go to ``dispatch_attention``.
   """
-  _check_options(kernel, memory_mode)
+  try:
+    _check_options(kernel, memory_mode, exchange_buckets, signal_only)
+  except ValueError as e:
+    raise ValueError(f"{e} (config.attention.distca)") from e
   r = _check_int("rows_per_rank", rows_per_rank, 1)
   n = _check_int("nano_batches", nano_batches, 1)
   if r % n:
@@ -695,9 +894,15 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
                        "device and call (pass the config's values to make_backend)")
     spec = spec_for(s, q_BxTxHxD.shape[1])
     hax = head_axis if head_axis in mesh.axis_names and mesh.shape[head_axis] > 1 else None
+    # Documents never cross a row, so no task has more than a row's query or key rows: tell
+    # flash3 (its grid is tasks x ceil(max_seqlen / 128) blocks; the buffers are up to 3x longer).
+    kopts = ({"max_seqlen_q": spec.tokens_per_row, "max_seqlen_k": spec.tokens_per_row}
+             if kernel == "flash3" else None)
     return dispatch_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout.extra[PLAN_KEY], spec,
                               kernel=kernel, memory_mode=memory_mode,
-                              softmax_scale=softmax_scale, data_axis=data_axis, head_axis=hax)
+                              softmax_scale=softmax_scale, data_axis=data_axis, head_axis=hax,
+                              exchange_buckets=exchange_buckets, signal_only=signal_only,
+                              kernel_options=kopts)
 
   return attn_lib.Backend(fn=fn, host_prepare=host_prepare)
 
@@ -709,13 +914,20 @@ attn_lib.register_backend("distca", make_backend)
 # Byte accounting (benchmarks).
 # ---------------------------------------------------------------------------------------------
 def exchange_bytes(meta: sc.PlanMetadata, *, q_heads: int, kv_heads: int, head_dim: int,
-                   dtype_bytes: int) -> dict[str, float]:
-  """Per-device mean bytes of one forward exchange: useful (plan rows) vs moved (padded slots).
+                   dtype_bytes: int,
+                   exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS) -> dict[str, float]:
+  """Per-device bytes of one forward exchange: useful (plan rows), moved (bucket), padded (slots).
 
   ``dispatch_*`` counts Q + K + V rows sent to other devices; ``return_*`` the O rows coming back
-  (same count as the query rows). ``*_padded`` is what the dense all-to-all moves off-device:
-  every slot of every peer, the self slot excluded. ``dispatch_useful_busiest_device``: the most
-  any one device sends; ``max_pair_dispatch_useful``: the largest (sender, server) pair.
+  (same count as the query rows). ``*_padded`` is what the full-slot dense all-to-all moves
+  off-device: every slot of every peer, the self slot excluded (``exchange_buckets = 1``).
+  ``*_moved``: what the bucketed exchange moves off-device for this batch (the chosen bucket's
+  slot prefix to every peer). ``dispatch_useful_busiest_device`` / ``return_useful_busiest_device``:
+  the most any one device sends; ``max_pair_dispatch_useful``: the largest (sender, server) pair.
+  ``exchange_q_rows`` / ``exchange_kv_rows``: the plan's fullest slots (``exchange_rows``);
+  ``bucket`` / ``return_bucket``: the chosen bucket's index among ``num_buckets`` /
+  ``num_return_buckets`` distinct ones; ``bucket_q_rows``, ``bucket_kv_rows``,
+  ``return_bucket_q_rows``: their rows per slot.
   """
   s = meta.num_servers
   c = meta.capacity
@@ -724,11 +936,29 @@ def exchange_bytes(meta: sc.PlanMetadata, *, q_heads: int, kv_heads: int, head_d
   useful_q = float(meta.q_send_len.sum()) / s * bq
   useful_kv = float(meta.kv_send_len.sum()) / s * bkv
   sent = meta.q_send_len.sum(axis=1) * bq + meta.kv_send_len.sum(axis=1) * bkv
+  returned = meta.q_send_len.sum(axis=0) * bq  # a server returns the O rows it received
+  rows = exchange_rows(meta).tolist()
+  buckets = exchange_bucket_rows(c, exchange_buckets)
+  ret_buckets = _return_bucket_rows(c, exchange_buckets)
+  i, j = choose_bucket(rows, buckets), choose_bucket(rows[:1], ret_buckets)
+  (rq, rkv), (rr,) = buckets[i], ret_buckets[j]
   return {
       "dispatch_useful": useful_q + useful_kv,
       "dispatch_useful_busiest_device": float(sent.max()),
       "dispatch_padded": float((s - 1) * (c.q_slot * bq + c.kv_slot * bkv)),
+      "dispatch_moved": float((s - 1) * (rq * bq + rkv * bkv)),
       "return_useful": useful_q,
+      "return_useful_busiest_device": float(returned.max()),
       "return_padded": float((s - 1) * c.q_slot * bq),
+      "return_moved": float((s - 1) * rr * bq),
       "max_pair_dispatch_useful": float((meta.q_send_len * bq + meta.kv_send_len * bkv).max()),
+      "exchange_q_rows": rows[0],
+      "exchange_kv_rows": rows[1],
+      "bucket": i,
+      "num_buckets": len(buckets),
+      "bucket_q_rows": rq,
+      "bucket_kv_rows": rkv,
+      "return_bucket": j,
+      "num_return_buckets": len(ret_buckets),
+      "return_bucket_q_rows": rr,
   }

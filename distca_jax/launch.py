@@ -11,6 +11,12 @@ import os
 import ml_collections
 
 # NVLink multicast (NVLS) is kept off: see the device notes; it destabilized shared GPU hosts.
+# No XLA overlap flags are set, by measurement: CAD's all-to-alls are async collectives that XLA
+# schedules around the linear layers of the other nano-batch (`attention.nano_batches=2`), and on
+# 2 H200s the step with them was within 1.1% of its signal-only twin (tiny all-to-alls) while
+# ping-pong changed nothing (results/e2e_2gpu_summary.md); DESIGN_NOTES Sec. 6 measured
+# `--xla_gpu_enable_latency_hiding_scheduler` hiding 37% vs 30% of an all-to-all. Pass any XLA
+# flags through the environment (XLA_FLAGS) and they are kept.
 GPU_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0"}
 
 

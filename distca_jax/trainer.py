@@ -29,6 +29,7 @@ from distca_jax import attention as attn_lib
 from distca_jax import checkpoint as ckpt_lib
 from distca_jax import config as config_lib
 from distca_jax import metrics as metrics_lib
+from distca_jax import profiling
 from distca_jax import sharding as shard_lib
 from distca_jax.data import make_source
 from distca_jax.model import Transformer
@@ -213,6 +214,10 @@ class Prefetcher:
                backend: attn_lib.Backend | None = None):
     self._q: queue.Queue = queue.Queue(maxsize=depth)
     self._stop = stop
+    # Host seconds per batch spent in the backend's planning (`add_host_plan`), in step order:
+    # benchmarks compare it with the main thread's wait in `next` (planning off the critical
+    # path shows up as planning time > 0 with ~0 wait).
+    self.host_plan_s: list[float] = []
 
     def work():
       for step in range(start, stop):
@@ -220,7 +225,9 @@ class Prefetcher:
           doclens = source.doclens(step)
           batch = source.batch(step)
           if backend is not None:
+            t0 = time.perf_counter()
             batch = add_host_plan(batch, backend, doclens, source.tokens_per_row)
+            self.host_plan_s.append(time.perf_counter() - t0)
           item = (step, batch, doclens)
         except Exception as e:  # surfaced in the main thread, never swallowed
           self._q.put(e)
@@ -248,6 +255,9 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> list[dict]
   Returns the log records written during this call (one per `log_every` steps).
   """
   config_lib.validate(c)
+  if c.profile_step != -1 and not 0 <= c.profile_step < c.num_steps:
+    raise ValueError(f"profile_step={c.profile_step} must be -1 (off) or a step in [0, num_steps="
+                     f"{c.num_steps})")
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   log = metrics_lib.RunLog(workdir, c.num_steps, tensorboard=c.tensorboard)
@@ -294,16 +304,33 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> list[dict]
   log.info(f"compiling the train step (first step includes compilation) ...")
   window_t0, window_flops, window_tokens, window_steps = None, 0.0, 0, 0
   pending = None
+  profile_dir = os.path.join(workdir, "profile")
+  if jax.process_count() > 1:  # each process traces (and reports) its own devices
+    profile_dir = os.path.join(profile_dir, f"process_{jax.process_index()}")
+  if 0 <= c.profile_step < start:
+    log.info(f"profile_step={c.profile_step} was done before the checkpoint (step {start}); "
+             "not profiling")
+  last_step_time_s = None  # of the last logged window: the unprofiled step time for idle time
   for _ in range(start, c.num_steps):
     step, np_batch, flops, tokens = prefetch.next()
     if step_fn is None:  # batch keys (a backend's plan arrays included) are known now
       with mesh_context(mesh):
         step_fn = jit_train_step(c, model, tx, mesh, state_sh, tuple(np_batch))
+    profiled = step == c.profile_step
     with mesh_context(mesh):
-      state, m = step_fn(state, device_batch(np_batch, mesh))
-    if window_t0 is None:  # time from the end of the first (compiling) step
-      jax.block_until_ready(m)
-      window_t0 = time.time()
+      if profiled:  # idle time against the last unprofiled step time when there is one
+        state, m, report = profiling.profile_train_step(
+            step_fn, state, device_batch(np_batch, mesh), profile_dir,
+            step_time_s=last_step_time_s)
+        basis = ("the profiled call's wall time" if last_step_time_s is None
+                 else "the last logged step_time_s")
+        log.info(f"profiled step {step} (idle = step time - busy; step time is {basis}); "
+                 f"report in {profile_dir}/report.md\n" + profiling.format_report(report))
+      else:
+        state, m = step_fn(state, device_batch(np_batch, mesh))
+    if window_t0 is None or profiled:  # time from the end of the first (compiling) or profiled
+      jax.block_until_ready(m)         # step: those are not representative
+      window_t0, window_flops, window_tokens, window_steps = time.time(), 0.0, 0, 0
     else:
       window_flops += flops
       window_tokens += tokens
@@ -320,6 +347,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> list[dict]
           rec["mfu"] = window_flops / elapsed / (peak * jax.device_count())
       log.write(done, rec)
       records.append({"step": done, **rec})
+      last_step_time_s = rec.get("step_time_s", last_step_time_s)
       window_t0, window_flops, window_tokens, window_steps = time.time(), 0.0, 0, 0
     if manager is not None and (done % c.checkpoint_every == 0 or done == c.num_steps):
       manager.save(done, state)

@@ -2,14 +2,18 @@
 
 For each workload, a few batches are planned on the host (``dispatch.host_plan``, per-rank
 document lists as the trainer makes them, caps = ``dispatch.suggest_capacity`` of those batches,
-so one compiled program serves them all) and every device-side piece is timed on every visible
+or with ``--caps default`` the caps of a run that leaves them at 0, ``dispatch.default_capacity``;
+one compiled program serves them all) and every device-side piece is timed on every visible
 device (one server per device, the mesh's ``data`` axis):
 
   exchange   sender gather + the one Q/K/V ``lax.all_to_all`` + server gather
-             (``dispatch.send_to_servers``);
+             (``dispatch.send_to_servers``, ``--exchange-buckets``: the bucket the batch needs);
+  signal     the same exchange with ``signal_only=True`` (one row per slot on the wire): the
+             stage's cost without the wire;
   return     O gather + ``lax.all_to_all`` + owner gather (``dispatch.return_to_owners``);
   raw a2a    a bare dense ``lax.all_to_all`` moving (a) the same useful bytes per device with no
-             padding and (b) the exchange's padded slot buffer;
+             padding, (b) the busiest sender's useful bytes from every device, and (c) the
+             exchange's full padded slot buffer;
   CAD attention a chain of ``--layers`` ``dispatch.dispatch_attention`` calls (each layer's O
              is the next one's Q, so every layer's residuals are alive before the backward, as
              in a model), memory mode 'keep' and 'resend': forward and forward+backward time per
@@ -18,9 +22,14 @@ device (one server per device, the mesh's ``data`` axis):
   no CAD     each device's own documents through the same kernel, no exchange (forward+backward).
 
 Bandwidth is per device: useful bytes = mean over devices of the Q+K+V (or O) bytes the plan
-sends to other devices; effective bandwidth = useful bytes / time of the whole stage; the target
-is >= 80% of the raw all-to-all bandwidth for the same bytes (issue 4). Times are medians over
-``--iters`` runs after a warm-up.
+sends to other devices; effective bandwidth = useful bytes / time of the whole stage. Two
+fractions per stage: (a) ``fraction_of_raw`` = mean useful bandwidth / raw all-to-all bandwidth
+for the same bytes (the target is >= 80%, issue 4); (b) ``busiest_fraction_of_raw`` = the busiest
+sender's useful bytes / stage time, over the raw all-to-all bandwidth per device when every device
+sends that many bytes. No exchange can finish before its busiest sender has sent, and with 2
+servers the traffic is often one-directional, which caps (a) near 50% for any dense collective;
+(b) is the fair measure then. ``moved`` bytes are what the chosen bucket puts on the wire
+(``dispatch.exchange_bytes``). Times are medians over ``--iters`` runs after a warm-up.
 
 Run:
   python experiments/dispatch_bench.py          # every visible GPU on `data` (e.g. 2 H200s):
@@ -60,6 +69,11 @@ def _args():
                  choices=("auto", "reference", "pallas", "flash3"),
                  help="auto: flash3 if installed on a GPU, else pallas on GPU, reference on CPU")
   p.add_argument("--tolerance", type=float, default=0.1)
+  p.add_argument("--caps", default="suggest", choices=("suggest", "default"),
+                 help="suggest: the envelope of the planned batches (the tightest caps); default: "
+                 "dispatch.default_capacity, what a run with caps left at 0 uses")
+  p.add_argument("--exchange-buckets", type=int, default=8,
+                 help="slot fractions the exchange chooses from per batch (1 = full slots)")
   p.add_argument("--batches", type=int, default=None, help="planned batches (default 3; tiny: 2)")
   p.add_argument("--iters", type=int, default=None, help="timed runs (default 10; tiny: 2)")
   p.add_argument("--layers", type=int, default=None,
@@ -75,6 +89,8 @@ def _args():
       setattr(a, name, small if tiny else big)
   if a.out is None:
     a.out = os.path.join(REPO, "results", "dispatch_bench_tiny" if tiny else "dispatch_bench")
+  if a.exchange_buckets < 1:
+    p.error(f"--exchange-buckets={a.exchange_buckets} must be >= 1 (1 = full slots)")
   return a
 
 
@@ -155,9 +171,13 @@ def _count_kernel_forwards(jaxpr) -> int:
 
 
 def _count_all_to_all(jaxpr) -> int:
+  """All-to-alls one execution runs: a bucket switch (cond) counts its largest branch."""
   n = 0
   for e in jaxpr.eqns:
     n += e.primitive.name == "all_to_all"
+    if e.primitive.name == "cond":
+      n += max(_count_all_to_all(b.jaxpr) for b in e.params["branches"])
+      continue
     for p in e.params.values():
       for sub in p if isinstance(p, (list, tuple)) else [p]:
         if hasattr(sub, "eqns"):
@@ -187,8 +207,11 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
   sampler = WorkloadSampler(name, t, seed=a.seed)
   layouts = [sampler.step_doclens(step, s) for step in range(a.batches)]
   min_shard = dispatch.auto_min_shard(t)
-  cap = dispatch.suggest_capacity(layouts, s, t, tolerance=a.tolerance, min_shard=min_shard,
-                                  multiple=128 if t >= 1024 else 16, **byte_model)
+  if a.caps == "default":
+    cap = dispatch.default_capacity(t)
+  else:
+    cap = dispatch.suggest_capacity(layouts, s, t, tolerance=a.tolerance, min_shard=min_shard,
+                                    multiple=128 if t >= 1024 else 16, **byte_model)
   spec = dispatch.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1, capacity=cap)
   print(f"[{name}] {s} servers x {t} tokens, heads {h}/{kh}x{d} {jnp.dtype(dtype).name}, "
         f"kernel {kernel}, caps {cap}", flush=True)
@@ -213,18 +236,37 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS),
                                  check_vma=False))
 
-  def exchange(q, k, v, plan):
+  nb = a.exchange_buckets
+  # Per-rank layouts: no document (so no task) is longer than a rank's tokens; flash3's grid is
+  # tasks x ceil(max_seqlen / 128) blocks, so pass the bound as the trainer's backend does.
+  kopts = {"max_seqlen_q": t, "max_seqlen_k": t} if kernel == "flash3" else {}
+
+  def exchange(q, k, v, plan, signal_only=False):
     m = spec.unpack_local(plan)
-    qa, ka, va = dispatch.send_to_servers(q[0], k[0], v[0], m, spec, AXIS)
+    qa, ka, va = dispatch.send_to_servers(q[0], k[0], v[0], m, spec, AXIS, exchange_buckets=nb,
+                                          signal_only=signal_only)
     return qa[None], ka[None], va[None]
 
+  def signal(q, k, v, plan):
+    return exchange(q, k, v, plan, signal_only=True)
+
   def ret(o_attn, plan):
-    return dispatch.return_to_owners(o_attn[0], spec.unpack_local(plan), spec, AXIS)[None]
+    return dispatch.return_to_owners(o_attn[0], spec.unpack_local(plan), spec, AXIS,
+                                     exchange_buckets=nb)[None]
 
   def raw_a2a(x):
     return lax.all_to_all(x, AXIS, 1, 1, tiled=True)
 
-  exchange_f, return_f, raw_f = local(exchange), local(ret), local(raw_a2a)
+  exchange_f, signal_f = local(exchange), local(signal)
+  return_f, raw_f = local(ret), local(raw_a2a)
+
+  def raw_bytes(nbytes: float) -> dict:
+    """A bare all_to_all moving ``nbytes`` off-device per device (at least one element a peer)."""
+    per_peer = max(1, int(np.ceil(nbytes / (s - 1) / dbytes)))
+    raw = _time(raw_f, _zeros((s, s, per_peer), dtype, row_sh), iters=a.iters)
+    raw["bytes"] = per_peer * (s - 1) * dbytes
+    raw["GBps"] = raw["bytes"] / raw["median_s"] / 1e9
+    return raw
 
   def cad(mode):
     # A chain of `layers` CAD attentions (each layer's O is the next layer's Q), like a model's
@@ -234,7 +276,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
       x = q
       for _ in range(a.layers):
         x = dispatch.dispatch_attention(x, k, v, plan, spec, kernel=kernel, memory_mode=mode,
-                                        mesh=mesh)
+                                        mesh=mesh, exchange_buckets=nb, kernel_options=kopts)
       return x
 
     def fwd_bwd(q, k, v, plan, ct):
@@ -245,7 +287,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
 
   def no_cad_body(q, k, v, cu):
     def f(q, k, v):
-      return ops.core_attention(q[0], k[0], v[0], cu[0], cu[0], backend=kernel)[None]
+      return ops.core_attention(q[0], k[0], v[0], cu[0], cu[0], backend=kernel, **kopts)[None]
 
     o, vjp = jax.vjp(f, q, k, v)
     return vjp(o)  # the cotangent's values do not change the kernel's work
@@ -261,23 +303,28 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
     hp = dispatch.host_plan(doc_lens, spec, tolerance=a.tolerance, min_shard=min_shard,
                             **byte_model)
     plan = jax.device_put(hp.packed, plan_sh)
-    by = dispatch.exchange_bytes(hp.meta, **byte_model)
+    by = dispatch.exchange_bytes(hp.meta, exchange_buckets=nb, **byte_model)
     rec = {"batch": i, "docs": int(hp.plan.doc_lens.size), "tasks": int(len(hp.plan.tasks)),
            "imbalance_before": hp.plan.imbalance_before,
            "imbalance_after": hp.plan.imbalance_after, "degraded": hp.plan.degraded,
            "moves": hp.plan.num_moves, **{f"bytes_{k}": v for k, v in by.items()}}
     rec["exchange"] = _time(exchange_f, q, k, v, plan, iters=a.iters)
+    rec["exchange_signal_only"] = _time(signal_f, q, k, v, plan, iters=a.iters)
     rec["return"] = _time(return_f, o_attn, plan, iters=a.iters)
-    for stage, useful_key in (("exchange", "dispatch_useful"), ("return", "return_useful")):
-      rec[stage]["useful_GBps"] = by[useful_key] / rec[stage]["median_s"] / 1e9
-    # Raw all_to_all moving the same useful bytes per device with no padding.
+    for stage, key in (("exchange", "dispatch"), ("return", "return")):
+      rec[stage]["useful_GBps"] = by[f"{key}_useful"] / rec[stage]["median_s"] / 1e9
+      rec[stage]["busiest_useful_GBps"] = (by[f"{key}_useful_busiest_device"]
+                                           / rec[stage]["median_s"] / 1e9)
     if s > 1:
-      for stage, useful_key in (("exchange", "dispatch_useful"), ("return", "return_useful")):
-        per_peer = max(1, int(np.ceil(by[useful_key] / (s - 1) / dbytes)))
-        raw = _time(raw_f, _zeros((s, s, per_peer), dtype, row_sh), iters=a.iters)
-        raw["GBps"] = per_peer * (s - 1) * dbytes / raw["median_s"] / 1e9
+      for stage, key in (("exchange", "dispatch"), ("return", "return")):
+        # (a) raw all_to_all of the same mean useful bytes per device, no padding;
+        raw = raw_bytes(by[f"{key}_useful"])
         rec[f"raw_a2a_{stage}_same_bytes"] = raw
         rec[stage]["fraction_of_raw"] = rec[stage]["useful_GBps"] / raw["GBps"]
+        # (b) every device sending what the busiest sender must send.
+        raw = raw_bytes(by[f"{key}_useful_busiest_device"])
+        rec[f"raw_a2a_{stage}_busiest_bytes"] = raw
+        rec[stage]["busiest_fraction_of_raw"] = rec[stage]["busiest_useful_GBps"] / raw["GBps"]
     for mode, (fwd_f, fwd_bwd_f) in modes.items():
       for key, f, args in (("fwd", fwd_f, (q, k, v, plan)),
                            ("fwd_bwd", fwd_bwd_f, (q, k, v, plan, ct))):
@@ -288,21 +335,22 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
     rec["no_cad_fwd_bwd"] = _time(no_cad_f, q, k, v, cu, iters=a.iters)
     rows.append(rec)
     print(f"  batch {i}: imbalance {rec['imbalance_before']:.2f} -> "
-          f"{rec['imbalance_after']:.2f}; exchange {rec['exchange']['median_s'] * 1e3:.2f} ms "
-          f"({rec['exchange']['useful_GBps']:.1f} GB/s useful); CAD fwd+bwd keep "
+          f"{rec['imbalance_after']:.2f}; bucket {by['bucket'] + 1}/{by['num_buckets']} "
+          f"(moves {by['dispatch_moved'] / 2**20:.3g} of {by['dispatch_padded'] / 2**20:.3g} MB); "
+          f"exchange {rec['exchange']['median_s'] * 1e3:.2f} ms "
+          f"({rec['exchange']['useful_GBps']:.1f} GB/s useful, fractions "
+          f"{rec['exchange'].get('fraction_of_raw', float('nan')):.2f} / "
+          f"{rec['exchange'].get('busiest_fraction_of_raw', float('nan')):.2f}); CAD fwd+bwd keep "
           f"{rec['cad_keep_fwd_bwd']['median_s'] * 1e3:.1f} ms, resend "
           f"{rec['cad_resend_fwd_bwd']['median_s'] * 1e3:.1f} ms, no CAD "
           f"{rec['no_cad_fwd_bwd']['median_s'] * 1e3:.1f} ms", flush=True)
     padded = by
 
   # Raw all_to_all of the exchange's padded slot buffer (same for every batch).
-  out = {"workload": name, "capacity": dataclasses.asdict(cap), "batches": rows}
+  out = {"workload": name, "capacity": dataclasses.asdict(cap), "exchange_buckets": nb,
+         "bucket_rows": dispatch.exchange_bucket_rows(cap, nb), "batches": rows}
   if s > 1:
-    per_peer = int(padded["dispatch_padded"] / (s - 1) / dbytes)
-    raw = _time(raw_f, _zeros((s, s, per_peer), dtype, row_sh), iters=a.iters)
-    raw["GBps"] = padded["dispatch_padded"] / raw["median_s"] / 1e9
-    raw["bytes"] = padded["dispatch_padded"]
-    out["raw_a2a_padded_exchange_buffer"] = raw
+    out["raw_a2a_padded_exchange_buffer"] = raw_bytes(padded["dispatch_padded"])
   # Memory and structure of keep vs resend.
   plan = jax.device_put(dispatch.host_plan(layouts[0], spec, tolerance=a.tolerance,
                                            min_shard=min_shard, **byte_model).packed, plan_sh)
@@ -327,22 +375,34 @@ def _markdown(res: dict) -> str:
            f"Device: {res['devices']} x {res['device_kind']} ({res['backend']}); mesh data="
            f"{res['servers']}; tokens per device {res['tokens_per_rank']}; heads "
            f"{res['heads']}/{res['kv_heads']} x {res['head_dim']} {res['dtype']}; kernel "
-           f"`{res['kernel']}`; tolerance {res['tolerance']}. Times: median of {res['iters']}.",
+           f"`{res['kernel']}`; tolerance {res['tolerance']}; caps {res['caps']}; exchange "
+           f"buckets {res['exchange_buckets']}. Times: median of {res['iters']}.",
            ""]
   for w in res["workloads"]:
-    lines += [f"## {w['workload']}", "", f"Capacity: `{w['capacity']}`", "",
-              "| batch | imbalance | useful Q+K+V MB/dev | padded MB/dev | exchange ms | "
-              "useful GB/s | raw a2a GB/s (same bytes) | fraction | return ms | return GB/s | "
-              "return fraction |", "|" + "---|" * 11]
+    nan = float("nan")
+    lines += [f"## {w['workload']}", "", f"Capacity: `{w['capacity']}`; exchange buckets "
+              f"{w['exchange_buckets']}, (Q, KV) rows per slot: {list(w['bucket_rows'])}", "",
+              "Fractions: (a) mean useful GB/s over raw all_to_all GB/s of the same bytes; (b) "
+              "busiest sender's useful GB/s over raw all_to_all GB/s with every device sending "
+              "that many bytes. Signal = the exchange with one row per slot on the wire.", "",
+              "| batch | imbalance | bucket | useful Q+K+V MB/dev | busiest MB | moved MB/dev | "
+              "padded MB/dev | exchange ms | signal ms | useful GB/s | raw a2a GB/s (same bytes) | "
+              "(a) | (b) | return ms | return GB/s | return (a) | return (b) |",
+              "|" + "---|" * 17]
     for r in w["batches"]:
       ex, rt = r["exchange"], r["return"]
-      raw = r.get("raw_a2a_exchange_same_bytes", {}).get("GBps", float("nan"))
+      raw = r.get("raw_a2a_exchange_same_bytes", {}).get("GBps", nan)
       lines.append(
           f"| {r['batch']} | {r['imbalance_before']:.2f} -> {r['imbalance_after']:.2f} | "
-          f"{fmt(r['bytes_dispatch_useful'] / mb)} | {fmt(r['bytes_dispatch_padded'] / mb)} | "
-          f"{fmt(ex['median_s'] * 1e3)} | {fmt(ex['useful_GBps'])} | {fmt(raw)} | "
-          f"{ex.get('fraction_of_raw', float('nan')):.2f} | {fmt(rt['median_s'] * 1e3)} | "
-          f"{fmt(rt['useful_GBps'])} | {rt.get('fraction_of_raw', float('nan')):.2f} |")
+          f"{r['bytes_bucket'] + 1}/{r['bytes_num_buckets']} | "
+          f"{fmt(r['bytes_dispatch_useful'] / mb)} | "
+          f"{fmt(r['bytes_dispatch_useful_busiest_device'] / mb)} | "
+          f"{fmt(r['bytes_dispatch_moved'] / mb)} | {fmt(r['bytes_dispatch_padded'] / mb)} | "
+          f"{fmt(ex['median_s'] * 1e3)} | {fmt(r['exchange_signal_only']['median_s'] * 1e3)} | "
+          f"{fmt(ex['useful_GBps'])} | {fmt(raw)} | "
+          f"{ex.get('fraction_of_raw', nan):.2f} | {ex.get('busiest_fraction_of_raw', nan):.2f} | "
+          f"{fmt(rt['median_s'] * 1e3)} | {fmt(rt['useful_GBps'])} | "
+          f"{rt.get('fraction_of_raw', nan):.2f} | {rt.get('busiest_fraction_of_raw', nan):.2f} |")
     if "raw_a2a_padded_exchange_buffer" in w:
       raw = w["raw_a2a_padded_exchange_buffer"]
       lines += ["", f"Raw all_to_all of the padded exchange buffer ({fmt(raw['bytes'] / mb)} MB "
@@ -382,7 +442,9 @@ def main(a) -> None:
          "device_kind": devices[0].device_kind, "servers": len(devices),
          "tokens_per_rank": a.tokens_per_rank, "heads": a.heads, "kv_heads": a.kv_heads,
          "head_dim": a.head_dim, "dtype": dtype.name, "kernel": kernel,
-         "tolerance": a.tolerance, "iters": a.iters, "layers": a.layers, "tiny": a.tiny,
+         "tolerance": a.tolerance, "caps": a.caps, "exchange_buckets": a.exchange_buckets,
+         "iters": a.iters,
+         "layers": a.layers, "tiny": a.tiny,
          "workloads": []}
   for name in a.workloads.split(","):
     res["workloads"].append(run_workload(name, a, mesh, kernel, dtype))

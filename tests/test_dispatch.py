@@ -6,6 +6,8 @@ document, padding) and random plans with tolerance in [0, 0.3].
 """
 
 import collections
+import dataclasses
+import functools
 import os
 
 import chex
@@ -117,7 +119,7 @@ def _check(got, want, what):
 def test_outputs_and_grads_equal_per_document_attention_single_trace():
   mesh = _mesh()
   traces = []
-  run = _make_run(mesh, SPEC, trace_counter=traces)
+  run = _make_run(mesh, SPEC, trace_counter=traces, exchange_buckets=8)  # memory_mode 'keep'
   seed = int(np.random.default_rng().integers(1 << 30))
   rng = np.random.default_rng(seed)
   moves = split_docs = 0
@@ -171,12 +173,18 @@ def test_notebook_entry_flat_and_per_rank_with_grads():
 
 
 def _count_prims(jaxpr, names, acc=None):
+  """Primitive counts of one execution: a switch (cond) counts its largest branch."""
   acc = collections.Counter() if acc is None else acc
   for e in jaxpr.eqns:
     if e.primitive.name in names:
       acc[e.primitive.name] += 1
     if e.primitive.name == "pallas_call":
       acc[str(e.params["name"])] += 1
+    if e.primitive.name == "cond":
+      per_branch = [_count_prims(b.jaxpr, names) for b in e.params["branches"]]
+      for key in set().union(*per_branch):
+        acc[key] += max(c[key] for c in per_branch)
+      continue
     for p in e.params.values():
       for sub in p if isinstance(p, (list, tuple)) else [p]:
         if hasattr(sub, "eqns"):
@@ -226,7 +234,8 @@ def test_rows_per_device_with_inner_padding_and_tensor_heads():
                            capacity=dispatch.resolve_capacity(None, r * T, r))
   seed = int(np.random.default_rng().integers(1 << 30))
   rng = np.random.default_rng(seed)
-  per_row = [[int(x) for x in rng.integers(1, 50, size=int(rng.integers(0, 4)))]
+  # At most 3 documents of <= 42 tokens: a row never overflows its T = 128 tokens.
+  per_row = [[int(x) for x in rng.integers(1, 43, size=int(rng.integers(0, 4)))]
              for _ in range(rows)]
   per_row[3] = [T]
   per_row[6] = [90, 38]
@@ -380,3 +389,195 @@ def test_config_cost_table_reaches_the_planner(monkeypatch):
   backend = dispatch_lib.make_backend(cost_table=path, q_heads=4, kv_heads=2, head_dim=16)
   backend.host_prepare([[100, 28], [60, 60, 8]], 128)
   assert seen and all(s == path for s in seen)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bucketed exchange and signal-only mode.
+# ---------------------------------------------------------------------------------------------
+def _bucket_layouts(seed):
+  """(name, doc_lens, tolerance): no exchange at all, a heavy one, and both workloads at random."""
+  rng = np.random.default_rng(seed)
+  light = [[64, 64]] * S  # identical ranks: balanced as they are, nothing moves
+  nested = [[int(x) for x in rng.integers(1, 24, size=int(rng.integers(1, 5)))] for _ in range(S)]
+  nested[int(rng.integers(S))] = [T]  # one rank's whole row is one document: it must spread
+  out = [("light", light, 0.0), ("huge-rank", nested, 0.0)]
+  for name in ("pretrain", "prolong"):
+    ws = WorkloadSampler(name, T, seed=int(rng.integers(1 << 20)), context_length=2 * T)
+    out.append((f"{name}-flat", ws.flat_doclens(int(rng.integers(100)), S),
+                float(rng.uniform(0.0, 0.3))))
+  return out
+
+
+def _a2a_widths(jaxpr, out=None):
+  """Element counts of every all_to_all operand, in program order (every switch branch)."""
+  out = [] if out is None else out
+  for e in jaxpr.eqns:
+    if e.primitive.name == "all_to_all":
+      out.append(int(np.prod(e.invars[0].aval.shape)))
+    subs = e.params.get("branches", ()) if e.primitive.name == "cond" else [
+        sub for p in e.params.values() for sub in (p if isinstance(p, (list, tuple)) else [p])]
+    for sub in subs:
+      inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+      if inner is not None and hasattr(inner, "eqns"):
+        _a2a_widths(inner, out)
+  return out
+
+
+@pytest.mark.parametrize("buckets,modes", [(1, ("keep", "resend")), (4, ("keep", "resend")),
+                                           (8, ("resend",))])
+def test_bucketed_exchange_equals_reference_both_memory_modes_single_trace(buckets, modes):
+  """Outputs and grads per bucket count and memory mode; one trace across buckets.
+
+  (8 buckets with 'keep' is the default: the first test of this file runs it on 8 layouts.)
+  """
+  mesh = _mesh()
+  seed = int(np.random.default_rng().integers(1 << 30))
+  rng = np.random.default_rng(seed)
+  traces = {m: [] for m in modes}
+  runs = {m: _make_run(mesh, SPEC, trace_counter=traces[m], memory_mode=m,
+                       exchange_buckets=buckets) for m in modes}
+  chosen = []
+  for name, doc_lens, eps in _bucket_layouts(seed):
+    hp = dispatch.host_plan(doc_lens, SPEC, tolerance=eps, q_heads=H, kv_heads=KH, head_dim=D,
+                            dtype_bytes=4)
+    by = dispatch.exchange_bytes(hp.meta, q_heads=H, kv_heads=KH, head_dim=D, dtype_bytes=4,
+                                 exchange_buckets=buckets)
+    chosen.append(by["bucket"])
+    q, k, v, ct = _inputs(rng)
+    want = _reference(q, k, v, _segments(doc_lens, S, T), ct)
+    for mode, run in runs.items():
+      _check(run(q, k, v, hp.packed, ct), want,
+             f"{name} buckets={buckets} {mode} seed={seed} bucket={by['bucket']} "
+             f"rows={by['exchange_q_rows'], by['exchange_kv_rows']}")
+    if name == "light":
+      assert (by["exchange_q_rows"], by["exchange_kv_rows"]) == (0, 0), by
+      assert by["bucket"] == 0 and by["return_bucket"] == 0
+    if name == "huge-rank":
+      assert by["exchange_kv_rows"] > 0, by
+  # Different batches took different branches of one compiled step.
+  assert all(len(t) == 1 for t in traces.values()), traces
+  if buckets > 1:
+    assert len(set(chosen)) >= 2, (chosen, seed)
+  else:
+    assert set(chosen) == {0}
+
+
+def test_bucket_sizes_shrink_the_all_to_all_and_moved_bytes():
+  buckets = dispatch.exchange_bucket_rows(CAP, 8)
+  assert buckets == tuple((8 * i, 16 * i) for i in range(1, 9))  # q_slot 64, kv_slot 128
+  assert dispatch.exchange_bucket_rows(CAP, 1) == ((CAP.q_slot, CAP.kv_slot),)
+  # Rounding to 8 rows merges fractions of small slots; the last bucket is always the full slot.
+  small = sc.Capacity(q_slot=12, kv_slot=20, q_tokens=64, kv_tokens=64, tasks=4)
+  assert dispatch.exchange_bucket_rows(small, 8) == ((8, 8), (8, 16), (12, 16), (12, 20))
+  assert dispatch.choose_bucket((0, 0), buckets) == 0
+  assert dispatch.choose_bucket((9, 16), buckets) == 1
+  assert dispatch.choose_bucket((8, 17), buckets) == 1
+  assert dispatch.choose_bucket((64, 1), buckets) == 7
+
+  # The compiled program: each switch branch's all_to_all moves only its bucket of every slot
+  # (forward: Q/K/V out, then O back with the Q buckets), never an empty buffer.
+  mesh = _mesh()
+  hp = dispatch.host_plan(_bucket_layouts(0)[1][1], SPEC, tolerance=0.0)
+  q = jax.ShapeDtypeStruct((S, T, H, D), jnp.float32)
+  k = jax.ShapeDtypeStruct((S, T, KH, D), jnp.float32)
+  fwd = lambda q, k, plan, nb: dispatch.dispatch_attention(q, k, k, plan, SPEC, mesh=mesh,
+                                                          exchange_buckets=nb)
+  widths = _a2a_widths(jax.make_jaxpr(functools.partial(fwd, nb=8))(q, k, hp.packed).jaxpr)
+  want_out = [S * (bq * H * D + 2 * bkv * KH * D) for bq, bkv in buckets]
+  want_back = [S * bq * H * D for bq, _ in buckets]
+  assert widths == want_out + want_back, widths
+  assert min(widths) > 0
+  full = _a2a_widths(jax.make_jaxpr(functools.partial(fwd, nb=1))(q, k, hp.packed).jaxpr)
+  assert full == [want_out[-1], want_back[-1]], full
+
+  # Host accounting: a light batch moves less than the padded slots, a batch that fills its
+  # slots (capacity = the plan's exact need) moves exactly the padded bytes.
+  bm = dict(q_heads=H, kv_heads=KH, head_dim=D, dtype_bytes=4)
+  light = dispatch.host_plan(_bucket_layouts(0)[0][1], SPEC, tolerance=0.0)
+  by = dispatch.exchange_bytes(light.meta, exchange_buckets=8, **bm)
+  assert by["dispatch_useful"] == 0 and by["dispatch_moved"] == by["dispatch_padded"] / 8
+  assert by["return_moved"] == by["return_padded"] / 8
+  by1 = dispatch.exchange_bytes(light.meta, exchange_buckets=1, **bm)
+  assert by1["dispatch_moved"] == by1["dispatch_padded"]
+  seed = int(np.random.default_rng().integers(1 << 30))
+  heavy = _bucket_layouts(seed)[1][1]
+  plan = sc.schedule(heavy, S, tokens_per_rank=T, tolerance=0.0,
+                     min_shard=dispatch.auto_min_shard(T))
+  exact = sc.required_capacity(plan)
+  by = dispatch.exchange_bytes(sc.plan_to_metadata(plan, exact), exchange_buckets=8, **bm)
+  assert (by["exchange_q_rows"], by["exchange_kv_rows"]) == (exact.q_slot, exact.kv_slot), by
+  assert by["bucket"] == by["num_buckets"] - 1
+  assert by["dispatch_moved"] == by["dispatch_padded"] and by["return_moved"] == by["return_padded"]
+  # The same batch in the bigger SPEC: the chosen bucket covers every device's useful rows.
+  hp = dispatch.host_plan(heavy, SPEC, tolerance=0.0)
+  by = dispatch.exchange_bytes(hp.meta, exchange_buckets=8, **bm)
+  assert by["dispatch_useful_busiest_device"] <= by["dispatch_moved"] <= by["dispatch_padded"]
+  assert by["bucket_q_rows"] >= by["exchange_q_rows"] and by["bucket_kv_rows"] >= by[
+      "exchange_kv_rows"], by
+
+
+def test_plan_packs_exchange_rows_and_rejects_slots_not_packed_at_the_front():
+  seed = int(np.random.default_rng().integers(1 << 30))
+  hp = dispatch.host_plan(_bucket_layouts(seed)[1][1], SPEC, tolerance=0.0)
+  rows = [SPEC.unpack_local(jnp.asarray(hp.packed[p:p + 1]))["exchange_rows"] for p in range(S)]
+  want = dispatch.exchange_rows(hp.meta)
+  assert all(np.array_equal(np.asarray(r), want) for r in rows)  # the same on every device
+  off = ~np.eye(S, dtype=bool)
+  assert want.tolist() == [hp.meta.q_send_len[off].max(), hp.meta.kv_send_len[off].max()]
+  # Move the last used entry of a partly filled slot to the slot's back: packing must refuse it.
+  for name, lens, cap in (("q_send_idx", hp.meta.q_send_len, CAP.q_slot),
+                          ("kv_send_idx", hp.meta.kv_send_len, CAP.kv_slot)):
+    p, d = np.argwhere((lens > 0) & (lens < cap))[0]
+    idx = getattr(hp.meta, name).copy()
+    n = int(lens[p, d])
+    idx[p, d, cap - 1], idx[p, d, n - 1] = idx[p, d, n - 1], T
+    with pytest.raises(ValueError, match=rf"{name}\[{p}, {d}\].*front"):
+      SPEC.pack(dataclasses.replace(hp.meta, **{name: idx}))
+
+
+def test_signal_only_keeps_shapes_moves_one_row_and_is_wrong_by_design():
+  mesh = _mesh()
+  seed = int(np.random.default_rng().integers(1 << 30))
+  rng = np.random.default_rng(seed)
+  _, doc_lens, _ = _bucket_layouts(seed)[1]
+  hp = dispatch.host_plan(doc_lens, SPEC, tolerance=0.0)
+  q, k, v, ct = _inputs(rng)
+  sig = _make_run(mesh, SPEC, exchange_buckets=4, signal_only=True, return_lse=False)
+  got = sig(q, k, v, hp.packed, ct)
+  want = _reference(q, k, v, _segments(doc_lens, S, T), ct)
+  for g, w in zip(got, want):
+    assert g.shape == w.shape and g.dtype == w.dtype and np.isfinite(np.asarray(g)).all()
+  # Rows computed on another server came back wrong (their queries never arrived).
+  assert np.abs(np.asarray(got[0]) - np.asarray(want[0])).max() > 1e-2, seed
+  # Every all_to_all (forward and backward, every branch) carries one row per slot.
+  jaxpr = jax.make_jaxpr(sig)(q, k, v, hp.packed, ct).jaxpr
+  assert set(_a2a_widths(jaxpr)) == {S * H * D}, _a2a_widths(jaxpr)
+  assert _count_prims(jaxpr, {"all_to_all"})["all_to_all"] == 4
+
+
+def test_exchange_options_reach_dispatch_and_bad_values_name_the_fix(monkeypatch):
+  c = _tiny_config("distca", 8, 1, 0)
+  assert c.attention.distca.exchange_buckets == 8 and c.attention.distca.signal_only is False
+  c.attention.distca.exchange_buckets = 0
+  with pytest.raises(ValueError, match=r"exchange_buckets=0.*int >= 1.*config.attention.distca"):
+    trainer.make_backend(c)
+  with pytest.raises(ValueError, match=r"signal_only='yes'.*True or False"):
+    dispatch.make_backend(signal_only="yes")
+  c.attention.distca.exchange_buckets = 3
+  c.attention.distca.signal_only = True
+  backend = trainer.make_backend(c)
+  seen = {}
+
+  def spy(*args, **kwargs):
+    seen.update(kwargs)
+    return args[0]
+
+  monkeypatch.setattr(dispatch, "dispatch_attention", spy)
+  q = jnp.zeros((8, 16, H, D))
+  layout = attn_lib.Layout(jnp.ones((8, 16), jnp.int32), jnp.zeros((8, 16), jnp.int32),
+                           extra={dispatch.PLAN_KEY: jnp.zeros((8, 1), jnp.int32)})
+  with trainer.mesh_context(shard_lib.make_mesh(data=8, tensor=1, devices=jax.devices())):
+    backend.fn(q, q, q, layout, softmax_scale=1.0)
+  assert seen["exchange_buckets"] == 3 and seen["signal_only"] is True
+  with pytest.raises(ValueError, match="exchange_buckets"):
+    dispatch.exchange_bucket_rows(CAP, 0)

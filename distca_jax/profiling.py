@@ -1,0 +1,479 @@
+"""Profiled steps: where a step's device time goes, per rank, and which rank straggles.
+
+  capture(fn, *args, logdir)   one jitted call under `jax.profiler.trace` -> its trace file
+  load_events(trace_path)      the trace's device-side kernels / ops as `DeviceEvent`s
+  step_report(events)          per device: busy time, time per category, exposed communication;
+                               across devices: max / mean of attention, matmul, compute, busy
+  format_report(report)        the same as a markdown table, one row per device
+  profile_train_step(...)      all of the above for one train step, report.json + report.md written
+
+All times are unions of intervals (a device running two kernels at once on two streams is busy
+once), computed exactly by the small pure functions `merge_intervals`, `subtract_intervals` and
+`total_length`.
+
+What jax 0.11 writes (read from the xprof/tsl sources and checked on a CPU trace made here):
+- `jax.profiler.trace(logdir)` writes LOGDIR/plugins/profile/<YYYY_MM_DD_HH_MM_SS>/ with
+  <host>.xplane.pb and <host>.trace.json.gz (Chrome trace-event JSON: "X" events with `ts` and
+  `dur` in microseconds; "M" events naming processes and threads); `create_perfetto_trace=True`
+  adds perfetto_trace.json.gz (the same events without metadata). The JSON holds at most 1e6
+  events (the latest are dropped beyond that; `load_events` warns), so profile one step.
+- GPU: each GPU is a process named "/device:GPU:N" (pid 1 + N, N the host-local ordinal). Its
+  threads are CUDA streams, named "Stream #<id>" or "Stream #<id>(<kinds>)", with one event per
+  kernel or memcpy, named after the kernel (a display name; `args.long_name` holds the full one
+  when they differ) and linked to HLO by `args.hlo_op` / `args.hlo_module`. Derived lines ("XLA
+  Ops", "XLA Modules", "Steps", ...; thread ids from 0xdeadbeef) repeat the same time and are
+  skipped, as are "CUPTI overhead" lines.
+- CPU: there are no device processes. Everything is in one process "/host:CPU"; XLA:CPU's thunk
+  executor writes one event per executed HLO thunk, named after the HLO op (`ynn_fusion.1`,
+  `wrapped_tanh`, `all-reduce`, `while.14`, ...) with args device_ordinal / hlo_module / hlo_op,
+  on the PjRt client's worker threads ("tf_XLAPjRtCpuClient/..."). Those events are the device
+  events on CPU, with the thread as stream. Matmuls run inside `ynn_fusion`s (YNNPACK), so on CPU
+  they land in 'other'; a collective's event includes its rendezvous wait for the other devices.
+- Control-flow thunks (`while.N`, conditionals) enclose their body's thunks on the same thread;
+  `load_events` keeps the innermost events only (on GPU a stream never nests, so this changes
+  nothing there).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+import os
+import re
+import socket
+import time
+import warnings
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+
+# ------------------------------------------------------------------------------------------------
+# Kernel categories
+# ------------------------------------------------------------------------------------------------
+# Regular expressions searched (re.search) in the lower-cased kernel name, then in its long name
+# and its HLO op name; the first category with a match wins, in this order. Attention comes first
+# because FlashAttention-3 kernels are CUTLASS templates (`cutlass::device_kernel<flash::...>`)
+# that the matmul patterns would also match. Names matching nothing are 'other'; the report lists
+# the top 'other' names by time, so a new GPU kernel family shows up there: add it here.
+CATEGORY_PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", (
+        r"flash",             # FlashAttention 2/3 kernels (flash_fwd_kernel, FlashAttnFwdSm90,
+                              # FlashAttnBwdSm90, flash_bwd_dot_do_o_kernel, ...) and the FFI
+                              # targets of flash-attn3-jax: flash_mha_{,varlen_}{fwd,bwd}
+        r"fmha",              # fused MHA kernels (cuDNN, CK's FmhaFwd / FmhaBwd, xformers)
+        r"sdpa",              # cuDNN fused scaled-dot-product attention graphs
+        r"varlen_attention",  # our Pallas kernels: varlen_attention_{fwd,dq,dkv}
+        r"attention|attn",    # attention kernels named as such (Pallas, Mosaic GPU, tokamax)
+    )),
+    ("collective", (
+        r"nccl",              # every NCCL kernel: ncclDevKernel_AllGather_RING_LL, ..._SendRecv
+        # HLO collectives (all-to-all.3, all-gather-start.1, ...) and kernels named after them;
+        # (?<![a-z]) keeps e.g. "small_reduce" out.
+        r"(?<![a-z])all[-_ ]?to[-_ ]?all",
+        r"(?<![a-z])all[-_ ]?gather",
+        r"(?<![a-z])reduce[-_ ]?scatter",
+        r"(?<![a-z])all[-_ ]?reduce",
+        r"(?<![a-z])collective[-_ ]?(?:permute|broadcast)",
+        r"send[-_ ]?recv",
+        r"(?<![a-z])(?:send|recv)(?![a-z])",  # HLO send / recv (-done) ops
+    )),
+    ("matmul", (
+        r"gemm",              # cuBLAS(Lt) / CUTLASS gemm kernels (sm90_xmma_gemm_...,
+                              # ampere_..._gemm) and XLA's Triton GEMM fusions (gemm_fusion_dot_...)
+        r"cublas",
+        r"cutlass",
+        r"nvjet",             # cuBLASLt's Hopper kernels (nvjet_tst_..., nvjet_hsh_...)
+        r"xmma",
+        r"wgmma",
+        r"matmul",
+        r"cijk",              # rocBLAS / hipBLASLt (Cijk_Alik_Bljk_...)
+        r"(?<![a-z])dot(?![a-z])",  # HLO dot ops and dot fusions (dot.3, fusion_dot_1)
+    )),
+)
+CATEGORIES = tuple(name for name, _ in CATEGORY_PATTERNS) + ("other",)
+_COMPILED = tuple((name, re.compile("|".join(f"(?:{p})" for p in pats)))
+                  for name, pats in CATEGORY_PATTERNS)
+
+# Trace layout (see the module docstring).
+DEVICE_PROCESS_RE = re.compile(r"/device:GPU:(\d+)")
+DERIVED_TID_MIN = 0xDEADBEEF        # xprof's first derived-line thread id ...
+DERIVED_TID_SPAN = 512              # ... and a generous bound on how many follow it
+DERIVED_LINE_NAMES = frozenset({
+    "Steps", "XLA Modules", "XLA Ops", "XLA TraceMe", "TensorFlow Ops", "TensorFlow Name Scope",
+    "Framework Ops", "Framework Name Scope", "Source code", "Launch Stats", "CUPTI overhead",
+    "Host Offload Op Start", "Host Offload Op End",
+})
+TRACE_GLOB = "*.trace.json.gz"
+TRACE_EVENT_CAP = 1_000_000         # the exporter keeps the earliest this many events
+OTHER_TOP = 10                      # 'other' names listed in a report
+_NEST_EPS_US = 1e-2                 # trace timestamps are rounded to the ns: containment slack
+
+
+# ------------------------------------------------------------------------------------------------
+# Interval arithmetic (pure; intervals are (start, end) with start <= end)
+# ------------------------------------------------------------------------------------------------
+Interval = tuple[float, float]
+
+
+def merge_intervals(intervals: Iterable[Interval]) -> list[Interval]:
+  """The union as sorted, disjoint, non-empty intervals (touching intervals are joined)."""
+  merged: list[Interval] = []
+  for start, end in sorted(intervals):
+    if end < start:
+      raise ValueError(f"interval ({start}, {end}) ends before it starts")
+    if end == start:
+      continue
+    if merged and start <= merged[-1][1]:
+      if end > merged[-1][1]:
+        merged[-1] = (merged[-1][0], end)
+    else:
+      merged.append((start, end))
+  return merged
+
+
+def subtract_intervals(a: Sequence[Interval], b: Sequence[Interval]) -> list[Interval]:
+  """a minus b; both merged (sorted, disjoint). The result is merged too."""
+  out: list[Interval] = []
+  j = 0
+  for start, end in a:
+    while j < len(b) and b[j][1] <= start:
+      j += 1
+    cur = start
+    k = j
+    while k < len(b) and b[k][0] < end:
+      if b[k][0] > cur:
+        out.append((cur, b[k][0]))
+      cur = max(cur, b[k][1])
+      if cur >= end:
+        break
+      k += 1
+    if cur < end:
+      out.append((cur, end))
+  return out
+
+
+def total_length(merged: Iterable[Interval]) -> float:
+  """Summed length of disjoint intervals."""
+  return sum(end - start for start, end in merged)
+
+
+# ------------------------------------------------------------------------------------------------
+# Events and classification
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DeviceEvent:
+  """One device-side kernel / op execution.
+
+  device: the device number (GPU: N of "/device:GPU:N", host-local; CPU: XLA's device_ordinal).
+  stream: the CUDA stream line ("Stream #13(Kernel)") or, on CPU, the executing thread's name.
+  name: kernel (GPU) or HLO op (CPU) name as the trace shows it.
+  start_us, dur_us: trace clock, microseconds.
+  hlo_op, long_name: `args.hlo_op` and `args.long_name` when the trace has them, else "".
+  """
+  device: int
+  stream: str
+  name: str
+  start_us: float
+  dur_us: float
+  hlo_op: str = ""
+  long_name: str = ""
+
+  @property
+  def end_us(self) -> float:
+    return self.start_us + self.dur_us
+
+
+def classify(name: str) -> str:
+  """'attention', 'collective', 'matmul' or 'other' for a kernel / op name (CATEGORY_PATTERNS)."""
+  lower = name.lower()
+  for category, pattern in _COMPILED:
+    if pattern.search(lower):
+      return category
+  return "other"
+
+
+def event_category(ev: DeviceEvent) -> str:
+  """The category of the first of (name, long_name, hlo_op) that is not 'other'."""
+  for name in (ev.name, ev.long_name, ev.hlo_op):
+    if name:
+      category = classify(name)
+      if category != "other":
+        return category
+  return "other"
+
+
+# ------------------------------------------------------------------------------------------------
+# Capture and parse
+# ------------------------------------------------------------------------------------------------
+def capture(fn: Callable, *args, logdir: str) -> tuple[Any, str]:
+  """Runs `fn(*args)` under the profiler and blocks on its result.
+
+  The arguments are made ready first, so the trace holds this call's work only.
+
+  Returns:
+    (fn's result, path of the `*.trace.json.gz` written under `logdir`).
+  """
+  result, path, _ = _capture_timed(fn, args, logdir)
+  return result, path
+
+
+def _capture_timed(fn: Callable, args: tuple, logdir: str) -> tuple[Any, str, float]:
+  logdir = os.path.abspath(logdir)
+  os.makedirs(logdir, exist_ok=True)
+  jax.block_until_ready(args)
+  started = time.time()
+  with jax.profiler.trace(logdir, create_perfetto_trace=True):
+    t0 = time.perf_counter()
+    result = fn(*args)
+    jax.block_until_ready(result)
+    wall_s = time.perf_counter() - t0
+  return result, _newest_trace(logdir, since=started), wall_s
+
+
+def _newest_trace(logdir: str, since: float) -> str:
+  """This host's trace file written after `since` (run folders are named to the second and a
+  later capture in the same second overwrites the file, so go by modification time)."""
+  paths = glob.glob(os.path.join(logdir, "plugins", "profile", "*", TRACE_GLOB))
+  fresh = [p for p in paths if os.path.getmtime(p) >= since - 1.0]
+  mine = [p for p in fresh if os.path.basename(p).startswith(socket.gethostname() + ".")]
+  candidates = mine or fresh
+  if not candidates:
+    raise RuntimeError(f"jax.profiler.trace wrote no {TRACE_GLOB} under {logdir}/plugins/profile "
+                       f"(found {sorted(paths)}); is another profiler session running?")
+  return max(candidates, key=os.path.getmtime)
+
+
+def load_events(trace_path: str) -> list[DeviceEvent]:
+  """Device-side events of a trace, innermost only, sorted by (device, start).
+
+  GPU traces: the kernels and memcpys on every "/device:GPU:N" process's stream lines. Traces
+  without device processes (CPU): XLA:CPU's per-thunk events (those carrying `device_ordinal` and
+  `hlo_op`). See the module docstring for the layout.
+  """
+  opener = gzip.open if trace_path.endswith(".gz") else open
+  with opener(trace_path, "rt") as f:
+    data = json.load(f)
+  raw = data["traceEvents"] if isinstance(data, dict) else data
+  if len(raw) >= TRACE_EVENT_CAP:
+    warnings.warn(f"{trace_path} holds {len(raw)} events, the exporter's cap: the latest events "
+                  "were dropped and the report undercounts the end of the step. Profile a "
+                  "smaller step, or raise the cap with TF_PROFILER_TRACE_VIEWER_MAX_EVENTS (read "
+                  "by the exporter in recent versions) before the run")
+  process, thread = {}, {}
+  for e in raw:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      process[e["pid"]] = e.get("args", {}).get("name", "")
+    elif e.get("ph") == "M" and e.get("name") == "thread_name":
+      thread[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", "")
+  device_of_pid = {}
+  for pid, name in process.items():
+    m = DEVICE_PROCESS_RE.search(name)
+    if m:
+      device_of_pid[pid] = int(m.group(1))
+
+  events = []
+  for e in raw:
+    if e.get("ph") != "X" or "ts" not in e:
+      continue
+    pid, tid = e.get("pid"), e.get("tid")
+    args = e.get("args") or {}
+    stream = thread.get((pid, tid), str(tid))
+    if device_of_pid:
+      if pid not in device_of_pid or _is_derived_line(tid, stream):
+        continue
+      device = device_of_pid[pid]
+    elif "device_ordinal" in args and "hlo_op" in args:
+      device = int(args["device_ordinal"])
+    else:
+      continue
+    events.append(DeviceEvent(device=device, stream=stream, name=str(e.get("name", "")),
+                              start_us=float(e["ts"]), dur_us=float(e.get("dur", 0.0)),
+                              hlo_op=str(args.get("hlo_op", "")),
+                              long_name=str(args.get("long_name", ""))))
+  return sorted(_innermost(events), key=lambda ev: (ev.device, ev.start_us, ev.stream, ev.name))
+
+
+def _is_derived_line(tid, name: str) -> bool:
+  if isinstance(tid, int) and DERIVED_TID_MIN <= tid < DERIVED_TID_MIN + DERIVED_TID_SPAN:
+    return True
+  return name in DERIVED_LINE_NAMES
+
+
+def _innermost(events: list[DeviceEvent]) -> list[DeviceEvent]:
+  """Drops events that enclose a shorter, non-empty event of the same (device, stream):
+  control-flow thunks whose time their bodies' events already account for. Equal intervals are
+  all kept."""
+  lines = collections.defaultdict(list)
+  for ev in events:
+    lines[(ev.device, ev.stream)].append(ev)
+  kept = []
+  for line in lines.values():
+    line.sort(key=lambda ev: (ev.start_us, -ev.dur_us))
+    container = [False] * len(line)
+    open_: list[int] = []  # indices of events that may still enclose later ones
+    for i, ev in enumerate(line):
+      # An event ending where (or, rounded, just after) this one starts precedes it.
+      while open_ and line[open_[-1]].end_us <= ev.start_us + _NEST_EPS_US:
+        open_.pop()
+      if ev.dur_us <= 0:
+        continue
+      for j in reversed(open_):
+        outer = line[j]
+        if outer.end_us + _NEST_EPS_US >= ev.end_us and outer.dur_us > ev.dur_us:
+          container[j] = True
+          break
+      open_.append(i)
+    kept.extend(ev for ev, is_container in zip(line, container) if not is_container)
+  return kept
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+# ------------------------------------------------------------------------------------------------
+def step_report(events: Sequence[DeviceEvent], *, step_time_s: float | None = None) -> dict:
+  """Where each device's time went, and the spread across devices.
+
+  Per device (microseconds):
+    busy_us               union of all its events (over all streams)
+    attention_us, collective_us, matmul_us, other_us   union within each category
+    compute_us            union of its non-collective events
+    exposed_collective_us collective time not overlapped by any non-collective event: the
+                          communication nobody hid (on GPU, NCCL kernels spinning on a late peer
+                          count here too)
+    span_us, gaps_us      first start to last end, and the part of it with nothing running
+    step_us, idle_us      with `step_time_s`: the step time and step - busy (host work, launch
+                          gaps, waiting)
+  Straggler summary over devices: max, mean, max/mean and argmax device of attention, matmul,
+  compute and busy time. `slowest_device` is the argmax of compute time: busy time hides a slow
+  rank because its peers' collectives wait (and stay busy) until it arrives.
+  `other_top`: the 'other' names with the most summed time over all devices (digit suffixes such
+  as `.12` / `_3` dropped), to grow CATEGORY_PATTERNS from a real trace.
+  """
+  by_device: dict[int, list[DeviceEvent]] = collections.defaultdict(list)
+  for ev in events:
+    by_device[ev.device].append(ev)
+  step_us = None if step_time_s is None else float(step_time_s) * 1e6
+  rows = []
+  other_total: dict[str, list] = {}
+  for device in sorted(by_device):
+    evs = by_device[device]
+    spans = {c: [] for c in CATEGORIES}
+    for ev in evs:
+      category = event_category(ev)
+      spans[category].append((ev.start_us, ev.end_us))
+      if category == "other":
+        entry = other_total.setdefault(_fold_digits(ev.name), [0.0, 0, set()])
+        entry[0] += ev.dur_us
+        entry[1] += 1
+        entry[2].add(device)
+    merged = {c: merge_intervals(v) for c, v in spans.items()}
+    busy = merge_intervals(iv for v in spans.values() for iv in v)
+    compute = merge_intervals(iv for c, v in spans.items() if c != "collective" for iv in v)
+    span = (busy[-1][1] - busy[0][0]) if busy else 0.0
+    row = {"device": device, "events": len(evs), "busy_us": total_length(busy),
+           **{f"{c}_us": total_length(merged[c]) for c in CATEGORIES},
+           "compute_us": total_length(compute),
+           "exposed_collective_us": total_length(subtract_intervals(merged["collective"],
+                                                                    compute)),
+           "span_us": span, "gaps_us": span - total_length(busy)}
+    if step_us is not None:
+      row["step_us"] = step_us
+      row["idle_us"] = step_us - row["busy_us"]
+    rows.append(row)
+
+  straggler = {}
+  for key in ("attention_us", "matmul_us", "compute_us", "busy_us"):
+    straggler[key] = _spread(rows, key)
+  straggler["slowest_device"] = straggler["compute_us"]["argmax"]
+  other_top = [{"name": name, "total_us": t, "count": n, "devices": len(devs)}
+               for name, (t, n, devs) in sorted(other_total.items(),
+                                                 key=lambda kv: (-kv[1][0], kv[0]))[:OTHER_TOP]]
+  return {"devices": rows, "straggler": straggler, "other_top": other_top, "step_us": step_us}
+
+
+def _spread(rows: list[dict], key: str) -> dict:
+  if not rows:
+    return {"max": None, "mean": None, "max_over_mean": None, "argmax": None}
+  values = [r[key] for r in rows]
+  top = max(values)
+  mean = sum(values) / len(values)
+  argmax = rows[values.index(top)]["device"]  # the lowest device number on ties
+  return {"max": top, "mean": mean, "max_over_mean": top / mean if mean > 0 else None,
+          "argmax": argmax}
+
+
+def _fold_digits(name: str) -> str:
+  """'fusion.12' and 'fusion' -> 'fusion'; 'loop_add_fusion_3' -> 'loop_add_fusion'."""
+  return re.sub(r"[._]\d+(?=$|[._])", "", name)
+
+
+def format_report(report: dict) -> str:
+  """Markdown: one row per device (milliseconds), the straggler summary, the top 'other' names."""
+  rows = report["devices"]
+  if not rows:
+    return "_no device events in the trace_"
+  has_idle = report.get("step_us") is not None
+  cols = [("busy", "busy_us"), ("attention", "attention_us"), ("matmul", "matmul_us"),
+          ("collective", "collective_us"), ("exposed coll.", "exposed_collective_us"),
+          ("other", "other_us"), ("compute", "compute_us"), ("gaps", "gaps_us")]
+  if has_idle:
+    cols.append(("idle (step - busy)", "idle_us"))
+  lines = ["| device | " + " | ".join(f"{c} ms" for c, _ in cols) + " |",
+           "|---:|" + "---:|" * len(cols)]
+  for r in rows:
+    lines.append(f"| {r['device']} | " + " | ".join(f"{r[k] / 1e3:.3f}" for _, k in cols) + " |")
+  s = report["straggler"]
+  lines.append("")
+  if has_idle:
+    lines.append(f"step time {report['step_us'] / 1e3:.3f} ms")
+  lines.append(f"slowest device: {s['slowest_device']} (most compute time)")
+  for key, label in (("compute_us", "compute"), ("attention_us", "attention"),
+                     ("matmul_us", "matmul"), ("busy_us", "busy")):
+    v = s[key]
+    ratio = "n/a" if v["max_over_mean"] is None else f"{v['max_over_mean']:.3f}"
+    lines.append(f"- {label}: max {v['max'] / 1e3:.3f} ms (device {v['argmax']}), mean "
+                 f"{v['mean'] / 1e3:.3f} ms, max/mean {ratio}")
+  if report["other_top"]:
+    lines += ["", "Top 'other' names by summed time (add patterns to "
+              "profiling.CATEGORY_PATTERNS for kernels that belong elsewhere):", "",
+              "| name | total ms | count | devices |", "|---|---:|---:|---:|"]
+    for o in report["other_top"]:
+      name = o["name"].replace("|", "\\|")
+      lines.append(f"| `{name[:120]}` | {o['total_us'] / 1e3:.3f} | {o['count']} | "
+                   f"{o['devices']} |")
+  return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# Train steps
+# ------------------------------------------------------------------------------------------------
+def profile_train_step(step_fn: Callable, state, batch, logdir: str, *,
+                       step_time_s: float | None = None):
+  """One `step_fn(state, batch) -> (state, metrics)` call, profiled and reported.
+
+  Writes LOGDIR/report.json and LOGDIR/report.md next to the trace. `step_time_s` (for idle time)
+  defaults to the profiled call's wall time, which includes dispatch and profiler overhead; pass
+  an unprofiled step time to measure idle time against that instead.
+
+  Returns:
+    (new state, metrics, report): report as `step_report` plus 'trace_path', 'profiled_call_s'
+    (wall time of the profiled call) and 'step_time_from' ('profiled call' or 'argument').
+  """
+  (state, metrics), path, wall_s = _capture_timed(step_fn, (state, batch), logdir)
+  events = load_events(path)
+  if not events:
+    raise RuntimeError(f"no device events found in {path}: expected '/device:GPU:N' processes "
+                       "with stream threads, or XLA:CPU thunk events; open the trace in "
+                       "https://ui.perfetto.dev and update profiling.load_events")
+  report = step_report(events, step_time_s=wall_s if step_time_s is None else step_time_s)
+  report["step_time_from"] = "profiled call" if step_time_s is None else "argument"
+  report["profiled_call_s"] = wall_s
+  report["trace_path"] = path
+  with open(os.path.join(logdir, "report.json"), "w") as f:
+    json.dump(report, f, indent=2)
+  with open(os.path.join(logdir, "report.md"), "w") as f:
+    f.write(format_report(report) + "\n")
+  return state, metrics, report

@@ -33,6 +33,16 @@ Kernel layout (why it looks like this):
 * Backward is FlashAttention-2 style without atomics: a dK/dV kernel over key blocks (looping over
   the GQA group's query heads and the task's query rows that see the block) and a dQ kernel over
   query blocks. Both recompute P from the saved log-sum-exp.
+
+Why the Triton backend of Pallas (not Mosaic GPU): it runs under ``interpret=True`` on CPU, so
+every test of this contract runs in CI, and its scalar loads make the data-dependent block tables
+easy. Its price, measured on an H200 (results/kernel_gap.md, experiments/kernel_profile.py): 0.54x
+FlashAttention-3's forward and 0.53-0.80x its forward+backward on shards >= 512 tokens, because
+the lowering gives one 8-warp program per SM (246 registers, 12.5% occupancy) with no warp
+specialization, TMA or persistent grid, and this backward recomputes P in two kernels (1.41x the
+useful FLOPs). Closing that gap means Hopper warpgroup code (Mosaic GPU); until then the GPU
+configs use ``flash3`` and this kernel is the portable, tested one (and the faster one on
+128-token shards with long contexts).
 """
 
 from __future__ import annotations

@@ -13,9 +13,22 @@ It also computes, from the very same batches, the ceiling of any attention balan
 6 layers Hq D sum(l^2), and reports each backend's measured speedup over packed_dp as a fraction of
 that bound's gain ((speedup - 1) / (bound - 1)).
 
-Variants: `--nano-batches 1,2` compares single stream with ping-pong; `--extra KEY=VALUE` passes
-config overrides to every run (e.g. attention.kernel=flash3). `--tiny` shrinks everything for a
-CPU smoke test. Writes OUT.json and OUT.md (the command at the top).
+Variants and ablations (paper Sec. 6 style), all in the same process on the same batches:
+  `--nano-batches 1,2`          single stream vs ping-pong ('+pingpong' rows and their speedup);
+  `--variant NAME[@BACKEND]:KEY=VALUE[,KEY=VALUE]`  an extra run (of BACKEND only, if given)
+                                with config overrides, named BACKEND+NAME; e.g.
+                                `--variant signal@distca:attention.distca.signal_only=true` is the
+                                signal-only twin (all-to-alls carry tiny buffers: the step time
+                                without exposed communication), reported as step / twin;
+                                `--variant eps0@distca:attention.distca.tolerance=0` an epsilon point
+                                (add `--plan-stats` for each run's imbalance and bytes);
+  `--extra KEY=VALUE`           overrides for every run (e.g. attention.distca.kernel=flash3);
+  `--profile`                   one more jax.profiler-traced step per run: per-rank attention,
+                                matmul, communication and exposed-communication time (stragglers).
+Planning runs on the input thread (trainer.Prefetcher): the table shows host planning ms per batch
+next to the main thread's wait for its batch (planning off the critical path = wait ~ 0).
+`--tiny` shrinks everything for a CPU smoke test. Writes OUT.json and OUT.md (the command at the
+top); `experiments/plot_e2e.py OUT.json` draws OUT.png.
 """
 
 from __future__ import annotations
@@ -46,6 +59,12 @@ def parse_args(argv=None):
   p.add_argument("--variant", action="append", default=[],
                  help="NAME:KEY=VALUE[,KEY=VALUE] an extra run per backend with these overrides")
   p.add_argument("--config", default=os.path.join(ROOT, "configs", "gpu_bench.py"))
+  p.add_argument("--profile", action="store_true",
+                 help="after the timed steps, profile one more step (jax.profiler) and add its "
+                      "per-rank report (attention / matmul / exposed communication, stragglers)")
+  p.add_argument("--plan-stats", action="store_true",
+                 help="distca runs: replan the timed batches on the host and report imbalance "
+                      "before/after and bytes per step (for the epsilon ablation)")
   p.add_argument("--tiny", action="store_true", help="CPU smoke test sizes")
   p.add_argument("--out", default=os.path.join(ROOT, "results", "e2e_bench"))
   return p.parse_args(argv)
@@ -65,7 +84,7 @@ def ceiling(model_cfg, doclens_per_step):
   return sum(maxes) / sum(means)
 
 
-def run_one(c, steps, warmup, log):
+def run_one(c, steps, warmup, log, profile_dir=None):
   """Trains warmup + steps steps; returns per-step times and FLOP / token counts."""
   import jax
   from distca_jax import metrics, trainer
@@ -107,10 +126,20 @@ def run_one(c, steps, warmup, log):
       per_row = source.doclens(step)
       doclens.append([per_row[r * c.rows_per_rank:(r + 1) * c.rows_per_rank] for r in range(d)])
     log(f"    step {i + 1}/{warmup + steps}: {dt * 1e3:.1f} ms, loss {float(m['loss']):.3f}")
+  report = None
+  if profile_dir is not None:  # one more step (a batch seen before), traced
+    from distca_jax import profiling
+    batch = trainer.device_batch(np_batch, mesh)
+    with trainer.mesh_context(mesh):
+      state, m, report = profiling.profile_train_step(
+          step_fn, state, batch, profile_dir,
+          step_time_s=statistics.median(times) if times else None)
+    log("    profiled step:\n" + profiling.format_report(report))
   peak = metrics.peak_flops_per_device(c.peak_tflops)
+  plan_s = prefetch.host_plan_s[warmup:warmup + steps]
   return dict(times=times, flops=flops, tokens=tokens, losses=losses, doclens=doclens,
-              input_wait_s=waits, devices=jax.device_count(), peak=peak,
-              device_kind=jax.devices()[0].device_kind, model_cfg=model.cfg)
+              input_wait_s=waits, host_plan_s=plan_s, devices=jax.device_count(), peak=peak,
+              device_kind=jax.devices()[0].device_kind, model_cfg=model.cfg, profile=report)
 
 
 def summarize(r):
@@ -124,11 +153,50 @@ def summarize(r):
       "step_ms_p90": sorted(r["times"])[(9 * len(r["times"])) // 10] * 1e3,
       "tokens_per_s": sum(r["tokens"]) / total_t,
       "input_wait_ms_median": statistics.median(r["input_wait_s"]) * 1e3,
+      "input_wait_ms_max": max(r["input_wait_s"]) * 1e3,
+      "host_plan_ms_median": (statistics.median(r["host_plan_s"]) * 1e3
+                              if r["host_plan_s"] else 0.0),
+      "step_ms_all": [t * 1e3 for t in r["times"]],
+      "losses": r["losses"],
       "final_loss": r["losses"][-1],
   }
   if r["peak"]:
     out["mfu"] = sum(r["flops"]) / total_t / (r["peak"] * r["devices"])
+  if r.get("profile") is not None:
+    out["profile"] = r["profile"]
   return out
+
+
+def plan_stats(c, doclens_per_step):
+  """Host replans of the timed batches as the `distca` backend makes them (one plan per
+  nano-batch): imbalance (pairs) before/after, useful dispatch bytes per device, degraded count."""
+  from distca_jax import dispatch
+  d = c.attention.distca
+  s = len(doclens_per_step[0])
+  r, n, t = int(c.rows_per_rank), int(c.attention.nano_batches), int(c.tokens_per_rank)
+  rn = r // n
+  caps = {f: int(d[f]) for f in dispatch.CAP_FIELDS}
+  spec = dispatch.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=rn,
+                           capacity=dispatch.resolve_capacity(caps, rn * t, rn))
+  m = c.model
+  byte_model = dict(q_heads=m.n_heads, kv_heads=m.n_kv_heads, head_dim=m.head_dim)
+  out = dict(imbalance_before=[], imbalance_after=[], dispatch_useful_mb=[], dispatch_moved_mb=[],
+             degraded=0)
+  for per_rank in doclens_per_step:
+    for i in range(n):
+      rows = [list(per_rank[p][i * rn + j]) for p in range(s) for j in range(rn)]
+      hp = dispatch.host_plan(rows, spec, tolerance=d.tolerance, min_shard=d.min_shard or None,
+                              **byte_model)
+      out["imbalance_before"].append(hp.plan.imbalance_before)
+      out["imbalance_after"].append(hp.plan.imbalance_after)
+      eb = dispatch.exchange_bytes(hp.meta, dtype_bytes=2,
+                                   exchange_buckets=int(d.exchange_buckets), **byte_model)
+      out["dispatch_useful_mb"].append(eb["dispatch_useful"] / 1e6)
+      out["dispatch_moved_mb"].append(eb["dispatch_moved"] / 1e6)
+      out["degraded"] += int(hp.plan.degraded)
+  out["tolerance"] = float(d.tolerance)
+  return {"plan_" + k: (statistics.median(v) if isinstance(v, list) else v)
+          for k, v in out.items()}
 
 
 def main(argv=None):
@@ -140,16 +208,21 @@ def main(argv=None):
   from distca_jax.launch import configure_environment
   configure_environment()
   log = lambda m: print(m, flush=True)
-  variants = [("", [])]
+  variants = [("", None, [])]
   for v in a.variant:
     name, _, kvs = v.partition(":")
-    variants.append((name, [x for x in kvs.split(",") if x]))
+    name, _, only = name.partition("@")
+    if not name or not kvs:
+      raise SystemExit(f"--variant {v!r}: expected NAME[@BACKEND]:KEY=VALUE[,KEY=VALUE]")
+    variants.append((name, only or None, [x for x in kvs.split(",") if x]))
   results = []
   for workload in a.workloads.split(","):
     for tokens in [int(t) for t in a.tokens.split(",")]:
       for nano in [int(n) for n in a.nano_batches.split(",")]:
         for backend in a.backends.split(","):
-          for vname, vover in variants:
+          for vname, vonly, vover in variants:
+            if vonly is not None and vonly != backend:
+              continue
             over = [f"data.workload={workload}", f"tokens_per_rank={tokens}",
                     f"model.n_layers={a.layers}", f"attention.backend={backend}",
                     f"attention.nano_batches={nano}",
@@ -158,62 +231,138 @@ def main(argv=None):
             if a.tiny:
               over += ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
                        "model.mlp_dim=128", "model.vocab_size=256", "model.dtype=float32",
-                       "model.loss_chunk=256", "attention.block_q=64", "attention.block_k=64"]
+                       "model.loss_chunk=256", "attention.block_q=64", "attention.block_k=64",
+                       "attention.distca.kernel=reference",
+                       "attention.baselines.kernel=reference"]
             name = backend + (f"+{vname}" if vname else "") + ("+pingpong" if nano == 2 else "")
             log(f"== {workload} {tokens} tokens/GPU {name}")
             c = configs_io.load_config(a.config, over)
+            pdir = (os.path.join(a.out + "_profiles", f"{workload}_{tokens}_{name}")
+                    if a.profile else None)
             try:
-              r = run_one(c, a.steps, a.warmup, log)
+              r = run_one(c, a.steps, a.warmup, log, profile_dir=pdir)
             except Exception as e:  # recorded, never silently dropped
               log(f"   FAILED: {type(e).__name__}: {e}")
               results.append(dict(workload=workload, tokens=tokens, backend=name, error=f"{type(e).__name__}: {e}"))
               continue
             s = summarize(r)
+            if a.plan_stats and backend == "distca":
+              s.update(plan_stats(c, r["doclens"]))
             s.update(workload=workload, tokens=tokens, backend=name, nano_batches=nano,
                      device=r["device_kind"], devices=r["devices"],
                      ceiling=ceiling(r["model_cfg"], r["doclens"]), overrides=over)
             results.append(s)
+            derive(results)
+            write(a, results, quiet=True)  # after every run: a killed job keeps what finished
             log(f"   median {s['step_ms_median']:.1f} ms, {s['tokens_per_s']:,.0f} tok/s"
                 + (f", MFU {100 * s['mfu']:.1f}%" if "mfu" in s else "")
                 + f", ceiling {s['ceiling']:.3f}")
-  # Speedups over packed_dp (same workload, tokens, nano-batches) and the fraction of the bound.
-  for s in results:
-    base = [b for b in results if b.get("backend") == "packed_dp" + ("+pingpong" if s.get("nano_batches") == 2 else "")
-            and b["workload"] == s["workload"] and b["tokens"] == s["tokens"] and "error" not in b]
-    if "error" not in s and base:
-      sp = base[0]["step_ms_median"] / s["step_ms_median"]
-      s["speedup_vs_packed_dp"] = sp
-      s["fraction_of_bound_gain"] = (sp - 1) / (s["ceiling"] - 1) if s["ceiling"] > 1 else None
+  derive(results)
   write(a, results)
 
 
-def write(a, results):
+def _find(results, backend, like):
+  for b in results:
+    if (b.get("backend") == backend and b["workload"] == like["workload"]
+        and b["tokens"] == like["tokens"] and "error" not in b):
+      return b
+  return None
+
+
+def derive(results):
+  """Ratios between runs of one (workload, tokens): speedup over packed_dp (same nano-batches)
+  and the fraction of the bound's gain; twin ratios of variants ('+signal': step / its
+  signal-only twin; '+pingpong': single-stream step / ping-pong step)."""
+  for s in results:
+    if "error" in s:
+      continue
+    pp = "+pingpong" if s.get("nano_batches") == 2 else ""
+    base = _find(results, "packed_dp" + pp, s)
+    if base:
+      # Same batches, same initial parameters: the loss curves must agree (bf16 noise only)
+      # unless the run is a signal-only twin, whose attention is wrong by design.
+      n = min(len(base["losses"]), len(s["losses"]))
+      s["max_loss_diff_vs_packed_dp"] = max(abs(x - y) for x, y in
+                                            zip(base["losses"][:n], s["losses"][:n]))
+      sp = base["step_ms_median"] / s["step_ms_median"]
+      s["speedup_vs_packed_dp"] = sp
+      s["fraction_of_bound_gain"] = (sp - 1) / (s["ceiling"] - 1) if s["ceiling"] > 1 else None
+    name = s["backend"]
+    if "+signal" in name:
+      twin = _find(results, name.replace("+signal", ""), s)
+      if twin:
+        twin["step_over_signal_only"] = twin["step_ms_median"] / s["step_ms_median"]
+    if name.endswith("+pingpong"):
+      single = _find(results, name[:-len("+pingpong")], s)
+      if single:
+        s["pingpong_speedup"] = single["step_ms_median"] / s["step_ms_median"]
+    prof = s.get("profile")
+    if prof:
+      s["attention_imbalance"] = prof["straggler"]["attention_us"]["max_over_mean"]
+
+
+def _fmt(v, spec=".3f"):
+  return "n/a" if v is None else format(v, spec)
+
+
+def write(a, results, quiet: bool = False):
   cmd = "python experiments/e2e_bench.py " + " ".join(sys.argv[1:])
   stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
   with open(a.out + ".json", "w") as f:
     json.dump({"command": cmd, "date": stamp, "results": results}, f, indent=1)
-  lines = [f"# End-to-end benchmark\n", f"- command: `{cmd}`", f"- date: {stamp}"]
   dev = next((r.get("device") for r in results if r.get("device")), "?")
-  lines.append(f"- device: {dev} x {next((r.get('devices') for r in results if r.get('devices')), '?')}\n")
-  lines.append("| workload | tokens/GPU | backend | step ms (median) | p10-p90 ms | tokens/s | MFU | speedup vs packed_dp | ceiling | fraction of bound gain | input wait ms |")
-  lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+  ndev = next((r.get("devices") for r in results if r.get("devices")), "?")
+  lines = ["# End-to-end benchmark\n", f"- command: `{cmd}`", f"- date: {stamp}",
+           f"- device: {dev} x {ndev}; {a.steps} timed steps (distinct sampled batches) after "
+           f"{a.warmup} warm-up steps; step time = dispatch to completion of one jitted step\n",
+           "| workload | tokens/GPU | backend | step ms (median) | p10-p90 ms | tokens/s | MFU | "
+           "speedup vs packed_dp | ceiling | fraction of bound gain | host plan ms | input wait ms | "
+           "max loss diff vs packed_dp |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in results:
     if "error" in r:
-      lines.append(f"| {r['workload']} | {r['tokens']} | {r['backend']} | failed: {r['error'][:80]} | | | | | | | |")
+      lines.append(f"| {r['workload']} | {r['tokens']} | {r['backend']} | failed: "
+                   f"{r['error'][:80]} | | | | | | | | | |")
       continue
-    fr = r.get("fraction_of_bound_gain")
+    mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "n/a"
     lines.append(
         f"| {r['workload']} | {r['tokens']} | {r['backend']} | {r['step_ms_median']:.1f} | "
-        f"{r['step_ms_p10']:.1f}-{r['step_ms_p90']:.1f} | {r['tokens_per_s']:,.0f} | "
-        f"{100 * r['mfu']:.1f}% | " if "mfu" in r else
-        f"| {r['workload']} | {r['tokens']} | {r['backend']} | {r['step_ms_median']:.1f} | "
-        f"{r['step_ms_p10']:.1f}-{r['step_ms_p90']:.1f} | {r['tokens_per_s']:,.0f} | n/a | ")
-    lines[-1] += (f"{r.get('speedup_vs_packed_dp', float('nan')):.3f} | {r['ceiling']:.3f} | "
-                  f"{'n/a' if fr is None else f'{fr:.2f}'} | {r['input_wait_ms_median']:.2f} |")
+        f"{r['step_ms_p10']:.1f}-{r['step_ms_p90']:.1f} | {r['tokens_per_s']:,.0f} | {mfu} | "
+        f"{_fmt(r.get('speedup_vs_packed_dp'))} | {r['ceiling']:.3f} | "
+        f"{_fmt(r.get('fraction_of_bound_gain'), '.2f')} | {r['host_plan_ms_median']:.1f} | "
+        f"{r['input_wait_ms_median']:.2f} (max {r['input_wait_ms_max']:.2f}) | "
+        f"{_fmt(r.get('max_loss_diff_vs_packed_dp'), '.4f')} |")
+  twins = [r for r in results if "step_over_signal_only" in r or "pingpong_speedup" in r]
+  if twins:
+    lines += ["\n## Ablations\n", "| workload | tokens/GPU | backend | step / signal-only twin | "
+              "ping-pong speedup over single stream |", "|---|---|---|---|---|"]
+    for r in twins:
+      lines.append(f"| {r['workload']} | {r['tokens']} | {r['backend']} | "
+                   f"{_fmt(r.get('step_over_signal_only'))} | {_fmt(r.get('pingpong_speedup'))} |")
+  planned = [r for r in results if "plan_imbalance_after" in r]
+  if planned:
+    lines += ["\n## distca plans of the timed batches (host replan; medians over batches)\n",
+              "| workload | tokens/GPU | backend | tolerance | imbalance before | after | "
+              "dispatch MB/device useful | moved | degraded plans | step ms |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in planned:
+      lines.append(f"| {r['workload']} | {r['tokens']} | {r['backend']} | {r['plan_tolerance']} | "
+                   f"{r['plan_imbalance_before']:.3f} | {r['plan_imbalance_after']:.3f} | "
+                   f"{r['plan_dispatch_useful_mb']:.1f} | {r['plan_dispatch_moved_mb']:.1f} | "
+                   f"{r['plan_degraded']} | "
+                   f"{r['step_ms_median']:.1f} |")
+  profiled = [r for r in results if r.get("profile")]
+  if profiled:
+    from distca_jax import profiling
+    lines.append("\n## Profiled step (one extra step per run, jax.profiler; per rank)\n")
+    for r in profiled:
+      lines.append(f"### {r['workload']} {r['tokens']} {r['backend']}\n")
+      lines.append(profiling.format_report(r["profile"]) + "\n")
   with open(a.out + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  if not quiet:
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

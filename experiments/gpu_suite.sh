@@ -7,7 +7,10 @@ set -u
 FINAL=${1:?usage: gpu_suite.sh OUTDIR}
 OUT=/tmp/gpu_suite  # everything lands here, then one archive in OUTDIR (few files travel back)
 mkdir -p "$OUT" "$FINAL"
-trap 'tar -C /tmp -czf "$FINAL/gpu_suite.tgz" gpu_suite' EXIT
+# One archive (<= 16 MiB comes back): logs, tables, reports; raw profiler traces stay behind.
+# Re-packed after every stage, so a call stopped at its time limit still returns what finished.
+pack() { tar -C /tmp --exclude='*.trace.json.gz' --exclude='*.xplane.pb' -czf "$FINAL/gpu_suite.tgz" gpu_suite; }
+trap pack EXIT
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
@@ -20,9 +23,13 @@ stage() {  # stage NAME SECONDS CMD...
   timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "=== $name rc=$rc in $((SECONDS - t0))s"; tail -n 25 "$OUT/$name.log"
+  pack
 }
 nvidia-smi -L
 E2E="--layers 2 --steps 6 --warmup 2 --extra attention.distca.kernel=flash3 --extra attention.baselines.kernel=flash3"
+E2E20="--layers 2 --steps 20 --warmup 2"  # gpu_bench defaults: flash3 kernels for every backend
+# Compiled programs persist across the suite's processes (Pretrain and ProLong share shapes).
+export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
 case "${SUITE:-all}" in
   first|all)
 stage dispatch 150 python3 experiments/dispatch_bench.py --kernel flash3 --iters 5 --batches 2 --out "$OUT/dispatch_bench"
@@ -33,5 +40,20 @@ stage e2e_64k_wlb_dp2 70 python3 experiments/e2e_bench.py --backends wlb --workl
 stage cost_table 60 env CUDA_VISIBLE_DEVICES=0 python3 experiments/cost_table.py --backend flash3 --repeats 2 --tokens 65536 --q-lens 128,512,2048,8192 --kv-lens 4096,16384,65536,131072 --out "$OUT/cost_table_flash3.json"
 stage e2e_pingpong 120 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 32768 --rows-per-rank 2 --nano-batches 1,2 $E2E --out "$OUT/e2e_pingpong"
 stage e2e_128k 100 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 131072 $E2E --out "$OUT/e2e_128k"
+;;& checks|all)
+# flash3 / distca correctness on the GPU (the same tests as CPU CI plus the GPU-only cases).
+stage gpu_tests 120 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_ops.py -k "flash3 or hints"
+stage e2e_64k_pretrain 240 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 65536 $E2E20 --variant signal@distca:attention.distca.signal_only=true --profile --plan-stats --out "$OUT/e2e_64k_pretrain"
+stage dispatch2 150 python3 experiments/dispatch_bench.py --kernel flash3 --iters 5 --batches 3 --caps default --out "$OUT/dispatch_bench"
+stage kernel_profile 150 env CUDA_VISIBLE_DEVICES=0 python3 experiments/kernel_profile.py --workloads dense-16384,ca-s512,ca-s128 --out "$OUT/kernel_profile.json"
+;;& e2e128|all)
+stage e2e_128k_20 560 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain,prolong --tokens 131072 $E2E20 --profile --plan-stats --out "$OUT/e2e_128k"
+;;& ablations|all)
+stage dispatch_hints 120 python3 experiments/dispatch_bench.py --kernel flash3 --iters 5 --batches 3 --caps default --out "$OUT/dispatch_bench_hints"
+stage e2e_pingpong_2x64k 260 python3 experiments/e2e_bench.py --backends distca --workloads pretrain --tokens 65536 --rows-per-rank 2 --nano-batches 1,2 $E2E20 --out "$OUT/e2e_pingpong_2x64k"
+stage e2e_64k_eps 200 python3 experiments/e2e_bench.py --backends distca --workloads pretrain --tokens 65536 $E2E20 --variant eps0@distca:attention.distca.tolerance=0 --variant eps03@distca:attention.distca.tolerance=0.3 --plan-stats --out "$OUT/e2e_64k_eps"
+stage e2e_64k_prolong 160 python3 experiments/e2e_bench.py --backends packed_dp,distca,wlb --workloads prolong --tokens 65536 $E2E20 --extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2 --out "$OUT/e2e_64k_prolong"
+;;& wlb|all)
+stage e2e_64k_wlb 400 python3 experiments/e2e_bench.py --backends packed_dp,wlb --workloads pretrain --tokens 65536 $E2E20 --extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2 --out "$OUT/e2e_64k_wlb"
 ;;
 esac

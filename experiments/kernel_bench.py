@@ -698,15 +698,21 @@ def main(argv=None) -> int:
                                       **(dict(sched=wl.info) if wl.info else {}),
                                       status="error", error=failure or "no result"))
     # Written after every backend, so a run cut short still leaves a table.
-    devices = sorted({e["device"] for e in result["entries"] if "device" in e})
-    result["device"] = ", ".join(devices) or "unknown (no backend process reported one)"
-    result["wall_s"] = time.time() - t_main
-    with open(f"{stem}.json", "w") as f:
-      json.dump(result, f, indent=1)
-    write_markdown(f"{stem}.md", result)
+    save_result(stem, result, t_main, write_markdown)
   with open(f"{stem}.md") as f:
     print(f.read())
   return 0
+
+
+def save_result(stem: str, result: dict, t_main: float, write_md) -> None:
+  """Names the device(s) the backend processes reported, stamps the wall time and writes
+  STEM.json and (through ``write_md(path, result)``) STEM.md."""
+  devices = sorted({e["device"] for e in result["entries"] if "device" in e})
+  result["device"] = ", ".join(devices) or "unknown (no backend process reported one)"
+  result["wall_s"] = time.time() - t_main
+  with open(f"{stem}.json", "w") as f:
+    json.dump(result, f, indent=1)
+  write_md(f"{stem}.md", result)
 
 
 if __name__ == "__main__":

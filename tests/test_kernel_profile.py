@@ -1,0 +1,283 @@
+"""experiments/kernel_profile.py: trace analysis on synthetic events, and a tiny CPU run end to end."""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+  if name not in sys.modules:
+    spec = importlib.util.spec_from_file_location(name,
+                                                  os.path.join(ROOT, "experiments", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+  return sys.modules[name]
+
+
+kp = _load("kernel_profile")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ev:
+  """The fields of profiling.DeviceEvent that kernel_profile reads."""
+  name: str
+  start_us: float
+  dur_us: float
+  long_name: str = ""
+  stream: str = "Stream #13"
+  device: int = 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure parts
+# ------------------------------------------------------------------------------------------------
+
+FA3_FWD = ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<"
+           "flash::CollectiveMainloopFwdSm90<2, cute::tuple<_1,_1,_1>, 128, 128>>>>(...)")
+FA3_BWD = "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnBwdSm90<...>>>"
+
+
+@pytest.mark.parametrize("name,long_name,role,phase", [
+    ("varlen_attention_fwd", "", "fwd", "forward"),
+    ("varlen_attention_dq_1", "", "dq", "backward"),
+    ("varlen_attention_dkv", "", "dkdv", "backward"),
+    ("device_kernel", FA3_FWD, "fwd", "forward"),
+    ("device_kernel", FA3_BWD, "bwd", "backward"),
+    ("device_kernel", "cutlass::device_kernel<flash::FlashAttnBwdPreprocess<...>>", "bwd-pre",
+     "backward"),
+    ("device_kernel", "cutlass::device_kernel<flash::FlashAttnBwdPostprocessConvertdQ<...>>",
+     "bwd-post", "backward"),
+    ("device_kernel", "cutlass::device_kernel<flash::FlashAttnFwdCombine<...>>", "fwd-combine",
+     "forward"),
+    ("void flash::prepare_varlen_num_blocks_kernel<1>(...)", "", "scheduler", None),
+    ("loop_select_fusion_3", "", "glue", None),
+])
+def test_kernel_role(name, long_name, role, phase):
+  assert kp.kernel_role(name, long_name) == (role, phase)
+
+
+def test_short_kernel_name():
+  assert kp.short_kernel_name("device_kernel", FA3_FWD) == "FlashAttnFwdSm90"
+  assert kp.short_kernel_name("varlen_attention_dq_1") == "varlen_attention_dq_1"
+  assert kp.short_kernel_name("x" * 100).endswith("...")
+
+
+def _synthetic_call(t0):
+  """One forward+backward call of ours: block tables, fwd, delta, dq, dkdv, a trailing copy."""
+  return [Ev("sort_fusion", t0, 10.0), Ev("varlen_attention_fwd", t0 + 10, 100.0),
+          Ev("input_reduce_fusion", t0 + 110, 5.0), Ev("varlen_attention_dq", t0 + 115, 60.0),
+          Ev("varlen_attention_dkv", t0 + 175, 140.0), Ev("copy_3", t0 + 315, 4.0)]
+
+
+def test_split_calls_and_breakdown():
+  events = _synthetic_call(0.0) + _synthetic_call(50_000.0)
+  calls = kp.split_calls(events[::-1], gap_us=10_000)  # order of the input does not matter
+  assert [len(c) for c in calls] == [6, 6]
+  flops_fwd, flops_bwd = 4e9, 10e9
+  executed = {"fwd": 5e9, "dq": 9e9, "dkdv": 13e9}
+  b = kp.kernel_breakdown(calls, flops_fwd, flops_bwd, executed)
+  rows = {r["name"]: r for r in b["kernels"]}
+  assert b["calls"] == 2 and b["device_us"] == pytest.approx(319.0)
+  assert b["span_us"] == pytest.approx(319.0)
+  assert [r["name"] for r in b["kernels"]][:3] == ["varlen_attention_dkv", "varlen_attention_fwd",
+                                                   "varlen_attention_dq"]
+  assert {n: r["phase"] for n, r in rows.items()} == {
+      "sort_fusion": "forward", "varlen_attention_fwd": "forward",
+      "input_reduce_fusion": "backward", "varlen_attention_dq": "backward",
+      "varlen_attention_dkv": "backward", "copy_3": "backward"}
+  assert all(r["count"] == 1 for r in rows.values())
+  assert sum(r["share"] for r in rows.values()) == pytest.approx(1.0)
+  # Forward FLOPs on the forward kernel; backward FLOPs split 60:140 between dq and dkdv.
+  assert rows["varlen_attention_fwd"]["tflops"] == pytest.approx(4e9 / 100e-6 / 1e12)
+  assert rows["varlen_attention_dq"]["flops"] == pytest.approx(10e9 * 60 / 200)
+  assert rows["varlen_attention_dkv"]["tflops"] == pytest.approx(10e9 / 200e-6 / 1e12)
+  assert rows["varlen_attention_dkv"]["executed_tflops"] == pytest.approx(13e9 / 140e-6 / 1e12)
+  assert rows["copy_3"]["flops"] is None and rows["copy_3"]["executed_flops"] is None
+  fwd, bwd = b["phases"]["forward"], b["phases"]["backward"]
+  assert (fwd["attention_us"], fwd["other_us"]) == (100.0, 10.0)
+  assert (bwd["attention_us"], bwd["other_us"]) == (200.0, 9.0)
+  assert bwd["tflops_incl_glue"] == pytest.approx(10e9 / 209e-6 / 1e12)
+
+
+def test_breakdown_separates_kernels_sharing_a_display_name():
+  # FA3's kernels are all cutlass::device_kernel<...>: the long name tells them apart.
+  call = [Ev("where_fusion", 0.0, 2.0), Ev("device_kernel", 2.0, 50.0, FA3_FWD),
+          Ev("device_kernel", 60.0, 20.0, "flash::FlashAttnBwdPreprocess<...>"),
+          Ev("device_kernel", 80.0, 120.0, FA3_BWD)]
+  b = kp.kernel_breakdown([call], 2e9, 5e9, {"fwd": 1e12})
+  rows = {r["short_name"]: r for r in b["kernels"]}
+  assert set(rows) == {"where_fusion", "FlashAttnFwdSm90", "FlashAttnBwdPreprocess",
+                       "FlashAttnBwdSm90"}
+  assert rows["FlashAttnFwdSm90"]["tflops"] == pytest.approx(2e9 / 50e-6 / 1e12)
+  assert rows["FlashAttnBwdSm90"]["tflops"] == pytest.approx(5e9 / 120e-6 / 1e12)
+  assert rows["FlashAttnBwdPreprocess"]["flops"] is None
+  assert rows["where_fusion"]["phase"] == "forward"
+  assert b["phases"]["backward"]["other_us"] == 20.0
+
+
+def test_breakdown_without_attention_kernels_has_unknown_phase():
+  calls = kp.split_calls([Ev("ynn_fusion", 0.0, 3.0), Ev("while.2", 1.0, 4.0)], gap_us=100)
+  b = kp.kernel_breakdown(calls, 1e6, 2.5e6)
+  assert list(b["phases"]) == ["unknown"]
+  assert b["phases"]["unknown"]["tflops_attention"] is None
+  assert b["device_us"] == pytest.approx(7.0) and b["span_us"] == pytest.approx(5.0)
+
+
+def test_parse_kernel_details_and_match():
+  d = kp.parse_kernel_details("regs:168 static_shared:0 dynamic_shared:147456 grid:32,130,1 "
+                              "block:256,1,1 occ_pct:6.25")
+  assert d == dict(regs=168, static_shared=0, dynamic_shared=147456, grid=[32, 130, 1],
+                   block=[256, 1, 1], occ_pct=6.25)
+  details = {"varlen_attention_fwd": d, FA3_FWD: dict(regs=128)}
+  assert kp.match_details(details, "varlen_attention_fwd") is d
+  assert kp.match_details(details, "FlashAttnFwdSm90", FA3_FWD) == dict(regs=128)
+  assert kp.match_details(details, "FlashAttnFwdSm90") == dict(regs=128)  # contained, unique
+  assert kp.match_details(details, "fusion") is None
+
+
+def test_ptx_and_triton_log_parsers():
+  ptx = """
+.visible .entry varlen_attention_fwd(
+.maxntid 256, 1, 1
+{
+  cp.async.cg.shared.global [%r1], [%rd2], 16;
+  wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {...};
+  wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {...};
+}
+.visible .entry varlen_attention_dq(
+.reqntid 128, 1, 1
+{
+  mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {...};
+  cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier [%r1];
+  st.local.u32 [%rd1], %r2;
+}
+"""
+  stats = kp.ptx_entry_stats(ptx)
+  assert stats["varlen_attention_fwd"] == dict(wgmma=2, mma_sync=0, tma=0, cp_async=1,
+                                               ld_local=0, st_local=0, threads=256)
+  assert stats["varlen_attention_dq"] == dict(wgmma=0, mma_sync=1, tma=1, cp_async=0,
+                                              ld_local=0, st_local=1, threads=128)
+  log = """// -----// IR Dump Before TritonGPUAccelerateMatmul (tritongpu-accelerate-matmul) //----- //
+#blocked = #ttg.blocked<{sizePerThread = [1, 8]}>
+module attributes {"ttg.num-warps" = 8 : i32} {
+  tt.func public @k() {
+    %1 = tt.dot %a, %b, %c : tensor<128x64xbf16>
+  }
+}
+// -----// IR Dump After AllocateSharedMemory (allocate-shared-memory) //----- //
+#mma = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [8, 1]}>
+module attributes {"ttg.num-warps" = 8 : i32, ttg.shared = 98304 : i32} {
+  tt.func public @k() {
+    %1 = ttng.warp_group_dot %a, %b, %c {isAsync = true} : !ttg.memdesc<128x64xbf16>
+    %2 = ttng.warp_group_dot_wait %1 {pendings = 0 : i32}
+    %3 = ttg.async_copy_global_to_local %p, %m
+  }
+}
+// -----// IR Dump After ConvertTritonGPUToLLVM (convert-triton-gpu-to-llvm) //----- //
+module attributes {ttg.shared = 1 : i32} {
+  llvm.func @k() {
+  }
+}
+"""
+  ir = kp.triton_pass_log_stats(log.splitlines(keepends=True))
+  assert ir["shared_bytes"] == 98304 and ir["num_warps"] == 8 and ir["mma_versions"] == [3]
+  assert (ir["warp_group_dots"], ir["tt_dots"], ir["async_copies"]) == (1, 0, 1)
+  assert "AllocateSharedMemory" in ir["pass_name"]
+
+
+# ------------------------------------------------------------------------------------------------
+# A tiny run on CPU: our kernel in the Pallas interpreter against the jnp reference
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  out = tmp_path_factory.mktemp("kernel_profile") / "kp.json"
+  assert kp.main(["--tiny", "--out", str(out)]) == 0
+  with open(out) as f:
+    return out, json.load(f)
+
+
+def test_tiny_entries_have_kernel_rows_and_times(tiny):
+  out, result = tiny
+  names = kp.TINY["workloads"].split(",")
+  assert result["workloads"] == names and result["backends"] == ["pallas", "reference"]
+  assert {(e["workload"], e["backend"]) for e in result["entries"]} == {
+      (w, b) for w in names for b in ("pallas", "reference")}
+  for e in result["entries"]:
+    assert e["status"] == "ok", e.get("traceback_tail", e.get("error"))
+    t = e["timing"]
+    assert t["fwd_ms"] > 0 and t["fwd_bwd_ms"] > 0
+    assert t["bwd_ms"] == pytest.approx(t["fwd_bwd_ms"] - t["fwd_ms"])
+    trace = e["trace"]
+    assert trace["calls_found"] == kp.TINY["trace_calls"] and "call_split_note" not in trace
+    rows = trace["kernels"]
+    assert len(rows) >= 3
+    assert all(r["count"] > 0 and r["total_us"] > 0 and r["name"] for r in rows)
+    assert sum(r["share"] for r in rows) == pytest.approx(1.0)
+    assert sum(r["total_us"] for r in rows) == pytest.approx(trace["device_us"])
+    assert sum(s["total_us"] for s in trace["phases"].values()) == pytest.approx(
+        trace["device_us"])
+    assert os.path.exists(os.path.join(os.path.dirname(out), trace["path"]))
+    assert e["flops_bwd"] == pytest.approx(2.5 * e["flops_fwd"]) and e["flops_fwd"] > 0
+
+
+def test_tiny_launch_config_is_the_kernels_tiling(tiny):
+  from custom_ops import varlen_attention as va  # pylint: disable=import-outside-toplevel
+  _, result = tiny
+  h, k, d = kp.TINY["heads"], kp.TINY["kv_heads"], kp.TINY["head_dim"]
+  blk = kp.TINY_BLOCK
+  for e in result["entries"]:
+    if e["backend"] != "pallas":
+      assert "launch" not in e
+      continue
+    kernels = e["launch"]["kernels"]
+    n = e["task_slots"]
+    fwd, dq, dkv = (kernels[f"varlen_attention_{x}"] for x in ("fwd", "dq", "dkv"))
+    assert fwd["grid"] == [h, va.num_row_blocks(e["q_rows"], n, blk)]
+    assert dkv["grid"] == [k, va.num_row_blocks(e["kv_rows"], n, blk)]
+    assert fwd["tiles"] == dq["tiles"]  # same tiles in this preset
+    # Executed tile work covers the useful work: forward 2 matmuls per pair, backward 7 of the
+    # useful 5 (the recomputation of S and dP in both backward kernels).
+    assert fwd["executed_flops"] >= e["flops_fwd"]
+    assert dq["executed_flops"] + dkv["executed_flops"] >= 1.4 * e["flops_bwd"] * (1 - 1e-12)
+    if e["workload"] == "dense-256":
+      nb = 256 // blk  # causal: query block i visits i + 1 key blocks
+      assert fwd["tiles"] == h * nb * (nb + 1) // 2 and dkv["tiles"] == fwd["tiles"]
+      assert fwd["masked_tiles"] == h * nb
+      assert fwd["executed_flops"] == pytest.approx(
+          e["flops_fwd"] * (nb * (nb + 1) / 2 * blk * blk) / (256 * 257 / 2))
+
+
+def test_tiny_gap_table_and_markdown(tiny):
+  out, result = tiny
+  gap = result["gap"]
+  assert (gap["ours"], gap["baseline"]) == ("pallas", "reference")
+  by = {(e["workload"], e["backend"]): e for e in result["entries"]}
+  for wl in result["workloads"]:
+    rows = {r["phase"]: r for r in gap["rows"] if r["workload"] == wl}
+    assert {"forward", "backward", "total"} <= set(rows)
+    ours, base = by[(wl, "pallas")], by[(wl, "reference")]
+    for phase, key in (("forward", "fwd_ms"), ("backward", "bwd_ms"), ("total", "fwd_bwd_ms")):
+      r = rows[phase]
+      assert r["ours_timed_ms"] == ours["timing"][key]
+      assert r["timed_ratio"] == pytest.approx(ours["timing"][key] / base["timing"][key])
+    total = rows["total"]
+    assert total["ours_ms"] == pytest.approx(ours["trace"]["device_us"] / 1e3)
+    assert total["ratio"] == pytest.approx(total["ours_ms"] / total["base_ms"])
+  with open(os.path.splitext(out)[0] + ".md") as f:
+    md = f.read()
+  assert md.startswith("# Kernel profile")
+  assert f"- command: `experiments/kernel_profile.py --tiny --out {out}`" in md
+  assert "- device: cpu" in md and "## Where the gap is (pallas vs reference)" in md
+  for wl in result["workloads"]:
+    assert f"### {wl} / pallas" in md and f"| {wl} | total |" in md
+  assert np.isfinite([r["ours_ms"] for r in gap["rows"] if r["phase"] == "total"]).all()

@@ -317,10 +317,21 @@ class Transformer(nn.Module):
 
 
 def chunked_cross_entropy(h_BxTxE, w_ExV, targets_BxT, mask_BxT, chunk: int):
-  """Sum of masked cross-entropies without materializing all [B, T, V] logits at once."""
+  """Sum of masked cross-entropies without materializing all [B, T, V] logits at once.
+
+  Chunks are ``min(chunk, T)`` tokens; when ``T`` is not a multiple, the tail is padded with
+  masked-out tokens (at most ``chunk - 1`` extra rows of logits) rather than shrinking the chunk:
+  a gcd-sized chunk degenerates to 1 token for rows like WLB's floor(1.2 x 65536) = 78643 (a
+  prime), which turned the loss into a 78643-step scan (a 200 s first step on an H200).
+  """
   b, t, e = h_BxTxE.shape
-  c = math.gcd(t, max(1, chunk))
-  n = t // c
+  c = min(max(1, int(chunk)), t)
+  pad = (-t) % c
+  if pad:  # padded tokens have mask 0: they add nothing to the loss or the token count
+    h_BxTxE = jnp.pad(h_BxTxE, ((0, 0), (0, pad), (0, 0)))
+    targets_BxT = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
+    mask_BxT = jnp.pad(mask_BxT, ((0, 0), (0, pad)))
+  n = (t + pad) // c
 
   @jax.checkpoint
   def one(h_c, y_c, m_c):

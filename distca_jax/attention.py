@@ -222,7 +222,13 @@ _local_attention.defvjp(_local_fwd, _local_bwd)
 
 
 def _pick_block(t: int, want: int) -> int:
+  """The block: gcd(T, want). A gcd far below ``want`` (T prime or odd) would mean a loop over
+  T / gcd tiny blocks, so it is an error that names the fix instead of a silent slowdown."""
   c = math.gcd(t, want)
+  if c < min(8, want, t):
+    raise ValueError(f"the 'local' backend tiles rows of T={t} tokens by gcd(T, {want}) = {c}: "
+                     f"far too small; use a tokens_per_rank (row length) that is a multiple of 8 "
+                     f"(better of attention.block_q / block_k = {want})")
   return c
 
 

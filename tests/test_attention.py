@@ -89,3 +89,13 @@ def test_shape_errors_are_clear():
   lay = attn.Layout(jnp.ones((1, 8), jnp.int32), jnp.zeros((1, 8), jnp.int32))
   with pytest.raises(ValueError, match="multiple of kv heads"):
     attn.local_attention(x, jnp.zeros((1, 8, 2, 4)), jnp.zeros((1, 8, 2, 4)), lay, softmax_scale=1.0)
+
+
+def test_local_backend_refuses_degenerate_blocks():
+  """A row length with no useful divisor (here a prime) is an error naming the fix, not a loop
+  over 1-token blocks."""
+  t = 37
+  x = jnp.ones((1, t, 2, 4))
+  lay = attn.Layout(jnp.ones((1, t), jnp.int32), jnp.arange(t)[None])
+  with pytest.raises(ValueError, match="T=37.*multiple of 8"):
+    attn.local_attention(x, x, x, lay, softmax_scale=1.0, block_q=32, block_k=32)

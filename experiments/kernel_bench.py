@@ -682,26 +682,32 @@ def main(argv=None) -> int:
                        (e.stdout or ""))
     result["backend_wall_s"][backend] = time.time() - t0
     print(f"== {backend}: {time.time() - t0:.0f} s", flush=True)
-    done = []
-    if os.path.exists(part):
-      with open(part) as f:
-        done = json.load(f)
-      os.remove(part)
-    result["entries"].extend(done)
-    have = {e["workload"] for e in done}
-    for wl in workloads:
-      if wl.name not in have:
-        result["entries"].append(dict(workload=wl.name, kind=wl.kind, backend=backend,
-                                      tasks=wl.num_tasks, task_slots=len(wl.cu_q) - 1,
-                                      q_tokens=wl.cu_q[-1], kv_tokens=wl.cu_k[-1],
-                                      q_rows=wl.q_rows, kv_rows=wl.kv_rows,
-                                      **(dict(sched=wl.info) if wl.info else {}),
-                                      status="error", error=failure or "no result"))
+    collect_entries(part, result, workloads, failure, lambda wl: dict(
+        workload=wl.name, kind=wl.kind, backend=backend, tasks=wl.num_tasks,
+        task_slots=len(wl.cu_q) - 1, q_tokens=wl.cu_q[-1], kv_tokens=wl.cu_k[-1],
+        q_rows=wl.q_rows, kv_rows=wl.kv_rows, **(dict(sched=wl.info) if wl.info else {})))
     # Written after every backend, so a run cut short still leaves a table.
     save_result(stem, result, t_main, write_markdown)
   with open(f"{stem}.md") as f:
     print(f.read())
   return 0
+
+
+def collect_entries(part: str, result: dict, workloads, failure, error_entry) -> None:
+  """Adds a backend process's entries (the JSON list it left in ``part``, then removed) to
+  ``result['entries']``, and an error entry (``error_entry(wl)`` + status, error) for every
+  workload it did not report, so nothing goes missing silently."""
+  done = []
+  if os.path.exists(part):
+    with open(part) as f:
+      done = json.load(f)
+    os.remove(part)
+  result["entries"].extend(done)
+  have = {e["workload"] for e in done}
+  for wl in workloads:
+    if wl.name not in have:
+      result["entries"].append(dict(error_entry(wl), status="error",
+                                    error=failure or "no result"))
 
 
 def save_result(stem: str, result: dict, t_main: float, write_md) -> None:

@@ -1117,17 +1117,8 @@ def main(argv=None) -> int:
       if dump_dir and not args.keep_xla_dump:
         shutil.rmtree(dump_dir, ignore_errors=True)
     result["backend_wall_s"][backend] = time.time() - t0
-    done = []
-    if os.path.exists(part):
-      with open(part) as f:
-        done = json.load(f)
-      os.remove(part)
-    result["entries"].extend(done)
-    have = {e["workload"] for e in done}
-    for wl in workloads:
-      if wl.name not in have:
-        result["entries"].append(dict(workload=wl.name, kind=wl.kind, backend=backend,
-                                      status="error", error=failure or "no result"))
+    kb.collect_entries(part, result, workloads, failure,
+                       lambda wl: dict(workload=wl.name, kind=wl.kind, backend=backend))
     statuses = sorted({e["status"] for e in result["entries"] if e["backend"] == backend})
     unavailable = next((e["error"] for e in result["entries"]
                         if e["backend"] == backend and e["status"] == "unavailable"), None)

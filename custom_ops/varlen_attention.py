@@ -317,6 +317,18 @@ def _key_loop_bounds(q_rows, k_len, diag, block_k: int):
   return n_full, n_blocks
 
 
+def _query_window_bounds(q_len, k_rows, c, block_q: int, block_k: int):
+  """dK/dV: (first local query row, query windows, masked windows) of a key block.
+
+  Local query rows r >= c see key 0 of the block; rows r >= c + k_rows - 1 see all of it. A
+  partial key block is always masked: its zero-filled key rows must not produce P > 0.
+  """
+  r_first = jnp.maximum(c, 0)
+  n_windows = _cdiv(jnp.maximum(q_len - r_first, 0), block_q)
+  n_masked = jnp.minimum(_cdiv(jnp.maximum(c + k_rows - 1 - r_first, 0), block_q), n_windows)
+  return r_first, n_windows, jnp.where(k_rows < block_k, n_windows, n_masked)
+
+
 def _fwd_kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale2: float, block_q: int,
                 block_k: int, group: int, head_dim: int, precision):
   """One (query block, query head): online softmax over the task's visible key blocks."""
@@ -422,12 +434,7 @@ def _dkv_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_re
   k = _load(k_ref.at[k_slice], kmask)
   v = _load(v_ref.at[k_slice], kmask)
 
-  # Local query rows r >= c see key 0 of the block; rows r >= c + k_rows - 1 see all of it.
-  r_first = jnp.maximum(c, 0)
-  n_windows = _cdiv(jnp.maximum(q_len - r_first, 0), block_q)
-  n_masked = jnp.minimum(_cdiv(jnp.maximum(c + k_rows - 1 - r_first, 0), block_q), n_windows)
-  # A partial key block is always masked: its zero-filled key rows must not produce P > 0.
-  n_masked = jnp.where(k_rows < block_k, n_windows, n_masked)
+  r_first, n_windows, n_masked = _query_window_bounds(q_len, k_rows, c, block_q, block_k)
 
   # Everything is computed transposed ([keys, queries]) so that every matmul has the key block
   # (block_k rows) as its M dimension: Hopper's wgmma wants M >= 64 per warpgroup.

@@ -35,7 +35,7 @@ def compile_train_step(c: ml_collections.ConfigDict, devices=None):
   source = make_source(c.data, rows=rows, tokens_per_row=c.tokens_per_rank,
                        vocab_size=model.cfg.vocab_size, seed=c.seed)
   np_batch = trainer.add_host_plan(source.batch(0), backend, source.doclens(0), c.tokens_per_rank)
-  sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  sh = trainer._rows_sharding(mesh)  # pylint: disable=protected-access  (the batch's sharding)
   batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for k, a in np_batch.items()}
   t0 = time.time()
   with trainer.mesh_context(mesh):
@@ -44,7 +44,6 @@ def compile_train_step(c: ml_collections.ConfigDict, devices=None):
   t1 = time.time()
   compiled = lowered.compile()
   t2 = time.time()
-  mem = compiled.memory_analysis()
   info = {
       "mesh": dict(mesh.shape),
       "device_kind": mesh.devices.flat[0].device_kind,
@@ -52,11 +51,22 @@ def compile_train_step(c: ml_collections.ConfigDict, devices=None):
       "lower_s": t1 - t0,
       "compile_s": t2 - t1,
   }
-  if mem is not None:
-    for field in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
-                  "alias_size_in_bytes", "generated_code_size_in_bytes"):
-      info[field] = int(getattr(mem, field, 0) or 0)
+  mem = memory_fields(compiled)
+  if mem:
+    info.update(mem)
     # Donated state aliases its output, so arguments + temporaries is the live peak's bound.
     info["total_per_device_bytes"] = (info["argument_size_in_bytes"] + info["temp_size_in_bytes"]
                                       + info["output_size_in_bytes"] - info["alias_size_in_bytes"])
   return compiled, info
+
+
+MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                 "alias_size_in_bytes", "generated_code_size_in_bytes")
+
+
+def memory_fields(compiled) -> dict[str, int]:
+  """XLA's buffer assignment of a compiled program, bytes per device ({} when not reported)."""
+  mem = compiled.memory_analysis()
+  if mem is None:
+    return {}
+  return {f: int(getattr(mem, f, 0) or 0) for f in MEMORY_FIELDS}

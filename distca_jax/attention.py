@@ -260,6 +260,9 @@ def _check_shapes(q, k, v, layout: Layout):
 # ----------------------------------------------------------------------------------------------
 # The one dispatch point.
 # ----------------------------------------------------------------------------------------------
+EXTRA_PREFIX = "extra/"  # batch keys holding a backend's host-made arrays (`Layout.extra`)
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
   """A core-attention backend.
@@ -271,9 +274,14 @@ class Backend:
       document lengths per row. Every array has the batch's rows as its leading dimension (it is
       sharded over `data` like the batch) and a shape that never depends on the batch, so the
       step compiles once. The arrays reach `fn` as `layout.extra`.
+    host_arrange: optional, instead of `host_prepare`, for strategies that move tokens between
+      ranks (`cp`, `wlb`): `host_arrange(np_batch, doclens) -> np_batch'`, the trainer's batch
+      (arrays [B, T]) in the strategy's token arrangement [B, T'], with `fn`'s tables under
+      `EXTRA_PREFIX` keys. The per-token loss terms are only permuted, so the loss is unchanged.
   """
   fn: Callable[..., jax.Array]
   host_prepare: Callable[..., dict] | None = None
+  host_arrange: Callable[..., dict] | None = None
 
 
 # name -> factory(**options) -> Backend

@@ -145,6 +145,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.attention.nano_batches not in (1, 2):
     raise ValueError(f"attention.nano_batches={c.attention.nano_batches}; use 1 (single stream) "
                      "or 2 (ping-pong)")
+  if c.profile_step != -1 and not 0 <= c.profile_step < c.num_steps:
+    raise ValueError(f"profile_step={c.profile_step} must be -1 (off) or a step in [0, num_steps="
+                     f"{c.num_steps})")
   if c.rows_per_rank % c.attention.nano_batches:
     raise ValueError(f"rows_per_rank={c.rows_per_rank} must be a multiple of attention."
                      f"nano_batches={c.attention.nano_batches} (each nano-batch is whole rows)")

@@ -74,10 +74,11 @@ entry), H query heads, K kv heads, D head dim, W packed plan width per row.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 from jax import lax
@@ -111,10 +112,12 @@ DEFAULT_EXCHANGE_BUCKETS = 8
 _BUCKET_ROW_MULTIPLE = 8
 
 
-def _check_int(name: str, v, lo: int) -> int:
-  if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-    raise ValueError(f"{name}={v!r} must be an int >= {lo}")
-  return int(v)
+_check_int = sc.check_int
+
+
+def _row_multiple(tokens_per_device: int) -> int:
+  """Row caps are rounded up to a multiple of this: 128, or 16 below 1024 tokens."""
+  return 128 if tokens_per_device >= 1024 else 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +138,7 @@ def default_capacity(tokens_per_device: int, rows_per_device: int = 1) -> Capaci
   with ``suggest_config_capacity``.
   """
   td = int(tokens_per_device)
-  mult = 128 if td >= 1024 else 16
+  mult = _row_multiple(td)
 
   def up(x: float) -> int:
     return max(mult, int(math.ceil(x / mult) * mult))
@@ -215,7 +218,7 @@ def suggest_config_capacity(c, *, num_batches: int = 32, quantile: float = 1.0,
       layouts.append(_device_layout(rows, spec)[0])
   d = c.attention.distca
   cap = suggest_capacity(layouts, data, rn * t, quantile=quantile,
-                         multiple=128 if rn * t >= 1024 else 16, tolerance=d.tolerance,
+                         multiple=_row_multiple(rn * t), tolerance=d.tolerance,
                          min_shard=d.min_shard or auto_min_shard(t), q_heads=c.model.n_heads,
                          kv_heads=c.model.n_kv_heads, head_dim=c.model.head_dim)
   return dataclasses.asdict(cap)
@@ -642,10 +645,10 @@ def _check_options(kernel: str, memory_mode: str,
     raise ValueError(f"distca {kernel=} is not a core_attention backend; choose one of {KERNELS}")
   if memory_mode not in MEMORY_MODES:
     raise ValueError(f"distca {memory_mode=}; choose one of {MEMORY_MODES}")
-  if (isinstance(exchange_buckets, bool) or not isinstance(exchange_buckets, (int, np.integer))
-      or exchange_buckets < 1):
-    raise ValueError(f"distca {exchange_buckets=} must be an int >= 1 (1 = full slots always; "
-                     f"default {DEFAULT_EXCHANGE_BUCKETS})")
+  try:
+    _check_int("exchange_buckets", exchange_buckets, 1)
+  except ValueError as e:
+    raise ValueError(f"distca {e} (1 = full slots always; default {DEFAULT_EXCHANGE_BUCKETS})") from e
   if not isinstance(signal_only, (bool, np.bool_)):
     raise ValueError(f"distca {signal_only=} must be True or False (True only for timing "
                      "benchmarks: it gives wrong results)")
@@ -799,12 +802,18 @@ def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
                     dtype_bytes=jnp.dtype(q.dtype).itemsize)
   byte_model.update(schedule_options)
   cap = capacity if isinstance(capacity, Capacity) else Capacity(**dict(capacity or {}))
-  if not cap.bounded:
+  if cap.bounded:
+    spec = PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1, capacity=cap)
+    hp = host_plan(doc_lens, spec, tolerance=tolerance, min_shard=min_shard, **byte_model)
+  else:  # the plan sizes the missing caps, and it fits them: plan once (one row per rank, so
+    # local rows keep their order and host_plan's remapping is the identity)
     free = sc.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tolerance, capacity=cap,
                        min_shard=min_shard, **byte_model)
-    cap = cap.replace_none(Capacity.envelope([sc.required_capacity(free)], multiple=128))
-  spec = PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1, capacity=cap)
-  hp = host_plan(doc_lens, spec, tolerance=tolerance, min_shard=min_shard, **byte_model)
+    cap = cap.replace_none(Capacity.envelope([sc.required_capacity(free)],
+                                             multiple=_row_multiple(t)))
+    spec = PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1, capacity=cap)
+    meta = sc.plan_to_metadata(free, cap)
+    hp = HostPlan(plan=free, meta=meta, packed=spec.pack(meta), spec=spec)
   plan = hp.packed
   if not isinstance(q, jax.core.Tracer):
     plan = jax.device_put(plan, NamedSharding(mesh, P(data_axis, None)))
@@ -829,8 +838,10 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
                  head_dim: int = sc.DEFAULT_HEAD_DIM, dtype_bytes: int = sc.DEFAULT_DTYPE_BYTES,
                  data_axis: str = "data", head_axis: str | None = "tensor",
                  cost_table: str = "", exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
-                 signal_only: bool = False) -> attn_lib.Backend:
+                 signal_only: bool = False) -> "DistcaBackend":
   """The ``distca`` core-attention backend (options: ``config.attention.distca`` + model shapes).
+
+  Returns a ``DistcaBackend``.
 
   ``host_prepare(doclens, tokens_per_row)`` plans each batch on the input thread (one list of
   document lengths per row; ``len(doclens) = data ranks x rows_per_rank``) and returns
@@ -857,8 +868,7 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
   caps = dict(q_slot=q_slot, kv_slot=kv_slot, q_tokens=q_tokens, kv_tokens=kv_tokens,
               tasks=tasks)
   for name, v in caps.items():
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-      raise ValueError(f"config.attention.distca.{name}={v!r} must be an int >= 0 (0 = auto)")
+    _check_int(f"config.attention.distca.{name} (0 = auto)", v, 0)
   rn = r // n  # rows per device in one core-attention call
   byte_model = dict(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
                     dtype_bytes=dtype_bytes)
@@ -867,20 +877,25 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
     return PlanSpec(num_servers=num_servers, tokens_per_row=tokens_per_row, rows_per_device=rn,
                     capacity=resolve_capacity(caps, rn * tokens_per_row, rn))
 
-  def host_prepare(doclens, tokens_per_row: int) -> dict[str, np.ndarray]:
+  def host_plans(doclens, tokens_per_row: int) -> list[HostPlan]:
     rows = len(doclens)
     if rows % r:
       raise ValueError(f"the batch has {rows} rows, not a multiple of {rows_per_rank=}")
     s = rows // r
     spec = spec_for(s, int(tokens_per_row))
+    # Nano-batch i: rows [i rn, (i + 1) rn) of every device's block (model.split_rows).
+    return [host_plan([list(doclens[x]) for x in _nano_batch_rows(s, r, n, i)], spec,
+                      tolerance=tolerance, min_shard=min_shard or None,
+                      cost_model=cost_table or None, **byte_model) for i in range(n)]
+
+  def host_prepare(doclens, tokens_per_row: int) -> dict[str, np.ndarray]:
+    plans = host_plans(doclens, tokens_per_row)
+    spec = plans[0].spec
+    s = spec.num_servers
     out = np.zeros((s, r, spec.width), np.int32)
-    for i in range(n):
-      # Nano-batch i: rows [i rn, (i + 1) rn) of every device's block (model.split_rows).
-      sel = _nano_batch_rows(s, r, n, i)
-      hp = host_plan([list(doclens[x]) for x in sel], spec, tolerance=tolerance,
-                     min_shard=min_shard or None, cost_model=cost_table or None, **byte_model)
+    for i, hp in enumerate(plans):
       out[:, i * rn:(i + 1) * rn] = hp.packed.reshape(s, rn, spec.width)
-    return {PLAN_KEY: out.reshape(rows, spec.width)}
+    return {PLAN_KEY: out.reshape(s * r, spec.width)}
 
   def fn(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *, softmax_scale: float):
     if PLAN_KEY not in layout.extra:
@@ -894,20 +909,50 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
                        "device and call (pass the config's values to make_backend)")
     spec = spec_for(s, q_BxTxHxD.shape[1])
     hax = head_axis if head_axis in mesh.axis_names and mesh.shape[head_axis] > 1 else None
-    # Documents never cross a row, so no task has more than a row's query or key rows: tell
-    # flash3 (its grid is tasks x ceil(max_seqlen / 128) blocks; the buffers are up to 3x longer).
-    kopts = ({"max_seqlen_q": spec.tokens_per_row, "max_seqlen_k": spec.tokens_per_row}
-             if kernel == "flash3" else None)
+    # Documents never cross a row, so no task has more than a row's query or key rows: the bound
+    # for flash3 (its grid is tasks x ceil(max_seqlen / 128) blocks; the buffers are up to 3x
+    # longer); other kernels ignore it.
+    kopts = {"max_seqlen_q": spec.tokens_per_row, "max_seqlen_k": spec.tokens_per_row}
     return dispatch_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout.extra[PLAN_KEY], spec,
                               kernel=kernel, memory_mode=memory_mode,
                               softmax_scale=softmax_scale, data_axis=data_axis, head_axis=hax,
                               exchange_buckets=exchange_buckets, signal_only=signal_only,
                               kernel_options=kopts)
 
-  return attn_lib.Backend(fn=fn, host_prepare=host_prepare)
+  return DistcaBackend(fn=fn, host_prepare=host_prepare, host_plans=host_plans)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistcaBackend(attn_lib.Backend):
+  """The ``distca`` backend; ``host_plans(doclens, tokens_per_row) -> [HostPlan]`` (one per
+  nano-batch) is the planning ``host_prepare`` packs, for benchmarks and diagnostics."""
+  host_plans: Callable[..., list[HostPlan]] | None = None
 
 
 attn_lib.register_backend("distca", make_backend)
+
+
+def count_primitives(jaxpr, names) -> collections.Counter:
+  """Primitives of ``names`` one execution of ``jaxpr`` runs (nested jaxprs included; a bucket
+  switch counts its largest branch), plus every ``pallas_call`` under its kernel's name (e.g.
+  ``varlen_attention_fwd``). Benchmarks and tests read a CAD program's structure with it."""
+  acc = collections.Counter()
+  for e in jaxpr.eqns:
+    if e.primitive.name in names:
+      acc[e.primitive.name] += 1
+    if e.primitive.name == "pallas_call":
+      acc[str(e.params["name"])] += 1
+    if e.primitive.name == "cond":
+      per_branch = [count_primitives(b.jaxpr, names) for b in e.params["branches"]]
+      for key in set().union(*per_branch):
+        acc[key] += max(c[key] for c in per_branch)
+      continue
+    for p in e.params.values():
+      for sub in p if isinstance(p, (list, tuple)) else [p]:
+        inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+        if inner is not None and hasattr(inner, "eqns"):
+          acc.update(count_primitives(inner, names))
+  return acc
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ import json
 import os
 import re
 import socket
+import statistics
 import time
 import warnings
 from typing import Any, Callable, Iterable, Sequence
@@ -370,8 +371,8 @@ def step_report(events: Sequence[DeviceEvent], *, step_time_s: float | None = No
         entry[1] += 1
         entry[2].add(device)
     merged = {c: merge_intervals(v) for c, v in spans.items()}
-    busy = merge_intervals(iv for v in spans.values() for iv in v)
-    compute = merge_intervals(iv for c, v in spans.items() if c != "collective" for iv in v)
+    busy = merge_intervals(iv for m in merged.values() for iv in m)
+    compute = merge_intervals(iv for c, m in merged.items() if c != "collective" for iv in m)
     span = (busy[-1][1] - busy[0][0]) if busy else 0.0
     row = {"device": device, "events": len(evs), "busy_us": total_length(busy),
            **{f"{c}_us": total_length(merged[c]) for c in CATEGORIES},
@@ -477,3 +478,16 @@ def profile_train_step(step_fn: Callable, state, batch, logdir: str, *,
   with open(os.path.join(logdir, "report.md"), "w") as f:
     f.write(format_report(report) + "\n")
   return state, metrics, report
+
+
+def time_call(fn: Callable, *args, iters: int, warmup: int = 0) -> dict[str, float]:
+  """Wall time of ``fn(*args)`` to completion: one compiling call and ``warmup`` more untimed,
+  then ``iters`` timed calls; returns ``{'median_s', 'min_s'}`` (benchmarks' one timer)."""
+  for _ in range(1 + warmup):
+    jax.block_until_ready(fn(*args))
+  ts = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - t0)
+  return {"median_s": statistics.median(ts), "min_s": min(ts)}

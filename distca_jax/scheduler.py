@@ -395,7 +395,8 @@ def _as_cost_table(cost_model) -> CostTable | None:
 # ---------------------------------------------------------------------------------------------
 # Layout parsing.
 # ---------------------------------------------------------------------------------------------
-def _check_int(name: str, v, lo: int) -> int:
+def check_int(name: str, v, lo: int) -> int:
+  """``int(v)``, or a ValueError naming ``name`` unless ``v`` is an int (not a bool) >= ``lo``."""
   if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
     raise ValueError(f"{name}={v!r} must be an int >= {lo}")
   return int(v)
@@ -407,8 +408,8 @@ def parse_layout(doc_lens, num_servers: int, tokens_per_rank: int
 
   Global token ``g`` lives on rank ``g // tokens_per_rank`` at local row ``g % tokens_per_rank``.
   """
-  s = _check_int("num_servers", num_servers, 1)
-  t = _check_int("tokens_per_rank", tokens_per_rank, 1)
+  s = check_int("num_servers", num_servers, 1)
+  t = check_int("tokens_per_rank", tokens_per_rank, 1)
   if isinstance(doc_lens, np.ndarray) and doc_lens.ndim == 1:
     doc_lens = doc_lens.tolist()
   if not isinstance(doc_lens, (list, tuple)):
@@ -1196,12 +1197,12 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
       0.0 <= float(tolerance) < float("inf")):
     raise ValueError(f"{tolerance=} must be a finite float >= 0 (e.g. 0.1)")
   tol = float(tolerance)
-  m0 = _check_int("min_shard", min_shard, 1)
+  m0 = check_int("min_shard", min_shard, 1)
   if split not in _SPLITS:
     raise ValueError(f"{split=} must be one of {_SPLITS}")
   for name, v in (("q_heads", q_heads), ("kv_heads", kv_heads), ("head_dim", head_dim),
                   ("dtype_bytes", dtype_bytes)):
-    _check_int(name, v, 1)
+    check_int(name, v, 1)
   if q_heads % kv_heads:
     raise ValueError(f"{q_heads=} must be a multiple of {kv_heads=} (grouped-query attention)")
   if capacity is None:
@@ -1226,7 +1227,7 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
   mean = total / s
   if max_moves is None:
     max_moves = 20 * (s + bal.n)
-  reason = bal.run(mean, _check_int("max_moves", max_moves, 0)) if total > 0 else ""
+  reason = bal.run(mean, check_int("max_moves", max_moves, 0)) if total > 0 else ""
 
   # Tasks: every merged interval of every (document, server).
   keys = list(bal.iv.keys())

@@ -148,7 +148,7 @@ def create_train_state(c, model, tx, mesh):
     return jax.jit(_init_fn(c, model, tx, boxed=False), out_shardings=shardings)()
 
 
-EXTRA_PREFIX = "extra/"  # batch keys holding a backend's host-planned arrays (layout.extra)
+EXTRA_PREFIX = attn_lib.EXTRA_PREFIX  # batch keys holding a backend's host-made arrays
 
 
 def layout_of(batch) -> attn_lib.Layout:
@@ -159,9 +159,8 @@ def layout_of(batch) -> attn_lib.Layout:
 def add_host_plan(np_batch: dict, backend: attn_lib.Backend, doclens, tokens_per_row: int) -> dict:
   """Runs the backend's host work (if any): rearranging the batch's tokens (`host_arrange`, the
   `cp` and `wlb` baselines) or adding plan arrays (`host_prepare`)."""
-  arrange = getattr(backend, "host_arrange", None)
-  if arrange is not None:
-    return arrange(np_batch, doclens)
+  if backend.host_arrange is not None:
+    return backend.host_arrange(np_batch, doclens)
   if backend.host_prepare is None:
     return np_batch
   extra = backend.host_prepare(doclens, tokens_per_row)
@@ -255,9 +254,6 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> list[dict]
   Returns the log records written during this call (one per `log_every` steps).
   """
   config_lib.validate(c)
-  if c.profile_step != -1 and not 0 <= c.profile_step < c.num_steps:
-    raise ValueError(f"profile_step={c.profile_step} must be -1 (off) or a step in [0, num_steps="
-                     f"{c.num_steps})")
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   log = metrics_lib.RunLog(workdir, c.num_steps, tensorboard=c.tensorboard)

@@ -47,11 +47,6 @@ def divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def whole_pairs(lens) -> float:
-  lens = np.asarray(lens, np.float64)
-  return float((lens * (lens + 1) / 2).sum())
-
-
 def evaluate(name: str, t: int, s: int, steps: int, alphas, epsilons, dims, hw) -> list[dict]:
   """Every candidate (strategy, parameter, DP x CP) on ``steps`` batches; means over batches."""
   sampler = WorkloadSampler(name, t, seed=0)
@@ -65,7 +60,7 @@ def evaluate(name: str, t: int, s: int, steps: int, alphas, epsilons, dims, hw) 
 
   for step in range(steps):
     flat = sampler.flat_doclens(step, s)
-    base = whole_pairs(flat)
+    base = float(scheduler.pairs(0, np.asarray(flat, np.int64)).sum())  # whole documents
     add(("packed_dp", None, 1), bl.packed_dp_metrics(split_into_rows(flat, t, s), t, dims), base)
     for c in divisors(s)[1:]:
       add(("cp", None, c), bl.cp_metrics(split_into_rows(flat, c * t, s // c), c, t, dims), base)
@@ -86,7 +81,7 @@ def evaluate(name: str, t: int, s: int, steps: int, alphas, epsilons, dims, hw) 
   out = []
   for (strategy, param, c), recs in per.items():
     row = {"workload": name, "tokens_per_rank": t, "ranks": s, "strategy": strategy,
-           "param": param, "dp": s // c if strategy != "distca" else s, "cp": c,
+           "param": param, "dp": s // c, "cp": c,
            "batches": len(recs)}
     for k in _KEYS:
       row[k] = float(np.mean([r[k] for r in recs]))
@@ -304,9 +299,10 @@ def main() -> None:
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   with open(args.out + ".json", "w") as f:
     json.dump({"meta": meta, "best": best, "all": rows}, f, indent=1)
+  md = markdown(best, rows, command, meta)
   with open(args.out + ".md", "w") as f:
-    f.write(markdown(best, rows, command, meta))
-  print(open(args.out + ".md").read())
+    f.write(md)
+  print(md)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import json
 import os
 import shlex
 import sys
-import time
 
 import numpy as np
 
@@ -72,18 +71,9 @@ def _ints(text: str | None, default: list[int]) -> list[int]:
   return vals
 
 
-def _time(fn, args, warmup: int, repeats: int) -> float:
-  """Median seconds of ``fn(*args)`` (compiled first, then ``warmup`` untimed calls)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  jax.block_until_ready(fn(*args))
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+def _median_s(fn, args, warmup: int, repeats: int) -> float:
+  from distca_jax import profiling  # pylint: disable=import-outside-toplevel  (after XLA setup)
+  return profiling.time_call(fn, *args, iters=repeats, warmup=warmup)["median_s"]
 
 
 def main() -> None:
@@ -132,9 +122,9 @@ def main() -> None:
       do = jax.random.normal(kd, q.shape, jnp.float32).astype(dtype)
       cu_q = jnp.arange(n + 1, dtype=jnp.int32) * ql
       cu_k = jnp.arange(n + 1, dtype=jnp.int32) * kv
-      t_fwd[i, j] = _time(fwd_j, (q, k, v, cu_q, cu_k, ql, kv), args.warmup, repeats) / n
+      t_fwd[i, j] = _median_s(fwd_j, (q, k, v, cu_q, cu_k, ql, kv), args.warmup, repeats) / n
       if not args.no_backward:
-        t_all[i, j] = _time(fwd_bwd_j, (q, k, v, do, cu_q, cu_k, ql, kv), args.warmup,
+        t_all[i, j] = _median_s(fwd_bwd_j, (q, k, v, do, cu_q, cu_k, ql, kv), args.warmup,
                             repeats) / n
       pairs = float(scheduler.pairs(kv - ql, kv))
       f = float(scheduler.task_flops(pairs, hq, dim, backward=False))

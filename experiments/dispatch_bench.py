@@ -48,9 +48,7 @@ import importlib.util
 import json
 import os
 import shlex
-import statistics
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -109,7 +107,8 @@ from jax import lax  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 import numpy as np  # noqa: E402
 
-from distca_jax import dispatch, ops  # noqa: E402
+from distca_jax import aot, dispatch, ops, profiling  # noqa: E402
+from distca_jax.baselines import packing  # noqa: E402
 from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
 
 AXIS = "data"
@@ -126,77 +125,12 @@ def _pick_kernel(a, dtype) -> str:
   return "flash3" if ok else "pallas"
 
 
-def _time(f, *args, iters: int) -> dict:
-  """Median / min seconds of ``f(*args)`` after one warm-up call."""
-  jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    ts.append(time.perf_counter() - t0)
-  return {"median_s": statistics.median(ts), "min_s": min(ts)}
-
-
-def _memory(jitted, *args) -> dict:
-  """XLA's buffer assignment of the compiled program (bytes per device)."""
-  m = jitted.lower(*args).compile().memory_analysis()
-  if m is None:
-    return {}
-  return {k: int(getattr(m, k)) for k in ("temp_size_in_bytes", "argument_size_in_bytes",
-                                           "output_size_in_bytes", "alias_size_in_bytes")
-          if hasattr(m, k)}
+_time = profiling.time_call  # median / min seconds after one compiling call
 
 
 def _zeros(shape, dtype, sharding):
   """Zeros created directly in their sharding (no full copy on one device)."""
   return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
-
-
-def _count_kernel_forwards(jaxpr) -> int:
-  """Kernel forward calls in a jaxpr ('resend' must not add one to the backward)."""
-  n = 0
-  for e in jaxpr.eqns:
-    name = e.primitive.name
-    if name == "pallas_call":
-      n += "fwd" in str(e.params.get("name", ""))
-    elif "flash" in name and "fwd" in name:
-      n += 1
-    for p in e.params.values():
-      for sub in p if isinstance(p, (list, tuple)) else [p]:
-        if hasattr(sub, "eqns"):
-          n += _count_kernel_forwards(sub)
-        elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-          n += _count_kernel_forwards(sub.jaxpr)
-  return n
-
-
-def _count_all_to_all(jaxpr) -> int:
-  """All-to-alls one execution runs: a bucket switch (cond) counts its largest branch."""
-  n = 0
-  for e in jaxpr.eqns:
-    n += e.primitive.name == "all_to_all"
-    if e.primitive.name == "cond":
-      n += max(_count_all_to_all(b.jaxpr) for b in e.params["branches"])
-      continue
-    for p in e.params.values():
-      for sub in p if isinstance(p, (list, tuple)) else [p]:
-        if hasattr(sub, "eqns"):
-          n += _count_all_to_all(sub)
-        elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-          n += _count_all_to_all(sub.jaxpr)
-  return n
-
-
-def _local_cu_seqlens(doc_lens_per_rank, tasks: int) -> np.ndarray:
-  """[S, tasks + 1] cu_seqlens of each rank's own documents (no CAD), last value repeated."""
-  out = np.zeros((len(doc_lens_per_rank), tasks + 1), np.int32)
-  for r, lens in enumerate(doc_lens_per_rank):
-    if len(lens) > tasks:
-      raise ValueError(f"rank {r} has {len(lens)} documents > tasks={tasks}")
-    c = np.cumsum([0] + list(lens))
-    out[r, :c.size] = c
-    out[r, c.size:] = c[-1]
-  return out
 
 
 def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
@@ -211,7 +145,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
     cap = dispatch.default_capacity(t)
   else:
     cap = dispatch.suggest_capacity(layouts, s, t, tolerance=a.tolerance, min_shard=min_shard,
-                                    multiple=128 if t >= 1024 else 16, **byte_model)
+                                    multiple=dispatch._row_multiple(t), **byte_model)
   spec = dispatch.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1, capacity=cap)
   print(f"[{name}] {s} servers x {t} tokens, heads {h}/{kh}x{d} {jnp.dtype(dtype).name}, "
         f"kernel {kernel}, caps {cap}", flush=True)
@@ -239,7 +173,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
   nb = a.exchange_buckets
   # Per-rank layouts: no document (so no task) is longer than a rank's tokens; flash3's grid is
   # tasks x ceil(max_seqlen / 128) blocks, so pass the bound as the trainer's backend does.
-  kopts = {"max_seqlen_q": t, "max_seqlen_k": t} if kernel == "flash3" else {}
+  kopts = {"max_seqlen_q": t, "max_seqlen_k": t}  # flash3's bound; other kernels ignore it
 
   def exchange(q, k, v, plan, signal_only=False):
     m = spec.unpack_local(plan)
@@ -295,7 +229,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
   no_cad_f = jax.jit(jax.shard_map(no_cad_body, mesh=mesh, in_specs=P(AXIS),
                                    out_specs=P(AXIS), check_vma=False))
 
-  rows, padded = [], None
+  rows = []
   # No-CAD baseline: one task per own document; one table size for every batch (one compile).
   local_tasks = max(len(rank_lens) for layout in layouts for rank_lens in layout)
   modes = {m: cad(m) for m in dispatch.MEMORY_MODES}
@@ -303,6 +237,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
     hp = dispatch.host_plan(doc_lens, spec, tolerance=a.tolerance, min_shard=min_shard,
                             **byte_model)
     plan = jax.device_put(hp.packed, plan_sh)
+    plan0 = plan if i == 0 else plan0
     by = dispatch.exchange_bytes(hp.meta, exchange_buckets=nb, **byte_model)
     rec = {"batch": i, "docs": int(hp.plan.doc_lens.size), "tasks": int(len(hp.plan.tasks)),
            "imbalance_before": hp.plan.imbalance_before,
@@ -315,8 +250,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
       rec[stage]["useful_GBps"] = by[f"{key}_useful"] / rec[stage]["median_s"] / 1e9
       rec[stage]["busiest_useful_GBps"] = (by[f"{key}_useful_busiest_device"]
                                            / rec[stage]["median_s"] / 1e9)
-    if s > 1:
-      for stage, key in (("exchange", "dispatch"), ("return", "return")):
+      if s > 1:
         # (a) raw all_to_all of the same mean useful bytes per device, no padding;
         raw = raw_bytes(by[f"{key}_useful"])
         rec[f"raw_a2a_{stage}_same_bytes"] = raw
@@ -331,7 +265,8 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
         tm = _time(f, *args, iters=a.iters)
         rec[f"cad_{mode}_{key}"] = {"median_s": tm["median_s"] / a.layers,
                                     "min_s": tm["min_s"] / a.layers, "per": "layer"}
-    cu = jax.device_put(_local_cu_seqlens(doc_lens, local_tasks), plan_sh)
+    cu = jax.device_put(packing.task_tables(packing.natural_placement(doc_lens, t),
+                                            max_tasks=local_tasks)["cu_seqlens_q"], plan_sh)
     rec["no_cad_fwd_bwd"] = _time(no_cad_f, q, k, v, cu, iters=a.iters)
     rows.append(rec)
     print(f"  batch {i}: imbalance {rec['imbalance_before']:.2f} -> "
@@ -344,21 +279,20 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
           f"{rec['cad_keep_fwd_bwd']['median_s'] * 1e3:.1f} ms, resend "
           f"{rec['cad_resend_fwd_bwd']['median_s'] * 1e3:.1f} ms, no CAD "
           f"{rec['no_cad_fwd_bwd']['median_s'] * 1e3:.1f} ms", flush=True)
-    padded = by
 
   # Raw all_to_all of the exchange's padded slot buffer (same for every batch).
   out = {"workload": name, "capacity": dataclasses.asdict(cap), "exchange_buckets": nb,
          "bucket_rows": dispatch.exchange_bucket_rows(cap, nb), "batches": rows}
   if s > 1:
-    out["raw_a2a_padded_exchange_buffer"] = raw_bytes(padded["dispatch_padded"])
-  # Memory and structure of keep vs resend.
-  plan = jax.device_put(dispatch.host_plan(layouts[0], spec, tolerance=a.tolerance,
-                                           min_shard=min_shard, **byte_model).packed, plan_sh)
+    out["raw_a2a_padded_exchange_buffer"] = raw_bytes(rows[-1]["bytes_dispatch_padded"])
+  # Memory and structure of keep vs resend (the first batch's plan).
   for mode, (_, fwd_bwd_f) in modes.items():
-    jaxpr = jax.make_jaxpr(fwd_bwd_f)(q, k, v, plan, ct).jaxpr
-    out[f"cad_{mode}_memory"] = _memory(fwd_bwd_f, q, k, v, plan, ct)
-    out[f"cad_{mode}_structure"] = {"all_to_all": _count_all_to_all(jaxpr),
-                                    "kernel_forward_calls": _count_kernel_forwards(jaxpr)}
+    traced = fwd_bwd_f.trace(q, k, v, plan0, ct)  # one trace: structure and compiled memory
+    out[f"cad_{mode}_memory"] = aot.memory_fields(traced.lower().compile())
+    c = dispatch.count_primitives(traced.jaxpr.jaxpr, {"all_to_all", "flash_mha_varlen_fwd"})
+    out[f"cad_{mode}_structure"] = {
+        "all_to_all": c["all_to_all"],
+        "kernel_forward_calls": c["varlen_attention_fwd"] + c["flash_mha_varlen_fwd"]}
   out["capacity_memory_bytes"] = cap.memory_bytes(s, q_heads=h, kv_heads=kh, head_dim=d,
                                                   dtype_bytes=dbytes)
   return out

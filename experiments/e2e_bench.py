@@ -139,7 +139,8 @@ def run_one(c, steps, warmup, log, profile_dir=None):
   plan_s = prefetch.host_plan_s[warmup:warmup + steps]
   return dict(times=times, flops=flops, tokens=tokens, losses=losses, doclens=doclens,
               input_wait_s=waits, host_plan_s=plan_s, devices=jax.device_count(), peak=peak,
-              device_kind=jax.devices()[0].device_kind, model_cfg=model.cfg, profile=report)
+              device_kind=jax.devices()[0].device_kind, model_cfg=model.cfg, profile=report,
+              backend=backend)
 
 
 def summarize(r):
@@ -167,34 +168,26 @@ def summarize(r):
   return out
 
 
-def plan_stats(c, doclens_per_step):
-  """Host replans of the timed batches as the `distca` backend makes them (one plan per
-  nano-batch): imbalance (pairs) before/after, useful dispatch bytes per device, degraded count."""
+def plan_stats(c, backend, doclens_per_step):
+  """The timed batches planned again by the run's own `distca` backend (`host_plans`, one plan
+  per nano-batch): imbalance (pairs) before/after, dispatch bytes per device (useful and what the
+  bucketed exchange moves), degraded plans."""
   from distca_jax import dispatch
-  d = c.attention.distca
-  s = len(doclens_per_step[0])
-  r, n, t = int(c.rows_per_rank), int(c.attention.nano_batches), int(c.tokens_per_rank)
-  rn = r // n
-  caps = {f: int(d[f]) for f in dispatch.CAP_FIELDS}
-  spec = dispatch.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=rn,
-                           capacity=dispatch.resolve_capacity(caps, rn * t, rn))
-  m = c.model
-  byte_model = dict(q_heads=m.n_heads, kv_heads=m.n_kv_heads, head_dim=m.head_dim)
   out = dict(imbalance_before=[], imbalance_after=[], dispatch_useful_mb=[], dispatch_moved_mb=[],
              degraded=0)
   for per_rank in doclens_per_step:
-    for i in range(n):
-      rows = [list(per_rank[p][i * rn + j]) for p in range(s) for j in range(rn)]
-      hp = dispatch.host_plan(rows, spec, tolerance=d.tolerance, min_shard=d.min_shard or None,
-                              **byte_model)
-      out["imbalance_before"].append(hp.plan.imbalance_before)
-      out["imbalance_after"].append(hp.plan.imbalance_after)
-      eb = dispatch.exchange_bytes(hp.meta, dtype_bytes=2,
-                                   exchange_buckets=int(d.exchange_buckets), **byte_model)
+    rows = [row for rank_rows in per_rank for row in rank_rows]
+    for hp in backend.host_plans(rows, c.tokens_per_rank):
+      p = hp.plan
+      out["imbalance_before"].append(p.imbalance_before)
+      out["imbalance_after"].append(p.imbalance_after)
+      eb = dispatch.exchange_bytes(hp.meta, q_heads=p.q_heads, kv_heads=p.kv_heads,
+                                   head_dim=p.head_dim, dtype_bytes=p.dtype_bytes,
+                                   exchange_buckets=int(c.attention.distca.exchange_buckets))
       out["dispatch_useful_mb"].append(eb["dispatch_useful"] / 1e6)
       out["dispatch_moved_mb"].append(eb["dispatch_moved"] / 1e6)
-      out["degraded"] += int(hp.plan.degraded)
-  out["tolerance"] = float(d.tolerance)
+      out["degraded"] += int(p.degraded)
+  out["tolerance"] = float(c.attention.distca.tolerance)
   return {"plan_" + k: (statistics.median(v) if isinstance(v, list) else v)
           for k, v in out.items()}
 
@@ -247,7 +240,7 @@ def main(argv=None):
               continue
             s = summarize(r)
             if a.plan_stats and backend == "distca":
-              s.update(plan_stats(c, r["doclens"]))
+              s.update(plan_stats(c, r["backend"], r["doclens"]))
             s.update(workload=workload, tokens=tokens, backend=name, nano_batches=nano,
                      device=r["device_kind"], devices=r["devices"],
                      ceiling=ceiling(r["model_cfg"], r["doclens"]), overrides=over)

@@ -629,14 +629,7 @@ def main(argv=None) -> int:
   workloads = make_workloads(names, args.tokens, args.max_doc, args.seed, sched_config(args))
   backends = args.backends.split(",")
   if args.child:
-    [backend] = backends
-
-    def save(entries):
-      with open(args.out + ".tmp", "w") as f:
-        json.dump(entries, f)
-      os.replace(args.out + ".tmp", args.out)
-    run_backend(backend, workloads, args, save)
-    return 0
+    return run_child(run_backend, workloads, args)
 
   # The parent never initializes a JAX backend: the children own the GPU's memory.
   import jax  # pylint: disable=import-outside-toplevel
@@ -690,6 +683,20 @@ def main(argv=None) -> int:
     save_result(stem, result, t_main, write_markdown)
   with open(f"{stem}.md") as f:
     print(f.read())
+  return 0
+
+
+def run_child(run_backend, workloads, args) -> int:
+  """A backend process: ``run_backend(backend, workloads, args, save)``, where ``save`` writes
+  the entries so far to ``args.out`` atomically (the parent reads them even after a crash)."""
+  [backend] = args.backends.split(",")
+
+  def save(entries):
+    with open(args.out + ".tmp", "w") as f:
+      json.dump(entries, f)
+    os.replace(args.out + ".tmp", args.out)
+
+  run_backend(backend, workloads, args, save)
   return 0
 
 

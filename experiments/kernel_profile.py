@@ -149,7 +149,7 @@ def short_kernel_name(name: str, long_name: str = "") -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# Trace analysis (pure; events are profiling.DeviceEvent-like: device, stream, name, start_us,
+# Trace analysis (pure; events are profiling.DeviceEvent: device, stream, name, start_us,
 # dur_us, long_name, end_us)
 # ------------------------------------------------------------------------------------------------
 
@@ -167,14 +167,14 @@ def split_calls(events: Sequence[Any], gap_us: float) -> list[list[Any]]:
       calls.append([])
       end = -math.inf
     calls[-1].append(ev)
-    end = max(end, ev.start_us + ev.dur_us)
+    end = max(end, ev.end_us)
   return calls
 
 
 def assign_phases(call: Sequence[Any]) -> list[tuple[Any, str, str]]:
   """(event, role, phase) for one call's events (phase rule in the module docstring)."""
-  roles = [kernel_role(ev.name, getattr(ev, "long_name", "")) for ev in call]
-  fwd_ends = [ev.start_us + ev.dur_us for ev, (role, phase) in zip(call, roles)
+  roles = [kernel_role(ev.name, ev.long_name) for ev in call]
+  fwd_ends = [ev.end_us for ev, (role, phase) in zip(call, roles)
               if role in ATTENTION_ROLES and phase == "forward"]
   fwd_end = max(fwd_ends) if fwd_ends else None
   out = []
@@ -187,11 +187,13 @@ def assign_phases(call: Sequence[Any]) -> list[tuple[Any, str, str]]:
 
 
 def kernel_breakdown(calls: Sequence[Sequence[Any]], flops_fwd: float, flops_bwd: float,
-                     executed_flops: dict[str, float] | None = None) -> dict:
-  """Per-kernel rows and per-phase sums of one call (means over ``calls``).
+                     executed_flops: dict[str, float] | None = None,
+                     num_calls: int | None = None) -> dict:
+  """Per-kernel rows and per-phase sums of one call (means over ``num_calls``).
 
   Args:
-    calls: the events of each call (``split_calls``).
+    calls: the events of each call (``split_calls``), or one group holding all of them.
+    num_calls: the calls the groups hold; default ``len(calls)``.
     flops_fwd, flops_bwd: the phases' useful FLOPs (module docstring).
     executed_flops: role -> executed FLOPs of that kernel per call (ours' tile model), optional.
 
@@ -201,13 +203,13 @@ def kernel_breakdown(calls: Sequence[Sequence[Any]], flops_fwd: float, flops_bwd
   """
   if not calls:
     raise ValueError("kernel_breakdown needs at least one call with events; the trace had none")
-  n = len(calls)
+  n = num_calls or len(calls)
   rows: dict[tuple[str, str], dict] = {}
   spans = []
   for call in calls:
-    spans.append(max(e.start_us + e.dur_us for e in call) - min(e.start_us for e in call))
+    spans.append(max(e.end_us for e in call) - min(e.start_us for e in call))
     for ev, role, phase in assign_phases(call):
-      long_name = getattr(ev, "long_name", "")
+      long_name = ev.long_name
       # Keyed by both names: templated kernels (FA3's cutlass::device_kernel<flash::...>) can
       # share a display name and differ in the long one.
       row = rows.setdefault((ev.name, long_name), dict(
@@ -332,8 +334,8 @@ def pallas_launch(cu_q: Sequence[int], cu_k: Sequence[int], q_rows: int, kv_rows
                   num_heads: int, num_kv_heads: int, head_dim: int, bs) -> dict:
   """Launch configuration and executed work of our three kernels on one task table.
 
-  Uses the kernel's own block tables (``_query_block_table`` / ``_key_block_table`` /
-  ``_key_loop_bounds``), so the counts are the tiles the kernels visit: a forward / dq tile is one
+  Uses the kernel's own block tables and loop bounds (``_query_block_table`` /
+  ``_key_block_table`` / ``_key_loop_bounds`` / ``_query_window_bounds``), so the counts are the tiles the kernels visit: a forward / dq tile is one
   (query block, key block) step of a program's loop, a dkdv tile one (key block, query window)
   step for one query head of the GQA group.
   """
@@ -345,13 +347,14 @@ def pallas_launch(cu_q: Sequence[int], cu_k: Sequence[int], q_rows: int, kv_rows
   cu_q_N1 = jnp.asarray(cu_q, jnp.int32)
   cu_k_N1 = jnp.asarray(cu_k, jnp.int32)
   num_tasks = len(cu_q) - 1
-  dpad = 1 << (int(head_dim) - 1).bit_length()
+  dpad = va.pl.next_power_of_2(int(head_dim))  # the kernel's padded D (_cols)
   group = num_heads // num_kv_heads
 
   # The kernel's own table builders (private: the kernel's planning code, read-only here).
   query_block_table = va._query_block_table  # pylint: disable=protected-access
   key_block_table = va._key_block_table  # pylint: disable=protected-access
   key_loop_bounds = va._key_loop_bounds  # pylint: disable=protected-access
+  query_window_bounds = va._query_window_bounds  # pylint: disable=protected-access  (dkdv loop)
 
   # One jit per table: the tables are jnp code meant for inside jit; eagerly every op would
   # compile on its own.
@@ -380,15 +383,14 @@ def pallas_launch(cu_q: Sequence[int], cu_k: Sequence[int], q_rows: int, kv_rows
               bs.block_q, bs.block_k, bs.num_warps, bs.num_stages, 2)),
           varlen_attention_dq=dict(role="dq", **query_kernel(
               bs.block_q_dq, bs.block_k_dq, bs.num_warps_dq, bs.num_stages_dq, 3))))
-  meta = jax.jit(key_block_table, static_argnums=(2, 3))(cu_q_N1, cu_k_N1, kv_rows,
-                                                         bs.block_k_dkv)
-  k_rows, q_len, c = (np.asarray(meta[i], np.int64) for i in (1, 3, 4))
-  # The dkdv kernel's loop bounds (``_dkv_kernel``): query windows from the first row that sees
-  # the key block; a partial key block is masked throughout.
-  r_first = np.maximum(c, 0)
-  n_windows = -(-np.maximum(q_len - r_first, 0) // bs.block_q_dkv)
-  n_masked = np.minimum(-(-np.maximum(c + k_rows - 1 - r_first, 0) // bs.block_q_dkv), n_windows)
-  n_masked = np.where(k_rows < bs.block_k_dkv, n_windows, n_masked)
+  @functools.partial(jax.jit, static_argnums=(2, 3))
+  def key_tables(cu_q_N1, cu_k_N1, block_k, block_q):
+    meta = key_block_table(cu_q_N1, cu_k_N1, kv_rows, block_k)
+    _, n_windows, n_masked = query_window_bounds(meta[3], meta[1], meta[4], block_q, block_k)
+    return meta, n_windows, n_masked
+
+  meta, n_windows, n_masked = key_tables(cu_q_N1, cu_k_N1, bs.block_k_dkv, bs.block_q_dkv)
+  n_windows, n_masked = (np.asarray(x, np.int64) for x in (n_windows, n_masked))
   tiles = num_heads * int(n_windows.sum())  # grid over KV heads, a loop over the group's heads
   out["kernels"]["varlen_attention_dkv"] = dict(
       role="dkdv", grid=[num_kv_heads, int(meta.shape[1])],
@@ -671,9 +673,8 @@ def run_backend(backend: str, workloads: list, args, save) -> list[dict]:
                                head_dim, bs)
         entry["launch"] = launch
         executed = {k["role"]: k["executed_flops"] for k in launch["kernels"].values()}
-      breakdown = kernel_breakdown(split, flops_fwd, entry["flops_bwd"], executed)
-      if "call_split_note" in trace:
-        _scale_breakdown(breakdown, 1.0 / args.trace_calls)
+      breakdown = kernel_breakdown(split, flops_fwd, entry["flops_bwd"], executed,
+                                   num_calls=args.trace_calls)
       details, note = kernel_details_from_xplane(trace_path)
       trace["kernel_details_note"] = note
       for row in breakdown["kernels"]:
@@ -708,25 +709,6 @@ def run_backend(backend: str, workloads: list, args, save) -> list[dict]:
         e["triton_ir"] = ir
       save(entries)
   return entries
-
-
-def _scale_breakdown(breakdown: dict, factor: float) -> None:
-  """Scales a one-group breakdown of several calls to per-call times (FLOP rates follow)."""
-  for row in breakdown["kernels"]:
-    row["count"] *= factor
-    row["total_us"] *= factor
-    row["phases"] = {p: t * factor for p, t in row["phases"].items()}
-    for rate in ("tflops", "executed_tflops"):
-      if row.get(rate) is not None:
-        row[rate] /= factor
-  for s in breakdown["phases"].values():
-    for key in ("attention_us", "other_us", "total_us"):
-      s[key] *= factor
-    for rate in ("tflops_attention", "tflops_incl_glue"):
-      if s.get(rate) is not None:
-        s[rate] /= factor
-  breakdown["device_us"] *= factor
-  breakdown["span_us"] *= factor
 
 
 # ------------------------------------------------------------------------------------------------
@@ -817,8 +799,7 @@ def _f(x, digits=3):
   return "-" if x is None else f"{x:.{digits}f}"
 
 
-def _tf(x):
-  return "-" if x is None else f"{x:.0f}" if x >= 10 else f"{x:.3g}"
+_tf = kb._tflops  # pylint: disable=protected-access  (one TFLOP/s format for both tables)
 
 
 def _md_escape(s: str) -> str:
@@ -1047,14 +1028,7 @@ def main(argv=None) -> int:
   workloads = kb.make_workloads(names, args.tokens, args.max_doc, args.seed, _sched_config(args))
   stem = os.path.splitext(os.path.abspath(args.out))[0]
   if args.child:
-    [backend] = args.backends.split(",")
-
-    def save(entries):
-      with open(args.out + ".tmp", "w") as f:
-        json.dump(entries, f)
-      os.replace(args.out + ".tmp", args.out)
-    run_backend(backend, workloads, args, save)
-    return 0
+    return kb.run_child(run_backend, workloads, args)
 
   # The parent never initializes a JAX backend: the children own the GPU's memory.
   import jax  # pylint: disable=import-outside-toplevel

@@ -1,6 +1,5 @@
 """experiments/kernel_profile.py: trace analysis on synthetic events, and a tiny CPU run end to end."""
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -8,6 +7,8 @@ import sys
 
 import numpy as np
 import pytest
+
+from distca_jax.profiling import DeviceEvent
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,15 +26,9 @@ def _load(name):
 kp = _load("kernel_profile")
 
 
-@dataclasses.dataclass(frozen=True)
-class Ev:
-  """The fields of profiling.DeviceEvent that kernel_profile reads."""
-  name: str
-  start_us: float
-  dur_us: float
-  long_name: str = ""
-  stream: str = "Stream #13"
-  device: int = 0
+def Ev(name, start_us, dur_us, long_name=""):  # pylint: disable=invalid-name
+  """A kernel event as profiling.load_events gives them (device 0, one stream)."""
+  return DeviceEvent(0, "Stream #13", name, start_us, dur_us, long_name=long_name)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -281,3 +276,17 @@ def test_tiny_gap_table_and_markdown(tiny):
   for wl in result["workloads"]:
     assert f"### {wl} / pallas" in md and f"| {wl} | total |" in md
   assert np.isfinite([r["ours_ms"] for r in gap["rows"] if r["phase"] == "total"]).all()
+
+
+def test_breakdown_of_unsplit_calls_is_per_call():
+  """When the calls do not separate, one group holding all of them over num_calls gives the same
+  per-call kernel times, counts and rates as the split calls."""
+  calls = [_synthetic_call(0.0), _synthetic_call(50_000.0)]
+  split = kp.kernel_breakdown(calls, 4e9, 10e9)
+  merged = kp.kernel_breakdown([calls[0] + calls[1]], 4e9, 10e9, num_calls=2)
+  assert merged["calls"] == 2 and merged["device_us"] == pytest.approx(split["device_us"])
+  want = {r["name"]: r for r in split["kernels"]}
+  for r in merged["kernels"]:
+    assert r["count"] == 1 and r["total_us"] == pytest.approx(want[r["name"]]["total_us"])
+    if r["attention"]:
+      assert r["tflops"] == pytest.approx(want[r["name"]]["tflops"])

@@ -292,7 +292,7 @@ def test_capture_on_cpu_traces_the_ops_that_ran(tmp_path):
   names2 = {e.name for e in profiling.load_events(path2)}
   assert any(n.startswith("all-gather") for n in names2), names2
   assert not any(n.startswith("all-reduce") for n in names2), names2
-  report = profiling.step_report(profiling.load_events(path))
+  report = profiling.step_report(events)
   assert all(r["collective_us"] > 0 for r in report["devices"])
 
 

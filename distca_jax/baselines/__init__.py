@@ -15,8 +15,8 @@ lazily on first use of any of the names):
 
 ``cp`` and ``wlb`` change which tokens live on which rank, so their batch must be rearranged on the
 host before the step: ``Backend.host_arrange(np_batch, doclens) -> np_batch`` does it (it also adds
-the task tables under ``extra/``). The trainer's data path does not call ``host_arrange`` yet; a
-step given an unarranged batch fails with an error saying so (never a silent wrong answer).
+the task tables under ``extra/``); the trainer calls it on its input thread
+(``trainer.add_host_plan``). A step given an unarranged batch fails with an error saying so.
 
 Modules: ``packing`` (host planning: WLB packing, CP placements, task tables), ``device``
 (the shard_map functions), ``metrics`` (per-rank work / tokens / bytes of every strategy, CAD
@@ -25,9 +25,8 @@ included).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -41,29 +40,15 @@ from distca_jax.baselines.metrics import (ModelDims, RankMetrics, Hardware, cp_m
 from distca_jax.baselines.packing import (Placement, WlbPacking, cp_placement, natural_placement,
                                           task_tables, wlb_pack, wlb_placement)
 
-# Must equal `trainer.EXTRA_PREFIX` (tested): batch keys that become `layout.extra`.
-EXTRA_PREFIX = "extra/"
+EXTRA_PREFIX = attn_lib.EXTRA_PREFIX  # batch keys that become `layout.extra`
 DEFAULT_MAX_DOCS_PER_ROW = 128
 
 __all__ = [
-    "BaselineBackend", "Hardware", "ModelDims", "Placement", "RankMetrics", "WlbPacking",
+    "Hardware", "ModelDims", "Placement", "RankMetrics", "WlbPacking",
     "arrange_batch", "cp_metrics", "cp_placement", "distca_metrics", "estimate_layer_seconds",
     "imbalance", "natural_placement", "packed_dp_metrics", "placement_metrics", "rank_metrics",
     "task_tables", "wlb_metrics", "wlb_pack", "wlb_placement", "wlb_row_tokens",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class BaselineBackend(attn_lib.Backend):
-  """A `Backend` whose batches must be rearranged on the host (``cp``, ``wlb``).
-
-  Attributes:
-    host_arrange: ``host_arrange(np_batch, doclens) -> np_batch'``: the trainer's batch (arrays
-      [B, T], ``doclens`` its per-row document lengths) moved into the strategy's token
-      arrangement [B, T'], with the device function's tables under ``extra/``. The per-token loss
-      terms are only permuted, so the loss is unchanged.
-  """
-  host_arrange: Callable[..., dict] | None = None
 
 
 def _check_kernel(kernel: str) -> str:
@@ -156,7 +141,7 @@ def arrange_batch(strategy: str, np_batch: dict[str, np.ndarray],
 
 def _make_group_backend(name: str, cp_size=None, kernel: str = "reference",
                         max_docs_per_row: int = DEFAULT_MAX_DOCS_PER_ROW, rows_per_rank: int = 1,
-                        alpha: float = 1.0, balance_len: float | None = None) -> BaselineBackend:
+                        alpha: float = 1.0, balance_len: float | None = None) -> attn_lib.Backend:
   c = _check_cp(cp_size, name)
   kernel = _check_kernel(kernel)
   if name == "wlb":
@@ -172,7 +157,7 @@ def _make_group_backend(name: str, cp_size=None, kernel: str = "reference",
                          max_docs_per_row=max_docs_per_row)[0]
 
   fn = functools.partial(device.group_attention, cp_size=c, kernel=kernel, name=name)
-  return BaselineBackend(fn, None, host_arrange)
+  return attn_lib.Backend(fn, host_arrange=host_arrange)
 
 
 make_cp = functools.partial(_make_group_backend, "cp")

@@ -127,10 +127,6 @@ class RankMetrics:
   def num_ranks(self) -> int:
     return int(self.pairs_S.size)
 
-  def attention_flops_S(self, dims: ModelDims, *, backward: bool = True) -> np.ndarray:
-    """[S] kernel FLOPs per layer (forward, plus the backward's 2.5x if ``backward``)."""
-    return sched.task_flops(self.pairs_S, dims.q_heads, dims.head_dim, backward=backward)
-
   def compute_flops_S(self, dims: ModelDims) -> np.ndarray:
     """[S] one layer's forward + backward FLOPs: token-linear 6 N_layer tokens + attention
     12 H D pairs (the 3x-forward convention of `metrics.step_flops`; what WLB's W weighs)."""

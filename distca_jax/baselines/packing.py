@@ -39,9 +39,7 @@ from distca_jax import scheduler
 
 
 def check_pos_int(name: str, v, lo: int = 1) -> int:
-  if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-    raise ValueError(f"{name}={v!r} must be an int >= {lo}")
-  return int(v)
+  return scheduler.check_int(name, v, lo)
 
 
 ranges = scheduler.ranges  # concatenated aranges; one implementation, in the scheduler

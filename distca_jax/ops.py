@@ -8,7 +8,9 @@ Backends:
   'reference'  plain jnp, dense [H, T, U] logits: tests and small buffers only.
   'pallas'     our Pallas kernel (Triton backend); interpret mode on CPU.
   'flash3'     FlashAttention-3 through the ``flash-attn3-jax`` package (Hopper GPUs, bf16/fp16,
-               head dim 128 in the published wheel).
+               head dim 128 in the published wheel). Each call runs the cheapest of several
+               compiled launch shapes that holds its task table (``flash3_grid_buckets``);
+               rows outside the tasks are masked, not computed.
 
 An unavailable backend raises ``BackendUnavailableError`` saying how to get it; nothing falls back.
 """
@@ -32,6 +34,9 @@ FLASH3_PIP_SPEC = "flash-attn3-jax==0.2.3"
 FLASH3_HEAD_DIMS = (128,)  # the head dims the published wheel was built for
 # Kernel backward cost over forward cost (the backward recomputes QK^T): fwd+bwd = 3.5x forward.
 BACKWARD_FLOPS_RATIO = scheduler.BWD_FWD_RATIO  # one place holds it: the scheduler
+# flash3 launch shapes per dimension (``flash3_grid_buckets``): 4 -> slots N, N/2, N/4, N/8 times
+# bounds L, L/2, L/4, L/8 (16 compiled FA3 variants, one runs per call).
+FLASH3_GRID_LEVELS = 4
 
 
 class BackendUnavailableError(RuntimeError):
@@ -43,7 +48,7 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
                    backend: str = "reference", softmax_scale: float | None = None,
                    return_lse: bool = False, interpret: bool | None = None,
                    block_sizes: va.BlockSizes | None = None, max_seqlen_q: int | None = None,
-                   max_seqlen_k: int | None = None):
+                   max_seqlen_k: int | None = None, grid_levels: int = FLASH3_GRID_LEVELS):
   """Causal (bottom-right) GQA attention of every CA-task in a fused batch.
 
   Args:
@@ -59,9 +64,11 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
       backend is CPU.
     block_sizes: 'pallas' only; kernel tiles (``custom_ops.BlockSizes``).
     max_seqlen_q: 'flash3' only (ignored elsewhere): static upper bound on the query rows of any
-      task and of the padding before the first and after the last task. Default T (always safe).
+      task (padding rows outside the tasks do not count). Default T (always safe).
     max_seqlen_k: 'flash3' only: the same bound for key rows. Default U. FlashAttention-3's
       backward launches ceil(max_seqlen_k / 128) blocks per task and head, so give tight bounds.
+    grid_levels: 'flash3' only: launch shapes compiled per dimension (``flash3_grid_buckets``);
+      each call runs the cheapest that holds its tasks. 1 = always the full table and bounds.
 
   Returns:
     o_TxHxD (q dtype; 0 on rows that see no key), or (o_TxHxD, lse_TxH) if ``return_lse``.
@@ -90,7 +97,7 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
   else:
     o, lse = _flash3(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1,
                      softmax_scale=softmax_scale, max_seqlen_q=max_seqlen_q,
-                     max_seqlen_k=max_seqlen_k)
+                     max_seqlen_k=max_seqlen_k, grid_levels=grid_levels)
   return (o, lse) if return_lse else o
 
 
@@ -109,7 +116,51 @@ def _import_flash3():
         f"extra 'gpu'). Import failed with: {e!r}") from e
 
 
-def _flash3(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k):
+def flash3_grid_buckets(num_tasks: int, num_q_rows: int, max_seqlen_q: int, max_seqlen_k: int,
+                       levels: int = FLASH3_GRID_LEVELS) -> tuple[tuple[int, int, int], ...]:
+  """The launch shapes ``(task slots, max_seqlen_q, max_seqlen_k)`` a flash3 call compiles.
+
+  FA3's varlen kernels launch ``slots x ceil(max_seqlen / 128) x heads`` thread blocks whatever
+  the tasks' real lengths (its backward over ``max_seqlen_k``), and a block past its task's end
+  still costs a launch. So the call is compiled for ``levels`` slot counts (``N, N/2, N/4, ...``)
+  times ``levels`` bounds (``L, L/2, ...``, multiples of 128), and each call runs the cheapest
+  shape that holds its table (``_flash3_bucket``): trailing empty slots are cut off and the
+  bounds are the real tasks' lengths rounded up. Measured on an H200
+  (results/flash3_grid_bench.md): the backward of a ProLong server's 24 tasks in 64 slots with
+  bound 64K took 32.7 ms, 23.4 ms with 24 slots and bound 10K.
+
+  The LSE buffer the bindings allocate is ``[slots, H, max_seqlen_q]`` while FA3 writes it as
+  ``[H, T]``, so a shape's ``max_seqlen_q`` is raised to at least ``ceil(T / slots)``.
+  """
+  levels = scheduler.check_int("flash3 grid_levels", levels, 1)
+
+  def level(n: int, i: int, multiple: int) -> int:
+    return min(n, max(multiple, -(-n // 2**i // multiple) * multiple))
+
+  msq, msk = max(int(max_seqlen_q), 1), max(int(max_seqlen_k), 1)
+  slot_ladder = sorted({level(max(int(num_tasks), 1), i, 1) for i in range(levels)})
+  bounds = [(level(msq, i, 128), level(msk, i, 128)) for i in reversed(range(levels))]
+  out = [(slots, max(bq, -(-int(num_q_rows) // slots)), bk)
+         for slots in slot_ladder for bq, bk in bounds]
+  return tuple(dict.fromkeys(out))
+
+
+def _flash3_bucket(cu_q, cu_k, buckets) -> jax.Array:
+  """Device choice among ``buckets``: the fewest launched blocks that hold every task."""
+  lq, lk = jnp.diff(cu_q), jnp.diff(cu_k)
+  slot = jnp.arange(1, lq.shape[0] + 1, dtype=jnp.int32)
+  used = jnp.max(jnp.where((lq > 0) | (lk > 0), slot, 0), initial=0)
+  mq, mk = jnp.max(lq, initial=0), jnp.max(lk, initial=0)
+  b = np.asarray(buckets, np.int64)
+  holds = (used <= b[:, 0]) & (mq <= b[:, 1]) & (mk <= b[:, 2])
+  cost = (b[:, 0] * (-(-b[:, 2] // 128))).astype(np.float32)  # backward blocks per head
+  # The last bucket is the caller's full shape: the bounds it was given are its promise.
+  best = jnp.argmin(jnp.where(holds, jnp.asarray(cost), jnp.inf))
+  return jnp.where(jnp.any(holds), best, len(buckets) - 1).astype(jnp.int32)
+
+
+def _flash3(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k,
+            grid_levels=FLASH3_GRID_LEVELS):
   _import_flash3()
   if jax.default_backend() != "gpu":
     raise BackendUnavailableError(
@@ -122,88 +173,76 @@ def _flash3(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k):
     raise ValueError(
         f"backend='flash3': the published {FLASH3_PIP_SPEC} wheel is built for head dims "
         f"{FLASH3_HEAD_DIMS}; got {head_dim=} (build flash-attn3-jax from source for others)")
-  num_q_rows, num_heads, _ = q.shape
-  num_k_rows = k.shape[0]
+  return _flash3_masked(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale,
+                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                        grid_levels=grid_levels, impl=_FA3_IMPL)
+
+
+def _flash3_masked(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k,
+                   grid_levels, impl):
+  """FA3 on the real tasks only; rows outside every task are masked to 0 (-inf LSE).
+
+  FA3 leaves rows outside ``[cu[0], cu[-1])`` unwritten (O, LSE, dQ, dK, dV), so every one of
+  them is selected away here, and padding query rows are zeroed on the way in. ``impl`` is the
+  pair of FA3 calls (the real bindings, or a CPU emulator of their contract in the tests).
+  """
+  num_q_rows, num_heads, head_dim = q.shape
   cu_q = cu_q.astype(jnp.int32)
   cu_k = cu_k.astype(jnp.int32)
-  msq = max(int(max_seqlen_q or num_q_rows), 1)
-  msk = max(int(max_seqlen_k or num_k_rows), 1)
-  cu_q_ext, cu_k_ext = flash3_task_table(cu_q, cu_k, num_q_rows, num_k_rows, msq, msk)
-  num_ext = cu_q_ext.shape[0] - 1
-  # The bindings size the LSE buffer [tasks, H, max_seqlen_q] while FA3 writes it as [H, T].
-  msq = max(msq, -(-num_q_rows // num_ext))
+  buckets = flash3_grid_buckets(cu_q.shape[0] - 1, num_q_rows, max_seqlen_q or num_q_rows,
+                                max_seqlen_k or k.shape[0], grid_levels)
   scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
   _, _, q_valid = va.rows_to_tasks(cu_q, num_q_rows)
-  # Zeroing padding query rows on the way in makes their dQ exactly 0 whatever FA3 leaves there.
   q = jnp.where(q_valid[:, None, None], q, jnp.zeros((), q.dtype))
-  o, lse_raw = _flash3_attention(q, k, v, cu_q_ext, cu_k_ext,
-                                 (("max_seqlen_q", msq), ("max_seqlen_k", msk),
-                                  ("softmax_scale", scale)))
+  o, lse_HxT = _flash3_attention(q, k, v, cu_q, cu_k, _flash3_bucket(cu_q, cu_k, buckets),
+                                 (buckets, scale, impl))
   o = jnp.where(q_valid[:, None, None], o, jnp.zeros((), o.dtype))
-  lse_HxT = lse_raw.reshape(-1)[: num_heads * num_q_rows].reshape(num_heads, num_q_rows)
   lse_TxH = jnp.where(q_valid[:, None], lse_HxT.T, -jnp.inf)
   return o, lse_TxH
 
 
-def _pad_chunks(lo, hi, n: int, width: int):
-  """``n + 1`` boundaries cutting rows ``[lo, hi)`` into ``n`` pieces of at most ``width``."""
-  return jnp.minimum(lo + width * jnp.arange(n + 1, dtype=jnp.int32), hi)
-
-
-def flash3_task_table(cu_q_N1, cu_k_N1, num_q_rows: int, num_k_rows: int, max_seqlen_q: int,
-                      max_seqlen_k: int):
-  """The task table FlashAttention-3 is called with: the tasks plus padding pseudo-tasks.
-
-  Rows outside ``[cu_q[0], cu_q[-1])`` (queries) and ``[cu_k[0], cu_k[-1])`` (keys) become
-  pseudo-tasks (queries without keys, keys without queries) so that FA3 writes zeros there (O,
-  dQ, dK, dV) instead of leaving them unwritten. FA3 only visits ``max_seqlen`` rows of any task,
-  so every pseudo-task is cut to at most ``max_seqlen_q`` query and ``max_seqlen_k`` key rows:
-  callers can then pass the bound of the real tasks (e.g. the row length), however much padding
-  the buffers hold, and FA3's grid (blocks per task x ceil(max_seqlen / 128)) stays small.
-
-  Args:
-    cu_q_N1, cu_k_N1: int32 [N + 1] task boundaries (the caller's).
-    num_q_rows, num_k_rows: buffer rows (static).
-    max_seqlen_q, max_seqlen_k: static bounds on the real tasks' query / key rows.
-
-  Returns:
-    (cu_q_ext, cu_k_ext): int32 [N + 1 + 2 (nq + nk)], nq = ceil(num_q_rows / max_seqlen_q) and
-    nk = ceil(num_k_rows / max_seqlen_k): leading pieces, the tasks, trailing query pieces (no
-    keys), trailing key pieces (no queries); empty pieces are zero-length tasks.
-  """
-  nq = -(-int(num_q_rows) // int(max_seqlen_q))
-  nk = -(-int(num_k_rows) // int(max_seqlen_k))
-  zero = jnp.zeros((), jnp.int32)
-  q0, qn, k0, kn = cu_q_N1[0], cu_q_N1[-1], cu_k_N1[0], cu_k_N1[-1]
-  tq, tk = jnp.int32(num_q_rows), jnp.int32(num_k_rows)
-  # Leading: nq query-only pieces of [0, q0), then nk key-only pieces of [0, k0).
-  lead_q = jnp.concatenate([_pad_chunks(zero, q0, nq, max_seqlen_q), jnp.full((nk,), q0)])
-  lead_k = jnp.concatenate([jnp.zeros((nq + 1,), jnp.int32), _pad_chunks(zero, k0, nk, max_seqlen_k)[1:]])
-  # Trailing: query-only pieces of [qn, T), then key-only pieces of [kn, U).
-  tail_q = jnp.concatenate([_pad_chunks(qn, tq, nq, max_seqlen_q)[1:], jnp.full((nk,), tq)])
-  tail_k = jnp.concatenate([jnp.full((nq,), kn), _pad_chunks(kn, tk, nk, max_seqlen_k)[1:]])
-  cu_q = jnp.concatenate([lead_q, cu_q_N1[1:], tail_q]).astype(jnp.int32)
-  cu_k = jnp.concatenate([lead_k, cu_k_N1[1:], tail_k]).astype(jnp.int32)
-  return cu_q, cu_k
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash3_attention(q, k, v, cu_q, cu_k, config):
-  """FA3 varlen causal forward: (o [T, H, D], raw lse); backward through FA3's kernels."""
+def _fa3_fwd(q, k, v, cu_q, cu_k, **config):
   from flash_attn3_jax import varlen as fa3_varlen  # noqa: PLC0415  (optional dependency)
-  return fa3_varlen.flash_mha_varlen_fwd(q, k, v, cu_q, cu_k, None, is_causal=True, **dict(config))
+  return fa3_varlen.flash_mha_varlen_fwd(q, k, v, cu_q, cu_k, None, is_causal=True, **config)
 
 
-def _flash3_attention_fwd(q, k, v, cu_q, cu_k, config):
+def _fa3_bwd(do, q, k, v, o, lse, cu_q, cu_k, **config):
   from flash_attn3_jax import varlen as fa3_varlen  # noqa: PLC0415
-  o, lse = fa3_varlen.flash_mha_varlen_fwd(q, k, v, cu_q, cu_k, None, is_causal=True,
-                                           **dict(config))
-  return (o, lse), (q, k, v, cu_q, cu_k, o, lse)
+  return fa3_varlen.flash_mha_varlen_bwd(do, q, k, v, o, lse, cu_q, cu_k, is_causal=True,
+                                         **config)
+
+
+_FA3_IMPL = (_fa3_fwd, _fa3_bwd)
+
+
+def _switch(index, fns, *operands):
+  return fns[0](*operands) if len(fns) == 1 else jax.lax.switch(index, fns, *operands)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash3_attention(q, k, v, cu_q, cu_k, bucket, config):
+  """FA3 causal varlen forward in the launch shape ``bucket`` picks: (o [T, H, D], lse [H, T])."""
+  return _flash3_attention_fwd(q, k, v, cu_q, cu_k, bucket, config)[0]
+
+
+def _flash3_attention_fwd(q, k, v, cu_q, cu_k, bucket, config):
+  buckets, scale, (fwd, _) = config
+  num_q_rows, num_heads, _ = q.shape
+
+  def branch(slots, msq, msk):
+    def run(q, k, v, cu_q, cu_k):
+      o, lse_raw = fwd(q, k, v, cu_q[:slots + 1], cu_k[:slots + 1], max_seqlen_q=msq,
+                       max_seqlen_k=msk, softmax_scale=scale)
+      return o, lse_raw.reshape(-1)[:num_heads * num_q_rows].reshape(num_heads, num_q_rows)
+    return run
+
+  o, lse = _switch(bucket, [branch(*b) for b in buckets], q, k, v, cu_q, cu_k)
+  return (o, lse), (q, k, v, cu_q, cu_k, bucket, o, lse)
 
 
 def _flash3_attention_bwd(config, res, cts):
-  from flash_attn3_jax import varlen as fa3_varlen  # noqa: PLC0415
-  q, k, v, cu_q, cu_k, o, lse = res
+  buckets, scale, (_, bwd) = config
+  q, k, v, cu_q, cu_k, bucket, o, lse_HxT = res
   do, dlse = cts
   if not isinstance(dlse, jax.custom_derivatives.SymbolicZero):
     raise NotImplementedError(
@@ -211,14 +250,28 @@ def _flash3_attention_bwd(config, res, cts):
         "dLSE); use backend='pallas' or 'reference' when the loss depends on lse")
   if isinstance(do, jax.custom_derivatives.SymbolicZero):
     do = jnp.zeros(o.shape, o.dtype)
-  dq, dk, dv = fa3_varlen.flash_mha_varlen_bwd(do, q, k, v, o, lse, cu_q, cu_k, is_causal=True,
-                                               **dict(config))
-  return dq, dk, dv, None, None
+
+  def branch(slots, msq, msk):
+    def run(do, q, k, v, o, lse_HxT, cu_q, cu_k):
+      flat = lse_HxT.reshape(-1)
+      lse_raw = jnp.pad(flat, (0, slots * lse_HxT.shape[0] * msq - flat.shape[0]))
+      return bwd(do, q, k, v, o, lse_raw.reshape(slots, lse_HxT.shape[0], msq),
+                 cu_q[:slots + 1], cu_k[:slots + 1], max_seqlen_q=msq, max_seqlen_k=msk,
+                 softmax_scale=scale)
+    return run
+
+  dq, dk, dv = _switch(bucket, [branch(*b) for b in buckets], do, q, k, v, o, lse_HxT, cu_q, cu_k)
+  _, _, q_valid = va.rows_to_tasks(cu_q, q.shape[0])
+  _, _, k_valid = va.rows_to_tasks(cu_k, k.shape[0])
+  zero = jnp.zeros((), dq.dtype)
+  return (jnp.where(q_valid[:, None, None], dq, zero), jnp.where(k_valid[:, None, None], dk, zero),
+          jnp.where(k_valid[:, None, None], dv, zero), None, None, None)
 
 
-def _flash3_attention_fwd_symbolic(q, k, v, cu_q, cu_k, config):
+def _flash3_attention_fwd_symbolic(q, k, v, cu_q, cu_k, bucket, config):
   # symbolic_zeros=True wraps each primal; unwrap them.
-  return _flash3_attention_fwd(q.value, k.value, v.value, cu_q.value, cu_k.value, config)
+  return _flash3_attention_fwd(q.value, k.value, v.value, cu_q.value, cu_k.value, bucket.value,
+                               config)
 
 
 _flash3_attention.defvjp(_flash3_attention_fwd_symbolic, _flash3_attention_bwd,

@@ -25,8 +25,7 @@ Workloads (32 query heads, 8 KV heads, head dim 128, bf16, one GPU):
                      mix, comparable with ca-s; 'envelope' keeps the capacity's padding rows, as
                      the data plane allocates them (one buffer shape per W, so our kernel
                      compiles once per W); padding rows count no FLOPs but the kernels pay
-                     for them (flash3 through ops' padding pseudo-tasks, which also raise its
-                     max_seqlen bounds).
+                     for them (flash3 masks its padding rows; its launch shape follows the tasks).
 ``--workloads`` takes names and the families 'dense', 'ca', 'sched' (all sizes of that family).
 cuDNN (top-left causal alignment, no per-task key ranges) and `mha` (no varlen) run the dense
 workloads only; on CA and scheduler batches they are recorded as not applicable. FLOPs come from
@@ -117,7 +116,7 @@ class Workload:
 
   ``cu_q`` / ``cu_k`` are [N + 1] task boundaries; ``q_rows`` / ``kv_rows`` the buffer rows
   (>= cu_q[-1] / cu_k[-1]; rows past the last task are padding); ``max_q`` / ``max_k`` the static
-  bounds flash3 needs (longest task, or the padding it turns into a pseudo-task).
+  bounds flash3 needs (the longest task; padding rows are masked, not computed).
   """
   name: str
   kind: str  # "dense", "ca" or "sched"
@@ -240,9 +239,9 @@ def make_sched_workload(name: str, cfg: SchedConfig, cache: dict | None = None) 
     q_rows, kv_rows = int(cu_q[-1]), int(cu_k[-1])
   lq, lk = np.diff(cu_q), np.diff(cu_k)
   used = lq > 0
-  # flash3 turns padding into pseudo-tasks, so its static bounds must cover them too.
-  max_q = int(max(lq.max(initial=0), q_rows - cu_q[-1], 1))
-  max_k = int(max(lk.max(initial=0), kv_rows - cu_k[-1], 1))
+  # flash3's static bounds cover the real tasks (padding rows are masked, not computed).
+  max_q = int(max(lq.max(initial=0), 1))
+  max_k = int(max(lk.max(initial=0), 1))
   mean = loads.mean() if loads.size else 0.0
   info = dict(
       family=family, min_shard=min_shard, step=cfg.step, servers=num_servers,

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from custom_ops import BlockSizes
+from custom_ops import varlen_attention as va
 from distca_jax import ops
 
 BLOCKS = BlockSizes.for_interpret()  # 16-row tiles: tasks of up to 40 rows span several blocks
@@ -455,43 +456,126 @@ def test_kernel_bench_sched_workload_is_the_servers_task_table(family):
   assert tables["max", "used"] == tables["max", "envelope"]
 
 
-@pytest.mark.parametrize("seed", [11, 12, 13])
-def test_flash3_task_table_cuts_padding_and_keeps_results(seed):
-  """The table ops hands FA3: padding becomes pseudo-tasks no longer than max_seqlen, and the
-  attention it describes (checked with the float64 oracle) equals the caller's table's."""
+class FA3Emulator:
+  """FA3's varlen contract on CPU (the jnp reference for the math), strict about its inputs.
+
+  Rows outside every task are left "unwritten" (NaN), as FA3 leaves them. A task longer than the
+  call's max_seqlen bounds, a LSE buffer of the wrong shape, or a LSE handed to the backward that
+  is not the forward's, turns the whole result into NaN, so a test using it fails. Records the
+  (slots, max_seqlen_q, max_seqlen_k) of every call it traces.
+  """
+
+  def __init__(self):
+    self.calls = []
+
+  def _check(self, q, cu_q, cu_k, max_seqlen_q, max_seqlen_k):
+    lq, lk = jnp.diff(cu_q), jnp.diff(cu_k)
+    self.calls.append((cu_q.shape[0] - 1, max_seqlen_q, max_seqlen_k))
+    return (jnp.max(lq) <= max_seqlen_q) & (jnp.max(lk) <= max_seqlen_k)
+
+  @staticmethod
+  def _unwritten(x, cu):
+    _, _, valid = va.rows_to_tasks(cu, x.shape[0])
+    return jnp.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.nan)
+
+  def fwd(self, q, k, v, cu_q, cu_k, *, max_seqlen_q, max_seqlen_k, softmax_scale):
+    ok = self._check(q, cu_q, cu_k, max_seqlen_q, max_seqlen_k)
+    o, lse = va.varlen_attention_reference(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale)
+    t, h, _ = q.shape
+    slots = cu_q.shape[0] - 1
+    assert slots * h * max_seqlen_q >= h * t, "the bindings' LSE buffer would be too small"
+    raw = jnp.full((slots * h * max_seqlen_q,), jnp.nan, jnp.float32)
+    raw = raw.at[:h * t].set(self._unwritten(lse, cu_q).T.reshape(-1))
+    o = self._unwritten(o, cu_q).astype(q.dtype)
+    return jnp.where(ok, o, jnp.nan), jnp.where(ok, raw, jnp.nan).reshape(slots, h, max_seqlen_q)
+
+  def bwd(self, do, q, k, v, o, lse, cu_q, cu_k, *, max_seqlen_q, max_seqlen_k, softmax_scale):
+    ok = self._check(q, cu_q, cu_k, max_seqlen_q, max_seqlen_k)
+    t, h, _ = q.shape
+    ok &= lse.shape == (cu_q.shape[0] - 1, h, max_seqlen_q)
+    (o_ref, lse_ref), vjp = jax.vjp(lambda q, k, v: va.varlen_attention_reference(
+        q, k, v, cu_q, cu_k, softmax_scale=softmax_scale), q, k, v)
+    _, _, q_valid = va.rows_to_tasks(cu_q, t)
+    given = lse.reshape(-1)[:h * t].reshape(h, t).T
+    same = jnp.where(q_valid[:, None], jnp.abs(given - lse_ref) <= 1e-4, True)
+    ok &= jnp.all(same | ~jnp.isfinite(lse_ref))
+    dq, dk, dv = vjp((do, jnp.zeros_like(lse_ref)))
+    dq, dk, dv = (jnp.where(ok, self._unwritten(x, cu), jnp.nan).astype(x.dtype)
+                  for x, cu in ((dq, cu_q), (dk, cu_k), (dv, cu_k)))
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13, 14])
+def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
+  """The flash3 path (bucketed launch shapes, padding masked instead of computed) on an emulator
+  of FA3's contract: outputs, LSE and dQ/dK/dV equal the reference kernel's on random tables with
+  trailing empty slots and padding rows (left NaN by the emulator), and the shape chosen is the
+  cheapest of the buckets that holds the table."""
   rng = np.random.default_rng(seed)
-  lq = rng.integers(0, 9, size=int(rng.integers(1, 5)))
-  lk = lq + rng.integers(0, 7, size=lq.size)  # q_len <= kv_len, bottom-right causal
-  q0, k0 = int(rng.integers(0, 20)), int(rng.integers(0, 20))
-  cu_q = np.concatenate([[q0], q0 + np.cumsum(lq)]).astype(np.int32)
-  cu_k = np.concatenate([[k0], k0 + np.cumsum(lk)]).astype(np.int32)
-  tq, tk = int(cu_q[-1] + rng.integers(0, 30)), int(cu_k[-1] + rng.integers(0, 30))
-  msq, msk = max(int(lq.max()), 1), max(int(lk.max()), 1)
-  ext_q, ext_k = (np.asarray(x) for x in jax.jit(
-      ops.flash3_task_table, static_argnums=(2, 3, 4, 5))(cu_q, cu_k, tq, tk, msq, msk))
-  assert ext_q[0] == 0 and ext_k[0] == 0 and ext_q[-1] == tq and ext_k[-1] == tk
-  assert (np.diff(ext_q) >= 0).all() and (np.diff(ext_k) >= 0).all()
-  assert np.diff(ext_q).max() <= msq and np.diff(ext_k).max() <= msk
-  # Every pseudo-task has queries or keys, never both (it must attend to nothing).
-  real = {(int(a), int(b), int(c), int(d)) for a, b, c, d in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])}
-  for a, b, c, d in zip(ext_q[:-1], ext_q[1:], ext_k[:-1], ext_k[1:]):
-    if (int(a), int(b), int(c), int(d)) not in real:
-      assert b == a or d == c, (a, b, c, d)
-  h, kh, dim = 2, 1, 4
-  q = rng.standard_normal((tq, h, dim))
-  k = rng.standard_normal((tk, kh, dim))
-  v = rng.standard_normal((tk, kh, dim))
-  do, dlse = rng.standard_normal((tq, h, dim)), np.zeros((tq, h))
-  want = oracle(q, k, v, cu_q, cu_k, 0.5, do, dlse)
-  got = oracle(q, k, v, ext_q, ext_k, 0.5, do, dlse)
-  for w, g in zip(want, got):
-    np.testing.assert_allclose(g, w)
+  slots = int(rng.integers(4, 13))
+  used = int(rng.integers(1, slots + 1))
+  lq = rng.integers(0, 24, size=used)
+  lk = lq + rng.integers(0, 40, size=used)
+  lq[-1], lk[-1] = max(lq[-1], 1), max(lk[-1], lq[-1], 1)  # the last used slot is non-empty
+  q0, k0 = int(rng.integers(0, 9)), int(rng.integers(0, 9))
+  cu_q = np.concatenate([[q0], q0 + np.cumsum(lq), np.full(slots - used, q0 + lq.sum())])
+  cu_k = np.concatenate([[k0], k0 + np.cumsum(lk), np.full(slots - used, k0 + lk.sum())])
+  tq, tk = int(cu_q[-1] + rng.integers(0, 50)), int(cu_k[-1] + rng.integers(0, 50))
+  h, kh, d = 4, 2, 16
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (tq, h, d))
+  k = jax.random.normal(ks[1], (tk, kh, d))
+  v = jax.random.normal(ks[2], (tk, kh, d))
+  do = jax.random.normal(ks[3], (tq, h, d))
+  msq, msk = 512, 1024  # the caller's static bounds: far above the real tasks
+  cu_q, cu_k = jnp.asarray(cu_q, jnp.int32), jnp.asarray(cu_k, jnp.int32)
+
+  def loss(q, k, v, fn):
+    o, lse = fn(q, k, v)
+    return jnp.sum(o * do), (o, lse)
+
+  emu = FA3Emulator()
+  flash = lambda q, k, v: ops._flash3_masked(
+      q, k, v, cu_q, cu_k, softmax_scale=0.3, max_seqlen_q=msq, max_seqlen_k=msk, grid_levels=4,
+      impl=(emu.fwd, emu.bwd))
+  ref = lambda q, k, v: ops.core_attention(q, k, v, cu_q, cu_k, backend="reference",
+                                           softmax_scale=0.3, return_lse=True)
+  got = jax.jit(jax.grad(lambda *a: loss(*a, flash), argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  want = jax.grad(lambda *a: loss(*a, ref), argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+  buckets = ops.flash3_grid_buckets(slots, tq, msq, msk, 4)
+  # Every bucket was compiled (fwd and bwd), and the last is the caller's full shape.
+  assert sorted(set(emu.calls)) == sorted(set(buckets))
+  assert buckets[-1][0] == slots and buckets[-1][2] == msk
+  # The device's choice is the cheapest bucket holding the table.
+  holds = [b for b in buckets if b[0] >= used and b[1] >= lq.max() and b[2] >= lk.max()]
+  want_b = min(holds, key=lambda b: b[0] * -(-b[2] // 128))
+  chosen = buckets[int(ops._flash3_bucket(cu_q, cu_k, buckets))]
+  assert chosen[0] * -(-chosen[2] // 128) == want_b[0] * -(-want_b[2] // 128)
+  assert chosen[0] >= used and chosen[1] >= lq.max() and chosen[2] >= lk.max()
+
+
+def test_flash3_grid_buckets_shapes():
+  """Slot ladder N, N/2, ...; bounds in multiples of 128, never above the caller's; the LSE
+  buffer [slots, H, max_seqlen_q] always holds [H, T]; grid_levels=1 is the full shape only."""
+  b = ops.flash3_grid_buckets(64, 98304, 65536, 65536, 4)
+  assert {x[0] for x in b} == {8, 16, 32, 64}
+  assert {x[2] for x in b} == {8192, 16384, 32768, 65536}
+  assert all(s * msq >= 98304 for s, msq, _ in b)
+  assert ops.flash3_grid_buckets(64, 98304, 65536, 65536, 1) == ((64, 65536, 65536),)
+  # A bound below 128 stays as given; max_seqlen_q grows where slots x bound < T (LSE buffer).
+  assert ops.flash3_grid_buckets(3, 100, 40, 300, 4) == (
+      (1, 100, 128), (1, 100, 256), (1, 100, 300), (2, 50, 128), (2, 50, 256), (2, 50, 300),
+      (3, 40, 128), (3, 40, 256), (3, 40, 300))
+  with pytest.raises(ValueError, match="grid_levels"):
+    ops.flash3_grid_buckets(4, 10, 10, 10, 0)
 
 
 @pytest.mark.skipif(not (ON_GPU and HAS_FLASH3), reason="FlashAttention-3 runs on Hopper GPUs only")
 def test_flash3_max_seqlen_hints_with_long_padding():
   """flash3 given max_seqlen = the longest real task (40) while the buffers' padding is longer
-  (leading 3/2 rows, trailing 12/43 rows): the pseudo-task cutting keeps results exact."""
+  (leading 3/2 rows, trailing 12/43 rows): masking the padding keeps results exact."""
   case = CASES[1]
   lq = [1, 1, 0, 7, 0, 33, 16, 17, 6, 0]
   lk = [1, 5, 9, 4, 0, 33, 40, 17, 6, 0]

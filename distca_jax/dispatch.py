@@ -9,10 +9,11 @@ executes those tables on devices, inside one ``jax.shard_map`` over the mesh's `
   2. one dense ``lax.all_to_all`` carrying Q, K and V together (DESIGN_NOTES Sec. 3: dense
      all-to-all over padded slots beat ``ragged_all_to_all`` 50-190x on H200s, and the ragged one
      does not run on CPU);
-  3. server gather: own rows + received rows into the attention buffers (a KV row sent once per
-     (sender, server) may be gathered several times, once per task that needs it);
+  3. server gather: own rows and received rows straight into the attention buffers (one fused
+     pass; a KV row sent once per (sender, server) may be gathered several times, once per task
+     that needs it);
   4. ONE fused ``ops.core_attention`` call over all of the server's tasks;
-  5. O (and the LSE on request) gathered into return slots, ``lax.all_to_all`` back, scattered
+  5. O (and the LSE on request) gathered into return slots, ``lax.all_to_all`` back, gathered
      into the owners' rows; padding rows come back as zeros.
 
 Bucketed exchange. The slots must hold the worst batch, so a typical batch fills a fraction of
@@ -22,8 +23,8 @@ them. A slot's used rows are packed at its front (``scheduler.plan_to_metadata``
 ``exchange_buckets = n`` the device picks the smallest fraction ``f`` of ``1/n, 2/n, ..., 1``
 whose slot prefix (``ceil(f * slot)`` rows, rounded up to a multiple of 8) holds them, and a
 ``lax.switch`` runs that bucket's branch: steps 1-2 gather and send only the first rows of every
-slot, and the received rows are padded back to the full slot with zeros, so step 3's indices are
-unchanged. Step 5 does the same with the Q bucket (a server returns as many O rows to an owner as
+slot, and step 3 reads the received rows where they landed (``_gather_two`` maps the metadata's
+full-slot indices onto the bucket's rows). Step 5 does the same with the Q bucket (a server returns as many O rows to an owner as
 it received from it). Every branch has static shapes (one compiled step for all batches), and
 every device takes the same branch, so the collectives match. ``exchange_buckets = 1`` is the
 plain full-slot exchange (no switch). ``exchange_bytes`` reports the bytes a batch moves.
@@ -285,6 +286,7 @@ class PlanSpec:
       raise ValueError(f"metadata for {meta.num_servers} servers x {meta.tokens_per_rank} tokens "
                        f"does not match {self}")
     _check_slots_front_packed(meta)
+    _check_unique_rows(meta)
     arrays = dict(meta.device_arrays(),
                   exchange_rows=np.broadcast_to(exchange_rows(meta), (s, 2)))
     flat = np.concatenate([arrays[name].reshape(s, -1) for name, _ in self.fields], axis=1)
@@ -311,6 +313,25 @@ def exchange_rows(meta: sc.PlanMetadata) -> np.ndarray:
   off = ~np.eye(meta.num_servers, dtype=bool)
   return np.array([np.where(off, meta.q_send_len, 0).max(initial=0),
                    np.where(off, meta.kv_send_len, 0).max(initial=0)], np.int32)
+
+
+def _check_unique_rows(meta: sc.PlanMetadata) -> None:
+  """Raises unless the query/output routing reads every source row at most once per device.
+
+  The backward of those gathers is a gather through the inverse map (``_take(unique=True)``),
+  which is the sum of the contributions only if no source row is read twice.
+  """
+  t, s, cq, nq = meta.tokens_per_rank, meta.num_servers, meta.capacity.q_slot, meta.capacity.q_tokens
+  for name, bound in (("q_send_idx", t), ("q_attn_idx", t + s * cq), ("o_send_idx", nq),
+                      ("o_local_idx", nq + s * cq)):
+    for p, rows in enumerate(getattr(meta, name)):
+      rows = rows.reshape(-1)
+      rows = rows[rows < bound]
+      if rows.size and np.bincount(rows).max() > 1:
+        dup = int(np.flatnonzero(np.bincount(rows) > 1)[0])
+        raise ValueError(f"metadata {name}[{p}] reads source row {dup} more than once; query and "
+                         "output rows must be routed once (build metadata with "
+                         "scheduler.plan_to_metadata)")
 
 
 def _check_slots_front_packed(meta: sc.PlanMetadata) -> None:
@@ -487,9 +508,42 @@ def host_plan(doc_lens, spec: PlanSpec, *, tolerance: float = sc.DEFAULT_TOLERAN
 # ---------------------------------------------------------------------------------------------
 # Device: the per-device body and its shard_map.
 # ---------------------------------------------------------------------------------------------
-def _take(x: jax.Array, idx: jax.Array, fill=0) -> jax.Array:
-  """Rows ``x[idx]``; an out-of-range index (the metadata's sentinel) gives ``fill``."""
+def _take(x: jax.Array, idx: jax.Array, fill=0, *, unique: bool = False) -> jax.Array:
+  """Rows ``x[idx]``; an out-of-range index (the metadata's sentinel) gives ``fill``.
+
+  The backward (``_take_rows``) avoids XLA's bf16 scatter-add, which ran at ~200-240 GB/s on an
+  H200 (results/gather_bench.md): with ``unique=True`` (no row of ``x`` is read twice: the query
+  and output paths) it is a gather through the inverse map (3.3x faster); otherwise (key/value
+  rows feed several tasks and servers) a scatter-add in float32 (1.5x faster, and the sum of a
+  row's contributions is rounded once).
+  """
+  return _take_rows(x, idx, fill, unique)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _take_rows(x, idx, fill, unique):
   return jnp.take(x, idx, axis=0, mode="fill", fill_value=fill)
+
+
+def _take_rows_fwd(x, idx, fill, unique):
+  # A zero-width stand-in carries x's row count and dtype to the backward.
+  return _take_rows(x, idx, fill, unique), (idx, jnp.zeros((x.shape[0], 0), x.dtype))
+
+
+def _take_rows_bwd(fill, unique, res, dy):
+  idx, like = res
+  n = like.shape[0]
+  if unique:
+    inv = jnp.full((n,), idx.shape[0], jnp.int32).at[idx].set(
+        jnp.arange(idx.shape[0], dtype=jnp.int32), mode="drop")
+    dx = jnp.take(dy, inv, axis=0, mode="fill", fill_value=0)
+  else:
+    dx = jnp.zeros((n,) + dy.shape[1:], jnp.float32).at[idx].add(dy.astype(jnp.float32),
+                                                                  mode="drop")
+  return dx.astype(like.dtype), None
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def _save_kernel_outputs(prim, *_, **__) -> bool:
@@ -526,12 +580,28 @@ def _all_to_all(send_SxF: jax.Array, axis: str, signal_only: bool, row_elems: in
   return send_SxF.at[:, :n].set(lax.all_to_all(send_SxF[:, :n], axis, 0, 0, tiled=True))
 
 
-def _pad_slots(x_SxBxF: jax.Array, slot: int) -> jax.Array:
-  """``[S, b, ...]`` -> ``[S * slot, ...]``: each slot's received rows, zeros behind them."""
-  b = x_SxBxF.shape[1]
-  if b < slot:
-    x_SxBxF = jnp.pad(x_SxBxF, [(0, 0), (0, slot - b)] + [(0, 0)] * (x_SxBxF.ndim - 2))
-  return x_SxBxF.reshape((-1,) + x_SxBxF.shape[2:])
+def _gather_two(own_TxF: jax.Array, recv_SxBxF: jax.Array, idx: jax.Array, slot: int,
+                fill=0, *, unique: bool = False) -> jax.Array:
+  """``concat(own, received padded to full slots)[idx]`` without building either buffer.
+
+  ``idx`` addresses the metadata's source order: own rows ``[0, T)``, then sender ``p``'s slot
+  ``[T + p * slot, T + (p + 1) * slot)``; anything at or past ``T + S * slot`` (the sentinel)
+  gives ``fill``. ``recv_SxBxF`` holds only the first ``B <= slot`` rows of each slot (the
+  bucket), and every used row of a slot is among them (slots are packed at the front). Each
+  output row reads one source: one gather from each buffer, joined by a select, which XLA fuses
+  into one pass (no zero-padded copy of the received rows, no concatenated copy of own rows).
+  """
+  t = own_TxF.shape[0]
+  s, b = recv_SxBxF.shape[:2]
+  r = idx - t
+  in_recv = (r >= 0) & (r < s * slot)
+  # Rows of a slot past the bucket were not sent (the plan never uses them): fill, never the next
+  # sender's rows. s * b is out of range -> fill.
+  ridx = jnp.where(in_recv & (r % slot < b), (r // slot) * b + r % slot, s * b)
+  from_recv = _take(recv_SxBxF.reshape((s * b,) + recv_SxBxF.shape[2:]), ridx, fill,
+                    unique=unique)
+  from_own = _take(own_TxF, idx, fill, unique=unique)  # idx >= T is out of range of own rows
+  return jnp.where(in_recv.reshape((-1,) + (1,) * (own_TxF.ndim - 1)), from_recv, from_own)
 
 
 def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec: PlanSpec,
@@ -556,30 +626,32 @@ def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec:
 
   def exchange(bq: int, bkv: int):
     # 1-2. Sender gather of the first (bq, bkv) rows of every slot, one all-to-all for Q, K and V
-    # together; the received rows are padded back to full slots.
-    def run(q_TxHxD, k_TxKxD, v_TxKxD, q_send_idx_SxCq, kv_send_idx_SxCkv):
-      q_send = _take(q_TxHxD, q_send_idx_SxCq[:, :bq].reshape(-1)).reshape(s, bq * h * d)
+    # together; 3. server gather straight from [own rows | received rows].
+    def run(q_TxHxD, k_TxKxD, v_TxKxD, q_send_idx_SxCq, kv_send_idx_SxCkv, q_attn_idx,
+            kv_attn_idx):
+      # A query row belongs to one task, so it is sent once and placed once (unique); a key/value
+      # row may go to several servers and feed several tasks there.
+      q_send = _take(q_TxHxD, q_send_idx_SxCq[:, :bq].reshape(-1), unique=True).reshape(
+          s, bq * h * d)
       kv_idx = kv_send_idx_SxCkv[:, :bkv].reshape(-1)
       k_send = _take(k_TxKxD, kv_idx).reshape(s, bkv * kh * d)
       v_send = _take(v_TxKxD, kv_idx).reshape(s, bkv * kh * d)
       send = jnp.concatenate([q_send, k_send, v_send], axis=1)
       recv = _all_to_all(send, axis, signal_only, h * d)  # recv[p] = what sender p sent here
       nq_el, nkv_el = bq * h * d, bkv * kh * d
-      q_recv = _pad_slots(recv[:, :nq_el].reshape(s, bq, h, d), cq)
-      k_recv = _pad_slots(recv[:, nq_el:nq_el + nkv_el].reshape(s, bkv, kh, d), ckv)
-      v_recv = _pad_slots(recv[:, nq_el + nkv_el:].reshape(s, bkv, kh, d), ckv)
-      return q_recv, k_recv, v_recv
+      q_recv = recv[:, :nq_el].reshape(s, bq, h, d)
+      k_recv = recv[:, nq_el:nq_el + nkv_el].reshape(s, bkv, kh, d)
+      v_recv = recv[:, nq_el + nkv_el:].reshape(s, bkv, kh, d)
+      return (_gather_two(q_TxHxD, q_recv, q_attn_idx, cq, unique=True),
+              _gather_two(k_TxKxD, k_recv, kv_attn_idx, ckv),
+              _gather_two(v_TxKxD, v_recv, kv_attn_idx, ckv))
 
     return run
 
-  q_recv, k_recv, v_recv = _bucketed(
+  return _bucketed(
       m["exchange_rows"], exchange_bucket_rows(spec.capacity, exchange_buckets), exchange,
-      q_TxHxD, k_TxKxD, v_TxKxD, m["q_send_idx"], m["kv_send_idx"])
-  # 3. Server gather: own rows first, then everything received (the metadata's source order).
-  q_attn = _take(jnp.concatenate([q_TxHxD, q_recv]), m["q_attn_idx"])
-  k_attn = _take(jnp.concatenate([k_TxKxD, k_recv]), m["kv_attn_idx"])
-  v_attn = _take(jnp.concatenate([v_TxKxD, v_recv]), m["kv_attn_idx"])
-  return q_attn, k_attn, v_attn
+      q_TxHxD, k_TxKxD, v_TxKxD, m["q_send_idx"], m["kv_send_idx"], m["q_attn_idx"],
+      m["kv_attn_idx"])
 
 
 def return_to_owners(x_NqxF, m: Mapping[str, jax.Array], spec: PlanSpec, axis: str, fill=0, *,
@@ -600,17 +672,18 @@ def return_to_owners(x_NqxF, m: Mapping[str, jax.Array], spec: PlanSpec, axis: s
   row_el = math.prod(feat)
 
   def back(bq: int):
-    def run(x_NqxF, o_send_idx_SxCq):
-      send = _take(x_NqxF, o_send_idx_SxCq[:, :bq].reshape(-1)).reshape(s, bq * row_el)
+    def run(x_NqxF, o_send_idx_SxCq, o_local_idx):
+      # Every attention row goes back once, to one owner row (unique).
+      send = _take(x_NqxF, o_send_idx_SxCq[:, :bq].reshape(-1), unique=True).reshape(
+          s, bq * row_el)
       recv = _all_to_all(send, axis, signal_only, row_el)
-      return _pad_slots(recv.reshape((s, bq) + feat), cq)
+      return _gather_two(x_NqxF, recv.reshape((s, bq) + feat), o_local_idx, cq, fill,
+                         unique=True)
 
     return run
 
-  recv = _bucketed(m["exchange_rows"][:1], _return_bucket_rows(spec.capacity, exchange_buckets),
-                   back, x_NqxF, m["o_send_idx"])
-  src = jnp.concatenate([x_NqxF, recv])
-  return _take(src, m["o_local_idx"], fill=fill)
+  return _bucketed(m["exchange_rows"][:1], _return_bucket_rows(spec.capacity, exchange_buckets),
+                   back, x_NqxF, m["o_send_idx"], m["o_local_idx"])
 
 
 def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec, axis: str,

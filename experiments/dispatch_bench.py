@@ -77,6 +77,9 @@ def _args():
   p.add_argument("--layers", type=int, default=None,
                  help="CAD attentions chained for the keep/resend runs (default 4; tiny: 2)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--profile", action="store_true",
+                 help="also trace one CAD fwd+bwd call ('keep', first batch) per workload and "
+                 "record its device time per op (the top ops by summed time, per device)")
   p.add_argument("--out", default=None, help="output stem (default results/dispatch_bench)")
   a = p.parse_args()
   tiny = a.tiny
@@ -131,6 +134,20 @@ _time = profiling.time_call  # median / min seconds after one compiling call
 def _zeros(shape, dtype, sharding):
   """Zeros created directly in their sharding (no full copy on one device)."""
   return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+def _profile_ops(fn, args, logdir: str, top: int = 15) -> dict:
+  """One traced call of ``fn``: per device, its summed device time and the top ops by time."""
+  jax.block_until_ready(fn(*args))  # compiled and warm
+  _, path = profiling.capture(fn, *args, logdir=logdir)
+  per_dev: dict[int, dict[str, float]] = {}
+  for ev in profiling.load_events(path):
+    name = ev.hlo_op or ev.name
+    ops_ms = per_dev.setdefault(ev.device, {})
+    ops_ms[name] = ops_ms.get(name, 0.0) + ev.dur_us / 1e3
+  return {str(dev): {"busy_ms": sum(d.values()),
+                     "top_ms": sorted(d.items(), key=lambda kv: -kv[1])[:top]}
+          for dev, d in sorted(per_dev.items())}
 
 
 def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
@@ -285,6 +302,10 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
          "bucket_rows": dispatch.exchange_bucket_rows(cap, nb), "batches": rows}
   if s > 1:
     out["raw_a2a_padded_exchange_buffer"] = raw_bytes(rows[-1]["bytes_dispatch_padded"])
+  if a.profile:
+    out["profile_cad_keep_fwd_bwd"] = _profile_ops(modes["keep"][1], (q, k, v, plan0, ct),
+                                                   a.out + f"_trace_{name}")
+
   # Memory and structure of keep vs resend (the first batch's plan).
   for mode, (_, fwd_bwd_f) in modes.items():
     traced = fwd_bwd_f.trace(q, k, v, plan0, ct)  # one trace: structure and compiled memory
@@ -296,6 +317,15 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
   out["capacity_memory_bytes"] = cap.memory_bytes(s, q_heads=h, kv_heads=kh, head_dim=d,
                                                   dtype_bytes=dbytes)
   return out
+
+
+def _profile_markdown(prof: dict) -> list[str]:
+  lines = []
+  for dev, d in prof.items():
+    lines += ["", f"Device {dev}: {d['busy_ms']:.1f} ms of device ops in one CAD fwd+bwd call "
+              "(keep, first batch, all layers); top ops:", "", "| op | ms |", "|---|---|"]
+    lines += [f"| `{n[:90]}` | {ms:.2f} |" for n, ms in d["top_ms"]]
+  return lines
 
 
 def _markdown(res: dict) -> str:
@@ -361,6 +391,8 @@ def _markdown(res: dict) -> str:
       m, st = w[f"cad_{mode}_memory"], w[f"cad_{mode}_structure"]
       lines.append(f"| {mode} | {fmt(m.get('temp_size_in_bytes', float('nan')) / mb)} | "
                    f"{st['all_to_all']} | {st['kernel_forward_calls']} |")
+    if "profile_cad_keep_fwd_bwd" in w:
+      lines += _profile_markdown(w["profile_cad_keep_fwd_bwd"])
     lines.append("")
   return "\n".join(lines)
 

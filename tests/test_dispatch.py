@@ -514,6 +514,15 @@ def test_plan_packs_exchange_rows_and_rejects_slots_not_packed_at_the_front():
     idx[p, d, cap - 1], idx[p, d, n - 1] = idx[p, d, n - 1], T
     with pytest.raises(ValueError, match=rf"{name}\[{p}, {d}\].*front"):
       SPEC.pack(dataclasses.replace(hp.meta, **{name: idx}))
+  # Query / output rows read twice would make the inverse-map backward drop a contribution.
+  for name in ("q_attn_idx", "o_local_idx"):
+    idx = getattr(hp.meta, name).copy()
+    bound = T + S * CAP.q_slot if name == "q_attn_idx" else CAP.q_tokens + S * CAP.q_slot
+    p = int(np.argmax((idx < bound).sum(axis=1)))
+    used = np.flatnonzero(idx[p] < bound)
+    idx[p, used[1]] = idx[p, used[0]]
+    with pytest.raises(ValueError, match=rf"{name}\[{p}\] reads source row"):
+      SPEC.pack(dataclasses.replace(hp.meta, **{name: idx}))
 
 
 def test_signal_only_keeps_shapes_moves_one_row_and_is_wrong_by_design():

@@ -64,7 +64,8 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
       backend is CPU.
     block_sizes: 'pallas' only; kernel tiles (``custom_ops.BlockSizes``).
     max_seqlen_q: 'flash3' only (ignored elsewhere): static upper bound on the query rows of any
-      task (padding rows outside the tasks do not count). Default T (always safe).
+      task (padding rows outside the tasks do not count). Default T (always safe). A task
+      longer than the bound makes the output NaN.
     max_seqlen_k: 'flash3' only: the same bound for key rows. Default U. FlashAttention-3's
       backward launches ceil(max_seqlen_k / 128) blocks per task and head, so give tight bounds.
     grid_levels: 'flash3' only: launch shapes compiled per dimension (``flash3_grid_buckets``);
@@ -122,12 +123,15 @@ def flash3_grid_buckets(num_tasks: int, num_q_rows: int, max_seqlen_q: int, max_
 
   FA3's varlen kernels launch ``slots x ceil(max_seqlen / 128) x heads`` thread blocks whatever
   the tasks' real lengths (its backward over ``max_seqlen_k``), and a block past its task's end
-  still costs a launch. So the call is compiled for ``levels`` slot counts (``N, N/2, N/4, ...``)
-  times ``levels`` bounds (``L, L/2, ...``, multiples of 128), and each call runs the cheapest
-  shape that holds its table (``_flash3_bucket``): trailing empty slots are cut off and the
-  bounds are the real tasks' lengths rounded up. Measured on an H200
+  still costs a launch. So the backward is compiled for ``levels`` slot counts (``N, N/2, N/4,
+  ...``) times ``levels`` bounds (``L, L/2, ...``, multiples of 128), and each call runs the
+  cheapest shape that holds its table (``_flash3_bucket``): trailing empty slots are cut off and
+  the bounds drop to the smallest ladder step above the longest task. Measured on an H200
   (results/flash3_grid_bench.md): the backward of a ProLong server's 24 tasks in 64 slots with
-  bound 64K took 32.7 ms, 23.4 ms with 24 slots and bound 10K.
+  bound 64K took 32.7 ms, 23.4 ms with 24 slots and bound 10K. The forward always runs the last
+  (full) shape: FA3's forward skips empty tiles (its time did not move with the shape), and one
+  forward shape keeps a single LSE buffer shape, so remat policies that save the kernel's
+  outputs ('resend') keep one buffer, not one per branch.
 
   The LSE buffer the bindings allocate is ``[slots, H, max_seqlen_q]`` while FA3 writes it as
   ``[H, T]``, so a shape's ``max_seqlen_q`` is raised to at least ``ceil(T / slots)``.
@@ -183,20 +187,28 @@ def _flash3_masked(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seql
   """FA3 on the real tasks only; rows outside every task are masked to 0 (-inf LSE).
 
   FA3 leaves rows outside ``[cu[0], cu[-1])`` unwritten (O, LSE, dQ, dK, dV), so every one of
-  them is selected away here, and padding query rows are zeroed on the way in. ``impl`` is the
+  them is selected away here, and padding query rows are zeroed on the way in. A task longer
+  than ``max_seqlen_q`` / ``max_seqlen_k`` makes the whole output NaN (FA3 would silently visit
+  only the first ``max_seqlen`` rows). ``impl`` is the
   pair of FA3 calls (the real bindings, or a CPU emulator of their contract in the tests).
   """
   num_q_rows, num_heads, head_dim = q.shape
   cu_q = cu_q.astype(jnp.int32)
   cu_k = cu_k.astype(jnp.int32)
-  buckets = flash3_grid_buckets(cu_q.shape[0] - 1, num_q_rows, max_seqlen_q or num_q_rows,
-                                max_seqlen_k or k.shape[0], grid_levels)
+  # No task is longer than its buffer, so bounds above the buffer sizes only cost launches.
+  msq = min(max_seqlen_q or num_q_rows, num_q_rows)
+  msk = min(max_seqlen_k or k.shape[0], k.shape[0])
+  buckets = flash3_grid_buckets(cu_q.shape[0] - 1, num_q_rows, msq, msk, grid_levels)
   scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
   _, _, q_valid = va.rows_to_tasks(cu_q, num_q_rows)
   q = jnp.where(q_valid[:, None, None], q, jnp.zeros((), q.dtype))
   o, lse_HxT = _flash3_attention(q, k, v, cu_q, cu_k, _flash3_bucket(cu_q, cu_k, buckets),
                                  (buckets, scale, impl))
+  # A task longer than the caller's bounds would be cut short by FA3 without a word: make it NaN.
+  lq, lk = jnp.diff(cu_q), jnp.diff(cu_k)
+  fits = (jnp.max(lq, initial=0) <= msq) & (jnp.max(lk, initial=0) <= msk)
   o = jnp.where(q_valid[:, None, None], o, jnp.zeros((), o.dtype))
+  o = jnp.where(fits, o, jnp.asarray(jnp.nan, o.dtype))
   lse_TxH = jnp.where(q_valid[:, None], lse_HxT.T, -jnp.inf)
   return o, lse_TxH
 
@@ -228,15 +240,10 @@ def _flash3_attention(q, k, v, cu_q, cu_k, bucket, config):
 def _flash3_attention_fwd(q, k, v, cu_q, cu_k, bucket, config):
   buckets, scale, (fwd, _) = config
   num_q_rows, num_heads, _ = q.shape
-
-  def branch(slots, msq, msk):
-    def run(q, k, v, cu_q, cu_k):
-      o, lse_raw = fwd(q, k, v, cu_q[:slots + 1], cu_k[:slots + 1], max_seqlen_q=msq,
-                       max_seqlen_k=msk, softmax_scale=scale)
-      return o, lse_raw.reshape(-1)[:num_heads * num_q_rows].reshape(num_heads, num_q_rows)
-    return run
-
-  o, lse = _switch(bucket, [branch(*b) for b in buckets], q, k, v, cu_q, cu_k)
+  # The forward runs the full shape (see flash3_grid_buckets); the backward switches on bucket.
+  _, msq, msk = buckets[-1]
+  o, lse_raw = fwd(q, k, v, cu_q, cu_k, max_seqlen_q=msq, max_seqlen_k=msk, softmax_scale=scale)
+  lse = lse_raw.reshape(-1)[:num_heads * num_q_rows].reshape(num_heads, num_q_rows)
   return (o, lse), (q, k, v, cu_q, cu_k, bucket, o, lse)
 
 

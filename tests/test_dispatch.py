@@ -515,12 +515,15 @@ def test_plan_packs_exchange_rows_and_rejects_slots_not_packed_at_the_front():
     with pytest.raises(ValueError, match=rf"{name}\[{p}, {d}\].*front"):
       SPEC.pack(dataclasses.replace(hp.meta, **{name: idx}))
   # Query / output rows read twice would make the inverse-map backward drop a contribution.
-  for name in ("q_attn_idx", "o_local_idx"):
+  bounds = {"q_send_idx": T, "q_attn_idx": T + S * CAP.q_slot, "o_send_idx": CAP.q_tokens,
+            "o_local_idx": CAP.q_tokens + S * CAP.q_slot}
+  for name, bound in bounds.items():
     idx = getattr(hp.meta, name).copy()
-    bound = T + S * CAP.q_slot if name == "q_attn_idx" else CAP.q_tokens + S * CAP.q_slot
-    p = int(np.argmax((idx < bound).sum(axis=1)))
-    used = np.flatnonzero(idx[p] < bound)
-    idx[p, used[1]] = idx[p, used[0]]
+    flat = idx.reshape(S, -1)
+    p = int(np.argmax((flat < bound).sum(axis=1)))
+    used = np.flatnonzero(flat[p] < bound)
+    flat[p, used[1]] = flat[p, used[0]]
+    idx = flat.reshape(idx.shape)
     with pytest.raises(ValueError, match=rf"{name}\[{p}\] reads source row"):
       SPEC.pack(dataclasses.replace(hp.meta, **{name: idx}))
 

@@ -514,9 +514,14 @@ def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
   rng = np.random.default_rng(seed)
   slots = int(rng.integers(4, 13))
   used = int(rng.integers(1, slots + 1))
+  if seed % 2:  # the last used slot sits just past a slot-ladder step: cutting it must be wrong
+    steps = sorted({b[0] for b in ops.flash3_grid_buckets(slots, 1, 1, 1, 4)})[:-1]
+    used = int(rng.choice(steps)) + 1
   lq = rng.integers(0, 24, size=used)
   lk = lq + rng.integers(0, 40, size=used)
-  lq[-1], lk[-1] = max(lq[-1], 1), max(lk[-1], lq[-1], 1)  # the last used slot is non-empty
+  lk[-1] = max(lk[-1], lq[-1], 1)  # the last used slot is non-empty
+  if seed % 2:  # ... and on some seeds holds keys only: its dK/dV must still be computed
+    lq[-1] = 0
   q0, k0 = int(rng.integers(0, 9)), int(rng.integers(0, 9))
   cu_q = np.concatenate([[q0], q0 + np.cumsum(lq), np.full(slots - used, q0 + lq.sum())])
   cu_k = np.concatenate([[k0], k0 + np.cumsum(lk), np.full(slots - used, k0 + lk.sum())])
@@ -544,16 +549,31 @@ def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
   want = jax.grad(lambda *a: loss(*a, ref), argnums=(0, 1, 2), has_aux=True)(q, k, v)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
-  buckets = ops.flash3_grid_buckets(slots, tq, msq, msk, 4)
+  # Bounds above the buffers are clamped to them (no task can be longer).
+  buckets = ops.flash3_grid_buckets(slots, tq, min(msq, tq), min(msk, tk), 4)
   # Every bucket was compiled (fwd and bwd), and the last is the caller's full shape.
   assert sorted(set(emu.calls)) == sorted(set(buckets))
-  assert buckets[-1][0] == slots and buckets[-1][2] == msk
+  assert buckets[-1][0] == slots and buckets[-1][2] == min(msk, tk)
   # The device's choice is the cheapest bucket holding the table.
   holds = [b for b in buckets if b[0] >= used and b[1] >= lq.max() and b[2] >= lk.max()]
   want_b = min(holds, key=lambda b: b[0] * -(-b[2] // 128))
   chosen = buckets[int(ops._flash3_bucket(cu_q, cu_k, buckets))]
   assert chosen[0] * -(-chosen[2] // 128) == want_b[0] * -(-want_b[2] // 128)
   assert chosen[0] >= used and chosen[1] >= lq.max() and chosen[2] >= lk.max()
+  # The forward ran the full shape once; the backward compiled every shape. No switch in the
+  # forward: a remat policy saving the kernel's outputs then keeps one LSE buffer, not one per
+  # launch shape ('resend').
+  assert emu.calls.count(buckets[-1]) >= 2
+  from distca_jax.dispatch import count_primitives  # noqa: PLC0415
+  fwd_jaxpr = jax.make_jaxpr(lambda *a: jax.vjp(flash, *a)[0])(q, k, v).jaxpr
+  grad_jaxpr = jax.make_jaxpr(jax.grad(lambda *a: loss(*a, flash)[0], argnums=(0, 1, 2)))(q, k, v)
+  assert count_primitives(fwd_jaxpr, {"cond"})["cond"] == 0
+  assert count_primitives(grad_jaxpr.jaxpr, {"cond"})["cond"] >= 1
+  # A task longer than the caller's bound: NaN, not a silently shortened task.
+  short = lambda q, k, v: ops._flash3_masked(
+      q, k, v, cu_q, cu_k, softmax_scale=0.3, max_seqlen_q=msq, max_seqlen_k=int(lk.max()) - 1,
+      grid_levels=4, impl=(emu.fwd, emu.bwd))
+  assert np.isnan(np.asarray(jax.jit(short)(q, k, v)[0])).all()
 
 
 def test_flash3_grid_buckets_shapes():

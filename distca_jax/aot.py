@@ -35,7 +35,7 @@ def compile_train_step(c: ml_collections.ConfigDict, devices=None):
   source = make_source(c.data, rows=rows, tokens_per_row=c.tokens_per_rank,
                        vocab_size=model.cfg.vocab_size, seed=c.seed)
   np_batch = trainer.add_host_plan(source.batch(0), backend, source.doclens(0), c.tokens_per_rank)
-  sh = trainer._rows_sharding(mesh)  # pylint: disable=protected-access  (the batch's sharding)
+  sh = trainer.rows_sharding(mesh)  # the batch's sharding
   batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for k, a in np_batch.items()}
   t0 = time.time()
   with trainer.mesh_context(mesh):

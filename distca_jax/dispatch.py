@@ -561,10 +561,8 @@ def _bucket_index(rows_K: jax.Array, bucket_rows: Sequence[Sequence[int]]) -> ja
 
 def _bucketed(rows_K: jax.Array, bucket_rows: Sequence[Sequence[int]], branch, *operands):
   """``branch(*sizes)(*operands)`` for the bucket ``rows_K`` picks; no switch for one bucket."""
-  if len(bucket_rows) == 1:
-    return branch(*bucket_rows[0])(*operands)
-  return lax.switch(_bucket_index(rows_K, bucket_rows), [branch(*b) for b in bucket_rows],
-                    *operands)
+  return ops.switch_or_call(_bucket_index(rows_K, bucket_rows), [branch(*b) for b in bucket_rows],
+                            *operands)
 
 
 def _all_to_all(send_SxF: jax.Array, axis: str, signal_only: bool, row_elems: int) -> jax.Array:

@@ -149,8 +149,10 @@ def flash3_grid_buckets(num_tasks: int, num_q_rows: int, max_seqlen_q: int, max_
   return tuple(dict.fromkeys(out))
 
 
-def _flash3_bucket(cu_q, cu_k, buckets) -> jax.Array:
-  """Device choice among ``buckets``: the fewest launched blocks that hold every task."""
+def _flash3_bucket(cu_q, cu_k, buckets) -> tuple[jax.Array, jax.Array]:
+  """Device choice among ``buckets``: (the index of the fewest launched blocks that hold every
+  task, whether the last bucket, the caller's full shape, holds them: else FA3 would cut a task
+  short)."""
   lq, lk = jnp.diff(cu_q), jnp.diff(cu_k)
   slot = jnp.arange(1, lq.shape[0] + 1, dtype=jnp.int32)
   used = jnp.max(jnp.where((lq > 0) | (lk > 0), slot, 0), initial=0)
@@ -158,9 +160,9 @@ def _flash3_bucket(cu_q, cu_k, buckets) -> jax.Array:
   b = np.asarray(buckets, np.int64)
   holds = (used <= b[:, 0]) & (mq <= b[:, 1]) & (mk <= b[:, 2])
   cost = (b[:, 0] * (-(-b[:, 2] // 128))).astype(np.float32)  # backward blocks per head
-  # The last bucket is the caller's full shape: the bounds it was given are its promise.
+  # The last bucket holds whatever any bucket holds (the ladders only go up).
   best = jnp.argmin(jnp.where(holds, jnp.asarray(cost), jnp.inf))
-  return jnp.where(jnp.any(holds), best, len(buckets) - 1).astype(jnp.int32)
+  return jnp.where(holds[-1], best, len(buckets) - 1).astype(jnp.int32), holds[-1]
 
 
 def _flash3(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k,
@@ -187,10 +189,10 @@ def _flash3_masked(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seql
   """FA3 on the real tasks only; rows outside every task are masked to 0 (-inf LSE).
 
   FA3 leaves rows outside ``[cu[0], cu[-1])`` unwritten (O, LSE, dQ, dK, dV), so every one of
-  them is selected away here, and padding query rows are zeroed on the way in. A task longer
-  than ``max_seqlen_q`` / ``max_seqlen_k`` makes the whole output NaN (FA3 would silently visit
-  only the first ``max_seqlen`` rows). ``impl`` is the
-  pair of FA3 calls (the real bindings, or a CPU emulator of their contract in the tests).
+  them is selected away here (FA3 reads no padding row, so padding inputs need no cleaning). A
+  task longer than ``max_seqlen_q`` / ``max_seqlen_k`` makes the whole output NaN (FA3 would
+  silently visit only the first ``max_seqlen`` rows). ``impl`` is the pair of FA3 calls (the real
+  bindings, or a CPU emulator of their contract in the tests).
   """
   num_q_rows, num_heads, head_dim = q.shape
   cu_q = cu_q.astype(jnp.int32)
@@ -200,14 +202,11 @@ def _flash3_masked(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seql
   msk = min(max_seqlen_k or k.shape[0], k.shape[0])
   buckets = flash3_grid_buckets(cu_q.shape[0] - 1, num_q_rows, msq, msk, grid_levels)
   scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+  bucket, fits = _flash3_bucket(cu_q, cu_k, buckets)
+  o, lse_HxT = _flash3_attention(q, k, v, cu_q, cu_k, bucket, (buckets, scale, impl))
   _, _, q_valid = va.rows_to_tasks(cu_q, num_q_rows)
-  q = jnp.where(q_valid[:, None, None], q, jnp.zeros((), q.dtype))
-  o, lse_HxT = _flash3_attention(q, k, v, cu_q, cu_k, _flash3_bucket(cu_q, cu_k, buckets),
-                                 (buckets, scale, impl))
-  # A task longer than the caller's bounds would be cut short by FA3 without a word: make it NaN.
-  lq, lk = jnp.diff(cu_q), jnp.diff(cu_k)
-  fits = (jnp.max(lq, initial=0) <= msq) & (jnp.max(lk, initial=0) <= msk)
   o = jnp.where(q_valid[:, None, None], o, jnp.zeros((), o.dtype))
+  # A task longer than the caller's bounds would be cut short by FA3 without a word: make it NaN.
   o = jnp.where(fits, o, jnp.asarray(jnp.nan, o.dtype))
   lse_TxH = jnp.where(q_valid[:, None], lse_HxT.T, -jnp.inf)
   return o, lse_TxH
@@ -227,7 +226,8 @@ def _fa3_bwd(do, q, k, v, o, lse, cu_q, cu_k, **config):
 _FA3_IMPL = (_fa3_fwd, _fa3_bwd)
 
 
-def _switch(index, fns, *operands):
+def switch_or_call(index, fns, *operands):
+  """``lax.switch(index, fns, *operands)``, or the one function called directly (no switch)."""
   return fns[0](*operands) if len(fns) == 1 else jax.lax.switch(index, fns, *operands)
 
 
@@ -267,7 +267,7 @@ def _flash3_attention_bwd(config, res, cts):
                  softmax_scale=scale)
     return run
 
-  dq, dk, dv = _switch(bucket, [branch(*b) for b in buckets], do, q, k, v, o, lse_HxT, cu_q, cu_k)
+  dq, dk, dv = switch_or_call(bucket, [branch(*b) for b in buckets], do, q, k, v, o, lse_HxT, cu_q, cu_k)
   _, _, q_valid = va.rows_to_tasks(cu_q, q.shape[0])
   _, _, k_valid = va.rows_to_tasks(cu_k, k.shape[0])
   zero = jnp.zeros((), dq.dtype)

@@ -14,8 +14,8 @@ once), computed exactly by the small pure functions `merge_intervals`, `subtract
 What jax 0.11 writes (read from the xprof/tsl sources and checked on a CPU trace made here):
 - `jax.profiler.trace(logdir)` writes LOGDIR/plugins/profile/<YYYY_MM_DD_HH_MM_SS>/ with
   <host>.xplane.pb and <host>.trace.json.gz (Chrome trace-event JSON: "X" events with `ts` and
-  `dur` in microseconds; "M" events naming processes and threads); `create_perfetto_trace=True`
-  adds perfetto_trace.json.gz (the same events without metadata). The JSON holds at most 1e6
+  `dur` in microseconds; "M" events naming processes and threads; Perfetto and XProf open it).
+  The JSON holds at most 1e6
   events (the latest are dropped beyond that; `load_events` warns), so profile one step.
 - GPU: each GPU is a process named "/device:GPU:N" (pid 1 + N, N the host-local ordinal). Its
   threads are CUDA streams, named "Stream #<id>" or "Stream #<id>(<kinds>)", with one event per
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import glob
 import gzip
 import json
@@ -187,6 +188,7 @@ class DeviceEvent:
     return self.start_us + self.dur_us
 
 
+@functools.lru_cache(maxsize=None)  # kernel names repeat across a trace's events
 def classify(name: str) -> str:
   """'attention', 'collective', 'matmul' or 'other' for a kernel / op name (CATEGORY_PATTERNS)."""
   lower = name.lower()
@@ -226,7 +228,7 @@ def _capture_timed(fn: Callable, args: tuple, logdir: str) -> tuple[Any, str, fl
   os.makedirs(logdir, exist_ok=True)
   jax.block_until_ready(args)
   started = time.time()
-  with jax.profiler.trace(logdir, create_perfetto_trace=True):
+  with jax.profiler.trace(logdir):
     t0 = time.perf_counter()
     result = fn(*args)
     jax.block_until_ready(result)

@@ -188,20 +188,20 @@ def make_train_step(c, model, tx) -> Callable:
 
 
 def jit_train_step(c, model, tx, mesh, state_sh, batch_keys=BATCH_KEYS):
-  batch_sh = {k: _rows_sharding(mesh) for k in batch_keys}
+  batch_sh = {k: rows_sharding(mesh) for k in batch_keys}
   step = make_train_step(c, model, tx)
   return jax.jit(step, in_shardings=(state_sh, batch_sh),
                  out_shardings=(state_sh, shard_lib.replicated(mesh)), donate_argnums=(0,))
 
 
-def _rows_sharding(mesh):
+def rows_sharding(mesh):
   """Leading (rows) dimension over `data`, the rest replicated: any rank of array."""
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
 
 
 def device_batch(np_batch: dict, mesh) -> dict:
   """Host numpy batch -> global arrays, rows sharded over `data` (each process fills its own)."""
-  sh = _rows_sharding(mesh)
+  sh = rows_sharding(mesh)
   return {k: jax.make_array_from_callback(a.shape, sh, lambda idx, a=a: a[idx])
           for k, a in np_batch.items()}
 
@@ -299,7 +299,6 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> list[dict]
   step_fn = None
   log.info(f"compiling the train step (first step includes compilation) ...")
   window_t0, window_flops, window_tokens, window_steps = None, 0.0, 0, 0
-  pending = None
   profile_dir = os.path.join(workdir, "profile")
   if jax.process_count() > 1:  # each process traces (and reports) its own devices
     profile_dir = os.path.join(profile_dir, f"process_{jax.process_index()}")

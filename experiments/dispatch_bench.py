@@ -137,9 +137,9 @@ def _zeros(shape, dtype, sharding):
 
 
 def _profile_ops(fn, args, logdir: str, top: int = 15) -> dict:
-  """One traced call of ``fn``: per device, the summed time of its ops and the top ops by time
-  (ops on different streams overlap, so the sum can exceed the call's wall time)."""
-  jax.block_until_ready(fn(*args))  # compiled and warm
+  """One traced call of ``fn`` (already compiled and run: the caller timed it): per device, the
+  summed time of its ops and the top ops by time (ops on different streams overlap, so the sum
+  can exceed the call's wall time)."""
   _, path = profiling.capture(fn, *args, logdir=logdir)
   per_dev: dict[int, dict[str, float]] = {}
   for ev in profiling.load_events(path):

@@ -53,8 +53,9 @@ stage dispatch_hints 120 python3 experiments/dispatch_bench.py --kernel flash3 -
 stage e2e_pingpong_2x64k 260 python3 experiments/e2e_bench.py --backends distca --workloads pretrain --tokens 65536 --rows-per-rank 2 --nano-batches 1,2 $E2E20 --out "$OUT/e2e_pingpong_2x64k"
 stage e2e_64k_eps 200 python3 experiments/e2e_bench.py --backends distca --workloads pretrain --tokens 65536 $E2E20 --variant eps0@distca:attention.distca.tolerance=0 --variant eps03@distca:attention.distca.tolerance=0.3 --plan-stats --out "$OUT/e2e_64k_eps"
 stage e2e_64k_prolong 160 python3 experiments/e2e_bench.py --backends packed_dp,distca,wlb --workloads prolong --tokens 65536 $E2E20 --extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2 --out "$OUT/e2e_64k_prolong"
-;;& v2|all)
-# results/e2e_v2_summary.md: flash3 launch buckets + gather backward (the "before" dispatch table
+;;& v2)
+# results/e2e_v2_summary.md (not part of 'all': its runs repeat e2e128 / wlb / dispatch with newer
+# code under other output names).: flash3 launch buckets + gather backward (the "before" dispatch table
 # came from the previous commit's tree, run the same way right after).
 stage flash3_grid 150 env CUDA_VISIBLE_DEVICES=0 python3 experiments/flash3_grid_bench.py --out "$OUT/flash3_grid_bench"
 stage gather 90 env CUDA_VISIBLE_DEVICES=0 python3 experiments/gather_bench.py --out "$OUT/gather_bench"

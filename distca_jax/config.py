@@ -35,12 +35,16 @@ def base_config() -> ml_collections.ConfigDict:
   # `distca`: core attention disaggregation (distca_jax/dispatch.py). Every data rank is an
   # attention server; each batch is planned on the host (scheduler.schedule) and executed in the
   # step by one all-to-all out, one fused kernel call per server and one all-to-all back. Buffer
-  # caps are rows per device (rows_per_rank x tokens_per_rank tokens); 0 = auto, see
-  # dispatch.default_capacity (q_slot T/2, kv_slot T, q_tokens 1.5 T, kv_tokens 3 T, tasks 64 per
-  # row). The planner never exceeds a cap (tighter caps cost balance, looser ones memory); derive
-  # them for a config from its data with dispatch.suggest_config_capacity(config).
+  # caps are rows per device (rows_per_rank x tokens_per_rank tokens); 0 = auto: the row caps
+  # (q_slot, kv_slot, q_tokens, kv_tokens) from the run's own first batches (caps_from_batches,
+  # dispatch.startup_capacity), or with caps_from_batches = 0 the fixed fractions of
+  # dispatch.default_capacity (q_slot T/2, kv_slot T, q_tokens 1.5 T, kv_tokens 3 T); tasks 64
+  # per row. The planner never exceeds a cap (tighter caps cost balance, looser ones memory).
   c.attention.distca = ml_collections.ConfigDict()
-  c.attention.distca.tolerance = 0.1      # epsilon: every server within (1 + eps) x mean pairs
+  c.attention.distca.tolerance = 0.05     # epsilon: every server within (1 + eps) x mean pairs
+                                          # (0.05: the per-GPU attention imbalance goal; on 2
+                                          # H200s eps 0 / 0.05 / 0.1 stepped alike,
+                                          # results/e2e_2gpu_64k_v3.md)
   c.attention.distca.min_shard = 0        # shortest query piece a split may create; 0 = auto
                                           # (512, or tokens_per_rank / 16 for short rows)
   c.attention.distca.q_slot = 0           # query rows one rank sends one server
@@ -48,6 +52,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.attention.distca.q_tokens = 0         # query rows in a server's attention input
   c.attention.distca.kv_tokens = 0        # key/value rows in a server's attention input
   c.attention.distca.tasks = 0            # CA-tasks (varlen segments) per server
+  c.attention.distca.caps_from_batches = 32  # row caps left at 0 come from planning this many
+                                          # batches of the run's data at startup (their
+                                          # envelope x caps_headroom, never below the rows a
+                                          # device holds); 0 = default_capacity's fractions
+  c.attention.distca.caps_headroom = 1.1  # >= 1: margin over the sampled batches' envelope
   c.attention.distca.kernel = "reference" # ops.core_attention backend: 'reference' (jnp),
                                           # 'pallas' (interpret mode on CPU), 'flash3' (Hopper)
   c.attention.distca.memory_mode = "keep" # 'keep': servers keep received Q/K/V for the
@@ -60,6 +69,11 @@ def base_config() -> ml_collections.ConfigDict:
                                           # smallest of 1/n, 2/n, ..., 1 of each slot that holds
                                           # the batch's fullest slot (lax.switch over n static
                                           # branches); 1 = always the full slots
+  c.attention.distca.collective = "auto"  # how the exchange moves rows: one tiled
+                                          # 'all_to_all' over every server's slot, or S - 1
+                                          # 'ppermute' rounds over the peers' slots only; 'auto':
+                                          # ppermute with 2 servers, all_to_all otherwise
+                                          # (results/dispatch_v3_summary.md)
   c.attention.distca.signal_only = False  # benchmarks only: every all-to-all carries one row per
                                           # slot (same program otherwise); results are WRONG
   # Baselines (distca_jax/baselines): 'packed_dp' (each rank its own documents, one fused varlen

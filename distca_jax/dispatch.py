@@ -6,15 +6,25 @@ executes those tables on devices, inside one ``jax.shard_map`` over the mesh's `
 (every data rank is an in-place attention server):
 
   1. sender gather: local Q/K/V rows into padded per-server slots ``[S, slot, heads, dim]``;
-  2. one dense ``lax.all_to_all`` carrying Q, K and V together (DESIGN_NOTES Sec. 3: dense
-     all-to-all over padded slots beat ``ragged_all_to_all`` 50-190x on H200s, and the ragged one
-     does not run on CPU);
-  3. server gather: own rows and received rows straight into the attention buffers (one fused
-     pass; a KV row sent once per (sender, server) may be gathered several times, once per task
-     that needs it);
+  2. one dense collective carrying Q, K and V together ("Collectives" below; DESIGN_NOTES Sec. 3:
+     dense collectives over padded slots beat ``ragged_all_to_all`` 50-190x on H200s, and the
+     ragged one does not run on CPU);
+  3. server gather into the attention buffers. Query rows: the own rows are gathered without
+     waiting for the collective (XLA runs that gather while the rows are on the wire), then the
+     received rows are scattered into their places (``_place_unique``). Key/value rows: one
+     fused gather from [own rows | received rows] (``_gather_two``; a KV row sent once per
+     (sender, server) may be gathered several times, once per task that needs it);
   4. ONE fused ``ops.core_attention`` call over all of the server's tasks;
-  5. O (and the LSE on request) gathered into return slots, ``lax.all_to_all`` back, gathered
-     into the owners' rows; padding rows come back as zeros.
+  5. O (and the LSE on request) gathered into return slots, sent back by the same collective,
+     placed into the owners' rows like step 3's query rows; padding rows come back as zeros.
+
+Collectives (``collective=``): 'all_to_all' is one tiled ``lax.all_to_all`` over every server's
+slot, the sender's own slot included (a local copy nobody reads); 'ppermute' is ``S - 1``
+``lax.ppermute`` rounds (round k: device i sends to i + k) over the peers' slots only. 'auto'
+(default) takes ppermute with 2 servers, where it is one round that gathers and moves half the
+buffer (on 2 H200s the Pretrain exchange took 1.9 ms instead of 2.1-2.6 ms,
+results/dispatch_v3_summary.md), and all_to_all otherwise (ppermute rounds at S > 2 are not
+measured).
 
 Bucketed exchange. The slots must hold the worst batch, so a typical batch fills a fraction of
 them. A slot's used rows are packed at its front (``scheduler.plan_to_metadata``; checked by
@@ -23,11 +33,13 @@ them. A slot's used rows are packed at its front (``scheduler.plan_to_metadata``
 ``exchange_buckets = n`` the device picks the smallest fraction ``f`` of ``1/n, 2/n, ..., 1``
 whose slot prefix (``ceil(f * slot)`` rows, rounded up to a multiple of 8) holds them, and a
 ``lax.switch`` runs that bucket's branch: steps 1-2 gather and send only the first rows of every
-slot, and step 3 reads the received rows where they landed (``_gather_two`` maps the metadata's
-full-slot indices onto the bucket's rows). Step 5 does the same with the Q bucket (a server returns as many O rows to an owner as
-it received from it). Every branch has static shapes (one compiled step for all batches), and
-every device takes the same branch, so the collectives match. ``exchange_buckets = 1`` is the
-plain full-slot exchange (no switch). ``exchange_bytes`` reports the bytes a batch moves.
+slot, and step 3 reads the received rows where they landed (``_recv_rows`` maps the metadata's
+full-slot indices onto the bucket's rows). With ``n >= 2`` there is also an empty bucket: a plan
+that moves nothing skips the send gathers and the collective. Step 5 does the same with the Q
+bucket (a server returns as many O rows to an owner as it received from it). Every branch has
+static shapes (one compiled step for all batches), and every device takes the same branch, so
+the collectives match. ``exchange_buckets = 1`` is the plain full-slot exchange (no switch).
+``exchange_bytes`` reports the bytes a batch moves.
 
 Signal-only (``signal_only=True``; benchmarks only, results are WRONG by design): every
 all-to-all of the data plane carries one row per slot, and each device uses its own send buffer
@@ -79,6 +91,7 @@ import collections
 import dataclasses
 import functools
 import math
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -111,6 +124,21 @@ _TASKS_PER_ROW = 64
 # multiple of this (whole sublanes/tiles; fewer distinct branches for small slots).
 DEFAULT_EXCHANGE_BUCKETS = 8
 _BUCKET_ROW_MULTIPLE = 8
+
+# How rows cross the wire (module docstring, "Collectives"): one tiled all_to_all over every
+# server's slot (the own slot is a local copy nobody reads), or S - 1 ppermute rounds over the
+# peers' slots only; 'auto' = ppermute with 2 servers, all_to_all otherwise.
+COLLECTIVES = ("auto", "all_to_all", "ppermute")
+DEFAULT_COLLECTIVE = "auto"
+
+
+def resolve_collective(collective: str, num_servers: int) -> str:
+  """'auto' -> 'ppermute' for 2 servers (one round carrying only the peer's slot: the exchange
+  took 1.9 ms instead of 2.1-2.6 ms on 2 H200s, results/dispatch_v3_summary.md), else
+  'all_to_all' (one collective instead of S - 1 rounds; ppermute rounds are unmeasured there)."""
+  if collective == "auto":
+    return "ppermute" if num_servers == 2 else "all_to_all"
+  return collective
 
 
 _check_int = sc.check_int
@@ -177,6 +205,38 @@ def suggest_capacity(doc_lens_samples: Sequence[Any], num_servers: int, tokens_p
   reqs = [sc.required_capacity(sc.schedule(d, num_servers, tokens_per_rank=tokens_per_rank,
                                            **schedule_options)) for d in doc_lens_samples]
   return Capacity.envelope(reqs, quantile=quantile, multiple=multiple)
+
+
+def startup_capacity(c, *, data: int | None = None) -> dict[str, int]:
+  """Row caps for a run: those its config leaves at 0, from its own first batches.
+
+  ``config.attention.distca.caps_from_batches = N > 0``: ``suggest_config_capacity`` over the
+  run's first N batches, times ``caps_headroom``, rounded up to whole row multiples. Each cap is
+  at least what the no-move layout needs: ``q_tokens`` and ``kv_tokens`` hold a device's rows
+  of one call, so every batch can be planned. A later batch that would need more only moves
+  less (``Plan.degraded``). ``tasks`` is never derived: a batch with more documents than task
+  slots cannot be planned at all, so it keeps ``default_capacity``'s value. Returns the
+  overrides (name -> value) for the caps left at 0, or ``{}`` when N is 0 or every row cap is
+  set.
+  """
+  d = c.attention.distca
+  n = _check_int("config.attention.distca.caps_from_batches", d.caps_from_batches, 0)
+  headroom = float(d.caps_headroom)
+  if not headroom >= 1.0:
+    raise ValueError(f"config.attention.distca.caps_headroom={d.caps_headroom} must be >= 1 (a "
+                     "margin over the sampled batches)")
+  auto = [f for f in ("q_slot", "kv_slot", "q_tokens", "kv_tokens") if not d[f]]
+  if n == 0 or not auto:
+    return {}
+  sugg = suggest_config_capacity(c, num_batches=n, data=data)
+  rows = int(c.tokens_per_rank) * int(c.rows_per_rank) // int(c.attention.nano_batches)
+  mult = _row_multiple(rows)
+  floor = {"q_slot": mult, "kv_slot": mult, "q_tokens": rows, "kv_tokens": rows}
+  out = {}
+  for f in auto:
+    v = max(floor[f], math.ceil(sugg[f] * headroom))
+    out[f] = -(-v // mult) * mult
+  return out
 
 
 def _nano_batch_rows(num_devices: int, rows_per_device: int, nano_batches: int,
@@ -362,9 +422,11 @@ def _check_slots_front_packed(meta: sc.PlanMetadata) -> None:
 def exchange_bucket_rows(capacity: Capacity, exchange_buckets: int) -> tuple[tuple[int, int], ...]:
   """(query rows, key/value rows) per slot of each exchange bucket, ascending.
 
-  Bucket ``i`` of ``n`` keeps ``ceil(i / n * slot)`` rows of a slot, rounded up to a multiple of 8
-  and at most the slot; buckets equal to the previous one are dropped, so the last is always the
-  full slot and none is empty.
+  With ``exchange_buckets = n >= 2`` the first bucket is ``(0, 0)``: a plan that moves nothing
+  (every task on its owner) skips the gathers and the all-to-all. Bucket ``i`` of ``n`` keeps
+  ``ceil(i / n * slot)`` rows of a slot, rounded up to a multiple of 8 and at most the slot;
+  buckets equal to the previous one are dropped, so the last is always the full slot.
+  ``n = 1`` is the full slot alone (no switch).
   """
   n = _check_int("exchange_buckets", exchange_buckets, 1)
 
@@ -372,7 +434,7 @@ def exchange_bucket_rows(capacity: Capacity, exchange_buckets: int) -> tuple[tup
     r = -(-i * slot // n)
     return min(slot, -(-r // _BUCKET_ROW_MULTIPLE) * _BUCKET_ROW_MULTIPLE)
 
-  out = []
+  out = [(0, 0)] if n > 1 else []
   for i in range(1, n + 1):
     b = (rows(i, capacity.q_slot), rows(i, capacity.kv_slot))
     if not out or b != out[-1]:
@@ -565,46 +627,113 @@ def _bucketed(rows_K: jax.Array, bucket_rows: Sequence[Sequence[int]], branch, *
                             *operands)
 
 
-def _all_to_all(send_SxF: jax.Array, axis: str, signal_only: bool, row_elems: int) -> jax.Array:
-  """``recv[p]`` = what device ``p`` put in ``send[me]``, one tiled all-to-all over ``axis``.
+def _send_slots(idx_SxC: jax.Array, axis: str, collective: str) -> jax.Array:
+  """The slots a device sends, in the collective's block order.
+
+  'all_to_all': every server's slot (block p goes to server p). 'ppermute': the S - 1 peers'
+  slots, block k - 1 going to server (me + k) % S (round k of ``_move_blocks``).
+  """
+  if collective == "all_to_all":
+    return idx_SxC
+  s = idx_SxC.shape[0]
+  me = lax.axis_index(axis)
+  return jnp.take(idx_SxC, (me + jnp.arange(1, s)) % s, axis=0)
+
+
+def _recv_block_of_sender(s: int, axis: str, collective: str) -> jax.Array:
+  """int32 [S]: the received block that holds sender p's rows (the number of blocks: none)."""
+  p = jnp.arange(s, dtype=jnp.int32)
+  if collective == "all_to_all":
+    return p
+  me = lax.axis_index(axis).astype(jnp.int32)
+  return jnp.where(p == me, s - 1, (me - p) % s - 1)
+
+
+def _move_blocks(send_NxF: jax.Array, axis: str, collective: str, signal_only: bool,
+                 row_elems: int) -> jax.Array:
+  """Blocks of ``send`` to their servers (``_send_slots`` order); returns the received blocks.
+
+  'all_to_all': ``recv[p]`` = what device p put in its block for this device, one tiled
+  all-to-all. 'ppermute': round k (1 <= k < S) sends block k - 1 to device (me + k) % S, so
+  ``recv[k - 1]`` came from device (me - k) % S (``_recv_block_of_sender``).
 
   ``signal_only`` (timing ablation, wrong results): only the first ``row_elems`` entries of each
-  slot cross the wire; the rest of ``recv[p]`` is this device's own ``send[p]``, which keeps the
-  sender gather live (XLA would otherwise drop the rows nobody reads).
+  block cross the wire; the rest of a received block is this device's own send block, which
+  keeps the sender gather live (XLA would otherwise drop the rows nobody reads).
   """
+  def move(x):
+    if collective == "all_to_all":
+      return lax.all_to_all(x, axis, 0, 0, tiled=True)
+    s = x.shape[0] + 1
+    return jnp.stack([lax.ppermute(x[k - 1], axis, [(i, (i + k) % s) for i in range(s)])
+                      for k in range(1, s)])
+
   if not signal_only:
-    return lax.all_to_all(send_SxF, axis, 0, 0, tiled=True)
-  n = min(row_elems, send_SxF.shape[1])
-  return send_SxF.at[:, :n].set(lax.all_to_all(send_SxF[:, :n], axis, 0, 0, tiled=True))
+    return move(send_NxF)
+  n = min(row_elems, send_NxF.shape[1])
+  return send_NxF.at[:, :n].set(move(send_NxF[:, :n]))
 
 
-def _gather_two(own_TxF: jax.Array, recv_SxBxF: jax.Array, idx: jax.Array, slot: int,
-                fill=0, *, unique: bool = False) -> jax.Array:
+def _gather_two(own_TxF: jax.Array, recv_NxBxF: jax.Array, idx: jax.Array, slot: int,
+                block_of_sender: jax.Array, fill=0) -> jax.Array:
   """``concat(own, received padded to full slots)[idx]`` without building either buffer.
 
   ``idx`` addresses the metadata's source order: own rows ``[0, T)``, then sender ``p``'s slot
   ``[T + p * slot, T + (p + 1) * slot)``; anything at or past ``T + S * slot`` (the sentinel)
-  gives ``fill``. ``recv_SxBxF`` holds only the first ``B <= slot`` rows of each slot (the
-  bucket), and every used row of a slot is among them (slots are packed at the front). Each
+  gives ``fill``. ``recv_NxBxF`` holds, in block ``block_of_sender[p]`` (``_move_blocks``), the
+  first ``B <= slot`` rows of sender p's slot (the bucket), and every used row of a slot is among
+  them (slots are packed at the front). Each
   output row reads one source: one gather from each buffer, joined by a select, which XLA fuses
   into one pass (no zero-padded copy of the received rows, no concatenated copy of own rows).
   """
   t = own_TxF.shape[0]
-  s, b = recv_SxBxF.shape[:2]
-  r = idx - t
-  in_recv = (r >= 0) & (r < s * slot)
-  # Rows of a slot past the bucket were not sent (the plan never uses them): fill, never the next
-  # sender's rows. s * b is out of range -> fill.
-  ridx = jnp.where(in_recv & (r % slot < b), (r // slot) * b + r % slot, s * b)
-  from_recv = _take(recv_SxBxF.reshape((s * b,) + recv_SxBxF.shape[2:]), ridx, fill,
-                    unique=unique)
-  from_own = _take(own_TxF, idx, fill, unique=unique)  # idx >= T is out of range of own rows
+  nb, b = recv_NxBxF.shape[:2]
+  ridx, in_recv = _recv_rows(idx - t, slot, b, nb, block_of_sender)
+  from_recv = _take(recv_NxBxF.reshape((nb * b,) + recv_NxBxF.shape[2:]), ridx, fill)
+  from_own = _take(own_TxF, idx, fill)  # idx >= T is out of range of own rows
   return jnp.where(in_recv.reshape((-1,) + (1,) * (own_TxF.ndim - 1)), from_recv, from_own)
+
+
+def _recv_rows(r: jax.Array, slot: int, b: int, nb: int, block_of_sender: jax.Array):
+  """(row of the flat received buffer or ``nb * b`` = none, whether ``r`` addresses a slot).
+
+  ``r``: the metadata's index past the own rows (sender p's slot is ``[p * slot, (p+1) * slot)``).
+  Rows of a slot past the bucket were not sent (the plan never uses them): none, never the next
+  sender's rows.
+  """
+  s = block_of_sender.shape[0]
+  in_recv = (r >= 0) & (r < s * slot)
+  blk = jnp.take(block_of_sender, jnp.clip(r // slot, 0, s - 1))
+  ok = in_recv & (r % slot < b) & (blk < nb)
+  return jnp.where(ok, blk * b + r % slot, nb * b), in_recv
+
+
+def _place_unique(own_TxF: jax.Array, recv_NxBxF: jax.Array, idx: jax.Array, slot: int,
+                  block_of_sender: jax.Array, fill=0) -> jax.Array:
+  """``_gather_two(..., unique=True)`` built as own rows first, received rows written in place.
+
+  For routes that read every source row at most once (query rows to the server, output rows
+  back to the owner). The gather of the own rows does not depend on the all-to-all, so XLA may
+  run it while the rows are on the wire; after the all-to-all only the received rows are
+  touched: one scatter (unique destinations, no atomics) of ``N * B`` rows into that buffer.
+  ``_gather_two`` instead reads both sources for every output row after the all-to-all.
+  Output rows that no source fills are ``fill``.
+  """
+  t = own_TxF.shape[0]
+  nb, b = recv_NxBxF.shape[:2]
+  n = idx.shape[0]
+  out = _take(own_TxF, idx, fill, unique=True)  # rows routed to received rows: fill, for now
+  src, _ = _recv_rows(idx - t, slot, b, nb, block_of_sender)
+  # The inverse map: received row -> its output row (n = not placed, dropped by the scatter).
+  dst = jnp.full((nb * b,), n, jnp.int32).at[src].set(jnp.arange(n, dtype=jnp.int32),
+                                                      mode="drop", unique_indices=True)
+  return out.at[dst].set(recv_NxBxF.reshape((nb * b,) + recv_NxBxF.shape[2:]), mode="drop",
+                         unique_indices=True)
 
 
 def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec: PlanSpec,
                     axis: str, *, exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
-                    signal_only: bool = False):
+                    collective: str = DEFAULT_COLLECTIVE, signal_only: bool = False):
   """Steps 1-3 on one device (inside ``shard_map``): its rows out, its attention inputs in.
 
   Args:
@@ -613,12 +742,14 @@ def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec:
     spec: the static shapes.
     axis: the servers' mesh axis.
     exchange_buckets: slot fractions to choose from (module docstring); 1 = full slots.
+    collective: 'auto', 'all_to_all' or 'ppermute' (``resolve_collective``).
     signal_only: timing ablation: one row per slot crosses the wire (wrong results).
 
   Returns:
     (q_attn [Nq, H, D], k_attn [Nkv, K, D], v_attn [Nkv, K, D]); rows no task uses are zero.
   """
   s, cq, ckv = spec.num_servers, spec.capacity.q_slot, spec.capacity.kv_slot
+  collective = resolve_collective(collective, s)
   _, h, d = q_TxHxD.shape
   kh = k_TxKxD.shape[1]
 
@@ -627,22 +758,27 @@ def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec:
     # together; 3. server gather straight from [own rows | received rows].
     def run(q_TxHxD, k_TxKxD, v_TxKxD, q_send_idx_SxCq, kv_send_idx_SxCkv, q_attn_idx,
             kv_attn_idx):
+      if bq == 0 and bkv == 0:  # nothing moves: every task's rows are this device's own
+        return (_take(q_TxHxD, q_attn_idx, unique=True), _take(k_TxKxD, kv_attn_idx),
+                _take(v_TxKxD, kv_attn_idx))
       # A query row belongs to one task, so it is sent once and placed once (unique); a key/value
       # row may go to several servers and feed several tasks there.
-      q_send = _take(q_TxHxD, q_send_idx_SxCq[:, :bq].reshape(-1), unique=True).reshape(
-          s, bq * h * d)
-      kv_idx = kv_send_idx_SxCkv[:, :bkv].reshape(-1)
-      k_send = _take(k_TxKxD, kv_idx).reshape(s, bkv * kh * d)
-      v_send = _take(v_TxKxD, kv_idx).reshape(s, bkv * kh * d)
+      q_idx = _send_slots(q_send_idx_SxCq[:, :bq], axis, collective)
+      nb = q_idx.shape[0]  # blocks on the wire: S (all_to_all) or S - 1 (ppermute)
+      q_send = _take(q_TxHxD, q_idx.reshape(-1), unique=True).reshape(nb, bq * h * d)
+      kv_idx = _send_slots(kv_send_idx_SxCkv[:, :bkv], axis, collective).reshape(-1)
+      k_send = _take(k_TxKxD, kv_idx).reshape(nb, bkv * kh * d)
+      v_send = _take(v_TxKxD, kv_idx).reshape(nb, bkv * kh * d)
       send = jnp.concatenate([q_send, k_send, v_send], axis=1)
-      recv = _all_to_all(send, axis, signal_only, h * d)  # recv[p] = what sender p sent here
+      recv = _move_blocks(send, axis, collective, signal_only, h * d)
+      blk = _recv_block_of_sender(s, axis, collective)
       nq_el, nkv_el = bq * h * d, bkv * kh * d
-      q_recv = recv[:, :nq_el].reshape(s, bq, h, d)
-      k_recv = recv[:, nq_el:nq_el + nkv_el].reshape(s, bkv, kh, d)
-      v_recv = recv[:, nq_el + nkv_el:].reshape(s, bkv, kh, d)
-      return (_gather_two(q_TxHxD, q_recv, q_attn_idx, cq, unique=True),
-              _gather_two(k_TxKxD, k_recv, kv_attn_idx, ckv),
-              _gather_two(v_TxKxD, v_recv, kv_attn_idx, ckv))
+      q_recv = recv[:, :nq_el].reshape(nb, bq, h, d)
+      k_recv = recv[:, nq_el:nq_el + nkv_el].reshape(nb, bkv, kh, d)
+      v_recv = recv[:, nq_el + nkv_el:].reshape(nb, bkv, kh, d)
+      return (_place_unique(q_TxHxD, q_recv, q_attn_idx, cq, blk),
+              _gather_two(k_TxKxD, k_recv, kv_attn_idx, ckv, blk),
+              _gather_two(v_TxKxD, v_recv, kv_attn_idx, ckv, blk))
 
     return run
 
@@ -653,30 +789,35 @@ def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec:
 
 
 def return_to_owners(x_NqxF, m: Mapping[str, jax.Array], spec: PlanSpec, axis: str, fill=0, *,
-                     exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS, signal_only: bool = False):
+                     exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
+                     collective: str = DEFAULT_COLLECTIVE, signal_only: bool = False):
   """Step 5 on one device: attention-output rows back to the devices their queries came from.
 
   Args:
     x_NqxF: per attention query row values ``[Nq, ...]`` (O ``[Nq, H, D]`` or LSE ``[Nq, H]``).
-    m, spec, axis, exchange_buckets, signal_only: as in ``send_to_servers`` (the return uses the
-      query-slot sizes of the buckets).
+    m, spec, axis, exchange_buckets, collective, signal_only: as in ``send_to_servers`` (the
+      return uses the query-slot sizes of the buckets).
     fill: value of local rows no task produced (padding).
 
   Returns:
     ``[T, ...]``: this device's rows in its natural order.
   """
   s, cq = spec.num_servers, spec.capacity.q_slot
+  collective = resolve_collective(collective, s)
   feat = x_NqxF.shape[1:]
   row_el = math.prod(feat)
 
   def back(bq: int):
     def run(x_NqxF, o_send_idx_SxCq, o_local_idx):
+      if bq == 0:  # nothing moved: every query row was attended on its owner
+        return _take(x_NqxF, o_local_idx, fill, unique=True)
       # Every attention row goes back once, to one owner row (unique).
-      send = _take(x_NqxF, o_send_idx_SxCq[:, :bq].reshape(-1), unique=True).reshape(
-          s, bq * row_el)
-      recv = _all_to_all(send, axis, signal_only, row_el)
-      return _gather_two(x_NqxF, recv.reshape((s, bq) + feat), o_local_idx, cq, fill,
-                         unique=True)
+      o_idx = _send_slots(o_send_idx_SxCq[:, :bq], axis, collective)
+      nb = o_idx.shape[0]
+      send = _take(x_NqxF, o_idx.reshape(-1), unique=True).reshape(nb, bq * row_el)
+      recv = _move_blocks(send, axis, collective, signal_only, row_el)
+      return _place_unique(x_NqxF, recv.reshape((nb, bq) + feat), o_local_idx, cq,
+                           _recv_block_of_sender(s, axis, collective), fill)
 
     return run
 
@@ -687,12 +828,12 @@ def return_to_owners(x_NqxF, m: Mapping[str, jax.Array], spec: PlanSpec, axis: s
 def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec, axis: str,
                  kernel: str, softmax_scale: float, return_lse: bool,
                  kernel_options: tuple[tuple[str, Any], ...], exchange_buckets: int,
-                 signal_only: bool):
+                 collective: str, signal_only: bool):
   """One device: send, fused kernel over all of its tasks, return."""
   r, t, h, d = q_RxTxHxD.shape
   kh = k_RxTxKxD.shape[2]
   m = spec.unpack_local(plan_RxW)
-  wire = dict(exchange_buckets=exchange_buckets, signal_only=signal_only)
+  wire = dict(exchange_buckets=exchange_buckets, collective=collective, signal_only=signal_only)
   q_attn, k_attn, v_attn = send_to_servers(
       q_RxTxHxD.reshape(r * t, h, d), k_RxTxKxD.reshape(r * t, kh, d),
       v_RxTxKxD.reshape(r * t, kh, d), m, spec, axis, **wire)
@@ -711,7 +852,7 @@ def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec, a
 
 def _check_options(kernel: str, memory_mode: str,
                    exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
-                   signal_only: bool = False) -> None:
+                   signal_only: bool = False, collective: str = DEFAULT_COLLECTIVE) -> None:
   if kernel not in KERNELS:
     raise ValueError(f"distca {kernel=} is not a core_attention backend; choose one of {KERNELS}")
   if memory_mode not in MEMORY_MODES:
@@ -723,6 +864,8 @@ def _check_options(kernel: str, memory_mode: str,
   if not isinstance(signal_only, (bool, np.bool_)):
     raise ValueError(f"distca {signal_only=} must be True or False (True only for timing "
                      "benchmarks: it gives wrong results)")
+  if collective not in COLLECTIVES:
+    raise ValueError(f"distca {collective=}; choose one of {COLLECTIVES}")
 
 
 def _mesh_and_servers(mesh, data_axis: str):
@@ -743,7 +886,7 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
                        data_axis: str = "data", head_axis: str | None = None, mesh=None,
                        return_lse: bool = False, kernel_options: Mapping[str, Any] | None = None,
                        exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
-                       signal_only: bool = False):
+                       collective: str = DEFAULT_COLLECTIVE, signal_only: bool = False):
   """Core attention of every document by CAD, given a packed plan (device side, jit-able).
 
   Args:
@@ -761,13 +904,15 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
     kernel_options: extra keywords for ``ops.core_attention`` (e.g. ``interpret``).
     exchange_buckets: slot fractions the exchange chooses from per batch (module docstring);
       1 = always the full slots.
+    collective: how rows cross the wire: 'auto', 'all_to_all' or 'ppermute' (module
+      docstring, "Collectives").
     signal_only: benchmarks only: every all-to-all carries one row per slot, shapes unchanged,
       results WRONG by design (module docstring).
 
   Returns:
     O ``[B, T, H, D]`` like q (zeros at padding), or ``(O, lse)``.
   """
-  _check_options(kernel, memory_mode, exchange_buckets, signal_only)
+  _check_options(kernel, memory_mode, exchange_buckets, signal_only, collective)
   mesh, s = _mesh_and_servers(mesh, data_axis)
   b, t, h, d = q_BxTxHxD.shape
   kh = k_BxTxKxD.shape[2]
@@ -792,7 +937,8 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
   body = functools.partial(_device_body, spec=spec, axis=data_axis, kernel=kernel,
                            softmax_scale=scale, return_lse=return_lse,
                            kernel_options=tuple(sorted((kernel_options or {}).items())),
-                           exchange_buckets=int(exchange_buckets), signal_only=bool(signal_only))
+                           exchange_buckets=int(exchange_buckets), collective=collective,
+                           signal_only=bool(signal_only))
   if memory_mode == "resend":
     body = jax.checkpoint(body, policy=_save_kernel_outputs)
   qkv = P(data_axis, None, head_axis, None)
@@ -809,14 +955,16 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
 @functools.partial(jax.jit, static_argnames=("spec", "kernel", "memory_mode", "softmax_scale",
                                              "data_axis", "head_axis", "mesh", "return_lse",
                                              "kernel_options", "exchange_buckets",
-                                             "signal_only"))
+                                             "collective", "signal_only"))
 def _dispatch_jit(q, k, v, plan, *, spec, kernel, memory_mode, softmax_scale, data_axis,
-                  head_axis, mesh, return_lse, kernel_options, exchange_buckets, signal_only):
+                  head_axis, mesh, return_lse, kernel_options, exchange_buckets, collective,
+                  signal_only):
   return dispatch_attention(q, k, v, plan, spec, kernel=kernel, memory_mode=memory_mode,
                             softmax_scale=softmax_scale, data_axis=data_axis, head_axis=head_axis,
                             mesh=mesh, return_lse=return_lse,
                             kernel_options=dict(kernel_options),
-                            exchange_buckets=exchange_buckets, signal_only=signal_only)
+                            exchange_buckets=exchange_buckets, collective=collective,
+                            signal_only=signal_only)
 
 
 def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
@@ -827,7 +975,8 @@ def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
                    data_axis: str = "data", head_axis: str | None = None,
                    return_lse: bool = False, return_plan: bool = False,
                    kernel_options: Mapping[str, Any] | None = None,
-                   exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS, signal_only: bool = False,
+                   exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
+                   collective: str = DEFAULT_COLLECTIVE, signal_only: bool = False,
                    **schedule_options):
   """Each document's causal attention, computed by CAD: plan, dispatch, fused kernel, return.
 
@@ -852,6 +1001,7 @@ def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
     return_plan: also return the ``HostPlan`` (last element).
     kernel_options: extra ``ops.core_attention`` keywords (``interpret``, ``block_sizes``, ...).
     exchange_buckets: slot fractions the exchange chooses from (module docstring); 1 = full.
+    collective: 'auto', 'all_to_all' or 'ppermute' (module docstring, "Collectives").
     signal_only: benchmarks only: one row per slot on the wire, results WRONG by design.
     **schedule_options: further ``scheduler.schedule`` keywords (split, cost_model, ...).
 
@@ -859,7 +1009,7 @@ def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
     O shaped like q (zeros at padding); ``(O, lse)`` with ``return_lse``; the ``HostPlan``
     appended with ``return_plan``. Differentiable in q, k, v.
   """
-  _check_options(kernel, memory_mode, exchange_buckets, signal_only)
+  _check_options(kernel, memory_mode, exchange_buckets, signal_only, collective)
   if q.ndim != 4 or k.ndim != 4:
     raise ValueError(f"q must be [ranks, tokens_per_rank, q_heads, head_dim] and k, v "
                      f"[ranks, tokens_per_rank, kv_heads, head_dim]; got {q.shape=} {k.shape=}")
@@ -892,7 +1042,8 @@ def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
                       softmax_scale=softmax_scale, data_axis=data_axis, head_axis=head_axis,
                       mesh=mesh, return_lse=return_lse,
                       kernel_options=tuple(sorted((kernel_options or {}).items())),
-                      exchange_buckets=int(exchange_buckets), signal_only=bool(signal_only))
+                      exchange_buckets=int(exchange_buckets), collective=collective,
+                      signal_only=bool(signal_only))
   if return_plan:
     return (*out, hp) if return_lse else (out, hp)
   return out
@@ -909,6 +1060,7 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
                  head_dim: int = sc.DEFAULT_HEAD_DIM, dtype_bytes: int = sc.DEFAULT_DTYPE_BYTES,
                  data_axis: str = "data", head_axis: str | None = "tensor",
                  cost_table: str = "", exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
+                 collective: str = DEFAULT_COLLECTIVE,
                  signal_only: bool = False) -> "DistcaBackend":
   """The ``distca`` core-attention backend (options: ``config.attention.distca`` + model shapes).
 
@@ -925,11 +1077,12 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
   ``split_rows`` hands every call its own plan.
 
   Caps are per device for one call (``R/n`` rows of ``tokens_per_row``); 0 takes
-  ``default_capacity``, ``min_shard`` 0 takes ``auto_min_shard``. ``exchange_buckets`` and
-  ``signal_only`` (benchmarks only: wrong results) go to ``dispatch_attention``.
+  ``default_capacity``, ``min_shard`` 0 takes ``auto_min_shard``. ``exchange_buckets``,
+  ``collective`` and ``signal_only`` (benchmarks only: wrong results) go to
+  ``dispatch_attention``.
   """
   try:
-    _check_options(kernel, memory_mode, exchange_buckets, signal_only)
+    _check_options(kernel, memory_mode, exchange_buckets, signal_only, collective)
   except ValueError as e:
     raise ValueError(f"{e} (config.attention.distca)") from e
   r = _check_int("rows_per_rank", rows_per_rank, 1)
@@ -959,8 +1112,18 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
                       tolerance=tolerance, min_shard=min_shard or None,
                       cost_model=cost_table or None, **byte_model) for i in range(n)]
 
+  warned = []
+
   def host_prepare(doclens, tokens_per_row: int) -> dict[str, np.ndarray]:
     plans = host_plans(doclens, tokens_per_row)
+    capped = [hp.plan.degraded_reason for hp in plans
+              if hp.plan.degraded and "capacity" in hp.plan.degraded_reason]
+    if capped and not warned:  # once per backend: the caps are the same for every batch
+      warned.append(True)
+      warnings.warn(f"distca: a batch's plan stopped short of its tolerance: {capped[0]} (caps "
+                    f"{caps}; raise them in config.attention.distca, or caps_headroom / "
+                    "caps_from_batches). Training goes on with that balance; this warning is "
+                    "shown once.", stacklevel=2)
     spec = plans[0].spec
     s = spec.num_servers
     out = np.zeros((s, r, spec.width), np.int32)
@@ -987,17 +1150,20 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
     return dispatch_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout.extra[PLAN_KEY], spec,
                               kernel=kernel, memory_mode=memory_mode,
                               softmax_scale=softmax_scale, data_axis=data_axis, head_axis=hax,
-                              exchange_buckets=exchange_buckets, signal_only=signal_only,
+                              exchange_buckets=exchange_buckets, collective=collective,
+                              signal_only=signal_only,
                               kernel_options=kopts)
 
-  return DistcaBackend(fn=fn, host_prepare=host_prepare, host_plans=host_plans)
+  return DistcaBackend(fn=fn, host_prepare=host_prepare, host_plans=host_plans, caps=caps)
 
 
 @dataclasses.dataclass(frozen=True)
 class DistcaBackend(attn_lib.Backend):
   """The ``distca`` backend; ``host_plans(doclens, tokens_per_row) -> [HostPlan]`` (one per
-  nano-batch) is the planning ``host_prepare`` packs, for benchmarks and diagnostics."""
+  nano-batch) is the planning ``host_prepare`` packs, for benchmarks and diagnostics; ``caps``
+  the capacity options it was built with (0 = ``default_capacity``'s value)."""
   host_plans: Callable[..., list[HostPlan]] | None = None
+  caps: Mapping[str, int] | None = None
 
 
 attn_lib.register_backend("distca", make_backend)

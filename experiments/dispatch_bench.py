@@ -6,11 +6,12 @@ or with ``--caps default`` the caps of a run that leaves them at 0, ``dispatch.d
 one compiled program serves them all) and every device-side piece is timed on every visible
 device (one server per device, the mesh's ``data`` axis):
 
-  exchange   sender gather + the one Q/K/V ``lax.all_to_all`` + server gather
-             (``dispatch.send_to_servers``, ``--exchange-buckets``: the bucket the batch needs);
+  exchange   sender gather + the Q/K/V collective (``--collective``: one ``lax.all_to_all``, or
+             S - 1 ``lax.ppermute`` rounds) + server gather (``dispatch.send_to_servers``,
+             ``--exchange-buckets``: the bucket the batch needs);
   signal     the same exchange with ``signal_only=True`` (one row per slot on the wire): the
              stage's cost without the wire;
-  return     O gather + ``lax.all_to_all`` + owner gather (``dispatch.return_to_owners``);
+  return     O gather + the same collective + owner gather (``dispatch.return_to_owners``);
   raw a2a    a bare dense ``lax.all_to_all`` moving (a) the same useful bytes per device with no
              padding, (b) the busiest sender's useful bytes from every device, and (c) the
              exchange's full padded slot buffer;
@@ -20,6 +21,7 @@ device (one server per device, the mesh's ``data`` axis):
              layer, XLA's compiled temp memory, and the jaxpr's all-to-all and kernel-forward
              counts (resend adds one all-to-all per layer and no kernel forward);
   no CAD     each device's own documents through the same kernel, no exchange (forward+backward).
+``--exchange-only`` times the first four alone.
 
 Bandwidth is per device: useful bytes = mean over devices of the Q+K+V (or O) bytes the plan
 sends to other devices; effective bandwidth = useful bytes / time of the whole stage. Two
@@ -69,9 +71,17 @@ def _args():
   p.add_argument("--tolerance", type=float, default=0.1)
   p.add_argument("--caps", default="suggest", choices=("suggest", "default"),
                  help="suggest: the envelope of the planned batches (the tightest caps); default: "
-                 "dispatch.default_capacity, what a run with caps left at 0 uses")
+                 "dispatch.default_capacity, what a run with caps left at 0 and "
+                 "caps_from_batches = 0 uses (training derives tight caps like 'suggest' from its "
+                 "first batches by default)")
   p.add_argument("--exchange-buckets", type=int, default=8,
                  help="slot fractions the exchange chooses from per batch (1 = full slots)")
+  p.add_argument("--collective", default="auto", choices=("auto", "all_to_all", "ppermute"),
+                 help="how the exchange moves rows (dispatch.COLLECTIVES; auto: ppermute with 2 "
+                 "devices, else all_to_all)")
+  p.add_argument("--exchange-only", action="store_true",
+                 help="time only the exchange, its signal-only twin and the return (no CAD "
+                 "chains, no no-CAD baseline, no memory report)")
   p.add_argument("--batches", type=int, default=None, help="planned batches (default 3; tiny: 2)")
   p.add_argument("--iters", type=int, default=None, help="timed runs (default 10; tiny: 2)")
   p.add_argument("--layers", type=int, default=None,
@@ -189,6 +199,8 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
                                  check_vma=False))
 
   nb = a.exchange_buckets
+  # Passed only when not the default, so this script also times older trees of the library.
+  wire = {} if a.collective == "auto" else {"collective": a.collective}
   # Per-rank layouts: no document (so no task) is longer than a rank's tokens; flash3's grid is
   # tasks x ceil(max_seqlen / 128) blocks, so pass the bound as the trainer's backend does.
   kopts = {"max_seqlen_q": t, "max_seqlen_k": t}  # flash3's bound; other kernels ignore it
@@ -196,7 +208,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
   def exchange(q, k, v, plan, signal_only=False):
     m = spec.unpack_local(plan)
     qa, ka, va = dispatch.send_to_servers(q[0], k[0], v[0], m, spec, AXIS, exchange_buckets=nb,
-                                          signal_only=signal_only)
+                                          signal_only=signal_only, **wire)
     return qa[None], ka[None], va[None]
 
   def signal(q, k, v, plan):
@@ -204,7 +216,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
 
   def ret(o_attn, plan):
     return dispatch.return_to_owners(o_attn[0], spec.unpack_local(plan), spec, AXIS,
-                                     exchange_buckets=nb)[None]
+                                     exchange_buckets=nb, **wire)[None]
 
   def raw_a2a(x):
     return lax.all_to_all(x, AXIS, 1, 1, tiled=True)
@@ -228,7 +240,8 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
       x = q
       for _ in range(a.layers):
         x = dispatch.dispatch_attention(x, k, v, plan, spec, kernel=kernel, memory_mode=mode,
-                                        mesh=mesh, exchange_buckets=nb, kernel_options=kopts)
+                                        mesh=mesh, exchange_buckets=nb, kernel_options=kopts,
+                                        **wire)
       return x
 
     def fwd_bwd(q, k, v, plan, ct):
@@ -250,7 +263,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
   rows = []
   # No-CAD baseline: one task per own document; one table size for every batch (one compile).
   local_tasks = max(len(rank_lens) for layout in layouts for rank_lens in layout)
-  modes = {m: cad(m) for m in dispatch.MEMORY_MODES}
+  modes = {} if a.exchange_only else {m: cad(m) for m in dispatch.MEMORY_MODES}
   for i, doc_lens in enumerate(layouts):
     hp = dispatch.host_plan(doc_lens, spec, tolerance=a.tolerance, min_shard=min_shard,
                             **byte_model)
@@ -283,20 +296,24 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
         tm = _time(f, *args, iters=a.iters)
         rec[f"cad_{mode}_{key}"] = {"median_s": tm["median_s"] / a.layers,
                                     "min_s": tm["min_s"] / a.layers, "per": "layer"}
-    cu = jax.device_put(packing.task_tables(packing.natural_placement(doc_lens, t),
-                                            max_tasks=local_tasks)["cu_seqlens_q"], plan_sh)
-    rec["no_cad_fwd_bwd"] = _time(no_cad_f, q, k, v, cu, iters=a.iters)
+    if not a.exchange_only:
+      cu = jax.device_put(packing.task_tables(packing.natural_placement(doc_lens, t),
+                                              max_tasks=local_tasks)["cu_seqlens_q"], plan_sh)
+      rec["no_cad_fwd_bwd"] = _time(no_cad_f, q, k, v, cu, iters=a.iters)
     rows.append(rec)
+    nan = {"median_s": float("nan")}
     print(f"  batch {i}: imbalance {rec['imbalance_before']:.2f} -> "
           f"{rec['imbalance_after']:.2f}; bucket {by['bucket'] + 1}/{by['num_buckets']} "
           f"(moves {by['dispatch_moved'] / 2**20:.3g} of {by['dispatch_padded'] / 2**20:.3g} MB); "
           f"exchange {rec['exchange']['median_s'] * 1e3:.2f} ms "
           f"({rec['exchange']['useful_GBps']:.1f} GB/s useful, fractions "
           f"{rec['exchange'].get('fraction_of_raw', float('nan')):.2f} / "
-          f"{rec['exchange'].get('busiest_fraction_of_raw', float('nan')):.2f}); CAD fwd+bwd keep "
-          f"{rec['cad_keep_fwd_bwd']['median_s'] * 1e3:.1f} ms, resend "
-          f"{rec['cad_resend_fwd_bwd']['median_s'] * 1e3:.1f} ms, no CAD "
-          f"{rec['no_cad_fwd_bwd']['median_s'] * 1e3:.1f} ms", flush=True)
+          f"{rec['exchange'].get('busiest_fraction_of_raw', float('nan')):.2f}); signal "
+          f"{rec['exchange_signal_only']['median_s'] * 1e3:.2f} ms; return "
+          f"{rec['return']['median_s'] * 1e3:.2f} ms; CAD fwd+bwd keep "
+          f"{rec.get('cad_keep_fwd_bwd', nan)['median_s'] * 1e3:.1f} ms, resend "
+          f"{rec.get('cad_resend_fwd_bwd', nan)['median_s'] * 1e3:.1f} ms, no CAD "
+          f"{rec.get('no_cad_fwd_bwd', nan)['median_s'] * 1e3:.1f} ms", flush=True)
 
   # Raw all_to_all of the exchange's padded slot buffer (same for every batch).
   out = {"workload": name, "capacity": dataclasses.asdict(cap), "exchange_buckets": nb,
@@ -342,7 +359,8 @@ def _markdown(res: dict) -> str:
            f"{res['servers']}; tokens per device {res['tokens_per_rank']}; heads "
            f"{res['heads']}/{res['kv_heads']} x {res['head_dim']} {res['dtype']}; kernel "
            f"`{res['kernel']}`; tolerance {res['tolerance']}; caps {res['caps']}; exchange "
-           f"buckets {res['exchange_buckets']}. Times: median of {res['iters']}.",
+           f"buckets {res['exchange_buckets']}; collective {res.get('collective', 'all_to_all')}. "
+           f"Times: median of {res['iters']}.",
            ""]
   for w in res["workloads"]:
     nan = float("nan")
@@ -374,6 +392,9 @@ def _markdown(res: dict) -> str:
       lines += ["", f"Raw all_to_all of the padded exchange buffer ({fmt(raw['bytes'] / mb)} MB "
                 f"off-device per device): {fmt(raw['median_s'] * 1e3)} ms, "
                 f"{fmt(raw['GBps'])} GB/s."]
+    if res.get("exchange_only"):
+      lines.append("")
+      continue
     lines += ["", "Per-layer attention time (ms; CAD = plan's exchange + fused kernel + return; "
               "no CAD = each device's own documents, same kernel, the slowest device sets the "
               "time):", "",
@@ -411,6 +432,9 @@ def main(a) -> None:
          "tokens_per_rank": a.tokens_per_rank, "heads": a.heads, "kv_heads": a.kv_heads,
          "head_dim": a.head_dim, "dtype": dtype.name, "kernel": kernel,
          "tolerance": a.tolerance, "caps": a.caps, "exchange_buckets": a.exchange_buckets,
+         "collective": (dispatch.resolve_collective(a.collective, len(devices))
+                        if hasattr(dispatch, "resolve_collective") else "all_to_all"),
+         "exchange_only": a.exchange_only,
          "iters": a.iters,
          "layers": a.layers, "tiny": a.tiny,
          "workloads": []}

@@ -67,6 +67,33 @@ stage e2e_64k_wlb_v2 330 python3 experiments/e2e_bench.py --backends distca,wlb 
 # One GPU (CUDA_VISIBLE_DEVICES=0): one attention server, CAD's fixed cost.
 stage e2e_1gpu_64k 540 env CUDA_VISIBLE_DEVICES=0 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain,prolong --tokens 65536 $E2E20 --out "$OUT/e2e_1gpu_64k"
 stage e2e_1gpu_128k 560 env CUDA_VISIBLE_DEVICES=0 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain,prolong --tokens 131072 $E2E20 --out "$OUT/e2e_1gpu_128k"
+;;& v3)
+# results/dispatch_v3_summary.md (not part of 'all'): own rows placed before the all-to-all lands,
+# the empty bucket, ppermute rounds. The "old" runs time the previous commit's library (a
+# `git archive` of it in .old/, with this tree's dispatch_bench.py for --exchange-only).
+stage gpu_tests 150 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_ops.py -k "flash3 or hints or buckets"
+stage collectives 90 python3 experiments/collective_bench.py --out "$OUT/collective_bench"
+stage collectives_lhs 90 env XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true python3 experiments/collective_bench.py --out "$OUT/collective_bench_lhs"
+X="--kernel flash3 --iters 20 --batches 2 --exchange-only"
+if [ -d .old/distca_jax ]; then
+stage ex_old_suggest 120 bash -c "cd .old && PYTHONPATH=$PWD/.old:/tmp/site python3 experiments/dispatch_bench.py $X --caps suggest --out $OUT/dispatch_v3_old_suggest"
+fi
+stage ex_a2a_suggest 100 python3 experiments/dispatch_bench.py $X --caps suggest --out "$OUT/dispatch_v3_a2a_suggest"
+stage ex_perm_suggest 100 python3 experiments/dispatch_bench.py $X --caps suggest --collective ppermute --out "$OUT/dispatch_v3_perm_suggest"
+stage ex_a2a_default 100 python3 experiments/dispatch_bench.py $X --caps default --out "$OUT/dispatch_v3_a2a_default"
+stage ex_perm_default 100 python3 experiments/dispatch_bench.py $X --caps default --collective ppermute --out "$OUT/dispatch_v3_perm_default"
+;;& v3e2e)
+# The issue-7 ablations again with the v3 data plane (results/e2e_v3_summary.md), 2 GPUs.
+stage e2e_64k_v3 585 python3 experiments/e2e_bench.py --backends packed_dp,distca,cp --workloads pretrain --tokens 65536 $E2E20 --extra attention.baselines.cp_size=2 --variant signal@distca:attention.distca.signal_only=true --variant eps0@distca:attention.distca.tolerance=0 --variant eps005@distca:attention.distca.tolerance=0.05 --plan-stats --out "$OUT/e2e_2gpu_64k_v3"
+;;& v3e2e2)
+stage e2e_128k_v3 330 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 131072 $E2E20 --profile --plan-stats --out "$OUT/e2e_2gpu_128k_v3"
+stage e2e_pingpong_v3 250 python3 experiments/e2e_bench.py --backends distca --workloads pretrain --tokens 65536 --rows-per-rank 2 --nano-batches 1,2 $E2E20 --out "$OUT/e2e_2gpu_pingpong_v3"
+;;& v3prolong)
+stage e2e_prolong_64k_v3 200 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads prolong --tokens 65536 $E2E20 --plan-stats --out "$OUT/e2e_2gpu_prolong_64k_v3"
+stage e2e_prolong_128k_v3 330 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads prolong --tokens 131072 $E2E20 --plan-stats --out "$OUT/e2e_2gpu_prolong_128k_v3"
+;;& v3caps)
+# Startup caps (config.attention.distca.caps_from_batches, the default now) vs the fixed fractions.
+stage e2e_prolong_64k_caps 300 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads prolong --tokens 65536 $E2E20 --variant fixedcaps@distca:attention.distca.caps_from_batches=0 --plan-stats --out "$OUT/e2e_2gpu_prolong_64k_caps"
 ;;& wlb|all)
 stage e2e_64k_wlb 400 python3 experiments/e2e_bench.py --backends packed_dp,wlb --workloads pretrain --tokens 65536 $E2E20 --extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2 --out "$OUT/e2e_64k_wlb"
 ;;

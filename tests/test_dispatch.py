@@ -242,6 +242,48 @@ def test_suggested_config_caps_fit_the_run_batches():
     assert plan.shape == (16, spec.width) and plan.dtype == np.int32
 
 
+def test_startup_caps_come_from_the_runs_batches_and_plan_every_later_batch():
+  """Caps left at 0 are derived from the run's first batches (with headroom and floors); later
+  batches of the same run still plan (a tighter need only degrades balance, never fails)."""
+  seed = int(np.random.default_rng().integers(1 << 30))
+  c = _tiny_config("distca", 4, 1, seed, rows_per_rank=4, nano_batches=2)
+  c.attention.distca.caps_from_batches = 6
+  c.attention.distca.kv_slot = 96  # set by the user: kept
+  rows = c.tokens_per_rank * 2  # rows per device and call (4 rows / 2 nano-batches)
+  got = dispatch.startup_capacity(c)
+  sugg = dispatch.suggest_config_capacity(c, num_batches=6)
+  assert set(got) == {"q_slot", "q_tokens", "kv_tokens"}, got  # not kv_slot, never tasks
+  mult = dispatch._row_multiple(rows)
+  for name, v in got.items():
+    assert v % mult == 0 and v >= sugg[name] * 1.1 - 1e-9, (name, v, sugg, seed)
+  assert got["q_tokens"] >= rows and got["kv_tokens"] >= rows
+  backend = trainer.make_backend(c)
+  assert backend.caps["kv_slot"] == 96 and backend.caps["tasks"] == 0
+  assert all(backend.caps[k] == v for k, v in got.items())
+  src = make_source(c.data, rows=16, tokens_per_row=c.tokens_per_rank,
+                    vocab_size=c.model.vocab_size, seed=c.seed)
+  for step in range(6, 30):  # batches the caps never saw
+    plans = backend.host_plans(src.doclens(step), c.tokens_per_rank)
+    assert all(hp.plan.imbalance_after <= hp.plan.imbalance_before + 1e-9 for hp in plans)
+  # Caps too tight for a batch: the plan still runs, and the backend says so once.
+  c.attention.distca.caps_from_batches = 0
+  c.attention.distca.q_slot = c.attention.distca.kv_slot = 16
+  tight = trainer.make_backend(c)
+  with pytest.warns(UserWarning, match=r"stopped short.*capacity blocked moves.*raise them"):
+    for step in range(30):
+      tight.host_prepare(src.doclens(step), c.tokens_per_rank)
+  # Off, or every row cap given: nothing derived. A headroom below 1 names the fix.
+  c.attention.distca.caps_from_batches = 0
+  assert dispatch.startup_capacity(c) == {}
+  c.attention.distca.caps_from_batches = 6
+  for name in ("q_slot", "q_tokens", "kv_tokens"):
+    c.attention.distca[name] = 512
+  assert dispatch.startup_capacity(c) == {}
+  c.attention.distca.caps_headroom = 0.9
+  with pytest.raises(ValueError, match=r"caps_headroom=0.9 must be >= 1"):
+    dispatch.startup_capacity(c)
+
+
 def test_errors_name_the_fix():
   with pytest.raises(ValueError, match="memory_mode"):
     dispatch.make_backend(memory_mode="forget")
@@ -389,34 +431,37 @@ def _bucket_layouts(seed):
   return out
 
 
-def _a2a_widths(jaxpr, out=None):
-  """Element counts of every all_to_all operand, in program order (every switch branch)."""
+def _a2a_widths(jaxpr, out=None, prim="all_to_all"):
+  """Element counts of every ``prim`` operand, in program order (every switch branch)."""
   out = [] if out is None else out
   for e in jaxpr.eqns:
-    if e.primitive.name == "all_to_all":
+    if e.primitive.name == prim:
       out.append(int(np.prod(e.invars[0].aval.shape)))
     subs = e.params.get("branches", ()) if e.primitive.name == "cond" else [
         sub for p in e.params.values() for sub in (p if isinstance(p, (list, tuple)) else [p])]
     for sub in subs:
       inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
       if inner is not None and hasattr(inner, "eqns"):
-        _a2a_widths(inner, out)
+        _a2a_widths(inner, out, prim)
   return out
 
 
-@pytest.mark.parametrize("buckets,modes", [(1, ("keep", "resend")), (4, ("keep", "resend")),
-                                           (8, ("resend",))])
-def test_bucketed_exchange_equals_reference_both_memory_modes_single_trace(buckets, modes):
-  """Outputs and grads per bucket count and memory mode; one trace across buckets.
+@pytest.mark.parametrize("buckets,modes,collective", [
+    (1, ("keep", "resend"), "all_to_all"), (4, ("keep", "resend"), "all_to_all"),
+    (8, ("resend",), "all_to_all"), (8, ("keep",), "ppermute"), (1, ("resend",), "ppermute")])
+def test_bucketed_exchange_equals_reference_both_memory_modes_single_trace(buckets, modes,
+                                                                            collective):
+  """Outputs and grads per bucket count, memory mode and collective; one trace across buckets.
 
-  (8 buckets with 'keep' is the default: the first test of this file runs it on 8 layouts.)
+  (8 buckets with 'keep' and all_to_all is the default: the first test of this file runs it on
+  8 layouts.)
   """
   mesh = _mesh()
   seed = int(np.random.default_rng().integers(1 << 30))
   rng = np.random.default_rng(seed)
   traces = {m: [] for m in modes}
   runs = {m: _make_run(mesh, SPEC, trace_counter=traces[m], memory_mode=m,
-                       exchange_buckets=buckets) for m in modes}
+                       exchange_buckets=buckets, collective=collective) for m in modes}
   chosen = []
   for name, doc_lens, eps in _bucket_layouts(seed):
     hp = dispatch.host_plan(doc_lens, SPEC, tolerance=eps, q_heads=H, kv_heads=KH, head_dim=D,
@@ -428,7 +473,7 @@ def test_bucketed_exchange_equals_reference_both_memory_modes_single_trace(bucke
     want = _reference(q, k, v, _segments(doc_lens, S, T), ct)
     for mode, run in runs.items():
       _check(run(q, k, v, hp.packed, ct), want,
-             f"{name} buckets={buckets} {mode} seed={seed} bucket={by['bucket']} "
+             f"{name} buckets={buckets} {mode} {collective} seed={seed} bucket={by['bucket']} "
              f"rows={by['exchange_q_rows'], by['exchange_kv_rows']}")
     if name == "light":
       assert (by["exchange_q_rows"], by["exchange_kv_rows"]) == (0, 0), by
@@ -445,18 +490,21 @@ def test_bucketed_exchange_equals_reference_both_memory_modes_single_trace(bucke
 
 def test_bucket_sizes_shrink_the_all_to_all_and_moved_bytes():
   buckets = dispatch.exchange_bucket_rows(CAP, 8)
-  assert buckets == tuple((8 * i, 16 * i) for i in range(1, 9))  # q_slot 64, kv_slot 128
+  # An empty bucket first (a plan that moves nothing), then fractions of q_slot 64, kv_slot 128.
+  assert buckets == ((0, 0),) + tuple((8 * i, 16 * i) for i in range(1, 9))
   assert dispatch.exchange_bucket_rows(CAP, 1) == ((CAP.q_slot, CAP.kv_slot),)
   # Rounding to 8 rows merges fractions of small slots; the last bucket is always the full slot.
   small = sc.Capacity(q_slot=12, kv_slot=20, q_tokens=64, kv_tokens=64, tasks=4)
-  assert dispatch.exchange_bucket_rows(small, 8) == ((8, 8), (8, 16), (12, 16), (12, 20))
+  assert dispatch.exchange_bucket_rows(small, 8) == ((0, 0), (8, 8), (8, 16), (12, 16), (12, 20))
   assert dispatch.choose_bucket((0, 0), buckets) == 0
-  assert dispatch.choose_bucket((9, 16), buckets) == 1
-  assert dispatch.choose_bucket((8, 17), buckets) == 1
-  assert dispatch.choose_bucket((64, 1), buckets) == 7
+  assert dispatch.choose_bucket((0, 1), buckets) == 1  # key/value rows alone move too
+  assert dispatch.choose_bucket((9, 16), buckets) == 2
+  assert dispatch.choose_bucket((8, 17), buckets) == 2
+  assert dispatch.choose_bucket((64, 1), buckets) == 8
 
   # The compiled program: each switch branch's all_to_all moves only its bucket of every slot
-  # (forward: Q/K/V out, then O back with the Q buckets), never an empty buffer.
+  # (forward: Q/K/V out, then O back with the Q buckets), never an empty buffer; the empty
+  # bucket's branch has no all_to_all.
   mesh = _mesh()
   hp = dispatch.host_plan(_bucket_layouts(0)[1][1], SPEC, tolerance=0.0)
   q = jax.ShapeDtypeStruct((S, T, H, D), jnp.float32)
@@ -464,20 +512,27 @@ def test_bucket_sizes_shrink_the_all_to_all_and_moved_bytes():
   fwd = lambda q, k, plan, nb: dispatch.dispatch_attention(q, k, k, plan, SPEC, mesh=mesh,
                                                           exchange_buckets=nb)
   widths = _a2a_widths(jax.make_jaxpr(functools.partial(fwd, nb=8))(q, k, hp.packed).jaxpr)
-  want_out = [S * (bq * H * D + 2 * bkv * KH * D) for bq, bkv in buckets]
-  want_back = [S * bq * H * D for bq, _ in buckets]
+  want_out = [S * (bq * H * D + 2 * bkv * KH * D) for bq, bkv in buckets[1:]]
+  want_back = [S * bq * H * D for bq, _ in buckets[1:]]
   assert widths == want_out + want_back, widths
   assert min(widths) > 0
   full = _a2a_widths(jax.make_jaxpr(functools.partial(fwd, nb=1))(q, k, hp.packed).jaxpr)
   assert full == [want_out[-1], want_back[-1]], full
+  # ppermute: S - 1 rounds per exchange, each moving one peer's bucket of a slot (no own slot).
+  perm = lambda q, k, plan: dispatch.dispatch_attention(q, k, k, plan, SPEC, mesh=mesh,
+                                                        exchange_buckets=8, collective="ppermute")
+  widths = _a2a_widths(jax.make_jaxpr(perm)(q, k, hp.packed).jaxpr, prim="ppermute")
+  want = [w // S for w in want_out for _ in range(S - 1)] + [
+      w // S for w in want_back for _ in range(S - 1)]
+  assert widths == want, widths
+  assert not _a2a_widths(jax.make_jaxpr(perm)(q, k, hp.packed).jaxpr)  # no all_to_all left
 
-  # Host accounting: a light batch moves less than the padded slots, a batch that fills its
+  # Host accounting: a light batch moves nothing (the empty bucket), a batch that fills its
   # slots (capacity = the plan's exact need) moves exactly the padded bytes.
   bm = dict(q_heads=H, kv_heads=KH, head_dim=D, dtype_bytes=4)
   light = dispatch.host_plan(_bucket_layouts(0)[0][1], SPEC, tolerance=0.0)
   by = dispatch.exchange_bytes(light.meta, exchange_buckets=8, **bm)
-  assert by["dispatch_useful"] == 0 and by["dispatch_moved"] == by["dispatch_padded"] / 8
-  assert by["return_moved"] == by["return_padded"] / 8
+  assert by["dispatch_useful"] == 0 and by["dispatch_moved"] == 0 and by["return_moved"] == 0
   by1 = dispatch.exchange_bytes(light.meta, exchange_buckets=1, **bm)
   assert by1["dispatch_moved"] == by1["dispatch_padded"]
   seed = int(np.random.default_rng().integers(1 << 30))
@@ -546,6 +601,14 @@ def test_signal_only_keeps_shapes_moves_one_row_and_is_wrong_by_design():
   jaxpr = jax.make_jaxpr(sig)(q, k, v, hp.packed, ct).jaxpr
   assert set(_a2a_widths(jaxpr)) == {S * H * D}, _a2a_widths(jaxpr)
   assert _count_prims(jaxpr, {"all_to_all"})["all_to_all"] == 4
+  # The same with ppermute rounds: every round carries one row.
+  sig = _make_run(mesh, SPEC, exchange_buckets=4, signal_only=True, return_lse=False,
+                  collective="ppermute")
+  got = sig(q, k, v, hp.packed, ct)
+  assert all(np.isfinite(np.asarray(g)).all() for g in got)
+  assert np.abs(np.asarray(got[0]) - np.asarray(want[0])).max() > 1e-2, seed
+  jaxpr = jax.make_jaxpr(sig)(q, k, v, hp.packed, ct).jaxpr
+  assert set(_a2a_widths(jaxpr, prim="ppermute")) == {H * D}
 
 
 def test_exchange_options_reach_dispatch_and_bad_values_name_the_fix(monkeypatch):
@@ -557,6 +620,10 @@ def test_exchange_options_reach_dispatch_and_bad_values_name_the_fix(monkeypatch
   with pytest.raises(ValueError, match=r"signal_only='yes'.*True or False"):
     dispatch.make_backend(signal_only="yes")
   c.attention.distca.exchange_buckets = 3
+  c.attention.distca.collective = "nccl"
+  with pytest.raises(ValueError, match=r"collective='nccl'.*all_to_all.*ppermute"):
+    trainer.make_backend(c)
+  c.attention.distca.collective = "ppermute"
   c.attention.distca.signal_only = True
   backend = trainer.make_backend(c)
   seen = {}
@@ -572,5 +639,12 @@ def test_exchange_options_reach_dispatch_and_bad_values_name_the_fix(monkeypatch
   with trainer.mesh_context(shard_lib.make_mesh(data=8, tensor=1, devices=jax.devices())):
     backend.fn(q, q, q, layout, softmax_scale=1.0)
   assert seen["exchange_buckets"] == 3 and seen["signal_only"] is True
+  assert seen["collective"] == "ppermute"
+  # 'auto' (the default): one ppermute round between 2 servers, one all_to_all among more.
+  assert dispatch.DEFAULT_COLLECTIVE == "auto"
+  assert _tiny_config("distca", 8, 1, 0).attention.distca.collective == "auto"
+  assert [dispatch.resolve_collective("auto", s) for s in (2, 3, 8)] == ["ppermute"] + [
+      "all_to_all"] * 2
+  assert dispatch.resolve_collective("all_to_all", 2) == "all_to_all"
   with pytest.raises(ValueError, match="exchange_buckets"):
     dispatch.exchange_bucket_rows(CAP, 0)

@@ -343,11 +343,12 @@ def _grad_fn(c, mesh, backend, traces=None):
   return jax.jit(jax.value_and_grad(f))
 
 
-@pytest.mark.parametrize("data,tensor,rows_per_rank,nano_batches", [(8, 1, 1, 1), (4, 2, 4, 2)])
+@pytest.mark.parametrize("data,tensor,rows_per_rank,nano_batches", [(8, 1, 1, 1), (2, 2, 4, 2)])
 def test_train_loss_and_grads_distca_equal_local(data, tensor, rows_per_rank, nano_batches):
   """Two batches per mesh: equal loss and gradients, and one trace of the distca step.
 
-  data=4 x tensor=2 runs ping-pong (two nano-batches of two rows per rank, each planned apart).
+  data=8 exchanges with one all_to_all; data=2 x tensor=2 with one ppermute round (the 'auto'
+  collective) and runs ping-pong (two nano-batches of two rows per rank, each planned apart).
   """
   seed = int(np.random.default_rng().integers(1 << 30))
   c_local = _tiny_config("local", data, tensor, seed, rows_per_rank, nano_batches)
@@ -646,5 +647,6 @@ def test_exchange_options_reach_dispatch_and_bad_values_name_the_fix(monkeypatch
   assert [dispatch.resolve_collective("auto", s) for s in (2, 3, 8)] == ["ppermute"] + [
       "all_to_all"] * 2
   assert dispatch.resolve_collective("all_to_all", 2) == "all_to_all"
+  assert dispatch.resolve_collective("ppermute", 1) == "all_to_all"  # no peer to send to
   with pytest.raises(ValueError, match="exchange_buckets"):
     dispatch.exchange_bucket_rows(CAP, 0)

@@ -11,7 +11,10 @@ spread of step time, tokens/s and MFU (document-masked FLOPs, see distca_jax/met
 It also computes, from the very same batches, the ceiling of any attention balancer over
 `packed_dp`: E[max over ranks of step work] / E[mean over ranks], work = 6 N tokens +
 6 layers Hq D sum(l^2), and reports each backend's measured speedup over packed_dp as a fraction of
-that bound's gain ((speedup - 1) / (bound - 1)).
+that bound's gain ((speedup - 1) / (bound - 1)), twice: with the speedup as the ratio of median
+steps, and as the ratio of tokens/s (total time over the same batches). The bound is a ratio of
+expectations, so the tokens/s form is the like-for-like one; the median form is less sensitive
+to a few slow steps.
 
 Variants and ablations (paper Sec. 6 style), all in the same process on the same batches:
   `--nano-batches 1,2`          single stream vs ping-pong ('+pingpong' rows and their speedup);

@@ -58,6 +58,10 @@ all-to-all; the bucket switch -> a switch on the same bucket); the kernel has it
             gathers and the all-to-all (the owners re-send Q/K/V), and the kernel's forward is not
             rerun. With the plain-jnp 'reference' kernel there is no kernel primitive to save, so
             its forward is recomputed too (it is a test kernel).
+The layer's remat policy (``ModelConfig.remat``) wraps all of this: 'full' reruns the whole
+forward in the backward (exchange, kernel, return); 'save_attention' keeps the kernel's outputs
+and inputs ('keep'; with 'resend' the inputs are still re-sent) and the returned O: the kernel's forward
+and the return never rerun (nor the send, with 'keep').
 
 No recompiles: every shape comes from the capacity (``scheduler.Capacity``), the server count,
 the tokens per device and the bucket count; a batch's plan enters the step as one int32 array
@@ -109,10 +113,6 @@ MEMORY_MODES = ("keep", "resend")
 KERNELS = ops.BACKENDS
 PLAN_KEY = "distca_plan"  # the one key of ``layout.extra`` this backend reads
 CAP_FIELDS = ("q_slot", "kv_slot", "q_tokens", "kv_tokens", "tasks")
-
-# Primitives whose outputs 'resend' keeps: the kernels' forward calls (our Pallas kernel, the
-# flash-attn3-jax primitive, FFI/custom calls). Everything else in the body is recomputed.
-_KERNEL_PRIMITIVES = frozenset({"pallas_call", "flash_mha_varlen_fwd", "ffi_call", "custom_call"})
 
 # Default tasks per row when config leaves ``tasks`` at 0. Measured with
 # ``scheduler.required_capacity`` on both workloads (WorkloadSampler, context_length =
@@ -610,11 +610,6 @@ def _take_rows_bwd(fill, unique, res, dy):
 _take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
-def _save_kernel_outputs(prim, *_, **__) -> bool:
-  """'resend' remat policy: keep only what the attention kernel's forward produced."""
-  return prim.name in _KERNEL_PRIMITIVES
-
-
 def _bucket_index(rows_K: jax.Array, bucket_rows: Sequence[Sequence[int]]) -> jax.Array:
   """Device twin of ``choose_bucket``: the first bucket whose sizes cover ``rows_K`` (int32)."""
   sizes_NxK = jnp.asarray(bucket_rows, jnp.int32)
@@ -830,8 +825,12 @@ def return_to_owners(x_NqxF, m: Mapping[str, jax.Array], spec: PlanSpec, axis: s
 def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec, axis: str,
                  kernel: str, softmax_scale: float, return_lse: bool,
                  kernel_options: tuple[tuple[str, Any], ...], exchange_buckets: int,
-                 collective: str, signal_only: bool):
-  """One device: send, fused kernel over all of its tasks, return."""
+                 collective: str, signal_only: bool, resend: bool = False):
+  """One device: send, fused kernel over all of its tasks, return.
+
+  ``resend``: the 'resend' memory mode; the kernel's inputs are then not named for the layer's
+  remat policy, so a policy that keeps them ('save_attention') cannot undo the re-send.
+  """
   r, t, h, d = q_RxTxHxD.shape
   kh = k_RxTxKxD.shape[2]
   m = spec.unpack_local(plan_RxW)
@@ -842,7 +841,7 @@ def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec, a
   # 4. One fused varlen call over all of this server's tasks.
   out = ops.core_attention(q_attn, k_attn, v_attn, m["cu_seqlens_q"], m["cu_seqlens_k"],
                            backend=kernel, softmax_scale=softmax_scale, return_lse=return_lse,
-                           **dict(kernel_options))
+                           name_inputs=not resend, **dict(kernel_options))
   o_attn, lse_attn = out if return_lse else (out, None)
   # 5. O back to the owners (zeros at padding).
   o_RxTxHxD = return_to_owners(o_attn, m, spec, axis, **wire).reshape(r, t, h, d)
@@ -940,9 +939,9 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
                            softmax_scale=scale, return_lse=return_lse,
                            kernel_options=tuple(sorted((kernel_options or {}).items())),
                            exchange_buckets=int(exchange_buckets), collective=collective,
-                           signal_only=bool(signal_only))
+                           signal_only=bool(signal_only), resend=memory_mode == "resend")
   if memory_mode == "resend":
-    body = jax.checkpoint(body, policy=_save_kernel_outputs)
+    body = jax.checkpoint(body, policy=ops.saves_kernel_outputs)
   qkv = P(data_axis, None, head_axis, None)
   out_specs = (qkv, P(data_axis, None, head_axis)) if return_lse else qkv
   # check_vma=False: the Pallas kernel's pallas_call carries no varying-axes annotations.

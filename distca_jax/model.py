@@ -23,6 +23,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from distca_jax import attention as attn_lib
+from distca_jax import ops
 
 Layout = attn_lib.Layout
 
@@ -49,9 +50,12 @@ class ModelConfig:
   dtype: str = "bfloat16"        # compute dtype; params and optimizer state stay float32
   param_dtype: str = "float32"
   # Rematerialization of each layer in the backward: 'none' (keep all activations), 'full'
-  # (recompute the whole layer), 'save_dots' (keep matmul outputs, recompute the rest),
-  # 'save_qkv_out' (keep the layer input, q/k/v and core-attention output: never recompute core
-  # attention).
+  # (recompute the whole layer, core attention's forward and CAD's exchanges included),
+  # 'save_dots' (keep matmul outputs, recompute the rest), 'save_qkv_out' (keep q/k/v and the
+  # core-attention output; the kernel's forward still reruns to rebuild its residuals),
+  # 'save_attention' (keep the kernel's inputs, its outputs O and LSE, and the core-attention
+  # output: the backward reruns only the linear layers and norms, never the attention kernel's
+  # forward nor CAD's exchanges; about 2 x q + 2 x k/v rows per layer more than 'full').
   remat: str = "full"
   scan_layers: bool = True       # nn.scan over layers (compile time does not grow with depth)
   init_std: float = 0.02         # normal init of every weight matrix
@@ -86,6 +90,9 @@ _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
     "save_qkv_out": jax.checkpoint_policies.save_only_these_names("qkv", "ca_out"),
+    "save_attention": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.save_only_these_names(ops.KERNEL_INPUTS_NAME, "ca_out"),
+        ops.saves_kernel_outputs),
 }
 
 

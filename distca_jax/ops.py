@@ -25,6 +25,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from custom_ops import varlen_attention as va
 from distca_jax import scheduler
@@ -39,6 +40,19 @@ BACKWARD_FLOPS_RATIO = scheduler.BWD_FWD_RATIO  # one place holds it: the schedu
 FLASH3_GRID_LEVELS = 4
 
 
+# Primitives that are a kernel's forward call: our Pallas kernel, the flash-attn3-jax primitive,
+# FFI / custom calls. Remat policies that keep attention ('save_attention' in model.py, the
+# 'resend' memory mode in dispatch.py) save their outputs (O, LSE) instead of rerunning them.
+KERNEL_PRIMITIVES = frozenset({"pallas_call", "flash_mha_varlen_fwd", "ffi_call", "custom_call"})
+# ``checkpoint_name`` of the kernel's query/key/value inputs (the backward's residuals).
+KERNEL_INPUTS_NAME = "ca_in"
+
+
+def saves_kernel_outputs(prim, *_, **__) -> bool:
+  """Remat policy: save what a kernel's forward call produced (``KERNEL_PRIMITIVES``)."""
+  return prim.name in KERNEL_PRIMITIVES
+
+
 class BackendUnavailableError(RuntimeError):
   """The requested attention backend cannot run here; the message says how to get it."""
 
@@ -48,7 +62,8 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
                    backend: str = "reference", softmax_scale: float | None = None,
                    return_lse: bool = False, interpret: bool | None = None,
                    block_sizes: va.BlockSizes | None = None, max_seqlen_q: int | None = None,
-                   max_seqlen_k: int | None = None, grid_levels: int = FLASH3_GRID_LEVELS):
+                   max_seqlen_k: int | None = None, grid_levels: int = FLASH3_GRID_LEVELS,
+                   name_inputs: bool = True):
   """Causal (bottom-right) GQA attention of every CA-task in a fused batch.
 
   Args:
@@ -70,6 +85,9 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
       backward launches ceil(max_seqlen_k / 128) blocks per task and head, so give tight bounds.
     grid_levels: 'flash3' only: launch shapes compiled per dimension (``flash3_grid_buckets``);
       each call runs the cheapest that holds its tasks. 1 = always the full table and bounds.
+    name_inputs: tag q, k, v with ``checkpoint_name(KERNEL_INPUTS_NAME)``, so that remat
+      policies can keep them for the backward (model.py 'save_attention'). False leaves them
+      to be recomputed (CAD's 'resend' memory mode re-sends them).
 
   Returns:
     o_TxHxD (q dtype; 0 on rows that see no key), or (o_TxHxD, lse_TxH) if ``return_lse``.
@@ -81,6 +99,9 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
     raise ValueError(
         f"interpret={interpret!r} and block_sizes={block_sizes!r} apply to backend='pallas' only; "
         f"drop them for {backend=}")
+  if name_inputs:  # for remat policies that keep the kernel's residuals ('save_attention')
+    q_TxHxD, k_UxKxD, v_UxKxD = (checkpoint_name(x, KERNEL_INPUTS_NAME)
+                                 for x in (q_TxHxD, k_UxKxD, v_UxKxD))
 
   if backend == "reference":
     o, lse = va.varlen_attention_reference(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1,

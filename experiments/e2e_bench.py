@@ -140,10 +140,35 @@ def run_one(c, steps, warmup, log, profile_dir=None):
     log("    profiled step:\n" + profiling.format_report(report))
   peak = metrics.peak_flops_per_device(c.peak_tflops)
   plan_s = prefetch.host_plan_s[warmup:warmup + steps]
+  mem = step_memory_gb(step_fn, state, batch, mesh)
+  if mem:
+    log("    memory per device (XLA's plan of the step): " +
+        ", ".join(f"{k} {v:.1f} GB" for k, v in mem.items()))
   return dict(times=times, flops=flops, tokens=tokens, losses=losses, doclens=doclens,
               input_wait_s=waits, host_plan_s=plan_s, devices=jax.device_count(), peak=peak,
               device_kind=jax.devices()[0].device_kind, model_cfg=model.cfg, profile=report,
-              backend=backend)
+              backend=backend, memory_gb=mem)
+
+
+def step_memory_gb(step_fn, state, batch, mesh):
+  """Per-device GB of the compiled step (XLA's memory analysis: arguments, outputs, temporaries
+  and their sum less donated aliases), or {} where the backend reports none. Compiles the step
+  again (a persistent-cache hit where JAX_COMPILATION_CACHE_DIR is set)."""
+  from distca_jax import trainer
+  try:
+    with trainer.mesh_context(mesh):
+      ma = step_fn.lower(state, batch).compile().memory_analysis()
+  except Exception as e:  # noqa: BLE001  (reported, the timing stands without it)
+    print(f"    memory analysis unavailable: {type(e).__name__}: {e}", flush=True)
+    return {}
+  if ma is None:
+    return {}
+  g = 1e-9
+  out = {"arguments": ma.argument_size_in_bytes * g, "outputs": ma.output_size_in_bytes * g,
+         "temporaries": ma.temp_size_in_bytes * g}
+  out["total"] = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+                  - ma.alias_size_in_bytes) * g
+  return out
 
 
 def summarize(r):
@@ -164,6 +189,8 @@ def summarize(r):
       "losses": r["losses"],
       "final_loss": r["losses"][-1],
   }
+  if r.get("memory_gb"):
+    out["memory_gb"] = r["memory_gb"]
   if r["peak"]:
     out["mfu"] = sum(r["flops"]) / total_t / (r["peak"] * r["devices"])
   if r.get("profile") is not None:
@@ -355,6 +382,15 @@ def write(a, results, quiet: bool = False):
                    f"{r['plan_dispatch_useful_mb']:.1f} | {r['plan_dispatch_moved_mb']:.1f} | "
                    f"{r['plan_degraded']} | "
                    f"{r['step_ms_median']:.1f} |")
+  mem = [r for r in results if r.get("memory_gb")]
+  if mem:
+    lines += ["\n## Memory per device (XLA's plan of the compiled step, GB)\n",
+              "| workload | tokens/GPU | backend | arguments | temporaries | total |",
+              "|---|---|---|---|---|---|"]
+    for r in mem:
+      m = r["memory_gb"]
+      lines.append(f"| {r['workload']} | {r['tokens']} | {r['backend']} | {m['arguments']:.1f} | "
+                   f"{m['temporaries']:.1f} | {m['total']:.1f} |")
   profiled = [r for r in results if r.get("profile")]
   if profiled:
     from distca_jax import profiling

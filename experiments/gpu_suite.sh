@@ -94,6 +94,13 @@ stage e2e_prolong_128k_v3 330 python3 experiments/e2e_bench.py --backends packed
 ;;& v3caps)
 # Startup caps (config.attention.distca.caps_from_batches, the default now) vs the fixed fractions.
 stage e2e_prolong_64k_caps 300 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads prolong --tokens 65536 $E2E20 --variant fixedcaps@distca:attention.distca.caps_from_batches=0 --plan-stats --out "$OUT/e2e_2gpu_prolong_64k_caps"
+;;& v4)
+# results/e2e_v4_summary.md: the layer's remat policy 'save_attention' (core attention
+# never reruns in the backward; 'none' did not fit at 128K in JAX's default 75% of GPU memory)
+# and tolerance 0, Pretrain 128K.
+stage e2e_128k_v4 560 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 131072 $E2E20 --extra model.remat=save_attention --variant eps0@distca:attention.distca.tolerance=0 --profile --plan-stats --out "$OUT/e2e_2gpu_128k_v4"
+;;& v4b)
+stage e2e_128k_v4_4l 560 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 131072 --layers 4 --steps 20 --warmup 2 --extra model.remat=save_attention --extra attention.distca.tolerance=0 --plan-stats --out "$OUT/e2e_2gpu_128k_v4_4l"
 ;;& wlb|all)
 stage e2e_64k_wlb 400 python3 experiments/e2e_bench.py --backends packed_dp,wlb --workloads pretrain --tokens 65536 $E2E20 --extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2 --out "$OUT/e2e_64k_wlb"
 ;;

@@ -650,3 +650,58 @@ def test_exchange_options_reach_dispatch_and_bad_values_name_the_fix(monkeypatch
   assert dispatch.resolve_collective("ppermute", 1) == "all_to_all"  # no peer to send to
   with pytest.raises(ValueError, match="exchange_buckets"):
     dispatch.exchange_bucket_rows(CAP, 0)
+
+
+def test_remat_policies_equal_and_save_attention_never_reruns_the_kernel_or_exchange():
+  """Remat policies give the same loss and gradients as 'none' (distca, 2 servers, keep and
+  resend); in the jaxpr of value_and_grad, 'save_attention' runs the kernel's forward and CAD's
+  collectives as often as 'none' does (no recompute), while 'full' reruns both."""
+  seed = int(np.random.default_rng().integers(1 << 30))
+  data = 2
+  mesh = shard_lib.make_mesh(data=data, tensor=1, devices=jax.devices()[:data])
+  step = int(np.random.default_rng(seed).integers(1000))
+  cases = {  # (memory mode, kernel): remat policies
+      ("keep", "reference"): ("none", "save_attention"),
+      ("resend", "reference"): ("save_attention",),
+      ("keep", "pallas"): ("none", "full", "save_qkv_out", "save_attention"),
+      ("resend", "pallas"): ("none", "full", "save_attention"),
+  }
+  got, counts = {}, {}
+  for (mode, kernel), remats in cases.items():
+    c = _tiny_config("distca", data, 1, seed)
+    c.attention.distca.kernel, c.attention.distca.memory_mode = kernel, mode
+    c.attention.distca.caps_from_batches = 0
+    c.attention.distca.exchange_buckets = 1  # one exchange branch: a smaller program to compile
+    c.model.n_layers = 1
+    cad = trainer.make_backend(c)
+    src = make_source(c.data, rows=data * c.rows_per_rank, tokens_per_row=c.tokens_per_rank,
+                      vocab_size=c.model.vocab_size, seed=seed)
+    params = trainer.create_train_state(c, trainer.make_model(c, cad), trainer.make_optimizer(c),
+                                        mesh).params
+    batch = trainer.add_host_plan(src.batch(step), cad, src.doclens(step), c.tokens_per_rank)
+    with trainer.mesh_context(mesh):
+      dev = trainer.device_batch(batch, mesh)
+      for remat in remats:
+        c.model.remat = remat
+        f = _grad_fn(c, mesh, cad)
+        if kernel == "pallas":  # structure only: the interpreter is too slow to run each one
+          counts[mode, remat] = dispatch.count_primitives(jax.make_jaxpr(f)(params, dev).jaxpr,
+                                                          {"ppermute"})
+        else:
+          got[mode, remat] = jax.tree.map(np.asarray, f(params, dev))
+  ref_loss, ref_grads = got["keep", "none"]
+  assert np.isfinite(float(ref_loss)) and float(ref_loss) > 1.0
+  for key, (loss, grads) in got.items():
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5, err_msg=str(key))
+    for a, b in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(grads)):
+      np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-6, err_msg=f"{key} seed={seed}")
+  fwd = {k: v["varlen_attention_fwd"] for k, v in counts.items()}
+  perm = {k: v["ppermute"] for k, v in counts.items()}
+  assert fwd["keep", "none"] == fwd["keep", "save_attention"] == 1, fwd
+  assert fwd["resend", "none"] == fwd["resend", "save_attention"] == 1, fwd
+  assert fwd["keep", "full"] == fwd["keep", "save_qkv_out"] == fwd["resend", "full"] == 2, fwd
+  # keep: the send and return of the forward and their two transposes, nothing recomputed;
+  # full reruns the forward's send and return.
+  assert perm["keep", "save_attention"] == perm["keep", "none"] == 4, perm
+  assert perm["keep", "full"] == 6, perm
+  assert perm["resend", "save_attention"] == perm["resend", "none"] == 5, perm

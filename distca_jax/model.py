@@ -56,10 +56,13 @@ class ModelConfig:
   # 'save_attention' (keep the kernel's inputs, its outputs O and LSE, and the core-attention
   # output: the backward reruns only the linear layers and norms, never the attention kernel's
   # forward nor CAD's exchanges; about 2 x q + 2 x k/v rows per layer more than 'full').
+  # Measured at 128K tokens per H200, 2 layers: 'none' steps 2% faster than 'save_attention'
+  # for 116-121 vs 63-66 GB per GPU (results/e2e_v5_summary.md).
   remat: str = "full"
   scan_layers: bool = True       # nn.scan over layers (compile time does not grow with depth)
   init_std: float = 0.02         # normal init of every weight matrix
-  loss_chunk: int = 4096         # tokens per chunk of the LM head + loss (bounds logits memory)
+  loss_chunk: int = 4096         # tokens per chunk of the LM head + loss (bounds logits memory;
+                                 # each chunk's gradients are computed in its forward pass)
 
   def __post_init__(self):
     if self.n_heads % self.n_kv_heads:
@@ -323,6 +326,16 @@ class Transformer(nn.Module):
     return chunked_cross_entropy(h, w, targets_BxT, loss_mask_BxT, self.cfg.loss_chunk)
 
 
+def cross_entropy_reference(h_BxTxE, w_ExV, targets_BxT, mask_BxT):
+  """Plain-jnp reference: (sum of masked cross-entropies, token count) from full fp32 logits."""
+  logits = jnp.einsum("bte,ev->btv", h_BxTxE, w_ExV.astype(h_BxTxE.dtype),
+                      preferred_element_type=jnp.float32)
+  nll = (jax.nn.logsumexp(logits, -1)
+         - jnp.take_along_axis(logits, targets_BxT[..., None], -1)[..., 0])
+  m = mask_BxT.astype(jnp.float32)
+  return (nll * m).sum(), m.sum()
+
+
 def chunked_cross_entropy(h_BxTxE, w_ExV, targets_BxT, mask_BxT, chunk: int):
   """Sum of masked cross-entropies without materializing all [B, T, V] logits at once.
 
@@ -330,6 +343,13 @@ def chunked_cross_entropy(h_BxTxE, w_ExV, targets_BxT, mask_BxT, chunk: int):
   masked-out tokens (at most ``chunk - 1`` extra rows of logits) rather than shrinking the chunk:
   a gcd-sized chunk degenerates to 1 token for rows like WLB's floor(1.2 x 65536) = 78643 (a
   prime), which turned the loss into a 78643-step scan (a 200 s first step on an H200).
+
+  Under differentiation the forward pass also computes the gradients of ``h`` and ``w`` chunk by
+  chunk (d logits = softmax - one-hot is at hand right after the log-sum-exp), so each chunk's
+  logits are computed once: three LM-head matmuls per chunk (logits, dh, dw) where rematerialized
+  autodiff ran four (logits again in the backward) plus a second pass over [B, c, V] fp32 logits.
+  Costs: dh ([B, T, E], h's dtype) and dw ([E, V], fp32) live from the forward to the backward.
+  Without differentiation (evaluation) only the loss is computed.
   """
   b, t, e = h_BxTxE.shape
   c = min(max(1, int(chunk)), t)
@@ -339,20 +359,56 @@ def chunked_cross_entropy(h_BxTxE, w_ExV, targets_BxT, mask_BxT, chunk: int):
     targets_BxT = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
     mask_BxT = jnp.pad(mask_BxT, ((0, 0), (0, pad)))
   n = (t + pad) // c
+  split = lambda a: jnp.moveaxis(a.reshape(b, n, c, *a.shape[2:]), 1, 0)
+  mask_f = mask_BxT.astype(jnp.float32)
+  total = _fused_lm_head_ce(split(h_BxTxE), w_ExV, split(targets_BxT), split(mask_f))
+  return total, mask_f.sum()
 
-  @jax.checkpoint
-  def one(h_c, y_c, m_c):
-    logits = jnp.einsum("bte,ev->btv", h_c, w_ExV.astype(h_c.dtype),
-                        preferred_element_type=jnp.float32)
-    logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    tgt = jnp.take_along_axis(logits, y_c[..., None], axis=-1)[..., 0]
-    return ((lse - tgt) * m_c).sum()
+
+def _ce_chunk(h_c, w_c, y_c, m_c):
+  """One chunk: (fp32 logits [b, c, V], their log-sum-exp [b, c], masked NLL sum)."""
+  logits = jnp.einsum("bte,ev->btv", h_c, w_c, preferred_element_type=jnp.float32)
+  logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  tgt = jnp.take_along_axis(logits, y_c[..., None], axis=-1)[..., 0]
+  return logits, lse, ((lse - tgt) * m_c).sum()
+
+
+@jax.custom_vjp
+def _fused_lm_head_ce(h_NxBxCxE, w_ExV, y_NxBxC, m_NxBxC):
+  w_c = w_ExV.astype(h_NxBxCxE.dtype)
 
   def body(total, xs):
-    return total + one(*xs), None
+    return total + _ce_chunk(xs[0], w_c, xs[1], xs[2])[2], None
 
-  split = lambda a: jnp.moveaxis(a.reshape(b, n, c, *a.shape[2:]), 1, 0)
-  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
-                          (split(h_BxTxE), split(targets_BxT), split(mask_BxT.astype(jnp.float32))))
-  return total, mask_BxT.astype(jnp.float32).sum()
+  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (h_NxBxCxE, y_NxBxC, m_NxBxC))
+  return total
+
+
+def _fused_lm_head_ce_fwd(h_NxBxCxE, w_ExV, y_NxBxC, m_NxBxC):
+  dtype = h_NxBxCxE.dtype
+  w_c = w_ExV.astype(dtype)
+
+  def body(carry, xs):
+    total, dw = carry
+    h_c, y_c, m_c = xs
+    logits, lse, nll = _ce_chunk(h_c, w_c, y_c, m_c)
+    is_target = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == y_c[..., None]
+    p = jnp.exp(logits - lse[..., None])
+    dlogits = ((p - is_target.astype(p.dtype)) * m_c[..., None]).astype(dtype)
+    dlogits = nn.with_logical_constraint(dlogits, ("batch", "length", "vocab"))
+    dh = jnp.einsum("btv,ev->bte", dlogits, w_c, preferred_element_type=jnp.float32)
+    dw = dw + jnp.einsum("bte,btv->ev", h_c, dlogits, preferred_element_type=jnp.float32)
+    return (total + nll, dw), dh.astype(dtype)
+
+  init = (jnp.zeros((), jnp.float32), jnp.zeros(w_ExV.shape, jnp.float32))
+  (total, dw), dh = jax.lax.scan(body, init, (h_NxBxCxE, y_NxBxC, m_NxBxC))
+  return total, (dh, dw.astype(w_ExV.dtype))
+
+
+def _fused_lm_head_ce_bwd(res, g):
+  dh, dw = res
+  return (dh * g.astype(dh.dtype), (dw * g).astype(dw.dtype), None, None)
+
+
+_fused_lm_head_ce.defvjp(_fused_lm_head_ce_fwd, _fused_lm_head_ce_bwd)

@@ -111,6 +111,7 @@ DERIVED_LINE_NAMES = frozenset({
 TRACE_GLOB = "*.trace.json.gz"
 TRACE_EVENT_CAP = 1_000_000         # the exporter keeps the earliest this many events
 OTHER_TOP = 10                      # 'other' names listed in a report
+OTHER_TOP_OPS = 3                   # HLO instructions listed per 'other' name
 _NEST_EPS_US = 1e-2                 # trace timestamps are rounded to the ns: containment slack
 
 
@@ -353,7 +354,11 @@ def step_report(events: Sequence[DeviceEvent], *, step_time_s: float | None = No
   compute and busy time. `slowest_device` is the argmax of compute time: busy time hides a slow
   rank because its peers' collectives wait (and stay busy) until it arrives.
   `other_top`: the 'other' names with the most summed time over all devices (digit suffixes such
-  as `.12` / `_3` dropped), to grow CATEGORY_PATTERNS from a real trace.
+  as `.12` / `_3` dropped), to grow CATEGORY_PATTERNS from a real trace, each with its
+  `hlo_ops`: the HLO instructions behind it with the most time ([name, us]; look them up in the
+  compiled step's HLO text, e.g. `e2e_bench.py --profile` writes it next to the trace; names
+  made later, at thunk emission, are not in that text: `command_buffer_N` groups, and on an H200
+  dynamic-update-slice fusions run as memcpys).
   """
   by_device: dict[int, list[DeviceEvent]] = collections.defaultdict(list)
   for ev in events:
@@ -368,10 +373,13 @@ def step_report(events: Sequence[DeviceEvent], *, step_time_s: float | None = No
       category = event_category(ev)
       spans[category].append((ev.start_us, ev.end_us))
       if category == "other":
-        entry = other_total.setdefault(_fold_digits(ev.name), [0.0, 0, set()])
+        entry = other_total.setdefault(_fold_digits(ev.name),
+                                       [0.0, 0, set(), collections.Counter()])
         entry[0] += ev.dur_us
         entry[1] += 1
         entry[2].add(device)
+        if ev.hlo_op:
+          entry[3][ev.hlo_op] += ev.dur_us
     merged = {c: merge_intervals(v) for c, v in spans.items()}
     busy = merge_intervals(iv for m in merged.values() for iv in m)
     compute = merge_intervals(iv for c, m in merged.items() if c != "collective" for iv in m)
@@ -391,8 +399,9 @@ def step_report(events: Sequence[DeviceEvent], *, step_time_s: float | None = No
   for key in ("attention_us", "matmul_us", "compute_us", "busy_us"):
     straggler[key] = _spread(rows, key)
   straggler["slowest_device"] = straggler["compute_us"]["argmax"]
-  other_top = [{"name": name, "total_us": t, "count": n, "devices": len(devs)}
-               for name, (t, n, devs) in sorted(other_total.items(),
+  other_top = [{"name": name, "total_us": t, "count": n, "devices": len(devs),
+                "hlo_ops": [[op, us] for op, us in ops.most_common(OTHER_TOP_OPS)]}
+               for name, (t, n, devs, ops) in sorted(other_total.items(),
                                                  key=lambda kv: (-kv[1][0], kv[0]))[:OTHER_TOP]]
   return {"devices": rows, "straggler": straggler, "other_top": other_top, "step_us": step_us}
 
@@ -442,11 +451,13 @@ def format_report(report: dict) -> str:
   if report["other_top"]:
     lines += ["", "Top 'other' names by summed time (add patterns to "
               "profiling.CATEGORY_PATTERNS for kernels that belong elsewhere):", "",
-              "| name | total ms | count | devices |", "|---|---:|---:|---:|"]
+              "| name | total ms | count | devices | top HLO ops (ms) |",
+              "|---|---:|---:|---:|---|"]
     for o in report["other_top"]:
       name = o["name"].replace("|", "\\|")
+      ops = ", ".join(f"`{op}` {us / 1e3:.1f}" for op, us in o.get("hlo_ops", []))
       lines.append(f"| `{name[:120]}` | {o['total_us'] / 1e3:.3f} | {o['count']} | "
-                   f"{o['devices']} |")
+                   f"{o['devices']} | {ops} |")
   return "\n".join(lines)
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
 import os
 import statistics
@@ -140,7 +141,8 @@ def run_one(c, steps, warmup, log, profile_dir=None):
     log("    profiled step:\n" + profiling.format_report(report))
   peak = metrics.peak_flops_per_device(c.peak_tflops)
   plan_s = prefetch.host_plan_s[warmup:warmup + steps]
-  mem = step_memory_gb(step_fn, state, batch, mesh)
+  hlo_path = None if profile_dir is None else os.path.join(profile_dir, "step_hlo.txt.gz")
+  mem = step_memory_gb(step_fn, state, batch, mesh, hlo_path=hlo_path)
   if mem:
     log("    memory per device (XLA's plan of the step): " +
         ", ".join(f"{k} {v:.1f} GB" for k, v in mem.items()))
@@ -150,14 +152,20 @@ def run_one(c, steps, warmup, log, profile_dir=None):
               backend=backend, memory_gb=mem)
 
 
-def step_memory_gb(step_fn, state, batch, mesh):
+def step_memory_gb(step_fn, state, batch, mesh, hlo_path=None):
   """Per-device GB of the compiled step (XLA's memory analysis: arguments, outputs, temporaries
   and their sum less donated aliases), or {} where the backend reports none. Compiles the step
-  again (a persistent-cache hit where JAX_COMPILATION_CACHE_DIR is set)."""
+  again (a persistent-cache hit where JAX_COMPILATION_CACHE_DIR is set). With `hlo_path`, also
+  writes the compiled step's HLO text there (gzip): most of the profile report's HLO op names
+  are its instructions, with the source in their metadata (see `profiling.step_report`)."""
   from distca_jax import trainer
   try:
     with trainer.mesh_context(mesh):
-      ma = step_fn.lower(state, batch).compile().memory_analysis()
+      compiled = step_fn.lower(state, batch).compile()
+    if hlo_path:
+      with gzip.open(hlo_path, "wt") as f:
+        f.write(compiled.as_text())
+    ma = compiled.memory_analysis()
   except Exception as e:  # noqa: BLE001  (reported, the timing stands without it)
     print(f"    memory analysis unavailable: {type(e).__name__}: {e}", flush=True)
     return {}

@@ -331,3 +331,16 @@ def test_profile_step_out_of_range_is_an_error(tmp_path):
                      "optim.warmup_steps": 1})
   with pytest.raises(ValueError, match="profile_step=3"):
     trainer.train_and_evaluate(c, str(tmp_path / "run"))
+
+
+def test_other_top_names_the_hlo_ops_behind_each_name():
+  """A copy-heavy step: the report says which HLO instructions the memcpy time came from."""
+  events = [DeviceEvent(0, "s", "MemcpyD2D", 0.0, 3000.0, hlo_op="copy.1"),
+            DeviceEvent(0, "s", "MemcpyD2D", 3000.0, 5000.0, hlo_op="copy.2"),
+            DeviceEvent(1, "s", "MemcpyD2D", 0.0, 1000.0, hlo_op="copy.2"),
+            DeviceEvent(1, "s", "MemcpyD2D", 1000.0, 500.0)]  # no hlo_op: counted, not named
+  (top,) = profiling.step_report(events)["other_top"]
+  assert (top["name"], top["total_us"], top["count"], top["devices"]) == ("MemcpyD2D", 9500, 4, 2)
+  assert top["hlo_ops"] == [["copy.2", 6000.0], ["copy.1", 3000.0]]
+  assert "| `copy.2` 6.0, `copy.1` 3.0 |" in profiling.format_report(
+      profiling.step_report(events))

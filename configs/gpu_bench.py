@@ -23,6 +23,7 @@ def _base():
 def get_config():
   c = _base()
   c.model.n_layers = 4
+  c.model.remat = "save_attention"       # no attention rerun in the backward (e2e_v5_summary)
   c.mesh.data = -1
   c.mesh.tensor = 1
   c.tokens_per_rank = 65_536

@@ -17,7 +17,11 @@ import ml_collections
 # ping-pong changed nothing (results/e2e_2gpu_summary.md); DESIGN_NOTES Sec. 6 measured
 # `--xla_gpu_enable_latency_hiding_scheduler` hiding 37% vs 30% of an all-to-all. Pass any XLA
 # flags through the environment (XLA_FLAGS) and they are kept.
-GPU_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0"}
+# XLA_PYTHON_CLIENT_MEM_FRACTION: JAX preallocates 75% of GPU memory by default; Llama-3-8B layers
+# at 128K tokens per GPU with remat 'none' plan ~105-113 GiB of an H200's 140 (results/
+# e2e_v5_summary.md), which failed at 75% and fits at 92% (NCCL and kernel workspaces live in the
+# rest).
+GPU_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
 
 
 def configure_environment() -> None:

@@ -101,6 +101,24 @@ stage e2e_prolong_64k_caps 300 python3 experiments/e2e_bench.py --backends packe
 stage e2e_128k_v4 560 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 131072 $E2E20 --extra model.remat=save_attention --variant eps0@distca:attention.distca.tolerance=0 --profile --plan-stats --out "$OUT/e2e_2gpu_128k_v4"
 ;;& v4b)
 stage e2e_128k_v4_4l 560 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 131072 --layers 4 --steps 20 --warmup 2 --extra model.remat=save_attention --extra attention.distca.tolerance=0 --plan-stats --out "$OUT/e2e_2gpu_128k_v4_4l"
+;;& v5)
+# results/e2e_v5_summary.md: the fused LM-head cross-entropy (logits once per chunk), remat 'none'
+# in 92% of GPU memory (launch.GPU_ENV_DEFAULTS) against 'save_attention', tolerance 0.02.
+stage e2e_128k_v5 240 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 131072 $E2E20 --extra model.remat=none --extra attention.distca.tolerance=0.02 --profile --plan-stats --out "$OUT/e2e_2gpu_128k_v5"
+stage e2e_prolong_128k_v5 170 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads prolong --tokens 131072 $E2E20 --extra model.remat=none --extra attention.distca.tolerance=0.02 --plan-stats --out "$OUT/e2e_2gpu_prolong_128k_v5"
+stage e2e_128k_v5_sa 170 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 131072 $E2E20 --extra model.remat=save_attention --extra attention.distca.tolerance=0.02 --out "$OUT/e2e_2gpu_128k_v5_sa"
+;;& v5b)
+# The same with the new defaults (gpu_bench: remat 'save_attention', tolerance 0.02), the WLB
+# baseline and the signal-only twin; HLO of each profiled step in the *_profiles folders.
+WLB="--extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2"
+stage e2e_128k_v5b 350 python3 experiments/e2e_bench.py --backends packed_dp,distca,wlb --workloads pretrain --tokens 131072 $E2E20 $WLB --variant signal@distca:attention.distca.signal_only=true --profile --plan-stats --out "$OUT/e2e_2gpu_128k_v5b"
+stage e2e_prolong_128k_v5b 200 python3 experiments/e2e_bench.py --backends packed_dp,distca,wlb --workloads prolong --tokens 131072 $E2E20 $WLB --plan-stats --out "$OUT/e2e_2gpu_prolong_128k_v5b"
+;;& v5c)
+WLB="--extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2"
+stage e2e_128k_v5c_wlb 200 python3 experiments/e2e_bench.py --backends wlb --workloads pretrain --tokens 131072 $E2E20 $WLB --out "$OUT/e2e_2gpu_128k_v5c_wlb"
+stage e2e_64k_v5c 340 python3 experiments/e2e_bench.py --backends packed_dp,distca,wlb --workloads pretrain,prolong --tokens 65536 $E2E20 $WLB --plan-stats --out "$OUT/e2e_2gpu_64k_v5c"
+;;& v5d)
+stage e2e_pingpong_2x64k_v5 270 python3 experiments/e2e_bench.py --backends distca --workloads pretrain --tokens 65536 --rows-per-rank 2 --nano-batches 1,2 $E2E20 --out "$OUT/e2e_2gpu_pingpong_2x64k_v5"
 ;;& wlb|all)
 stage e2e_64k_wlb 400 python3 experiments/e2e_bench.py --backends packed_dp,wlb --workloads pretrain --tokens 65536 $E2E20 --extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2 --out "$OUT/e2e_64k_wlb"
 ;;

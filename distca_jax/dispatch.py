@@ -117,7 +117,8 @@ CAP_FIELDS = ("q_slot", "kv_slot", "q_tokens", "kv_tokens", "tasks")
 # Default tasks per row when config leaves ``tasks`` at 0. Measured with
 # ``scheduler.required_capacity`` on both workloads (WorkloadSampler, context_length =
 # tokens_per_row, tolerance 0.1, 8 ranks of 256 to 16K tokens and 2 of 64K): at most 43 tasks per
-# rank. Tasks cost only int32 table entries and empty kernel blocks.
+# rank; at tolerance 0.02 and 0 (2-16 ranks of 16K-128K, 10 batches each) at most 34, with q_slot
+# <= 0.36 x tokens per rank. Tasks cost only int32 table entries and empty kernel blocks.
 _TASKS_PER_ROW = 64
 
 # Exchange buckets (module docstring): the default count, and bucket slot rows are rounded up to a

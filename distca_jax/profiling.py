@@ -175,6 +175,7 @@ class DeviceEvent:
   name: kernel (GPU) or HLO op (CPU) name as the trace shows it.
   start_us, dur_us: trace clock, microseconds.
   hlo_op, long_name: `args.hlo_op` and `args.long_name` when the trace has them, else "".
+  bytes: a memcpy's size (`size:N` of `args.memcpy_details`), else 0.
   """
   device: int
   stream: str
@@ -183,6 +184,7 @@ class DeviceEvent:
   dur_us: float
   hlo_op: str = ""
   long_name: str = ""
+  bytes: int = 0
 
   @property
   def end_us(self) -> float:
@@ -296,8 +298,15 @@ def load_events(trace_path: str) -> list[DeviceEvent]:
     events.append(DeviceEvent(device=device, stream=stream, name=str(e.get("name", "")),
                               start_us=float(e["ts"]), dur_us=float(e.get("dur", 0.0)),
                               hlo_op=str(args.get("hlo_op", "")),
-                              long_name=str(args.get("long_name", ""))))
+                              long_name=str(args.get("long_name", "")),
+                              bytes=_memcpy_bytes(args.get("memcpy_details"))))
   return sorted(_innermost(events), key=lambda ev: (ev.device, ev.start_us, ev.stream, ev.name))
+
+
+def _memcpy_bytes(details) -> int:
+  """`size:N` of a memcpy's details ("kind_src:device kind_dst:device size:N dest:1 async:1")."""
+  m = re.search(r"\bsize:(\d+)", str(details or ""))
+  return int(m.group(1)) if m else 0
 
 
 def _is_derived_line(tid, name: str) -> bool:
@@ -355,7 +364,8 @@ def step_report(events: Sequence[DeviceEvent], *, step_time_s: float | None = No
   rank because its peers' collectives wait (and stay busy) until it arrives.
   `other_top`: the 'other' names with the most summed time over all devices (digit suffixes such
   as `.12` / `_3` dropped), to grow CATEGORY_PATTERNS from a real trace, each with its
-  `hlo_ops`: the HLO instructions behind it with the most time ([name, us]; look them up in the
+  `bytes`: the summed size of its memcpys (0 for kernels), and `hlo_ops`: the HLO instructions
+  behind it with the most time ([name, us]; look them up in the
   compiled step's HLO text, e.g. `e2e_bench.py --profile` writes it next to the trace; names
   made later, at thunk emission, are not in that text: `command_buffer_N` groups, and on an H200
   dynamic-update-slice fusions run as memcpys).
@@ -374,10 +384,11 @@ def step_report(events: Sequence[DeviceEvent], *, step_time_s: float | None = No
       spans[category].append((ev.start_us, ev.end_us))
       if category == "other":
         entry = other_total.setdefault(_fold_digits(ev.name),
-                                       [0.0, 0, set(), collections.Counter()])
+                                       [0.0, 0, set(), collections.Counter(), 0])
         entry[0] += ev.dur_us
         entry[1] += 1
         entry[2].add(device)
+        entry[4] += ev.bytes
         if ev.hlo_op:
           entry[3][ev.hlo_op] += ev.dur_us
     merged = {c: merge_intervals(v) for c, v in spans.items()}
@@ -400,8 +411,9 @@ def step_report(events: Sequence[DeviceEvent], *, step_time_s: float | None = No
     straggler[key] = _spread(rows, key)
   straggler["slowest_device"] = straggler["compute_us"]["argmax"]
   other_top = [{"name": name, "total_us": t, "count": n, "devices": len(devs),
-                "hlo_ops": [[op, us] for op, us in ops.most_common(OTHER_TOP_OPS)]}
-               for name, (t, n, devs, ops) in sorted(other_total.items(),
+                "hlo_ops": [[op, us] for op, us in ops.most_common(OTHER_TOP_OPS)],
+                "bytes": nbytes}
+               for name, (t, n, devs, ops, nbytes) in sorted(other_total.items(),
                                                  key=lambda kv: (-kv[1][0], kv[0]))[:OTHER_TOP]]
   return {"devices": rows, "straggler": straggler, "other_top": other_top, "step_us": step_us}
 
@@ -451,13 +463,16 @@ def format_report(report: dict) -> str:
   if report["other_top"]:
     lines += ["", "Top 'other' names by summed time (add patterns to "
               "profiling.CATEGORY_PATTERNS for kernels that belong elsewhere):", "",
-              "| name | total ms | count | devices | top HLO ops (ms) |",
-              "|---|---:|---:|---:|---|"]
+              "| name | total ms | count | devices | memcpy GB (GB/s) | top HLO ops (ms) |",
+              "|---|---:|---:|---:|---:|---|"]
     for o in report["other_top"]:
       name = o["name"].replace("|", "\\|")
       ops = ", ".join(f"`{op}` {us / 1e3:.1f}" for op, us in o.get("hlo_ops", []))
+      nbytes = o.get("bytes", 0)
+      copied = (f"{nbytes / 1e9:.2f} ({nbytes / 1e3 / o['total_us']:.0f})"
+                if nbytes and o["total_us"] > 0 else "")
       lines.append(f"| `{name[:120]}` | {o['total_us'] / 1e3:.3f} | {o['count']} | "
-                   f"{o['devices']} | {ops} |")
+                   f"{o['devices']} | {copied} | {ops} |")
   return "\n".join(lines)
 
 

@@ -119,6 +119,10 @@ stage e2e_128k_v5c_wlb 200 python3 experiments/e2e_bench.py --backends wlb --wor
 stage e2e_64k_v5c 340 python3 experiments/e2e_bench.py --backends packed_dp,distca,wlb --workloads pretrain,prolong --tokens 65536 $E2E20 $WLB --plan-stats --out "$OUT/e2e_2gpu_64k_v5c"
 ;;& v5d)
 stage e2e_pingpong_2x64k_v5 270 python3 experiments/e2e_bench.py --backends distca --workloads pretrain --tokens 65536 --rows-per-rank 2 --nano-batches 1,2 $E2E20 --out "$OUT/e2e_2gpu_pingpong_2x64k_v5"
+;;& v6probe)
+# Next leads of results/e2e_v5_summary.md: the MemcpyD2D time of 128K steps (the profile report
+# now gives each memcpy name's bytes and GB/s) and CAD's fixed cost on ProLong, per GPU.
+stage e2e_prolong_128k_profile 260 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads prolong --tokens 131072 $E2E20 --steps 5 --profile --plan-stats --out "$OUT/e2e_2gpu_prolong_128k_profile"
 ;;& wlb|all)
 stage e2e_64k_wlb 400 python3 experiments/e2e_bench.py --backends packed_dp,wlb --workloads pretrain --tokens 65536 $E2E20 --extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2 --out "$OUT/e2e_64k_wlb"
 ;;

@@ -210,6 +210,9 @@ def test_load_events_gpu_layout(tmp_path):
        "args": {"hlo_op": "custom-call.1", "hlo_module": "jit_train_step"}},
       {"ph": "X", "pid": 1, "tid": 13, "ts": 105.5, "dur": 20.0, "name": "Kernel2",
        "args": {"hlo_op": "all-to-all.2"}},
+      {"ph": "X", "pid": 1, "tid": 13, "ts": 130.0, "dur": 2.0, "name": "MemcpyD2D",
+       "args": {"hlo_op": "copy.3", "memcpy_details":
+                "kind_src:device kind_dst:device size:4000000 dest:0 async:1"}},
       {"ph": "X", "pid": 1, "tid": derived, "ts": 105.5, "dur": 20.0, "name": "all-to-all.2"},
       {"ph": "X", "pid": 2, "tid": 7, "ts": 101.0, "dur": 5.0, "name": "kernel_func",
        "args": {"long_name": "void flash::FlashAttnFwdSm90<...>"}},
@@ -223,6 +226,8 @@ def test_load_events_gpu_layout(tmp_path):
   assert got == [
       DeviceEvent(0, "Stream #7(Kernel)", "sm90_xmma_gemm_x", 100.0, 10.0, hlo_op="custom-call.1"),
       DeviceEvent(0, "Stream #13(Kernel,MemcpyD2D)", "Kernel2", 105.5, 20.0, hlo_op="all-to-all.2"),
+      DeviceEvent(0, "Stream #13(Kernel,MemcpyD2D)", "MemcpyD2D", 130.0, 2.0, hlo_op="copy.3",
+                  bytes=4_000_000),
       DeviceEvent(1, "Stream #7(Kernel)", "kernel_func", 101.0, 5.0,
                   long_name="void flash::FlashAttnFwdSm90<...>"),
   ]
@@ -335,12 +340,15 @@ def test_profile_step_out_of_range_is_an_error(tmp_path):
 
 def test_other_top_names_the_hlo_ops_behind_each_name():
   """A copy-heavy step: the report says which HLO instructions the memcpy time came from."""
-  events = [DeviceEvent(0, "s", "MemcpyD2D", 0.0, 3000.0, hlo_op="copy.1"),
-            DeviceEvent(0, "s", "MemcpyD2D", 3000.0, 5000.0, hlo_op="copy.2"),
-            DeviceEvent(1, "s", "MemcpyD2D", 0.0, 1000.0, hlo_op="copy.2"),
-            DeviceEvent(1, "s", "MemcpyD2D", 1000.0, 500.0)]  # no hlo_op: counted, not named
+  gb = 10**9
+  events = [DeviceEvent(0, "s", "MemcpyD2D", 0.0, 3000.0, hlo_op="copy.1", bytes=gb),
+            DeviceEvent(0, "s", "MemcpyD2D", 3000.0, 5000.0, hlo_op="copy.2", bytes=2 * gb),
+            DeviceEvent(1, "s", "MemcpyD2D", 0.0, 1000.0, hlo_op="copy.2", bytes=gb),
+            DeviceEvent(1, "s", "MemcpyD2D", 1000.0, 500.0)]  # no hlo_op or size: counted only
   (top,) = profiling.step_report(events)["other_top"]
   assert (top["name"], top["total_us"], top["count"], top["devices"]) == ("MemcpyD2D", 9500, 4, 2)
   assert top["hlo_ops"] == [["copy.2", 6000.0], ["copy.1", 3000.0]]
-  assert "| `copy.2` 6.0, `copy.1` 3.0 |" in profiling.format_report(
+  assert top["bytes"] == 4 * gb
+  # 4 GB in 9.5 ms: 421 GB/s.
+  assert "| 4.00 (421) | `copy.2` 6.0, `copy.1` 3.0 |" in profiling.format_report(
       profiling.step_report(events))

@@ -14,9 +14,10 @@ find_python() {
   for c in "${PYTHON:-}" python3.12 python3.13 python3; do
     [ -n "$c" ] && command -v "$c" >/dev/null 2>&1 && is_py312plus "$c" && { command -v "$c"; return; }
   done
-  # pyenv installs whose shims refuse without PYENV_VERSION.
+  # pyenv installs whose shims refuse without PYENV_VERSION: the oldest >= 3.12 first, so 3.12
+  # (what the GPU machines run) wins over newer ones.
   if command -v pyenv >/dev/null 2>&1; then
-    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[2-9]' | sort -rV); do
+    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[2-9]' | sort -V); do
       c="$(pyenv prefix "$v")/bin/python3"
       is_py312plus "$c" && { echo "$c"; return; }
     done

@@ -51,12 +51,7 @@ def compile_train_step(c: ml_collections.ConfigDict, devices=None):
       "lower_s": t1 - t0,
       "compile_s": t2 - t1,
   }
-  mem = memory_fields(compiled)
-  if mem:
-    info.update(mem)
-    # Donated state aliases its output, so arguments + temporaries is the live peak's bound.
-    info["total_per_device_bytes"] = (info["argument_size_in_bytes"] + info["temp_size_in_bytes"]
-                                      + info["output_size_in_bytes"] - info["alias_size_in_bytes"])
+  info.update(memory_fields(compiled))
   return compiled, info
 
 
@@ -65,8 +60,13 @@ MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in
 
 
 def memory_fields(compiled) -> dict[str, int]:
-  """XLA's buffer assignment of a compiled program, bytes per device ({} when not reported)."""
+  """XLA's buffer assignment of a compiled program, bytes per device ({} when not reported):
+  MEMORY_FIELDS and ``total_per_device_bytes`` = arguments + outputs + temporaries - aliases
+  (donated state aliases its output, so this bounds the live peak)."""
   mem = compiled.memory_analysis()
   if mem is None:
     return {}
-  return {f: int(getattr(mem, f, 0) or 0) for f in MEMORY_FIELDS}
+  out = {f: int(getattr(mem, f, 0) or 0) for f in MEMORY_FIELDS}
+  out["total_per_device_bytes"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"]
+                                   + out["temp_size_in_bytes"] - out["alias_size_in_bytes"])
+  return out

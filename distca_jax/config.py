@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from distca_jax import scheduler
 from distca_jax.model import ModelConfig
 
 
@@ -42,11 +43,9 @@ def base_config() -> ml_collections.ConfigDict:
   # dispatch.default_capacity (q_slot T/2, kv_slot T, q_tokens 1.5 T, kv_tokens 3 T); tasks 64
   # per row. The planner never exceeds a cap (tighter caps cost balance, looser ones memory).
   c.attention.distca = ml_collections.ConfigDict()
-  c.attention.distca.tolerance = 0.02     # epsilon: every server within (1 + eps) x mean pairs
-                                          # (0.02: measured per-GPU attention max/mean 1.003 at
-                                          # Pretrain 128K on 2 H200s where 0.05 gave 1.04, for
-                                          # 1.6% more bytes; eps 0 / 0.05 / 0.1 stepped alike,
-                                          # results/e2e_2gpu_64k_v3.md, e2e_v5_summary.md)
+  c.attention.distca.tolerance = scheduler.DEFAULT_TOLERANCE
+                                          # epsilon: every server within (1 + eps) x mean pairs
+                                          # (0.02; why: scheduler.DEFAULT_TOLERANCE)
   c.attention.distca.min_shard = 0        # shortest query piece a split may create; 0 = auto
                                           # (512, or tokens_per_rank / 16 for short rows)
   c.attention.distca.q_slot = 0           # query rows one rank sends one server

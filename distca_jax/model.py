@@ -315,9 +315,7 @@ class Transformer(nn.Module):
 
   def logits(self, tokens_BxT, layout: Layout):
     """Full logits [B, T, V] in float32 (tests and small models; training uses `loss`)."""
-    h = self(tokens_BxT, layout)
-    return jnp.einsum("bte,ev->btv", h, self.head_weights().astype(h.dtype),
-                      preferred_element_type=jnp.float32)
+    return lm_head_logits(self(tokens_BxT, layout), self.head_weights())
 
   def loss(self, tokens_BxT, targets_BxT, loss_mask_BxT, layout: Layout):
     """(sum of masked token cross-entropies, number of loss tokens), LM head chunked over T."""
@@ -326,10 +324,15 @@ class Transformer(nn.Module):
     return chunked_cross_entropy(h, w, targets_BxT, loss_mask_BxT, self.cfg.loss_chunk)
 
 
+def lm_head_logits(h_BxTxE, w_ExV):
+  """fp32 logits of the LM head, the matmul in h's dtype."""
+  return jnp.einsum("bte,ev->btv", h_BxTxE, w_ExV.astype(h_BxTxE.dtype),
+                    preferred_element_type=jnp.float32)
+
+
 def cross_entropy_reference(h_BxTxE, w_ExV, targets_BxT, mask_BxT):
   """Plain-jnp reference: (sum of masked cross-entropies, token count) from full fp32 logits."""
-  logits = jnp.einsum("bte,ev->btv", h_BxTxE, w_ExV.astype(h_BxTxE.dtype),
-                      preferred_element_type=jnp.float32)
+  logits = lm_head_logits(h_BxTxE, w_ExV)
   nll = (jax.nn.logsumexp(logits, -1)
          - jnp.take_along_axis(logits, targets_BxT[..., None], -1)[..., 0])
   m = mask_BxT.astype(jnp.float32)
@@ -367,8 +370,7 @@ def chunked_cross_entropy(h_BxTxE, w_ExV, targets_BxT, mask_BxT, chunk: int):
 
 def _ce_chunk(h_c, w_c, y_c, m_c):
   """One chunk: (fp32 logits [b, c, V], their log-sum-exp [b, c], masked NLL sum)."""
-  logits = jnp.einsum("bte,ev->btv", h_c, w_c, preferred_element_type=jnp.float32)
-  logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+  logits = nn.with_logical_constraint(lm_head_logits(h_c, w_c), ("batch", "length", "vocab"))
   lse = jax.nn.logsumexp(logits, axis=-1)
   tgt = jnp.take_along_axis(logits, y_c[..., None], axis=-1)[..., 0]
   return logits, lse, ((lse - tgt) * m_c).sum()

@@ -383,14 +383,15 @@ def step_report(events: Sequence[DeviceEvent], *, step_time_s: float | None = No
       category = event_category(ev)
       spans[category].append((ev.start_us, ev.end_us))
       if category == "other":
-        entry = other_total.setdefault(_fold_digits(ev.name),
-                                       [0.0, 0, set(), collections.Counter(), 0])
-        entry[0] += ev.dur_us
-        entry[1] += 1
-        entry[2].add(device)
-        entry[4] += ev.bytes
+        agg = other_total.setdefault(_fold_digits(ev.name), {
+            "total_us": 0.0, "count": 0, "devices": set(), "bytes": 0,
+            "hlo_ops": collections.Counter()})
+        agg["total_us"] += ev.dur_us
+        agg["count"] += 1
+        agg["devices"].add(device)
+        agg["bytes"] += ev.bytes
         if ev.hlo_op:
-          entry[3][ev.hlo_op] += ev.dur_us
+          agg["hlo_ops"][ev.hlo_op] += ev.dur_us
     merged = {c: merge_intervals(v) for c, v in spans.items()}
     busy = merge_intervals(iv for m in merged.values() for iv in m)
     compute = merge_intervals(iv for c, m in merged.items() if c != "collective" for iv in m)
@@ -410,11 +411,10 @@ def step_report(events: Sequence[DeviceEvent], *, step_time_s: float | None = No
   for key in ("attention_us", "matmul_us", "compute_us", "busy_us"):
     straggler[key] = _spread(rows, key)
   straggler["slowest_device"] = straggler["compute_us"]["argmax"]
-  other_top = [{"name": name, "total_us": t, "count": n, "devices": len(devs),
-                "hlo_ops": [[op, us] for op, us in ops.most_common(OTHER_TOP_OPS)],
-                "bytes": nbytes}
-               for name, (t, n, devs, ops, nbytes) in sorted(other_total.items(),
-                                                 key=lambda kv: (-kv[1][0], kv[0]))[:OTHER_TOP]]
+  ranked = sorted(other_total.items(), key=lambda kv: (-kv[1]["total_us"], kv[0]))[:OTHER_TOP]
+  other_top = [{**agg, "name": name, "devices": len(agg["devices"]),
+                "hlo_ops": [[op, us] for op, us in agg["hlo_ops"].most_common(OTHER_TOP_OPS)]}
+               for name, agg in ranked]
   return {"devices": rows, "straggler": straggler, "other_top": other_top, "step_us": step_us}
 
 

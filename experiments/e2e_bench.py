@@ -110,11 +110,12 @@ def run_one(c, steps, warmup, log, profile_dir=None):
     t_wait = time.perf_counter()
     step, np_batch, fl, tok = prefetch.next()
     waited = time.perf_counter() - t_wait
-    if step_fn is None:
-      with trainer.mesh_context(mesh):
-        step_fn = trainer.jit_train_step(c, model, tx, mesh, state_sh, tuple(np_batch))
     batch = trainer.device_batch(np_batch, mesh)
     jax.block_until_ready(batch)
+    if step_fn is None:  # compiled once: the steps run it, and memory / HLO are read from it
+      with trainer.mesh_context(mesh):
+        step_fn = trainer.jit_train_step(c, model, tx, mesh, state_sh,
+                                         tuple(np_batch)).lower(state, batch).compile()
     t0 = time.perf_counter()
     with trainer.mesh_context(mesh):
       state, m = step_fn(state, batch)
@@ -141,8 +142,10 @@ def run_one(c, steps, warmup, log, profile_dir=None):
     log("    profiled step:\n" + profiling.format_report(report))
   peak = metrics.peak_flops_per_device(c.peak_tflops)
   plan_s = prefetch.host_plan_s[warmup:warmup + steps]
-  hlo_path = None if profile_dir is None else os.path.join(profile_dir, "step_hlo.txt.gz")
-  mem = step_memory_gb(step_fn, state, batch, mesh, hlo_path=hlo_path)
+  if profile_dir is not None:  # most of the report's HLO op names are instructions of this text
+    with gzip.open(os.path.join(profile_dir, "step_hlo.txt.gz"), "wt") as f:
+      f.write(step_fn.as_text())
+  mem = step_memory_gb(step_fn)
   if mem:
     log("    memory per device (XLA's plan of the step): " +
         ", ".join(f"{k} {v:.1f} GB" for k, v in mem.items()))
@@ -152,31 +155,16 @@ def run_one(c, steps, warmup, log, profile_dir=None):
               backend=backend, memory_gb=mem)
 
 
-def step_memory_gb(step_fn, state, batch, mesh, hlo_path=None):
-  """Per-device GB of the compiled step (XLA's memory analysis: arguments, outputs, temporaries
-  and their sum less donated aliases), or {} where the backend reports none. Compiles the step
-  again (a persistent-cache hit where JAX_COMPILATION_CACHE_DIR is set). With `hlo_path`, also
-  writes the compiled step's HLO text there (gzip): most of the profile report's HLO op names
-  are its instructions, with the source in their metadata (see `profiling.step_report`)."""
-  from distca_jax import trainer
-  try:
-    with trainer.mesh_context(mesh):
-      compiled = step_fn.lower(state, batch).compile()
-    if hlo_path:
-      with gzip.open(hlo_path, "wt") as f:
-        f.write(compiled.as_text())
-    ma = compiled.memory_analysis()
-  except Exception as e:  # noqa: BLE001  (reported, the timing stands without it)
-    print(f"    memory analysis unavailable: {type(e).__name__}: {e}", flush=True)
+def step_memory_gb(compiled) -> dict[str, float]:
+  """Per-device GB of the compiled step (``aot.memory_fields``: arguments, outputs, temporaries
+  and their sum less donated aliases), or {} where the backend reports none."""
+  from distca_jax import aot
+  mem = aot.memory_fields(compiled)
+  if not mem:
     return {}
-  if ma is None:
-    return {}
-  g = 1e-9
-  out = {"arguments": ma.argument_size_in_bytes * g, "outputs": ma.output_size_in_bytes * g,
-         "temporaries": ma.temp_size_in_bytes * g}
-  out["total"] = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-                  - ma.alias_size_in_bytes) * g
-  return out
+  keys = {"arguments": "argument_size_in_bytes", "outputs": "output_size_in_bytes",
+          "temporaries": "temp_size_in_bytes", "total": "total_per_device_bytes"}
+  return {k: mem[f] * 1e-9 for k, f in keys.items()}
 
 
 def summarize(r):

@@ -40,16 +40,27 @@ BACKWARD_FLOPS_RATIO = scheduler.BWD_FWD_RATIO  # one place holds it: the schedu
 FLASH3_GRID_LEVELS = 4
 
 
-# Primitives that are a kernel's forward call: our Pallas kernel, the flash-attn3-jax primitive,
-# FFI / custom calls. Remat policies that keep attention ('save_attention' in model.py, the
-# 'resend' memory mode in dispatch.py) save their outputs (O, LSE) instead of rerunning them.
-KERNEL_PRIMITIVES = frozenset({"pallas_call", "flash_mha_varlen_fwd", "ffi_call", "custom_call"})
+# Primitives that are a kernel's forward call and whose outputs are the kernel's O and LSE as
+# the backward takes them: our Pallas kernel. Remat policies that keep attention
+# ('save_attention' in model.py, the 'resend' memory mode in dispatch.py) save them instead of
+# rerunning the kernel.
+KERNEL_PRIMITIVES = frozenset({"pallas_call"})
+# ``checkpoint_name`` of kernel outputs saved by name instead: FlashAttention-3's FFI call returns
+# its LSE in a [slots, H, max_seqlen_q] buffer (8.7 GB for 260 slots of a 64K row, 32 heads) of
+# which only the first H x T entries are written; saving that call's outputs kept the whole buffer
+# per layer and copied it into the layer scan's stacked residuals (MemcpyD2D, 117-188 ms of a
+# 1.8 s step on an H200, results/pingpong_v6_summary.md). The flash3 path names O and the [H, T]
+# LSE it cuts out of the buffer.
+KERNEL_OUTPUTS_NAME = "ca_kernel_out"
 # ``checkpoint_name`` of the kernel's query/key/value inputs (the backward's residuals).
 KERNEL_INPUTS_NAME = "ca_in"
 
 
-def saves_kernel_outputs(prim, *_, **__) -> bool:
-  """Remat policy: save what a kernel's forward call produced (``KERNEL_PRIMITIVES``)."""
+def saves_kernel_outputs(prim, *_, **params) -> bool:
+  """Remat policy: save what a kernel's forward call produced (``KERNEL_PRIMITIVES``, and the
+  values named ``KERNEL_OUTPUTS_NAME``)."""
+  if prim.name == "name":
+    return params.get("name") == KERNEL_OUTPUTS_NAME
   return prim.name in KERNEL_PRIMITIVES
 
 
@@ -265,6 +276,8 @@ def _flash3_attention_fwd(q, k, v, cu_q, cu_k, bucket, config):
   _, msq, msk = buckets[-1]
   o, lse_raw = fwd(q, k, v, cu_q, cu_k, max_seqlen_q=msq, max_seqlen_k=msk, softmax_scale=scale)
   lse = lse_raw.reshape(-1)[:num_heads * num_q_rows].reshape(num_heads, num_q_rows)
+  # What remat policies keep (saves_kernel_outputs): O and the [H, T] LSE, not the raw buffer.
+  o, lse = (checkpoint_name(x, KERNEL_OUTPUTS_NAME) for x in (o, lse))
   return (o, lse), (q, k, v, cu_q, cu_k, bucket, o, lse)
 
 

@@ -112,6 +112,7 @@ TRACE_GLOB = "*.trace.json.gz"
 TRACE_EVENT_CAP = 1_000_000         # the exporter keeps the earliest this many events
 OTHER_TOP = 10                      # 'other' names listed in a report
 OTHER_TOP_OPS = 3                   # HLO instructions listed per 'other' name
+TOP_NAMED = ("attention", "other")   # categories whose top kernel names a report lists
 _NEST_EPS_US = 1e-2                 # trace timestamps are rounded to the ns: containment slack
 
 
@@ -362,6 +363,8 @@ def step_report(events: Sequence[DeviceEvent], *, step_time_s: float | None = No
   Straggler summary over devices: max, mean, max/mean and argmax device of attention, matmul,
   compute and busy time. `slowest_device` is the argmax of compute time: busy time hides a slow
   rank because its peers' collectives wait (and stay busy) until it arrives.
+  `attention_top`: the same for the attention kernels (forward, backward and their pre- and
+  post-processing kernels, to see which part of attention a change moved).
   `other_top`: the 'other' names with the most summed time over all devices (digit suffixes such
   as `.12` / `_3` dropped), to grow CATEGORY_PATTERNS from a real trace, each with its
   `bytes`: the summed size of its memcpys (0 for kernels), and `hlo_ops`: the HLO instructions
@@ -375,15 +378,15 @@ def step_report(events: Sequence[DeviceEvent], *, step_time_s: float | None = No
     by_device[ev.device].append(ev)
   step_us = None if step_time_s is None else float(step_time_s) * 1e6
   rows = []
-  other_total: dict[str, list] = {}
+  named_total: dict[str, dict[str, dict]] = {c: {} for c in TOP_NAMED}
   for device in sorted(by_device):
     evs = by_device[device]
     spans = {c: [] for c in CATEGORIES}
     for ev in evs:
       category = event_category(ev)
       spans[category].append((ev.start_us, ev.end_us))
-      if category == "other":
-        agg = other_total.setdefault(_fold_digits(ev.name), {
+      if category in named_total:
+        agg = named_total[category].setdefault(_fold_digits(ev.name), {
             "total_us": 0.0, "count": 0, "devices": set(), "bytes": 0,
             "hlo_ops": collections.Counter()})
         agg["total_us"] += ev.dur_us
@@ -411,11 +414,14 @@ def step_report(events: Sequence[DeviceEvent], *, step_time_s: float | None = No
   for key in ("attention_us", "matmul_us", "compute_us", "busy_us"):
     straggler[key] = _spread(rows, key)
   straggler["slowest_device"] = straggler["compute_us"]["argmax"]
-  ranked = sorted(other_total.items(), key=lambda kv: (-kv[1]["total_us"], kv[0]))[:OTHER_TOP]
-  other_top = [{**agg, "name": name, "devices": len(agg["devices"]),
-                "hlo_ops": [[op, us] for op, us in agg["hlo_ops"].most_common(OTHER_TOP_OPS)]}
-               for name, agg in ranked]
-  return {"devices": rows, "straggler": straggler, "other_top": other_top, "step_us": step_us}
+  out = {"devices": rows, "straggler": straggler, "step_us": step_us}
+  for category, totals in named_total.items():
+    ranked = sorted(totals.items(), key=lambda kv: (-kv[1]["total_us"], kv[0]))[:OTHER_TOP]
+    out[f"{category}_top"] = [
+        {**agg, "name": name, "devices": len(agg["devices"]),
+         "hlo_ops": [[op, us] for op, us in agg["hlo_ops"].most_common(OTHER_TOP_OPS)]}
+        for name, agg in ranked]
+  return out
 
 
 def _spread(rows: list[dict], key: str) -> dict:
@@ -460,6 +466,12 @@ def format_report(report: dict) -> str:
     ratio = "n/a" if v["max_over_mean"] is None else f"{v['max_over_mean']:.3f}"
     lines.append(f"- {label}: max {v['max'] / 1e3:.3f} ms (device {v['argmax']}), mean "
                  f"{v['mean'] / 1e3:.3f} ms, max/mean {ratio}")
+  if report.get("attention_top"):
+    lines += ["", "Attention kernels by summed time:", "", "| name | total ms | count | devices |",
+              "|---|---:|---:|---:|"]
+    for o in report["attention_top"]:
+      lines.append(f"| `{o['name'][:120].replace('|', chr(92) + '|')}` | "
+                   f"{o['total_us'] / 1e3:.3f} | {o['count']} | {o['devices']} |")
   if report["other_top"]:
     lines += ["", "Top 'other' names by summed time (add patterns to "
               "profiling.CATEGORY_PATTERNS for kernels that belong elsewhere):", "",

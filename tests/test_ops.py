@@ -577,6 +577,53 @@ def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
   assert np.isnan(np.asarray(jax.jit(short)(q, k, v)[0])).all()
 
 
+def test_flash3_remat_keeps_o_and_compact_lse_not_the_raw_buffer():
+  """Under the remat policies that keep attention ('save_attention', 'resend'), the flash3 path
+  saves O and the [H, T] log-sum-exp it cuts out of FA3's [slots, H, max_seqlen_q] buffer; never
+  that buffer (8.7 GB per layer for 260 slots of a 64K row); gradients unchanged."""
+  import contextlib
+  import io
+  import re
+  from jax.ad_checkpoint import print_saved_residuals  # the public view of the residuals
+  from distca_jax import model
+
+  def saved_residuals(f, *args):  # [(shape, description)] from print_saved_residuals' lines
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+      print_saved_residuals(f, *args)
+    out = []
+    for line in buf.getvalue().splitlines():
+      m = re.match(r"\w+\[([\d,]*)\] (.*)", line)
+      assert m, line
+      out.append((tuple(int(x) for x in m.group(1).split(",") if x), m.group(2)))
+    return out
+
+  rng = np.random.default_rng()
+  t, h, kh, d, slots = 96, 4, 2, 16, 8
+  lens = rng.multinomial(t - 8, np.ones(3) / 3)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens), np.full(slots - 3, lens.sum())]),
+                   jnp.int32)
+  ks = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3)
+  q = jax.random.normal(ks[0], (t, h, d))
+  k, v = (jax.random.normal(x, (t, kh, d)) for x in ks[1:])
+  emu = FA3Emulator()
+
+  def loss(q, k, v):
+    o, _ = ops._flash3_masked(q, k, v, cu, cu, softmax_scale=0.3, max_seqlen_q=t,
+                              max_seqlen_k=t, grid_levels=2, impl=(emu.fwd, emu.bwd))
+    return jnp.sum(o * o)  # the backward still takes the LSE (a residual of the kernel)
+
+  for policy in (model._REMAT_POLICIES["save_attention"], ops.saves_kernel_outputs):
+    saved = saved_residuals(jax.checkpoint(loss, policy=policy), q, k, v)
+    named = sorted(shape for shape, why in saved if ops.KERNEL_OUTPUTS_NAME in why)
+    assert named == sorted([(t, h, d), (h, t)]), saved
+    assert not [shape for shape, _ in saved if shape == (slots, h, t)], saved
+    grads = jax.grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(grads, want):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
 def test_flash3_grid_buckets_shapes():
   """Slot ladder N, N/2, ...; bounds in multiples of 128, never above the caller's; the LSE
   buffer [slots, H, max_seqlen_q] always holds [H, T]; grid_levels=1 is the full shape only."""

@@ -168,6 +168,10 @@ def test_step_report_by_hand():
   # 'other' names by summed (not unioned) time, digit suffixes dropped.
   assert [(o["name"], o["total_us"], o["count"]) for o in report["other_top"]] == [
       ("loop_add_fusion", 5, 1), ("input_reduce_fusion", 2, 1)]
+  # Attention kernels the same way, over devices (the duplicate counts: summed time).
+  assert [(o["name"], o["total_us"], o["count"], o["devices"])
+          for o in report["attention_top"]] == [("varlen_attention_fwd", 30, 1, 1),
+                                                ("flash_fwd_kernel", 8, 2, 1)]
 
 
 def test_step_report_without_step_time_and_format():
@@ -178,6 +182,7 @@ def test_step_report_without_step_time_and_format():
   assert [r.split("|")[1].strip() for r in rows] == ["0", "1", "2"]
   assert "idle (step - busy) ms" in text
   assert "slowest device: 1" in text
+  assert "| `varlen_attention_fwd` | 0.030 | 1 | 1 |" in text
   assert "`input_reduce_fusion`" in text
   assert "| 1 | 0.035 | 0.030 | 0.010 | 0.005 | 0.005 | 0.000 | 0.030 | 0.000 | 499.965 |" in text
   assert profiling.format_report(profiling.step_report([])) == "_no device events in the trace_"

@@ -1,0 +1,137 @@
+"""FlashAttention-3 on several rows of documents: one fused call against one call per row (one GPU).
+
+With ``rows_per_rank = 2`` a single-stream step gives core attention both rows of a rank at
+once, while ping-pong (``attention.nano_batches = 2``) calls it once per row. This benchmark
+times FA3's forward+backward (``ops.core_attention``, what the layers run) on the same documents
+three ways:
+
+  per row        one call per row (what each ping-pong nano-batch runs), summed;
+  fused          one call over both rows with packed_dp's table: every row's documents in
+                 ``max_docs_per_row`` task slots, then the row's padding as two pseudo-tasks
+                 (``baselines.device.packed_dp_attention``);
+  fused, packed  one call over both rows with the empty slots moved behind the used ones, so
+                 FA3's launch buckets (``ops.flash3_grid_buckets``) can trim them.
+
+Rows are sampled from the workloads (``WorkloadSampler``), bf16, Llama-3-8B heads. Run on a GPU
+machine with flash-attn3-jax:
+  python experiments/rows_per_call_bench.py --out results/rows_per_call_bench
+Writes <out>.json and <out>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from distca_jax import ops  # noqa: E402
+from distca_jax.baselines import packing  # noqa: E402
+from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
+
+
+def _args():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--workloads", default="pretrain,prolong")
+  p.add_argument("--tokens", type=int, default=65536, help="tokens per row")
+  p.add_argument("--rows", type=int, default=2)
+  p.add_argument("--batches", type=int, default=3)
+  p.add_argument("--iters", type=int, default=5)
+  p.add_argument("--max-docs", type=int, default=128, help="packed_dp's task slots per row")
+  p.add_argument("--heads", type=int, default=32)
+  p.add_argument("--kv-heads", type=int, default=8)
+  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--out", default=os.path.join(ROOT, "results", "rows_per_call_bench"))
+  return p.parse_args()
+
+
+def row_tables(lens_RxN: np.ndarray, t: int, packed: bool):
+  """(cu_q, cu_k) over rows of ``t`` tokens: packed_dp's table (documents, then the row's
+  padding as a query-only and a key-only pseudo-task), optionally with empty slots last."""
+  r = lens_RxN.shape[0]
+  pad = t - lens_RxN.sum(1, keepdims=True)
+  zero = np.zeros_like(pad)
+  lq = np.concatenate([lens_RxN, pad, zero], 1).reshape(-1)
+  lk = np.concatenate([lens_RxN, zero, pad], 1).reshape(-1)
+  if packed:  # zero-length tasks contribute nothing: keep the order of the others
+    keep = (lq > 0) | (lk > 0)
+    order = np.concatenate([np.flatnonzero(keep), np.flatnonzero(~keep)])
+    lq, lk = lq[order], lk[order]
+  cu = lambda x: np.concatenate([[0], np.cumsum(x)]).astype(np.int32)
+  assert cu(lq)[-1] == cu(lk)[-1] == r * t
+  return jnp.asarray(cu(lq)), jnp.asarray(cu(lk))
+
+
+def time_fwd_bwd(q, k, v, cu_q, cu_k, t, iters):
+  def loss(q, k, v):
+    o = ops.core_attention(q, k, v, cu_q, cu_k, backend="flash3", max_seqlen_q=t,
+                           max_seqlen_k=t)
+    return jnp.sum(o.astype(jnp.float32) * 1e-3)
+
+  f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  jax.block_until_ready(f(q, k, v))
+  out = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(q, k, v))
+    out.append(time.perf_counter() - t0)
+  return statistics.median(out)
+
+
+def main():
+  a = _args()
+  t, r = a.tokens, a.rows
+  key = jax.random.key(0)
+  kq, kk, kv = jax.random.split(key, 3)
+  q = jax.random.normal(kq, (r * t, a.heads, a.head_dim), jnp.bfloat16)
+  k = jax.random.normal(kk, (r * t, a.kv_heads, a.head_dim), jnp.bfloat16)
+  v = jax.random.normal(kv, (r * t, a.kv_heads, a.head_dim), jnp.bfloat16)
+  res = []
+  for wl in a.workloads.split(","):
+    sampler = WorkloadSampler(wl, t, seed=0)
+    for b in range(a.batches):
+      rows = sampler.step_doclens(b, r)
+      lens = packing.packed_doc_lens(rows, t, a.max_docs)
+      per_row = 0.0
+      for j in range(r):
+        cu_q, cu_k = row_tables(lens[j:j + 1], t, packed=False)
+        sl = slice(j * t, (j + 1) * t)
+        per_row += time_fwd_bwd(q[sl], k[sl], v[sl], cu_q, cu_k, t, a.iters)
+      fused = time_fwd_bwd(q, k, v, *row_tables(lens, t, packed=False), t, a.iters)
+      fused_packed = time_fwd_bwd(q, k, v, *row_tables(lens, t, packed=True), t, a.iters)
+      rec = dict(workload=wl, batch=b, docs=[len(x) for x in rows], per_row_ms=per_row * 1e3,
+                 fused_ms=fused * 1e3, fused_packed_ms=fused_packed * 1e3)
+      res.append(rec)
+      print(f"{wl} batch {b} docs {rec['docs']}: per row {rec['per_row_ms']:.1f} ms, fused "
+            f"{rec['fused_ms']:.1f} ms, fused+packed {rec['fused_packed_ms']:.1f} ms", flush=True)
+  cmd = "python experiments/rows_per_call_bench.py " + " ".join(sys.argv[1:])
+  doc = dict(command=cmd, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+             device=f"{jax.devices()[0].device_kind} x 1", rows=r, tokens_per_row=t,
+             max_docs=a.max_docs, results=res)
+  with open(a.out + ".json", "w") as f:
+    json.dump(doc, f, indent=1)
+  lines = ["# FA3 forward+backward: one call per row vs one fused call over the rows", "",
+           f"- command: `{cmd}`", f"- date: {doc['date']}", f"- device: {doc['device']}; "
+           f"{r} rows of {t} tokens, bf16, {a.heads} / {a.kv_heads} heads, head dim "
+           f"{a.head_dim}; median of {a.iters}", "",
+           "| workload | batch | documents per row | per row (summed) ms | fused ms | fused, empty "
+           "slots last ms |", "|---|---:|---|---:|---:|---:|"]
+  for x in res:
+    lines.append(f"| {x['workload']} | {x['batch']} | {x['docs']} | {x['per_row_ms']:.1f} | "
+                 f"{x['fused_ms']:.1f} | {x['fused_packed_ms']:.1f} |")
+  with open(a.out + ".md", "w") as f:
+    f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+  main()

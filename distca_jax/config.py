@@ -31,9 +31,12 @@ def base_config() -> ml_collections.ConfigDict:
                                   # 'reference' (dense O(T^2) jnp; tests only) or 'distca' (CAD)
   c.attention.block_q = 512       # `local`: query block (clamped to a divisor of tokens_per_rank)
   c.attention.block_k = 512       # `local`: key block
-  c.attention.nano_batches = 1    # 2 = ping-pong: each rank's rows form two nano-batches whose
-                                  # core attention (and its all-to-alls) is independent of the
-                                  # other's linear layers; needs rows_per_rank % nano_batches == 0
+  c.attention.nano_batches = 1    # 2 = ping-pong (model.ping_pong_layers): each rank's rows form
+                                  # two nano-batches A and B; while one's core attention (and its
+                                  # all-to-alls) runs, the other runs post-CA of layer i and
+                                  # pre-CA of layer i+1, which do not depend on it; the carry
+                                  # between layers also holds A's CA output and B's q/k/v;
+                                  # needs rows_per_rank % nano_batches == 0
   # `distca`: core attention disaggregation (distca_jax/dispatch.py). Every data rank is an
   # attention server; each batch is planned on the host (scheduler.schedule) and executed in the
   # step by one all-to-all out, one fused kernel call per server and one all-to-all back. Buffer
@@ -46,6 +49,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.attention.distca.tolerance = scheduler.DEFAULT_TOLERANCE
                                           # epsilon: every server within (1 + eps) x mean pairs
                                           # (0.02; why: scheduler.DEFAULT_TOLERANCE)
+  c.attention.distca.min_gain = 0.02      # the gate: a batch moves nothing when perfect balance
+                                          # would save less than this fraction of the step
+                                          # (predicted from its document lengths and the model;
+                                          # scheduler.predicted_step_gain); 0 = always balance.
+                                          # Why 0.02: on 2 H200s, batches whose step-work
+                                          # ceiling was <= 1.03 ran up to 2.6% slower with CAD
+                                          # (results/per_batch_bound.md)
   c.attention.distca.min_shard = 0        # shortest query piece a split may create; 0 = auto
                                           # (512, or tokens_per_rank / 16 for short rows)
   c.attention.distca.q_slot = 0           # query rows one rank sends one server

@@ -1063,7 +1063,8 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
                  data_axis: str = "data", head_axis: str | None = "tensor",
                  cost_table: str = "", exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
                  collective: str = DEFAULT_COLLECTIVE,
-                 signal_only: bool = False) -> "DistcaBackend":
+                 signal_only: bool = False, min_gain: float = 0.0,
+                 linear_pairs_per_token: float = 0.0) -> "DistcaBackend":
   """The ``distca`` core-attention backend (options: ``config.attention.distca`` + model shapes).
 
   Returns a ``DistcaBackend``.
@@ -1079,7 +1080,10 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
   ``split_rows`` hands every call its own plan.
 
   Caps are per device for one call (``R/n`` rows of ``tokens_per_row``); 0 takes
-  ``default_capacity``, ``min_shard`` 0 takes ``auto_min_shard``. ``exchange_buckets``,
+  ``default_capacity``, ``min_shard`` 0 takes ``auto_min_shard``. ``min_gain`` and
+  ``linear_pairs_per_token`` gate each plan (``scheduler.schedule``: a batch whose predicted
+  step-time gain is below ``min_gain`` moves nothing; the trainer derives
+  ``linear_pairs_per_token`` from the model). ``exchange_buckets``,
   ``collective`` and ``signal_only`` (benchmarks only: wrong results) go to
   ``dispatch_attention``.
   """
@@ -1112,7 +1116,9 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
     # Nano-batch i: rows [i rn, (i + 1) rn) of every device's block (model.split_rows).
     return [host_plan([list(doclens[x]) for x in _nano_batch_rows(s, r, n, i)], spec,
                       tolerance=tolerance, min_shard=min_shard or None,
-                      cost_model=cost_table or None, **byte_model) for i in range(n)]
+                      cost_model=cost_table or None, min_gain=min_gain,
+                      linear_pairs_per_token=linear_pairs_per_token, **byte_model)
+            for i in range(n)]
 
   warned = []
 

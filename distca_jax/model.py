@@ -5,6 +5,8 @@ Each layer is three named pieces so that core attention (no weights) can be move
   * core attention: `attention.get_backend(name).fn`, a function of (q, k, v, layout).
   * `PostCA`: output projection, residual, RMSNorm, SwiGLU MLP, residual.
 Layers run under `nn.scan` (compile time independent of depth) with optional rematerialization.
+With two nano-batches (ping-pong) the stack runs as one cross-layer schedule instead
+(`ping_pong_layers`), over the same parameters.
 Parameters are float32 (master copy), compute runs in `dtype` (bf16 by default).
 
 Shape letters: B rows, T tokens per row, E embed, H query heads, K kv heads, D head dim,
@@ -18,6 +20,7 @@ import math
 from typing import Any
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
@@ -228,56 +231,148 @@ def _data_axis_size() -> int:
   return dict(mesh.shape).get("data", 1) if mesh is not None and mesh.shape else 1
 
 
-class DecoderLayer(nn.Module):
-  """pre-CA -> core attention -> post-CA.
+def _attend(core_attention: attn_lib.CoreAttentionFn, qkv, layout: Layout, scale: float):
+  """Core attention of projected (q, k, v), with the names the remat policies look for."""
+  q, k, v = (checkpoint_name(a, "qkv") for a in qkv)
+  return checkpoint_name(core_attention(q, k, v, layout, softmax_scale=scale), "ca_out")
 
-  With `nano_batches` = 2 (ping-pong, DistCA Sec. 4.1) each rank's rows form two nano-batches,
-  issued as pre(A), CA(A), pre(B), CA(B), post(A), post(B): CA(A)'s all-to-alls are independent of
-  pre(B), and CA(B)'s of post(A), so XLA's scheduler may overlap communication with linear work.
-  The math is unchanged (tests assert equality with `nano_batches` = 1).
+
+class DecoderLayer(nn.Module):
+  """pre-CA -> core attention -> post-CA, over all of the rows (single stream).
+
+  Ping-pong (``attention.nano_batches = 2``) is a schedule over the whole stack, not one layer:
+  see ``ping_pong_layers``.
   """
   cfg: ModelConfig
   core_attention: attn_lib.CoreAttentionFn
-  nano_batches: int = 1
 
   @nn.compact
   def __call__(self, x_BxTxE, layout: Layout):
-    pre = PreCA(self.cfg, name="pre_ca")
-    post = PostCA(self.cfg, name="post_ca")
-    scale = 1.0 / math.sqrt(self.cfg.head_dim)
-
-    def attend(x, lay):
-      q, k, v = pre(x, lay.positions_BxT)
-      q, k, v = (checkpoint_name(a, "qkv") for a in (q, k, v))
-      return checkpoint_name(self.core_attention(q, k, v, lay, softmax_scale=scale), "ca_out")
-
-    if self.nano_batches == 1:
-      return post(x_BxTxE, attend(x_BxTxE, layout))
-    xs = split_rows(x_BxTxE, self.nano_batches)
-    lays = split_rows(layout, self.nano_batches)
-    outs = [attend(x, lay) for x, lay in zip(xs, lays)]
-    return merge_rows([post(x, o) for x, o in zip(xs, outs)])
+    qkv = PreCA(self.cfg, name="pre_ca")(x_BxTxE, layout.positions_BxT)
+    o = _attend(self.core_attention, qkv, layout, 1.0 / math.sqrt(self.cfg.head_dim))
+    return PostCA(self.cfg, name="post_ca")(x_BxTxE, o)
 
 
 class _ScanBody(nn.Module):
   """Adapter: (carry, broadcast layout) -> (carry, None) for nn.scan."""
   cfg: ModelConfig
   core_attention: attn_lib.CoreAttentionFn
-  nano_batches: int = 1
 
   @nn.compact
   def __call__(self, x, layout):
     layer_cls = DecoderLayer
     if self.cfg.remat != "none":
       layer_cls = nn.remat(DecoderLayer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-    return layer_cls(self.cfg, self.core_attention, self.nano_batches, name="layer")(x, layout), None
+    return layer_cls(self.cfg, self.core_attention, name="layer")(x, layout), None
+
+
+# Named scopes of the ping-pong steps (tests read them back from the traced program's order).
+PING_PONG_SCOPE = "pingpong"
+
+
+def ping_pong_layers(cfg: ModelConfig, core_attention: attn_lib.CoreAttentionFn, layers,
+                     x_BxTxE, layout: Layout):
+  """The decoder stack as a ping-pong of two nano-batches (DistCA Sec. 4.1).
+
+  Each data rank's rows form nano-batches A and B (``split_rows``; no row moves between
+  devices). The program runs, for layers i = 0 .. L-1:
+
+      pre_0(A)                 CA_0(A) || pre_0(B)
+      CA_i(B)   || post_i(A) + pre_{i+1}(A)
+      CA_{i+1}(A) || post_i(B) + pre_{i+1}(B)        (the unit of a scan over i = 0 .. L-2)
+      CA_{L-1}(B) || post_{L-1}(A);  post_{L-1}(B)
+
+  so while one nano-batch's core attention (for ``distca``: gathers, all-to-alls, kernel,
+  return) runs, the other nano-batch's post-CA of layer i and pre-CA of layer i+1 -- the linear
+  work between two core attentions -- has no data dependence on it, and XLA's scheduler may run
+  the collectives behind those matmuls, in the forward and in the transposed backward. The math
+  is that of the single stream (tests assert equal losses and gradients).
+
+  Args:
+    cfg: the model config (``remat`` wraps each unit like a layer; the carry between units holds
+      both nano-batches' residual stream, A's core-attention output and B's q, k, v).
+    core_attention: the backend's function.
+    layers: the per-layer parameters ``{'pre_ca': ..., 'post_ca': ...}``: one tree stacked over
+      layers (leading dim L, as ``nn.scan`` stores them) or a list of L trees.
+    x_BxTxE: the residual stream entering layer 0.
+    layout: the batch layout (split into the two nano-batches here).
+
+  Returns:
+    The residual stream after layer L-1, rows in their original order.
+  """
+  scale = 1.0 / math.sqrt(cfg.head_dim)
+  n_layers = cfg.n_layers
+  stacked = not isinstance(layers, (list, tuple))
+  # Unbound modules (parent=None): applied to the given parameters, not registered as children.
+  pre_mod, post_mod = PreCA(cfg, parent=None), PostCA(cfg, parent=None)
+  (x_a, x_b), (lay_a, lay_b) = split_rows(x_BxTxE, 2), split_rows(layout, 2)
+
+  def step(name, fn, *args):
+    with jax.named_scope(f"{PING_PONG_SCOPE}_{name}"):
+      return fn(*args)
+
+  def pre(p, x, lay):
+    return pre_mod.apply({"params": p["pre_ca"]}, x, lay.positions_BxT)
+
+  def post(p, x, o):
+    return post_mod.apply({"params": p["post_ca"]}, x, o)
+
+  def ca(qkv, lay):
+    return _attend(core_attention, qkv, lay, scale)
+
+  def remat(f):
+    if cfg.remat == "none":
+      return f
+    return jax.checkpoint(f, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+
+  def layer(all_params, i):
+    if not stacked:
+      return all_params[i]
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), all_params)
+
+  @remat
+  def prologue(p0, x_a, x_b):
+    qkv_a = step("pre_A", pre, p0, x_a, lay_a)
+    o_a = step("ca_A", ca, qkv_a, lay_a)
+    qkv_b = step("pre_B", pre, p0, x_b, lay_b)
+    return x_a, o_a, x_b, qkv_b
+
+  @remat
+  def unit(p_i, p_next, carry):
+    x_a, o_a, x_b, qkv_b = carry
+    o_b = step("ca_B", ca, qkv_b, lay_b)
+    x_a = step("post_A", post, p_i, x_a, o_a)
+    qkv_a = step("pre_A", pre, p_next, x_a, lay_a)
+    o_a = step("ca_A", ca, qkv_a, lay_a)
+    x_b = step("post_B", post, p_i, x_b, o_b)
+    qkv_b = step("pre_B", pre, p_next, x_b, lay_b)
+    return x_a, o_a, x_b, qkv_b
+
+  @remat
+  def epilogue(p_last, carry):
+    x_a, o_a, x_b, qkv_b = carry
+    o_b = step("ca_B", ca, qkv_b, lay_b)
+    x_a = step("post_A", post, p_last, x_a, o_a)
+    x_b = step("post_B", post, p_last, x_b, o_b)
+    return x_a, x_b
+
+  carry = prologue(layer(layers, 0), x_a, x_b)
+  if stacked and n_layers > 1:
+    def body(carry, i):
+      return unit(layer(layers, i), layer(layers, i + 1), carry), None
+    carry, _ = lax.scan(body, carry, jnp.arange(n_layers - 1))
+  else:
+    for i in range(n_layers - 1):
+      carry = unit(layer(layers, i), layer(layers, i + 1), carry)
+  x_a, x_b = epilogue(layer(layers, n_layers - 1), carry)
+  return merge_rows([x_a, x_b])
 
 
 class Transformer(nn.Module):
   """Decoder stack: tokens [B,T] + layout -> final hidden states [B,T,E] (before the LM head)."""
   cfg: ModelConfig
   core_attention: attn_lib.CoreAttentionFn
-  nano_batches: int = 1  # 2: ping-pong of two nano-batches per rank (see DecoderLayer)
+  nano_batches: int = 1  # 2: ping-pong of two nano-batches per rank (``ping_pong_layers``)
 
   def setup(self):
     cfg = self.cfg
@@ -292,17 +387,27 @@ class Transformer(nn.Module):
       self.layers = nn.scan(
           _ScanBody, variable_axes={"params": 0}, split_rngs={"params": True},
           in_axes=(nn.broadcast,), length=cfg.n_layers,
-          metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.core_attention,
-                                                         self.nano_batches)
+          metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.core_attention)
     else:
-      self.layer_list = [_ScanBody(cfg, self.core_attention, self.nano_batches, name=f"layer_{i}")
+      self.layer_list = [_ScanBody(cfg, self.core_attention, name=f"layer_{i}")
                          for i in range(cfg.n_layers)]
 
   def __call__(self, tokens_BxT, layout: Layout):
     """Final normalized hidden states [B, T, E] in the compute dtype."""
     x = jnp.take(self.embedding, tokens_BxT, axis=0).astype(self.cfg.compute_dtype)
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
-    if self.cfg.scan_layers:
+    if self.nano_batches not in (1, 2):
+      raise ValueError(f"nano_batches={self.nano_batches}; use 1 (single stream) or 2 (ping-pong)")
+    if self.nano_batches == 2 and not self.is_initializing():
+      # The parameters are the single stream's (``init`` runs that path): read them and run the
+      # ping-pong schedule over them.
+      params = nn.meta.unbox(self.variables["params"])
+      if self.cfg.scan_layers:
+        layers = params["layers"]["layer"]
+      else:
+        layers = [params[f"layer_{i}"]["layer"] for i in range(self.cfg.n_layers)]
+      x = ping_pong_layers(self.cfg, self.core_attention, layers, x, layout)
+    elif self.cfg.scan_layers:
       x, _ = self.layers(x, layout)
     else:
       for layer in self.layer_list:

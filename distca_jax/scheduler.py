@@ -64,6 +64,14 @@ the greedy always finds a move until every server is within the limit. With ``to
 exact balance of integer token counts is generally impossible and the plan reports ``degraded``
 within one such piece of the mean.
 
+The gate (``min_gain``): balancing first asks whether it is worth it. With the linear layers'
+work per token in pair units (``linear_pairs_per_token``, from the model), the step-time gain a
+perfect balance could bring is ``(max - mean) / (mean + linear work)`` (``predicted_step_gain``);
+below ``min_gain`` nothing moves and the plan is ``gated``. Moving rows costs time of its own
+(gathers into the attention buffers, the exchange, shorter kernel tasks): on 2 H200s, batches
+whose step-work ceiling was 1.00-1.03 ran 0-2.6% slower with CAD than without balancing, while
+those above 1.05 took their whole ceiling (results/per_batch_bound.md).
+
 Capacities (``Capacity``) and what they cost
 --------------------------------------------
 The compiled step has fixed buffers, so a plan respects per-server and per-pair caps; ``None``
@@ -477,6 +485,11 @@ class Plan:
     doc_lens / doc_starts: [J] the parsed layout (global token starts).
     capacity: the caps the plan respects (None fields = unbounded).
     num_moves: balancing moves applied.
+    predicted_gain: the step-time gain a perfect balance would bring, ``predicted_step_gain`` of
+      ``loads_before`` (attention alone, ``imbalance_before - 1``, when
+      ``linear_pairs_per_token`` is 0).
+    gated: True when that gain was below ``min_gain``: nothing moved, by decision (not
+      ``degraded``).
   """
   tasks: np.ndarray
   loads_before: np.ndarray
@@ -503,6 +516,8 @@ class Plan:
   head_dim: int
   dtype_bytes: int
   num_moves: int
+  predicted_gain: float = 0.0
+  gated: bool = False
 
   @property
   def bytes_total(self) -> int:
@@ -520,7 +535,8 @@ class Plan:
     return (f"servers={self.num_servers} docs={self.doc_lens.size} tasks={len(self.tasks)} "
             f"imbalance {self.imbalance_before:.3f} -> {self.imbalance_after:.3f} "
             f"moves={self.num_moves} bytes={self.bytes_total / 2**20:.1f} MiB"
-            + (f" DEGRADED: {self.degraded_reason}" if self.degraded else ""))
+            + (f" DEGRADED: {self.degraded_reason}" if self.degraded else "")
+            + (f" GATED: predicted step gain {self.predicted_gain:.4f}" if self.gated else ""))
 
 
 def imbalance(loads) -> float:
@@ -1167,6 +1183,25 @@ class _Balancer:
             f"min_shard={self.m0} or larger than the room left on under-loaded servers")
 
 
+def predicted_step_gain(loads, tokens_per_rank: int, linear_pairs_per_token: float) -> float:
+  """Fraction of step time a perfect attention balance would save, from per-server pairs.
+
+  A server's step work is its attention pairs plus the linear layers' work on its token budget,
+  ``linear_pairs_per_token * tokens_per_rank`` in pair units (the same on every server: every
+  rank runs its linear layers on all ``T`` token slots). The step waits for the busiest server,
+  so balancing attention saves ``(max - mean) / (mean + linear)`` of it, before the costs of
+  moving rows. ``linear_pairs_per_token = N / (2 L Hq D)`` for a model of ``N`` matmul
+  weights (layers and LM head), ``L`` layers, ``Hq`` query heads of dim ``D`` (training FLOPs:
+  ``6 N`` per token, ``12 L Hq D`` per causal pair; ``metrics.step_flops``).
+  """
+  loads = np.asarray(loads, dtype=np.float64)
+  if loads.size == 0:
+    return 0.0
+  mean = float(loads.mean())
+  denom = mean + float(linear_pairs_per_token) * float(tokens_per_rank)
+  return float((loads.max() - mean) / denom) if denom > 0 else 0.0
+
+
 def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
              tolerance: float = DEFAULT_TOLERANCE,
              capacity: Capacity | Mapping[str, int | None] | None = None,
@@ -1175,7 +1210,8 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
              q_heads: int = DEFAULT_Q_HEADS, kv_heads: int = DEFAULT_KV_HEADS,
              head_dim: int = DEFAULT_HEAD_DIM, dtype_bytes: int = DEFAULT_DTYPE_BYTES,
              cost_model: str | os.PathLike | CostTable | None = None,
-             max_moves: int | None = None) -> Plan:
+             max_moves: int | None = None, min_gain: float = 0.0,
+             linear_pairs_per_token: float = 0.0) -> Plan:
   """Balances core-attention work over ``num_servers`` in-place servers.
 
   Args:
@@ -1191,6 +1227,12 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
       dtype_bytes; key/value row = 2 * kv_heads * head_dim * dtype_bytes).
     cost_model: a ``CostTable`` or the path of its JSON; fills ``Plan.times_*``.
     max_moves: safety bound on moves (default ``20 * (S + items)``).
+    min_gain: the gate: when the step-time gain a perfect balance could bring
+      (``predicted_step_gain`` with ``linear_pairs_per_token``) is below this fraction, nothing
+      moves (``Plan.gated``): moving rows has a cost of its own (gathers, exchange, shorter
+      kernel tasks), which on near-balanced batches exceeds the gain. 0 = always balance.
+    linear_pairs_per_token: the linear layers' work per token in pair units (see
+      ``predicted_step_gain``); 0 counts attention alone.
 
   Returns:
     The ``Plan``.
@@ -1231,7 +1273,13 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
   mean = total / s
   if max_moves is None:
     max_moves = 20 * (s + bal.n)
-  reason = bal.run(mean, check_int("max_moves", max_moves, 0)) if total > 0 else ""
+  check_int("max_moves", max_moves, 0)
+  for name, v in (("min_gain", min_gain), ("linear_pairs_per_token", linear_pairs_per_token)):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= float(v) < float("inf"):
+      raise ValueError(f"{name}={v!r} must be a finite float >= 0")
+  gain = predicted_step_gain(loads_before, t, linear_pairs_per_token)
+  gated = float(min_gain) > 0.0 and gain < float(min_gain)
+  reason = bal.run(mean, max_moves) if total > 0 and not gated else ""
 
   # Tasks: every merged interval of every (document, server).
   keys = list(bal.iv.keys())
@@ -1246,7 +1294,7 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
   loads_after = np.bincount(tasks[:, 3], weights=pairs(tasks[:, 1], tasks[:, 2]).astype(
       np.float64), minlength=s)
   imb_after = imbalance(loads_after)
-  degraded = imb_after > (1.0 + tol) * (1 + 1e-12)
+  degraded = imb_after > (1.0 + tol) * (1 + 1e-12) and not gated
   if degraded and not reason:
     reason = "stopped above the limit"
   times_before = times_after = None
@@ -1267,7 +1315,7 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
               times_after=times_after, doc_lens=lens, doc_starts=starts, num_servers=s,
               tokens_per_rank=t, tolerance=tol, min_shard=m0, capacity=cap, q_heads=q_heads,
               kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
-              num_moves=bal.num_moves)
+              num_moves=bal.num_moves, predicted_gain=gain, gated=gated)
 
 
 def _check_initial_caps(bal: _Balancer, cap: Capacity) -> None:

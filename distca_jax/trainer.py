@@ -64,7 +64,8 @@ def make_backend(c: ml_collections.ConfigDict) -> attn_lib.Backend:
     options = dict(options, rows_per_rank=c.rows_per_rank,
                    nano_batches=c.attention.nano_batches, q_heads=m.n_heads,
                    kv_heads=m.n_kv_heads, head_dim=m.head_dim,
-                   dtype_bytes=jnp.dtype(m.dtype).itemsize)
+                   dtype_bytes=jnp.dtype(m.dtype).itemsize,
+                   linear_pairs_per_token=metrics_lib.linear_pairs_per_token(m))
   elif c.attention.backend in ("packed_dp", "cp", "wlb"):
     b = c.attention.baselines
     options = dict(kernel=b.kernel, max_docs_per_row=b.max_docs_per_row)

@@ -324,6 +324,7 @@ def _tiny_config(backend, data, tensor, seed, rows_per_rank=None, nano_batches=1
   c.attention.block_k = 32
   c.attention.backend = backend
   c.attention.distca.tolerance = 0.05
+  c.attention.distca.min_gain = 0.0  # tiny models' batches are near-balanced: balance them anyway
   c.mesh.data, c.mesh.tensor = data, tensor
   c.data.context_length = 256  # documents up to a few rows long, cut at row boundaries
   c.seed = seed
@@ -393,6 +394,30 @@ def test_train_and_evaluate_with_distca_compiles_once(tmp_path, monkeypatch):
   records = trainer.train_and_evaluate(c, str(tmp_path))
   assert [r["step"] for r in records] == [1, 2, 3]
   assert all(np.isfinite(r["loss"]) and r["loss"] > 1.0 for r in records)
+
+
+def test_config_min_gain_gates_plans_with_the_model_weight():
+  """attention.distca.min_gain reaches every plan with the model's linear work per token: a
+  batch whose predicted step gain is below it moves nothing; min_gain 0 balances it."""
+  from distca_jax import config as config_lib
+  from distca_jax import metrics
+  c = _tiny_config("distca", 4, 1, int(np.random.default_rng().integers(1 << 30)))
+  lin = metrics.linear_pairs_per_token(config_lib.model_config(c))
+  src = make_source(c.data, rows=4 * c.rows_per_rank, tokens_per_row=c.tokens_per_rank,
+                    vocab_size=c.model.vocab_size, seed=c.seed)
+  backend = trainer.make_backend(c)
+  # A batch the balancer has work on (imbalance above its tolerance).
+  rows = next(r for r in map(src.doclens, range(50))
+              if backend.host_plans(r, c.tokens_per_rank)[0].plan.imbalance_before > 1.2)
+  gains = []
+  for min_gain in (0.0, 1.0):
+    c.attention.distca.min_gain = min_gain
+    (hp,) = trainer.make_backend(c).host_plans(rows, c.tokens_per_rank)
+    want = sc.predicted_step_gain(hp.plan.loads_before, hp.spec.tokens_per_device, lin)
+    assert hp.plan.predicted_gain == pytest.approx(want) and 0 < want < 1.0
+    assert hp.plan.gated == (min_gain == 1.0)
+    gains.append(hp.plan.num_moves)
+  assert gains[0] > 0 and gains[1] == 0  # the ungated plan moved rows, the gated one none
 
 
 def test_config_cost_table_reaches_the_planner(monkeypatch):

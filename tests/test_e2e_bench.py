@@ -55,3 +55,35 @@ def test_ceiling_is_max_over_mean_of_step_work():
   assert skewed > 1.0
   # Identical work on every rank in every step is never above 1, whatever the lengths.
   assert e2e_bench.ceiling(cfg, [[[[3, 5]], [[5, 3]]], [[[7]], [[7]]]]) == pytest.approx(1.0)
+
+
+def test_per_batch_bound_on_rebuilt_batches():
+  """per_batch_bound rebuilds a run's batches from its overrides (the recorded ceiling must
+  match), and its 'best of both' and 'gate' ratios follow from the per-batch step times."""
+  import numpy as np
+  import per_batch_bound as pbb
+  from distca_jax import config as config_lib
+  over = ["data.workload=prolong", "tokens_per_rank=4096", "model.n_layers=2",
+          "attention.backend=packed_dp", "rows_per_rank=1", "model.dim=256", "model.mlp_dim=512",
+          "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=64", "model.vocab_size=1024"]
+  steps, devices, fixed = 6, 2, 0.01
+  c, doclens = pbb.batch_doclens(pbb.parse_args(["x"]).config, over, devices, 2, steps)
+  ceiling = e2e_bench.ceiling(config_lib.model_config(c), doclens)
+  rng = np.random.default_rng()
+  packed = list(rng.uniform(100, 200, steps))
+  distca = [p * f for p, f in zip(packed, rng.uniform(0.8, 1.1, steps))]
+  run = lambda name, ms: dict(workload="prolong", tokens=4096, devices=devices, backend=name,
+                              step_ms_all=ms, overrides=over, ceiling=ceiling)
+  for min_gain in (0.0, 10.0):  # never gate / always gate
+    rec = pbb.analyse(run("packed_dp", packed), run("distca", distca), fixed,
+                      pbb.parse_args(["x"]).config, 2, min_gain)
+    assert rec["ceiling"] == pytest.approx(ceiling)
+    assert rec["measured_ratio"] == pytest.approx(sum(packed) / sum(distca))
+    best = sum(min(d, p * (1 + fixed)) for p, d in zip(packed, distca))
+    assert rec["best_of_both_ratio"] == pytest.approx(sum(packed) / best)
+    want_gate = (sum(packed) / sum(distca) if min_gain == 0 else 1 / (1 + fixed))
+    assert rec["gate_ratio"] == pytest.approx(want_gate)
+    assert rec["gated_batches"] == (0 if min_gain == 0 else steps)
+  with pytest.raises(ValueError, match="ceiling"):
+    bad = dict(run("packed_dp", packed), ceiling=ceiling + 0.1)
+    pbb.analyse(bad, run("distca", distca), fixed, pbb.parse_args(["x"]).config, 2, 0.0)

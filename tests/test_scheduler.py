@@ -402,10 +402,55 @@ def test_metadata_capacity_too_small():
     (([10], 2), {"tokens_per_rank": 16, "q_heads": 6, "kv_heads": 4}, "multiple"),
     (([20, 12], 2), {"tokens_per_rank": 16, "capacity": {"kv_slot": 8}}, "kv_slot >= 16"),
     (([[3, 3, 3], [4]], 2), {"tokens_per_rank": 16, "capacity": {"tasks": 2}}, "tasks >= 3"),
+    (([10], 2), {"tokens_per_rank": 16, "min_gain": -0.01}, "min_gain"),
+    (([10], 2), {"tokens_per_rank": 16, "min_gain": True}, "min_gain"),
+    (([10], 2), {"tokens_per_rank": 16, "linear_pairs_per_token": float("inf")},
+     "linear_pairs_per_token"),
 ])
 def test_bad_input(args, kwargs, match):
   with pytest.raises(ValueError, match=match):
     sc.schedule(*args, **kwargs)
+
+
+def test_predicted_step_gain_by_hand():
+  # Two servers of T = 100 token slots: one document of 100 tokens (5050 pairs) against one of
+  # 10 (55 pairs). mean 2552.5; linear work 3 pairs per token = 300 per server.
+  loads = [sc.pairs(0, 100), sc.pairs(0, 10)]
+  assert sc.predicted_step_gain(loads, 100, 3.0) == pytest.approx(
+      (5050 - 2552.5) / (2552.5 + 300))
+  assert sc.predicted_step_gain(loads, 100, 0.0) == pytest.approx(5050 / 2552.5 - 1)
+  assert sc.predicted_step_gain([0, 0], 100, 0.0) == 0.0
+
+
+@pytest.mark.parametrize("seed", [int(np.random.default_rng().integers(1 << 30))])
+def test_gate_moves_nothing_below_min_gain_and_balances_above(seed):
+  """The gate compares the layout's predicted step gain with min_gain: below it the plan is
+  every row where it lives (gated, not degraded); at or above it, the same balance as without
+  a gate."""
+  rng = np.random.default_rng(seed)
+  t, s = 32 * K, 4
+  lin = float(rng.uniform(500, 5000))
+  seen = {True: 0, False: 0}
+  for step in range(12):
+    layout = _layout("prolong" if step % 2 else "pretrain", t, s, True, step, seed=seed)
+    free = sc.schedule(layout, s, tokens_per_rank=t, tolerance=0.05)
+    gain = sc.predicted_step_gain(free.loads_before, t, lin)
+    # No linear weight given: attention alone.
+    assert free.predicted_gain == pytest.approx(free.imbalance_before - 1) and not free.gated
+    for min_gain in (gain * 0.5, gain * 2.0 + 1e-9):
+      p = sc.schedule(layout, s, tokens_per_rank=t, tolerance=0.05, min_gain=min_gain,
+                      linear_pairs_per_token=lin)
+      assert p.predicted_gain == pytest.approx(gain)
+      if gain < min_gain:
+        assert p.gated and not p.degraded and p.num_moves == 0 and p.bytes_total == 0
+        np.testing.assert_array_equal(p.loads_after, p.loads_before)
+        assert "GATED" in p.summary()
+      else:
+        assert not p.gated
+        np.testing.assert_array_equal(p.tasks, free.tasks)
+        np.testing.assert_array_equal(p.loads_after, free.loads_after)
+      seen[p.gated] += 1
+  assert seen[True] and seen[False]
 
 
 def test_bad_types():

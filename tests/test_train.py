@@ -1,5 +1,6 @@
 """The training system: sharded == single device, exact resume, configs, AOT compile."""
 
+import collections
 import glob
 import json
 import os
@@ -10,11 +11,13 @@ import sys
 import time
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from distca_jax import aot, configs_io, trainer
+from distca_jax import attention as attn_lib
 from distca_jax import sharding as shard_lib
 from distca_jax.data import make_source
 
@@ -188,6 +191,83 @@ def test_ping_pong_equals_single_stream(data, tensor):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("scan_layers,n_layers,remat", [(True, 3, "full"), (False, 3, "none"),
+                                                        (True, 1, "save_attention")])
+def test_ping_pong_schedule_variants_equal_single_stream(scan_layers, n_layers, remat):
+  """The cross-layer schedule (prologue, L - 1 units, epilogue) on scanned and unrolled stacks,
+  one layer (no unit) and the remat policies: the single stream's loss and gradients."""
+  seed = int(np.random.default_rng().integers(1 << 30))
+  over = {"mesh.data": 2, "mesh.tensor": 1, "seed": seed, "rows_per_rank": 2,
+          "model.scan_layers": scan_layers, "model.n_layers": n_layers, "model.remat": remat}
+  single = tiny_config(**over)
+  pingpong = tiny_config(**over, **{"attention.nano_batches": 2})
+  src = make_source(single.data, rows=4, tokens_per_row=single.tokens_per_rank,
+                    vocab_size=single.model.vocab_size, seed=seed)
+  batch = src.batch(int(np.random.default_rng(seed).integers(1000)))
+  devices = jax.devices()[:2]
+  loss_1, g_1 = loss_and_grads(single, devices, batch)
+  loss_2, g_2 = loss_and_grads(pingpong, devices, batch)
+  np.testing.assert_allclose(loss_2, loss_1, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g_1), jax.tree.leaves(g_2)):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+
+
+def _ping_pong_steps(jaxpr):
+  """(scope tag or None, eqn) of every top-level eqn of ``jaxpr``: the ping-pong step it was
+  traced under."""
+  from distca_jax.model import PING_PONG_SCOPE
+  out = []
+  for e in jaxpr.eqns:
+    tags = [x for x in str(e.source_info.name_stack).split("/") if x.startswith(PING_PONG_SCOPE)]
+    out.append((tags[-1][len(PING_PONG_SCOPE) + 1:] if tags else None, e))
+  return out
+
+
+def _runs(steps):
+  tags = [t for t, _ in steps if t is not None]
+  return [t for i, t in enumerate(tags) if i == 0 or tags[i - 1] != t]
+
+
+def test_ping_pong_schedule_crosses_layers():
+  """While one nano-batch's core attention runs, the other's post-CA of layer i and pre-CA of
+  layer i + 1 follow it in program order and depend on nothing it produced (what lets XLA put
+  the collectives behind those matmuls); the stack is one scan of L - 1 such units."""
+  from distca_jax import model as model_lib
+  n_layers, t = 4, 8
+  cfg = model_lib.ModelConfig(n_layers=n_layers, remat="none")
+
+  def core_attention(q, k, v, layout, *, softmax_scale):
+    del k, v, layout
+    return q * softmax_scale
+
+  layout = attn_lib.Layout(jnp.ones((4, t), jnp.int32),
+                           jnp.tile(jnp.arange(t, dtype=jnp.int32)[None], (4, 1)))
+  tokens = jnp.zeros((4, t), jnp.int32)
+  params = model_lib.Transformer(cfg, core_attention).init(jax.random.key(0), tokens,
+                                                            layout)["params"]
+  model = model_lib.Transformer(cfg, core_attention, nano_batches=2)
+  jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens, layout))(params).jaxpr
+  scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+  assert [e.params["length"] for e in scans] == [n_layers - 1]
+  top = _runs(_ping_pong_steps(jaxpr))
+  assert top == ["pre_A", "ca_A", "pre_B", "ca_B", "post_A", "post_B"]  # prologue, epilogue
+  unit = _ping_pong_steps(scans[0].params["jaxpr"].jaxpr)
+  assert _runs(unit) == ["ca_B", "post_A", "pre_A", "ca_A", "post_B", "pre_B"]
+  # Which steps each value of the unit was computed from.
+  src = collections.defaultdict(set)
+  for tag, e in unit:  # every eqn, tagged or not (glue between steps carries dependences too)
+    deps = set().union(*[src[v] for v in e.invars if isinstance(v, jax.extend.core.Var)])
+    for v in e.outvars:
+      src[v] = deps | ({tag} if tag else set())
+  reach = collections.defaultdict(set)
+  for tag, e in unit:
+    for v in e.outvars:
+      reach[tag] |= src[v]
+  assert "ca_B" not in reach["post_A"] | reach["pre_A"] | reach["ca_A"]
+  assert "ca_A" not in reach["post_B"] | reach["pre_B"]
+  assert "post_A" in reach["ca_A"] and "ca_B" in reach["post_B"]  # the chains themselves
+
+
 def test_nano_batches_must_divide_rows():
   from distca_jax import config as config_lib
   c = tiny_config(**{"attention.nano_batches": 2, "rows_per_rank": 3})
@@ -199,7 +279,7 @@ BACKEND_OVERRIDES = {
     "packed_dp": {},
     "cp": {"attention.baselines.cp_size": 2},
     "wlb": {"attention.baselines.cp_size": 2, "attention.baselines.wlb_alpha": 1.25},
-    "distca": {"attention.distca.tolerance": 0.05},
+    "distca": {"attention.distca.tolerance": 0.05, "attention.distca.min_gain": 0.0},
 }
 
 
@@ -249,3 +329,13 @@ def test_chunked_cross_entropy_matches_full_logits(t, chunk):
   # The scan runs ceil(t / chunk) steps of min(chunk, t) tokens (not gcd-sized ones).
   lengths = re.findall(r"\blength=(\d+)", str(jax.make_jaxpr(chunked)(h, w)))
   assert lengths == [str(-(-t // min(chunk, t)))]
+
+
+def test_launcher_xla_flag_defaults_keep_the_users_word():
+  from distca_jax import launch
+  name = "xla_gpu_enable_dynamic_slice_fusion"
+  assert launch.xla_flags_with_defaults("") == f"--{name}=false"
+  assert launch.xla_flags_with_defaults("--xla_force_host_platform_device_count=8") == (
+      f"--xla_force_host_platform_device_count=8 --{name}=false")
+  for given in (f"--{name}=true", f"--{name}", f"-{name}=true"):  # the user's setting stays
+    assert launch.xla_flags_with_defaults(f"--a=1 {given}") == f"--a=1 {given}"

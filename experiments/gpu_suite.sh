@@ -123,6 +123,50 @@ stage e2e_pingpong_2x64k_v5 270 python3 experiments/e2e_bench.py --backends dist
 # Next leads of results/e2e_v5_summary.md: the MemcpyD2D time of 128K steps (the profile report
 # now gives each memcpy name's bytes and GB/s) and CAD's fixed cost on ProLong, per GPU.
 stage e2e_prolong_128k_profile 260 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads prolong --tokens 131072 $E2E20 --steps 5 --profile --plan-stats --out "$OUT/e2e_2gpu_prolong_128k_profile"
+;;& v6pp)
+# results/pingpong_v6_summary.md, on ONE GPU (2-GPU kinds were withheld): the cross-layer
+# ping-pong schedule (model.ping_pong_layers) against the single stream and against the previous
+# commit's within-layer schedule (a `git archive` of it in .old/). Nothing crosses a wire on one
+# GPU: this measures what the schedule costs when there is nothing to hide, and its memory.
+PP="--workloads pretrain --tokens 65536 --rows-per-rank 2 --layers 2 --steps 10 --warmup 2"
+stage e2e_1gpu_pingpong_v6 300 python3 experiments/e2e_bench.py --backends packed_dp,distca --nano-batches 1,2 $PP --out "$OUT/e2e_1gpu_pingpong_v6"
+if [ -d .old/distca_jax ]; then
+stage e2e_1gpu_pingpong_v6_old 150 bash -c "cd .old && PYTHONPATH=$PWD/.old:/tmp/site python3 experiments/e2e_bench.py --backends distca --nano-batches 2 $PP --out $OUT/e2e_1gpu_pingpong_v6_old"
+fi
+;;& v6pp2)
+# Why ping-pong is faster on one GPU (v6pp): profiles of both schedules, the previous commit's
+# within-layer schedule, and 4 layers (3 scanned units instead of 1).
+PP="--workloads pretrain --tokens 65536 --rows-per-rank 2 --steps 6 --warmup 2"
+stage e2e_1gpu_pingpong_v6_prof 200 python3 experiments/e2e_bench.py --backends packed_dp --nano-batches 1,2 $PP --layers 2 --profile --out "$OUT/e2e_1gpu_pingpong_v6_prof"
+if [ -d .old/distca_jax ]; then
+stage e2e_1gpu_pingpong_v6_old 120 bash -c "cd .old && PYTHONPATH=$PWD/.old:/tmp/site python3 experiments/e2e_bench.py --backends packed_dp --nano-batches 1,2 $PP --layers 2 --out $OUT/e2e_1gpu_pingpong_v6_old"
+fi
+stage e2e_1gpu_pingpong_v6_4l 200 python3 experiments/e2e_bench.py --backends packed_dp --nano-batches 1,2 $PP --layers 4 --out "$OUT/e2e_1gpu_pingpong_v6_4l"
+;;& v6pp3)
+# Which attention kernels the single stream loses on 2 rows per call (v6pp2: 713 vs 479 ms).
+stage rows_per_call 200 python3 experiments/rows_per_call_bench.py --batches 2 --out "$OUT/rows_per_call_bench"
+PP="--workloads pretrain --tokens 65536 --rows-per-rank 2 --steps 4 --warmup 2 --layers 2"
+stage e2e_1gpu_pingpong_v6_prof2 260 python3 experiments/e2e_bench.py --backends packed_dp,distca --nano-batches 1,2 $PP --profile --out "$OUT/e2e_1gpu_pingpong_v6_prof2"
+;;& v6pp4)
+# After the fixes v6pp3 pointed at (flash3's compact LSE saved instead of its raw buffer;
+# packed_dp's empty task slots last): single stream vs ping-pong again, the one-row runs of the
+# first probe, and 4 layers.
+PP="--workloads pretrain --tokens 65536 --rows-per-rank 2 --warmup 2"
+stage e2e_1gpu_pingpong_v6_fixed 240 python3 experiments/e2e_bench.py --backends packed_dp,distca --nano-batches 1,2 $PP --steps 6 --layers 2 --profile --out "$OUT/e2e_1gpu_pingpong_v6_fixed"
+stage e2e_1gpu_64k_v6 200 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads prolong,pretrain --tokens 65536 --layers 2 --steps 8 --warmup 2 --out "$OUT/e2e_1gpu_64k_v6"
+stage e2e_1gpu_pingpong_v6_fixed_4l 150 python3 experiments/e2e_bench.py --backends distca --nano-batches 1,2 $PP --steps 4 --layers 4 --out "$OUT/e2e_1gpu_pingpong_v6_fixed_4l"
+;;& v6pp5)
+# The single stream's scanned layer still ran FA3's forward twice (two custom calls in the HLO:
+# XLA's dynamic-slice fusion cloned the call to write O straight into the stacked residual).
+# The same runs with that fusion off.
+NODSF="XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=false"
+stage e2e_1gpu_2x64k_nodsf 200 env $NODSF python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 65536 --rows-per-rank 2 --warmup 2 --steps 6 --layers 2 --profile --out "$OUT/e2e_1gpu_2x64k_nodsf"
+stage e2e_1gpu_64k_nodsf 150 env $NODSF python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads prolong,pretrain --tokens 65536 --layers 2 --steps 8 --warmup 2 --out "$OUT/e2e_1gpu_64k_nodsf"
+;;& v6final)
+# The committed state (launcher default --xla_gpu_enable_dynamic_slice_fusion=false, compact
+# LSE residual, packed_dp slots): GPU tests of the flash3 path, single stream vs ping-pong.
+stage gpu_tests_v6 90 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_ops.py -k "flash3 or hints"
+stage e2e_1gpu_pingpong_v6_final 170 python3 experiments/e2e_bench.py --backends packed_dp,distca --nano-batches 1,2 --workloads pretrain --tokens 65536 --rows-per-rank 2 --warmup 2 --steps 6 --layers 2 --out "$OUT/e2e_1gpu_pingpong_v6_final"
 ;;& wlb|all)
 stage e2e_64k_wlb 400 python3 experiments/e2e_bench.py --backends packed_dp,wlb --workloads pretrain --tokens 65536 $E2E20 --extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2 --out "$OUT/e2e_64k_wlb"
 ;;

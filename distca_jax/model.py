@@ -16,6 +16,7 @@ F MLP hidden, V vocab, L layers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -320,10 +321,12 @@ def ping_pong_layers(cfg: ModelConfig, core_attention: attn_lib.CoreAttentionFn,
   def ca(qkv, lay):
     return _attend(core_attention, qkv, lay, scale)
 
-  def remat(f):
+  def remat(f, in_scan=False):
     if cfg.remat == "none":
       return f
-    return jax.checkpoint(f, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    # prevent_cse=False only inside the scan (as nn.scan does): there a loop already keeps XLA
+    # from merging the backward's recomputation with the forward; outside, CSE would undo it.
+    return jax.checkpoint(f, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not in_scan)
 
   def layer(all_params, i):
     if not stacked:
@@ -337,7 +340,7 @@ def ping_pong_layers(cfg: ModelConfig, core_attention: attn_lib.CoreAttentionFn,
     qkv_b = step("pre_B", pre, p0, x_b, lay_b)
     return x_a, o_a, x_b, qkv_b
 
-  @remat
+  @functools.partial(remat, in_scan=stacked)
   def unit(p_i, p_next, carry):
     x_a, o_a, x_b, qkv_b = carry
     o_b = step("ca_B", ca, qkv_b, lay_b)

@@ -49,13 +49,18 @@ def base_config() -> ml_collections.ConfigDict:
   c.attention.distca.tolerance = scheduler.DEFAULT_TOLERANCE
                                           # epsilon: every server within (1 + eps) x mean pairs
                                           # (0.02; why: scheduler.DEFAULT_TOLERANCE)
-  c.attention.distca.min_gain = 0.02      # the gate: a batch moves nothing when perfect balance
-                                          # would save less than this fraction of the step
-                                          # (predicted from its document lengths and the model;
-                                          # scheduler.predicted_step_gain); 0 = always balance.
-                                          # Why 0.02: on 2 H200s, batches whose step-work
-                                          # ceiling was <= 1.03 ran up to 2.6% slower with CAD
-                                          # (results/per_batch_bound.md)
+  c.attention.distca.min_gain = 0.02      # the gate: a plan (one per nano-batch) moves nothing
+                                          # when perfect balance would speed the step up by
+                                          # less than 1 + this (predicted from its document
+                                          # lengths and the model: scheduler.
+                                          # predicted_step_gain); 0 = always balance. Why 0.02:
+                                          # on 2 H200s near-balanced batches ran up to 3.5%
+                                          # slower with CAD; replaying the v5 runs' per-batch
+                                          # steps, gates of 0.01 / 0.02 / 0.03 / 0.04 take 0.30
+                                          # / 0.37 / 0.40 / 0.40 (ProLong 64K) and 0.70 / 0.73 /
+                                          # 0.71 / 0.71 (ProLong 128K) of the ceiling's gain and
+                                          # leave Pretrain alone up to 0.03 (experiments/
+                                          # per_batch_bound.py --min-gain)
   c.attention.distca.min_shard = 0        # shortest query piece a split may create; 0 = auto
                                           # (512, or tokens_per_rank / 16 for short rows)
   c.attention.distca.q_slot = 0           # query rows one rank sends one server

@@ -1093,6 +1093,12 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
     raise ValueError(f"{e} (config.attention.distca)") from e
   r = _check_int("rows_per_rank", rows_per_rank, 1)
   n = _check_int("nano_batches", nano_batches, 1)
+  for name, v, fix in (("min_gain", min_gain, "0 = always balance; default 0.02"),
+                       ("linear_pairs_per_token", linear_pairs_per_token,
+                        "the trainer derives it: metrics.linear_pairs_per_token")):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+      raise ValueError(f"config.attention.distca.{name}={v!r} must be a finite number >= 0 "
+                       f"({fix})")
   if r % n:
     raise ValueError(f"{rows_per_rank=} must be a multiple of {nano_batches=}")
   caps = dict(q_slot=q_slot, kv_slot=kv_slot, q_tokens=q_tokens, kv_tokens=kv_tokens,

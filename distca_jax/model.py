@@ -333,14 +333,12 @@ def ping_pong_layers(cfg: ModelConfig, core_attention: attn_lib.CoreAttentionFn,
       return all_params[i]
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), all_params)
 
-  @remat
   def prologue(p0, x_a, x_b):
     qkv_a = step("pre_A", pre, p0, x_a, lay_a)
     o_a = step("ca_A", ca, qkv_a, lay_a)
     qkv_b = step("pre_B", pre, p0, x_b, lay_b)
     return x_a, o_a, x_b, qkv_b
 
-  @functools.partial(remat, in_scan=stacked)
   def unit(p_i, p_next, carry):
     x_a, o_a, x_b, qkv_b = carry
     o_b = step("ca_B", ca, qkv_b, lay_b)
@@ -351,7 +349,6 @@ def ping_pong_layers(cfg: ModelConfig, core_attention: attn_lib.CoreAttentionFn,
     qkv_b = step("pre_B", pre, p_next, x_b, lay_b)
     return x_a, o_a, x_b, qkv_b
 
-  @remat
   def epilogue(p_last, carry):
     x_a, o_a, x_b, qkv_b = carry
     o_b = step("ca_B", ca, qkv_b, lay_b)
@@ -359,15 +356,19 @@ def ping_pong_layers(cfg: ModelConfig, core_attention: attn_lib.CoreAttentionFn,
     x_b = step("post_B", post, p_last, x_b, o_b)
     return x_a, x_b
 
-  carry = prologue(layer(layers, 0), x_a, x_b)
+  # The layer's parameters are taken out of the stack INSIDE each rematerialized piece: a slice
+  # taken outside would be a residual of every unit, one more copy of the layer weights per layer.
+  last = n_layers - 1
+  carry = remat(lambda ps, x_a, x_b: prologue(layer(ps, 0), x_a, x_b))(layers, x_a, x_b)
   if stacked and n_layers > 1:
-    def body(carry, i):
-      return unit(layer(layers, i), layer(layers, i + 1), carry), None
-    carry, _ = lax.scan(body, carry, jnp.arange(n_layers - 1))
+    unit_at = remat(lambda ps, i, carry: unit(layer(ps, i), layer(ps, i + 1), carry),
+                    in_scan=True)
+    carry, _ = lax.scan(lambda carry, i: (unit_at(layers, i, carry), None), carry,
+                        jnp.arange(last))
   else:
-    for i in range(n_layers - 1):
-      carry = unit(layer(layers, i), layer(layers, i + 1), carry)
-  x_a, x_b = epilogue(layer(layers, n_layers - 1), carry)
+    for i in range(last):
+      carry = remat(unit)(layers[i], layers[i + 1], carry)
+  x_a, x_b = remat(lambda ps, carry: epilogue(layer(ps, last), carry))(layers, carry)
   return merge_rows([x_a, x_b])
 
 

@@ -65,9 +65,10 @@ exact balance of integer token counts is generally impossible and the plan repor
 within one such piece of the mean.
 
 The gate (``min_gain``): balancing first asks whether it is worth it. With the linear layers'
-work per token in pair units (``linear_pairs_per_token``, from the model), the step-time gain a
-perfect balance could bring is ``(max - mean) / (mean + linear work)`` (``predicted_step_gain``);
-below ``min_gain`` nothing moves and the plan is ``gated``. Moving rows costs time of its own
+work per token in pair units (``linear_pairs_per_token``, from the model), the speedup a perfect
+balance could bring is ``1 + (max - mean) / (mean + linear work)`` (``predicted_step_gain`` is
+the part past 1); below ``min_gain`` nothing moves and the plan is ``gated``. The data plane
+plans each nano-batch apart, so each is gated on its own. Moving rows costs time of its own
 (gathers into the attention buffers, the exchange, shorter kernel tasks): on 2 H200s, batches
 whose step-work ceiling was 1.00-1.03 ran 0-2.6% slower with CAD than without balancing, while
 those above 1.05 took their whole ceiling (results/per_batch_bound.md).
@@ -1184,12 +1185,13 @@ class _Balancer:
 
 
 def predicted_step_gain(loads, tokens_per_rank: int, linear_pairs_per_token: float) -> float:
-  """Fraction of step time a perfect attention balance would save, from per-server pairs.
+  """The speedup a perfect attention balance would bring, minus 1, from per-server pairs.
 
   A server's step work is its attention pairs plus the linear layers' work on its token budget,
   ``linear_pairs_per_token * tokens_per_rank`` in pair units (the same on every server: every
   rank runs its linear layers on all ``T`` token slots). The step waits for the busiest server,
-  so balancing attention saves ``(max - mean) / (mean + linear)`` of it, before the costs of
+  so a perfect balance speeds it up by ``(max + linear) / (mean + linear)``: the gain is
+  ``(max - mean) / (mean + linear)`` (the step-work ceiling minus 1), before the costs of
   moving rows. ``linear_pairs_per_token = N / (2 L Hq D)`` for a model of ``N`` matmul
   weights (layers and LM head), ``L`` layers, ``Hq`` query heads of dim ``D`` (training FLOPs:
   ``6 N`` per token, ``12 L Hq D`` per causal pair; ``metrics.step_flops``).
@@ -1227,8 +1229,8 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
       dtype_bytes; key/value row = 2 * kv_heads * head_dim * dtype_bytes).
     cost_model: a ``CostTable`` or the path of its JSON; fills ``Plan.times_*``.
     max_moves: safety bound on moves (default ``20 * (S + items)``).
-    min_gain: the gate: when the step-time gain a perfect balance could bring
-      (``predicted_step_gain`` with ``linear_pairs_per_token``) is below this fraction, nothing
+    min_gain: the gate: when the speedup a perfect balance could bring, minus 1
+      (``predicted_step_gain`` with ``linear_pairs_per_token``), is below this, nothing
       moves (``Plan.gated``): moving rows has a cost of its own (gathers, exchange, shorter
       kernel tasks), which on near-balanced batches exceeds the gain. 0 = always balance.
     linear_pairs_per_token: the linear layers' work per token in pair units (see

@@ -19,10 +19,11 @@ config overrides (the data source is a pure function of config, seed and step), 
     policy that chooses per batch between CAD's plan and keeping every document at home beats it
     (on these kernels and this exchange);
   * `gate`: the ratio if the CAD planner's gate (`attention.distca.min_gain`, `--min-gain`)
-    had run: the run's own `distca` backend plans every batch again (`host_plans`), and a batch
-    whose plans are all gated (nothing moves) costs packed_dp's step x (1 + fixed cost), any
-    other batch distca's measured step. A prediction from measured steps, not a measurement of
-    the gate;
+    had run: a `distca` backend built from the distca run's overrides (with `--min-gain`, or
+    the config's default) plans every batch again (`host_plans`), and a batch whose plans are
+    all gated (nothing moves) costs packed_dp's step x (1 + fixed cost), any other batch
+    distca's measured step (a batch gated in one nano-batch only keeps that measured step). A
+    prediction from measured steps, not a measurement of the gate;
   * each ratio as a share of the ceiling's gain ((ratio - 1) / (ceiling - 1)).
 
 It runs on the host only (no device, no JAX computation). Writes OUT.json and OUT.md.
@@ -73,10 +74,10 @@ def batch_doclens(config_path: str, overrides, devices: int, warmup: int, steps:
 
 
 def gated_batches(c, doclens, min_gain) -> list[bool]:
-  """Per batch: whether the distca backend of config ``c`` moves nothing in any of its plans."""
+  """Per batch: whether the distca backend of the distca run's config ``c`` moves nothing in
+  any of its plans (one per nano-batch)."""
   from distca_jax import trainer
   c = c.copy_and_resolve_references()
-  c.attention.backend = "distca"
   c.mesh.data = len(doclens[0])  # the run's data ranks (its startup caps are planned for them)
   if min_gain is not None:
     c.attention.distca.min_gain = float(min_gain)
@@ -98,13 +99,18 @@ def analyse(packed: dict, distca: dict, fixed: float, config_path: str, warmup: 
                      f"batches, distca {len(d_ms)}; they must run the same batches")
   c, doclens = batch_doclens(config_path, packed["overrides"], packed["devices"], warmup,
                              len(p_ms))
+  c_ca, doclens_ca = batch_doclens(config_path, distca["overrides"], distca["devices"], warmup,
+                                   len(d_ms))
+  if doclens_ca != doclens:
+    raise ValueError(f"{packed['workload']} {packed['tokens']}: the packed_dp and distca runs' "
+                     "overrides give different batches; compare runs of the same data")
   model_cfg = config_lib.model_config(c)
   ceiling = e2e_bench.ceiling(model_cfg, doclens)
   if abs(ceiling - packed["ceiling"]) > 1e-6:
     raise ValueError(f"rebuilt batches give ceiling {ceiling:.6f}, the run recorded "
                      f"{packed['ceiling']:.6f}: the data source or config changed since the run")
   best = [min(d, p * (1.0 + fixed)) for p, d in zip(p_ms, d_ms)]
-  gated = gated_batches(c, doclens, min_gain)
+  gated = gated_batches(c_ca, doclens, min_gain)
   gate = [p * (1.0 + fixed) if g else d for p, d, g in zip(p_ms, d_ms, gated)]
   share = lambda r: (r - 1.0) / (ceiling - 1.0) if ceiling > 1.0 else None
   measured = sum(p_ms) / sum(d_ms)

@@ -5,12 +5,14 @@ once, while ping-pong (``attention.nano_batches = 2``) calls it once per row. Th
 times FA3's forward+backward (``ops.core_attention``, what the layers run) on the same documents
 three ways:
 
-  per row        one call per row (what each ping-pong nano-batch runs), summed;
-  fused          one call over both rows with packed_dp's table: every row's documents in
-                 ``max_docs_per_row`` task slots, then the row's padding as two pseudo-tasks
-                 (``baselines.device.packed_dp_attention``);
+  per row        one call per row, summed, with packed_dp's table as it was when this ran: the
+                 row's documents in ``max_docs_per_row`` task slots, then its padding as two
+                 pseudo-tasks, so the empty slots sit before the padding ones (each ping-pong
+                 nano-batch ran such a call);
+  fused          one call over both rows with that table (empty slots between the rows too);
   fused, packed  one call over both rows with the empty slots moved behind the used ones, so
-                 FA3's launch buckets (``ops.flash3_grid_buckets``) can trim them.
+                 FA3's launch buckets (``ops.flash3_grid_buckets``) can trim them (what
+                 ``baselines.device.packed_dp_attention`` does now).
 
 Rows are sampled from the workloads (``WorkloadSampler``), bf16, Llama-3-8B heads. Run on a GPU
 machine with flash-attn3-jax:

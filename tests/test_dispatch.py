@@ -418,6 +418,8 @@ def test_config_min_gain_gates_plans_with_the_model_weight():
     assert hp.plan.gated == (min_gain == 1.0)
     gains.append(hp.plan.num_moves)
   assert gains[0] > 0 and gains[1] == 0  # the ungated plan moved rows, the gated one none
+  with pytest.raises(ValueError, match=r"min_gain=-0.5 must be a finite number >= 0"):
+    dispatch.make_backend(min_gain=-0.5)
 
 
 def test_config_cost_table_reaches_the_planner(monkeypatch):

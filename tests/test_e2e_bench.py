@@ -72,18 +72,31 @@ def test_per_batch_bound_on_rebuilt_batches():
   rng = np.random.default_rng()
   packed = list(rng.uniform(100, 200, steps))
   distca = [p * f for p, f in zip(packed, rng.uniform(0.8, 1.1, steps))]
-  run = lambda name, ms: dict(workload="prolong", tokens=4096, devices=devices, backend=name,
-                              step_ms_all=ms, overrides=over, ceiling=ceiling)
-  for min_gain in (0.0, 10.0):  # never gate / always gate
+  ca_over = [x.replace("=packed_dp", "=distca") for x in over]
+  run = lambda name, ms: dict(
+      workload="prolong", tokens=4096, devices=devices, backend=name, step_ms_all=ms,
+      overrides=over if name == "packed_dp" else ca_over, ceiling=ceiling)
+  # Each batch's predicted gain, from the planner the gate runs (one plan per batch here).
+  from distca_jax import trainer
+  c_ca = pbb.batch_doclens(pbb.parse_args(["x"]).config, ca_over, devices, 2, 1)[0]
+  c_ca.mesh.data, c_ca.attention.distca.min_gain = devices, 0.0
+  backend = trainer.make_backend(c_ca)
+  gains = [backend.host_plans([r for rank in b for r in rank], 4096)[0].plan.predicted_gain
+           for b in doclens]
+  mid = float(np.median(gains))
+  for min_gain in (0.0, 10.0, mid):  # never gate, always gate, the batches below the median
     rec = pbb.analyse(run("packed_dp", packed), run("distca", distca), fixed,
                       pbb.parse_args(["x"]).config, 2, min_gain)
     assert rec["ceiling"] == pytest.approx(ceiling)
     assert rec["measured_ratio"] == pytest.approx(sum(packed) / sum(distca))
     best = sum(min(d, p * (1 + fixed)) for p, d in zip(packed, distca))
     assert rec["best_of_both_ratio"] == pytest.approx(sum(packed) / best)
-    want_gate = (sum(packed) / sum(distca) if min_gain == 0 else 1 / (1 + fixed))
-    assert rec["gate_ratio"] == pytest.approx(want_gate)
-    assert rec["gated_batches"] == (0 if min_gain == 0 else steps)
+    gated = [g < min_gain for g in gains]
+    assert [b["gated"] for b in rec["batches"]] == gated
+    assert rec["gated_batches"] == sum(gated)
+    assert rec["gate_ratio"] == pytest.approx(
+        sum(packed) / sum(p * (1 + fixed) if g else d for p, d, g in zip(packed, distca, gated)))
+  assert 0 < sum(g < mid for g in gains) < steps  # the middle case gates some batches only
   with pytest.raises(ValueError, match="ceiling"):
     bad = dict(run("packed_dp", packed), ceiling=ceiling + 0.1)
     pbb.analyse(bad, run("distca", distca), fixed, pbb.parse_args(["x"]).config, 2, 0.0)

@@ -8,6 +8,7 @@ Run: cd /work/main && .venv/bin/python -m pytest -q tests/test_ops.py
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import sys
@@ -457,6 +458,24 @@ def test_kernel_bench_sched_workload_is_the_servers_task_table(family):
   assert tables["max", "used"] == tables["max", "envelope"]
 
 
+def saved_residuals(f, *args) -> list[tuple[str, tuple[int, ...], str]]:
+  """(dtype, shape, description) of every residual JAX saves for ``f``'s backward, read from
+  ``jax.ad_checkpoint.print_saved_residuals`` (its public view of them)."""
+  import contextlib
+  import io
+  import re
+  from jax.ad_checkpoint import print_saved_residuals
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    print_saved_residuals(f, *args)
+  out = []
+  for line in buf.getvalue().splitlines():
+    m = re.match(r"(\w+)\[([\d,]*)\] (.*)", line)
+    assert m, line
+    out.append((m.group(1), tuple(int(x) for x in m.group(2).split(",") if x), m.group(3)))
+  return out
+
+
 class FA3Emulator:
   """FA3's varlen contract on CPU (the jnp reference for the math), strict about its inputs.
 
@@ -581,22 +600,7 @@ def test_flash3_remat_keeps_o_and_compact_lse_not_the_raw_buffer():
   """Under the remat policies that keep attention ('save_attention', 'resend'), the flash3 path
   saves O and the [H, T] log-sum-exp it cuts out of FA3's [slots, H, max_seqlen_q] buffer; never
   that buffer (8.7 GB per layer for 260 slots of a 64K row); gradients unchanged."""
-  import contextlib
-  import io
-  import re
-  from jax.ad_checkpoint import print_saved_residuals  # the public view of the residuals
   from distca_jax import model
-
-  def saved_residuals(f, *args):  # [(shape, description)] from print_saved_residuals' lines
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-      print_saved_residuals(f, *args)
-    out = []
-    for line in buf.getvalue().splitlines():
-      m = re.match(r"\w+\[([\d,]*)\] (.*)", line)
-      assert m, line
-      out.append((tuple(int(x) for x in m.group(1).split(",") if x), m.group(2)))
-    return out
 
   rng = np.random.default_rng()
   t, h, kh, d, slots = 96, 4, 2, 16, 8
@@ -607,17 +611,33 @@ def test_flash3_remat_keeps_o_and_compact_lse_not_the_raw_buffer():
   q = jax.random.normal(ks[0], (t, h, d))
   k, v = (jax.random.normal(x, (t, kh, d)) for x in ks[1:])
   emu = FA3Emulator()
+  # The emulator's forward as one primitive named like the bindings' FFI call, so that a policy
+  # saving that call's outputs (what the policies did before) would keep the raw buffer.
+  from jax.extend.core import Primitive
+  from jax.interpreters import mlir
+  call = Primitive("ffi_call")
+  call.multiple_results = True
+  call.def_impl(lambda *a, **kw: emu.fwd(*a, **kw))
+  call.def_abstract_eval(lambda *avals, **kw: [
+      jax.core.ShapedArray(x.shape, x.dtype) for x in jax.eval_shape(
+          functools.partial(emu.fwd, **kw), *avals)])
+  mlir.register_lowering(call, mlir.lower_fun(lambda *a, **kw: emu.fwd(*a, **kw),
+                                              multiple_results=True))
+  fwd = lambda *a, **kw: tuple(call.bind(*a, **kw))
 
   def loss(q, k, v):
     o, _ = ops._flash3_masked(q, k, v, cu, cu, softmax_scale=0.3, max_seqlen_q=t,
-                              max_seqlen_k=t, grid_levels=2, impl=(emu.fwd, emu.bwd))
+                              max_seqlen_k=t, grid_levels=2, impl=(fwd, emu.bwd))
     return jnp.sum(o * o)  # the backward still takes the LSE (a residual of the kernel)
 
+  raw = [shape for _, shape, _ in saved_residuals(jax.checkpoint(
+      loss, policy=lambda prim, *_, **__: prim.name == "ffi_call"), q, k, v)]
+  assert (slots, h, t) in raw  # saving the call's outputs keeps the raw buffer
   for policy in (model._REMAT_POLICIES["save_attention"], ops.saves_kernel_outputs):
     saved = saved_residuals(jax.checkpoint(loss, policy=policy), q, k, v)
-    named = sorted(shape for shape, why in saved if ops.KERNEL_OUTPUTS_NAME in why)
+    named = sorted(shape for _, shape, why in saved if ops.KERNEL_OUTPUTS_NAME in why)
     assert named == sorted([(t, h, d), (h, t)]), saved
-    assert not [shape for shape, _ in saved if shape == (slots, h, t)], saved
+    assert not [shape for _, shape, _ in saved if shape == (slots, h, t)], saved
     grads = jax.grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1, 2))(q, k, v)
     want = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     for g, w in zip(grads, want):

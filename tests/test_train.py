@@ -192,6 +192,7 @@ def test_ping_pong_equals_single_stream(data, tensor):
 
 
 @pytest.mark.parametrize("scan_layers,n_layers,remat", [(True, 3, "full"), (False, 3, "none"),
+                                                        (False, 2, "full"),
                                                         (True, 1, "save_attention")])
 def test_ping_pong_schedule_variants_equal_single_stream(scan_layers, n_layers, remat):
   """The cross-layer schedule (prologue, L - 1 units, epilogue) on scanned and unrolled stacks,
@@ -210,6 +211,35 @@ def test_ping_pong_schedule_variants_equal_single_stream(scan_layers, n_layers, 
   np.testing.assert_allclose(loss_2, loss_1, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g_1), jax.tree.leaves(g_2)):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_ping_pong_saves_activations_not_weights():
+  """Under remat, what the ping-pong stack keeps for the backward is activations only (per
+  unit: both residual streams, A's core-attention output, B's q/k/v): no layer's weights,
+  whose slices taken outside a unit's checkpoint were once saved for every unit."""
+  from test_ops import saved_residuals
+  from distca_jax import model as model_lib
+  t, rows = 16, 4
+  layout = attn_lib.Layout(jnp.ones((rows, t), jnp.int32),
+                           jnp.tile(jnp.arange(t, dtype=jnp.int32)[None], (rows, 1)))
+  tokens = jnp.zeros((rows, t), jnp.int32)
+  totals = {}
+  for n_layers in (4, 8):
+    cfg = model_lib.ModelConfig(n_layers=n_layers, remat="full", dim=128, mlp_dim=512)
+    params = model_lib.Transformer(cfg, lambda q, k, v, lay, *, softmax_scale: q).init(
+        jax.random.key(0), tokens, layout)["params"]
+    for nano in (1, 2):
+      m = model_lib.Transformer(cfg, lambda q, k, v, lay, *, softmax_scale: q * softmax_scale,
+                                nano_batches=nano)
+      saved = saved_residuals(lambda p: m.apply({"params": p}, tokens, layout).sum(), params)
+      computed = [(dt, s) for dt, s, why in saved if "from the argument" not in why
+                  and "from a constant" not in why]
+      nbytes = {"f32": 4, "bf16": 2, "i32": 4, "f16": 2, "bool": 1}
+      totals[n_layers, nano] = sum(int(np.prod(s)) * nbytes[dt] for dt, s in computed)
+  per_layer = {n: (totals[8, n] - totals[4, n]) / 4 for n in (1, 2)}
+  # Single stream: one residual stream per layer. Ping-pong: about 2.25x that (the streams, O
+  # and q/k/v of half the rows); a layer's weights alone are 100x more than either.
+  assert 0 < per_layer[2] <= 3 * per_layer[1]
 
 
 def _ping_pong_steps(jaxpr):

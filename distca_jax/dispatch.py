@@ -1081,8 +1081,8 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
 
   Caps are per device for one call (``R/n`` rows of ``tokens_per_row``); 0 takes
   ``default_capacity``, ``min_shard`` 0 takes ``auto_min_shard``. ``min_gain`` and
-  ``linear_pairs_per_token`` gate each plan (``scheduler.schedule``: a batch whose predicted
-  step-time gain is below ``min_gain`` moves nothing; the trainer derives
+  ``linear_pairs_per_token`` gate each plan (``scheduler.schedule``: a plan whose predicted
+  speedup is below ``1 + min_gain`` moves nothing; the trainer derives
   ``linear_pairs_per_token`` from the model). ``exchange_buckets``,
   ``collective`` and ``signal_only`` (benchmarks only: wrong results) go to
   ``dispatch_attention``.
@@ -1093,12 +1093,11 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
     raise ValueError(f"{e} (config.attention.distca)") from e
   r = _check_int("rows_per_rank", rows_per_rank, 1)
   n = _check_int("nano_batches", nano_batches, 1)
-  for name, v, fix in (("min_gain", min_gain, "0 = always balance; default 0.02"),
-                       ("linear_pairs_per_token", linear_pairs_per_token,
-                        "the trainer derives it: metrics.linear_pairs_per_token")):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
-      raise ValueError(f"config.attention.distca.{name}={v!r} must be a finite number >= 0 "
-                       f"({fix})")
+  # Checked here, not only by each plan's scheduler.schedule: a bad value fails at startup.
+  sc.check_float("config.attention.distca.min_gain", min_gain,
+                 hint="0 = always balance; default 0.02")
+  sc.check_float("linear_pairs_per_token", linear_pairs_per_token,
+                 hint="the trainer derives it: metrics.linear_pairs_per_token")
   if r % n:
     raise ValueError(f"{rows_per_rank=} must be a multiple of {nano_batches=}")
   caps = dict(q_slot=q_slot, kv_slot=kv_slot, q_tokens=q_tokens, kv_tokens=kv_tokens,

@@ -16,7 +16,6 @@ F MLP hidden, V vocab, L layers.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 

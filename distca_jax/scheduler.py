@@ -70,7 +70,7 @@ balance could bring is ``1 + (max - mean) / (mean + linear work)`` (``predicted_
 the part past 1); below ``min_gain`` nothing moves and the plan is ``gated``. The data plane
 plans each nano-batch apart, so each is gated on its own. Moving rows costs time of its own
 (gathers into the attention buffers, the exchange, shorter kernel tasks): on 2 H200s, batches
-whose step-work ceiling was 1.00-1.03 ran 0-2.6% slower with CAD than without balancing, while
+whose step-work ceiling was 1.00-1.03 ran at 0.965-1.010x packed_dp's speed with CAD, while
 those above 1.05 took their whole ceiling (results/per_batch_bound.md).
 
 Capacities (``Capacity``) and what they cost
@@ -415,6 +415,16 @@ def check_int(name: str, v, lo: int) -> int:
   return int(v)
 
 
+def check_float(name: str, v, lo: float = 0.0, hint: str = "") -> float:
+  """``float(v)``, or a ValueError naming ``name`` (and ``hint``, the fix) unless ``v`` is a
+  finite real number (not a bool) >= ``lo``."""
+  if (isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating))
+      or not lo <= float(v) < float("inf")):
+    raise ValueError(f"{name}={v!r} must be a finite number >= {lo:g}"
+                     + (f" ({hint})" if hint else ""))
+  return float(v)
+
+
 def parse_layout(doc_lens, num_servers: int, tokens_per_rank: int
                  ) -> tuple[np.ndarray, np.ndarray]:
   """Validates ``doc_lens`` (flat or per rank) and returns (lengths [J], global starts [J]).
@@ -486,8 +496,8 @@ class Plan:
     doc_lens / doc_starts: [J] the parsed layout (global token starts).
     capacity: the caps the plan respects (None fields = unbounded).
     num_moves: balancing moves applied.
-    predicted_gain: the step-time gain a perfect balance would bring, ``predicted_step_gain`` of
-      ``loads_before`` (attention alone, ``imbalance_before - 1``, when
+    predicted_gain: the speedup a perfect balance would bring, minus 1: ``predicted_step_gain``
+      of ``loads_before`` (attention alone, ``imbalance_before - 1``, when
       ``linear_pairs_per_token`` is 0).
     gated: True when that gain was below ``min_gain``: nothing moved, by decision (not
       ``degraded``).
@@ -1276,11 +1286,10 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
   if max_moves is None:
     max_moves = 20 * (s + bal.n)
   check_int("max_moves", max_moves, 0)
-  for name, v in (("min_gain", min_gain), ("linear_pairs_per_token", linear_pairs_per_token)):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= float(v) < float("inf"):
-      raise ValueError(f"{name}={v!r} must be a finite float >= 0")
-  gain = predicted_step_gain(loads_before, t, linear_pairs_per_token)
-  gated = float(min_gain) > 0.0 and gain < float(min_gain)
+  min_gain = check_float("min_gain", min_gain)
+  gain = predicted_step_gain(loads_before, t,
+                             check_float("linear_pairs_per_token", linear_pairs_per_token))
+  gated = min_gain > 0.0 and gain < min_gain
   reason = bal.run(mean, max_moves) if total > 0 and not gated else ""
 
   # Tasks: every merged interval of every (document, server).

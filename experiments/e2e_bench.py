@@ -88,6 +88,11 @@ def ceiling(model_cfg, doclens_per_step):
   return sum(maxes) / sum(means)
 
 
+def rows_by_rank(rows, data: int, rows_per_rank: int):
+  """A batch's per-row document lengths grouped per data rank (rank r holds a block of rows)."""
+  return [rows[r * rows_per_rank:(r + 1) * rows_per_rank] for r in range(data)]
+
+
 def run_one(c, steps, warmup, log, profile_dir=None):
   """Trains warmup + steps steps; returns per-step times and FLOP / token counts."""
   import jax
@@ -127,9 +132,7 @@ def run_one(c, steps, warmup, log, profile_dir=None):
       tokens.append(tok)
       losses.append(float(m["loss"]))
       waits.append(waited)
-      d = mesh.shape["data"]
-      per_row = source.doclens(step)
-      doclens.append([per_row[r * c.rows_per_rank:(r + 1) * c.rows_per_rank] for r in range(d)])
+      doclens.append(rows_by_rank(source.doclens(step), mesh.shape["data"], c.rows_per_rank))
     log(f"    step {i + 1}/{warmup + steps}: {dt * 1e3:.1f} ms, loss {float(m['loss']):.3f}")
   report = None
   if profile_dir is not None:  # one more step (a batch seen before), traced
@@ -280,7 +283,8 @@ def main(argv=None):
   write(a, results)
 
 
-def _find(results, backend, like):
+def find_run(results, backend, like):
+  """The run of ``backend`` with the workload and tokens of ``like`` (no failed run), or None."""
   for b in results:
     if (b.get("backend") == backend and b["workload"] == like["workload"]
         and b["tokens"] == like["tokens"] and "error" not in b):
@@ -296,7 +300,7 @@ def derive(results):
     if "error" in s:
       continue
     pp = "+pingpong" if s.get("nano_batches") == 2 else ""
-    base = _find(results, "packed_dp" + pp, s)
+    base = find_run(results, "packed_dp" + pp, s)
     if base:
       # Same batches, same initial parameters: the loss curves must agree (bf16 noise only)
       # unless the run is a signal-only twin, whose attention is wrong by design.
@@ -314,11 +318,11 @@ def derive(results):
                                             else None)
     name = s["backend"]
     if "+signal" in name:
-      twin = _find(results, name.replace("+signal", ""), s)
+      twin = find_run(results, name.replace("+signal", ""), s)
       if twin:
         twin["step_over_signal_only"] = twin["step_ms_median"] / s["step_ms_median"]
     if name.endswith("+pingpong"):
-      single = _find(results, name[:-len("+pingpong")], s)
+      single = find_run(results, name[:-len("+pingpong")], s)
       if single:
         s["pingpong_speedup"] = single["step_ms_median"] / s["step_ms_median"]
     prof = s.get("profile")

@@ -41,17 +41,23 @@ from distca_jax.baselines import packing  # noqa: E402
 from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
 
 
-def _args():
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_table_args(p: argparse.ArgumentParser, out_stem: str) -> None:
+  """The options of the one-GPU FA3 table benchmarks (this one, rows_per_call_bench.py):
+  workloads, row length, sampled batches, timed iterations, attention shapes, output stem."""
   p.add_argument("--workloads", default="pretrain,prolong")
   p.add_argument("--tokens", type=int, default=65536, help="tokens per rank (row length)")
-  p.add_argument("--servers", type=int, default=2)
   p.add_argument("--batches", type=int, default=2)
   p.add_argument("--iters", type=int, default=5)
   p.add_argument("--heads", type=int, default=32)
   p.add_argument("--kv-heads", type=int, default=8)
   p.add_argument("--head-dim", type=int, default=128)
-  p.add_argument("--out", default=os.path.join(ROOT, "results", "flash3_grid_bench"))
+  p.add_argument("--out", default=os.path.join(ROOT, "results", out_stem))
+
+
+def _args():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  add_table_args(p, "flash3_grid_bench")
+  p.add_argument("--servers", type=int, default=2)
   return p.parse_args()
 
 

@@ -42,6 +42,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
+import e2e_bench  # noqa: E402  (experiments/ is not a package)
+
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -66,11 +68,8 @@ def batch_doclens(config_path: str, overrides, devices: int, warmup: int, steps:
   r = int(c.rows_per_rank)
   src = make_source(c.data, rows=devices * r, tokens_per_row=c.tokens_per_rank,
                     vocab_size=c.model.vocab_size, seed=c.seed)
-  out = []
-  for step in range(warmup, warmup + steps):
-    rows = src.doclens(step)
-    out.append([rows[d * r:(d + 1) * r] for d in range(devices)])
-  return c, out
+  return c, [e2e_bench.rows_by_rank(src.doclens(step), devices, r)
+             for step in range(warmup, warmup + steps)]
 
 
 def gated_batches(c, doclens, min_gain) -> list[bool]:
@@ -92,7 +91,6 @@ def gated_batches(c, doclens, min_gain) -> list[bool]:
 def analyse(packed: dict, distca: dict, fixed: float, config_path: str, warmup: int,
             min_gain) -> dict:
   from distca_jax import config as config_lib
-  import e2e_bench  # noqa: PLC0415  (experiments/ on sys.path)
   p_ms, d_ms = packed["step_ms_all"], distca["step_ms_all"]
   if len(p_ms) != len(d_ms):
     raise ValueError(f"{packed['workload']} {packed['tokens']}: packed_dp timed {len(p_ms)} "
@@ -134,9 +132,8 @@ def main(argv=None):
       res = json.load(f)["results"]
     keys = sorted({(r["workload"], r["tokens"]) for r in res if "error" not in r})
     for wl, tok in keys:
-      pick = lambda name: next((r for r in res if r["workload"] == wl and r["tokens"] == tok
-                                and r["backend"] == name and "error" not in r), None)
-      packed, distca = pick("packed_dp"), pick("distca")
+      like = {"workload": wl, "tokens": tok}
+      packed, distca = (e2e_bench.find_run(res, name, like) for name in ("packed_dp", "distca"))
       if packed and distca:
         rec = analyse(packed, distca, a.fixed_cost, a.config, a.warmup, a.min_gain)
         rec["source"] = os.path.relpath(path, ROOT)

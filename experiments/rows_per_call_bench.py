@@ -10,9 +10,9 @@ three ways:
                  pseudo-tasks, so the empty slots sit before the padding ones (each ping-pong
                  nano-batch ran such a call);
   fused          one call over both rows with that table (empty slots between the rows too);
-  fused, packed  one call over both rows with the empty slots moved behind the used ones, so
-                 FA3's launch buckets (``ops.flash3_grid_buckets``) can trim them (what
-                 ``baselines.device.packed_dp_attention`` does now).
+  fused, packed  one call over both rows with packed_dp's table now
+                 (``baselines.device.packed_dp_task_table``: the empty slots behind the used
+                 ones, so FA3's launch buckets, ``ops.flash3_grid_buckets``, trim them).
 
 Rows are sampled from the workloads (``WorkloadSampler``), bf16, Llama-3-8B heads. Run on a GPU
 machine with flash-attn3-jax:
@@ -26,52 +26,38 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from distca_jax import ops  # noqa: E402
-from distca_jax.baselines import packing  # noqa: E402
+from distca_jax import ops, profiling  # noqa: E402
+from distca_jax.baselines import device, packing  # noqa: E402
 from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
+from flash3_grid_bench import add_table_args  # noqa: E402  (experiments/ is not a package)
 
 
 def _args():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--workloads", default="pretrain,prolong")
-  p.add_argument("--tokens", type=int, default=65536, help="tokens per row")
+  add_table_args(p, "rows_per_call_bench")
   p.add_argument("--rows", type=int, default=2)
-  p.add_argument("--batches", type=int, default=3)
-  p.add_argument("--iters", type=int, default=5)
   p.add_argument("--max-docs", type=int, default=128, help="packed_dp's task slots per row")
-  p.add_argument("--heads", type=int, default=32)
-  p.add_argument("--kv-heads", type=int, default=8)
-  p.add_argument("--head-dim", type=int, default=128)
-  p.add_argument("--out", default=os.path.join(ROOT, "results", "rows_per_call_bench"))
   return p.parse_args()
 
 
-def row_tables(lens_RxN: np.ndarray, t: int, packed: bool):
-  """(cu_q, cu_k) over rows of ``t`` tokens: packed_dp's table (documents, then the row's
-  padding as a query-only and a key-only pseudo-task), optionally with empty slots last."""
-  r = lens_RxN.shape[0]
+def table_as_it_was(lens_RxN: np.ndarray, t: int):
+  """packed_dp's (cu_q, cu_k) before its empty slots went last: each row's ``max_docs`` slots,
+  then its padding as a query-only and a key-only pseudo-task, in row order."""
   pad = t - lens_RxN.sum(1, keepdims=True)
   zero = np.zeros_like(pad)
-  lq = np.concatenate([lens_RxN, pad, zero], 1).reshape(-1)
-  lk = np.concatenate([lens_RxN, zero, pad], 1).reshape(-1)
-  if packed:  # zero-length tasks contribute nothing: keep the order of the others
-    keep = (lq > 0) | (lk > 0)
-    order = np.concatenate([np.flatnonzero(keep), np.flatnonzero(~keep)])
-    lq, lk = lq[order], lk[order]
-  cu = lambda x: np.concatenate([[0], np.cumsum(x)]).astype(np.int32)
-  assert cu(lq)[-1] == cu(lk)[-1] == r * t
-  return jnp.asarray(cu(lq)), jnp.asarray(cu(lk))
+  cu = lambda x: jnp.asarray(np.concatenate([[0], np.cumsum(x.reshape(-1))]), jnp.int32)
+  return (cu(np.concatenate([lens_RxN, pad, zero], 1)),
+          cu(np.concatenate([lens_RxN, zero, pad], 1)))
 
 
 def time_fwd_bwd(q, k, v, cu_q, cu_k, t, iters):
@@ -81,13 +67,7 @@ def time_fwd_bwd(q, k, v, cu_q, cu_k, t, iters):
     return jnp.sum(o.astype(jnp.float32) * 1e-3)
 
   f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-  jax.block_until_ready(f(q, k, v))
-  out = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(q, k, v))
-    out.append(time.perf_counter() - t0)
-  return statistics.median(out)
+  return profiling.time_call(f, q, k, v, iters=iters)["median_s"]
 
 
 def main():
@@ -106,11 +86,12 @@ def main():
       lens = packing.packed_doc_lens(rows, t, a.max_docs)
       per_row = 0.0
       for j in range(r):
-        cu_q, cu_k = row_tables(lens[j:j + 1], t, packed=False)
         sl = slice(j * t, (j + 1) * t)
-        per_row += time_fwd_bwd(q[sl], k[sl], v[sl], cu_q, cu_k, t, a.iters)
-      fused = time_fwd_bwd(q, k, v, *row_tables(lens, t, packed=False), t, a.iters)
-      fused_packed = time_fwd_bwd(q, k, v, *row_tables(lens, t, packed=True), t, a.iters)
+        per_row += time_fwd_bwd(q[sl], k[sl], v[sl], *table_as_it_was(lens[j:j + 1], t), t,
+                                a.iters)
+      fused = time_fwd_bwd(q, k, v, *table_as_it_was(lens, t), t, a.iters)
+      fused_packed = time_fwd_bwd(q, k, v, *device.packed_dp_task_table(jnp.asarray(lens), t),
+                                  t, a.iters)
       rec = dict(workload=wl, batch=b, docs=[len(x) for x in rows], per_row_ms=per_row * 1e3,
                  fused_ms=fused * 1e3, fused_packed_ms=fused_packed * 1e3)
       res.append(rec)

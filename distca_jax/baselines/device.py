@@ -47,6 +47,27 @@ def _extra(layout: attn_lib.Layout, name: str, keys: tuple[str, ...], how: str):
   return [layout.extra[k] for k in keys]
 
 
+def packed_dp_task_table(doc_lens_RxN: jax.Array, tokens_per_row: int):
+  """(cu_seqlens_q, cu_seqlens_k) of ``packed_dp``'s one fused call over ``R`` rows.
+
+  Each row's documents, then its padding as two pseudo-tasks (its queries without keys, its keys
+  without queries) so the next row's tasks start at the right offsets and padding outputs are
+  0. Empty slots (a row's unused document slots, zero padding) go last, the others in order
+  (the offsets do not change): flash3 then launches only the slots in use (its launch buckets
+  cut trailing empty slots). With them between rows, one call over 2 rows of 64K took 224 ms
+  forward+backward against 185 ms for one call per row (results/rows_per_call_bench.md).
+  """
+  lens = doc_lens_RxN.astype(jnp.int32)
+  pad_R1 = tokens_per_row - lens.sum(1, keepdims=True)
+  zero_R1 = jnp.zeros_like(pad_R1)
+  lens_q = jnp.concatenate([lens, pad_R1, zero_R1], axis=1).reshape(-1)
+  lens_k = jnp.concatenate([lens, zero_R1, pad_R1], axis=1).reshape(-1)
+  order = jnp.argsort((lens_q == 0) & (lens_k == 0), stable=True)
+  zero = jnp.zeros((1,), jnp.int32)
+  return tuple(jnp.concatenate([zero, jnp.cumsum(x[order])]).astype(jnp.int32)
+               for x in (lens_q, lens_k))
+
+
 def packed_dp_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *,
                         softmax_scale: float, kernel: str = "reference"):
   """Data parallel, no balancing: each rank's rows in one fused varlen call.
@@ -63,24 +84,9 @@ def packed_dp_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout
   def per_rank(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, doc_lens_RxN):
     r, t, h, d = q_RxTxHxD.shape
     kh = k_RxTxKxD.shape[2]
-    lens = doc_lens_RxN.astype(jnp.int32)
-    pad_R1 = t - lens.sum(1, keepdims=True)
-    zero_R1 = jnp.zeros_like(pad_R1)
-    # Each row's padding is two pseudo-tasks (its queries without keys, its keys without
-    # queries) so the next row's tasks start at the right offsets and padding outputs are 0.
+    cu_q, cu_k = packed_dp_task_table(doc_lens_RxN, t)
     # No task is longer than a row (documents never cross rows): max_seqlen = t tells flash3
     # (its backward launches blocks per task x ceil(max_seqlen_k / 128)).
-    lens_q = jnp.concatenate([lens, pad_R1, zero_R1], axis=1).reshape(-1)
-    lens_k = jnp.concatenate([lens, zero_R1, pad_R1], axis=1).reshape(-1)
-    # Empty slots (a row's unused document slots, zero padding) last, the others in order (the
-    # offsets do not change): flash3 then launches only the slots in use (its launch buckets cut
-    # trailing empty slots). With them between rows, one call over 2 rows of 64K took 224 ms
-    # forward+backward against 185 ms for one call per row (results/rows_per_call_bench.md).
-    order = jnp.argsort((lens_q == 0) & (lens_k == 0), stable=True)
-    lens_q, lens_k = lens_q[order], lens_k[order]
-    zero = jnp.zeros((1,), jnp.int32)
-    cu_q = jnp.concatenate([zero, jnp.cumsum(lens_q)]).astype(jnp.int32)
-    cu_k = jnp.concatenate([zero, jnp.cumsum(lens_k)]).astype(jnp.int32)
     o = ops.core_attention(q_RxTxHxD.reshape(r * t, h, d), k_RxTxKxD.reshape(r * t, kh, d),
                            v_RxTxKxD.reshape(r * t, kh, d), cu_q, cu_k, backend=kernel,
                            softmax_scale=softmax_scale, max_seqlen_q=t, max_seqlen_k=t)

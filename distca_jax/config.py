@@ -85,6 +85,10 @@ def base_config() -> ml_collections.ConfigDict:
                                           # smallest of 1/n, 2/n, ..., 1 of each slot that holds
                                           # the batch's fullest slot (lax.switch over n static
                                           # branches); 1 = always the full slots
+  c.attention.distca.split_exchange = False  # True: query rows and key/value rows each pick
+                                          # their own bucket and cross in their own collective
+                                          # (fewer padded bytes, two collectives; not yet timed
+                                          # on GPUs: results/split_exchange_bytes.md)
   c.attention.distca.collective = "auto"  # how the exchange moves rows: one tiled
                                           # 'all_to_all' over every server's slot, or S - 1
                                           # 'ppermute' rounds over the peers' slots only; 'auto':

@@ -41,6 +41,16 @@ static shapes (one compiled step for all batches), and every device takes the sa
 the collectives match. ``exchange_buckets = 1`` is the plain full-slot exchange (no switch).
 ``exchange_bytes`` reports the bytes a batch moves.
 
+One joint bucket sizes the Q and the K/V parts of a slot by the same fraction, so a batch whose
+query rows fill 50% of ``q_slot`` and key/value rows 90% of ``kv_slot`` sends 90% of both. With
+``split_exchange=True`` the two parts each pick their own bucket (``part_bucket_rows``) and cross
+in their own collective (two switches, ``n + 1`` branches each instead of ``(n + 1)^2`` for one
+switch over every pair: each branch costs compile time). Planned under the trainer's startup
+caps (Pretrain and ProLong, 64K-128K tokens per device, 2-8 servers) it moves 1.05-1.12x the
+fullest slots' bytes instead of 1.15-1.28x: 8-12% fewer bytes (results/split_exchange_bytes.md). The cost: two collectives instead of one, and the
+query rows' own-row gather overlaps only the query collective. Its time is not measured on GPUs
+yet, so the default stays joint.
+
 Signal-only (``signal_only=True``; benchmarks only, results are WRONG by design): every
 all-to-all of the data plane carries one row per slot, and each device uses its own send buffer
 in place of the rows it would have received. Gathers, kernel and return scatter keep their
@@ -422,33 +432,47 @@ def _check_slots_front_packed(meta: sc.PlanMetadata) -> None:
                        "scheduler.plan_to_metadata")
 
 
+def _bucket_slot_rows(i: int, n: int, slot: int) -> int:
+  """Rows of a slot bucket ``i`` of ``n`` keeps: ``ceil(i / n * slot)``, rounded up to a
+  multiple of 8, at most the slot."""
+  r = -(-i * slot // n)
+  return min(slot, -(-r // _BUCKET_ROW_MULTIPLE) * _BUCKET_ROW_MULTIPLE)
+
+
 def exchange_bucket_rows(capacity: Capacity, exchange_buckets: int) -> tuple[tuple[int, int], ...]:
-  """(query rows, key/value rows) per slot of each exchange bucket, ascending.
+  """(query rows, key/value rows) per slot of each joint exchange bucket, ascending.
 
   With ``exchange_buckets = n >= 2`` the first bucket is ``(0, 0)``: a plan that moves nothing
   (every task on its owner) skips the gathers and the all-to-all. Bucket ``i`` of ``n`` keeps
   ``ceil(i / n * slot)`` rows of a slot, rounded up to a multiple of 8 and at most the slot;
   buckets equal to the previous one are dropped, so the last is always the full slot.
-  ``n = 1`` is the full slot alone (no switch).
+  ``n = 1`` is the full slot alone (no switch). ``split_exchange`` uses ``part_bucket_rows``
+  instead: one such list per part.
   """
   n = _check_int("exchange_buckets", exchange_buckets, 1)
-
-  def rows(i: int, slot: int) -> int:
-    r = -(-i * slot // n)
-    return min(slot, -(-r // _BUCKET_ROW_MULTIPLE) * _BUCKET_ROW_MULTIPLE)
-
   out = [(0, 0)] if n > 1 else []
   for i in range(1, n + 1):
-    b = (rows(i, capacity.q_slot), rows(i, capacity.kv_slot))
+    b = (_bucket_slot_rows(i, n, capacity.q_slot), _bucket_slot_rows(i, n, capacity.kv_slot))
     if not out or b != out[-1]:
       out.append(b)
   return tuple(out)
 
 
+def part_bucket_rows(slot: int, exchange_buckets: int) -> tuple[tuple[int], ...]:
+  """Rows per slot of each bucket of one part (queries or keys/values) alone, ascending.
+
+  The same fractions as ``exchange_bucket_rows`` (0 first when ``n >= 2``; distinct sizes
+  only). The return of O / LSE rows uses the query part's list; with ``split_exchange`` the
+  query and key/value exchanges each use their own.
+  """
+  n = _check_int("exchange_buckets", exchange_buckets, 1)
+  return tuple((r,) for r in sorted({_bucket_slot_rows(i, n, slot) for i in range(1, n + 1)}
+                                    | ({0} if n > 1 else set())))
+
+
 def _return_bucket_rows(capacity: Capacity, exchange_buckets: int) -> tuple[tuple[int], ...]:
   """Query rows per slot of each return (O / LSE) bucket: the exchange buckets' Q sizes."""
-  return tuple((q,) for q in sorted({q for q, _ in exchange_bucket_rows(capacity,
-                                                                        exchange_buckets)}))
+  return part_bucket_rows(capacity.q_slot, exchange_buckets)
 
 
 def choose_bucket(rows: Sequence[int], bucket_rows: Sequence[Sequence[int]]) -> int:
@@ -576,18 +600,56 @@ def host_plan(doc_lens, spec: PlanSpec, *, tolerance: float = sc.DEFAULT_TOLERAN
 def _take(x: jax.Array, idx: jax.Array, fill=0, *, unique: bool = False) -> jax.Array:
   """Rows ``x[idx]``; an out-of-range index (the metadata's sentinel) gives ``fill``.
 
-  The backward (``_take_rows``) avoids XLA's bf16 scatter-add, which ran at ~200-240 GB/s on an
-  H200 (results/gather_bench.md): with ``unique=True`` (no row of ``x`` is read twice: the query
-  and output paths) it is a gather through the inverse map (3.3x faster); otherwise (key/value
-  rows feed several tasks and servers) a scatter-add in float32 (1.5x faster, and the sum of a
-  row's contributions is rounded once).
+  The rows are copied as 32-bit words (``_row_words``): on an H200 XLA gathered 64K-token
+  servers' query rows (32 x 128 bf16) at 2049 GB/s of memory traffic as ``[rows, heads, dim]``
+  bf16 and 2585 GB/s as uint32 words, key/value rows (8 x 128) at 1384 and 1457 GB/s
+  (results/row_copy_bench.md); building the attention buffers from real plans' routing was
+  faster in 11 of 12 comparisons, by up to 2.2x (results/data_plane_v7_summary.md). The backward (``_take_rows``) avoids XLA's bf16 scatter-add, which
+  ran at ~200-240 GB/s (results/gather_bench.md): with ``unique=True`` (no row of ``x`` is read
+  twice: the query and output paths) it is a gather through the inverse map (3.3x faster);
+  otherwise (key/value rows feed several tasks and servers) a scatter-add in float32 (1.5x
+  faster, and the sum of a row's contributions is rounded once).
   """
   return _take_rows(x, idx, fill, unique)
 
 
+def _row_words(x: jax.Array) -> jax.Array:
+  """``[N, ...]`` -> ``[N, W]`` uint32 view of each row's bytes (rows of whole 4-byte words), or
+  ``[N, F]`` flat rows when a row's bytes are not whole words (no copy: a bitcast)."""
+  n, item = x.shape[0], jnp.dtype(x.dtype).itemsize
+  flat = x.reshape(n, -1)
+  if item > 4 or 4 % item or (flat.shape[1] * item) % 4:
+    return flat
+  return lax.bitcast_convert_type(flat.reshape(n, -1, 4 // item) if item < 4 else flat,
+                                  jnp.uint32)
+
+
+def _from_words(w: jax.Array, like: jax.Array, rows: int) -> jax.Array:
+  """Inverse of ``_row_words``: ``rows`` rows shaped and typed like ``like``'s."""
+  if w.dtype != like.dtype:
+    w = lax.bitcast_convert_type(w, like.dtype)
+  return w.reshape((rows,) + like.shape[1:])
+
+
+def _word_fill(fill, dtype) -> Any:
+  """The 32-bit word whose bytes are ``fill`` in ``dtype`` (every element of it)."""
+  item = jnp.dtype(dtype).itemsize
+  if item > 4 or 4 % item:
+    return fill
+  return int(np.full(4 // item, fill, dtype=jnp.dtype(dtype)).view(np.uint32)[0])
+
+
+def _take_words(x, idx, fill):
+  """``jnp.take(x, idx, axis=0, mode='fill')`` computed on ``_row_words`` views."""
+  w = _row_words(x)
+  got = jnp.take(w, idx, axis=0, mode="fill",
+                 fill_value=_word_fill(fill, x.dtype) if w.dtype != x.dtype else fill)
+  return _from_words(got, x, idx.shape[0])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _take_rows(x, idx, fill, unique):
-  return jnp.take(x, idx, axis=0, mode="fill", fill_value=fill)
+  return _take_words(x, idx, fill)
 
 
 def _take_rows_fwd(x, idx, fill, unique):
@@ -601,10 +663,11 @@ def _take_rows_bwd(fill, unique, res, dy):
   if unique:
     inv = jnp.full((n,), idx.shape[0], jnp.int32).at[idx].set(
         jnp.arange(idx.shape[0], dtype=jnp.int32), mode="drop")
-    dx = jnp.take(dy, inv, axis=0, mode="fill", fill_value=0)
+    dx = _take_words(dy, inv, 0)
   else:
-    dx = jnp.zeros((n,) + dy.shape[1:], jnp.float32).at[idx].add(dy.astype(jnp.float32),
-                                                                  mode="drop")
+    flat = dy.reshape(dy.shape[0], -1).astype(jnp.float32)
+    dx = jnp.zeros((n, flat.shape[1]), jnp.float32).at[idx].add(flat, mode="drop").reshape(
+        (n,) + dy.shape[1:])
   return dx.astype(like.dtype), None
 
 
@@ -687,9 +750,39 @@ def _gather_two(own_TxF: jax.Array, recv_NxBxF: jax.Array, idx: jax.Array, slot:
   t = own_TxF.shape[0]
   nb, b = recv_NxBxF.shape[:2]
   ridx, in_recv = _recv_rows(idx - t, slot, b, nb, block_of_sender)
-  from_recv = _take(recv_NxBxF.reshape((nb * b,) + recv_NxBxF.shape[2:]), ridx, fill)
-  from_own = _take(own_TxF, idx, fill)  # idx >= T is out of range of own rows
-  return jnp.where(in_recv.reshape((-1,) + (1,) * (own_TxF.ndim - 1)), from_recv, from_own)
+  return _take_two(own_TxF, recv_NxBxF.reshape((nb * b,) + recv_NxBxF.shape[2:]), idx, ridx,
+                   in_recv, fill)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _take_two(own, recv, own_idx, recv_idx, in_recv, fill):
+  """``where(in_recv, recv[recv_idx], own[own_idx])`` (out-of-range -> ``fill``), copied as
+  32-bit words like ``_take``: the select runs on the words, so XLA fuses both gathers and the
+  select into one pass (selecting the bf16 rows after two word gathers ran up to 1.7x slower
+  than the plain bf16 gathers on an H200: results/placement_bench_v7_bf16select.md). An index of one source is
+  out of range wherever the row reads the other (``_gather_two``), so each source's cotangent
+  is the output's, scattered through its own index."""
+  wo, wr = _row_words(own), _row_words(recv)
+  f = _word_fill(fill, own.dtype) if wo.dtype != own.dtype else fill
+  got = jnp.where(in_recv[:, None], jnp.take(wr, recv_idx, axis=0, mode="fill", fill_value=f),
+                  jnp.take(wo, own_idx, axis=0, mode="fill", fill_value=f))
+  return _from_words(got, own, own_idx.shape[0])
+
+
+def _take_two_fwd(own, recv, own_idx, recv_idx, in_recv, fill):
+  like = lambda x: jnp.zeros((x.shape[0], 0), x.dtype)
+  return (_take_two(own, recv, own_idx, recv_idx, in_recv, fill),
+          (own_idx, recv_idx, in_recv, like(own), like(recv)))
+
+
+def _take_two_bwd(fill, res, dy):
+  own_idx, recv_idx, in_recv, like_own, like_recv = res
+  d_own, _ = _take_rows_bwd(fill, False, (own_idx, like_own), dy)
+  d_recv, _ = _take_rows_bwd(fill, False, (recv_idx, like_recv), dy)
+  return d_own, d_recv, None, None, None
+
+
+_take_two.defvjp(_take_two_fwd, _take_two_bwd)
 
 
 def _recv_rows(r: jax.Array, slot: int, b: int, nb: int, block_of_sender: jax.Array):
@@ -725,13 +818,58 @@ def _place_unique(own_TxF: jax.Array, recv_NxBxF: jax.Array, idx: jax.Array, slo
   # The inverse map: received row -> its output row (n = not placed, dropped by the scatter).
   dst = jnp.full((nb * b,), n, jnp.int32).at[src].set(jnp.arange(n, dtype=jnp.int32),
                                                       mode="drop", unique_indices=True)
-  return out.at[dst].set(recv_NxBxF.reshape((nb * b,) + recv_NxBxF.shape[2:]), mode="drop",
-                         unique_indices=True)
+  # Flat rows: XLA's scatter, like its gather, is faster over [rows, features] than over
+  # [rows, heads, dim] (results/row_copy_bench.md).
+  return out.reshape(n, -1).at[dst].set(recv_NxBxF.reshape(nb * b, -1), mode="drop",
+                                        unique_indices=True).reshape(out.shape)
+
+
+def _exchange_parts(parts, sizes: Sequence[int], *, num_servers: int, axis: str,
+                    collective: str, signal_only: bool):
+  """One bucket branch's steps 1-3 for ``parts`` moved by ONE collective.
+
+  ``parts``: ``(arrays, send_idx [S, slot], attn_idx, slot, unique)`` per part (the query part:
+  ``(q,)``; the key/value part: ``(k, v)``, which share their routing), ``sizes[i]`` the rows of
+  every slot part ``i`` sends in this branch. A part of 0 rows moves nothing (its tasks read only
+  own rows); when no part moves, no collective runs. Returns each part's attention buffers.
+  """
+  moving = [b > 0 for b in sizes]
+  if any(moving):
+    # 1-2. Sender gather of the first b rows of every slot of each moving part, side by side in
+    # one block per peer, and one collective.
+    sends, row_elems = [], None
+    for (xs, send_idx, _, _, unique), b in zip(parts, sizes):
+      if b == 0:
+        continue
+      idx = _send_slots(send_idx[:, :b], axis, collective)
+      nb = idx.shape[0]  # blocks on the wire: S (all_to_all) or S - 1 (ppermute)
+      for x in xs:
+        row_el = math.prod(x.shape[1:])
+        row_elems = row_elems or row_el
+        sends.append(_take(x, idx.reshape(-1), unique=unique).reshape(nb, b * row_el))
+    recv = _move_blocks(jnp.concatenate(sends, axis=1), axis, collective, signal_only, row_elems)
+    blk = _recv_block_of_sender(num_servers, axis, collective)
+  out, off = [], 0
+  for (xs, _, attn_idx, slot, unique), b in zip(parts, sizes):
+    if b == 0:  # every task's rows of this part are the server's own
+      out.append(tuple(_take(x, attn_idx, unique=unique) for x in xs))
+      continue
+    placed = []
+    for x in xs:
+      w = b * math.prod(x.shape[1:])
+      r = recv[:, off:off + w].reshape((recv.shape[0], b) + x.shape[1:])
+      off += w
+      # 3. A query row belongs to one task: sent once, placed once (own rows first, received
+      # rows written in place). A key/value row may feed several tasks: one fused gather.
+      placed.append((_place_unique if unique else _gather_two)(x, r, attn_idx, slot, blk))
+    out.append(tuple(placed))
+  return out
 
 
 def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec: PlanSpec,
                     axis: str, *, exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
-                    collective: str = DEFAULT_COLLECTIVE, signal_only: bool = False):
+                    collective: str = DEFAULT_COLLECTIVE, signal_only: bool = False,
+                    split_exchange: bool = False):
   """Steps 1-3 on one device (inside ``shard_map``): its rows out, its attention inputs in.
 
   Args:
@@ -742,48 +880,49 @@ def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec:
     exchange_buckets: slot fractions to choose from (module docstring); 1 = full slots.
     collective: 'auto', 'all_to_all' or 'ppermute' (``resolve_collective``).
     signal_only: timing ablation: one row per slot crosses the wire (wrong results).
+    split_exchange: False: one bucket switch and one collective for Q, K and V together (the
+      bucket sized by the fuller of the two); True: the query rows and the key/value rows each
+      choose their own bucket and cross in their own collective (module docstring).
 
   Returns:
     (q_attn [Nq, H, D], k_attn [Nkv, K, D], v_attn [Nkv, K, D]); rows no task uses are zero.
   """
-  s, cq, ckv = spec.num_servers, spec.capacity.q_slot, spec.capacity.kv_slot
-  collective = resolve_collective(collective, s)
-  _, h, d = q_TxHxD.shape
-  kh = k_TxKxD.shape[1]
+  s, cap = spec.num_servers, spec.capacity
+  wire = dict(num_servers=s, axis=axis, collective=resolve_collective(collective, s),
+              signal_only=signal_only)
 
-  def exchange(bq: int, bkv: int):
-    # 1-2. Sender gather of the first (bq, bkv) rows of every slot, one all-to-all for Q, K and V
-    # together; 3. server gather straight from [own rows | received rows].
-    def run(q_TxHxD, k_TxKxD, v_TxKxD, q_send_idx_SxCq, kv_send_idx_SxCkv, q_attn_idx,
-            kv_attn_idx):
-      if bq == 0 and bkv == 0:  # nothing moves: every task's rows are this device's own
-        return (_take(q_TxHxD, q_attn_idx, unique=True), _take(k_TxKxD, kv_attn_idx),
-                _take(v_TxKxD, kv_attn_idx))
-      # A query row belongs to one task, so it is sent once and placed once (unique); a key/value
-      # row may go to several servers and feed several tasks there.
-      q_idx = _send_slots(q_send_idx_SxCq[:, :bq], axis, collective)
-      nb = q_idx.shape[0]  # blocks on the wire: S (all_to_all) or S - 1 (ppermute)
-      q_send = _take(q_TxHxD, q_idx.reshape(-1), unique=True).reshape(nb, bq * h * d)
-      kv_idx = _send_slots(kv_send_idx_SxCkv[:, :bkv], axis, collective).reshape(-1)
-      k_send = _take(k_TxKxD, kv_idx).reshape(nb, bkv * kh * d)
-      v_send = _take(v_TxKxD, kv_idx).reshape(nb, bkv * kh * d)
-      send = jnp.concatenate([q_send, k_send, v_send], axis=1)
-      recv = _move_blocks(send, axis, collective, signal_only, h * d)
-      blk = _recv_block_of_sender(s, axis, collective)
-      nq_el, nkv_el = bq * h * d, bkv * kh * d
-      q_recv = recv[:, :nq_el].reshape(nb, bq, h, d)
-      k_recv = recv[:, nq_el:nq_el + nkv_el].reshape(nb, bkv, kh, d)
-      v_recv = recv[:, nq_el + nkv_el:].reshape(nb, bkv, kh, d)
-      return (_place_unique(q_TxHxD, q_recv, q_attn_idx, cq, blk),
-              _gather_two(k_TxKxD, k_recv, kv_attn_idx, ckv, blk),
-              _gather_two(v_TxKxD, v_recv, kv_attn_idx, ckv, blk))
+  def q_part(q, q_send_idx, q_attn_idx):
+    return ((q,), q_send_idx, q_attn_idx, cap.q_slot, True)
 
-    return run
+  def kv_part(k, v, kv_send_idx, kv_attn_idx):
+    return ((k, v), kv_send_idx, kv_attn_idx, cap.kv_slot, False)
 
-  return _bucketed(
-      m["exchange_rows"], exchange_bucket_rows(spec.capacity, exchange_buckets), exchange,
-      q_TxHxD, k_TxKxD, v_TxKxD, m["q_send_idx"], m["kv_send_idx"], m["q_attn_idx"],
-      m["kv_attn_idx"])
+  if not split_exchange:
+    def joint(bq: int, bkv: int):
+      def run(q, k, v, q_send_idx, kv_send_idx, q_attn_idx, kv_attn_idx):
+        (q_attn,), (k_attn, v_attn) = _exchange_parts(
+            [q_part(q, q_send_idx, q_attn_idx), kv_part(k, v, kv_send_idx, kv_attn_idx)],
+            (bq, bkv), **wire)
+        return q_attn, k_attn, v_attn
+      return run
+
+    return _bucketed(
+        m["exchange_rows"], exchange_bucket_rows(cap, exchange_buckets), joint,
+        q_TxHxD, k_TxKxD, v_TxKxD, m["q_send_idx"], m["kv_send_idx"], m["q_attn_idx"],
+        m["kv_attn_idx"])
+
+  def q_only(bq: int):
+    return lambda *a: _exchange_parts([q_part(*a)], (bq,), **wire)[0][0]
+
+  def kv_only(bkv: int):
+    return lambda *a: _exchange_parts([kv_part(*a)], (bkv,), **wire)[0]
+
+  q_attn = _bucketed(m["exchange_rows"][:1], part_bucket_rows(cap.q_slot, exchange_buckets),
+                     q_only, q_TxHxD, m["q_send_idx"], m["q_attn_idx"])
+  k_attn, v_attn = _bucketed(m["exchange_rows"][1:],
+                             part_bucket_rows(cap.kv_slot, exchange_buckets), kv_only,
+                             k_TxKxD, v_TxKxD, m["kv_send_idx"], m["kv_attn_idx"])
+  return q_attn, k_attn, v_attn
 
 
 def return_to_owners(x_NqxF, m: Mapping[str, jax.Array], spec: PlanSpec, axis: str, fill=0, *,
@@ -826,7 +965,8 @@ def return_to_owners(x_NqxF, m: Mapping[str, jax.Array], spec: PlanSpec, axis: s
 def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec, axis: str,
                  kernel: str, softmax_scale: float, return_lse: bool,
                  kernel_options: tuple[tuple[str, Any], ...], exchange_buckets: int,
-                 collective: str, signal_only: bool, resend: bool = False):
+                 collective: str, signal_only: bool, resend: bool = False,
+                 split_exchange: bool = False):
   """One device: send, fused kernel over all of its tasks, return.
 
   ``resend``: the 'resend' memory mode; the kernel's inputs are then not named for the layer's
@@ -838,7 +978,7 @@ def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec, a
   wire = dict(exchange_buckets=exchange_buckets, collective=collective, signal_only=signal_only)
   q_attn, k_attn, v_attn = send_to_servers(
       q_RxTxHxD.reshape(r * t, h, d), k_RxTxKxD.reshape(r * t, kh, d),
-      v_RxTxKxD.reshape(r * t, kh, d), m, spec, axis, **wire)
+      v_RxTxKxD.reshape(r * t, kh, d), m, spec, axis, split_exchange=split_exchange, **wire)
   # 4. One fused varlen call over all of this server's tasks.
   out = ops.core_attention(q_attn, k_attn, v_attn, m["cu_seqlens_q"], m["cu_seqlens_k"],
                            backend=kernel, softmax_scale=softmax_scale, return_lse=return_lse,
@@ -854,7 +994,8 @@ def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec, a
 
 def _check_options(kernel: str, memory_mode: str,
                    exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
-                   signal_only: bool = False, collective: str = DEFAULT_COLLECTIVE) -> None:
+                   signal_only: bool = False, collective: str = DEFAULT_COLLECTIVE,
+                   split_exchange: bool = False) -> None:
   if kernel not in KERNELS:
     raise ValueError(f"distca {kernel=} is not a core_attention backend; choose one of {KERNELS}")
   if memory_mode not in MEMORY_MODES:
@@ -868,6 +1009,9 @@ def _check_options(kernel: str, memory_mode: str,
                      "benchmarks: it gives wrong results)")
   if collective not in COLLECTIVES:
     raise ValueError(f"distca {collective=}; choose one of {COLLECTIVES}")
+  if not isinstance(split_exchange, (bool, np.bool_)):
+    raise ValueError(f"distca {split_exchange=} must be True or False (True: queries and "
+                     "keys/values each choose their own bucket and collective)")
 
 
 def _mesh_and_servers(mesh, data_axis: str):
@@ -888,7 +1032,8 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
                        data_axis: str = "data", head_axis: str | None = None, mesh=None,
                        return_lse: bool = False, kernel_options: Mapping[str, Any] | None = None,
                        exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
-                       collective: str = DEFAULT_COLLECTIVE, signal_only: bool = False):
+                       collective: str = DEFAULT_COLLECTIVE, signal_only: bool = False,
+                       split_exchange: bool = False):
   """Core attention of every document by CAD, given a packed plan (device side, jit-able).
 
   Args:
@@ -910,11 +1055,13 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
       docstring, "Collectives").
     signal_only: benchmarks only: every all-to-all carries one row per slot, shapes unchanged,
       results WRONG by design (module docstring).
+    split_exchange: queries and keys/values choose their buckets apart and cross in two
+      collectives (module docstring, "Bucketed exchange"); default one joint bucket.
 
   Returns:
     O ``[B, T, H, D]`` like q (zeros at padding), or ``(O, lse)``.
   """
-  _check_options(kernel, memory_mode, exchange_buckets, signal_only, collective)
+  _check_options(kernel, memory_mode, exchange_buckets, signal_only, collective, split_exchange)
   mesh, s = _mesh_and_servers(mesh, data_axis)
   b, t, h, d = q_BxTxHxD.shape
   kh = k_BxTxKxD.shape[2]
@@ -940,7 +1087,8 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
                            softmax_scale=scale, return_lse=return_lse,
                            kernel_options=tuple(sorted((kernel_options or {}).items())),
                            exchange_buckets=int(exchange_buckets), collective=collective,
-                           signal_only=bool(signal_only), resend=memory_mode == "resend")
+                           signal_only=bool(signal_only), resend=memory_mode == "resend",
+                           split_exchange=bool(split_exchange))
   if memory_mode == "resend":
     body = jax.checkpoint(body, policy=ops.saves_kernel_outputs)
   qkv = P(data_axis, None, head_axis, None)
@@ -957,16 +1105,16 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
 @functools.partial(jax.jit, static_argnames=("spec", "kernel", "memory_mode", "softmax_scale",
                                              "data_axis", "head_axis", "mesh", "return_lse",
                                              "kernel_options", "exchange_buckets",
-                                             "collective", "signal_only"))
+                                             "collective", "signal_only", "split_exchange"))
 def _dispatch_jit(q, k, v, plan, *, spec, kernel, memory_mode, softmax_scale, data_axis,
                   head_axis, mesh, return_lse, kernel_options, exchange_buckets, collective,
-                  signal_only):
+                  signal_only, split_exchange):
   return dispatch_attention(q, k, v, plan, spec, kernel=kernel, memory_mode=memory_mode,
                             softmax_scale=softmax_scale, data_axis=data_axis, head_axis=head_axis,
                             mesh=mesh, return_lse=return_lse,
                             kernel_options=dict(kernel_options),
                             exchange_buckets=exchange_buckets, collective=collective,
-                            signal_only=signal_only)
+                            signal_only=signal_only, split_exchange=split_exchange)
 
 
 def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
@@ -979,7 +1127,7 @@ def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
                    kernel_options: Mapping[str, Any] | None = None,
                    exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
                    collective: str = DEFAULT_COLLECTIVE, signal_only: bool = False,
-                   **schedule_options):
+                   split_exchange: bool = False, **schedule_options):
   """Each document's causal attention, computed by CAD: plan, dispatch, fused kernel, return.
 
   Args:
@@ -1005,13 +1153,14 @@ def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
     exchange_buckets: slot fractions the exchange chooses from (module docstring); 1 = full.
     collective: 'auto', 'all_to_all' or 'ppermute' (module docstring, "Collectives").
     signal_only: benchmarks only: one row per slot on the wire, results WRONG by design.
+    split_exchange: queries and keys/values each choose their own bucket and collective.
     **schedule_options: further ``scheduler.schedule`` keywords (split, cost_model, ...).
 
   Returns:
     O shaped like q (zeros at padding); ``(O, lse)`` with ``return_lse``; the ``HostPlan``
     appended with ``return_plan``. Differentiable in q, k, v.
   """
-  _check_options(kernel, memory_mode, exchange_buckets, signal_only, collective)
+  _check_options(kernel, memory_mode, exchange_buckets, signal_only, collective, split_exchange)
   if q.ndim != 4 or k.ndim != 4:
     raise ValueError(f"q must be [ranks, tokens_per_rank, q_heads, head_dim] and k, v "
                      f"[ranks, tokens_per_rank, kv_heads, head_dim]; got {q.shape=} {k.shape=}")
@@ -1045,7 +1194,7 @@ def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
                       mesh=mesh, return_lse=return_lse,
                       kernel_options=tuple(sorted((kernel_options or {}).items())),
                       exchange_buckets=int(exchange_buckets), collective=collective,
-                      signal_only=bool(signal_only))
+                      signal_only=bool(signal_only), split_exchange=bool(split_exchange))
   if return_plan:
     return (*out, hp) if return_lse else (out, hp)
   return out
@@ -1063,7 +1212,8 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
                  data_axis: str = "data", head_axis: str | None = "tensor",
                  cost_table: str = "", exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
                  collective: str = DEFAULT_COLLECTIVE,
-                 signal_only: bool = False, min_gain: float = 0.0,
+                 signal_only: bool = False, split_exchange: bool = False,
+                 min_gain: float = 0.0,
                  linear_pairs_per_token: float = 0.0) -> "DistcaBackend":
   """The ``distca`` core-attention backend (options: ``config.attention.distca`` + model shapes).
 
@@ -1083,12 +1233,12 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
   ``default_capacity``, ``min_shard`` 0 takes ``auto_min_shard``. ``min_gain`` and
   ``linear_pairs_per_token`` gate each plan (``scheduler.schedule``: a plan whose predicted
   speedup is below ``1 + min_gain`` moves nothing; the trainer derives
-  ``linear_pairs_per_token`` from the model). ``exchange_buckets``,
+  ``linear_pairs_per_token`` from the model). ``exchange_buckets``, ``split_exchange``,
   ``collective`` and ``signal_only`` (benchmarks only: wrong results) go to
   ``dispatch_attention``.
   """
   try:
-    _check_options(kernel, memory_mode, exchange_buckets, signal_only, collective)
+    _check_options(kernel, memory_mode, exchange_buckets, signal_only, collective, split_exchange)
   except ValueError as e:
     raise ValueError(f"{e} (config.attention.distca)") from e
   r = _check_int("rows_per_rank", rows_per_rank, 1)
@@ -1164,7 +1314,7 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
                               kernel=kernel, memory_mode=memory_mode,
                               softmax_scale=softmax_scale, data_axis=data_axis, head_axis=hax,
                               exchange_buckets=exchange_buckets, collective=collective,
-                              signal_only=signal_only,
+                              signal_only=signal_only, split_exchange=split_exchange,
                               kernel_options=kopts)
 
   return DistcaBackend(fn=fn, host_prepare=host_prepare, host_plans=host_plans, caps=caps)
@@ -1209,8 +1359,8 @@ def count_primitives(jaxpr, names) -> collections.Counter:
 # Byte accounting (benchmarks).
 # ---------------------------------------------------------------------------------------------
 def exchange_bytes(meta: sc.PlanMetadata, *, q_heads: int, kv_heads: int, head_dim: int,
-                   dtype_bytes: int,
-                   exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS) -> dict[str, float]:
+                   dtype_bytes: int, exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
+                   split_exchange: bool = False) -> dict[str, float]:
   """Per-device bytes of one forward exchange: useful (plan rows), moved (bucket), padded (slots).
 
   ``dispatch_*`` counts Q + K + V rows sent to other devices; ``return_*`` the O rows coming back
@@ -1221,7 +1371,8 @@ def exchange_bytes(meta: sc.PlanMetadata, *, q_heads: int, kv_heads: int, head_d
   the most any one device sends; ``max_pair_dispatch_useful``: the largest (sender, server) pair.
   ``exchange_q_rows`` / ``exchange_kv_rows``: the plan's fullest slots (``exchange_rows``);
   ``bucket`` / ``return_bucket``: the chosen bucket's index among ``num_buckets`` /
-  ``num_return_buckets`` distinct ones; ``bucket_q_rows``, ``bucket_kv_rows``,
+  ``num_return_buckets`` distinct ones (``split_exchange``: ``bucket = iq * nkv + ikv`` of the
+  ``nq x nkv`` pairs of the two parts' buckets); ``bucket_q_rows``, ``bucket_kv_rows``,
   ``return_bucket_q_rows``: their rows per slot.
   """
   s = meta.num_servers
@@ -1233,10 +1384,18 @@ def exchange_bytes(meta: sc.PlanMetadata, *, q_heads: int, kv_heads: int, head_d
   sent = meta.q_send_len.sum(axis=1) * bq + meta.kv_send_len.sum(axis=1) * bkv
   returned = meta.q_send_len.sum(axis=0) * bq  # a server returns the O rows it received
   rows = exchange_rows(meta).tolist()
-  buckets = exchange_bucket_rows(c, exchange_buckets)
   ret_buckets = _return_bucket_rows(c, exchange_buckets)
-  i, j = choose_bucket(rows, buckets), choose_bucket(rows[:1], ret_buckets)
-  (rq, rkv), (rr,) = buckets[i], ret_buckets[j]
+  j = choose_bucket(rows[:1], ret_buckets)
+  (rr,) = ret_buckets[j]
+  if split_exchange:
+    kv_buckets = part_bucket_rows(c.kv_slot, exchange_buckets)
+    jkv = choose_bucket(rows[1:], kv_buckets)
+    (rq,), (rkv,) = ret_buckets[j], kv_buckets[jkv]
+    i, num = j * len(kv_buckets) + jkv, len(ret_buckets) * len(kv_buckets)
+  else:
+    buckets = exchange_bucket_rows(c, exchange_buckets)
+    i, num = choose_bucket(rows, buckets), len(buckets)
+    rq, rkv = buckets[i]
   return {
       "dispatch_useful": useful_q + useful_kv,
       "dispatch_useful_busiest_device": float(sent.max()),
@@ -1250,7 +1409,7 @@ def exchange_bytes(meta: sc.PlanMetadata, *, q_heads: int, kv_heads: int, head_d
       "exchange_q_rows": rows[0],
       "exchange_kv_rows": rows[1],
       "bucket": i,
-      "num_buckets": len(buckets),
+      "num_buckets": num,
       "bucket_q_rows": rq,
       "bucket_kv_rows": rkv,
       "return_bucket": j,

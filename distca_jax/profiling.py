@@ -531,3 +531,16 @@ def time_call(fn: Callable, *args, iters: int, warmup: int = 0) -> dict[str, flo
     jax.block_until_ready(fn(*args))
     ts.append(time.perf_counter() - t0)
   return {"median_s": statistics.median(ts), "min_s": min(ts)}
+
+
+def write_tables(stem: str, result: dict, markdown: str) -> None:
+  """A benchmark's result table: ``stem.json`` (``result``, non-JSON values as strings) and
+  ``stem.md`` (``markdown``); prints the markdown and where both went."""
+  os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
+  with open(stem + ".json", "w") as f:
+    json.dump(result, f, indent=1, default=str)
+  with open(stem + ".md", "w") as f:
+    f.write(markdown + "\n")
+  print(markdown)
+  print(f"wrote {stem}.json and {stem}.md")
+

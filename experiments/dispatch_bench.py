@@ -79,6 +79,10 @@ def _args():
   p.add_argument("--collective", default="auto", choices=("auto", "all_to_all", "ppermute"),
                  help="how the exchange moves rows (dispatch.COLLECTIVES; auto: ppermute with 2 "
                  "devices, else all_to_all)")
+  p.add_argument("--split-exchange", action="store_true",
+                 help="query rows and key/value rows choose their own bucket and cross in their "
+                 "own collective (dispatch.send_to_servers' split_exchange; default one joint "
+                 "bucket)")
   p.add_argument("--exchange-only", action="store_true",
                  help="time only the exchange, its signal-only twin and the return (no CAD "
                  "chains, no no-CAD baseline, no memory report)")
@@ -201,6 +205,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
   nb = a.exchange_buckets
   # Passed only when not the default, so this script also times older trees of the library.
   wire = {} if a.collective == "auto" else {"collective": a.collective}
+  send_opts = {"split_exchange": True} if a.split_exchange else {}
   # Per-rank layouts: no document (so no task) is longer than a rank's tokens; flash3's grid is
   # tasks x ceil(max_seqlen / 128) blocks, so pass the bound as the trainer's backend does.
   kopts = {"max_seqlen_q": t, "max_seqlen_k": t}  # flash3's bound; other kernels ignore it
@@ -208,7 +213,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
   def exchange(q, k, v, plan, signal_only=False):
     m = spec.unpack_local(plan)
     qa, ka, va = dispatch.send_to_servers(q[0], k[0], v[0], m, spec, AXIS, exchange_buckets=nb,
-                                          signal_only=signal_only, **wire)
+                                          signal_only=signal_only, **wire, **send_opts)
     return qa[None], ka[None], va[None]
 
   def signal(q, k, v, plan):
@@ -241,7 +246,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
       for _ in range(a.layers):
         x = dispatch.dispatch_attention(x, k, v, plan, spec, kernel=kernel, memory_mode=mode,
                                         mesh=mesh, exchange_buckets=nb, kernel_options=kopts,
-                                        **wire)
+                                        **wire, **send_opts)
       return x
 
     def fwd_bwd(q, k, v, plan, ct):
@@ -269,7 +274,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
                             **byte_model)
     plan = jax.device_put(hp.packed, plan_sh)
     plan0 = plan if i == 0 else plan0
-    by = dispatch.exchange_bytes(hp.meta, exchange_buckets=nb, **byte_model)
+    by = dispatch.exchange_bytes(hp.meta, exchange_buckets=nb, **byte_model, **send_opts)
     rec = {"batch": i, "docs": int(hp.plan.doc_lens.size), "tasks": int(len(hp.plan.tasks)),
            "imbalance_before": hp.plan.imbalance_before,
            "imbalance_after": hp.plan.imbalance_after, "degraded": hp.plan.degraded,
@@ -318,6 +323,9 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
   # Raw all_to_all of the exchange's padded slot buffer (same for every batch).
   out = {"workload": name, "capacity": dataclasses.asdict(cap), "exchange_buckets": nb,
          "bucket_rows": dispatch.exchange_bucket_rows(cap, nb), "batches": rows}
+  if a.split_exchange:
+    out["bucket_rows"] = {"q": dispatch.part_bucket_rows(cap.q_slot, nb),
+                          "kv": dispatch.part_bucket_rows(cap.kv_slot, nb)}
   if s > 1:
     out["raw_a2a_padded_exchange_buffer"] = raw_bytes(rows[-1]["bytes_dispatch_padded"])
   if a.profile:
@@ -359,13 +367,18 @@ def _markdown(res: dict) -> str:
            f"{res['servers']}; tokens per device {res['tokens_per_rank']}; heads "
            f"{res['heads']}/{res['kv_heads']} x {res['head_dim']} {res['dtype']}; kernel "
            f"`{res['kernel']}`; tolerance {res['tolerance']}; caps {res['caps']}; exchange "
-           f"buckets {res['exchange_buckets']}; collective {res.get('collective', 'all_to_all')}. "
+           f"buckets {res['exchange_buckets']}"
+           f"{' (split: Q and K/V apart)' if res.get('split_exchange') else ''}; collective "
+           f"{res.get('collective', 'all_to_all')}. "
            f"Times: median of {res['iters']}.",
            ""]
   for w in res["workloads"]:
     nan = float("nan")
     lines += [f"## {w['workload']}", "", f"Capacity: `{w['capacity']}`; exchange buckets "
-              f"{w['exchange_buckets']}, (Q, KV) rows per slot: {list(w['bucket_rows'])}", "",
+              f"{w['exchange_buckets']}, "
+              + (f"Q rows per slot: {[b for (b,) in w['bucket_rows']['q']]}, K/V rows per slot: "
+                 f"{[b for (b,) in w['bucket_rows']['kv']]}" if isinstance(w["bucket_rows"], dict)
+                 else f"(Q, KV) rows per slot: {list(w['bucket_rows'])}"), "",
               "Fractions: (a) mean useful GB/s over raw all_to_all GB/s of the same bytes; (b) "
               "busiest sender's useful GB/s over raw all_to_all GB/s with every device sending "
               "that many bytes. Signal = the exchange with one row per slot on the wire.", "",
@@ -434,7 +447,7 @@ def main(a) -> None:
          "tolerance": a.tolerance, "caps": a.caps, "exchange_buckets": a.exchange_buckets,
          "collective": (dispatch.resolve_collective(a.collective, len(devices))
                         if hasattr(dispatch, "resolve_collective") else "all_to_all"),
-         "exchange_only": a.exchange_only,
+         "exchange_only": a.exchange_only, "split_exchange": a.split_exchange,
          "iters": a.iters,
          "layers": a.layers, "tiny": a.tiny,
          "workloads": []}

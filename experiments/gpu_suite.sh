@@ -167,6 +167,39 @@ stage e2e_1gpu_64k_nodsf 150 env $NODSF python3 experiments/e2e_bench.py --backe
 # LSE residual, packed_dp slots): GPU tests of the flash3 path, single stream vs ping-pong.
 stage gpu_tests_v6 90 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_ops.py -k "flash3 or hints"
 stage e2e_1gpu_pingpong_v6_final 170 python3 experiments/e2e_bench.py --backends packed_dp,distca --nano-batches 1,2 --workloads pretrain --tokens 65536 --rows-per-rank 2 --warmup 2 --steps 6 --layers 2 --out "$OUT/e2e_1gpu_pingpong_v6_final"
+;;& v7place)
+# One GPU: where the key/value attention buffers are built (all after the wire, or own rows
+# first), from real 2- and 4-server plans' routing, forward and forward+backward.
+stage placement_2 150 python3 experiments/placement_bench.py --servers 2 --out "$OUT/placement_bench"
+stage placement_4 150 python3 experiments/placement_bench.py --servers 4 --out "$OUT/placement_bench_4"
+;;& v7copy|v7place)
+# One GPU: how fast XLA copies rows by index, in the forms the data plane could write it.
+stage row_copy 120 python3 experiments/row_copy_bench.py --out "$OUT/row_copy_bench"
+;;& v7words)
+# One GPU: the data plane's row copies as 32-bit words. Placement of the attention buffers with
+# the previous commit's library (.old/, a git archive of it with this tree's placement_bench.py)
+# and with this tree's, then one-GPU training steps (nothing moves; CAD builds its buffers).
+stage placement_old 120 python3 .old/experiments/placement_bench.py --servers 2 --batches 2 --iters 10 --out "$OUT/placement_bench_old"
+stage placement_new 120 python3 experiments/placement_bench.py --servers 2 --batches 2 --iters 10 --out "$OUT/placement_bench_new"
+V7E2E="--backends packed_dp,distca --workloads prolong,pretrain --tokens 65536 --layers 2 --steps 6 --warmup 2"
+stage e2e_1gpu_64k_v7 200 python3 experiments/e2e_bench.py $V7E2E --out "$OUT/e2e_1gpu_64k_v7"
+stage e2e_1gpu_64k_v7_old 200 python3 .old/experiments/e2e_bench.py $V7E2E --out "$OUT/e2e_1gpu_64k_v7_old"
+;;& v7words2)
+# One GPU: the key/value select on words too (dispatch._take_two), old vs new again.
+stage placement_old 120 python3 .old/experiments/placement_bench.py --servers 2 --batches 2 --iters 10 --out "$OUT/placement_bench_old"
+stage placement_new 120 python3 experiments/placement_bench.py --servers 2 --batches 2 --iters 10 --out "$OUT/placement_bench_new"
+stage placement_new_4 120 python3 experiments/placement_bench.py --servers 4 --batches 2 --iters 10 --out "$OUT/placement_bench_new_4"
+;;& v7words3)
+# One GPU: row copies again, round-robin (order effects cancel), and the placements with more
+# calls per timing, old library vs new.
+stage row_copy_rr 120 python3 experiments/row_copy_bench.py --out "$OUT/row_copy_bench"
+stage placement_old_30 120 python3 .old/experiments/placement_bench.py --servers 2 --batches 2 --iters 30 --out "$OUT/placement_bench_old_30"
+stage placement_new_30 120 python3 experiments/placement_bench.py --servers 2 --batches 2 --iters 30 --out "$OUT/placement_bench_new_30"
+;;& v7split)
+# Two GPUs: the exchange with joint vs split Q / K/V buckets, side by side in one call
+# (results/split_exchange_bytes.md has the bytes; this measures the time).
+stage dispatch_joint 150 python3 experiments/dispatch_bench.py --kernel flash3 --iters 20 --batches 4 --exchange-only --caps suggest --out "$OUT/dispatch_v7_joint"
+stage dispatch_split 150 python3 experiments/dispatch_bench.py --kernel flash3 --iters 20 --batches 4 --exchange-only --caps suggest --split-exchange --out "$OUT/dispatch_v7_split"
 ;;& wlb|all)
 stage e2e_64k_wlb 400 python3 experiments/e2e_bench.py --backends packed_dp,wlb --workloads pretrain --tokens 65536 $E2E20 --extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2 --out "$OUT/e2e_64k_wlb"
 ;;

@@ -474,34 +474,38 @@ def _a2a_widths(jaxpr, out=None, prim="all_to_all"):
   return out
 
 
-@pytest.mark.parametrize("buckets,modes,collective", [
-    (1, ("keep", "resend"), "all_to_all"), (4, ("keep", "resend"), "all_to_all"),
-    (8, ("resend",), "all_to_all"), (8, ("keep",), "ppermute"), (1, ("resend",), "ppermute")])
+@pytest.mark.parametrize("buckets,modes,collective,split", [
+    (1, ("keep", "resend"), "all_to_all", False), (4, ("keep", "resend"), "all_to_all", False),
+    (8, ("resend",), "all_to_all", True), (8, ("keep",), "ppermute", False),
+    (1, ("resend",), "ppermute", False), (4, ("keep", "resend"), "ppermute", True)])
 def test_bucketed_exchange_equals_reference_both_memory_modes_single_trace(buckets, modes,
-                                                                            collective):
-  """Outputs and grads per bucket count, memory mode and collective; one trace across buckets.
+                                                                            collective, split):
+  """Outputs and grads per bucket count, memory mode, collective and joint / split buckets; one
+  trace across buckets.
 
-  (8 buckets with 'keep' and all_to_all is the default: the first test of this file runs it on
-  8 layouts.)
+  (8 joint buckets with 'keep' and all_to_all is the default: the first test of this file runs
+  it on 8 layouts.)
   """
   mesh = _mesh()
   seed = int(np.random.default_rng().integers(1 << 30))
   rng = np.random.default_rng(seed)
   traces = {m: [] for m in modes}
   runs = {m: _make_run(mesh, SPEC, trace_counter=traces[m], memory_mode=m,
-                       exchange_buckets=buckets, collective=collective) for m in modes}
+                       exchange_buckets=buckets, collective=collective, split_exchange=split)
+          for m in modes}
   chosen = []
   for name, doc_lens, eps in _bucket_layouts(seed):
     hp = dispatch.host_plan(doc_lens, SPEC, tolerance=eps, q_heads=H, kv_heads=KH, head_dim=D,
                             dtype_bytes=4)
     by = dispatch.exchange_bytes(hp.meta, q_heads=H, kv_heads=KH, head_dim=D, dtype_bytes=4,
-                                 exchange_buckets=buckets)
+                                 exchange_buckets=buckets, split_exchange=split)
     chosen.append(by["bucket"])
     q, k, v, ct = _inputs(rng)
     want = _reference(q, k, v, _segments(doc_lens, S, T), ct)
     for mode, run in runs.items():
       _check(run(q, k, v, hp.packed, ct), want,
-             f"{name} buckets={buckets} {mode} {collective} seed={seed} bucket={by['bucket']} "
+             f"{name} buckets={buckets} {mode} {collective} {split=} seed={seed} "
+             f"bucket={by['bucket']} "
              f"rows={by['exchange_q_rows'], by['exchange_kv_rows']}")
     if name == "light":
       assert (by["exchange_q_rows"], by["exchange_kv_rows"]) == (0, 0), by
@@ -580,6 +584,52 @@ def test_bucket_sizes_shrink_the_all_to_all_and_moved_bytes():
       "exchange_kv_rows"], by
 
 
+def test_split_exchange_sizes_each_part_by_its_own_bucket():
+  assert dispatch.part_bucket_rows(CAP.q_slot, 8) == ((0,),) + tuple((8 * i,) for i in range(1, 9))
+  assert dispatch.part_bucket_rows(CAP.kv_slot, 8) == ((0,),) + tuple((16 * i,)
+                                                                     for i in range(1, 9))
+  assert dispatch.part_bucket_rows(CAP.kv_slot, 1) == ((CAP.kv_slot,),)
+  assert dispatch.part_bucket_rows(20, 8) == ((0,), (8,), (16,), (20,))
+  # The program: a query switch whose collectives carry only query rows, a key/value switch whose
+  # collectives carry only K and V rows, each sized by its own bucket; then the O return.
+  mesh = _mesh()
+  hp = dispatch.host_plan(_bucket_layouts(0)[1][1], SPEC, tolerance=0.0)
+  q = jax.ShapeDtypeStruct((S, T, H, D), jnp.float32)
+  k = jax.ShapeDtypeStruct((S, T, KH, D), jnp.float32)
+  fwd = lambda q, k, plan: dispatch.dispatch_attention(q, k, k, plan, SPEC, mesh=mesh,
+                                                      exchange_buckets=8, split_exchange=True)
+  widths = _a2a_widths(jax.make_jaxpr(fwd)(q, k, hp.packed).jaxpr)
+  q_rows = [b for (b,) in dispatch.part_bucket_rows(CAP.q_slot, 8)[1:]]
+  kv_rows = [b for (b,) in dispatch.part_bucket_rows(CAP.kv_slot, 8)[1:]]
+  assert widths == ([S * b * H * D for b in q_rows] + [S * 2 * b * KH * D for b in kv_rows]
+                    + [S * b * H * D for b in q_rows]), widths
+  # Host accounting on random batches: each part's bucket holds its rows, and split never moves
+  # more than joint; on a batch whose parts fill their slots unevenly it moves less.
+  seed = int(np.random.default_rng().integers(1 << 30))
+  bm = dict(q_heads=H, kv_heads=KH, head_dim=D, dtype_bytes=4, exchange_buckets=8)
+  for name, doc_lens, eps in _bucket_layouts(seed) + _bucket_layouts(seed + 1):
+    meta = dispatch.host_plan(doc_lens, SPEC, tolerance=eps).meta
+    joint = dispatch.exchange_bytes(meta, **bm)
+    split = dispatch.exchange_bytes(meta, split_exchange=True, **bm)
+    assert split["bucket_q_rows"] >= split["exchange_q_rows"], (name, seed, split)
+    assert split["bucket_kv_rows"] >= split["exchange_kv_rows"], (name, seed, split)
+    assert split["dispatch_useful_busiest_device"] <= split["dispatch_moved"], (name, seed)
+    assert split["dispatch_moved"] <= joint["dispatch_moved"], (name, seed, split, joint)
+    assert split["return_moved"] == joint["return_moved"]
+  # Uneven parts: the same plan rows against a capacity they fill unevenly (key/value slots
+  # full, query slots an eighth): the joint bucket is the full one, split keeps Q's eighth.
+  meta = dispatch.host_plan(_bucket_layouts(seed)[1][1], SPEC, tolerance=0.0).meta
+  rows = dispatch.exchange_rows(meta).tolist()
+  assert rows[0] >= 2 and rows[1] > 0, rows
+  uneven = dataclasses.replace(meta, capacity=dataclasses.replace(CAP, q_slot=8 * rows[0],
+                                                                  kv_slot=rows[1]))
+  j = dispatch.exchange_bytes(uneven, **bm)
+  p = dispatch.exchange_bytes(uneven, split_exchange=True, **bm)
+  assert (j["bucket_q_rows"], j["bucket_kv_rows"]) == (8 * rows[0], rows[1]), (j, seed)
+  assert p["bucket_q_rows"] < 8 * rows[0] and p["bucket_kv_rows"] == rows[1], (p, seed)
+  assert p["dispatch_moved"] < j["dispatch_moved"], (p, j, seed)
+
+
 def test_plan_packs_exchange_rows_and_rejects_slots_not_packed_at_the_front():
   seed = int(np.random.default_rng().integers(1 << 30))
   hp = dispatch.host_plan(_bucket_layouts(seed)[1][1], SPEC, tolerance=0.0)
@@ -647,6 +697,10 @@ def test_exchange_options_reach_dispatch_and_bad_values_name_the_fix(monkeypatch
     trainer.make_backend(c)
   with pytest.raises(ValueError, match=r"signal_only='yes'.*True or False"):
     dispatch.make_backend(signal_only="yes")
+  assert c.attention.distca.split_exchange is False
+  with pytest.raises(ValueError, match=r"split_exchange=1 must be True or False.*config.attention"):
+    dispatch.make_backend(split_exchange=1)
+  c.attention.distca.split_exchange = True
   c.attention.distca.exchange_buckets = 3
   c.attention.distca.collective = "nccl"
   with pytest.raises(ValueError, match=r"collective='nccl'.*all_to_all.*ppermute"):
@@ -667,7 +721,7 @@ def test_exchange_options_reach_dispatch_and_bad_values_name_the_fix(monkeypatch
   with trainer.mesh_context(shard_lib.make_mesh(data=8, tensor=1, devices=jax.devices())):
     backend.fn(q, q, q, layout, softmax_scale=1.0)
   assert seen["exchange_buckets"] == 3 and seen["signal_only"] is True
-  assert seen["collective"] == "ppermute"
+  assert seen["collective"] == "ppermute" and seen["split_exchange"] is True
   # 'auto' (the default): one ppermute round between 2 servers, one all_to_all among more.
   assert dispatch.DEFAULT_COLLECTIVE == "auto"
   assert _tiny_config("distca", 8, 1, 0).attention.distca.collective == "auto"
@@ -732,3 +786,41 @@ def test_remat_policies_equal_and_save_attention_never_reruns_the_kernel_or_exch
   assert perm["keep", "save_attention"] == perm["keep", "none"] == 4, perm
   assert perm["keep", "full"] == 6, perm
   assert perm["resend", "save_attention"] == perm["resend", "none"] == 5, perm
+
+
+def test_row_copies_as_words_are_bit_exact_and_differentiate_like_take():
+  """``_take`` / ``_take_two`` copy rows as 32-bit words: every dtype, row shape and fill (the
+  LSE's -inf) comes out bit for bit as ``jnp.take`` gives it, and the gradients match."""
+  seed = int(np.random.default_rng().integers(1 << 30))
+  rng = np.random.default_rng(seed)
+  for dtype in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.int8):
+    for shape in ((50, 4, 16), (50, 3), (50, 3, 5), (50,)):
+      x = jnp.asarray(rng.standard_normal(shape) * 3, dtype)
+      idx = jnp.asarray(rng.integers(0, 60, size=40), jnp.int32)  # >= 50: the fill
+      fills = (0, -np.inf) if jnp.issubdtype(dtype, jnp.floating) else (0, 7)
+      for fill in fills:
+        got = dispatch._take(x, idx, fill)
+        want = jnp.take(x, idx, axis=0, mode="fill", fill_value=fill)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
+                                      np.asarray(want).view(np.uint8),
+                                      err_msg=f"{dtype} {shape} fill={fill} seed={seed}")
+  # The two-source gather of the key/value buffers, and its VJP, against jnp.take + where.
+  t, s, slot, b = 40, 3, 16, 8
+  own = jnp.asarray(rng.standard_normal((t, 2, 4)), jnp.float32)
+  recv = jnp.asarray(rng.standard_normal((s, b, 2, 4)), jnp.float32)
+  idx = jnp.asarray(rng.integers(0, t + s * slot + 5, size=70), jnp.int32)
+  blk = jnp.asarray(rng.permutation(s), jnp.int32)
+
+  def plain(own, recv):
+    ridx, in_recv = dispatch._recv_rows(idx - t, slot, b, s, blk)
+    from_recv = jnp.take(recv.reshape(s * b, 2, 4), ridx, axis=0, mode="fill", fill_value=0)
+    return jnp.where(in_recv[:, None, None], from_recv,
+                     jnp.take(own, idx, axis=0, mode="fill", fill_value=0))
+
+  words = lambda own, recv: dispatch._gather_two(own, recv, idx, slot, blk)
+  np.testing.assert_array_equal(np.asarray(words(own, recv)), np.asarray(plain(own, recv)))
+  ct = jnp.asarray(rng.standard_normal((70, 2, 4)), jnp.float32)
+  for g, w in zip(jax.vjp(words, own, recv)[1](ct), jax.vjp(plain, own, recv)[1](ct)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6,
+                               err_msg=f"seed={seed}")

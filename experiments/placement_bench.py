@@ -1,0 +1,259 @@
+"""Where the key/value attention buffers are built: all after the wire, or own rows before it.
+
+The exchange's step 3 (``distca_jax.dispatch``) fills a server's key/value attention buffers
+``[kv_tokens, K, D]`` from its own rows and the rows it received. Today that is one fused gather
+from both sources (``dispatch._gather_two``), and it can start only when the collective is done,
+so all of it sits on the exchange's critical path. The query buffer is already built in two
+steps (``dispatch._place_unique``): own rows first, while the rows are on the wire, then only
+the received rows. This benchmark times, on ONE device and without any collective, the candidate
+ways to build the key/value buffer from a real plan's routing (the busiest receiving server of a
+``--servers``-server plan, its received blocks filled with random rows):
+
+  gather_two   ``dispatch._gather_two``: one gather from both sources, all after the wire;
+  own_first    the own rows' gather (before the wire), then a select pass over every row that
+               takes the received row where there is one (after the wire);
+  scatter      the own rows' gather (before the wire), then a scatter of the received rows into
+               their places, every attention row an index (those not fed by the wire dropped);
+  scatter_compact  the same scatter over only the rows fed by the wire (the host would pass
+               their positions; the count is a static bucket of the plan's need here, so this
+               is the floor of what a compacted list can do).
+
+For each own-first variant the whole forward is timed as one program (a separately compiled
+``post`` would first copy its argument ``pre``), and its part after the wire (what the
+collective's end waits for) is reported as whole - pre; medians of ``--iters`` calls. Then the
+forward+backward of each whole variant. Every variant's output is checked equal to
+``gather_two``'s, and its gradients close to it. The query buffer's own-first placement is timed too
+(``dispatch._place_unique``) for scale.
+
+Run (one GPU; the numbers are per server):
+  python experiments/placement_bench.py                 # Pretrain and ProLong, 64K tokens
+  python experiments/placement_bench.py --tiny          # CPU smoke test
+Writes results/placement_bench.{json,md} (--out changes the stem).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+  sys.path.insert(0, REPO)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from distca_jax import dispatch, profiling  # noqa: E402
+from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
+
+
+def _args():
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny shapes, 2 iters")
+  p.add_argument("--workloads", default="pretrain,prolong")
+  p.add_argument("--tokens-per-rank", type=int, default=None, help="default 65536 (tiny: 512)")
+  p.add_argument("--servers", type=int, default=2)
+  p.add_argument("--heads", type=int, default=None, help="default 32 (tiny: 4)")
+  p.add_argument("--kv-heads", type=int, default=None, help="default 8 (tiny: 2)")
+  p.add_argument("--head-dim", type=int, default=None, help="default 128 (tiny: 16)")
+  p.add_argument("--batches", type=int, default=3, help="plans per workload (their busiest "
+                 "receiving servers are timed)")
+  p.add_argument("--iters", type=int, default=None, help="default 20 (tiny: 2)")
+  p.add_argument("--tolerance", type=float, default=0.05)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default=None, help="output stem (default results/placement_bench)")
+  a = p.parse_args()
+  for name, big, small in (("tokens_per_rank", 65536, 512), ("heads", 32, 4), ("kv_heads", 8, 2),
+                           ("head_dim", 128, 16), ("iters", 20, 2)):
+    if getattr(a, name) is None:
+      setattr(a, name, small if a.tiny else big)
+  if a.out is None:
+    a.out = os.path.join(REPO, "results", "placement_bench_tiny" if a.tiny else "placement_bench")
+  if a.servers < 2:
+    p.error(f"--servers={a.servers} must be >= 2 (one server receives nothing)")
+  return a
+
+
+def own_first_pre(own, idx):
+  return dispatch._take(own, idx)  # received rows' places: 0 for now
+
+
+def own_first_post(pre, recv, idx, slot, blk, t):
+  nb, b = recv.shape[:2]
+  ridx, in_recv = dispatch._recv_rows(idx - t, slot, b, nb, blk)
+  got = dispatch._take(recv.reshape((nb * b,) + recv.shape[2:]), ridx)
+  return jnp.where(in_recv[:, None, None], got, pre)
+
+
+def scatter_post(pre, recv, idx, slot, blk, t):
+  nb, b = recv.shape[:2]
+  n = idx.shape[0]
+  ridx, in_recv = dispatch._recv_rows(idx - t, slot, b, nb, blk)
+  dst = jnp.where(in_recv, jnp.arange(n, dtype=jnp.int32), n)
+  got = dispatch._take(recv.reshape((nb * b,) + recv.shape[2:]), ridx)
+  return pre.at[dst].set(got, mode="drop", unique_indices=True)
+
+
+def compact_post(pre, recv, pos, ridx_at_pos):
+  nb, b = recv.shape[:2]
+  got = dispatch._take(recv.reshape((nb * b,) + recv.shape[2:]), ridx_at_pos)
+  return pre.at[pos].set(got, mode="drop", unique_indices=True)
+
+
+def run_workload(name: str, a) -> list[dict]:
+  s, t, h, kh, d = a.servers, a.tokens_per_rank, a.heads, a.kv_heads, a.head_dim
+  dtype = jnp.float32 if a.tiny else jnp.bfloat16
+  byte_model = dict(q_heads=h, kv_heads=kh, head_dim=d, dtype_bytes=jnp.dtype(dtype).itemsize)
+  sampler = WorkloadSampler(name, t, seed=a.seed)
+  layouts = [sampler.step_doclens(i, s) for i in range(a.batches)]
+  min_shard = dispatch.auto_min_shard(t)
+  cap = dispatch.suggest_capacity(layouts, s, t, tolerance=a.tolerance, min_shard=min_shard,
+                                  multiple=dispatch._row_multiple(t), **byte_model)
+  spec = dispatch.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1, capacity=cap)
+  rng = np.random.default_rng(a.seed)
+  k_own = jnp.asarray(rng.standard_normal((t, kh, d), np.float32), dtype)
+  q_own = jnp.asarray(rng.standard_normal((t, h, d), np.float32), dtype)
+  blk = jnp.arange(s, dtype=jnp.int32)  # all_to_all block order: sender p's rows in block p
+  j = {k: jax.jit(f, static_argnums=st) for k, f, st in (
+      ("gather_two", dispatch._gather_two, (3,)), ("pre", own_first_pre, ()),
+      ("q_place", dispatch._place_unique, (3,)))}
+  out = []
+  for i, doc_lens in enumerate(layouts):
+    hp = dispatch.host_plan(doc_lens, spec, tolerance=a.tolerance, min_shard=min_shard,
+                            **byte_model)
+    meta = hp.meta
+    recv_rows = meta.kv_send_len.sum(axis=0) - np.diag(meta.kv_send_len)
+    server = int(np.argmax(recv_rows))
+    if recv_rows[server] == 0:
+      print(f"[{name}] batch {i}: nothing moves; skipped", flush=True)
+      continue
+    bq, bkv = dispatch.exchange_rows(meta).tolist()
+    b = -(-bkv // 8) * 8  # the received blocks' rows (a bucket just holding the fullest slot)
+    bqr = -(-bq // 8) * 8
+    kv_idx = jnp.asarray(meta.kv_attn_idx[server])
+    q_idx = jnp.asarray(meta.q_attn_idx[server])
+    k_recv = jnp.asarray(rng.standard_normal((s, b, kh, d), np.float32), dtype)
+    q_recv = jnp.asarray(rng.standard_normal((s, bqr, h, d), np.float32), dtype)
+    # Rows of the attention buffer fed by the wire, and where they read (host-side compaction).
+    idx_np = np.asarray(meta.kv_attn_idx[server]).astype(np.int64) - t
+    fed = (idx_np >= 0) & (idx_np < s * cap.kv_slot)
+    pos_np = np.flatnonzero(fed)
+    count = -(-max(1, pos_np.size) // 8) * 8
+    pos = np.full(count, idx_np.size, np.int32)
+    pos[:pos_np.size] = pos_np
+    r = idx_np[pos_np]
+    src = np.full(count, s * b, np.int32)
+    src[:pos_np.size] = (r // cap.kv_slot) * b + r % cap.kv_slot
+    pos, src = jnp.asarray(pos), jnp.asarray(src)
+
+    want = j["gather_two"](k_own, k_recv, kv_idx, cap.kv_slot, blk)
+    # pre and post in one program (a separate post would copy its argument ``pre`` before
+    # writing into it); post = whole - pre.
+    whole_fwd = {
+        "own_first": jax.jit(lambda own, recv: own_first_post(
+            own_first_pre(own, kv_idx), recv, kv_idx, cap.kv_slot, blk, t)),
+        "scatter": jax.jit(lambda own, recv: scatter_post(
+            own_first_pre(own, kv_idx), recv, kv_idx, cap.kv_slot, blk, t)),
+        "scatter_compact": jax.jit(lambda own, recv: compact_post(
+            own_first_pre(own, kv_idx), recv, pos, src))}
+    calls = {
+        "gather_two": (j["gather_two"], (k_own, k_recv, kv_idx, cap.kv_slot, blk)),
+        "pre": (j["pre"], (k_own, kv_idx)),
+        **{key: (f, (k_own, k_recv)) for key, f in whole_fwd.items()},
+        "q_place": (j["q_place"], (q_own, q_recv, q_idx, cap.q_slot, blk)),
+    }
+    rec = {"batch": i, "server": server, "kv_tokens": cap.kv_tokens, "q_tokens": cap.q_tokens,
+           "kv_rows_received": int(recv_rows[server]), "kv_block_rows": b,
+           "kv_attention_rows_fed_by_wire": int(pos_np.size),
+           "kv_buffer_MB_per_array": cap.kv_tokens * kh * d * jnp.dtype(dtype).itemsize / 2**20}
+    for key, (f, args) in calls.items():
+      got = f(*args)
+      if key in ("own_first", "scatter", "scatter_compact"):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=key)
+      rec[key] = profiling.time_call(f, *args, iters=a.iters)
+    for key in ("own_first", "scatter", "scatter_compact"):
+      rec[f"{key}_post_s"] = rec[key]["median_s"] - rec["pre"]["median_s"]
+      rec[f"{key}_post_over_gather_two"] = rec[f"{key}_post_s"] / rec["gather_two"]["median_s"]
+    # Forward + backward of the whole placement (pre and post), cotangent random: the backward
+    # sums each row's contributions into the own rows and the received blocks.
+    ct = jnp.asarray(rng.standard_normal(want.shape, np.float32), dtype)
+    whole = {
+        "gather_two": lambda own, recv: dispatch._gather_two(own, recv, kv_idx, cap.kv_slot, blk),
+        "own_first": lambda own, recv: own_first_post(own_first_pre(own, kv_idx), recv, kv_idx,
+                                                      cap.kv_slot, blk, t),
+        "scatter": lambda own, recv: scatter_post(own_first_pre(own, kv_idx), recv, kv_idx,
+                                                  cap.kv_slot, blk, t),
+        "scatter_compact": lambda own, recv: compact_post(own_first_pre(own, kv_idx), recv, pos,
+                                                          src)}
+    grads = {}
+    for key, f in whole.items():
+      fb = jax.jit(lambda own, recv, ct, f=f: jax.vjp(f, own, recv)[1](ct))
+      grads[key] = fb(k_own, k_recv, ct)
+      rec[f"{key}_fwd_bwd"] = profiling.time_call(fb, k_own, k_recv, ct, iters=a.iters)
+    for key in ("own_first", "scatter", "scatter_compact"):
+      for g, w in zip(grads[key], grads["gather_two"]):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=1e-2, atol=1e-2, err_msg=f"{key} gradient")
+    out.append(rec)
+    ms = lambda k: rec[k]["median_s"] * 1e3
+    post = lambda k: rec[f"{k}_post_s"] * 1e3
+    print(f"[{name}] batch {i} server {server}: {rec['kv_rows_received']} K/V rows received, "
+          f"{pos_np.size} of {cap.kv_tokens} attention rows fed by them; one K buffer: "
+          f"gather_two {ms('gather_two'):.3f} ms | own rows (pre) {ms('pre'):.3f} ms; whole "
+          f"(post = whole - pre): select {ms('own_first'):.3f} ({post('own_first'):.3f}), "
+          f"scatter {ms('scatter'):.3f} ({post('scatter'):.3f}), compact "
+          f"{ms('scatter_compact'):.3f} ({post('scatter_compact'):.3f}) ms | Q place {ms('q_place'):.3f} ms | fwd+bwd: "
+          f"gather_two {ms('gather_two_fwd_bwd'):.3f}, select {ms('own_first_fwd_bwd'):.3f}, "
+          f"scatter {ms('scatter_fwd_bwd'):.3f}, compact {ms('scatter_compact_fwd_bwd'):.3f} ms",
+          flush=True)
+  return out
+
+
+def _markdown(res: dict) -> str:
+  lines = [f"# Key/value buffer placement on one device ({res['date']})", "",
+           f"Command: `{res['command']}`", "",
+           f"Device: {res['device_kind']} ({res['backend']}); {res['servers']}-server plans, "
+           f"{res['tokens_per_rank']} tokens per server, heads {res['heads']}/{res['kv_heads']} "
+           f"x {res['head_dim']} {res['dtype']}; the busiest receiving server of each batch. "
+           f"Times in ms for ONE of the K and V buffers (the exchange builds both), forward, "
+           f"median of {res['iters']}. Own-first variants: the whole forward (own rows' gather, "
+           "then the received rows), and in brackets its part after the wire (whole - pre).", "",
+           "| workload | batch | K/V rows received | rows fed by the wire / kv_tokens | gather_two "
+           "(all after the wire) | own rows (pre) | select | scatter | compact scatter | "
+           "Q buffer, own-first | fwd+bwd: gather_two / select / scatter / compact |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for w in res["workloads"]:
+    for r in w["batches"]:
+      ms = lambda k: f"{r[k]['median_s'] * 1e3:.3f}"
+      both = lambda k: f"{ms(k)} ({r[k + '_post_s'] * 1e3:.3f})"
+      lines.append(f"| {w['workload']} | {r['batch']} | {r['kv_rows_received']} | "
+                   f"{r['kv_attention_rows_fed_by_wire']} / {r['kv_tokens']} | "
+                   f"{ms('gather_two')} | {ms('pre')} | {both('own_first')} | {both('scatter')} | "
+                   f"{both('scatter_compact')} | {ms('q_place')} | "
+                   f"{ms('gather_two_fwd_bwd')} / {ms('own_first_fwd_bwd')} / "
+                   f"{ms('scatter_fwd_bwd')} / {ms('scatter_compact_fwd_bwd')} |")
+  return "\n".join(lines)
+
+
+def main(a) -> None:
+  if a.tiny:
+    jax.config.update("jax_platforms", "cpu")
+  dev = jax.devices()[0]
+  res = {"command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
+         "date": datetime.datetime.now().isoformat(timespec="seconds"),
+         "backend": jax.default_backend(), "device_kind": dev.device_kind,
+         "servers": a.servers, "tokens_per_rank": a.tokens_per_rank, "heads": a.heads,
+         "kv_heads": a.kv_heads, "head_dim": a.head_dim,
+         "dtype": "float32" if a.tiny else "bfloat16", "iters": a.iters,
+         "tolerance": a.tolerance, "workloads": []}
+  for name in a.workloads.split(","):
+    res["workloads"].append({"workload": name, "batches": run_workload(name, a)})
+  profiling.write_tables(a.out, res, _markdown(res))
+
+
+if __name__ == "__main__":
+  main(_args())

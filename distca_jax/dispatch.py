@@ -47,9 +47,10 @@ query rows fill 50% of ``q_slot`` and key/value rows 90% of ``kv_slot`` sends 90
 in their own collective (two switches, ``n + 1`` branches each instead of ``(n + 1)^2`` for one
 switch over every pair: each branch costs compile time). Planned under the trainer's startup
 caps (Pretrain and ProLong, 64K-128K tokens per device, 2-8 servers) it moves 1.05-1.12x the
-fullest slots' bytes instead of 1.15-1.28x: 8-12% fewer bytes (results/split_exchange_bytes.md). The cost: two collectives instead of one, and the
-query rows' own-row gather overlaps only the query collective. Its time is not measured on GPUs
-yet, so the default stays joint.
+fullest slots' bytes instead of 1.15-1.28x: 8-12% fewer bytes
+(results/split_exchange_bytes.md). The cost: two collectives instead of one, and the query
+rows' own-row gather overlaps only the query collective. Its time is not measured on GPUs yet,
+so the default stays joint.
 
 Signal-only (``signal_only=True``; benchmarks only, results are WRONG by design): every
 all-to-all of the data plane carries one row per slot, and each device uses its own send buffer
@@ -604,11 +605,13 @@ def _take(x: jax.Array, idx: jax.Array, fill=0, *, unique: bool = False) -> jax.
   servers' query rows (32 x 128 bf16) at 2049 GB/s of memory traffic as ``[rows, heads, dim]``
   bf16 and 2585 GB/s as uint32 words, key/value rows (8 x 128) at 1384 and 1457 GB/s
   (results/row_copy_bench.md); building the attention buffers from real plans' routing was
-  faster in 11 of 12 comparisons, by up to 2.2x (results/data_plane_v7_summary.md). The backward (``_take_rows``) avoids XLA's bf16 scatter-add, which
-  ran at ~200-240 GB/s (results/gather_bench.md): with ``unique=True`` (no row of ``x`` is read
-  twice: the query and output paths) it is a gather through the inverse map (3.3x faster);
-  otherwise (key/value rows feed several tasks and servers) a scatter-add in float32 (1.5x
-  faster, and the sum of a row's contributions is rounded once).
+  faster in 11 of 12 comparisons, by up to 2.2x (results/data_plane_v7_summary.md).
+
+  The backward (``_take_rows``) avoids XLA's bf16 scatter-add, which ran at ~200-240 GB/s
+  (results/gather_bench.md): with ``unique=True`` (no row of ``x`` is read twice: the query and
+  output paths) it is a gather through the inverse map (3.3x faster); otherwise (key/value rows
+  feed several tasks and servers) a scatter-add in float32 (1.5x faster, and the sum of a row's
+  contributions is rounded once).
   """
   return _take_rows(x, idx, fill, unique)
 
@@ -757,11 +760,14 @@ def _gather_two(own_TxF: jax.Array, recv_NxBxF: jax.Array, idx: jax.Array, slot:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _take_two(own, recv, own_idx, recv_idx, in_recv, fill):
   """``where(in_recv, recv[recv_idx], own[own_idx])`` (out-of-range -> ``fill``), copied as
-  32-bit words like ``_take``: the select runs on the words, so XLA fuses both gathers and the
-  select into one pass (selecting the bf16 rows after two word gathers ran up to 1.7x slower
-  than the plain bf16 gathers on an H200: results/placement_bench_v7_bf16select.md). An index of one source is
-  out of range wherever the row reads the other (``_gather_two``), so each source's cotangent
-  is the output's, scattered through its own index."""
+  32-bit words like ``_take``.
+
+  The select runs on the words, so XLA fuses both gathers and the select into one pass
+  (selecting bf16 rows after two word gathers ran up to 1.7x slower than the plain bf16
+  gathers on an H200: results/placement_bench_v7_bf16select.md). An index of one source is out
+  of range wherever the row reads the other (``_gather_two``), so each source's cotangent is
+  the output's, scattered through its own index.
+  """
   wo, wr = _row_words(own), _row_words(recv)
   f = _word_fill(fill, own.dtype) if wo.dtype != own.dtype else fill
   got = jnp.where(in_recv[:, None], jnp.take(wr, recv_idx, axis=0, mode="fill", fill_value=f),
@@ -772,11 +778,11 @@ def _take_two(own, recv, own_idx, recv_idx, in_recv, fill):
 def _take_two_fwd(own, recv, own_idx, recv_idx, in_recv, fill):
   like = lambda x: jnp.zeros((x.shape[0], 0), x.dtype)
   return (_take_two(own, recv, own_idx, recv_idx, in_recv, fill),
-          (own_idx, recv_idx, in_recv, like(own), like(recv)))
+          (own_idx, recv_idx, like(own), like(recv)))
 
 
 def _take_two_bwd(fill, res, dy):
-  own_idx, recv_idx, in_recv, like_own, like_recv = res
+  own_idx, recv_idx, like_own, like_recv = res
   d_own, _ = _take_rows_bwd(fill, False, (own_idx, like_own), dy)
   d_recv, _ = _take_rows_bwd(fill, False, (recv_idx, like_recv), dy)
   return d_own, d_recv, None, None, None
@@ -1238,7 +1244,8 @@ def make_backend(*, tolerance: float = sc.DEFAULT_TOLERANCE, min_shard: int = 0,
   ``dispatch_attention``.
   """
   try:
-    _check_options(kernel, memory_mode, exchange_buckets, signal_only, collective, split_exchange)
+    _check_options(kernel, memory_mode, exchange_buckets, signal_only, collective,
+                   split_exchange)
   except ValueError as e:
     raise ValueError(f"{e} (config.attention.distca)") from e
   r = _check_int("rows_per_rank", rows_per_rank, 1)

@@ -206,7 +206,8 @@ def run_workload(name: str, a) -> list[dict]:
           f"gather_two {ms('gather_two'):.3f} ms | own rows (pre) {ms('pre'):.3f} ms; whole "
           f"(post = whole - pre): select {ms('own_first'):.3f} ({post('own_first'):.3f}), "
           f"scatter {ms('scatter'):.3f} ({post('scatter'):.3f}), compact "
-          f"{ms('scatter_compact'):.3f} ({post('scatter_compact'):.3f}) ms | Q place {ms('q_place'):.3f} ms | fwd+bwd: "
+          f"{ms('scatter_compact'):.3f} ({post('scatter_compact'):.3f}) ms | Q place "
+          f"{ms('q_place'):.3f} ms | fwd+bwd: "
           f"gather_two {ms('gather_two_fwd_bwd'):.3f}, select {ms('own_first_fwd_bwd'):.3f}, "
           f"scatter {ms('scatter_fwd_bwd'):.3f}, compact {ms('scatter_compact_fwd_bwd'):.3f} ms",
           flush=True)

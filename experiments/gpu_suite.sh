@@ -195,6 +195,12 @@ stage placement_new_4 120 python3 experiments/placement_bench.py --servers 4 --b
 stage row_copy_rr 120 python3 experiments/row_copy_bench.py --out "$OUT/row_copy_bench"
 stage placement_old_30 120 python3 .old/experiments/placement_bench.py --servers 2 --batches 2 --iters 30 --out "$OUT/placement_bench_old_30"
 stage placement_new_30 120 python3 experiments/placement_bench.py --servers 2 --batches 2 --iters 30 --out "$OUT/placement_bench_new_30"
+;;& v7e2e)
+# One GPU: training steps with the final word copies (dispatch._take_two) against the previous
+# commit's library (.old/), same call.
+V7E2E="--backends packed_dp,distca --workloads prolong,pretrain --tokens 65536 --layers 2 --steps 6 --warmup 2"
+stage e2e_1gpu_64k_v7_final 200 python3 experiments/e2e_bench.py $V7E2E --out "$OUT/e2e_1gpu_64k_v7_final"
+stage e2e_1gpu_64k_v7_old2 200 python3 .old/experiments/e2e_bench.py $V7E2E --out "$OUT/e2e_1gpu_64k_v7_old2"
 ;;& v7split)
 # Two GPUs: the exchange with joint vs split Q / K/V buckets, side by side in one call
 # (results/split_exchange_bytes.md has the bytes; this measures the time).

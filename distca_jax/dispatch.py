@@ -244,13 +244,19 @@ def startup_capacity(c, *, data: int | None = None) -> dict[str, int]:
     return {}
   sugg = suggest_config_capacity(c, num_batches=n, data=data)
   rows = int(c.tokens_per_rank) * int(c.rows_per_rank) // int(c.attention.nano_batches)
+  return caps_with_headroom(sugg, rows, headroom, auto)
+
+
+def caps_with_headroom(envelope: Mapping[str, int], rows: int, headroom: float,
+                       fields: Sequence[str] = ("q_slot", "kv_slot", "q_tokens",
+                                                "kv_tokens")) -> dict[str, int]:
+  """Row caps ``fields`` from sampled batches' ``envelope``: x ``headroom``, rounded up to
+  whole row multiples of ``rows`` (a device's rows in one call), and never below what the
+  no-move layout needs (a slot of one multiple; attention buffers of ``rows``)."""
   mult = _row_multiple(rows)
   floor = {"q_slot": mult, "kv_slot": mult, "q_tokens": rows, "kv_tokens": rows}
-  out = {}
-  for f in auto:
-    v = max(floor[f], math.ceil(sugg[f] * headroom))
-    out[f] = -(-v // mult) * mult
-  return out
+  return {f: -(-max(floor[f], math.ceil(envelope[f] * headroom)) // mult) * mult
+          for f in fields}
 
 
 def _nano_batch_rows(num_devices: int, rows_per_device: int, nano_batches: int,
@@ -642,12 +648,16 @@ def _word_fill(fill, dtype) -> Any:
   return int(np.full(4 // item, fill, dtype=jnp.dtype(dtype)).view(np.uint32)[0])
 
 
+def _gather_words(x, idx, fill):
+  """``jnp.take(x, idx, axis=0, mode='fill')`` on the ``_row_words`` view: rows as words."""
+  w = _row_words(x)
+  return jnp.take(w, idx, axis=0, mode="fill",
+                  fill_value=_word_fill(fill, x.dtype) if w.dtype != x.dtype else fill)
+
+
 def _take_words(x, idx, fill):
   """``jnp.take(x, idx, axis=0, mode='fill')`` computed on ``_row_words`` views."""
-  w = _row_words(x)
-  got = jnp.take(w, idx, axis=0, mode="fill",
-                 fill_value=_word_fill(fill, x.dtype) if w.dtype != x.dtype else fill)
-  return _from_words(got, x, idx.shape[0])
+  return _from_words(_gather_words(x, idx, fill), x, idx.shape[0])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -768,10 +778,8 @@ def _take_two(own, recv, own_idx, recv_idx, in_recv, fill):
   of range wherever the row reads the other (``_gather_two``), so each source's cotangent is
   the output's, scattered through its own index.
   """
-  wo, wr = _row_words(own), _row_words(recv)
-  f = _word_fill(fill, own.dtype) if wo.dtype != own.dtype else fill
-  got = jnp.where(in_recv[:, None], jnp.take(wr, recv_idx, axis=0, mode="fill", fill_value=f),
-                  jnp.take(wo, own_idx, axis=0, mode="fill", fill_value=f))
+  got = jnp.where(in_recv[:, None], _gather_words(recv, recv_idx, fill),
+                  _gather_words(own, own_idx, fill))
   return _from_words(got, own, own_idx.shape[0])
 
 
@@ -839,8 +847,7 @@ def _exchange_parts(parts, sizes: Sequence[int], *, num_servers: int, axis: str,
   every slot part ``i`` sends in this branch. A part of 0 rows moves nothing (its tasks read only
   own rows); when no part moves, no collective runs. Returns each part's attention buffers.
   """
-  moving = [b > 0 for b in sizes]
-  if any(moving):
+  if any(sizes):
     # 1-2. Sender gather of the first b rows of every slot of each moving part, side by side in
     # one block per peer, and one collective.
     sends, row_elems = [], None

@@ -22,12 +22,12 @@ Run:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import shlex
 import sys
 
-import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -66,13 +66,10 @@ def _args():
 def _caps(layouts, s: int, t: int, a, byte_model) -> dispatch.Capacity:
   """The trainer's startup caps: the envelope of ``layouts`` x headroom, whole row multiples,
   at least a device's rows (``dispatch.startup_capacity``)."""
-  mult = dispatch._row_multiple(t)  # pylint: disable=protected-access
   env = dispatch.suggest_capacity(layouts, s, t, tolerance=a.tolerance,
-                                  min_shard=dispatch.auto_min_shard(t), multiple=mult,
-                                  **byte_model)
-  floor = {"q_slot": mult, "kv_slot": mult, "q_tokens": t, "kv_tokens": t}
-  caps = {f: -(-max(floor[f], int(np.ceil(getattr(env, f) * a.headroom))) // mult) * mult
-          for f in floor}
+                                  min_shard=dispatch.auto_min_shard(t),
+                                  multiple=dispatch._row_multiple(t), **byte_model)
+  caps = dispatch.caps_with_headroom(dataclasses.asdict(env), t, a.headroom)
   return dispatch.Capacity(**caps, tasks=env.tasks)
 
 

@@ -138,16 +138,15 @@ def run_workload(name: str, a) -> list[dict]:
     q_idx = jnp.asarray(meta.q_attn_idx[server])
     k_recv = jnp.asarray(rng.standard_normal((s, b, kh, d), np.float32), dtype)
     q_recv = jnp.asarray(rng.standard_normal((s, bqr, h, d), np.float32), dtype)
-    # Rows of the attention buffer fed by the wire, and where they read (host-side compaction).
-    idx_np = np.asarray(meta.kv_attn_idx[server]).astype(np.int64) - t
-    fed = (idx_np >= 0) & (idx_np < s * cap.kv_slot)
+    # Rows of the attention buffer fed by the wire, and where they read (host-side compaction
+    # of the device's own mapping).
+    ridx, fed = (np.asarray(x) for x in dispatch._recv_rows(kv_idx - t, cap.kv_slot, b, s, blk))
     pos_np = np.flatnonzero(fed)
     count = -(-max(1, pos_np.size) // 8) * 8
-    pos = np.full(count, idx_np.size, np.int32)
+    pos = np.full(count, kv_idx.shape[0], np.int32)
     pos[:pos_np.size] = pos_np
-    r = idx_np[pos_np]
     src = np.full(count, s * b, np.int32)
-    src[:pos_np.size] = (r // cap.kv_slot) * b + r % cap.kv_slot
+    src[:pos_np.size] = ridx[pos_np]
     pos, src = jnp.asarray(pos), jnp.asarray(src)
 
     want = j["gather_two"](k_own, k_recv, kv_idx, cap.kv_slot, blk)

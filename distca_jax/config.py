@@ -103,10 +103,11 @@ def base_config() -> ml_collections.ConfigDict:
   # input thread through trainer.add_host_plan).
   c.attention.baselines = ml_collections.ConfigDict()
   c.attention.baselines.kernel = "reference"   # ops.core_attention backend of the fused calls
-  c.attention.baselines.cp_size = 1            # cp / wlb: ranks per CP group (divides mesh.data)
+  c.attention.baselines.cp_size = 1            # cp / wlb: ranks per CP group (divides mesh.data);
+                                               # wlb: 0 = WLB-ideal's pick (baselines.ideal)
   c.attention.baselines.wlb_alpha = 1.0        # wlb: per-rank token cap Lmax = alpha x
                                                # tokens_per_rank (>= 1; > 1 trades memory balance
-                                               # for attention balance)
+                                               # for attention balance); 0 = WLB-ideal's pick
   c.attention.baselines.max_docs_per_row = 128  # task-table slots per row (documents or pieces);
                                                # unused slots cost flash3 launch work, so keep
                                                # it tight (Pretrain/ProLong rows hold <= 38

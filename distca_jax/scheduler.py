@@ -1202,9 +1202,10 @@ def predicted_step_gain(loads, tokens_per_rank: int, linear_pairs_per_token: flo
   rank runs its linear layers on all ``T`` token slots). The step waits for the busiest server,
   so a perfect balance speeds it up by ``(max + linear) / (mean + linear)``: the gain is
   ``(max - mean) / (mean + linear)`` (the step-work ceiling minus 1), before the costs of
-  moving rows. ``linear_pairs_per_token = N / (2 L Hq D)`` for a model of ``N`` matmul
-  weights (layers and LM head), ``L`` layers, ``Hq`` query heads of dim ``D`` (training FLOPs:
-  ``6 N`` per token, ``12 L Hq D`` per causal pair; ``metrics.step_flops``).
+  moving rows. ``linear_pairs_per_token = 6 N / (14 L Hq D)`` for a model of ``N`` matmul
+  weights (layers and LM head), ``L`` layers, ``Hq`` query heads of dim ``D`` (the work model
+  ``metrics.work_flops``: ``6 N`` per token, ``task_flops`` = 14 Hq D per causal pair and
+  layer).
   """
   loads = np.asarray(loads, dtype=np.float64)
   if loads.size == 0:

@@ -72,9 +72,11 @@ def make_backend(c: ml_collections.ConfigDict) -> attn_lib.Backend:
     if c.attention.backend != "packed_dp":
       options.update(cp_size=b.cp_size, rows_per_rank=c.rows_per_rank)
     if c.attention.backend == "wlb":
-      from distca_jax.baselines import ModelDims  # imported lazily like the backend itself
+      from distca_jax.baselines import ModelDims, ideal  # imported lazily like the backend itself
       options.update(alpha=b.wlb_alpha,
                      balance_len=ModelDims.from_model(config_lib.model_config(c)).balance_len)
+      if not (b.cp_size and b.wlb_alpha):  # 0 = WLB-ideal: the best predicted split / alpha
+        options.update(ideal.wlb_options_from_config(c))
   return attn_lib.get_backend(c.attention.backend, **options)
 
 

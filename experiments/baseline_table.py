@@ -209,7 +209,7 @@ def markdown(best: list[dict], sweeps: list[dict], command: str, meta: dict) -> 
       "* **attn imb**: max / mean over ranks of causal query-key pairs (core-attention work).",
       "* **token imb**: max / mean of tokens whose activations a rank holds (memory).",
       "* **compute imb**: max / mean of a rank's layer FLOPs, token-linear (6 N_layer per token) "
-      "plus attention (12 H D per pair): the per-rank work WLB's W = (l/B)^2 + l/B weighs.",
+      "plus attention (14 H D per pair, the kernel's forward + backward: `metrics.work_flops`).",
       "* **GiB/rank**: bytes a rank receives in one layer's forward core attention, mean / max over "
       "ranks (cp, wlb: K and V of the other ranks of its CP group; distca: Q and K/V sent to it as "
       "a server plus its outputs returned; the backward moves about as much again).",

@@ -10,7 +10,8 @@ config overrides (the data source is a pure function of config, seed and step), 
 (workload, tokens per GPU):
 
   * per batch: both step times, their ratio, and the batch's own ceiling (max over ranks of
-    step work over the mean, work = 6 N tokens + 6 layers Hq D sum(l^2): `e2e_bench.ceiling` of
+    step work over the mean, work = `metrics.step_work` (6 N tokens + the kernel's forward +
+    backward per causal pair, 3.5x forward): `e2e_bench.ceiling` of
     that batch alone);
   * `measured`: the tokens/s ratio distca / packed_dp (total time over the batches);
   * `best of both`: the ratio if every batch had run the faster of (distca's step, packed_dp's

@@ -55,6 +55,11 @@ def test_ceiling_is_max_over_mean_of_step_work():
   assert skewed > 1.0
   # Identical work on every rank in every step is never above 1, whatever the lengths.
   assert e2e_bench.ceiling(cfg, [[[[3, 5]], [[5, 3]]], [[[7]], [[7]]]]) == pytest.approx(1.0)
+  # By hand, in the shared work model: 6 N per token, 4 x 3.5 Hq D per causal pair and layer.
+  from distca_jax import metrics
+  n = metrics.matmul_params(cfg)
+  work = [6 * n * 8 + 14 * 2 * 8 * p for p in (8 * 9 / 2, 8 * 1)]
+  assert skewed == pytest.approx(max(work) / (sum(work) / 2))
 
 
 def test_per_batch_bound_on_rebuilt_batches():

@@ -3,7 +3,8 @@
 One ``RankMetrics`` per (strategy, batch) with, for each of the ``S`` ranks:
 
 * ``pairs_S``: causal query-key pairs its core attention computes (work; forward FLOPs are
-  ``4 * q_heads * head_dim * pairs`` per layer, ``BWD_FWD_RATIO`` more in the backward);
+  ``4 * q_heads * head_dim * pairs`` per layer, ``BWD_FWD_RATIO`` times that in the backward:
+  the work model ``metrics.work_flops``);
 * ``tokens_S``: tokens whose layer activations it holds (the token-linear part of the layer, the
   bulk of activation memory: ``packed_dp`` / ``distca`` keep tokens where the data put them,
   ``cp`` holds exactly ``T`` per rank, ``wlb`` up to ``alpha T``);
@@ -128,10 +129,10 @@ class RankMetrics:
     return int(self.pairs_S.size)
 
   def compute_flops_S(self, dims: ModelDims) -> np.ndarray:
-    """[S] one layer's forward + backward FLOPs: token-linear 6 N_layer tokens + attention
-    12 H D pairs (the 3x-forward convention of `metrics.step_flops`; what WLB's W weighs)."""
-    return (6.0 * dims.layer_matmul_params * self.tokens_S
-            + 12.0 * dims.q_heads * dims.head_dim * self.pairs_S.astype(np.float64))
+    """[S] one layer's forward + backward FLOPs in the shared work model
+    (``metrics.work_flops``): token-linear 6 N_layer tokens + attention at 3.5x forward."""
+    return metrics_lib.work_flops(dims.layer_matmul_params, 1, dims.q_heads, dims.head_dim,
+                                  self.tokens_S, self.pairs_S)
 
   def summary(self, dims: ModelDims | None = None, hw: Hardware | None = None) -> dict[str, Any]:
     """Headline numbers (JSON-friendly)."""
@@ -161,8 +162,7 @@ def estimate_layer_seconds(m: RankMetrics, dims: ModelDims,
                            hw: Hardware | None = None) -> np.ndarray:
   """[S] estimated seconds of one layer's forward + backward per rank, communication not hidden.
 
-  compute = (6 N_layer tokens + 12 H D pairs) / (peak x efficiency) (Megatron's 3x-forward
-  convention for both parts); communication = 2 x bytes / bandwidth(span) (forward, and as much
+  compute = ``compute_flops_S`` (the shared work model) / (peak x efficiency); communication = 2 x bytes / bandwidth(span) (forward, and as much
   again in the backward).
   """
   hw = hw or Hardware()

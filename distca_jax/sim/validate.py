@@ -1,0 +1,263 @@
+"""Replays of committed measurements: predicted vs measured, and the calibration fit from them.
+
+Cases (files under results/):
+
+* end-to-end steps (``experiments/e2e_bench.py`` JSONs): the very batches the run timed are
+  re-sampled (same workload, seed 0, rows, steps) and simulated with the run's strategy, layers
+  and GPU count; the measured value is the mean step (tokens / tokens/s over the timed steps);
+* kernel: the FA3 fwd+bwd of real task tables (``flash3_grid_bench.json``, launch buckets) vs the
+  cost table on the same tasks;
+* exchange: all_to_all times of ``collective_bench*.json`` vs the fitted latency + bandwidth.
+
+Two code generations ("eras") are in the committed runs: the 2-GPU runs (``*_v5*``) predate the
+single-stream fixes measured on one GPU since (results/pingpong_v6_summary.md: FA3's forward
+no longer cloned, no raw LSE buffer copy), so each era is calibrated on one-GPU runs of its own
+code (``CALIBRATION_RUNS``) and every other case of that era is held out. ``role`` says which.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from distca_jax import scheduler as sched
+from distca_jax.sim import costs, step
+
+RESULTS = os.path.join(costs.ROOT, "results")
+# era -> (calibration runs, held-out runs); a run is (file stem, backend or None for all).
+CALIBRATION_RUNS = {
+    "current": [("e2e_1gpu_64k_v7", None), ("e2e_1gpu_pingpong_v6_final", "packed_dp"),
+                ("e2e_1gpu_pingpong_v6_final", "distca")],
+    "v5": [("e2e_1gpu_probe_v6", None)],
+}
+HELD_OUT_RUNS = {
+    "current": [("e2e_1gpu_pingpong_v6_fixed_4l", None), ("e2e_1gpu_64k_nodsf", None),
+                ("e2e_1gpu_2x64k_nodsf", None), ("e2e_1gpu_pingpong_v6_final", "packed_dp+pingpong"),
+                ("e2e_1gpu_pingpong_v6_final", "distca+pingpong")],
+    "v5": [("e2e_2gpu_64k_v5c", None), ("e2e_2gpu_128k_v5b", None),
+           ("e2e_2gpu_prolong_128k_v5b", None), ("e2e_2gpu_128k_v5_sa", None),
+           ("e2e_2gpu_pingpong_2x64k_v5", None)],
+}
+# The planner's gate (min_gain) came with the cross-layer ping-pong, after the v5 runs.
+_ERA_MIN_GAIN = {"current": 0.02, "v5": 0.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class E2eRun:
+  """One measured run of e2e_bench."""
+  stem: str
+  workload: str
+  backend: str
+  tokens: int
+  layers: int
+  rows_per_rank: int
+  devices: int
+  steps: tuple[int, ...]
+  mean_step_s: float
+  median_step_s: float
+  overrides: tuple[str, ...]
+
+  @property
+  def strategy(self) -> str:
+    return self.backend.split("+")[0]
+
+  def override(self, key: str, default: str) -> str:
+    for o in self.overrides:
+      k, _, v = o.partition("=")
+      if k == key:
+        return v
+    return default
+
+
+def load_runs(stem: str, backend: str | None = None) -> list[E2eRun]:
+  """The runs of ``results/STEM.json`` (one backend, or all that did not fail)."""
+  with open(os.path.join(RESULTS, stem + ".json")) as f:
+    blob = json.load(f)
+  words = blob["command"].split()
+  arg = lambda name: int(words[words.index(name) + 1])
+  warmup, steps = arg("--warmup"), arg("--steps")
+  out = []
+  for r in blob["results"]:
+    if "error" in r or (backend is not None and r["backend"] != backend):
+      continue
+    ov = tuple(r["overrides"])
+    get = lambda k: next(o.split("=", 1)[1] for o in ov if o.startswith(k + "="))
+    out.append(E2eRun(stem, r["workload"], r["backend"], int(r["tokens"]),
+                      int(get("model.n_layers")), int(get("rows_per_rank")), int(r["devices"]),
+                      tuple(range(warmup, warmup + steps)),
+                      sum(r["step_ms_all"]) / len(r["step_ms_all"]) / 1e3,
+                      r["step_ms_median"] / 1e3, ov))
+  return out
+
+
+def run_batches(run: E2eRun) -> list[list[list[list[int]]]]:
+  """The timed batches: [step][micro-batch = 1][rank] -> lengths (a rank's rows concatenated;
+  documents never span rows, so a rank's documents are its rows' documents)."""
+  from distca_jax.data.synthetic import SyntheticSource  # pylint: disable=import-outside-toplevel
+  src = SyntheticSource(run.workload, rows=run.devices * run.rows_per_rank,
+                        tokens_per_row=run.tokens, vocab_size=2, seed=0)
+  out = []
+  for s in run.steps:
+    rows = src.doclens(s)
+    r = run.rows_per_rank
+    out.append([[[x for row in rows[k * r:(k + 1) * r] for x in row]
+                 for k in range(run.devices)]])
+  return out
+
+
+def _options(run: E2eRun, era: str) -> step.Options:
+  return step.Options(
+      tolerance=float(run.override("attention.distca.tolerance", str(sched.DEFAULT_TOLERANCE))),
+      min_gain=_ERA_MIN_GAIN[era], nano_batches=2 if run.backend.endswith("+pingpong") else 1,
+      wlb_alphas=(float(run.override("attention.baselines.wlb_alpha", "1.0")),),
+      cp_sizes=(int(run.override("attention.baselines.cp_size", "1")),),
+      cp_overlap=False, wlb_padded=True)
+
+
+def predict_run(run: E2eRun, cal: costs.Calibration, km: costs.KernelModel, era: str
+                ) -> dict[str, Any]:
+  """The simulator's mean step over the run's batches (its strategy, layers, GPUs)."""
+  spec = costs.model_spec("llama3_8b", n_layers=run.layers)
+  layout = step.Layout(gpus=run.devices)
+  tokens = run.tokens * run.rows_per_rank
+  opts = _options(run, era)
+  if "+signal" in run.backend:  # signal-only twin: the exchange carries no rows
+    cal = dataclasses.replace(cal, single_stream_hidden=1.0)
+  res = step.simulate(run_batches(run), spec, layout, tokens, cal=cal, km=km, opts=opts,
+                      strategies=(run.strategy,))[run.strategy]
+  return res
+
+
+def features(run: E2eRun, km: costs.KernelModel) -> np.ndarray:
+  """[3] (1, token-linear FLOPs, table attention seconds) of a one-GPU run's mean step: the
+  step model is linear in (fixed s, 1 / matmul rate, attention scale) on one GPU."""
+  if run.devices != 1:
+    raise ValueError(f"calibration runs must be one-GPU runs; {run.stem} used {run.devices}")
+  spec = costs.model_spec("llama3_8b", n_layers=run.layers)
+  d = spec.dims
+  lin, att = [], []
+  for batch in run_batches(run):
+    rows = batch[0]
+    tokens = sum(map(sum, rows))
+    del tokens  # every slot runs the linear layers, padding included
+    slots = run.tokens * run.rows_per_rank
+    lin.append(6.0 * slots * (d.n_layers * d.layer_matmul_params * costs.Calibration.remat_factor
+                              + spec.head_params))
+    att.append(d.n_layers * sum(km.docs_seconds(r, d) for r in rows))
+  return np.array([1.0, np.mean(lin), np.mean(att)])
+
+
+def fit_calibration(runs: list[E2eRun], km: costs.KernelModel,
+                    base: costs.Calibration | None = None) -> costs.Calibration:
+  """Least squares of mean step = fixed + linear FLOPs / rate + scale x table attention."""
+  x = np.stack([features(r, km) for r in runs]) / np.array([1.0, 1e12, 1.0])  # TFLOPs
+  y = np.array([r.mean_step_s for r in runs])
+  (fixed, inv_rate, scale), *_ = np.linalg.lstsq(x, y, rcond=None)
+  return dataclasses.replace(base or costs.Calibration(), step_fixed_s=float(fixed),
+                             matmul_tflops=float(1.0 / inv_rate),
+                             attention_scale=float(scale))
+
+
+def collective_calibration(base: costs.Calibration | None = None) -> costs.Calibration:
+  """Intra-node latency and bandwidth fitted on results/collective_bench.json (all_to_all)."""
+  rows = _json("collective_bench")["rows"]
+  lat, bw = costs.fit_alpha_beta([r["mb_off_device"] for r in rows], [r["a2a_ms"] for r in rows])
+  return dataclasses.replace(base or costs.Calibration(), a2a_latency_s=lat, intra_node_bw=bw)
+
+
+def calibrations(km: costs.KernelModel) -> dict[str, costs.Calibration]:
+  """Per era: collectives from the collective bench, compute from its one-GPU runs."""
+  base = collective_calibration()
+  return {era: fit_calibration([r for stem, b in runs for r in load_runs(stem, b)], km, base)
+          for era, runs in CALIBRATION_RUNS.items()}
+
+
+def _json(stem: str) -> dict:
+  with open(os.path.join(RESULTS, stem + ".json")) as f:
+    return json.load(f)
+
+
+def _case(kind, name, predicted, measured, role, **extra) -> dict[str, Any]:
+  err = predicted / measured - 1.0
+  return dict(kind=kind, name=name, predicted_s=float(predicted), measured_s=float(measured),
+              error=float(err), within_10pct=bool(abs(err) <= 0.10), role=role, **extra)
+
+
+def kernel_cases(km: costs.KernelModel) -> list[dict[str, Any]]:
+  """FA3 fwd+bwd on real task tables (launch buckets, what the step runs) vs the cost table."""
+  from distca_jax import dispatch  # pylint: disable=import-outside-toplevel
+  from distca_jax import ops  # pylint: disable=import-outside-toplevel
+  from distca_jax.baselines import packing  # pylint: disable=import-outside-toplevel
+  from distca_jax.data.workloads import WorkloadSampler  # pylint: disable=import-outside-toplevel
+  blob = _json("flash3_grid_bench")
+  dims = costs.model_spec("llama3_8b").dims
+  t, s = 65536, 2
+  spec = dispatch.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1,
+                           capacity=sched.Capacity(**blob["capacity"]))
+  out = []
+  for r in blob["rows"]:
+    if r["case"] != "buckets":
+      continue
+    doc_lens = WorkloadSampler(r["workload"], t, seed=0).step_doclens(r["batch"], s)
+    if r["table"] == "cad":
+      hp = dispatch.host_plan(doc_lens, spec, tolerance=0.1, q_heads=32, kv_heads=8,
+                              head_dim=128, dtype_bytes=2)
+      tabs = [(np.asarray(hp.meta.cu_seqlens_q[d]), np.asarray(hp.meta.cu_seqlens_k[d]))
+              for d in range(s)]
+    else:
+      own = packing.task_tables(packing.natural_placement(doc_lens, t), max_tasks=128)
+      tabs = [(np.asarray(c), np.asarray(c)) for c in own["cu_seqlens_q"]]
+    d = int(np.argmax([ops.attention_pairs(cq, ck) for cq, ck in tabs]))
+    lq, lk = np.diff(tabs[d][0]), np.diff(tabs[d][1])
+    keep = lq > 0
+    pred = float(km.task_seconds(lq[keep], lk[keep], dims).sum())
+    out.append(_case("kernel", f"fa3 {r['workload']} batch {r['batch']} {r['table']} table",
+                     pred, r["fwd_bwd_ms"] / 1e3, "held-out"))
+  return out
+
+
+def exchange_cases(cal: costs.Calibration) -> list[dict[str, Any]]:
+  """all_to_all of N MB per device on 2 H200s: fitted rows (default flags) and held-out rows
+  (latency-hiding scheduler flag)."""
+  out = []
+  for stem, role in (("collective_bench", "fit"), ("collective_bench_lhs", "held-out")):
+    for r in _json(stem)["rows"]:
+      pred = float(cal.collective_s(r["mb_off_device"] * 1e6, 2))
+      out.append(_case("exchange", f"all_to_all {r['mb_off_device']:.0f} MB ({stem})", pred,
+                       r["a2a_ms"] / 1e3, role))
+  return out
+
+
+def e2e_cases(cals: dict[str, costs.Calibration], km: costs.KernelModel
+              ) -> list[dict[str, Any]]:
+  out = []
+  for era in CALIBRATION_RUNS:
+    for role, table in (("fit", CALIBRATION_RUNS), ("held-out", HELD_OUT_RUNS)):
+      for stem, backend in table[era]:
+        for run in load_runs(stem, backend):
+          res = predict_run(run, cals[era], km, era)
+          name = (f"{run.stem}: {run.workload} {run.tokens // 1024}K x{run.rows_per_rank} "
+                  f"{run.backend}, {run.layers} layers, {run.devices} GPU")
+          out.append(_case("e2e", name, res["step_s"], run.mean_step_s, role, era=era,
+                           measured_median_s=run.median_step_s,
+                           predicted_per_rank_s=res["per_rank_step_s"]))
+  return out
+
+
+def validate() -> dict[str, Any]:
+  """Every case; ``max_abs_error`` over all, and over held-out cases apart."""
+  km = costs.KernelModel()
+  cals = calibrations(km)
+  cases = e2e_cases(cals, km) + kernel_cases(km) + exchange_cases(cals["current"])
+  held = [c for c in cases if c["role"] == "held-out"]
+  return {
+      "cases": cases,
+      "max_abs_error": max(abs(c["error"]) for c in cases),
+      "max_abs_error_held_out": max(abs(c["error"]) for c in held),
+      "within_10pct": sum(c["within_10pct"] for c in cases),
+      "calibrations": {k: dataclasses.asdict(v) for k, v in cals.items()},
+  }

@@ -1,0 +1,349 @@
+"""Simulated step time of packed_dp, cp, wlb (WLB-ideal) and distca at any GPU count (host only).
+
+  python experiments/simulate.py --gpus 64 --model llama3_8b --workload pretrain --tokens 131072 \
+      --tensor 4 --json /tmp/sim.json
+  python experiments/simulate.py --validate --json results/simulator_validation.json
+  python experiments/simulate.py --paper --out results/simulated_scale
+
+The simulator (``distca_jax.sim``) runs the project's sampler, packers and CAD planner on sampled
+batches and times them with costs calibrated on committed measurements (``--validate`` replays
+those measurements; the calibration used is printed). One config prints a table of step time,
+speedups, imbalance, bytes and memory per strategy and writes ``{"strategies": {name: {...}}}``
+with per-rank breakdowns. ``--paper`` replays the DistCA paper's 3D (no pipeline) and 4D
+(pipeline) experiments on Llama-3-8B at 16/32/64 GPUs and a 34B-class model at 128/256/512 GPUs,
+contexts 128K-512K, both workloads, plus an epsilon sweep and per-rank imbalance; it writes
+OUT.md, OUT.json and OUT_*.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from distca_jax.sim import costs, step, validate  # noqa: E402  (after the path setup above)
+
+# The paper's ranges of distca's speedup over WLB-ideal (DistCA, arXiv 2510.18121, Sec. 6).
+PAPER_RANGES = {("3d", "pretrain"): (1.07, 1.20), ("3d", "prolong"): (1.05, 1.12),
+                ("4d", "pretrain"): (1.15, 1.35), ("4d", "prolong"): (1.15, 1.35)}
+# Replay layouts: (model, GPU counts, 3D tensor size, 4D (tensor, pipe, micro-batches)).
+PAPER_GRID = (("llama3_8b", (16, 32, 64), 4, (4, 2, 8)),
+              ("llama3_34b", (128, 256, 512), 8, (8, 4, 8)))
+CONTEXTS = (131072, 262144, 524288)
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--validate", action="store_true", help="replay committed measurements")
+  p.add_argument("--paper", action="store_true", help="the paper's 3D / 4D tables and plots")
+  p.add_argument("--gpus", type=int, default=64)
+  p.add_argument("--model", default="llama3_8b", choices=("llama3_8b", "llama3_34b"))
+  p.add_argument("--workload", default="pretrain", choices=("pretrain", "prolong"))
+  p.add_argument("--tokens", type=int, default=131072, help="tokens per data rank per micro-batch")
+  p.add_argument("--context", type=int, default=0,
+                 help="the recipe's document scale (0 = --tokens); longer pieces are cut at rows")
+  p.add_argument("--tensor", type=int, default=1)
+  p.add_argument("--pipe", type=int, default=1)
+  p.add_argument("--micro-batches", type=int, default=1)
+  p.add_argument("--batches", type=int, default=3, help="sampled batches averaged")
+  p.add_argument("--tolerance", type=float, default=None, help="CAD epsilon (default: config's)")
+  p.add_argument("--nano-batches", type=int, default=2, help="2: CAD with ping-pong")
+  p.add_argument("--inter-node-gbps", type=float, default=50.0,
+                 help="GB/s per GPU across nodes (stated, not measured here)")
+  p.add_argument("--no-cp-overlap", action="store_true",
+                 help="cp / wlb expose their K/V traffic (this project's all-gather)")
+  p.add_argument("--json", default=None, help="write the result JSON here")
+  p.add_argument("--out", default=os.path.join(ROOT, "results", "simulated_scale"),
+                 help="--paper: output stem")
+  return p.parse_args(argv)
+
+
+def calibration(a) -> tuple[costs.Calibration, costs.KernelModel]:
+  km = costs.KernelModel()
+  cal = validate.calibrations(km)["current"]
+  return dataclasses.replace(cal, inter_node_bw=a.inter_node_gbps * 1e9), km
+
+
+def options(a, **kw) -> step.Options:
+  o = step.Options(nano_batches=a.nano_batches, cp_overlap=not a.no_cp_overlap)
+  if a.tolerance is not None:
+    o = dataclasses.replace(o, tolerance=a.tolerance)
+  return dataclasses.replace(o, **kw)
+
+
+def run_config(model, workload, gpus, tokens, layout_kw, a, cal, km, context=0,
+               opts=None) -> dict:
+  """One configuration: every strategy, speedups, timing of the simulation itself."""
+  spec = costs.model_spec(model)
+  layout = step.Layout(gpus=gpus, **layout_kw)
+  t0 = time.perf_counter()
+  batches = step.sample_batches(workload, tokens, layout, a.batches, context=context)
+  res = step.simulate(batches, spec, layout, tokens, cal=cal, km=km, opts=opts or options(a))
+  # WLB-ideal again with its K/V traffic exposed (this project's all-gather implementation).
+  exposed = step.simulate(batches, spec, layout, tokens, cal=cal, km=km, strategies=("wlb",),
+                          opts=dataclasses.replace(opts or options(a), cp_overlap=False))["wlb"]
+  sim_s = time.perf_counter() - t0
+  dist = res["distca"]["step_s"]
+  return {"model": model, "workload": workload, "gpus": gpus, "tokens": tokens,
+          "context": context or tokens, "layout": dataclasses.asdict(layout),
+          "data_ranks": layout.data, "strategies": res,
+          "speedup_vs_packed_dp": res["packed_dp"]["step_s"] / dist,
+          "speedup_vs_wlb_ideal": res["wlb"]["step_s"] / dist,
+          "speedup_vs_cp": res["cp"]["step_s"] / dist,
+          "wlb_ideal_exposed": {k: exposed[k] for k in ("step_s", "dp", "cp", "alpha")},
+          "speedup_vs_wlb_ideal_exposed": exposed["step_s"] / dist, "simulation_s": sim_s}
+
+
+def format_config(r) -> str:
+  lines = [f"{r['model']} {r['workload']} {r['gpus']} GPUs {r['layout']} tokens/rank "
+           f"{r['tokens']} (context {r['context']})",
+           f"{'strategy':10s} {'step s':>8s} {'dp x cp':>8s} {'attn imb':>9s} {'comp imb':>9s} "
+           f"{'tok imb':>8s} {'MB/layer':>9s} {'mem GB':>7s} fits"]
+  for name, s in r["strategies"].items():
+    lines.append(f"{name:10s} {s['step_s']:8.3f} {s['dp']:>3d} x {s['cp']:<3d} "
+                 f"{s['attention_imbalance']:9.3f} {s['compute_imbalance']:9.3f} "
+                 f"{s['token_imbalance']:8.3f} {s['bytes_per_layer_mean_mb']:9.1f} "
+                 f"{s['memory_gb']['total']:7.1f} {s['fits_memory']}"
+                 + (f" alpha {s['alpha']}" if "alpha" in s else ""))
+  lines.append(f"distca speedup: {r['speedup_vs_packed_dp']:.3f}x packed_dp, "
+               f"{r['speedup_vs_wlb_ideal']:.3f}x WLB-ideal "
+               f"({r['speedup_vs_wlb_ideal_exposed']:.3f}x with its K/V traffic exposed), "
+               f"{r['speedup_vs_cp']:.3f}x cp "
+               f"(simulated in {r['simulation_s']:.1f} s)")
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# --validate
+# ----------------------------------------------------------------------------------------------
+def format_validation(v) -> str:
+  lines = ["| kind | role | case | predicted ms | measured ms | error |", "|---|---|---|---|---|---|"]
+  for c in v["cases"]:
+    lines.append(f"| {c['kind']} | {c['role']} | {c['name']} | {c['predicted_s'] * 1e3:.1f} | "
+                 f"{c['measured_s'] * 1e3:.1f} | {100 * c['error']:+.1f}% |")
+  lines.append(f"\nmax |error| {100 * v['max_abs_error']:.1f}%; within 10%: {v['within_10pct']} "
+               f"of {len(v['cases'])} cases")
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# --paper
+# ----------------------------------------------------------------------------------------------
+def fitting_tokens(model, context, layout_kw, cal) -> int:
+  """The largest power-of-two tokens per rank <= context whose packed_dp activations fit."""
+  spec = costs.model_spec(model)
+  t = context
+  while t > 8192:
+    lay = step.Layout(gpus=layout_kw.get("tensor", 1) * layout_kw.get("pipe", 1), **layout_kw)
+    mem = costs.memory_bytes(spec, cal, tokens=t, layers=costs.ceil_div(
+        spec.dims.n_layers, lay.pipe), tp=lay.tensor, pp=lay.pipe,
+        in_flight=min(lay.pipe, lay.micro_batches), extra_bytes=0.1 * cal.hbm_bytes)
+    if mem["fits"]:
+      return t
+    t //= 2
+  return t
+
+
+def paper(a, cal, km) -> dict:
+  rows = []
+  for model, gpu_list, tp3, (tp4, pp4, mb4) in PAPER_GRID:
+    for dim_name, lay in (("3d", dict(tensor=tp3)),
+                          ("4d", dict(tensor=tp4, pipe=pp4, micro_batches=mb4))):
+      for gpus in gpu_list:
+        for context in CONTEXTS:
+          tokens = fitting_tokens(model, context, lay, cal)
+          for wl in ("pretrain", "prolong"):
+            r = run_config(model, wl, gpus, tokens, lay, a, cal, km, context=context)
+            r["dims"] = dim_name
+            rows.append(r)
+            print(f"{dim_name} {model} {wl} {gpus} GPUs ctx {context} T {tokens}: "
+                  f"{r['speedup_vs_wlb_ideal']:.3f}x WLB-ideal, "
+                  f"{r['speedup_vs_packed_dp']:.3f}x packed_dp ({r['simulation_s']:.1f} s)",
+                  flush=True)
+  # Epsilon sweep (paper Fig. 12): bytes vs step time.
+  sweep = []
+  for eps in (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4):
+    r = run_config("llama3_8b", "pretrain", 64, 131072, dict(tensor=4), a, cal, km,
+                   opts=options(a, tolerance=eps))
+    d = r["strategies"]["distca"]
+    sweep.append({"tolerance": eps, "step_s": d["step_s"], "mb_per_layer": d[
+        "bytes_per_layer_mean_mb"], "attention_imbalance": d["attention_imbalance"],
+                  "exchange_s": float(np.max(d["per_rank_s"]["exchange"])),
+                  "exchange_exposed_s": float(np.max(d["per_rank_s"]["exchange_exposed"]))})
+    print(f"eps {eps}: step {d['step_s']:.3f} s, {d['bytes_per_layer_mean_mb']:.0f} MB/layer",
+          flush=True)
+  imb = run_config("llama3_8b", "pretrain", 64, 131072, dict(tensor=4), a, cal, km)
+  return {"rows": rows, "eps_sweep": sweep, "imbalance_case": imb}
+
+
+def _range(vals):
+  return f"{min(vals):.2f}-{max(vals):.2f}" if vals else "n/a"
+
+
+def write_paper(a, blob, cal) -> None:
+  cmd = "python experiments/simulate.py " + " ".join(sys.argv[1:])
+  stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  blob = dict(blob, command=cmd, date=stamp, calibration=dataclasses.asdict(cal))
+  with open(a.out + ".json", "w") as f:
+    json.dump(blob, f, indent=1)
+  L = [f"# Simulated scale: the paper's 3D / 4D experiments replayed (SIMULATED, not measured)\n",
+       f"- command: `{cmd}`", f"- date: {stamp}; host only (NumPy), {a.batches} sampled batches "
+       "per configuration",
+       f"- calibration (fitted on committed one-GPU steps and the 2-GPU collective bench; "
+       f"`--validate`): matmul {cal.matmul_tflops:.0f} TF/s effective, attention "
+       f"{cal.attention_scale:.3f} x the FA3 cost table, fixed {cal.step_fixed_s * 1e3:.0f} ms, "
+       f"all_to_all {cal.a2a_latency_s * 1e3:.2f} ms + bytes / {cal.intra_node_bw / 1e9:.0f} GB/s "
+       f"in a node; inter-node {cal.inter_node_bw / 1e9:.0f} GB/s per GPU (stated)",
+       "- tokens/rank: the largest power of two <= the context whose packed_dp activations fit "
+       "one H200 (remat 'save_attention', measured footprint); longer documents are cut at rows "
+       "(the trainer's split rule), so every strategy sees the same batches",
+       "- WLB-ideal: best (CP size, alpha) that fits, variable-length rows, K/V traffic hidden "
+       "behind attention (ring); distca: ping-pong (exchange hidden behind the other nano-batch's "
+       "linear layers), tolerance " + f"{options(a).tolerance}",
+       "- 4D: 1F1B pipeline, every micro-batch planned over the data ranks of its stage; step = "
+       "sum of micro-batches' slowest-stage times + (S - 1) x the slowest\n"]
+  for dim_name in ("3d", "4d"):
+    sub = [r for r in blob["rows"] if r["dims"] == dim_name]
+    L += [f"## {dim_name.upper()}\n",
+          "| model | workload | GPUs | layout (TP x PP x M) | data ranks | context | tokens/rank | "
+          "packed_dp s | cp s | WLB-ideal s (dp x cp, alpha) | distca s | distca / WLB-ideal | "
+          "distca / WLB-ideal, K/V exposed | distca / packed_dp | paper range vs WLB-ideal | "
+          "fits (p/c/w/d) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sub:
+      s = r["strategies"]
+      lay = r["layout"]
+      lo, hi = PAPER_RANGES[(dim_name, r["workload"])]
+      fits = "/".join("y" if s[k]["fits_memory"] else "n" for k in step.STRATEGIES)
+      L.append(f"| {r['model']} | {r['workload']} | {r['gpus']} | {lay['tensor']} x "
+               f"{lay['pipe']} x {lay['micro_batches']} | {r['data_ranks']} | "
+               f"{r['context'] // 1024}K | {r['tokens'] // 1024}K | "
+               f"{s['packed_dp']['step_s']:.2f} | {s['cp']['step_s']:.2f} | "
+               f"{s['wlb']['step_s']:.2f} ({s['wlb']['dp']} x {s['wlb']['cp']}, "
+               f"{s['wlb']['alpha']}) | {s['distca']['step_s']:.2f} | "
+               f"**{r['speedup_vs_wlb_ideal']:.3f}** | {r['speedup_vs_wlb_ideal_exposed']:.3f} | "
+               f"{r['speedup_vs_packed_dp']:.3f} | "
+               f"{lo:.2f}-{hi:.2f} | {fits} |")
+    for wl in ("pretrain", "prolong"):
+      w = [r["speedup_vs_wlb_ideal"] for r in sub if r["workload"] == wl]
+      we = [r["speedup_vs_wlb_ideal_exposed"] for r in sub if r["workload"] == wl]
+      p = [r["speedup_vs_packed_dp"] for r in sub if r["workload"] == wl]
+      lo, hi = PAPER_RANGES[(dim_name, wl)]
+      L.append(f"\n{dim_name.upper()} {wl}: distca over WLB-ideal {_range(w)}x (paper "
+               f"{lo:.2f}-{hi:.2f}x; {_range(we)}x with WLB's K/V traffic exposed), over "
+               f"packed_dp {_range(p)}x.")
+    L.append("")
+  L += ["## Epsilon sweep (Llama-3-8B, 64 GPUs, TP 4, Pretrain 128K; paper Fig. 12)\n",
+        "| tolerance | distca step s | MB per layer per rank (fwd) | exchange s (all layers) | "
+        "exposed s | attention imbalance |", "|---|---|---|---|---|---|"]
+  for e in blob["eps_sweep"]:
+    L.append(f"| {e['tolerance']} | {e['step_s']:.3f} | {e['mb_per_layer']:.0f} | "
+             f"{e['exchange_s']:.3f} | {e['exchange_exposed_s']:.3f} | "
+             f"{e['attention_imbalance']:.3f} |")
+  imb = blob["imbalance_case"]
+  L += ["\n## Compute and memory per rank (Llama-3-8B, 64 GPUs, TP 4, Pretrain 128K)\n",
+        "| strategy | step s | compute max/mean (per-rank s) | tokens max/mean | memory GB (max rank) |",
+        "|---|---|---|---|---|"]
+  for name, s in imb["strategies"].items():
+    rs = np.asarray(s["per_rank_step_s"])
+    L.append(f"| {name} | {s['step_s']:.3f} | {rs.max() / rs.mean():.3f} | "
+             f"{s['token_imbalance']:.3f} | {s['memory_gb']['total']:.1f} |")
+  L.append(f"\nPlots: `{os.path.basename(a.out)}_speedup.png`, `{os.path.basename(a.out)}_eps.png`, "
+           f"`{os.path.basename(a.out)}_ranks.png`.")
+  with open(a.out + ".md", "w") as f:
+    f.write("\n".join(L) + "\n")
+  plot_paper(a.out, blob)
+  print("\n".join(L))
+
+
+def plot_paper(stem, blob) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+  for ax, dim_name in zip(axes, ("3d", "4d")):
+    sub = [r for r in blob["rows"] if r["dims"] == dim_name]
+    labels = [f"{r['model'][7:]} {r['gpus']}g\n{r['context'] // 1024}K {r['workload'][:3]}"
+              for r in sub]
+    x = np.arange(len(sub))
+    ax.bar(x - 0.2, [r["speedup_vs_wlb_ideal"] for r in sub], 0.4, label="distca / WLB-ideal")
+    ax.bar(x + 0.2, [r["speedup_vs_packed_dp"] for r in sub], 0.4, label="distca / packed_dp")
+    for wl, ls in (("pretrain", "--"), ("prolong", ":")):
+      lo, hi = PAPER_RANGES[(dim_name, wl)]
+      ax.axhspan(lo, hi, alpha=0.08, color="green" if wl == "pretrain" else "purple",
+                 label=f"paper vs WLB-ideal ({wl})")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(x, labels, rotation=90, fontsize=6)
+    ax.set_title(f"{dim_name.upper()} (simulated)")
+  axes[0].set_ylabel("speedup of distca")
+  axes[0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(stem + "_speedup.png", dpi=130)
+  plt.close(fig)
+
+  sw = blob["eps_sweep"]
+  fig, ax = plt.subplots(figsize=(5.5, 4))
+  ax.plot([e["mb_per_layer"] for e in sw], [e["step_s"] for e in sw], "o-")
+  for e in sw:
+    ax.annotate(f"eps {e['tolerance']}", (e["mb_per_layer"], e["step_s"]), fontsize=7)
+  ax.set_xlabel("CAD bytes received per rank per layer (MB, forward)")
+  ax.set_ylabel("simulated step s")
+  ax.set_title("epsilon sweep, 8B, 64 GPUs, Pretrain 128K")
+  fig.tight_layout()
+  fig.savefig(stem + "_eps.png", dpi=130)
+  plt.close(fig)
+
+  imb = blob["imbalance_case"]["strategies"]
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+  for name in ("packed_dp", "wlb", "distca"):
+    s = imb[name]
+    axes[0].plot(s["per_rank_step_s"], ".-", label=name)
+    axes[1].plot(np.asarray(s["per_rank_s"]["linear"]) / max(s["per_rank_s"]["linear"]), ".-",
+                 label=name)
+  axes[0].set_title("per-rank compute of a step (s, simulated)")
+  axes[1].set_title("per-rank tokens held (activation memory), / max")
+  for ax in axes:
+    ax.set_xlabel("data rank")
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(stem + "_ranks.png", dpi=130)
+  plt.close(fig)
+
+
+def main(argv=None):
+  a = parse_args(argv)
+  if a.validate:
+    v = validate.validate()
+    print(format_validation(v))
+    v["command"] = "python experiments/simulate.py " + " ".join(sys.argv[1:])
+    if a.json:
+      with open(a.json, "w") as f:
+        json.dump(v, f, indent=1)
+    return v
+  cal, km = calibration(a)
+  if a.paper:
+    blob = paper(a, cal, km)
+    write_paper(a, blob, cal)
+    return blob
+  r = run_config(a.model, a.workload, a.gpus, a.tokens,
+                 dict(tensor=a.tensor, pipe=a.pipe, micro_batches=a.micro_batches), a, cal, km,
+                 context=a.context)
+  print(format_config(r))
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump(dict(r, calibration=dataclasses.asdict(cal)), f, indent=1)
+  return r
+
+
+if __name__ == "__main__":
+  main()

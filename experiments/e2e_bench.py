@@ -90,7 +90,8 @@ def ceiling(model_cfg, doclens_per_step):
 def lm_head_share(model_cfg, doclens_per_step) -> float:
   """The LM head's share of the FLOPs MFU counts over the timed batches (``metrics``)."""
   from distca_jax import metrics
-  return metrics.lm_head_share(model_cfg, [rows for step in doclens_per_step for rows in step])
+  return metrics.lm_head_share(model_cfg, [row for step in doclens_per_step for rank in step
+                                           for row in rank])
 
 
 def rows_by_rank(rows, data: int, rows_per_rank: int):

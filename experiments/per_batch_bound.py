@@ -89,6 +89,25 @@ def gated_batches(c, doclens, min_gain) -> list[bool]:
   return out
 
 
+def check_rebuilt(run, model_cfg, doclens, ceiling) -> None:
+  """Raises unless the rebuilt batches are the ones the run timed: their MFU FLOPs must give the
+  run's recorded MFU (a convention that does not change), or, for a record without MFU, their
+  ceiling the recorded one."""
+  from distca_jax import metrics  # pylint: disable=import-outside-toplevel
+  peak = next((tf for name, tf in metrics.PEAK_TFLOPS.items() if name in run.get("device", "")),
+              None)
+  if "mfu" in run and peak:
+    flops = sum(metrics.step_flops(model_cfg, [row for rank in step for row in rank])
+                for step in doclens)
+    mfu = flops / (sum(run["step_ms_all"]) / 1e3) / (peak * 1e12 * run["devices"])
+    if abs(mfu / run["mfu"] - 1.0) > 1e-6:
+      raise ValueError(f"rebuilt batches give MFU {mfu:.6f}, the run recorded {run['mfu']:.6f}: "
+                       "the data source or config changed since the run")
+  elif abs(ceiling - run["ceiling"]) > 1e-6:
+    raise ValueError(f"rebuilt batches give ceiling {ceiling:.6f}, the run recorded "
+                     f"{run['ceiling']:.6f}: the data source or config changed since the run")
+
+
 def analyse(packed: dict, distca: dict, fixed: float, config_path: str, warmup: int,
             min_gain) -> dict:
   from distca_jax import config as config_lib
@@ -105,9 +124,7 @@ def analyse(packed: dict, distca: dict, fixed: float, config_path: str, warmup: 
                      "overrides give different batches; compare runs of the same data")
   model_cfg = config_lib.model_config(c)
   ceiling = e2e_bench.ceiling(model_cfg, doclens)
-  if abs(ceiling - packed["ceiling"]) > 1e-6:
-    raise ValueError(f"rebuilt batches give ceiling {ceiling:.6f}, the run recorded "
-                     f"{packed['ceiling']:.6f}: the data source or config changed since the run")
+  check_rebuilt(packed, model_cfg, doclens, ceiling)
   best = [min(d, p * (1.0 + fixed)) for p, d in zip(p_ms, d_ms)]
   gated = gated_batches(c_ca, doclens, min_gain)
   gate = [p * (1.0 + fixed) if g else d for p, d, g in zip(p_ms, d_ms, gated)]

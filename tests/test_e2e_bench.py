@@ -60,6 +60,9 @@ def test_ceiling_is_max_over_mean_of_step_work():
   n = metrics.matmul_params(cfg)
   work = [6 * n * 8 + 14 * 2 * 8 * p for p in (8 * 9 / 2, 8 * 1)]
   assert skewed == pytest.approx(max(work) / (sum(work) / 2))
+  # The LM head's share of MFU's FLOPs over every row of every step.
+  share = e2e_bench.lm_head_share(cfg, [[[[8]], [[1] * 8]], [[[4, 4]], [[2]]]])
+  assert share == pytest.approx(6 * 16 * 64 * 26 / metrics.step_flops(cfg, [8] + [1] * 8 + [4, 4, 2]))
 
 
 def test_per_batch_bound_on_rebuilt_batches():

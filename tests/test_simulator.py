@@ -141,10 +141,49 @@ def validation():
 def test_validation_replays_committed_runs(validation):
   cases = validation["cases"]
   kinds = {c["kind"] for c in cases}
-  assert kinds == {"e2e", "kernel", "exchange"}
+  assert kinds == {"e2e", "kernel", "exchange", "speedup"}
   held = [c for c in cases if c["role"] == "held-out" and c["within_10pct"]]
   assert len(held) >= 4
   # Every 2-GPU end-to-end run is a held-out case of its era.
   two_gpu = [c for c in cases if c["kind"] == "e2e" and "2 GPU" in c["name"]]
   assert two_gpu and all(c["role"] == "held-out" for c in two_gpu)
+  # Measured 2-GPU speedups of distca are predicted from one-GPU calibration alone.
+  speedups = [c for c in cases if c["kind"] == "speedup"]
+  assert len(speedups) >= 4 and all(c["within_10pct"] for c in speedups)
   assert validation["max_abs_error"] == max(abs(c["error"]) for c in cases)
+
+
+def test_wlb_ideal_from_config_reaches_the_backend():
+  """attention.baselines.cp_size = wlb_alpha = 0: the wlb backend takes choose_wlb's pick on the
+  run's own first batches."""
+  import os
+  from distca_jax import configs_io, trainer
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  c = configs_io.load_config(os.path.join(root, "configs", "tiny_cpu.py"), [
+      "attention.backend=wlb", "attention.baselines.cp_size=0", "attention.baselines.wlb_alpha=0",
+      "mesh.data=4"])
+  opts = ideal.wlb_options_from_config(c)
+  assert 4 % opts["cp_size"] == 0 and opts["alpha"] in ideal.DEFAULT_ALPHAS
+  backend = trainer.make_backend(c)
+  assert backend.host_arrange is not None
+  # A field given stays as given.
+  c.attention.baselines.cp_size = 2
+  assert ideal.wlb_options_from_config(c)["cp_size"] == 2
+
+
+def test_cli_writes_every_strategy(tmp_path):
+  import json
+  import os
+  import sys
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                  "experiments"))
+  import simulate  # noqa: E402  (experiments/ is not a package)
+  out = tmp_path / "sim.json"
+  simulate.main(["--gpus", "8", "--tensor", "2", "--tokens", "16384", "--batches", "1",
+                 "--workload", "prolong", "--json", str(out)])
+  blob = json.loads(out.read_text())
+  assert set(blob["strategies"]) == set(step.STRATEGIES)
+  for s in blob["strategies"].values():
+    assert s["step_s"] > 0 and len(s["per_rank_step_s"]) == 4
+  assert blob["speedup_vs_packed_dp"] == pytest.approx(
+      blob["strategies"]["packed_dp"]["step_s"] / blob["strategies"]["distca"]["step_s"])

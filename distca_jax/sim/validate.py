@@ -7,7 +7,9 @@ Cases (files under results/):
   and GPU count; the measured value is the mean step (tokens / tokens/s over the timed steps);
 * kernel: the FA3 fwd+bwd of real task tables (``flash3_grid_bench.json``, launch buckets) vs the
   cost table on the same tasks;
-* exchange: all_to_all times of ``collective_bench*.json`` vs the fitted latency + bandwidth.
+* exchange: all_to_all times of ``collective_bench*.json`` vs the fitted latency + bandwidth;
+* speedup: distca's measured speedup over packed_dp / wlb in the same multi-GPU run vs the
+  predicted one (ratios in place of seconds).
 
 Two code generations ("eras") are in the committed runs: the 2-GPU runs (``*_v5*``) predate the
 single-stream fixes measured on one GPU since (results/pingpong_v6_summary.md: FA3's forward
@@ -248,11 +250,31 @@ def e2e_cases(cals: dict[str, costs.Calibration], km: costs.KernelModel
   return out
 
 
+def speedup_cases(e2e: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """distca's speedup over packed_dp and wlb in multi-GPU runs: predicted vs measured ratio
+  (``predicted_s`` / ``measured_s`` hold the ratios)."""
+  out = []
+  by_name = {c["name"]: c for c in e2e}
+  for c in e2e:
+    head, sep, rest = c["name"].partition(" distca, ")
+    if not sep or "1 GPU" in c["name"]:
+      continue
+    for base in ("packed_dp", "wlb"):
+      b = by_name.get(f"{head} {base}, {rest}")
+      if b is None:
+        continue
+      out.append(_case("speedup", f"{head}: distca over {base}, {rest}",
+                       b["predicted_s"] / c["predicted_s"], b["measured_s"] / c["measured_s"],
+                       "held-out", era=c["era"]))
+  return out
+
+
 def validate() -> dict[str, Any]:
   """Every case; ``max_abs_error`` over all, and over held-out cases apart."""
   km = costs.KernelModel()
   cals = calibrations(km)
-  cases = e2e_cases(cals, km) + kernel_cases(km) + exchange_cases(cals["current"])
+  e2e = e2e_cases(cals, km)
+  cases = e2e + speedup_cases(e2e) + kernel_cases(km) + exchange_cases(cals["current"])
   held = [c for c in cases if c["role"] == "held-out"]
   return {
       "cases": cases,

@@ -75,7 +75,11 @@ def calibration(a) -> tuple[costs.Calibration, costs.KernelModel]:
 
 
 def options(a, **kw) -> step.Options:
-  o = step.Options(nano_batches=a.nano_batches, cp_overlap=not a.no_cp_overlap)
+  """The strategies' options: CAD's tolerance and gate as the training config's defaults."""
+  from distca_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  ca = config_lib.base_config().attention.distca
+  o = step.Options(tolerance=ca.tolerance, min_gain=ca.min_gain, nano_batches=a.nano_batches,
+                   cp_overlap=not a.no_cp_overlap)
   if a.tolerance is not None:
     o = dataclasses.replace(o, tolerance=a.tolerance)
   return dataclasses.replace(o, **kw)
@@ -215,7 +219,8 @@ def write_paper(a, blob, cal) -> None:
        "behind attention (ring), as the paper's baseline; 'as implemented here': the same search "
        "with this project's wlb backend (K/V all-gather exposed, rows padded to alpha T; the "
        "model --validate checks on 2 GPUs); distca: ping-pong (exchange hidden behind the other nano-batch's "
-       "linear layers), tolerance " + f"{options(a).tolerance}",
+       "linear layers), tolerance " + f"{options(a).tolerance}, gate (min_gain) "
+       f"{options(a).min_gain}",
        "- 4D: 1F1B pipeline, every micro-batch planned over the data ranks of its stage; step = "
        "sum of micro-batches' slowest-stage times + (S - 1) x the slowest\n"]
   for dim_name in ("3d", "4d"):

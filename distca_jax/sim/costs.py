@@ -164,13 +164,13 @@ def fit_alpha_beta(mb: Sequence[float], ms: Sequence[float]) -> tuple[float, flo
 # Kernel time.
 # ----------------------------------------------------------------------------------------------
 class KernelModel:
-  """Core-attention seconds of tasks (one layer, forward + backward) from the measured table."""
+  """Core-attention seconds of tasks (one layer, forward + backward) from the measured table,
+  as measured (``Calibration.attention_scale`` is applied by the step model)."""
 
-  def __init__(self, table: sched.CostTable | str | None = None, scale: float = 1.0):
+  def __init__(self, table: sched.CostTable | str | None = None):
     if table is None or isinstance(table, (str, os.PathLike)):
       table = sched.CostTable.from_json(os.fspath(table or DEFAULT_COST_TABLE))
     self.table = table
-    self.scale = float(scale)
 
   def task_seconds(self, q_len, kv_len, dims: ModelDims) -> np.ndarray:
     """[N] seconds of tasks with ``q_len`` queries ending ``kv_len`` keys."""
@@ -178,7 +178,7 @@ class KernelModel:
     if q.size == 0:
       return np.zeros(0)
     heads = dims.q_heads * dims.head_dim / _TABLE_HEADS_X_DIM
-    return self.table.time(q, np.asarray(kv_len, np.float64)) * heads * self.scale
+    return self.table.time(q, np.asarray(kv_len, np.float64)) * heads
 
   def docs_seconds(self, doc_lens, dims: ModelDims) -> float:
     """Seconds of whole documents computed where they are (one task each)."""

@@ -288,7 +288,7 @@ def simulate(batches, spec: costs.ModelSpec, layout: Layout, tokens: int, *,
   best (CP size, alpha) that fits.
   """
   cal = cal or costs.Calibration()
-  km = km or costs.KernelModel(scale=1.0)
+  km = km or costs.KernelModel()
   opts = opts or Options()
   run = lambda fn, *a: [[fn(rows, tokens, spec, km, *a) for rows in b] for b in batches]
   out = {}

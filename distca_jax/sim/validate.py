@@ -141,16 +141,12 @@ def features(run: E2eRun, km: costs.KernelModel) -> np.ndarray:
     raise ValueError(f"calibration runs must be one-GPU runs; {run.stem} used {run.devices}")
   spec = costs.model_spec("llama3_8b", n_layers=run.layers)
   d = spec.dims
-  lin, att = [], []
-  for batch in run_batches(run):
-    rows = batch[0]
-    tokens = sum(map(sum, rows))
-    del tokens  # every slot runs the linear layers, padding included
-    slots = run.tokens * run.rows_per_rank
-    lin.append(6.0 * slots * (d.n_layers * d.layer_matmul_params * costs.Calibration.remat_factor
-                              + spec.head_params))
-    att.append(d.n_layers * sum(km.docs_seconds(r, d) for r in rows))
-  return np.array([1.0, np.mean(lin), np.mean(att)])
+  # Every token slot runs the linear layers and the LM head, padding included.
+  slots = run.tokens * run.rows_per_rank
+  lin = 6.0 * slots * (d.n_layers * d.layer_matmul_params * costs.Calibration.remat_factor
+                       + spec.head_params)
+  att = [d.n_layers * sum(km.docs_seconds(r, d) for r in batch[0]) for batch in run_batches(run)]
+  return np.array([1.0, lin, np.mean(att)])
 
 
 def fit_calibration(runs: list[E2eRun], km: costs.KernelModel,

@@ -108,3 +108,23 @@ def test_per_batch_bound_on_rebuilt_batches():
   with pytest.raises(ValueError, match="ceiling"):
     bad = dict(run("packed_dp", packed), ceiling=ceiling + 0.1)
     pbb.analyse(bad, run("distca", distca), fixed, pbb.parse_args(["x"]).config, 2, 0.0)
+
+
+def test_per_batch_bound_checks_batches_by_mfu_flops():
+  """A run that recorded MFU is matched by its MFU FLOPs (a convention independent of the
+  ceiling's work model); a run without MFU by its recorded ceiling."""
+  import per_batch_bound as pbb
+  from distca_jax import metrics
+  cfg = ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
+                    mlp_dim=32)
+  doclens = [[[[8]], [[1] * 8]], [[[4, 4]], [[2, 6]]]]
+  ms = [10.0, 20.0]
+  flops = sum(metrics.step_flops(cfg, [r for rank in s for r in rank]) for s in doclens)
+  mfu = flops / 0.03 / (989e12 * 2)
+  ceiling = e2e_bench.ceiling(cfg, doclens)
+  run = dict(device="NVIDIA H200", devices=2, step_ms_all=ms, mfu=mfu, ceiling=ceiling + 0.5)
+  pbb.check_rebuilt(run, cfg, doclens, ceiling)  # the stale ceiling is not what is checked
+  with pytest.raises(ValueError, match="MFU"):
+    pbb.check_rebuilt(dict(run, mfu=mfu * 1.01), cfg, doclens, ceiling)
+  with pytest.raises(ValueError, match="ceiling"):
+    pbb.check_rebuilt(dict(devices=2, ceiling=ceiling + 0.5), cfg, doclens, ceiling)

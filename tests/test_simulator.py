@@ -187,3 +187,16 @@ def test_cli_writes_every_strategy(tmp_path):
     assert s["step_s"] > 0 and len(s["per_rank_step_s"]) == 4
   assert blob["speedup_vs_packed_dp"] == pytest.approx(
       blob["strategies"]["packed_dp"]["step_s"] / blob["strategies"]["distca"]["step_s"])
+
+
+def test_small_tasks_below_the_grid_pay_the_fitted_time():
+  base = _flat_table()
+  km = costs.KernelModel(base.table, small_task_s=1e-3)
+  dims = costs.model_spec("llama3_8b").dims
+  q, kv = np.array([10, 32, 100]), np.array([40, 64, 200])
+  extra = km.task_seconds(q, kv, dims) - base.task_seconds(q, kv, dims)
+  np.testing.assert_allclose(extra, [1e-3, 0.0, 0.0])  # only kv 40 < the grid's 64
+  # The fit: the measured excess over the table per below-grid task of the fitted tables.
+  tables = [dict(table="own", q=q, kv=kv, measured_s=float(base.task_seconds(q, kv, dims).sum())
+                 + 2e-3), dict(table="cad", q=q, kv=kv, measured_s=1.0)]
+  assert validate.fit_small_task_seconds(tables, base) == pytest.approx(2e-3)

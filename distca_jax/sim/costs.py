@@ -164,21 +164,30 @@ def fit_alpha_beta(mb: Sequence[float], ms: Sequence[float]) -> tuple[float, flo
 # Kernel time.
 # ----------------------------------------------------------------------------------------------
 class KernelModel:
-  """Core-attention seconds of tasks (one layer, forward + backward) from the measured table,
-  as measured (``Calibration.attention_scale`` is applied by the step model)."""
+  """Core-attention seconds of tasks (one layer, forward + backward) from the measured table
+  (``Calibration.attention_scale`` is applied by the step model).
 
-  def __init__(self, table: sched.CostTable | str | None = None):
+  Tasks whose key range is shorter than the table's smallest ``kv_len`` are outside what was
+  measured: the table scales them from the grid by causal pairs, which assumes a long task's
+  efficiency; ``small_task_s`` adds a fixed time to each of them (fitted on real task tables,
+  ``sim.validate.fit_small_task_seconds``; 0 = the table alone).
+  """
+
+  def __init__(self, table: sched.CostTable | str | None = None, small_task_s: float = 0.0):
     if table is None or isinstance(table, (str, os.PathLike)):
       table = sched.CostTable.from_json(os.fspath(table or DEFAULT_COST_TABLE))
     self.table = table
+    self.small_task_s = float(small_task_s)
 
   def task_seconds(self, q_len, kv_len, dims: ModelDims) -> np.ndarray:
     """[N] seconds of tasks with ``q_len`` queries ending ``kv_len`` keys."""
     q = np.asarray(q_len, np.float64)
     if q.size == 0:
       return np.zeros(0)
+    kv = np.asarray(kv_len, np.float64)
     heads = dims.q_heads * dims.head_dim / _TABLE_HEADS_X_DIM
-    return self.table.time(q, np.asarray(kv_len, np.float64)) * heads
+    small = (kv < self.table.kv_lens[0]) * self.small_task_s
+    return (self.table.time(q, kv) + small) * heads
 
   def docs_seconds(self, doc_lens, dims: ModelDims) -> float:
     """Seconds of whole documents computed where they are (one task each)."""

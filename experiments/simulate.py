@@ -133,10 +133,11 @@ def format_config(r) -> str:
 # --validate
 # ----------------------------------------------------------------------------------------------
 def format_validation(v) -> str:
-  lines = ["| kind | role | case | predicted (ms; speedup: ratio) | measured | error |",
+  lines = ["| kind | role | case | predicted (ms; speedup: ratio; memory: GB) | measured | error |",
            "|---|---|---|---|---|---|"]
   for c in v["cases"]:
-    f = (lambda x: f"{x:.3f}x") if c["kind"] == "speedup" else (lambda x: f"{x * 1e3:.2f}")
+    f = {"speedup": lambda x: f"{x:.3f}x", "memory": lambda x: f"{x:.1f} GB"}.get(
+        c["kind"], lambda x: f"{x * 1e3:.2f}")
     lines.append(f"| {c['kind']} | {c['role']} | {c['name']} | {f(c['predicted_s'])} | "
                  f"{f(c['measured_s'])} | {100 * c['error']:+.1f}% |")
   lines.append(f"\nmax |error| {100 * v['max_abs_error']:.1f}%; within 10%: {v['within_10pct']} "

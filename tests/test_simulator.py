@@ -141,7 +141,7 @@ def validation():
 def test_validation_replays_committed_runs(validation):
   cases = validation["cases"]
   kinds = {c["kind"] for c in cases}
-  assert kinds == {"e2e", "kernel", "exchange", "speedup"}
+  assert kinds == {"e2e", "kernel", "exchange", "speedup", "memory"}
   held = [c for c in cases if c["role"] == "held-out" and c["within_10pct"]]
   assert len(held) >= 4
   # Every 2-GPU end-to-end run is a held-out case of its era.
@@ -200,3 +200,19 @@ def test_small_tasks_below_the_grid_pay_the_fitted_time():
   tables = [dict(table="own", q=q, kv=kv, measured_s=float(base.task_seconds(q, kv, dims).sum())
                  + 2e-3), dict(table="cad", q=q, kv=kv, measured_s=1.0)]
   assert validate.fit_small_task_seconds(tables, base) == pytest.approx(2e-3)
+
+
+def test_memory_fit_recovers_per_token_bytes():
+  spec2, spec4 = (costs.model_spec("llama3_8b", n_layers=n) for n in (2, 4))
+  base = costs.Calibration()
+  fixed, layer = 150e3, 60e3
+
+  def run(layers, rows, spec):
+    gb = (spec.total_params * base.state_bytes_per_param
+          + rows * 65536 * (fixed + layers * layer)) / 1e9
+    return validate.E2eRun("x", "pretrain", "packed_dp", 65536, layers, rows, 1, (0,), 1.0, 1.0,
+                           (), gb)
+
+  cal = validate.fit_memory([run(2, 1, spec2), run(2, 2, spec2), run(4, 2, spec4)], base)
+  assert cal.act_bytes_per_token_fixed == pytest.approx(fixed)
+  assert cal.act_bytes_per_token_layer == pytest.approx(layer)

@@ -119,7 +119,8 @@ class Calibration:
     gpus_per_node: GPUs of one NVLink domain.
     hbm_bytes: memory a GPU gives the step (H200 141 GB x 0.92, the launcher's fraction).
     act_bytes_per_token_layer: activation bytes a layer keeps per token at E = 4096
-      ('save_attention'), fitted on the compiled steps' temporaries (scales with E).
+      ('save_attention'), fitted on the compiled steps' memory (``sim.validate.fit_memory``,
+      one-GPU runs at 2 and 4 layers; scales with E).
     act_bytes_per_token_fixed: per-token bytes outside the layers at E = 4096 (embedding,
       LM-head chunks, loss), fitted likewise.
     state_bytes_per_param: f32 parameters + Adam moments (12) + f32 gradients (4).
@@ -135,8 +136,8 @@ class Calibration:
   inter_node_bw: float = 50e9
   gpus_per_node: int = 8
   hbm_bytes: float = 141e9 * 0.92
-  act_bytes_per_token_layer: float = 67.5e3
-  act_bytes_per_token_fixed: float = 145e3
+  act_bytes_per_token_layer: float = 58e3
+  act_bytes_per_token_fixed: float = 156e3
   state_bytes_per_param: float = 16.0
   single_stream_hidden: float = 0.5
 

@@ -206,9 +206,9 @@ def strategy_memory(mr_list: Sequence[MicroResult], spec: costs.ModelSpec,
   """Per-GPU memory of the busiest rank: activations of the tokens it holds, strategy buffers."""
   m0 = mr_list[0].metrics
   d = spec.dims
+  # Arrays are sized by token slots: T per rank, Lmax = alpha T for wlb's padded rows.
   held = max(float(mr.metrics.tokens_S.max()) for mr in mr_list)
-  if m0.strategy == "wlb":
-    held = max(held, float(bm.wlb_row_tokens(alpha, tokens)))  # rows are padded to Lmax
+  held = max(held, float(bm.wlb_row_tokens(alpha, tokens) if m0.strategy == "wlb" else tokens))
   extra = 0.0
   if m0.strategy in ("cp", "wlb") and m0.cp > 1:  # one layer's gathered K/V of the group
     extra = m0.cp * held * d.kv_row_bytes / layout.tensor

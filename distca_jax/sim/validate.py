@@ -9,6 +9,8 @@ Cases (files under results/):
   cost table on the same tasks (the own-documents tables fit the time of tasks below the table's
   grid, the CAD tables are held out);
 * exchange: all_to_all times of ``collective_bench*.json`` vs the fitted latency + bandwidth;
+* memory: the compiled step's per-device bytes (XLA's plan) vs the memory model, single-stream
+  runs (activations fitted on one-GPU runs at 2 and 4 layers, ``MEMORY_RUNS``);
 * speedup: distca's measured speedup over packed_dp / wlb in the same multi-GPU run vs the
   predicted one (ratios in place of seconds).
 
@@ -45,6 +47,11 @@ HELD_OUT_RUNS = {
            ("e2e_2gpu_prolong_128k_v5b", None), ("e2e_2gpu_128k_v5_sa", None),
            ("e2e_2gpu_pingpong_2x64k_v5", None)],
 }
+# Memory is fitted on the current code's one-GPU compiled steps at 2 and 4 layers; the 2-GPU
+# runs' memory is held out.
+MEMORY_RUNS = [("e2e_1gpu_64k_v7", None), ("e2e_1gpu_pingpong_v6_final", "packed_dp"),
+               ("e2e_1gpu_pingpong_v6_final", "distca"), ("e2e_1gpu_pingpong_v6_4l", "packed_dp"),
+               ("e2e_1gpu_pingpong_v6_fixed_4l", "distca")]
 # The planner's gate (min_gain) came with the cross-layer ping-pong, after the v5 runs.
 _ERA_MIN_GAIN = {"current": 0.02, "v5": 0.0}
 
@@ -63,10 +70,15 @@ class E2eRun:
   mean_step_s: float
   median_step_s: float
   overrides: tuple[str, ...]
+  memory_gb: float | None = None
 
   @property
   def strategy(self) -> str:
     return self.backend.split("+")[0]
+
+  @property
+  def nano_batches(self) -> int:
+    return 2 if self.backend.endswith("+pingpong") else 1
 
   def override(self, key: str, default: str) -> str:
     for o in self.overrides:
@@ -93,7 +105,7 @@ def load_runs(stem: str, backend: str | None = None) -> list[E2eRun]:
                       int(get("model.n_layers")), int(get("rows_per_rank")), int(r["devices"]),
                       tuple(range(warmup, warmup + steps)),
                       sum(r["step_ms_all"]) / len(r["step_ms_all"]) / 1e3,
-                      r["step_ms_median"] / 1e3, ov))
+                      r["step_ms_median"] / 1e3, ov, r.get("memory_gb", {}).get("total")))
   return out
 
 
@@ -161,6 +173,24 @@ def fit_calibration(runs: list[E2eRun], km: costs.KernelModel,
                              attention_scale=float(scale))
 
 
+def fit_memory(runs: list[E2eRun], base: costs.Calibration) -> costs.Calibration:
+  """Activation bytes per token outside the layers and per layer (E = 4096) by least squares on
+  the compiled steps' per-device totals less the state (``state_bytes_per_param`` x params)."""
+  rows, y = [], []
+  for r in runs:
+    if r.memory_gb is None or r.devices != 1:
+      continue
+    spec = costs.model_spec("llama3_8b", n_layers=r.layers)
+    slots = r.tokens * r.rows_per_rank
+    rows.append([slots, slots * r.layers])
+    y.append(r.memory_gb * 1e9 - spec.total_params * base.state_bytes_per_param)
+  if len(rows) < 2:
+    raise ValueError(f"fit_memory needs >= 2 one-GPU runs with memory; got {len(rows)}")
+  (fixed, layer), *_ = np.linalg.lstsq(np.array(rows, np.float64), np.array(y), rcond=None)
+  return dataclasses.replace(base, act_bytes_per_token_fixed=float(fixed),
+                             act_bytes_per_token_layer=float(layer))
+
+
 def collective_calibration(base: costs.Calibration | None = None) -> costs.Calibration:
   """Intra-node latency and bandwidth fitted on results/collective_bench.json (all_to_all)."""
   rows = _json("collective_bench")["rows"]
@@ -170,7 +200,8 @@ def collective_calibration(base: costs.Calibration | None = None) -> costs.Calib
 
 def calibrations(km: costs.KernelModel) -> dict[str, costs.Calibration]:
   """Per era: collectives from the collective bench, compute from its one-GPU runs."""
-  base = collective_calibration()
+  base = fit_memory([r for stem, b in MEMORY_RUNS for r in load_runs(stem, b)],
+                    collective_calibration())
   return {era: fit_calibration([r for stem, b in runs for r in load_runs(stem, b)], km, base)
           for era, runs in CALIBRATION_RUNS.items()}
 
@@ -268,6 +299,10 @@ def e2e_cases(cals: dict[str, costs.Calibration], km: costs.KernelModel
           out.append(_case("e2e", name, res["step_s"], run.mean_step_s, role, era=era,
                            measured_median_s=run.median_step_s,
                            predicted_per_rank_s=res["per_rank_step_s"]))
+          if run.memory_gb is not None and run.nano_batches == 1:
+            fitted = any(run.stem == s and b in (None, run.backend) for s, b in MEMORY_RUNS)
+            out.append(_case("memory", name, res["memory_gb"]["total"], run.memory_gb,
+                             "fit" if fitted else "held-out", era=era, unit="GB"))
   return out
 
 
@@ -275,6 +310,7 @@ def speedup_cases(e2e: list[dict[str, Any]]) -> list[dict[str, Any]]:
   """distca's speedup over packed_dp and wlb in multi-GPU runs: predicted vs measured ratio
   (``predicted_s`` / ``measured_s`` hold the ratios)."""
   out = []
+  e2e = [c for c in e2e if c["kind"] == "e2e"]
   by_name = {c["name"]: c for c in e2e}
   for c in e2e:
     head, sep, rest = c["name"].partition(" distca, ")

@@ -221,7 +221,8 @@ def write_paper(a, blob, cal, km_small: float) -> None:
        "- WLB-ideal: best (CP size, alpha) that fits, variable-length rows, K/V traffic hidden "
        "behind attention (ring), as the paper's baseline; 'as implemented here': the same search "
        "with this project's wlb backend (K/V all-gather exposed, rows padded to alpha T; the "
-       "model --validate checks on 2 GPUs); distca: ping-pong (exchange hidden behind the other nano-batch's "
+       "model --validate checks on 2 GPUs); distca: ping-pong (exchange hidden behind the other "
+       "nano-batch's "
        "linear layers), tolerance " + f"{options(a).tolerance}, gate (min_gain) "
        f"{options(a).min_gain}",
        "- 4D: 1F1B pipeline, every micro-batch planned over the data ranks of its stage; step = "
@@ -231,8 +232,8 @@ def write_paper(a, blob, cal, km_small: float) -> None:
     L += [f"## {dim_name.upper()}\n",
           "| model | workload | GPUs | layout (TP x PP x M) | data ranks | context | tokens/rank | "
           "packed_dp s | cp s | WLB-ideal s (dp x cp, alpha) | distca s | distca / WLB-ideal | "
-          "distca / WLB-ideal as implemented here | distca / packed_dp | paper range vs WLB-ideal | "
-          "fits (p/c/w/d) |",
+          "distca / WLB-ideal as implemented here | distca / packed_dp | "
+          "paper range vs WLB-ideal | fits (p/c/w/d) |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sub:
       s = r["strategies"]
@@ -245,7 +246,8 @@ def write_paper(a, blob, cal, km_small: float) -> None:
                f"{s['packed_dp']['step_s']:.2f} | {s['cp']['step_s']:.2f} | "
                f"{s['wlb']['step_s']:.2f} ({s['wlb']['dp']} x {s['wlb']['cp']}, "
                f"{s['wlb']['alpha']}) | {s['distca']['step_s']:.2f} | "
-               f"**{r['speedup_vs_wlb_ideal']:.3f}** | {r['speedup_vs_wlb_ideal_as_implemented']:.3f} | "
+               f"**{r['speedup_vs_wlb_ideal']:.3f}** | "
+               f"{r['speedup_vs_wlb_ideal_as_implemented']:.3f} | "
                f"{r['speedup_vs_packed_dp']:.3f} | "
                f"{lo:.2f}-{hi:.2f} | {fits} |")
     for wl in ("pretrain", "prolong"):
@@ -266,14 +268,16 @@ def write_paper(a, blob, cal, km_small: float) -> None:
              f"{e['attention_imbalance']:.3f} |")
   imb = blob["imbalance_case"]
   L += ["\n## Compute and memory per rank (Llama-3-8B, 64 GPUs, TP 4, Pretrain 128K)\n",
-        "| strategy | step s | compute max/mean (per-rank s) | tokens max/mean | memory GB (max rank) |",
+        "| strategy | step s | compute max/mean (per-rank s) | tokens max/mean | "
+        "memory GB (max rank) |",
         "|---|---|---|---|---|"]
   for name, s in imb["strategies"].items():
     rs = np.asarray(s["per_rank_step_s"])
     L.append(f"| {name} | {s['step_s']:.3f} | {rs.max() / rs.mean():.3f} | "
              f"{s['token_imbalance']:.3f} | {s['memory_gb']['total']:.1f} |")
-  L.append(f"\nPlots: `{os.path.basename(a.out)}_speedup.png`, `{os.path.basename(a.out)}_eps.png`, "
-           f"`{os.path.basename(a.out)}_ranks.png`.")
+  stem = os.path.basename(a.out)
+  L.append(f"\nPlots: `{stem}_speedup.png`, `{stem}_eps.png`, "
+           f"`{stem}_ranks.png`.")
   with open(a.out + ".md", "w") as f:
     f.write("\n".join(L) + "\n")
   plot_paper(a.out, blob)

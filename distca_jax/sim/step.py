@@ -216,7 +216,8 @@ def strategy_memory(mr_list: Sequence[MicroResult], spec: costs.ModelSpec,
     caps = [sched.required_capacity(mr.plan) for mr in mr_list]
     env = sched.Capacity.envelope(caps)
     extra = env.memory_bytes(layout.data, q_heads=d.q_heads, kv_heads=d.kv_heads,
-                             head_dim=d.head_dim, dtype_bytes=d.dtype_bytes)["total"] / layout.tensor
+                             head_dim=d.head_dim, dtype_bytes=d.dtype_bytes)["total"]
+    extra /= layout.tensor
   layers = costs.ceil_div(d.n_layers, layout.pipe)
   in_flight = min(layout.pipe, layout.micro_batches)
   return costs.memory_bytes(spec, cal, tokens=held, layers=layers, tp=layout.tensor,

@@ -41,7 +41,8 @@ CALIBRATION_RUNS = {
 }
 HELD_OUT_RUNS = {
     "current": [("e2e_1gpu_pingpong_v6_fixed_4l", None), ("e2e_1gpu_64k_nodsf", None),
-                ("e2e_1gpu_2x64k_nodsf", None), ("e2e_1gpu_pingpong_v6_final", "packed_dp+pingpong"),
+                ("e2e_1gpu_2x64k_nodsf", None),
+                ("e2e_1gpu_pingpong_v6_final", "packed_dp+pingpong"),
                 ("e2e_1gpu_pingpong_v6_final", "distca+pingpong")],
     "v5": [("e2e_2gpu_64k_v5c", None), ("e2e_2gpu_128k_v5b", None),
            ("e2e_2gpu_prolong_128k_v5b", None), ("e2e_2gpu_128k_v5_sa", None),

@@ -216,3 +216,18 @@ def test_memory_fit_recovers_per_token_bytes():
   cal = validate.fit_memory([run(2, 1, spec2), run(2, 2, spec2), run(4, 2, spec4)], base)
   assert cal.act_bytes_per_token_fixed == pytest.approx(fixed)
   assert cal.act_bytes_per_token_layer == pytest.approx(layer)
+
+
+def test_results_path_follows_archived_moves(tmp_path):
+  root = tmp_path / "results"
+  (root / "archive" / "abc").mkdir(parents=True)
+  (root / "cur.json").write_text("{}")
+  (root / "archive" / "abc" / "old_v1.json").write_text("{}")
+  (root / "archive" / "moves.tsv").write_text(
+      "old_path\tnew_path\nresults/old_v1.json\tresults/archive/abc/old_v1.json\n"
+      "results/old_v2.json\tresults/cur.json\n")
+  assert validate.results_path("cur", str(root)) == str(root / "cur.json")
+  assert validate.results_path("old_v1", str(root)) == str(root / "archive" / "abc" / "old_v1.json")
+  assert validate.results_path("old_v2", str(root)) == str(root / "cur.json")
+  with pytest.raises(FileNotFoundError, match="nope"):
+    validate.results_path("nope", str(root))

@@ -89,9 +89,26 @@ class E2eRun:
     return default
 
 
+def results_path(stem: str, root: str | None = None) -> str:
+  """``ROOT/STEM.json`` (ROOT: results/), or where ``ROOT/archive/moves.tsv`` (old path, new
+  path) moved it when superseded runs were archived."""
+  root = root or RESULTS
+  path = os.path.join(root, stem + ".json")
+  if os.path.exists(path):
+    return path
+  moves = os.path.join(root, "archive", "moves.tsv")
+  if os.path.exists(moves):
+    with open(moves) as f:
+      for line in f:
+        old, _, new = line.rstrip("\n").partition("\t")
+        if os.path.basename(old) == stem + ".json":
+          return os.path.join(os.path.dirname(root), new)
+  raise FileNotFoundError(f"no measured run {stem}.json under {root} (nor in archive/moves.tsv)")
+
+
 def load_runs(stem: str, backend: str | None = None) -> list[E2eRun]:
   """The runs of ``results/STEM.json`` (one backend, or all that did not fail)."""
-  with open(os.path.join(RESULTS, stem + ".json")) as f:
+  with open(results_path(stem)) as f:
     blob = json.load(f)
   words = blob["command"].split()
   arg = lambda name: int(words[words.index(name) + 1])
@@ -208,7 +225,7 @@ def calibrations(km: costs.KernelModel) -> dict[str, costs.Calibration]:
 
 
 def _json(stem: str) -> dict:
-  with open(os.path.join(RESULTS, stem + ".json")) as f:
+  with open(results_path(stem)) as f:
     return json.load(f)
 
 

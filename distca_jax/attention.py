@@ -239,14 +239,15 @@ def local_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: Layout, *, softmax_
   Memory is O(T * block) per row instead of O(T^2); key blocks above the causal diagonal are never
   visited. Block sizes are clamped to divisors of T.
   """
-  _check_shapes(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout)
+  check_shapes(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout)
   t = q_BxTxHxD.shape[1]
   cq, ck = _pick_block(t, block_q), _pick_block(t, block_k)
   return _local_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout.segment_ids_BxT,
                           float(softmax_scale), cq, ck)
 
 
-def _check_shapes(q, k, v, layout: Layout):
+def check_shapes(q, k, v, layout: Layout):
+  """Raises a ValueError unless q [B,T,H,D], k and v [B,T,K,D] and the layout agree."""
   if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
     raise ValueError(f"expected q [B,T,H,D] and k, v [B,T,K,D]; got {q.shape=} {k.shape=} {v.shape=}")
   if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
@@ -291,7 +292,7 @@ _BACKENDS: dict[str, Callable[..., Backend]] = {
 }
 # Backends defined in other modules, imported on first use (they call `register_backend`).
 _LAZY_MODULES = {
-    "distca": "distca_jax.dispatch",
+    "distca": "distca_jax.backends.distca",
     "packed_dp": "distca_jax.baselines",
     "wlb": "distca_jax.baselines",
     "cp": "distca_jax.baselines",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from distca_jax import scheduler
+from distca_jax.plan import cost
 from distca_jax.model import ModelConfig
 
 
@@ -37,23 +37,23 @@ def base_config() -> ml_collections.ConfigDict:
                                   # pre-CA of layer i+1, which do not depend on it; the carry
                                   # between layers also holds A's CA output and B's q/k/v;
                                   # needs rows_per_rank % nano_batches == 0
-  # `distca`: core attention disaggregation (distca_jax/dispatch.py). Every data rank is an
-  # attention server; each batch is planned on the host (scheduler.schedule) and executed in the
+  # `distca`: core attention disaggregation (distca_jax/plan, distca_jax/dataplane). Every data rank is an
+  # attention server; each batch is planned on the host (plan.schedule) and executed in the
   # step by one all-to-all out, one fused kernel call per server and one all-to-all back. Buffer
   # caps are rows per device (rows_per_rank x tokens_per_rank tokens); 0 = auto: the row caps
   # (q_slot, kv_slot, q_tokens, kv_tokens) from the run's own first batches (caps_from_batches,
-  # dispatch.startup_capacity), or with caps_from_batches = 0 the fixed fractions of
-  # dispatch.default_capacity (q_slot T/2, kv_slot T, q_tokens 1.5 T, kv_tokens 3 T); tasks 64
+  # plan.startup_capacity), or with caps_from_batches = 0 the fixed fractions of
+  # plan.default_capacity (q_slot T/2, kv_slot T, q_tokens 1.5 T, kv_tokens 3 T); tasks 64
   # per row. The planner never exceeds a cap (tighter caps cost balance, looser ones memory).
   c.attention.distca = ml_collections.ConfigDict()
-  c.attention.distca.tolerance = scheduler.DEFAULT_TOLERANCE
+  c.attention.distca.tolerance = cost.DEFAULT_TOLERANCE
                                           # epsilon: every server within (1 + eps) x mean pairs
-                                          # (0.02; why: scheduler.DEFAULT_TOLERANCE)
+                                          # (0.02; why: plan.cost.DEFAULT_TOLERANCE)
   c.attention.distca.min_gain = 0.02      # the gate: a plan (one per nano-batch) moves nothing
                                           # when perfect balance would speed the step up by
                                           # less than 1 + this (predicted from its document
-                                          # lengths and the model: scheduler.
-                                          # predicted_step_gain); 0 = always balance. Why 0.02:
+                                          # lengths and the model:
+                                          # plan.predicted_step_gain); 0 = always balance. Why 0.02:
                                           # on 2 H200s near-balanced batches ran up to 3.5%
                                           # slower with CAD; replaying the v5 runs' per-batch
                                           # steps, gates of 0.01 / 0.02 / 0.03 / 0.04 take 0.30

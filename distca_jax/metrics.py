@@ -40,7 +40,7 @@ def linear_pairs_per_token(cfg: ModelConfig) -> float:
   ``step_flops`` counts ``6 N`` per token and ``6 L Hq D l^2`` per document of length ``l``,
   i.e. ``12 L Hq D`` per causal (query, key) pair (``l (l + 1) / 2`` pairs); one token's linear
   work is then ``N / (2 L Hq D)`` pairs. The CAD planner's gate weighs attention loads with it
-  (``scheduler.predicted_step_gain``).
+  (``plan.predicted_step_gain``).
   """
   return matmul_params(cfg) / (2.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim)
 

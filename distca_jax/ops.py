@@ -28,13 +28,14 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from custom_ops import varlen_attention as va
-from distca_jax import scheduler
+from distca_jax.checks import check_int
+from distca_jax.plan.cost import BWD_FWD_RATIO
 
 BACKENDS = ("reference", "pallas", "flash3")
 FLASH3_PIP_SPEC = "flash-attn3-jax==0.2.3"
 FLASH3_HEAD_DIMS = (128,)  # the head dims the published wheel was built for
 # Kernel backward cost over forward cost (the backward recomputes QK^T): fwd+bwd = 3.5x forward.
-BACKWARD_FLOPS_RATIO = scheduler.BWD_FWD_RATIO  # one place holds it: the scheduler
+BACKWARD_FLOPS_RATIO = BWD_FWD_RATIO  # one place holds it: the cost model (plan.cost)
 # flash3 launch shapes per dimension (``flash3_grid_buckets``): 4 -> slots N, N/2, N/4, N/8 times
 # bounds L, L/2, L/4, L/8 (16 compiled FA3 variants, one runs per call).
 FLASH3_GRID_LEVELS = 4
@@ -42,7 +43,7 @@ FLASH3_GRID_LEVELS = 4
 
 # Primitives that are a kernel's forward call and whose outputs are the kernel's O and LSE as
 # the backward takes them: our Pallas kernel. Remat policies that keep attention
-# ('save_attention' in model.py, the 'resend' memory mode in dispatch.py) save them instead of
+# ('save_attention' in model.py, the 'resend' memory mode in dataplane/body.py) save them instead of
 # rerunning the kernel.
 KERNEL_PRIMITIVES = frozenset({"pallas_call"})
 # ``checkpoint_name`` of kernel outputs saved by name instead: FlashAttention-3's FFI call returns
@@ -168,7 +169,7 @@ def flash3_grid_buckets(num_tasks: int, num_q_rows: int, max_seqlen_q: int, max_
   The LSE buffer the bindings allocate is ``[slots, H, max_seqlen_q]`` while FA3 writes it as
   ``[H, T]``, so a shape's ``max_seqlen_q`` is raised to at least ``ceil(T / slots)``.
   """
-  levels = scheduler.check_int("flash3 grid_levels", levels, 1)
+  levels = check_int("flash3 grid_levels", levels, 1)
 
   def level(n: int, i: int, multiple: int) -> int:
     return min(n, max(multiple, -(-n // 2**i // multiple) * multiple))

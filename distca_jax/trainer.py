@@ -33,6 +33,7 @@ from distca_jax import profiling
 from distca_jax import sharding as shard_lib
 from distca_jax.data import make_source
 from distca_jax.model import Transformer
+from distca_jax.plan import sizing
 
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 
@@ -56,11 +57,10 @@ def make_backend(c: ml_collections.ConfigDict) -> attn_lib.Backend:
   elif c.attention.backend == "distca":
     # The plan's byte model uses the model's shapes; rows_per_rank fixes the plan's layout.
     m = config_lib.model_config(c)
-    from distca_jax import dispatch  # pylint: disable=import-outside-toplevel
     options = dict(c.attention.distca.to_dict())
     for name in ("caps_from_batches", "caps_headroom"):
       options.pop(name)
-    options.update(dispatch.startup_capacity(c))
+    options.update(sizing.startup_capacity(c))
     options = dict(options, rows_per_rank=c.rows_per_rank,
                    nano_batches=c.attention.nano_batches, q_heads=m.n_heads,
                    kv_heads=m.n_kv_heads, head_dim=m.head_dim,
@@ -276,7 +276,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> list[dict]
   if getattr(backend, "caps", None):
     auto = (f" (row caps from the first {c.attention.distca.caps_from_batches} batches x "
             f"{c.attention.distca.caps_headroom})" if c.attention.distca.caps_from_batches else "")
-    log.info("distca caps per device and call (0 = dispatch.default_capacity): "
+    log.info("distca caps per device and call (0 = plan.default_capacity): "
              + ", ".join(f"{k}={v}" for k, v in backend.caps.items()) + auto)
   model = make_model(c, backend)
   model_cfg = model.cfg

@@ -201,7 +201,7 @@ def plan_stats(c, backend, doclens_per_step):
   """The timed batches planned again by the run's own `distca` backend (`host_plans`, one plan
   per nano-batch): imbalance (pairs) before/after, dispatch bytes per device (useful and what the
   bucketed exchange moves), degraded plans."""
-  from distca_jax import dispatch
+  from distca_jax import plan as plan_lib
   out = dict(imbalance_before=[], imbalance_after=[], dispatch_useful_mb=[], dispatch_moved_mb=[],
              degraded=0)
   for per_rank in doclens_per_step:
@@ -210,7 +210,7 @@ def plan_stats(c, backend, doclens_per_step):
       p = hp.plan
       out["imbalance_before"].append(p.imbalance_before)
       out["imbalance_after"].append(p.imbalance_after)
-      eb = dispatch.exchange_bytes(hp.meta, q_heads=p.q_heads, kv_heads=p.kv_heads,
+      eb = plan_lib.exchange_bytes(hp.meta, q_heads=p.q_heads, kv_heads=p.kv_heads,
                                    head_dim=p.head_dim, dtype_bytes=p.dtype_bytes,
                                    exchange_buckets=int(c.attention.distca.exchange_buckets))
       out["dispatch_useful_mb"].append(eb["dispatch_useful"] / 1e6)

@@ -4,7 +4,7 @@ For each workload, tokens per device and server count, batches are planned the w
 plans them (``WorkloadSampler.step_doclens``, one row per device): caps from the first
 ``--cap-batches`` batches x ``--headroom`` (what ``config.attention.distca.caps_from_batches`` /
 ``caps_headroom`` do at startup), then the next ``--batches`` batches are planned under those
-caps and their exchange is accounted by ``dispatch.exchange_bytes`` twice: with the joint bucket
+caps and their exchange is accounted by ``plan_lib.exchange_bytes`` twice: with the joint bucket
 (one fraction sizes both parts of a slot) and with ``split_exchange`` (each part its own bucket).
 
 Reported per configuration, summed over the planned batches that move anything:
@@ -33,7 +33,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
   sys.path.insert(0, REPO)
 
-from distca_jax import dispatch, profiling  # noqa: E402
+from distca_jax import profiling  # noqa: E402
+from distca_jax import plan as plan_lib  # noqa: E402
 from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
 
 
@@ -46,7 +47,7 @@ def _args():
                  help="batches whose envelope sets the caps (the trainer's caps_from_batches)")
   p.add_argument("--headroom", type=float, default=1.1, help="caps = envelope x this")
   p.add_argument("--batches", type=int, default=16, help="batches accounted after those")
-  p.add_argument("--exchange-buckets", type=int, default=dispatch.DEFAULT_EXCHANGE_BUCKETS)
+  p.add_argument("--exchange-buckets", type=int, default=plan_lib.DEFAULT_EXCHANGE_BUCKETS)
   p.add_argument("--tolerance", type=float, default=0.05)
   p.add_argument("--heads", type=int, default=32)
   p.add_argument("--kv-heads", type=int, default=8)
@@ -63,14 +64,14 @@ def _args():
   return a
 
 
-def _caps(layouts, s: int, t: int, a, byte_model) -> dispatch.Capacity:
+def _caps(layouts, s: int, t: int, a, byte_model) -> plan_lib.Capacity:
   """The trainer's startup caps: the envelope of ``layouts`` x headroom, whole row multiples,
-  at least a device's rows (``dispatch.startup_capacity``)."""
-  env = dispatch.suggest_capacity(layouts, s, t, tolerance=a.tolerance,
-                                  min_shard=dispatch.auto_min_shard(t),
-                                  multiple=dispatch._row_multiple(t), **byte_model)
-  caps = dispatch.caps_with_headroom(dataclasses.asdict(env), t, a.headroom)
-  return dispatch.Capacity(**caps, tasks=env.tasks)
+  at least a device's rows (``plan.sizing.startup_capacity``)."""
+  env = plan_lib.suggest_capacity(layouts, s, t, tolerance=a.tolerance,
+                                  min_shard=plan_lib.auto_min_shard(t),
+                                  multiple=plan_lib.row_multiple(t), **byte_model)
+  caps = plan_lib.caps_with_headroom(dataclasses.asdict(env), t, a.headroom)
+  return plan_lib.Capacity(**caps, tasks=env.tasks)
 
 
 def run_config(name: str, t: int, s: int, a) -> dict:
@@ -79,19 +80,19 @@ def run_config(name: str, t: int, s: int, a) -> dict:
   sampler = WorkloadSampler(name, t, seed=a.seed)
   cap_layouts = [sampler.step_doclens(i, s) for i in range(a.cap_batches)]
   cap = _caps(cap_layouts, s, t, a, byte_model)
-  spec = dispatch.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1, capacity=cap)
+  spec = plan_lib.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1, capacity=cap)
   row_q = a.heads * a.head_dim * a.dtype_bytes
   row_kv = 2 * a.kv_heads * a.head_dim * a.dtype_bytes
   batches = []
   for i in range(a.cap_batches, a.cap_batches + a.batches):
-    hp = dispatch.host_plan(sampler.step_doclens(i, s), spec, tolerance=a.tolerance,
-                            min_shard=dispatch.auto_min_shard(t), **byte_model)
-    rq, rkv = dispatch.exchange_rows(hp.meta).tolist()
+    hp = plan_lib.host_plan(sampler.step_doclens(i, s), spec, tolerance=a.tolerance,
+                            min_shard=plan_lib.auto_min_shard(t), **byte_model)
+    rq, rkv = plan_lib.exchange_rows(hp.meta).tolist()
     rec = {"batch": i, "exchange_q_rows": rq, "exchange_kv_rows": rkv,
            "useful": float((s - 1) * (rq * row_q + rkv * row_kv)),
            "degraded": bool(hp.plan.degraded)}
     for mode, split in (("joint", False), ("split", True)):
-      by = dispatch.exchange_bytes(hp.meta, exchange_buckets=a.exchange_buckets,
+      by = plan_lib.exchange_bytes(hp.meta, exchange_buckets=a.exchange_buckets,
                                    split_exchange=split, **byte_model)
       rec[mode] = {"moved": by["dispatch_moved"], "bucket_q_rows": by["bucket_q_rows"],
                    "bucket_kv_rows": by["bucket_kv_rows"]}
@@ -99,7 +100,7 @@ def run_config(name: str, t: int, s: int, a) -> dict:
   moving = [b for b in batches if b["useful"] > 0]
   useful = sum(b["useful"] for b in moving)
   out = {"workload": name, "tokens_per_rank": t, "servers": s,
-         "capacity": {f: getattr(cap, f) for f in dispatch.CAP_FIELDS},
+         "capacity": {f: getattr(cap, f) for f in plan_lib.CAP_FIELDS},
          "batches": batches, "moving_batches": len(moving), "useful": useful}
   for mode in ("joint", "split"):
     moved = sum(b[mode]["moved"] for b in moving)

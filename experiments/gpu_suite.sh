@@ -185,7 +185,7 @@ V7E2E="--backends packed_dp,distca --workloads prolong,pretrain --tokens 65536 -
 stage e2e_1gpu_64k_v7 200 python3 experiments/e2e_bench.py $V7E2E --out "$OUT/e2e_1gpu_64k_v7"
 stage e2e_1gpu_64k_v7_old 200 python3 .old/experiments/e2e_bench.py $V7E2E --out "$OUT/e2e_1gpu_64k_v7_old"
 ;;& v7words2)
-# One GPU: the key/value select on words too (dispatch._take_two), old vs new again.
+# One GPU: the key/value select on words too (dataplane.copies._take_two), old vs new again.
 stage placement_old 120 python3 .old/experiments/placement_bench.py --servers 2 --batches 2 --iters 10 --out "$OUT/placement_bench_old"
 stage placement_new 120 python3 experiments/placement_bench.py --servers 2 --batches 2 --iters 10 --out "$OUT/placement_bench_new"
 stage placement_new_4 120 python3 experiments/placement_bench.py --servers 4 --batches 2 --iters 10 --out "$OUT/placement_bench_new_4"
@@ -196,7 +196,7 @@ stage row_copy_rr 120 python3 experiments/row_copy_bench.py --out "$OUT/row_copy
 stage placement_old_30 120 python3 .old/experiments/placement_bench.py --servers 2 --batches 2 --iters 30 --out "$OUT/placement_bench_old_30"
 stage placement_new_30 120 python3 experiments/placement_bench.py --servers 2 --batches 2 --iters 30 --out "$OUT/placement_bench_new_30"
 ;;& v7e2e)
-# One GPU: training steps with the final word copies (dispatch._take_two) against the previous
+# One GPU: training steps with the final word copies (dataplane.copies._take_two) against the previous
 # commit's library (.old/), same call.
 V7E2E="--backends packed_dp,distca --workloads prolong,pretrain --tokens 65536 --layers 2 --steps 6 --warmup 2"
 stage e2e_1gpu_64k_v7_final 200 python3 experiments/e2e_bench.py $V7E2E --out "$OUT/e2e_1gpu_64k_v7_final"

@@ -13,7 +13,7 @@ import pytest
 from distca_jax import attention as attn
 from distca_jax import baselines as bl
 from distca_jax import config as config_lib
-from distca_jax import scheduler as sched
+from distca_jax import plan as plan_lib
 from distca_jax import sharding as shard_lib
 from distca_jax import trainer
 from distca_jax.baselines import packing
@@ -340,7 +340,7 @@ def test_placement_rejects_bad_pieces():
 # Metrics.
 # ----------------------------------------------------------------------------------------------
 def _total_pairs(lens):
-  return int(sched.pairs(0, np.asarray(lens, np.int64)).sum())
+  return int(plan_lib.pairs(0, np.asarray(lens, np.int64)).sum())
 
 
 def test_metrics_conserve_work_and_tokens():
@@ -369,11 +369,11 @@ def test_metrics_conserve_work_and_tokens():
     ref = bl.placement_metrics(bl.wlb_placement(pk), dims, "wlb")
     for f in ("pairs_S", "tokens_S", "bytes_S", "kv_rows_S"):
       np.testing.assert_allclose(getattr(m, f), getattr(ref, f))
-  plan = sched.schedule(flat, s, tokens_per_rank=t, tolerance=0.1)
+  plan = plan_lib.schedule(flat, s, tokens_per_rank=t, tolerance=0.1)
   m = bl.distca_metrics(plan)
   assert m.pairs_S.sum() == _total_pairs(flat)
   assert m.tokens_S.sum() == sum(flat)
-  assert m.kv_rows_S.max() == sched.required_capacity(plan).kv_tokens
+  assert m.kv_rows_S.max() == plan_lib.required_capacity(plan).kv_tokens
   assert m.summary()["attention_imbalance"] == pytest.approx(plan.imbalance_after)
   bq, bkv = dims.q_row_bytes, dims.kv_row_bytes
   assert m.bytes_S.sum() == pytest.approx(2 * plan.bytes_q + plan.bytes_kv)

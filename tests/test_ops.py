@@ -22,7 +22,7 @@ import pytest
 from custom_ops import BlockSizes
 from custom_ops import varlen_attention as va
 from distca_jax import ops
-from distca_jax.dispatch import count_primitives
+from distca_jax.dataplane import count_primitives
 
 BLOCKS = BlockSizes.for_interpret()  # 16-row tiles: tasks of up to 40 rows span several blocks
 
@@ -422,11 +422,11 @@ def _kernel_bench():
 
 @pytest.mark.parametrize("family", ["pretrain", "prolong"])
 def test_kernel_bench_sched_workload_is_the_servers_task_table(family):
-  from distca_jax import scheduler  # pylint: disable=import-outside-toplevel
+  from distca_jax import plan as plan_lib  # pylint: disable=import-outside-toplevel
   from distca_jax.data.workloads import WorkloadSampler  # pylint: disable=import-outside-toplevel
   kb = _kernel_bench()
   servers, tokens, step, seed, min_shard = 4, 512, 2, 7, 32
-  plan = scheduler.schedule(
+  plan = plan_lib.schedule(
       WorkloadSampler(family, tokens_per_row=tokens, seed=seed).step_doclens(step, servers),
       servers, tokens_per_rank=tokens, tolerance=0.05, min_shard=min_shard, q_heads=4,
       kv_heads=2, head_dim=32)

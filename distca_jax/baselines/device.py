@@ -76,7 +76,7 @@ def packed_dp_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout
   ``host_prepare``): the lengths of each row's documents, zero-padded.
   """
   # pylint: disable-next=protected-access
-  attn_lib._check_shapes(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout)
+  attn_lib.check_shapes(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout)
   (doc_lens_BxN,) = _extra(layout, "packed_dp", ("doc_lens",),
                            "the trainer adds them through Backend.host_prepare")
   _, spec = _mesh_and_specs("packed_dp")
@@ -107,7 +107,7 @@ def group_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *,
   (``packing.task_tables`` of the rows' placement) and rows holding that placement's tokens.
   """
   # pylint: disable-next=protected-access
-  attn_lib._check_shapes(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout)
+  attn_lib.check_shapes(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout)
   kv_index_BxU, cu_q_BxN1, cu_k_BxN1 = _extra(
       layout, name, ("kv_index", "cu_seqlens_q", "cu_seqlens_k"),
       "arrange the batch with distca_jax.baselines.arrange_batch (the trainer does it through "

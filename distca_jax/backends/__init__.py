@@ -1,0 +1,1 @@
+"""Core-attention backends of the trainer, one module each."""

@@ -79,10 +79,6 @@ def _args():
   p.add_argument("--collective", default="auto", choices=("auto", "all_to_all", "ppermute"),
                  help="how the exchange moves rows (dataplane.COLLECTIVES; auto: ppermute with 2 "
                  "devices, else all_to_all)")
-  p.add_argument("--split-exchange", action="store_true",
-                 help="query rows and key/value rows choose their own bucket and cross in their "
-                 "own collective (dataplane.send_to_servers' split_exchange; default one joint "
-                 "bucket)")
   p.add_argument("--exchange-only", action="store_true",
                  help="time only the exchange, its signal-only twin and the return (no CAD "
                  "chains, no no-CAD baseline, no memory report)")
@@ -204,25 +200,23 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
                                  check_vma=False))
 
   nb = a.exchange_buckets
-  # Passed only when not the default, so this script also times older trees of the library.
-  wire = {} if a.collective == "auto" else {"collective": a.collective}
-  send_opts = {"split_exchange": True} if a.split_exchange else {}
+  wire = dataplane.ExchangeOptions(buckets=nb, collective=a.collective)
   # Per-rank layouts: no document (so no task) is longer than a rank's tokens; flash3's grid is
   # tasks x ceil(max_seqlen / 128) blocks, so pass the bound as the trainer's backend does.
   kopts = {"max_seqlen_q": t, "max_seqlen_k": t}  # flash3's bound; other kernels ignore it
 
   def exchange(q, k, v, plan, signal_only=False):
     m = spec.unpack_local(plan)
-    qa, ka, va = dataplane.send_to_servers(q[0], k[0], v[0], m, spec, AXIS, exchange_buckets=nb,
-                                           signal_only=signal_only, **wire, **send_opts)
+    qa, ka, va = dataplane.send_to_servers(
+        q[0], k[0], v[0], m, spec, AXIS, dataclasses.replace(wire, signal_only=signal_only))
     return qa[None], ka[None], va[None]
 
   def signal(q, k, v, plan):
     return exchange(q, k, v, plan, signal_only=True)
 
   def ret(o_attn, plan):
-    return dataplane.return_to_owners(o_attn[0], spec.unpack_local(plan), spec, AXIS,
-                                      exchange_buckets=nb, **wire)[None]
+    return dataplane.return_to_owners(o_attn[0], spec.unpack_local(plan), spec, AXIS, 0,
+                                      wire)[None]
 
   def raw_a2a(x):
     return lax.all_to_all(x, AXIS, 1, 1, tiled=True)
@@ -242,12 +236,13 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
     # A chain of `layers` CAD attentions (each layer's O is the next layer's Q), like a model's
     # stack: the residuals of every layer are alive together before the backward, which is where
     # 'keep' and 'resend' differ.
+    options = dataplane.DispatchOptions(kernel=kernel, memory_mode=mode, kernel_options=kopts,
+                                        exchange=wire)
+
     def fwd(q, k, v, plan):
       x = q
       for _ in range(a.layers):
-        x = dataplane.dispatch_attention(x, k, v, plan, spec, kernel=kernel, memory_mode=mode,
-                                         mesh=mesh, exchange_buckets=nb, kernel_options=kopts,
-                                         **wire, **send_opts)
+        x = dataplane.dispatch_attention(x, k, v, plan, spec, options, mesh=mesh)
       return x
 
     def fwd_bwd(q, k, v, plan, ct):
@@ -275,7 +270,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
                             **byte_model)
     plan = jax.device_put(hp.packed, plan_sh)
     plan0 = plan if i == 0 else plan0
-    by = plan_lib.exchange_bytes(hp.meta, exchange_buckets=nb, **byte_model, **send_opts)
+    by = plan_lib.exchange_bytes(hp.meta, exchange_buckets=nb, **byte_model)
     rec = {"batch": i, "docs": int(hp.plan.doc_lens.size), "tasks": int(len(hp.plan.tasks)),
            "imbalance_before": hp.plan.imbalance_before,
            "imbalance_after": hp.plan.imbalance_after, "degraded": hp.plan.degraded,
@@ -324,9 +319,6 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
   # Raw all_to_all of the exchange's padded slot buffer (same for every batch).
   out = {"workload": name, "capacity": dataclasses.asdict(cap), "exchange_buckets": nb,
          "bucket_rows": plan_lib.exchange_bucket_rows(cap, nb), "batches": rows}
-  if a.split_exchange:
-    out["bucket_rows"] = {"q": plan_lib.part_bucket_rows(cap.q_slot, nb),
-                          "kv": plan_lib.part_bucket_rows(cap.kv_slot, nb)}
   if s > 1:
     out["raw_a2a_padded_exchange_buffer"] = raw_bytes(rows[-1]["bytes_dispatch_padded"])
   if a.profile:
@@ -368,8 +360,7 @@ def _markdown(res: dict) -> str:
            f"{res['servers']}; tokens per device {res['tokens_per_rank']}; heads "
            f"{res['heads']}/{res['kv_heads']} x {res['head_dim']} {res['dtype']}; kernel "
            f"`{res['kernel']}`; tolerance {res['tolerance']}; caps {res['caps']}; exchange "
-           f"buckets {res['exchange_buckets']}"
-           f"{' (split: Q and K/V apart)' if res.get('split_exchange') else ''}; collective "
+           f"buckets {res['exchange_buckets']}; collective "
            f"{res.get('collective', 'all_to_all')}. "
            f"Times: median of {res['iters']}.",
            ""]
@@ -447,7 +438,7 @@ def main(a) -> None:
          "head_dim": a.head_dim, "dtype": dtype.name, "kernel": kernel,
          "tolerance": a.tolerance, "caps": a.caps, "exchange_buckets": a.exchange_buckets,
          "collective": dataplane.resolve_collective(a.collective, len(devices)),
-         "exchange_only": a.exchange_only, "split_exchange": a.split_exchange,
+         "exchange_only": a.exchange_only,
          "iters": a.iters,
          "layers": a.layers, "tiny": a.tiny,
          "workloads": []}

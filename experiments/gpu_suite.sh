@@ -26,7 +26,7 @@ stage() {  # stage NAME SECONDS CMD...
   pack
 }
 nvidia-smi -L
-E2E="--layers 2 --steps 6 --warmup 2 --extra attention.distca.kernel=flash3 --extra attention.baselines.kernel=flash3"
+E2E="--layers 2 --steps 6 --warmup 2 --extra attention.kernel=flash3"
 E2E20="--layers 2 --steps 20 --warmup 2"  # gpu_bench defaults: flash3 kernels for every backend
 # Compiled programs persist across the suite's processes (Pretrain and ProLong share shapes).
 export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
@@ -43,7 +43,7 @@ stage e2e_128k 100 python3 experiments/e2e_bench.py --backends packed_dp,distca 
 ;;& checks|all)
 # flash3 / distca correctness on the GPU (the same tests as CPU CI plus the GPU-only cases).
 stage gpu_tests 120 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_ops.py -k "flash3 or hints"
-stage e2e_64k_pretrain 240 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 65536 $E2E20 --variant signal@distca:attention.distca.signal_only=true --profile --plan-stats --out "$OUT/e2e_64k_pretrain"
+stage e2e_64k_pretrain 240 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 65536 $E2E20 --variant signal@distca:backend.signal_only=true --profile --plan-stats --out "$OUT/e2e_64k_pretrain"
 stage dispatch2 150 python3 experiments/dispatch_bench.py --kernel flash3 --iters 5 --batches 3 --caps default --out "$OUT/dispatch_bench"
 stage kernel_profile 150 env CUDA_VISIBLE_DEVICES=0 python3 experiments/kernel_profile.py --workloads dense-16384,ca-s512,ca-s128 --out "$OUT/kernel_profile.json"
 ;;& e2e128|all)
@@ -84,7 +84,7 @@ stage ex_a2a_default 100 python3 experiments/dispatch_bench.py $X --caps default
 stage ex_perm_default 100 python3 experiments/dispatch_bench.py $X --caps default --collective ppermute --out "$OUT/dispatch_v3_perm_default"
 ;;& v3e2e)
 # The issue-7 ablations again with the v3 data plane (results/e2e_v3_summary.md), 2 GPUs.
-stage e2e_64k_v3 585 python3 experiments/e2e_bench.py --backends packed_dp,distca,cp --workloads pretrain --tokens 65536 $E2E20 --extra attention.baselines.cp_size=2 --variant signal@distca:attention.distca.signal_only=true --variant eps0@distca:attention.distca.tolerance=0 --variant eps005@distca:attention.distca.tolerance=0.05 --plan-stats --out "$OUT/e2e_2gpu_64k_v3"
+stage e2e_64k_v3 585 python3 experiments/e2e_bench.py --backends packed_dp,distca,cp --workloads pretrain --tokens 65536 $E2E20 --extra attention.baselines.cp_size=2 --variant signal@distca:backend.signal_only=true --variant eps0@distca:attention.distca.tolerance=0 --variant eps005@distca:attention.distca.tolerance=0.05 --plan-stats --out "$OUT/e2e_2gpu_64k_v3"
 ;;& v3e2e2)
 stage e2e_128k_v3 330 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 131072 $E2E20 --profile --plan-stats --out "$OUT/e2e_2gpu_128k_v3"
 stage e2e_pingpong_v3 250 python3 experiments/e2e_bench.py --backends distca --workloads pretrain --tokens 65536 --rows-per-rank 2 --nano-batches 1,2 $E2E20 --out "$OUT/e2e_2gpu_pingpong_v3"
@@ -111,7 +111,7 @@ stage e2e_128k_v5_sa 170 python3 experiments/e2e_bench.py --backends packed_dp,d
 # The same with the new defaults (gpu_bench: remat 'save_attention', tolerance 0.02), the WLB
 # baseline and the signal-only twin; HLO of each profiled step in the *_profiles folders.
 WLB="--extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2"
-stage e2e_128k_v5b 350 python3 experiments/e2e_bench.py --backends packed_dp,distca,wlb --workloads pretrain --tokens 131072 $E2E20 $WLB --variant signal@distca:attention.distca.signal_only=true --profile --plan-stats --out "$OUT/e2e_2gpu_128k_v5b"
+stage e2e_128k_v5b 350 python3 experiments/e2e_bench.py --backends packed_dp,distca,wlb --workloads pretrain --tokens 131072 $E2E20 $WLB --variant signal@distca:backend.signal_only=true --profile --plan-stats --out "$OUT/e2e_2gpu_128k_v5b"
 stage e2e_prolong_128k_v5b 200 python3 experiments/e2e_bench.py --backends packed_dp,distca,wlb --workloads prolong --tokens 131072 $E2E20 $WLB --plan-stats --out "$OUT/e2e_2gpu_prolong_128k_v5b"
 ;;& v5c)
 WLB="--extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2"
@@ -201,11 +201,6 @@ stage placement_new_30 120 python3 experiments/placement_bench.py --servers 2 --
 V7E2E="--backends packed_dp,distca --workloads prolong,pretrain --tokens 65536 --layers 2 --steps 6 --warmup 2"
 stage e2e_1gpu_64k_v7_final 200 python3 experiments/e2e_bench.py $V7E2E --out "$OUT/e2e_1gpu_64k_v7_final"
 stage e2e_1gpu_64k_v7_old2 200 python3 .old/experiments/e2e_bench.py $V7E2E --out "$OUT/e2e_1gpu_64k_v7_old2"
-;;& v7split)
-# Two GPUs: the exchange with joint vs split Q / K/V buckets, side by side in one call
-# (results/split_exchange_bytes.md has the bytes; this measures the time).
-stage dispatch_joint 150 python3 experiments/dispatch_bench.py --kernel flash3 --iters 20 --batches 4 --exchange-only --caps suggest --out "$OUT/dispatch_v7_joint"
-stage dispatch_split 150 python3 experiments/dispatch_bench.py --kernel flash3 --iters 20 --batches 4 --exchange-only --caps suggest --split-exchange --out "$OUT/dispatch_v7_split"
 ;;& wlb|all)
 stage e2e_64k_wlb 400 python3 experiments/e2e_bench.py --backends packed_dp,wlb --workloads pretrain --tokens 65536 $E2E20 --extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2 --out "$OUT/e2e_64k_wlb"
 ;;

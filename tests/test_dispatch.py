@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from distca_jax import attention as attn_lib
-from distca_jax import configs_io, dataplane, trainer
+from distca_jax import backends, configs_io, dataplane, trainer
 from distca_jax import plan as plan_lib
 from distca_jax import sharding as shard_lib
 from distca_jax.backends import distca as distca_backend
@@ -74,14 +74,22 @@ def _inputs(rng, rows=S, t=T):
   return q, k, v, ct
 
 
+def _options(exchange_buckets=8, collective="auto", signal_only=False, **dispatch):
+  """``DispatchOptions`` from flat keywords (the exchange's three, then the rest)."""
+  wire = dataplane.ExchangeOptions(buckets=exchange_buckets, collective=collective,
+                                   signal_only=signal_only)
+  return dataplane.DispatchOptions(exchange=wire, **dispatch)
+
+
 def _make_run(mesh, spec, trace_counter=None, head_axis=None, **options):
   """jit(output and VJP of dispatch_attention); the plan is an argument (one trace)."""
+  opts = _options(head_axis=head_axis, **options)
 
   def run(q, k, v, plan, ct):
     if trace_counter is not None:
       trace_counter.append(1)
     o, vjp = jax.vjp(lambda q, k, v: dataplane.dispatch_attention(
-        q, k, v, plan, spec, mesh=mesh, head_axis=head_axis, **options), q, k, v)
+        q, k, v, plan, spec, opts, mesh=mesh), q, k, v)
     return (o, *vjp(ct))
 
   qkv = NamedSharding(mesh, P("data", None, head_axis, None))
@@ -289,21 +297,21 @@ def test_startup_caps_come_from_the_runs_batches_and_plan_every_later_batch():
 
 def test_errors_name_the_fix():
   with pytest.raises(ValueError, match="memory_mode"):
-    distca_backend.make_backend(memory_mode="forget")
+    backends.get("distca", memory_mode="forget")
   with pytest.raises(ValueError, match="kernel"):
-    distca_backend.make_backend(kernel="cudnn")
+    backends.get("distca", kernel="cudnn")
   with pytest.raises(ValueError, match="q_tokens"):
-    distca_backend.make_backend(q_tokens=-1)
+    backends.get("distca", q_tokens=-1)
   tight = plan_lib.PlanSpec(num_servers=2, tokens_per_row=64, rows_per_device=1,
                             capacity=plan_lib.Capacity(q_slot=8, kv_slot=8, q_tokens=64,
                                                        kv_tokens=64, tasks=2))
   with pytest.raises(ValueError, match=r"capacity\.tasks >= 3"):
     plan_lib.host_plan([[10, 10, 10], [5]], tight)
-  backend = distca_backend.make_backend(rows_per_rank=2)
+  backend = backends.get("distca", rows_per_rank=2)
   with pytest.raises(ValueError, match="rows_per_rank=2"):
     backend.host_prepare([[4], [4], [4]], 16)
   with pytest.raises(ValueError, match="nano_batches"):
-    distca_backend.make_backend(rows_per_rank=3, nano_batches=2)
+    backends.get("distca", rows_per_rank=3, nano_batches=2)
   with pytest.raises(ValueError, match="host_prepare"):
     q = jnp.zeros((1, 8, H, D))
     backend.fn(q, q, q, attn_lib.Layout(jnp.ones((1, 8), jnp.int32), jnp.zeros((1, 8), jnp.int32)),
@@ -422,11 +430,11 @@ def test_config_min_gain_gates_plans_with_the_model_weight():
     gains.append(hp.plan.num_moves)
   assert gains[0] > 0 and gains[1] == 0  # the ungated plan moved rows, the gated one none
   with pytest.raises(ValueError, match=r"min_gain=-0.5 must be a finite number >= 0"):
-    distca_backend.make_backend(min_gain=-0.5)
+    backends.get("distca", min_gain=-0.5)
 
 
 def test_config_cost_table_reaches_the_planner(monkeypatch):
-  """attention.distca.cost_table is loaded and handed to the scheduler for every plan."""
+  """A benchmark's cost_table option is loaded and handed to the planner for every plan."""
   import os
   seen = []
   real = plan_lib.schedule
@@ -438,7 +446,7 @@ def test_config_cost_table_reaches_the_planner(monkeypatch):
   monkeypatch.setattr(plan_lib.spec, "schedule", spy)
   path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
                       "cost_table_flash3_h200.json")
-  backend = distca_backend.make_backend(cost_table=path, q_heads=4, kv_heads=2, head_dim=16)
+  backend = backends.get("distca", cost_table=path, q_heads=4, kv_heads=2, head_dim=16)
   backend.host_prepare([[100, 28], [60, 60, 8]], 128)
   assert seen and all(s == path for s in seen)
 
@@ -475,14 +483,13 @@ def _a2a_widths(jaxpr, out=None, prim="all_to_all"):
   return out
 
 
-@pytest.mark.parametrize("buckets,modes,collective,split", [
-    (1, ("keep", "resend"), "all_to_all", False), (4, ("keep", "resend"), "all_to_all", False),
-    (8, ("resend",), "all_to_all", True), (8, ("keep",), "ppermute", False),
-    (1, ("resend",), "ppermute", False), (4, ("keep",), "ppermute", True)])
+@pytest.mark.parametrize("buckets,modes,collective", [
+    (1, ("keep", "resend"), "all_to_all"), (4, ("keep", "resend"), "all_to_all"),
+    (8, ("resend",), "all_to_all"), (8, ("keep",), "ppermute"), (1, ("resend",), "ppermute"),
+    (4, ("keep",), "ppermute")])
 def test_bucketed_exchange_equals_reference_both_memory_modes_single_trace(buckets, modes,
-                                                                            collective, split):
-  """Outputs and grads per bucket count, memory mode, collective and joint / split buckets; one
-  trace across buckets.
+                                                                            collective):
+  """Outputs and grads per bucket count, memory mode and collective; one trace across buckets.
 
   (8 joint buckets with 'keep' and all_to_all is the default: the first test of this file runs
   it on 8 layouts.)
@@ -492,20 +499,20 @@ def test_bucketed_exchange_equals_reference_both_memory_modes_single_trace(bucke
   rng = np.random.default_rng(seed)
   traces = {m: [] for m in modes}
   runs = {m: _make_run(mesh, SPEC, trace_counter=traces[m], memory_mode=m,
-                       exchange_buckets=buckets, collective=collective, split_exchange=split)
+                       exchange_buckets=buckets, collective=collective)
           for m in modes}
   chosen = []
   for name, doc_lens, eps in _bucket_layouts(seed):
     hp = plan_lib.host_plan(doc_lens, SPEC, tolerance=eps, q_heads=H, kv_heads=KH, head_dim=D,
                             dtype_bytes=4)
     by = plan_lib.exchange_bytes(hp.meta, q_heads=H, kv_heads=KH, head_dim=D, dtype_bytes=4,
-                                 exchange_buckets=buckets, split_exchange=split)
+                                 exchange_buckets=buckets)
     chosen.append(by["bucket"])
     q, k, v, ct = _inputs(rng)
     want = _reference(q, k, v, _segments(doc_lens, S, T), ct)
     for mode, run in runs.items():
       _check(run(q, k, v, hp.packed, ct), want,
-             f"{name} buckets={buckets} {mode} {collective} {split=} seed={seed} "
+             f"{name} buckets={buckets} {mode} {collective} seed={seed} "
              f"bucket={by['bucket']} "
              f"rows={by['exchange_q_rows'], by['exchange_kv_rows']}")
     if name == "light":
@@ -542,8 +549,8 @@ def test_bucket_sizes_shrink_the_all_to_all_and_moved_bytes():
   hp = plan_lib.host_plan(_bucket_layouts(0)[1][1], SPEC, tolerance=0.0)
   q = jax.ShapeDtypeStruct((S, T, H, D), jnp.float32)
   k = jax.ShapeDtypeStruct((S, T, KH, D), jnp.float32)
-  fwd = lambda q, k, plan, nb: dataplane.dispatch_attention(q, k, k, plan, SPEC, mesh=mesh,
-                                                          exchange_buckets=nb)
+  fwd = lambda q, k, plan, nb: dataplane.dispatch_attention(
+      q, k, k, plan, SPEC, _options(exchange_buckets=nb), mesh=mesh)
   widths = _a2a_widths(jax.make_jaxpr(functools.partial(fwd, nb=8))(q, k, hp.packed).jaxpr)
   want_out = [S * (bq * H * D + 2 * bkv * KH * D) for bq, bkv in buckets[1:]]
   want_back = [S * bq * H * D for bq, _ in buckets[1:]]
@@ -552,8 +559,8 @@ def test_bucket_sizes_shrink_the_all_to_all_and_moved_bytes():
   full = _a2a_widths(jax.make_jaxpr(functools.partial(fwd, nb=1))(q, k, hp.packed).jaxpr)
   assert full == [want_out[-1], want_back[-1]], full
   # ppermute: S - 1 rounds per exchange, each moving one peer's bucket of a slot (no own slot).
-  perm = lambda q, k, plan: dataplane.dispatch_attention(q, k, k, plan, SPEC, mesh=mesh,
-                                                         exchange_buckets=8, collective="ppermute")
+  perm = lambda q, k, plan: dataplane.dispatch_attention(
+      q, k, k, plan, SPEC, _options(exchange_buckets=8, collective="ppermute"), mesh=mesh)
   widths = _a2a_widths(jax.make_jaxpr(perm)(q, k, hp.packed).jaxpr, prim="ppermute")
   want = [w // S for w in want_out for _ in range(S - 1)] + [
       w // S for w in want_back for _ in range(S - 1)]
@@ -585,50 +592,13 @@ def test_bucket_sizes_shrink_the_all_to_all_and_moved_bytes():
       "exchange_kv_rows"], by
 
 
-def test_split_exchange_sizes_each_part_by_its_own_bucket():
+def test_part_bucket_rows_size_the_return_buckets():
   assert plan_lib.part_bucket_rows(CAP.q_slot, 8) == ((0,),) + tuple((8 * i,) for i in range(1, 9))
   assert plan_lib.part_bucket_rows(CAP.kv_slot, 8) == ((0,),) + tuple((16 * i,)
                                                                      for i in range(1, 9))
   assert plan_lib.part_bucket_rows(CAP.kv_slot, 1) == ((CAP.kv_slot,),)
   assert plan_lib.part_bucket_rows(20, 8) == ((0,), (8,), (16,), (20,))
-  # The program: a query switch whose collectives carry only query rows, a key/value switch whose
-  # collectives carry only K and V rows, each sized by its own bucket; then the O return.
-  mesh = _mesh()
-  hp = plan_lib.host_plan(_bucket_layouts(0)[1][1], SPEC, tolerance=0.0)
-  q = jax.ShapeDtypeStruct((S, T, H, D), jnp.float32)
-  k = jax.ShapeDtypeStruct((S, T, KH, D), jnp.float32)
-  fwd = lambda q, k, plan: dataplane.dispatch_attention(q, k, k, plan, SPEC, mesh=mesh,
-                                                      exchange_buckets=8, split_exchange=True)
-  widths = _a2a_widths(jax.make_jaxpr(fwd)(q, k, hp.packed).jaxpr)
-  q_rows = [b for (b,) in plan_lib.part_bucket_rows(CAP.q_slot, 8)[1:]]
-  kv_rows = [b for (b,) in plan_lib.part_bucket_rows(CAP.kv_slot, 8)[1:]]
-  assert widths == ([S * b * H * D for b in q_rows] + [S * 2 * b * KH * D for b in kv_rows]
-                    + [S * b * H * D for b in q_rows]), widths
-  # Host accounting on random batches: each part's bucket holds its rows, and split never moves
-  # more than joint; on a batch whose parts fill their slots unevenly it moves less.
-  seed = int(np.random.default_rng().integers(1 << 30))
-  bm = dict(q_heads=H, kv_heads=KH, head_dim=D, dtype_bytes=4, exchange_buckets=8)
-  for name, doc_lens, eps in _bucket_layouts(seed) + _bucket_layouts(seed + 1):
-    meta = plan_lib.host_plan(doc_lens, SPEC, tolerance=eps).meta
-    joint = plan_lib.exchange_bytes(meta, **bm)
-    split = plan_lib.exchange_bytes(meta, split_exchange=True, **bm)
-    assert split["bucket_q_rows"] >= split["exchange_q_rows"], (name, seed, split)
-    assert split["bucket_kv_rows"] >= split["exchange_kv_rows"], (name, seed, split)
-    assert split["dispatch_useful_busiest_device"] <= split["dispatch_moved"], (name, seed)
-    assert split["dispatch_moved"] <= joint["dispatch_moved"], (name, seed, split, joint)
-    assert split["return_moved"] == joint["return_moved"]
-  # Uneven parts: the same plan rows against a capacity they fill unevenly (key/value slots
-  # full, query slots an eighth): the joint bucket is the full one, split keeps Q's eighth.
-  meta = plan_lib.host_plan(_bucket_layouts(seed)[1][1], SPEC, tolerance=0.0).meta
-  rows = plan_lib.exchange_rows(meta).tolist()
-  assert rows[0] >= 2 and rows[1] > 0, rows
-  uneven = dataclasses.replace(meta, capacity=dataclasses.replace(CAP, q_slot=8 * rows[0],
-                                                                  kv_slot=rows[1]))
-  j = plan_lib.exchange_bytes(uneven, **bm)
-  p = plan_lib.exchange_bytes(uneven, split_exchange=True, **bm)
-  assert (j["bucket_q_rows"], j["bucket_kv_rows"]) == (8 * rows[0], rows[1]), (j, seed)
-  assert p["bucket_q_rows"] < 8 * rows[0] and p["bucket_kv_rows"] == rows[1], (p, seed)
-  assert p["dispatch_moved"] < j["dispatch_moved"], (p, j, seed)
+  assert plan_lib.return_bucket_rows(CAP, 8) == plan_lib.part_bucket_rows(CAP.q_slot, 8)
 
 
 def test_plan_packs_exchange_rows_and_rejects_slots_not_packed_at_the_front():
@@ -692,27 +662,23 @@ def test_signal_only_keeps_shapes_moves_one_row_and_is_wrong_by_design():
 
 def test_exchange_options_reach_dispatch_and_bad_values_name_the_fix(monkeypatch):
   c = _tiny_config("distca", 8, 1, 0)
-  assert c.attention.distca.exchange_buckets == 8 and c.attention.distca.signal_only is False
+  assert c.attention.distca.exchange_buckets == 8
+  # Benchmark switches are backend options, not config keys.
+  for name in ("signal_only", "collective", "split_exchange", "cost_table", "kernel"):
+    assert name not in c.attention.distca, name
   c.attention.distca.exchange_buckets = 0
   with pytest.raises(ValueError, match=r"exchange_buckets=0.*int >= 1.*config.attention.distca"):
     trainer.make_backend(c)
   with pytest.raises(ValueError, match=r"signal_only='yes'.*True or False"):
-    distca_backend.make_backend(signal_only="yes")
-  assert c.attention.distca.split_exchange is False
-  with pytest.raises(ValueError, match=r"split_exchange=1 must be True or False.*config.attention"):
-    distca_backend.make_backend(split_exchange=1)
-  c.attention.distca.split_exchange = True
+    backends.get("distca", signal_only="yes")
   c.attention.distca.exchange_buckets = 3
-  c.attention.distca.collective = "nccl"
   with pytest.raises(ValueError, match=r"collective='nccl'.*all_to_all.*ppermute"):
-    trainer.make_backend(c)
-  c.attention.distca.collective = "ppermute"
-  c.attention.distca.signal_only = True
-  backend = trainer.make_backend(c)
+    trainer.make_backend(c, collective="nccl")
+  backend = trainer.make_backend(c, collective="ppermute", signal_only=True)
   seen = {}
 
   def spy(*args, **kwargs):
-    seen.update(kwargs)
+    seen["options"] = args[5]
     return args[0]
 
   monkeypatch.setattr(distca_backend, "dispatch_attention", spy)
@@ -721,11 +687,11 @@ def test_exchange_options_reach_dispatch_and_bad_values_name_the_fix(monkeypatch
                            extra={distca_backend.PLAN_KEY: jnp.zeros((8, 1), jnp.int32)})
   with trainer.mesh_context(shard_lib.make_mesh(data=8, tensor=1, devices=jax.devices())):
     backend.fn(q, q, q, layout, softmax_scale=1.0)
-  assert seen["exchange_buckets"] == 3 and seen["signal_only"] is True
-  assert seen["collective"] == "ppermute" and seen["split_exchange"] is True
+  assert seen["options"].exchange == dataplane.ExchangeOptions(buckets=3, collective="ppermute",
+                                                               signal_only=True)
   # 'auto' (the default): one ppermute round between 2 servers, one all_to_all among more.
-  assert dataplane.DEFAULT_COLLECTIVE == "auto"
-  assert _tiny_config("distca", 8, 1, 0).attention.distca.collective == "auto"
+  assert dataplane.ExchangeOptions().collective == "auto"
+  assert distca_backend.Options.from_config(_tiny_config("distca", 8, 1, 0)).collective == "auto"
   assert [dataplane.resolve_collective("auto", s) for s in (2, 3, 8)] == ["ppermute"] + [
       "all_to_all"] * 2
   assert dataplane.resolve_collective("all_to_all", 2) == "all_to_all"
@@ -751,7 +717,7 @@ def test_remat_policies_equal_and_save_attention_never_reruns_the_kernel_or_exch
   got, counts = {}, {}
   for (mode, kernel), remats in cases.items():
     c = _tiny_config("distca", data, 1, seed)
-    c.attention.distca.kernel, c.attention.distca.memory_mode = kernel, mode
+    c.attention.kernel, c.attention.distca.memory_mode = kernel, mode
     c.attention.distca.caps_from_batches = 0
     c.attention.distca.exchange_buckets = 1  # one exchange branch: a smaller program to compile
     c.model.n_layers = 1

@@ -7,75 +7,131 @@ import dataclasses
 import warnings
 from typing import Callable, Mapping
 
+import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from distca_jax import attention as attn_lib
+from distca_jax import config as config_lib
+from distca_jax import metrics as metrics_lib
 from distca_jax.checks import check_float, check_int
-from distca_jax.dataplane import check_options, dispatch_attention, mesh_and_servers
-from distca_jax.dataplane.exchange import DEFAULT_COLLECTIVE
-from distca_jax.plan import cost
-from distca_jax.plan.capacity import resolve_capacity
+from distca_jax.dataplane import (DispatchOptions, ExchangeOptions, dispatch_attention,
+                                  mesh_and_servers)
+from distca_jax.plan import cost, sizing
+from distca_jax.plan.capacity import CAP_FIELDS, resolve_capacity
 from distca_jax.plan.spec import (DEFAULT_EXCHANGE_BUCKETS, HostPlan, PlanSpec, host_plan,
                                   nano_batch_rows)
 
 PLAN_KEY = "distca_plan"  # the one key of ``layout.extra`` this backend reads
 
 
-def make_backend(*, tolerance: float = cost.DEFAULT_TOLERANCE, min_shard: int = 0,
-                 q_slot: int = 0, kv_slot: int = 0, q_tokens: int = 0, kv_tokens: int = 0,
-                 tasks: int = 0, kernel: str = "reference", memory_mode: str = "keep",
-                 rows_per_rank: int = 1, nano_batches: int = 1,
-                 q_heads: int = cost.DEFAULT_Q_HEADS, kv_heads: int = cost.DEFAULT_KV_HEADS,
-                 head_dim: int = cost.DEFAULT_HEAD_DIM, dtype_bytes: int = cost.DEFAULT_DTYPE_BYTES,
-                 data_axis: str = "data", head_axis: str | None = "tensor",
-                 cost_table: str = "", exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
-                 collective: str = DEFAULT_COLLECTIVE,
-                 signal_only: bool = False, split_exchange: bool = False,
-                 min_gain: float = 0.0,
-                 linear_pairs_per_token: float = 0.0) -> "DistcaBackend":
-  """The ``distca`` core-attention backend (options: ``config.attention.distca`` + model shapes).
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Options of the ``distca`` backend (``from_config``: ``config.attention.distca``, the kernel,
+  the model's shapes and the run's startup caps).
 
-  Returns a ``DistcaBackend``.
+  Attributes:
+    tolerance, min_shard, min_gain: the balancer's (``plan.schedule``); ``min_shard`` 0 takes
+      ``plan.auto_min_shard``.
+    q_slot, kv_slot, q_tokens, kv_tokens, tasks: caps per device for one call (``R/n`` rows of
+      ``tokens_per_row``); 0 takes ``plan.default_capacity``'s value.
+    kernel, memory_mode: ``dataplane.DispatchOptions``.
+    rows_per_rank, nano_batches: the trainer's ``R`` and ``n``.
+    q_heads, kv_heads, head_dim, dtype_bytes: the byte model.
+    linear_pairs_per_token: the linear layers' work per token in pair units, for the gate
+      (``metrics.linear_pairs_per_token`` of the model).
+    data_axis, head_axis: the mesh axes of the servers and of the heads.
+    exchange_buckets, collective, signal_only: ``dataplane.ExchangeOptions``. Training takes
+      ``collective='auto'`` and ``signal_only=False``; benchmarks pass others to
+      ``backends.build(c, ...)``.
+    cost_table: a measured ``plan.CostTable`` JSON: plans then also predict per-server kernel
+      time (benchmarks pass it to ``backends.build``; balancing stays in pairs).
+  """
+  tolerance: float = cost.DEFAULT_TOLERANCE
+  min_shard: int = 0
+  min_gain: float = 0.0
+  q_slot: int = 0
+  kv_slot: int = 0
+  q_tokens: int = 0
+  kv_tokens: int = 0
+  tasks: int = 0
+  kernel: str = "reference"
+  memory_mode: str = "keep"
+  rows_per_rank: int = 1
+  nano_batches: int = 1
+  q_heads: int = cost.DEFAULT_Q_HEADS
+  kv_heads: int = cost.DEFAULT_KV_HEADS
+  head_dim: int = cost.DEFAULT_HEAD_DIM
+  dtype_bytes: int = cost.DEFAULT_DTYPE_BYTES
+  linear_pairs_per_token: float = 0.0
+  data_axis: str = "data"
+  head_axis: str | None = "tensor"
+  exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS
+  collective: str = "auto"
+  signal_only: bool = False
+  cost_table: str = ""
+
+  @classmethod
+  def from_config(cls, c: ml_collections.ConfigDict) -> "Options":
+    """The run's options; caps left at 0 come from its first batches (``sizing``)."""
+    d = c.attention.distca
+    m = config_lib.model_config(c)
+    caps = {f: d[f] for f in CAP_FIELDS}
+    caps.update(sizing.startup_capacity(c))
+    return cls(tolerance=d.tolerance, min_shard=d.min_shard, min_gain=d.min_gain, **caps,
+               kernel=c.attention.kernel, memory_mode=d.memory_mode,
+               rows_per_rank=c.rows_per_rank, nano_batches=c.attention.nano_batches,
+               q_heads=m.n_heads, kv_heads=m.n_kv_heads, head_dim=m.head_dim,
+               dtype_bytes=jnp.dtype(m.dtype).itemsize,
+               linear_pairs_per_token=metrics_lib.linear_pairs_per_token(m),
+               exchange_buckets=d.exchange_buckets)
+
+  @property
+  def caps(self) -> dict[str, int]:
+    return {f: getattr(self, f) for f in CAP_FIELDS}
+
+
+def make(options: Options) -> "DistcaBackend":
+  """The ``distca`` core-attention backend.
 
   ``host_prepare(doclens, tokens_per_row)`` plans each batch on the input thread (one list of
   document lengths per row; ``len(doclens) = data ranks x rows_per_rank``) and returns
   ``{'distca_plan': int32 [rows, W]}``; ``fn`` reads it from ``layout.extra`` and runs
-  ``dispatch_attention`` over the mesh set by ``trainer.mesh_context``.
+  ``dataplane.dispatch_attention`` over the mesh set by ``trainer.mesh_context``.
 
   With ``nano_batches = n`` (ping-pong, ``model.split_rows``) the model calls core attention once
   per nano-batch, on rows ``[i R/n, (i+1) R/n)`` of every rank's block; each nano-batch is planned
   and balanced on its own, and its plan is stored in exactly those rows of ``distca_plan``, so
   ``split_rows`` hands every call its own plan.
-
-  Caps are per device for one call (``R/n`` rows of ``tokens_per_row``); 0 takes
-  ``default_capacity``, ``min_shard`` 0 takes ``auto_min_shard``. ``min_gain`` and
-  ``linear_pairs_per_token`` gate each plan (``plan.schedule``: a plan whose predicted
-  speedup is below ``1 + min_gain`` moves nothing; the trainer derives
-  ``linear_pairs_per_token`` from the model). ``exchange_buckets``, ``split_exchange``,
-  ``collective`` and ``signal_only`` (benchmarks only: wrong results) go to
-  ``dispatch_attention``.
   """
+  o = options
   try:
-    check_options(kernel, memory_mode, exchange_buckets, signal_only, collective,
-                   split_exchange)
+    exchange = ExchangeOptions(buckets=o.exchange_buckets, collective=o.collective,
+                               signal_only=o.signal_only)
+    dispatch = DispatchOptions(kernel=o.kernel, memory_mode=o.memory_mode,
+                               data_axis=o.data_axis, exchange=exchange)
   except ValueError as e:
     raise ValueError(f"{e} (config.attention.distca)") from e
-  r = check_int("rows_per_rank", rows_per_rank, 1)
-  n = check_int("nano_batches", nano_batches, 1)
+  r = check_int("rows_per_rank", o.rows_per_rank, 1)
+  n = check_int("nano_batches", o.nano_batches, 1)
   # Checked here, not only by each plan's schedule(): a bad value fails at startup.
-  check_float("config.attention.distca.min_gain", min_gain,
-                 hint="0 = always balance; default 0.02")
-  check_float("linear_pairs_per_token", linear_pairs_per_token,
-                 hint="the trainer derives it: metrics.linear_pairs_per_token")
+  check_float("config.attention.distca.min_gain", o.min_gain,
+              hint="0 = always balance; default 0.02")
+  check_float("linear_pairs_per_token", o.linear_pairs_per_token,
+              hint="the trainer derives it: metrics.linear_pairs_per_token")
   if r % n:
-    raise ValueError(f"{rows_per_rank=} must be a multiple of {nano_batches=}")
-  caps = dict(q_slot=q_slot, kv_slot=kv_slot, q_tokens=q_tokens, kv_tokens=kv_tokens,
-              tasks=tasks)
+    raise ValueError(f"rows_per_rank={o.rows_per_rank!r} must be a multiple of "
+                     f"nano_batches={o.nano_batches!r}")
+  caps = o.caps
   for name, v in caps.items():
     check_int(f"config.attention.distca.{name} (0 = auto)", v, 0)
   rn = r // n  # rows per device in one core-attention call
-  byte_model = dict(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
-                    dtype_bytes=dtype_bytes)
+  byte_model = dict(q_heads=o.q_heads, kv_heads=o.kv_heads, head_dim=o.head_dim,
+                    dtype_bytes=o.dtype_bytes)
+  tolerance, min_shard, min_gain = o.tolerance, o.min_shard, o.min_gain
+  cost_table, linear_pairs_per_token = o.cost_table, o.linear_pairs_per_token
+  rows_per_rank, nano_batches = o.rows_per_rank, o.nano_batches
+  data_axis, head_axis = o.data_axis, o.head_axis
 
   def spec_for(num_servers: int, tokens_per_row: int) -> PlanSpec:
     return PlanSpec(num_servers=num_servers, tokens_per_row=tokens_per_row, rows_per_device=rn,
@@ -122,19 +178,17 @@ def make_backend(*, tolerance: float = cost.DEFAULT_TOLERANCE, min_shard: int = 
     if q_BxTxHxD.shape[0] != s * rn:
       raise ValueError(f"core attention got {q_BxTxHxD.shape[0]} rows on {data_axis}={s}; the "
                        f"backend was built for {rows_per_rank=} / {nano_batches=} = {rn} rows per "
-                       "device and call (pass the config's values to make_backend)")
+                       "device and call (build it with backends.build(config))")
     spec = spec_for(s, q_BxTxHxD.shape[1])
     hax = head_axis if head_axis in mesh.axis_names and mesh.shape[head_axis] > 1 else None
     # Documents never cross a row, so no task has more than a row's query or key rows: the bound
     # for flash3 (its grid is tasks x ceil(max_seqlen / 128) blocks; the buffers are up to 3x
     # longer); other kernels ignore it.
     kopts = {"max_seqlen_q": spec.tokens_per_row, "max_seqlen_k": spec.tokens_per_row}
+    call = dataclasses.replace(dispatch, softmax_scale=softmax_scale, head_axis=hax,
+                               kernel_options=kopts)
     return dispatch_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout.extra[PLAN_KEY], spec,
-                              kernel=kernel, memory_mode=memory_mode,
-                              softmax_scale=softmax_scale, data_axis=data_axis, head_axis=hax,
-                              exchange_buckets=exchange_buckets, collective=collective,
-                              signal_only=signal_only, split_exchange=split_exchange,
-                              kernel_options=kopts)
+                              call)
 
   return DistcaBackend(fn=fn, host_prepare=host_prepare, host_plans=host_plans, caps=caps)
 
@@ -148,4 +202,3 @@ class DistcaBackend(attn_lib.Backend):
   caps: Mapping[str, int] | None = None
 
 
-attn_lib.register_backend("distca", make_backend)

@@ -27,36 +27,26 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from distca_jax.dataplane.body import (KERNELS, MEMORY_MODES, check_options, count_primitives,
+from distca_jax.dataplane.body import (KERNELS, MEMORY_MODES, DispatchOptions, count_primitives,
                                        dispatch_attention, mesh_and_servers)
 from distca_jax.dataplane.copies import gather_two, place_unique, recv_rows, take_rows
-from distca_jax.dataplane.exchange import (COLLECTIVES, DEFAULT_COLLECTIVE, resolve_collective,
+from distca_jax.dataplane.exchange import (COLLECTIVES, ExchangeOptions, resolve_collective,
                                            return_to_owners, send_to_servers)
 from distca_jax.plan import cost
 from distca_jax.plan.capacity import Capacity
-from distca_jax.plan.spec import DEFAULT_EXCHANGE_BUCKETS, fit_host_plan
+from distca_jax.plan.spec import fit_host_plan
 
 __all__ = [
-    "COLLECTIVES", "DEFAULT_COLLECTIVE", "KERNELS", "MEMORY_MODES", "check_options",
+    "COLLECTIVES", "DispatchOptions", "ExchangeOptions", "KERNELS", "MEMORY_MODES",
     "core_attention", "count_primitives", "dispatch_attention", "gather_two", "mesh_and_servers",
     "place_unique", "recv_rows", "resolve_collective", "return_to_owners", "send_to_servers",
     "take_rows",
 ]
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "kernel", "memory_mode", "softmax_scale",
-                                             "data_axis", "head_axis", "mesh", "return_lse",
-                                             "kernel_options", "exchange_buckets",
-                                             "collective", "signal_only", "split_exchange"))
-def _dispatch_jit(q, k, v, plan, *, spec, kernel, memory_mode, softmax_scale, data_axis,
-                  head_axis, mesh, return_lse, kernel_options, exchange_buckets, collective,
-                  signal_only, split_exchange):
-  return dispatch_attention(q, k, v, plan, spec, kernel=kernel, memory_mode=memory_mode,
-                            softmax_scale=softmax_scale, data_axis=data_axis, head_axis=head_axis,
-                            mesh=mesh, return_lse=return_lse,
-                            kernel_options=dict(kernel_options),
-                            exchange_buckets=exchange_buckets, collective=collective,
-                            signal_only=signal_only, split_exchange=split_exchange)
+@functools.partial(jax.jit, static_argnames=("spec", "options", "mesh"))
+def _dispatch_jit(q, k, v, plan, *, spec, options, mesh):
+  return dispatch_attention(q, k, v, plan, spec, options, mesh=mesh)
 
 
 def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
@@ -67,9 +57,7 @@ def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
                    data_axis: str = "data", head_axis: str | None = None,
                    return_lse: bool = False, return_plan: bool = False,
                    kernel_options: Mapping[str, Any] | None = None,
-                   exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
-                   collective: str = DEFAULT_COLLECTIVE, signal_only: bool = False,
-                   split_exchange: bool = False, **schedule_options):
+                   exchange: ExchangeOptions = ExchangeOptions(), **schedule_options):
   """Each document's causal attention, computed by CAD: plan, dispatch, fused kernel, return.
 
   Args:
@@ -81,28 +69,27 @@ def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
     mesh: a ``jax.sharding.Mesh`` with a ``data_axis`` of size ``ranks``.
     tolerance: balancing epsilon (every server within ``(1 + tolerance)`` x mean pairs).
     capacity: buffer caps (``Capacity`` or dict); None or missing fields: the plan's own
-      required sizes rounded up to a multiple of 128 (a new layout may then recompile).
+      required sizes rounded up to a row multiple (a new layout may then recompile).
     kernel: ``ops.core_attention`` backend: 'reference', 'pallas' (interpret mode on CPU) or
       'flash3'.
     softmax_scale: default ``1 / sqrt(head_dim)``.
-    memory_mode: 'keep' or 'resend' (what the backward keeps; see the module docstring).
+    memory_mode: 'keep' or 'resend' (what the backward keeps; ``dataplane.body``).
     min_shard: shortest query piece a split may create; None = ``plan.auto_min_shard``.
     data_axis: the mesh axis of the ranks (= attention servers).
     head_axis: mesh axis the heads are sharded over, if any.
     return_lse: also return the log-sum-exp ``[ranks, tokens_per_rank, q_heads]``.
     return_plan: also return the ``HostPlan`` (last element).
     kernel_options: extra ``ops.core_attention`` keywords (``interpret``, ``block_sizes``, ...).
-    exchange_buckets: slot fractions the exchange chooses from (module docstring); 1 = full.
-    collective: 'auto', 'all_to_all' or 'ppermute' (module docstring, "Collectives").
-    signal_only: benchmarks only: one row per slot on the wire, results WRONG by design.
-    split_exchange: queries and keys/values each choose their own bucket and collective.
+    exchange: buckets, collective, signal-only (``exchange.ExchangeOptions``).
     **schedule_options: further ``plan.schedule`` keywords (split, cost_model, ...).
 
   Returns:
     O shaped like q (zeros at padding); ``(O, lse)`` with ``return_lse``; the ``HostPlan``
     appended with ``return_plan``. Differentiable in q, k, v.
   """
-  check_options(kernel, memory_mode, exchange_buckets, signal_only, collective, split_exchange)
+  options = DispatchOptions(kernel=kernel, memory_mode=memory_mode, softmax_scale=softmax_scale,
+                            data_axis=data_axis, head_axis=head_axis, return_lse=return_lse,
+                            kernel_options=dict(kernel_options or {}), exchange=exchange)
   if q.ndim != 4 or k.ndim != 4:
     raise ValueError(f"q must be [ranks, tokens_per_rank, q_heads, head_dim] and k, v "
                      f"[ranks, tokens_per_rank, kv_heads, head_dim]; got {q.shape=} {k.shape=}")
@@ -115,16 +102,10 @@ def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
   byte_model.update(schedule_options)
   hp = fit_host_plan(doc_lens, s, t, capacity, tolerance=tolerance, min_shard=min_shard,
                      **byte_model)
-  spec = hp.spec
   plan = hp.packed
   if not isinstance(q, jax.core.Tracer):
     plan = jax.device_put(plan, NamedSharding(mesh, P(data_axis, None)))
-  out = _dispatch_jit(q, k, v, plan, spec=spec, kernel=kernel, memory_mode=memory_mode,
-                      softmax_scale=softmax_scale, data_axis=data_axis, head_axis=head_axis,
-                      mesh=mesh, return_lse=return_lse,
-                      kernel_options=tuple(sorted((kernel_options or {}).items())),
-                      exchange_buckets=int(exchange_buckets), collective=collective,
-                      signal_only=bool(signal_only), split_exchange=bool(split_exchange))
+  out = _dispatch_jit(q, k, v, plan, spec=hp.spec, options=options, mesh=mesh)
   if return_plan:
     return (*out, hp) if return_lse else (out, hp)
   return out

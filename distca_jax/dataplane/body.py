@@ -19,6 +19,7 @@ and inputs ('keep'; with 'resend' the inputs are still re-sent) and the returned
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 from typing import Any, Mapping
@@ -26,70 +27,77 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
-import numpy as np
 
 from distca_jax import ops
-from distca_jax.checks import check_int
-from distca_jax.dataplane.exchange import (COLLECTIVES, DEFAULT_COLLECTIVE, return_to_owners,
-                                           send_to_servers)
-from distca_jax.plan.spec import DEFAULT_EXCHANGE_BUCKETS, PlanSpec
+from distca_jax.dataplane.exchange import ExchangeOptions, return_to_owners, send_to_servers
+from distca_jax.plan.spec import PlanSpec
 
 MEMORY_MODES = ("keep", "resend")
 KERNELS = ops.BACKENDS
 
 
-def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec, axis: str,
-                 kernel: str, softmax_scale: float, return_lse: bool,
-                 kernel_options: tuple[tuple[str, Any], ...], exchange_buckets: int,
-                 collective: str, signal_only: bool, resend: bool = False,
-                 split_exchange: bool = False):
+@dataclasses.dataclass(frozen=True)
+class DispatchOptions:
+  """Everything static about one ``dispatch_attention`` call (hashable: a jit static argument).
+
+  Attributes:
+    kernel: ``ops.core_attention`` backend ('reference', 'pallas', 'flash3').
+    memory_mode: 'keep' or 'resend' (module docstring).
+    softmax_scale: default ``1 / sqrt(D)``.
+    data_axis: the mesh axis of the servers.
+    head_axis: mesh axis the heads are split over (tensor parallelism), or None.
+    return_lse: also return the softmax log-sum-exp ``[B, T, H]`` (f32; -inf at padding).
+    kernel_options: extra keywords for ``ops.core_attention`` (e.g. ``interpret``); a mapping is
+      stored as sorted ``(name, value)`` pairs.
+    exchange: buckets, collective and signal-only (``exchange.ExchangeOptions``).
+  """
+  kernel: str = "reference"
+  memory_mode: str = "keep"
+  softmax_scale: float | None = None
+  data_axis: str = "data"
+  head_axis: str | None = None
+  return_lse: bool = False
+  kernel_options: tuple[tuple[str, Any], ...] = ()
+  exchange: ExchangeOptions = ExchangeOptions()
+
+  def __post_init__(self):
+    if self.kernel not in KERNELS:
+      raise ValueError(f"distca kernel={self.kernel!r} is not a core_attention backend; choose "
+                       f"one of {KERNELS}")
+    if self.memory_mode not in MEMORY_MODES:
+      raise ValueError(f"distca memory_mode={self.memory_mode!r}; choose one of {MEMORY_MODES}")
+    if isinstance(self.kernel_options, Mapping):
+      object.__setattr__(self, "kernel_options", tuple(sorted(self.kernel_options.items())))
+    if not isinstance(self.exchange, ExchangeOptions):
+      raise TypeError(f"exchange={self.exchange!r} must be an ExchangeOptions")
+
+
+def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec,
+                 options: DispatchOptions):
   """One device: send, fused kernel over all of its tasks, return.
 
-  ``resend``: the 'resend' memory mode; the kernel's inputs are then not named for the layer's
-  remat policy, so a policy that keeps them ('save_attention') cannot undo the re-send.
+  With the 'resend' memory mode the kernel's inputs are not named for the layer's remat policy,
+  so a policy that keeps them ('save_attention') cannot undo the re-send.
   """
   r, t, h, d = q_RxTxHxD.shape
   kh = k_RxTxKxD.shape[2]
+  axis, wire, return_lse = options.data_axis, options.exchange, options.return_lse
   m = spec.unpack_local(plan_RxW)
-  wire = dict(exchange_buckets=exchange_buckets, collective=collective, signal_only=signal_only)
   q_attn, k_attn, v_attn = send_to_servers(
       q_RxTxHxD.reshape(r * t, h, d), k_RxTxKxD.reshape(r * t, kh, d),
-      v_RxTxKxD.reshape(r * t, kh, d), m, spec, axis, split_exchange=split_exchange, **wire)
+      v_RxTxKxD.reshape(r * t, kh, d), m, spec, axis, wire)
   # 4. One fused varlen call over all of this server's tasks.
   out = ops.core_attention(q_attn, k_attn, v_attn, m["cu_seqlens_q"], m["cu_seqlens_k"],
-                           backend=kernel, softmax_scale=softmax_scale, return_lse=return_lse,
-                           name_inputs=not resend, **dict(kernel_options))
+                           backend=options.kernel, softmax_scale=options.softmax_scale,
+                           return_lse=return_lse, name_inputs=options.memory_mode != "resend",
+                           **dict(options.kernel_options))
   o_attn, lse_attn = out if return_lse else (out, None)
   # 5. O back to the owners (zeros at padding).
-  o_RxTxHxD = return_to_owners(o_attn, m, spec, axis, **wire).reshape(r, t, h, d)
+  o_RxTxHxD = return_to_owners(o_attn, m, spec, axis, 0, wire).reshape(r, t, h, d)
   if not return_lse:
     return o_RxTxHxD
-  lse_RxTxH = return_to_owners(lse_attn, m, spec, axis, fill=-jnp.inf, **wire).reshape(r, t, h)
+  lse_RxTxH = return_to_owners(lse_attn, m, spec, axis, -jnp.inf, wire).reshape(r, t, h)
   return o_RxTxHxD, lse_RxTxH
-
-
-def check_options(kernel: str, memory_mode: str,
-                   exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
-                   signal_only: bool = False, collective: str = DEFAULT_COLLECTIVE,
-                   split_exchange: bool = False) -> None:
-  """Raises a ValueError naming the bad option and its valid values."""
-  if kernel not in KERNELS:
-    raise ValueError(f"distca {kernel=} is not a core_attention backend; choose one of {KERNELS}")
-  if memory_mode not in MEMORY_MODES:
-    raise ValueError(f"distca {memory_mode=}; choose one of {MEMORY_MODES}")
-  try:
-    check_int("exchange_buckets", exchange_buckets, 1)
-  except ValueError as e:
-    raise ValueError(f"distca {e} (1 = full slots always; default "
-                     f"{DEFAULT_EXCHANGE_BUCKETS})") from e
-  if not isinstance(signal_only, (bool, np.bool_)):
-    raise ValueError(f"distca {signal_only=} must be True or False (True only for timing "
-                     "benchmarks: it gives wrong results)")
-  if collective not in COLLECTIVES:
-    raise ValueError(f"distca {collective=}; choose one of {COLLECTIVES}")
-  if not isinstance(split_exchange, (bool, np.bool_)):
-    raise ValueError(f"distca {split_exchange=} must be True or False (True: queries and "
-                     "keys/values each choose their own bucket and collective)")
 
 
 def mesh_and_servers(mesh, data_axis: str):
@@ -105,41 +113,23 @@ def mesh_and_servers(mesh, data_axis: str):
 
 
 def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Array,
-                       plan_BxW: jax.Array, spec: PlanSpec, *, kernel: str = "reference",
-                       memory_mode: str = "keep", softmax_scale: float | None = None,
-                       data_axis: str = "data", head_axis: str | None = None, mesh=None,
-                       return_lse: bool = False, kernel_options: Mapping[str, Any] | None = None,
-                       exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
-                       collective: str = DEFAULT_COLLECTIVE, signal_only: bool = False,
-                       split_exchange: bool = False):
+                       plan_BxW: jax.Array, spec: PlanSpec,
+                       options: DispatchOptions = DispatchOptions(), *, mesh=None):
   """Core attention of every document by CAD, given a packed plan (device side, jit-able).
 
   Args:
-    q_BxTxHxD: queries, rows ``B = S * R`` sharded over ``data_axis`` (heads over ``head_axis``).
+    q_BxTxHxD: queries, rows ``B = S * R`` sharded over ``options.data_axis`` (heads over
+      ``options.head_axis``).
     k_BxTxKxD, v_BxTxKxD: keys and values, sharded the same way.
-    plan_BxW: int32 packed plan (``HostPlan.packed``), rows sharded over ``data_axis``.
+    plan_BxW: int32 packed plan (``HostPlan.packed``), rows sharded over the data axis.
     spec: the plan's static shapes.
-    kernel: ``ops.core_attention`` backend ('reference', 'pallas', 'flash3').
-    memory_mode: 'keep' or 'resend' (module docstring).
-    softmax_scale: default ``1 / sqrt(D)``.
-    data_axis: the mesh axis of the servers.
-    head_axis: mesh axis the heads are split over (tensor parallelism), or None.
+    options: kernel, memory mode, axes, exchange (``DispatchOptions``).
     mesh: the mesh; default the one set by ``jax.set_mesh`` (``trainer.mesh_context``).
-    return_lse: also return the softmax log-sum-exp ``[B, T, H]`` (f32; -inf at padding).
-    kernel_options: extra keywords for ``ops.core_attention`` (e.g. ``interpret``).
-    exchange_buckets: slot fractions the exchange chooses from per batch (module docstring);
-      1 = always the full slots.
-    collective: how rows cross the wire: 'auto', 'all_to_all' or 'ppermute' (module
-      docstring, "Collectives").
-    signal_only: benchmarks only: every all-to-all carries one row per slot, shapes unchanged,
-      results WRONG by design (module docstring).
-    split_exchange: queries and keys/values choose their buckets apart and cross in two
-      collectives (module docstring, "Bucketed exchange"); default one joint bucket.
 
   Returns:
     O ``[B, T, H, D]`` like q (zeros at padding), or ``(O, lse)``.
   """
-  check_options(kernel, memory_mode, exchange_buckets, signal_only, collective, split_exchange)
+  data_axis, head_axis = options.data_axis, options.head_axis
   mesh, s = mesh_and_servers(mesh, data_axis)
   b, t, h, d = q_BxTxHxD.shape
   kh = k_BxTxKxD.shape[2]
@@ -160,22 +150,18 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
     tp = mesh.shape[head_axis]
     if h % tp or kh % tp:
       raise ValueError(f"query heads {h} and kv heads {kh} must divide by {head_axis}={tp}")
-  scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-  body = functools.partial(_device_body, spec=spec, axis=data_axis, kernel=kernel,
-                           softmax_scale=scale, return_lse=return_lse,
-                           kernel_options=tuple(sorted((kernel_options or {}).items())),
-                           exchange_buckets=int(exchange_buckets), collective=collective,
-                           signal_only=bool(signal_only), resend=memory_mode == "resend",
-                           split_exchange=bool(split_exchange))
-  if memory_mode == "resend":
+  scale = options.softmax_scale
+  options = dataclasses.replace(options, softmax_scale=1.0 / math.sqrt(d) if scale is None
+                                else float(scale))
+  body = functools.partial(_device_body, spec=spec, options=options)
+  if options.memory_mode == "resend":
     body = jax.checkpoint(body, policy=ops.saves_kernel_outputs)
   qkv = P(data_axis, None, head_axis, None)
-  out_specs = (qkv, P(data_axis, None, head_axis)) if return_lse else qkv
+  out_specs = (qkv, P(data_axis, None, head_axis)) if options.return_lse else qkv
   # check_vma=False: the Pallas kernel's pallas_call carries no varying-axes annotations.
   f = jax.shard_map(body, mesh=mesh, in_specs=(qkv, qkv, qkv, P(data_axis, None)),
                     out_specs=out_specs, check_vma=False)
   return f(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, plan_BxW)
-
 
 
 def count_primitives(jaxpr, names) -> collections.Counter:

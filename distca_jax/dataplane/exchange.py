@@ -24,8 +24,8 @@ that moves nothing skips the send gathers and the collective. Step 5 does the sa
 bucket. Every branch has static shapes (one compiled step for all batches), and every device
 takes the same branch, so the collectives match. ``exchange_buckets = 1`` is the plain
 full-slot exchange (no switch). One joint bucket sizes the Q and the K/V parts of a slot by the
-same fraction; ``split_exchange=True`` lets each part pick its own bucket and cross in its own
-collective (``plan.part_bucket_rows``).
+same fraction. (Buckets chosen per part would move fewer bytes, results/split_exchange_bytes.md,
+but need two collectives, and no timing shows them faster: the exchange has one layout.)
 
 Signal-only (``signal_only=True``; benchmarks only, results are WRONG by design): every
 collective carries one row per slot, and each device uses its own send buffer in place of the
@@ -36,22 +36,54 @@ so timing the step against the real one measures what the wire costs (the paper'
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Mapping, Sequence
 
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from distca_jax import ops
+from distca_jax.checks import check_int
 from distca_jax.dataplane.copies import gather_two, place_unique, take_rows
 from distca_jax.plan.spec import (DEFAULT_EXCHANGE_BUCKETS, PlanSpec, exchange_bucket_rows,
-                                  part_bucket_rows, return_bucket_rows)
+                                  return_bucket_rows)
 
-# How rows cross the wire (module docstring, "Collectives"); 'auto' = ppermute with 2 servers,
-# all_to_all otherwise.
+# How rows cross the wire (module docstring, "Collectives"). Training takes 'auto' (each wins at
+# some size: results/collective_bench.md); the others force one path (tests, benchmarks).
 COLLECTIVES = ("auto", "all_to_all", "ppermute")
-DEFAULT_COLLECTIVE = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangeOptions:
+  """How rows cross the wire (hashable: part of the step's static arguments).
+
+  Attributes:
+    buckets: slot fractions the exchange chooses from per batch (module docstring); 1 = always
+      the full slots.
+    collective: 'auto' (``resolve_collective``), 'all_to_all' or 'ppermute'.
+    signal_only: benchmarks only: every collective carries one row per slot, shapes unchanged,
+      results WRONG by design (module docstring).
+  """
+  buckets: int = DEFAULT_EXCHANGE_BUCKETS
+  collective: str = "auto"
+  signal_only: bool = False
+
+  def __post_init__(self):
+    try:
+      check_int("exchange_buckets", self.buckets, 1)
+    except ValueError as e:
+      raise ValueError(f"distca {e} (1 = full slots always; default "
+                       f"{DEFAULT_EXCHANGE_BUCKETS})") from e
+    if self.collective not in COLLECTIVES:
+      raise ValueError(f"distca collective={self.collective!r}; choose one of {COLLECTIVES}")
+    if not isinstance(self.signal_only, (bool, np.bool_)):
+      raise ValueError(f"distca signal_only={self.signal_only!r} must be True or False (True only "
+                       "for timing benchmarks: it gives wrong results)")
+    object.__setattr__(self, "buckets", int(self.buckets))
+    object.__setattr__(self, "signal_only", bool(self.signal_only))
 
 
 def resolve_collective(collective: str, num_servers: int) -> str:
@@ -168,9 +200,7 @@ def _exchange_parts(parts, sizes: Sequence[int], *, num_servers: int, axis: str,
 
 
 def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec: PlanSpec,
-                    axis: str, *, exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
-                    collective: str = DEFAULT_COLLECTIVE, signal_only: bool = False,
-                    split_exchange: bool = False):
+                    axis: str, exchange: ExchangeOptions = ExchangeOptions()):
   """Steps 1-3 on one device (inside ``shard_map``): its rows out, its attention inputs in.
 
   Args:
@@ -178,70 +208,46 @@ def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec:
     m: this device's metadata (``PlanSpec.unpack_local``).
     spec: the static shapes.
     axis: the servers' mesh axis.
-    exchange_buckets: slot fractions to choose from (module docstring); 1 = full slots.
-    collective: 'auto', 'all_to_all' or 'ppermute' (``resolve_collective``).
-    signal_only: timing ablation: one row per slot crosses the wire (wrong results).
-    split_exchange: False: one bucket switch and one collective for Q, K and V together (the
-      bucket sized by the fuller of the two); True: the query rows and the key/value rows each
-      choose their own bucket and cross in their own collective (module docstring).
+    exchange: buckets, collective, signal-only (``ExchangeOptions``). One bucket switch and one
+      collective carry Q, K and V together, the bucket sized by the fuller of the two parts.
 
   Returns:
     (q_attn [Nq, H, D], k_attn [Nkv, K, D], v_attn [Nkv, K, D]); rows no task uses are zero.
   """
   s, cap = spec.num_servers, spec.capacity
-  wire = dict(num_servers=s, axis=axis, collective=resolve_collective(collective, s),
-              signal_only=signal_only)
+  wire = dict(num_servers=s, axis=axis, collective=resolve_collective(exchange.collective, s),
+              signal_only=exchange.signal_only)
 
-  def q_part(q, q_send_idx, q_attn_idx):
-    return ((q,), q_send_idx, q_attn_idx, cap.q_slot, True)
+  def joint(bq: int, bkv: int):
+    def run(q, k, v, q_send_idx, kv_send_idx, q_attn_idx, kv_attn_idx):
+      (q_attn,), (k_attn, v_attn) = _exchange_parts(
+          [((q,), q_send_idx, q_attn_idx, cap.q_slot, True),
+           ((k, v), kv_send_idx, kv_attn_idx, cap.kv_slot, False)], (bq, bkv), **wire)
+      return q_attn, k_attn, v_attn
+    return run
 
-  def kv_part(k, v, kv_send_idx, kv_attn_idx):
-    return ((k, v), kv_send_idx, kv_attn_idx, cap.kv_slot, False)
-
-  if not split_exchange:
-    def joint(bq: int, bkv: int):
-      def run(q, k, v, q_send_idx, kv_send_idx, q_attn_idx, kv_attn_idx):
-        (q_attn,), (k_attn, v_attn) = _exchange_parts(
-            [q_part(q, q_send_idx, q_attn_idx), kv_part(k, v, kv_send_idx, kv_attn_idx)],
-            (bq, bkv), **wire)
-        return q_attn, k_attn, v_attn
-      return run
-
-    return _bucketed(
-        m["exchange_rows"], exchange_bucket_rows(cap, exchange_buckets), joint,
-        q_TxHxD, k_TxKxD, v_TxKxD, m["q_send_idx"], m["kv_send_idx"], m["q_attn_idx"],
-        m["kv_attn_idx"])
-
-  def q_only(bq: int):
-    return lambda *a: _exchange_parts([q_part(*a)], (bq,), **wire)[0][0]
-
-  def kv_only(bkv: int):
-    return lambda *a: _exchange_parts([kv_part(*a)], (bkv,), **wire)[0]
-
-  q_attn = _bucketed(m["exchange_rows"][:1], part_bucket_rows(cap.q_slot, exchange_buckets),
-                     q_only, q_TxHxD, m["q_send_idx"], m["q_attn_idx"])
-  k_attn, v_attn = _bucketed(m["exchange_rows"][1:],
-                             part_bucket_rows(cap.kv_slot, exchange_buckets), kv_only,
-                             k_TxKxD, v_TxKxD, m["kv_send_idx"], m["kv_attn_idx"])
-  return q_attn, k_attn, v_attn
+  return _bucketed(
+      m["exchange_rows"], exchange_bucket_rows(cap, exchange.buckets), joint,
+      q_TxHxD, k_TxKxD, v_TxKxD, m["q_send_idx"], m["kv_send_idx"], m["q_attn_idx"],
+      m["kv_attn_idx"])
 
 
-def return_to_owners(x_NqxF, m: Mapping[str, jax.Array], spec: PlanSpec, axis: str, fill=0, *,
-                     exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS,
-                     collective: str = DEFAULT_COLLECTIVE, signal_only: bool = False):
+def return_to_owners(x_NqxF, m: Mapping[str, jax.Array], spec: PlanSpec, axis: str, fill=0,
+                     exchange: ExchangeOptions = ExchangeOptions()):
   """Step 5 on one device: attention-output rows back to the devices their queries came from.
 
   Args:
     x_NqxF: per attention query row values ``[Nq, ...]`` (O ``[Nq, H, D]`` or LSE ``[Nq, H]``).
-    m, spec, axis, exchange_buckets, collective, signal_only: as in ``send_to_servers`` (the
-      return uses the query-slot sizes of the buckets).
+    m, spec, axis, exchange: as in ``send_to_servers`` (the return uses the query-slot sizes
+      of the buckets).
     fill: value of local rows no task produced (padding).
 
   Returns:
     ``[T, ...]``: this device's rows in its natural order.
   """
   s, cq = spec.num_servers, spec.capacity.q_slot
-  collective = resolve_collective(collective, s)
+  collective = resolve_collective(exchange.collective, s)
+  signal_only = exchange.signal_only
   feat = x_NqxF.shape[1:]
   row_el = math.prod(feat)
 
@@ -259,5 +265,5 @@ def return_to_owners(x_NqxF, m: Mapping[str, jax.Array], spec: PlanSpec, axis: s
 
     return run
 
-  return _bucketed(m["exchange_rows"][:1], return_bucket_rows(spec.capacity, exchange_buckets),
+  return _bucketed(m["exchange_rows"][:1], return_bucket_rows(spec.capacity, exchange.buckets),
                    back, x_NqxF, m["o_send_idx"], m["o_local_idx"])

@@ -5,7 +5,8 @@ Modules, in dependency order: ``cost`` (pairs, FLOPs, measured kernel times, the
 ``capacity`` (the fixed buffer sizes a plan must fit), ``metadata`` (``Plan``, ``PlanMetadata``,
 ``plan_to_metadata``: the contract with ``distca_jax.dataplane``), ``balancer`` (``schedule``),
 ``spec`` (``PlanSpec``, ``host_plan``: a batch's plan packed for the step), ``sizing`` (caps for
-a run config from its own batches; not imported here: it reads the data pipeline), ``executor`` (the NumPy oracle of the contract) and ``diagnostics``.
+a run config from its own batches; not imported here: it reads the data pipeline), ``executor``
+(the NumPy oracle of the contract) and ``diagnostics``.
 Nothing here runs on a device.
 """
 

@@ -124,8 +124,8 @@ def plot_loads(plan: Plan, ax=None, *, use_time: bool = False):
 
 
 def exchange_bytes(meta: PlanMetadata, *, q_heads: int, kv_heads: int, head_dim: int,
-                   dtype_bytes: int, exchange_buckets: int = spec_lib.DEFAULT_EXCHANGE_BUCKETS,
-                   split_exchange: bool = False) -> dict[str, float]:
+                   dtype_bytes: int,
+                   exchange_buckets: int = spec_lib.DEFAULT_EXCHANGE_BUCKETS) -> dict[str, float]:
   """Per-device bytes of one forward exchange: useful (plan rows), moved (bucket), padded (slots).
 
   ``dispatch_*`` counts Q + K + V rows sent to other devices; ``return_*`` the O rows coming back
@@ -136,8 +136,7 @@ def exchange_bytes(meta: PlanMetadata, *, q_heads: int, kv_heads: int, head_dim:
   the most any one device sends; ``max_pair_dispatch_useful``: the largest (sender, server) pair.
   ``exchange_q_rows`` / ``exchange_kv_rows``: the plan's fullest slots (``exchange_rows``);
   ``bucket`` / ``return_bucket``: the chosen bucket's index among ``num_buckets`` /
-  ``num_return_buckets`` distinct ones (``split_exchange``: ``bucket = iq * nkv + ikv`` of the
-  ``nq x nkv`` pairs of the two parts' buckets); ``bucket_q_rows``, ``bucket_kv_rows``,
+  ``num_return_buckets`` distinct ones; ``bucket_q_rows``, ``bucket_kv_rows``,
   ``return_bucket_q_rows``: their rows per slot.
   """
   s = meta.num_servers
@@ -152,15 +151,9 @@ def exchange_bytes(meta: PlanMetadata, *, q_heads: int, kv_heads: int, head_dim:
   ret_buckets = spec_lib.return_bucket_rows(c, exchange_buckets)
   j = spec_lib.choose_bucket(rows[:1], ret_buckets)
   (rr,) = ret_buckets[j]
-  if split_exchange:
-    kv_buckets = spec_lib.part_bucket_rows(c.kv_slot, exchange_buckets)
-    jkv = spec_lib.choose_bucket(rows[1:], kv_buckets)
-    (rq,), (rkv,) = ret_buckets[j], kv_buckets[jkv]
-    i, num = j * len(kv_buckets) + jkv, len(ret_buckets) * len(kv_buckets)
-  else:
-    buckets = spec_lib.exchange_bucket_rows(c, exchange_buckets)
-    i, num = spec_lib.choose_bucket(rows, buckets), len(buckets)
-    rq, rkv = buckets[i]
+  buckets = spec_lib.exchange_bucket_rows(c, exchange_buckets)
+  i, num = spec_lib.choose_bucket(rows, buckets), len(buckets)
+  rq, rkv = buckets[i]
   return {
       "dispatch_useful": useful_q + useful_kv,
       "dispatch_useful_busiest_device": float(sent.max()),

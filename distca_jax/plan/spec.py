@@ -17,8 +17,8 @@ rows of every rank; ``nano_batch_rows``), each planned and balanced on its own.
 Exchange buckets. A slot's used rows are packed at its front (checked by ``PlanSpec.pack``), and
 ``exchange_rows`` stores in every device's plan the most rows any (sender, server != sender) slot
 uses, for Q and for K/V. With ``exchange_buckets = n`` the device picks the smallest fraction of
-``1/n, ..., 1`` of the slot that holds them (``exchange_bucket_rows``, ``part_bucket_rows``;
-``choose_bucket`` is the host twin of that choice); ``distca_jax.dataplane.exchange`` runs it.
+``1/n, ..., 1`` of the slot that holds them (``exchange_bucket_rows``; ``choose_bucket`` is the
+host twin of that choice); ``distca_jax.dataplane.exchange`` runs it.
 """
 
 from __future__ import annotations
@@ -138,7 +138,8 @@ def _check_unique_rows(meta: PlanMetadata) -> None:
   The backward of those gathers is a gather through the inverse map (``_take(unique=True)``),
   which is the sum of the contributions only if no source row is read twice.
   """
-  t, s, cq, nq = meta.tokens_per_rank, meta.num_servers, meta.capacity.q_slot, meta.capacity.q_tokens
+  t, s = meta.tokens_per_rank, meta.num_servers
+  cq, nq = meta.capacity.q_slot, meta.capacity.q_tokens
   for name, bound in (("q_send_idx", t), ("q_attn_idx", t + s * cq), ("o_send_idx", nq),
                       ("o_local_idx", nq + s * cq)):
     for p, rows in enumerate(getattr(meta, name)):
@@ -191,8 +192,7 @@ def exchange_bucket_rows(capacity: Capacity,
   (every task on its owner) skips the gathers and the all-to-all. Bucket ``i`` of ``n`` keeps
   ``ceil(i / n * slot)`` rows of a slot, rounded up to a multiple of 8 and at most the slot;
   buckets equal to the previous one are dropped, so the last is always the full slot.
-  ``n = 1`` is the full slot alone (no switch). ``split_exchange`` uses ``part_bucket_rows``
-  instead: one such list per part.
+  ``n = 1`` is the full slot alone (no switch).
   """
   n = check_int("exchange_buckets", exchange_buckets, 1)
   out = [(0, 0)] if n > 1 else []
@@ -207,8 +207,7 @@ def part_bucket_rows(slot: int, exchange_buckets: int) -> tuple[tuple[int], ...]
   """Rows per slot of each bucket of one part (queries or keys/values) alone, ascending.
 
   The same fractions as ``exchange_bucket_rows`` (0 first when ``n >= 2``; distinct sizes
-  only). The return of O / LSE rows uses the query part's list; with ``split_exchange`` the
-  query and key/value exchanges each use their own.
+  only). The return of O / LSE rows uses the query part's list (``return_bucket_rows``).
   """
   n = check_int("exchange_buckets", exchange_buckets, 1)
   return tuple((r,) for r in sorted({_bucket_slot_rows(i, n, slot) for i in range(1, n + 1)}
@@ -249,7 +248,8 @@ class HostPlan:
 
 
 def auto_min_shard(tokens_per_row: int) -> int:
-  """Default ``min_shard``: ``cost.DEFAULT_MIN_SHARD``, or ``T / 16`` (at least 8) for short rows."""
+  """Default ``min_shard``: ``cost.DEFAULT_MIN_SHARD``, or ``T / 16`` (at least 8) for short
+  rows."""
   return int(min(cost.DEFAULT_MIN_SHARD, max(8, tokens_per_row // 16)))
 
 

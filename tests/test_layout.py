@@ -137,3 +137,28 @@ def test_library_files_are_short(path):
 def test_old_modules_are_gone():
   for old in ("scheduler", "dispatch"):
     assert not os.path.exists(os.path.join(ROOT, "distca_jax", f"{old}.py"))
+
+
+def test_every_backend_module_exports_options_and_make():
+  """One registry: each backend module has a frozen ``Options`` with ``from_config`` and a
+  ``make(options) -> attention.Backend``; ``backends.build`` turns every name of a shipped config
+  into a backend, and the trainer names no backend."""
+  import dataclasses
+  import inspect
+
+  from distca_jax import attention, backends, configs_io, trainer
+  c = configs_io.load_config(os.path.join(ROOT, "configs", "tiny_cpu.py"))
+  c.attention.distca.caps_from_batches = 2
+  assert set(backends.BACKENDS) == {"local", "reference", "distca", "packed_dp", "cp", "wlb"}
+  for name, m in backends.BACKENDS.items():
+    assert dataclasses.is_dataclass(m.Options) and m.Options.__dataclass_params__.frozen, name
+    c.attention.backend = name
+    options = m.Options.from_config(c)
+    assert isinstance(options, m.Options), name
+    assert isinstance(backends.build(c), attention.Backend), name
+    assert isinstance(m.make(options), attention.Backend), name
+  with pytest.raises(ValueError, match=r"available: .*distca"):
+    backends.module("nope")
+  source = inspect.getsource(trainer)
+  for name in backends.BACKENDS:
+    assert f'"{name}"' not in source and f"'{name}'" not in source, name

@@ -85,8 +85,7 @@ stage ex_perm_suggest 100 python3 experiments/dispatch_bench.py $X --caps sugges
 stage ex_a2a_default 100 python3 experiments/dispatch_bench.py $X --caps default --out "$OUT/dispatch_v3_a2a_default"
 stage ex_perm_default 100 python3 experiments/dispatch_bench.py $X --caps default --collective ppermute --out "$OUT/dispatch_v3_perm_default"
 ;;& v3e2e)
-# The issue-7 ablations again with the v3 data plane, 2 GPUs
-# (results/archive/039a22a/dispatch_v3_summary.md).
+# The issue-7 ablations again with the v3 data plane (results/archive/039a22a/dispatch_v3_summary.md), 2 GPUs.
 stage e2e_64k_v3 585 python3 experiments/e2e_bench.py --backends packed_dp,distca,cp --workloads pretrain --tokens 65536 $E2E20 --extra attention.baselines.cp_size=2 --variant signal@distca:attention.distca.signal_only=true --variant eps0@distca:attention.distca.tolerance=0 --variant eps005@distca:attention.distca.tolerance=0.05 --plan-stats --out "$OUT/e2e_2gpu_64k_v3"
 ;;& v3e2e2)
 stage e2e_128k_v3 330 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 131072 $E2E20 --profile --plan-stats --out "$OUT/e2e_2gpu_128k_v3"

@@ -93,7 +93,7 @@ def base_config() -> ml_collections.ConfigDict:
                                           # 'all_to_all' over every server's slot, or S - 1
                                           # 'ppermute' rounds over the peers' slots only; 'auto':
                                           # ppermute with 2 servers, all_to_all otherwise
-                                          # (results/archive/039a22a/dispatch_v3_summary.md)
+                                          # (results/dispatch_v3_summary.md)
   c.attention.distca.signal_only = False  # benchmarks only: every all-to-all carries one row per
                                           # slot (same program otherwise); results are WRONG
   # Baselines (distca_jax/baselines): 'packed_dp' (each rank its own documents, one fused varlen

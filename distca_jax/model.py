@@ -60,7 +60,7 @@ class ModelConfig:
   # output: the backward reruns only the linear layers and norms, never the attention kernel's
   # forward nor CAD's exchanges; about 2 x q + 2 x k/v rows per layer more than 'full').
   # Measured at 128K tokens per H200, 2 layers: 'none' steps 2% faster than 'save_attention'
-  # for 116-121 vs 63-66 GB per GPU (results/e2e_v5_summary.md).
+  # for 116-121 vs 63-66 GB per GPU (results/archive/7310cdf/e2e_v5_summary.md).
   remat: str = "full"
   scan_layers: bool = True       # nn.scan over layers (compile time does not grow with depth)
   init_std: float = 0.02         # normal init of every weight matrix

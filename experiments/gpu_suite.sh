@@ -54,8 +54,9 @@ stage e2e_pingpong_2x64k 260 python3 experiments/e2e_bench.py --backends distca 
 stage e2e_64k_eps 200 python3 experiments/e2e_bench.py --backends distca --workloads pretrain --tokens 65536 $E2E20 --variant eps0@distca:attention.distca.tolerance=0 --variant eps03@distca:attention.distca.tolerance=0.3 --plan-stats --out "$OUT/e2e_64k_eps"
 stage e2e_64k_prolong 160 python3 experiments/e2e_bench.py --backends packed_dp,distca,wlb --workloads prolong --tokens 65536 $E2E20 --extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2 --out "$OUT/e2e_64k_prolong"
 ;;& v2)
-# results/e2e_v2_summary.md (not part of 'all': its runs repeat e2e128 / wlb / dispatch with newer
-# code under other output names).: flash3 launch buckets + gather backward (the "before" dispatch table
+# results/archive/039a22a/e2e_v2_summary.md (not part of 'all': its runs repeat e2e128 / wlb /
+# dispatch with newer code under other output names).: flash3 launch buckets + gather backward
+# (the "before" dispatch table
 # came from the previous commit's tree, run the same way right after).
 stage flash3_grid 150 env CUDA_VISIBLE_DEVICES=0 python3 experiments/flash3_grid_bench.py --out "$OUT/flash3_grid_bench"
 stage gather 90 env CUDA_VISIBLE_DEVICES=0 python3 experiments/gather_bench.py --out "$OUT/gather_bench"
@@ -68,7 +69,8 @@ stage e2e_64k_wlb_v2 330 python3 experiments/e2e_bench.py --backends distca,wlb 
 stage e2e_1gpu_64k 540 env CUDA_VISIBLE_DEVICES=0 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain,prolong --tokens 65536 $E2E20 --out "$OUT/e2e_1gpu_64k"
 stage e2e_1gpu_128k 560 env CUDA_VISIBLE_DEVICES=0 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain,prolong --tokens 131072 $E2E20 --out "$OUT/e2e_1gpu_128k"
 ;;& v3)
-# results/dispatch_v3_summary.md (not part of 'all'): own rows placed before the all-to-all lands,
+# results/archive/039a22a/dispatch_v3_summary.md (not part of 'all'): own rows placed before the
+# all-to-all lands,
 # the empty bucket, ppermute rounds. The "old" runs time the previous commit's library (a
 # `git archive` of it in .old/, with this tree's dispatch_bench.py for --exchange-only).
 stage gpu_tests 150 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_ops.py -k "flash3 or hints or buckets"
@@ -83,7 +85,7 @@ stage ex_perm_suggest 100 python3 experiments/dispatch_bench.py $X --caps sugges
 stage ex_a2a_default 100 python3 experiments/dispatch_bench.py $X --caps default --out "$OUT/dispatch_v3_a2a_default"
 stage ex_perm_default 100 python3 experiments/dispatch_bench.py $X --caps default --collective ppermute --out "$OUT/dispatch_v3_perm_default"
 ;;& v3e2e)
-# The issue-7 ablations again with the v3 data plane (results/e2e_v3_summary.md), 2 GPUs.
+# The issue-7 ablations again with the v3 data plane (results/archive/039a22a/dispatch_v3_summary.md), 2 GPUs.
 stage e2e_64k_v3 585 python3 experiments/e2e_bench.py --backends packed_dp,distca,cp --workloads pretrain --tokens 65536 $E2E20 --extra attention.baselines.cp_size=2 --variant signal@distca:backend.signal_only=true --variant eps0@distca:attention.distca.tolerance=0 --variant eps005@distca:attention.distca.tolerance=0.05 --plan-stats --out "$OUT/e2e_2gpu_64k_v3"
 ;;& v3e2e2)
 stage e2e_128k_v3 330 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 131072 $E2E20 --profile --plan-stats --out "$OUT/e2e_2gpu_128k_v3"
@@ -95,14 +97,16 @@ stage e2e_prolong_128k_v3 330 python3 experiments/e2e_bench.py --backends packed
 # Startup caps (config.attention.distca.caps_from_batches, the default now) vs the fixed fractions.
 stage e2e_prolong_64k_caps 300 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads prolong --tokens 65536 $E2E20 --variant fixedcaps@distca:attention.distca.caps_from_batches=0 --plan-stats --out "$OUT/e2e_2gpu_prolong_64k_caps"
 ;;& v4)
-# results/e2e_v4_summary.md: the layer's remat policy 'save_attention' (core attention
+# results/archive/7310cdf/e2e_v5_summary.md (its 'before the fused loss' rows): the layer's remat
+# policy 'save_attention' (core attention
 # never reruns in the backward; 'none' did not fit at 128K in JAX's default 75% of GPU memory)
 # and tolerance 0, Pretrain 128K.
 stage e2e_128k_v4 560 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 131072 $E2E20 --extra model.remat=save_attention --variant eps0@distca:attention.distca.tolerance=0 --profile --plan-stats --out "$OUT/e2e_2gpu_128k_v4"
 ;;& v4b)
 stage e2e_128k_v4_4l 560 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 131072 --layers 4 --steps 20 --warmup 2 --extra model.remat=save_attention --extra attention.distca.tolerance=0 --plan-stats --out "$OUT/e2e_2gpu_128k_v4_4l"
 ;;& v5)
-# results/e2e_v5_summary.md: the fused LM-head cross-entropy (logits once per chunk), remat 'none'
+# results/archive/7310cdf/e2e_v5_summary.md: the fused LM-head cross-entropy (logits once per
+# chunk), remat 'none'
 # in 92% of GPU memory (launch.GPU_ENV_DEFAULTS) against 'save_attention', tolerance 0.02.
 stage e2e_128k_v5 240 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 131072 $E2E20 --extra model.remat=none --extra attention.distca.tolerance=0.02 --profile --plan-stats --out "$OUT/e2e_2gpu_128k_v5"
 stage e2e_prolong_128k_v5 170 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads prolong --tokens 131072 $E2E20 --extra model.remat=none --extra attention.distca.tolerance=0.02 --plan-stats --out "$OUT/e2e_2gpu_prolong_128k_v5"
@@ -120,11 +124,13 @@ stage e2e_64k_v5c 340 python3 experiments/e2e_bench.py --backends packed_dp,dist
 ;;& v5d)
 stage e2e_pingpong_2x64k_v5 270 python3 experiments/e2e_bench.py --backends distca --workloads pretrain --tokens 65536 --rows-per-rank 2 --nano-batches 1,2 $E2E20 --out "$OUT/e2e_2gpu_pingpong_2x64k_v5"
 ;;& v6probe)
-# Next leads of results/e2e_v5_summary.md: the MemcpyD2D time of 128K steps (the profile report
+# Next leads of results/archive/7310cdf/e2e_v5_summary.md: the MemcpyD2D time of 128K steps (the
+# profile report
 # now gives each memcpy name's bytes and GB/s) and CAD's fixed cost on ProLong, per GPU.
 stage e2e_prolong_128k_profile 260 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads prolong --tokens 131072 $E2E20 --steps 5 --profile --plan-stats --out "$OUT/e2e_2gpu_prolong_128k_profile"
 ;;& v6pp)
-# results/pingpong_v6_summary.md, on ONE GPU (2-GPU kinds were withheld): the cross-layer
+# results/archive/4b6459c/pingpong_v6_summary.md, on ONE GPU (2-GPU kinds were withheld): the
+# cross-layer
 # ping-pong schedule (model.ping_pong_layers) against the single stream and against the previous
 # commit's within-layer schedule (a `git archive` of it in .old/). Nothing crosses a wire on one
 # GPU: this measures what the schedule costs when there is nothing to hide, and its memory.

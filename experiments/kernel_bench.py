@@ -35,8 +35,8 @@ forward); padding rows add none.
 Each backend runs in its own subprocess, so a crash or a missing package costs only its own
 entries, which are recorded with the error. Backends: pallas[:preset] (ours), flash3, cudnn, mha
 and reference (plain jnp, small sizes only). Run (on a GPU machine):
-  python experiments/kernel_bench.py --out results/kernel_bench.json            # full table
-  python experiments/kernel_bench.py --quick --out results/kernel_bench_quick.json
+  python experiments/kernel_bench.py --quick   # the table in results/kernel_bench.md
+  python experiments/kernel_bench.py           # every backend and workload (slower)
 CPU smoke test (tiny shapes; ours in the Pallas interpreter, and the jnp reference):
   python experiments/kernel_bench.py --tiny --out /tmp/kernel_bench_tiny.json
 Writes <out>.json and <out>.md (same stem) with the command, device, wall times and every entry.

@@ -36,7 +36,8 @@ Kernel layout (why it looks like this):
 
 Why the Triton backend of Pallas (not Mosaic GPU): it runs under ``interpret=True`` on CPU, so
 every test of this contract runs in CI, and its scalar loads make the data-dependent block tables
-easy. Its price, measured on an H200 (results/kernel_gap.md, experiments/kernel_profile.py): 0.54x
+easy. Its price, measured on an H200 (results/archive/ef54cb6/kernel_gap.md,
+experiments/kernel_profile.py): 0.54x
 FlashAttention-3's forward and 0.53-0.80x its forward+backward on shards >= 512 tokens, because
 the lowering gives one 8-warp program per SM (246 registers, 12.5% occupancy) with no warp
 specialization, TMA or persistent grid, and this backward recomputes P in two kernels (1.41x the
@@ -88,7 +89,7 @@ class BlockSizes:
     num_stages_dkv: pipelining depth of the dK/dV query loop.
   """
   # Defaults: the fastest tilings of two sweeps on one H200 (bf16, D=128, 32/8 heads; see
-  # results/kernel_sweep1.md, kernel_sweep2.md): forward 128 x 128 at 8 warps, 3 stages (342
+  # results/archive/be09cdd/kernel_sweep{1,2}.md): forward 128 x 128 at 8 warps, 3 stages (342
   # TFLOP/s dense 16K; 128 x 64 at 4 warps spills: 213); backward 64 x 64 at 4 warps, 2 stages
   # (3 stages: 35% slower). With 64-token shards half of each 128-row query tile is idle:
   # block_q=64, block_k=64, num_warps=4 forwards those at ~320 TFLOP/s instead.

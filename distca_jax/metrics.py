@@ -13,7 +13,7 @@ documents costs much less than sum(l)^2 would suggest; this is what the formula 
 MFU is the reported convention. The work model that the e2e ceiling, the planner's gate, the
 baselines' metrics and the simulator (``distca_jax.sim``) share is ``work_flops``: the same
 token-linear term, attention at the fused kernel's forward + backward (3.5x forward,
-``scheduler.BWD_FWD_RATIO``). With few layers the LM head dominates the counted FLOPs
+``plan.cost.BWD_FWD_RATIO``). With few layers the LM head dominates the counted FLOPs
 (``lm_head_share``), so MFU tables state the layers and that share.
 """
 
@@ -28,7 +28,7 @@ from typing import Iterable, Sequence
 import jax
 import numpy as np
 
-from distca_jax import scheduler
+from distca_jax.plan import cost as plan_cost
 from distca_jax.model import ModelConfig
 
 # Dense bf16 peak per device, by substring of jax's device_kind.
@@ -44,9 +44,9 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 def attention_pair_flops(n_layers: int, q_heads: int, head_dim: int) -> float:
   """Training FLOPs of one causal (query, key) pair over ``n_layers`` layers in the work model:
-  the fused kernel's forward + backward (``scheduler.task_flops``: 4 Hq D forward, 3.5x that
+  the fused kernel's forward + backward (``plan.cost.task_flops``: 4 Hq D forward, 3.5x that
   with the backward)."""
-  return float(scheduler.task_flops(1, q_heads, head_dim)) * n_layers
+  return float(plan_cost.task_flops(1, q_heads, head_dim)) * n_layers
 
 
 def work_flops(matmul_weights: float, n_layers: int, q_heads: int, head_dim: int, tokens,
@@ -72,7 +72,7 @@ def linear_pairs_per_token(cfg: ModelConfig) -> float:
   In the work model (``work_flops``) a token costs ``6 N`` and a causal pair
   ``attention_pair_flops`` (14 L Hq D), so one token's linear work is ``6 N / (14 L Hq D)``
   pairs. The CAD planner's gate weighs attention loads with it
-  (``scheduler.predicted_step_gain``).
+  (``plan.predicted_step_gain``).
   """
   return 6.0 * matmul_params(cfg) / attention_pair_flops(cfg.n_layers, cfg.n_heads, cfg.head_dim)
 

@@ -28,13 +28,14 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from custom_ops import varlen_attention as va
-from distca_jax import scheduler
+from distca_jax.checks import check_int
+from distca_jax.plan.cost import BWD_FWD_RATIO
 
 BACKENDS = ("reference", "pallas", "flash3")
 FLASH3_PIP_SPEC = "flash-attn3-jax==0.2.3"
 FLASH3_HEAD_DIMS = (128,)  # the head dims the published wheel was built for
 # Kernel backward cost over forward cost (the backward recomputes QK^T): fwd+bwd = 3.5x forward.
-BACKWARD_FLOPS_RATIO = scheduler.BWD_FWD_RATIO  # one place holds it: the scheduler
+BACKWARD_FLOPS_RATIO = BWD_FWD_RATIO  # one place holds it: the cost model (plan.cost)
 # flash3 launch shapes per dimension (``flash3_grid_buckets``): 4 -> slots N, N/2, N/4, N/8 times
 # bounds L, L/2, L/4, L/8 (16 compiled FA3 variants, one runs per call).
 FLASH3_GRID_LEVELS = 4
@@ -42,15 +43,15 @@ FLASH3_GRID_LEVELS = 4
 
 # Primitives that are a kernel's forward call and whose outputs are the kernel's O and LSE as
 # the backward takes them: our Pallas kernel. Remat policies that keep attention
-# ('save_attention' in model.py, the 'resend' memory mode in dispatch.py) save them instead of
+# ('save_attention' in model.py, the 'resend' memory mode in dataplane/body.py) save them instead of
 # rerunning the kernel.
 KERNEL_PRIMITIVES = frozenset({"pallas_call"})
 # ``checkpoint_name`` of kernel outputs saved by name instead: FlashAttention-3's FFI call returns
 # its LSE in a [slots, H, max_seqlen_q] buffer (8.7 GB for 260 slots of a 64K row, 32 heads) of
 # which only the first H x T entries are written; saving that call's outputs kept the whole buffer
 # per layer and copied it into the layer scan's stacked residuals (MemcpyD2D, 117-188 ms of a
-# 1.8 s step on an H200, results/pingpong_v6_summary.md). The flash3 path names O and the [H, T]
-# LSE it cuts out of the buffer.
+# 1.8 s step on an H200, results/archive/4b6459c/pingpong_v6_summary.md). The flash3 path
+# names O and the [H, T] LSE it cuts out of the buffer.
 KERNEL_OUTPUTS_NAME = "ca_kernel_out"
 # ``checkpoint_name`` of the kernel's query/key/value inputs (the backward's residuals).
 KERNEL_INPUTS_NAME = "ca_in"
@@ -139,7 +140,8 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
 # ------------------------------------------------------------------------------------------------
 
 
-def _import_flash3():
+def import_flash3():
+  """The FlashAttention-3 JAX bindings, or a BackendUnavailableError saying how to install them."""
   try:
     return importlib.import_module("flash_attn3_jax")
   except ImportError as e:  # also a missing CUDA runtime inside the extension
@@ -157,7 +159,7 @@ def flash3_grid_buckets(num_tasks: int, num_q_rows: int, max_seqlen_q: int, max_
   the tasks' real lengths (its backward over ``max_seqlen_k``), and a block past its task's end
   still costs a launch. So the backward is compiled for ``levels`` slot counts (``N, N/2, N/4,
   ...``) times ``levels`` bounds (``L, L/2, ...``, multiples of 128), and each call runs the
-  cheapest shape that holds its table (``_flash3_bucket``): trailing empty slots are cut off and
+  cheapest shape that holds its table (``flash3_bucket``): trailing empty slots are cut off and
   the bounds drop to the smallest ladder step above the longest task. Measured on an H200
   (results/flash3_grid_bench.md): the backward of a ProLong server's 24 tasks in 64 slots with
   bound 64K took 32.7 ms, 23.4 ms with 24 slots and bound 10K. The forward always runs the last
@@ -168,7 +170,7 @@ def flash3_grid_buckets(num_tasks: int, num_q_rows: int, max_seqlen_q: int, max_
   The LSE buffer the bindings allocate is ``[slots, H, max_seqlen_q]`` while FA3 writes it as
   ``[H, T]``, so a shape's ``max_seqlen_q`` is raised to at least ``ceil(T / slots)``.
   """
-  levels = scheduler.check_int("flash3 grid_levels", levels, 1)
+  levels = check_int("flash3 grid_levels", levels, 1)
 
   def level(n: int, i: int, multiple: int) -> int:
     return min(n, max(multiple, -(-n // 2**i // multiple) * multiple))
@@ -181,7 +183,7 @@ def flash3_grid_buckets(num_tasks: int, num_q_rows: int, max_seqlen_q: int, max_
   return tuple(dict.fromkeys(out))
 
 
-def _flash3_bucket(cu_q, cu_k, buckets) -> tuple[jax.Array, jax.Array]:
+def flash3_bucket(cu_q, cu_k, buckets) -> tuple[jax.Array, jax.Array]:
   """Device choice among ``buckets``: (the index of the fewest launched blocks that hold every
   task, whether the last bucket, the caller's full shape, holds them: else FA3 would cut a task
   short)."""
@@ -199,7 +201,7 @@ def _flash3_bucket(cu_q, cu_k, buckets) -> tuple[jax.Array, jax.Array]:
 
 def _flash3(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k,
             grid_levels=FLASH3_GRID_LEVELS):
-  _import_flash3()
+  import_flash3()
   if jax.default_backend() != "gpu":
     raise BackendUnavailableError(
         f"backend='flash3' runs only on CUDA GPUs (Hopper); the default backend is "
@@ -211,12 +213,12 @@ def _flash3(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k,
     raise ValueError(
         f"backend='flash3': the published {FLASH3_PIP_SPEC} wheel is built for head dims "
         f"{FLASH3_HEAD_DIMS}; got {head_dim=} (build flash-attn3-jax from source for others)")
-  return _flash3_masked(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale,
+  return flash3_masked(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale,
                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                         grid_levels=grid_levels, impl=_FA3_IMPL)
 
 
-def _flash3_masked(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k,
+def flash3_masked(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k,
                    grid_levels, impl):
   """FA3 on the real tasks only; rows outside every task are masked to 0 (-inf LSE).
 
@@ -234,7 +236,7 @@ def _flash3_masked(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seql
   msk = min(max_seqlen_k or k.shape[0], k.shape[0])
   buckets = flash3_grid_buckets(cu_q.shape[0] - 1, num_q_rows, msq, msk, grid_levels)
   scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-  bucket, fits = _flash3_bucket(cu_q, cu_k, buckets)
+  bucket, fits = flash3_bucket(cu_q, cu_k, buckets)
   o, lse_HxT = _flash3_attention(q, k, v, cu_q, cu_k, bucket, (buckets, scale, impl))
   _, _, q_valid = va.rows_to_tasks(cu_q, num_q_rows)
   o = jnp.where(q_valid[:, None, None], o, jnp.zeros((), o.dtype))

@@ -26,6 +26,7 @@ import optax
 from flax import linen as nn
 
 from distca_jax import attention as attn_lib
+from distca_jax import backends
 from distca_jax import checkpoint as ckpt_lib
 from distca_jax import config as config_lib
 from distca_jax import metrics as metrics_lib
@@ -48,36 +49,10 @@ class TrainState:
 # ----------------------------------------------------------------------------------------------
 # Building blocks
 # ----------------------------------------------------------------------------------------------
-def make_backend(c: ml_collections.ConfigDict) -> attn_lib.Backend:
-  """The configured core-attention backend (options from `config.attention`)."""
-  options = {}
-  if c.attention.backend == "local":
-    options = dict(block_q=c.attention.block_q, block_k=c.attention.block_k)
-  elif c.attention.backend == "distca":
-    # The plan's byte model uses the model's shapes; rows_per_rank fixes the plan's layout.
-    m = config_lib.model_config(c)
-    from distca_jax import dispatch  # pylint: disable=import-outside-toplevel
-    options = dict(c.attention.distca.to_dict())
-    for name in ("caps_from_batches", "caps_headroom"):
-      options.pop(name)
-    options.update(dispatch.startup_capacity(c))
-    options = dict(options, rows_per_rank=c.rows_per_rank,
-                   nano_batches=c.attention.nano_batches, q_heads=m.n_heads,
-                   kv_heads=m.n_kv_heads, head_dim=m.head_dim,
-                   dtype_bytes=jnp.dtype(m.dtype).itemsize,
-                   linear_pairs_per_token=metrics_lib.linear_pairs_per_token(m))
-  elif c.attention.backend in ("packed_dp", "cp", "wlb"):
-    b = c.attention.baselines
-    options = dict(kernel=b.kernel, max_docs_per_row=b.max_docs_per_row)
-    if c.attention.backend != "packed_dp":
-      options.update(cp_size=b.cp_size, rows_per_rank=c.rows_per_rank)
-    if c.attention.backend == "wlb":
-      from distca_jax.baselines import ModelDims, ideal  # imported lazily like the backend itself
-      options.update(alpha=b.wlb_alpha,
-                     balance_len=ModelDims.from_model(config_lib.model_config(c)).balance_len)
-      if not (b.cp_size and b.wlb_alpha):  # 0 = WLB-ideal: the best predicted split / alpha
-        options.update(ideal.wlb_options_from_config(c))
-  return attn_lib.get_backend(c.attention.backend, **options)
+def make_backend(c: ml_collections.ConfigDict, **overrides) -> attn_lib.Backend:
+  """The configured core-attention backend (``backends.build``: options from the config, keyword
+  ``overrides`` for options that are no config keys, e.g. a benchmark's ``signal_only``)."""
+  return backends.build(c, **overrides)
 
 
 def make_model(c: ml_collections.ConfigDict, backend: attn_lib.Backend | None = None) -> Transformer:
@@ -278,7 +253,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> list[dict]
   if getattr(backend, "caps", None):
     auto = (f" (row caps from the first {c.attention.distca.caps_from_batches} batches x "
             f"{c.attention.distca.caps_headroom})" if c.attention.distca.caps_from_batches else "")
-    log.info("distca caps per device and call (0 = dispatch.default_capacity): "
+    log.info("distca caps per device and call (0 = plan.default_capacity): "
              + ", ".join(f"{k}={v}" for k, v in backend.caps.items()) + auto)
   model = make_model(c, backend)
   model_cfg = model.cfg

@@ -8,7 +8,7 @@ and is scored per rank with `distca_jax.baselines.metrics`:
 * cp: the window cut into S / c sequences of c T, each in 2c head-tail chunks over c ranks;
 * wlb: the window's documents WLB-packed over S / c DP groups (Lmax = alpha T per rank), each
   document in 2c chunks over its group's c ranks;
-* distca: `scheduler.schedule` on the window laid flat over the S ranks (documents span ranks),
+* distca: `plan_lib.schedule` on the window laid flat over the S ranks (documents span ranks),
   tolerance eps, unbounded caps, default min_shard.
 
 For cp and wlb every divisor c of S is tried and the split with the lowest estimated per-layer
@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from distca_jax import baselines as bl  # noqa: E402
-from distca_jax import scheduler  # noqa: E402
+from distca_jax import plan as plan_lib  # noqa: E402
 from distca_jax.data.workloads import WorkloadSampler, split_into_rows  # noqa: E402
 
 GiB = 2.0**30
@@ -60,7 +60,7 @@ def evaluate(name: str, t: int, s: int, steps: int, alphas, epsilons, dims, hw) 
 
   for step in range(steps):
     flat = sampler.flat_doclens(step, s)
-    base = float(scheduler.pairs(0, np.asarray(flat, np.int64)).sum())  # whole documents
+    base = float(plan_lib.pairs(0, np.asarray(flat, np.int64)).sum())  # whole documents
     add(("packed_dp", None, 1), bl.packed_dp_metrics(split_into_rows(flat, t, s), t, dims), base)
     for c in divisors(s)[1:]:
       add(("cp", None, c), bl.cp_metrics(split_into_rows(flat, c * t, s // c), c, t, dims), base)
@@ -72,9 +72,9 @@ def evaluate(name: str, t: int, s: int, steps: int, alphas, epsilons, dims, hw) 
             {"eligible": pk.num_oversize == 0})
     for eps in epsilons:
       t0 = time.perf_counter()
-      plan = scheduler.schedule(flat, s, tokens_per_rank=t, tolerance=eps,
-                                q_heads=dims.q_heads, kv_heads=dims.kv_heads,
-                                head_dim=dims.head_dim, dtype_bytes=dims.dtype_bytes)
+      plan = plan_lib.schedule(flat, s, tokens_per_rank=t, tolerance=eps,
+                               q_heads=dims.q_heads, kv_heads=dims.kv_heads,
+                               head_dim=dims.head_dim, dtype_bytes=dims.dtype_bytes)
       add(("distca", eps, 1), bl.distca_metrics(plan), base,
           {"plan_ms": (time.perf_counter() - t0) * 1e3})
 

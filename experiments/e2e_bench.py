@@ -20,13 +20,14 @@ to a few slow steps.
 Variants and ablations (paper Sec. 6 style), all in the same process on the same batches:
   `--nano-batches 1,2`          single stream vs ping-pong ('+pingpong' rows and their speedup);
   `--variant NAME[@BACKEND]:KEY=VALUE[,KEY=VALUE]`  an extra run (of BACKEND only, if given)
-                                with config overrides, named BACKEND+NAME; e.g.
-                                `--variant signal@distca:attention.distca.signal_only=true` is the
+                                with config overrides (``backend.KEY=VALUE``: an option of the
+                                backend, ``backends.build(c, KEY=VALUE)``), named BACKEND+NAME;
+                                e.g. `--variant signal@distca:backend.signal_only=true` is the
                                 signal-only twin (all-to-alls carry tiny buffers: the step time
                                 without exposed communication), reported as step / twin;
                                 `--variant eps0@distca:attention.distca.tolerance=0` an epsilon point
                                 (add `--plan-stats` for each run's imbalance and bytes);
-  `--extra KEY=VALUE`           overrides for every run (e.g. attention.distca.kernel=flash3);
+  `--extra KEY=VALUE`           overrides for every run (e.g. attention.kernel=flash3);
   `--profile`                   one more jax.profiler-traced step per run: per-rank attention,
                                 matmul, communication and exposed-communication time (stragglers).
 Planning runs on the input thread (trainer.Prefetcher): the table shows host planning ms per batch
@@ -99,7 +100,28 @@ def rows_by_rank(rows, data: int, rows_per_rank: int):
   return [rows[r * rows_per_rank:(r + 1) * rows_per_rank] for r in range(data)]
 
 
-def run_one(c, steps, warmup, log, profile_dir=None):
+def backend_overrides(over):
+  """``backend.KEY=VALUE`` items of ``over`` as backend options (bools, ints, floats parsed)."""
+  out = {}
+  for item in over:
+    if not item.startswith("backend."):
+      continue
+    key, _, val = item[len("backend."):].partition("=")
+    if val.lower() in ("true", "false"):
+      out[key] = val.lower() == "true"
+      continue
+    for cast in (int, float):
+      try:
+        out[key] = cast(val)
+        break
+      except ValueError:
+        pass
+    else:
+      out[key] = val
+  return out
+
+
+def run_one(c, steps, warmup, log, profile_dir=None, backend_options=None):
   """Trains warmup + steps steps; returns per-step times and FLOP / token counts."""
   import jax
   from distca_jax import metrics, trainer
@@ -108,7 +130,7 @@ def run_one(c, steps, warmup, log, profile_dir=None):
 
   mesh = shard_lib.make_mesh(data=c.mesh.data, tensor=c.mesh.tensor, pipe=c.mesh.pipe)
   rows = mesh.shape["data"] * c.rows_per_rank
-  backend = trainer.make_backend(c)
+  backend = trainer.make_backend(c, **(backend_options or {}))
   model = trainer.make_model(c, backend)
   tx = trainer.make_optimizer(c)
   source = make_source(c.data, rows=rows, tokens_per_row=c.tokens_per_rank,
@@ -207,7 +229,7 @@ def plan_stats(c, backend, doclens_per_step):
   """The timed batches planned again by the run's own `distca` backend (`host_plans`, one plan
   per nano-batch): imbalance (pairs) before/after, dispatch bytes per device (useful and what the
   bucketed exchange moves), degraded plans."""
-  from distca_jax import dispatch
+  from distca_jax import plan as plan_lib
   out = dict(imbalance_before=[], imbalance_after=[], dispatch_useful_mb=[], dispatch_moved_mb=[],
              degraded=0)
   for per_rank in doclens_per_step:
@@ -216,7 +238,7 @@ def plan_stats(c, backend, doclens_per_step):
       p = hp.plan
       out["imbalance_before"].append(p.imbalance_before)
       out["imbalance_after"].append(p.imbalance_after)
-      eb = dispatch.exchange_bytes(hp.meta, q_heads=p.q_heads, kv_heads=p.kv_heads,
+      eb = plan_lib.exchange_bytes(hp.meta, q_heads=p.q_heads, kv_heads=p.kv_heads,
                                    head_dim=p.head_dim, dtype_bytes=p.dtype_bytes,
                                    exchange_buckets=int(c.attention.distca.exchange_buckets))
       out["dispatch_useful_mb"].append(eb["dispatch_useful"] / 1e6)
@@ -260,15 +282,16 @@ def main(argv=None):
               over += ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
                        "model.mlp_dim=128", "model.vocab_size=256", "model.dtype=float32",
                        "model.loss_chunk=256", "attention.block_q=64", "attention.block_k=64",
-                       "attention.distca.kernel=reference",
-                       "attention.baselines.kernel=reference"]
+                       "attention.kernel=reference"]
             name = backend + (f"+{vname}" if vname else "") + ("+pingpong" if nano == 2 else "")
             log(f"== {workload} {tokens} tokens/GPU {name}")
-            c = configs_io.load_config(a.config, over)
+            c = configs_io.load_config(a.config, [x for x in over if not x.startswith("backend.")])
+            backend_options = backend_overrides(over)
             pdir = (os.path.join(a.out + "_profiles", f"{workload}_{tokens}_{name}")
                     if a.profile else None)
             try:
-              r = run_one(c, a.steps, a.warmup, log, profile_dir=pdir)
+              r = run_one(c, a.steps, a.warmup, log, profile_dir=pdir,
+                          backend_options=backend_options)
             except Exception as e:  # recorded, never silently dropped
               log(f"   FAILED: {type(e).__name__}: {e}")
               results.append(dict(workload=workload, tokens=tokens, backend=name, error=f"{type(e).__name__}: {e}"))

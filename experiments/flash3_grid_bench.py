@@ -4,7 +4,7 @@ FA3's varlen kernels launch ``task slots x ceil(max_seqlen / block) x heads`` th
 block of an empty task slot (or beyond its task's length) exits at once but still costs a launch
 slot. The data plane calls FA3 with a fixed table (``capacity.tasks`` slots, most of them empty
 on a typical batch) and ``max_seqlen = tokens per row``. This benchmark takes each server's real
-table from ``dispatch.host_plan`` (2 servers, workloads Pretrain and ProLong; the busiest
+table from ``plan_lib.host_plan`` (2 servers, workloads Pretrain and ProLong; the busiest
 server) and the own-documents table of the busiest rank (no CAD: packed_dp's call, 128 slots),
 and times FA3's forward and forward+backward (``ops.core_attention``) on the same tasks as
 
@@ -36,7 +36,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from distca_jax import dispatch, ops, profiling  # noqa: E402
+from distca_jax import ops, profiling  # noqa: E402
+from distca_jax import plan as plan_lib  # noqa: E402
 from distca_jax.baselines import packing  # noqa: E402
 from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
 
@@ -106,8 +107,8 @@ def _jitted(msq: int, msk: int, levels: int) -> dict:
 
 def main(a):
   t, s = a.tokens, a.servers
-  spec = dispatch.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1,
-                           capacity=dispatch.default_capacity(t))
+  spec = plan_lib.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1,
+                           capacity=plan_lib.default_capacity(t))
   res = {"command": "python " + " ".join(sys.argv), "device": jax.devices()[0].device_kind,
          "date": datetime.datetime.now().isoformat(timespec="seconds"),
          "capacity": dataclasses.asdict(spec.capacity), "rows": []}
@@ -116,7 +117,7 @@ def main(a):
     sampler = WorkloadSampler(wl, t, seed=0)
     for b in range(a.batches):
       doc_lens = sampler.step_doclens(b, s)
-      hp = dispatch.host_plan(doc_lens, spec, q_heads=a.heads, kv_heads=a.kv_heads,
+      hp = plan_lib.host_plan(doc_lens, spec, q_heads=a.heads, kv_heads=a.kv_heads,
                               head_dim=a.head_dim, dtype_bytes=2)
       loads = [ops.attention_pairs(hp.meta.cu_seqlens_q[d], hp.meta.cu_seqlens_k[d])
                for d in range(s)]

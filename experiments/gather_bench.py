@@ -28,7 +28,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from distca_jax import dispatch, profiling  # noqa: E402
+from distca_jax import profiling  # noqa: E402
+from distca_jax import plan as plan_lib  # noqa: E402
 
 
 def _args():
@@ -54,7 +55,7 @@ def _index(rng, n_src: int, n_out: int, used: float, uses: int) -> np.ndarray:
 
 def main(a):
   t = a.tokens
-  cap = dispatch.default_capacity(t)
+  cap = plan_lib.default_capacity(t)
   rng = np.random.default_rng(0)
   cases = {"q": (t + 2 * cap.q_slot, cap.q_tokens, 32, 1),
            "kv": (t + 2 * cap.kv_slot, cap.kv_tokens, 8, a.uses)}

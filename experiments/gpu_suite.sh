@@ -26,7 +26,7 @@ stage() {  # stage NAME SECONDS CMD...
   pack
 }
 nvidia-smi -L
-E2E="--layers 2 --steps 6 --warmup 2 --extra attention.distca.kernel=flash3 --extra attention.baselines.kernel=flash3"
+E2E="--layers 2 --steps 6 --warmup 2 --extra attention.kernel=flash3"
 E2E20="--layers 2 --steps 20 --warmup 2"  # gpu_bench defaults: flash3 kernels for every backend
 # Compiled programs persist across the suite's processes (Pretrain and ProLong share shapes).
 export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
@@ -43,7 +43,7 @@ stage e2e_128k 100 python3 experiments/e2e_bench.py --backends packed_dp,distca 
 ;;& checks|all)
 # flash3 / distca correctness on the GPU (the same tests as CPU CI plus the GPU-only cases).
 stage gpu_tests 120 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_ops.py -k "flash3 or hints"
-stage e2e_64k_pretrain 240 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 65536 $E2E20 --variant signal@distca:attention.distca.signal_only=true --profile --plan-stats --out "$OUT/e2e_64k_pretrain"
+stage e2e_64k_pretrain 240 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 65536 $E2E20 --variant signal@distca:backend.signal_only=true --profile --plan-stats --out "$OUT/e2e_64k_pretrain"
 stage dispatch2 150 python3 experiments/dispatch_bench.py --kernel flash3 --iters 5 --batches 3 --caps default --out "$OUT/dispatch_bench"
 stage kernel_profile 150 env CUDA_VISIBLE_DEVICES=0 python3 experiments/kernel_profile.py --workloads dense-16384,ca-s512,ca-s128 --out "$OUT/kernel_profile.json"
 ;;& e2e128|all)
@@ -54,8 +54,9 @@ stage e2e_pingpong_2x64k 260 python3 experiments/e2e_bench.py --backends distca 
 stage e2e_64k_eps 200 python3 experiments/e2e_bench.py --backends distca --workloads pretrain --tokens 65536 $E2E20 --variant eps0@distca:attention.distca.tolerance=0 --variant eps03@distca:attention.distca.tolerance=0.3 --plan-stats --out "$OUT/e2e_64k_eps"
 stage e2e_64k_prolong 160 python3 experiments/e2e_bench.py --backends packed_dp,distca,wlb --workloads prolong --tokens 65536 $E2E20 --extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2 --out "$OUT/e2e_64k_prolong"
 ;;& v2)
-# results/e2e_v2_summary.md (not part of 'all': its runs repeat e2e128 / wlb / dispatch with newer
-# code under other output names).: flash3 launch buckets + gather backward (the "before" dispatch table
+# results/archive/039a22a/e2e_v2_summary.md (not part of 'all': its runs repeat e2e128 / wlb /
+# dispatch with newer code under other output names).: flash3 launch buckets + gather backward
+# (the "before" dispatch table
 # came from the previous commit's tree, run the same way right after).
 stage flash3_grid 150 env CUDA_VISIBLE_DEVICES=0 python3 experiments/flash3_grid_bench.py --out "$OUT/flash3_grid_bench"
 stage gather 90 env CUDA_VISIBLE_DEVICES=0 python3 experiments/gather_bench.py --out "$OUT/gather_bench"
@@ -68,7 +69,8 @@ stage e2e_64k_wlb_v2 330 python3 experiments/e2e_bench.py --backends distca,wlb 
 stage e2e_1gpu_64k 540 env CUDA_VISIBLE_DEVICES=0 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain,prolong --tokens 65536 $E2E20 --out "$OUT/e2e_1gpu_64k"
 stage e2e_1gpu_128k 560 env CUDA_VISIBLE_DEVICES=0 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain,prolong --tokens 131072 $E2E20 --out "$OUT/e2e_1gpu_128k"
 ;;& v3)
-# results/dispatch_v3_summary.md (not part of 'all'): own rows placed before the all-to-all lands,
+# results/archive/039a22a/dispatch_v3_summary.md (not part of 'all'): own rows placed before the
+# all-to-all lands,
 # the empty bucket, ppermute rounds. The "old" runs time the previous commit's library (a
 # `git archive` of it in .old/, with this tree's dispatch_bench.py for --exchange-only).
 stage gpu_tests 150 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_ops.py -k "flash3 or hints or buckets"
@@ -83,8 +85,8 @@ stage ex_perm_suggest 100 python3 experiments/dispatch_bench.py $X --caps sugges
 stage ex_a2a_default 100 python3 experiments/dispatch_bench.py $X --caps default --out "$OUT/dispatch_v3_a2a_default"
 stage ex_perm_default 100 python3 experiments/dispatch_bench.py $X --caps default --collective ppermute --out "$OUT/dispatch_v3_perm_default"
 ;;& v3e2e)
-# The issue-7 ablations again with the v3 data plane (results/e2e_v3_summary.md), 2 GPUs.
-stage e2e_64k_v3 585 python3 experiments/e2e_bench.py --backends packed_dp,distca,cp --workloads pretrain --tokens 65536 $E2E20 --extra attention.baselines.cp_size=2 --variant signal@distca:attention.distca.signal_only=true --variant eps0@distca:attention.distca.tolerance=0 --variant eps005@distca:attention.distca.tolerance=0.05 --plan-stats --out "$OUT/e2e_2gpu_64k_v3"
+# The issue-7 ablations again with the v3 data plane (results/archive/039a22a/dispatch_v3_summary.md), 2 GPUs.
+stage e2e_64k_v3 585 python3 experiments/e2e_bench.py --backends packed_dp,distca,cp --workloads pretrain --tokens 65536 $E2E20 --extra attention.baselines.cp_size=2 --variant signal@distca:backend.signal_only=true --variant eps0@distca:attention.distca.tolerance=0 --variant eps005@distca:attention.distca.tolerance=0.05 --plan-stats --out "$OUT/e2e_2gpu_64k_v3"
 ;;& v3e2e2)
 stage e2e_128k_v3 330 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 131072 $E2E20 --profile --plan-stats --out "$OUT/e2e_2gpu_128k_v3"
 stage e2e_pingpong_v3 250 python3 experiments/e2e_bench.py --backends distca --workloads pretrain --tokens 65536 --rows-per-rank 2 --nano-batches 1,2 $E2E20 --out "$OUT/e2e_2gpu_pingpong_v3"
@@ -95,14 +97,16 @@ stage e2e_prolong_128k_v3 330 python3 experiments/e2e_bench.py --backends packed
 # Startup caps (config.attention.distca.caps_from_batches, the default now) vs the fixed fractions.
 stage e2e_prolong_64k_caps 300 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads prolong --tokens 65536 $E2E20 --variant fixedcaps@distca:attention.distca.caps_from_batches=0 --plan-stats --out "$OUT/e2e_2gpu_prolong_64k_caps"
 ;;& v4)
-# results/e2e_v4_summary.md: the layer's remat policy 'save_attention' (core attention
+# results/archive/7310cdf/e2e_v5_summary.md (its 'before the fused loss' rows): the layer's remat
+# policy 'save_attention' (core attention
 # never reruns in the backward; 'none' did not fit at 128K in JAX's default 75% of GPU memory)
 # and tolerance 0, Pretrain 128K.
 stage e2e_128k_v4 560 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 131072 $E2E20 --extra model.remat=save_attention --variant eps0@distca:attention.distca.tolerance=0 --profile --plan-stats --out "$OUT/e2e_2gpu_128k_v4"
 ;;& v4b)
 stage e2e_128k_v4_4l 560 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 131072 --layers 4 --steps 20 --warmup 2 --extra model.remat=save_attention --extra attention.distca.tolerance=0 --plan-stats --out "$OUT/e2e_2gpu_128k_v4_4l"
 ;;& v5)
-# results/e2e_v5_summary.md: the fused LM-head cross-entropy (logits once per chunk), remat 'none'
+# results/archive/7310cdf/e2e_v5_summary.md: the fused LM-head cross-entropy (logits once per
+# chunk), remat 'none'
 # in 92% of GPU memory (launch.GPU_ENV_DEFAULTS) against 'save_attention', tolerance 0.02.
 stage e2e_128k_v5 240 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads pretrain --tokens 131072 $E2E20 --extra model.remat=none --extra attention.distca.tolerance=0.02 --profile --plan-stats --out "$OUT/e2e_2gpu_128k_v5"
 stage e2e_prolong_128k_v5 170 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads prolong --tokens 131072 $E2E20 --extra model.remat=none --extra attention.distca.tolerance=0.02 --plan-stats --out "$OUT/e2e_2gpu_prolong_128k_v5"
@@ -111,7 +115,7 @@ stage e2e_128k_v5_sa 170 python3 experiments/e2e_bench.py --backends packed_dp,d
 # The same with the new defaults (gpu_bench: remat 'save_attention', tolerance 0.02), the WLB
 # baseline and the signal-only twin; HLO of each profiled step in the *_profiles folders.
 WLB="--extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2"
-stage e2e_128k_v5b 350 python3 experiments/e2e_bench.py --backends packed_dp,distca,wlb --workloads pretrain --tokens 131072 $E2E20 $WLB --variant signal@distca:attention.distca.signal_only=true --profile --plan-stats --out "$OUT/e2e_2gpu_128k_v5b"
+stage e2e_128k_v5b 350 python3 experiments/e2e_bench.py --backends packed_dp,distca,wlb --workloads pretrain --tokens 131072 $E2E20 $WLB --variant signal@distca:backend.signal_only=true --profile --plan-stats --out "$OUT/e2e_2gpu_128k_v5b"
 stage e2e_prolong_128k_v5b 200 python3 experiments/e2e_bench.py --backends packed_dp,distca,wlb --workloads prolong --tokens 131072 $E2E20 $WLB --plan-stats --out "$OUT/e2e_2gpu_prolong_128k_v5b"
 ;;& v5c)
 WLB="--extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2"
@@ -120,11 +124,13 @@ stage e2e_64k_v5c 340 python3 experiments/e2e_bench.py --backends packed_dp,dist
 ;;& v5d)
 stage e2e_pingpong_2x64k_v5 270 python3 experiments/e2e_bench.py --backends distca --workloads pretrain --tokens 65536 --rows-per-rank 2 --nano-batches 1,2 $E2E20 --out "$OUT/e2e_2gpu_pingpong_2x64k_v5"
 ;;& v6probe)
-# Next leads of results/e2e_v5_summary.md: the MemcpyD2D time of 128K steps (the profile report
+# Next leads of results/archive/7310cdf/e2e_v5_summary.md: the MemcpyD2D time of 128K steps (the
+# profile report
 # now gives each memcpy name's bytes and GB/s) and CAD's fixed cost on ProLong, per GPU.
 stage e2e_prolong_128k_profile 260 python3 experiments/e2e_bench.py --backends packed_dp,distca --workloads prolong --tokens 131072 $E2E20 --steps 5 --profile --plan-stats --out "$OUT/e2e_2gpu_prolong_128k_profile"
 ;;& v6pp)
-# results/pingpong_v6_summary.md, on ONE GPU (2-GPU kinds were withheld): the cross-layer
+# results/archive/4b6459c/pingpong_v6_summary.md, on ONE GPU (2-GPU kinds were withheld): the
+# cross-layer
 # ping-pong schedule (model.ping_pong_layers) against the single stream and against the previous
 # commit's within-layer schedule (a `git archive` of it in .old/). Nothing crosses a wire on one
 # GPU: this measures what the schedule costs when there is nothing to hide, and its memory.
@@ -185,7 +191,7 @@ V7E2E="--backends packed_dp,distca --workloads prolong,pretrain --tokens 65536 -
 stage e2e_1gpu_64k_v7 200 python3 experiments/e2e_bench.py $V7E2E --out "$OUT/e2e_1gpu_64k_v7"
 stage e2e_1gpu_64k_v7_old 200 python3 .old/experiments/e2e_bench.py $V7E2E --out "$OUT/e2e_1gpu_64k_v7_old"
 ;;& v7words2)
-# One GPU: the key/value select on words too (dispatch._take_two), old vs new again.
+# One GPU: the key/value select on words too (dataplane.copies._take_two), old vs new again.
 stage placement_old 120 python3 .old/experiments/placement_bench.py --servers 2 --batches 2 --iters 10 --out "$OUT/placement_bench_old"
 stage placement_new 120 python3 experiments/placement_bench.py --servers 2 --batches 2 --iters 10 --out "$OUT/placement_bench_new"
 stage placement_new_4 120 python3 experiments/placement_bench.py --servers 4 --batches 2 --iters 10 --out "$OUT/placement_bench_new_4"
@@ -196,16 +202,11 @@ stage row_copy_rr 120 python3 experiments/row_copy_bench.py --out "$OUT/row_copy
 stage placement_old_30 120 python3 .old/experiments/placement_bench.py --servers 2 --batches 2 --iters 30 --out "$OUT/placement_bench_old_30"
 stage placement_new_30 120 python3 experiments/placement_bench.py --servers 2 --batches 2 --iters 30 --out "$OUT/placement_bench_new_30"
 ;;& v7e2e)
-# One GPU: training steps with the final word copies (dispatch._take_two) against the previous
+# One GPU: training steps with the final word copies (dataplane.copies._take_two) against the previous
 # commit's library (.old/), same call.
 V7E2E="--backends packed_dp,distca --workloads prolong,pretrain --tokens 65536 --layers 2 --steps 6 --warmup 2"
 stage e2e_1gpu_64k_v7_final 200 python3 experiments/e2e_bench.py $V7E2E --out "$OUT/e2e_1gpu_64k_v7_final"
 stage e2e_1gpu_64k_v7_old2 200 python3 .old/experiments/e2e_bench.py $V7E2E --out "$OUT/e2e_1gpu_64k_v7_old2"
-;;& v7split)
-# Two GPUs: the exchange with joint vs split Q / K/V buckets, side by side in one call
-# (results/split_exchange_bytes.md has the bytes; this measures the time).
-stage dispatch_joint 150 python3 experiments/dispatch_bench.py --kernel flash3 --iters 20 --batches 4 --exchange-only --caps suggest --out "$OUT/dispatch_v7_joint"
-stage dispatch_split 150 python3 experiments/dispatch_bench.py --kernel flash3 --iters 20 --batches 4 --exchange-only --caps suggest --split-exchange --out "$OUT/dispatch_v7_split"
 ;;& wlb|all)
 stage e2e_64k_wlb 400 python3 experiments/e2e_bench.py --backends packed_dp,wlb --workloads pretrain --tokens 65536 $E2E20 --extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2 --out "$OUT/e2e_64k_wlb"
 ;;

@@ -8,7 +8,7 @@ Workloads (32 query heads, 8 KV heads, head dim 128, bf16, one GPU):
   sched-W-mS         the fused call of one attention server under the real scheduler: step
                      ``--sched-step`` of workload W (pretrain or prolong) from
                      ``WorkloadSampler(W, tokens_per_row=--sched-tokens).step_doclens(step, S)``
-                     over S = ``--sched-servers`` ranks, planned by ``scheduler.schedule`` with
+                     over S = ``--sched-servers`` ranks, planned by ``plan_lib.schedule`` with
                      ``min_shard`` = S_min (64 ... 4096) and ``--sched-tolerance``; the task table
                      is the chosen server's row of ``plan_to_metadata`` (cu_seqlens_q/k with
                      trailing empty task slots), exactly what the data plane hands the kernel.
@@ -35,8 +35,8 @@ forward); padding rows add none.
 Each backend runs in its own subprocess, so a crash or a missing package costs only its own
 entries, which are recorded with the error. Backends: pallas[:preset] (ours), flash3, cudnn, mha
 and reference (plain jnp, small sizes only). Run (on a GPU machine):
-  python experiments/kernel_bench.py --out results/kernel_bench.json            # full table
-  python experiments/kernel_bench.py --quick --out results/kernel_bench_quick.json
+  python experiments/kernel_bench.py --quick   # the table in results/kernel_bench.md
+  python experiments/kernel_bench.py           # every backend and workload (slower)
 CPU smoke test (tiny shapes; ours in the Pallas interpreter, and the jnp reference):
   python experiments/kernel_bench.py --tiny --out /tmp/kernel_bench_tiny.json
 Writes <out>.json and <out>.md (same stem) with the command, device, wall times and every entry.
@@ -172,7 +172,7 @@ def expand_workload_names(spec: str) -> list[str]:
 
 def _sched_plan(family: str, min_shard: int, cfg: SchedConfig, cache: dict):
   """(doc_lens, Plan) of ``family`` at ``min_shard``, memoized in ``cache``."""
-  from distca_jax import scheduler  # pylint: disable=import-outside-toplevel
+  from distca_jax import plan as plan_lib  # pylint: disable=import-outside-toplevel
   from distca_jax.data.workloads import WorkloadSampler  # pylint: disable=import-outside-toplevel
   key = (family, min_shard)
   if key not in cache:
@@ -180,7 +180,7 @@ def _sched_plan(family: str, min_shard: int, cfg: SchedConfig, cache: dict):
       sampler = WorkloadSampler(family, tokens_per_row=cfg.tokens_per_rank, seed=cfg.seed)
       cache[(family, "doc_lens")] = sampler.step_doclens(cfg.step, cfg.servers)
     doc_lens = cache[(family, "doc_lens")]
-    cache[key] = scheduler.schedule(
+    cache[key] = plan_lib.schedule(
         doc_lens, cfg.servers, tokens_per_rank=cfg.tokens_per_rank, tolerance=cfg.tolerance,
         min_shard=min_shard, q_heads=cfg.q_heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim)
   return cache[key]
@@ -189,7 +189,7 @@ def _sched_plan(family: str, min_shard: int, cfg: SchedConfig, cache: dict):
 def make_sched_workload(name: str, cfg: SchedConfig, cache: dict | None = None) -> Workload:
   """The task table one server's fused kernel call gets for ``sched-<family>-m<min_shard>``."""
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from distca_jax import scheduler  # pylint: disable=import-outside-toplevel
+  from distca_jax import plan as plan_lib  # pylint: disable=import-outside-toplevel
   from distca_jax.data.workloads import WORKLOADS  # pylint: disable=import-outside-toplevel
   match = _SCHED_NAME.fullmatch(name)
   if not match or match.group(1) not in WORKLOADS or int(match.group(2)) < 1:
@@ -201,9 +201,9 @@ def make_sched_workload(name: str, cfg: SchedConfig, cache: dict | None = None) 
   # Fixed caps as in training: the envelope over the whole min_shard sweep (plus this one), so
   # every standard name of a family gets the same shapes whichever subset a run selects.
   sweep = sorted(set(SCHED_MIN_SHARDS) | {min_shard})
-  cap = scheduler.Capacity.envelope(
-      [scheduler.required_capacity(_sched_plan(family, m, cfg, cache)) for m in sweep])
-  meta = scheduler.plan_to_metadata(plan, cap)
+  cap = plan_lib.Capacity.envelope(
+      [plan_lib.required_capacity(_sched_plan(family, m, cfg, cache)) for m in sweep])
+  meta = plan_lib.plan_to_metadata(plan, cap)
   loads = np.asarray(plan.loads_after, np.float64)
   num_servers = plan.num_servers
   if cfg.server == "all":
@@ -487,7 +487,7 @@ def write_markdown(path: str, result: dict) -> None:
       + f"; CA batches: {cfg['tokens']} query tokens of tail shards [b-s, b), "
       f"b uniform in [s, {cfg['max_doc']}], seed {cfg['seed']}",
       f"- sched-W-mS: step {sched['step']} of workload W, {sched['servers']} ranks x "
-      f"{sched['tokens_per_rank']} tokens, scheduler.schedule(tolerance={sched['tolerance']}, "
+      f"{sched['tokens_per_rank']} tokens, plan_lib.schedule(tolerance={sched['tolerance']}, "
       f"min_shard=S); server {sched['server']!r}"
       + (" (the most loaded after balancing)" if sched["server"] == "max" else "")
       + "; task slots of the capacity envelope over min_shard "

@@ -601,7 +601,7 @@ def run_backend(backend: str, workloads: list, args, save) -> list[dict]:
   unavailable = None
   if backend == "flash3":
     try:
-      ops._import_flash3()  # pylint: disable=protected-access
+      ops.import_flash3()
     except ops.BackendUnavailableError as e:
       unavailable = str(e)
   entries = []

@@ -1,7 +1,7 @@
 """How much of the balance ceiling any per-batch choice between CAD and no balancing could take.
 
-  python experiments/per_batch_bound.py results/e2e_2gpu_64k_v5c.json \
-      results/e2e_2gpu_prolong_128k_v5b.json results/e2e_2gpu_128k_v5b.json \
+  python experiments/per_batch_bound.py results/e2e_2gpu_64k.json \
+      results/e2e_2gpu_prolong_128k.json results/e2e_2gpu_128k.json \
       --fixed-cost 0.004 --out results/per_batch_bound
 
 Reads `experiments/e2e_bench.py` result files (step times of every timed batch of `packed_dp` and
@@ -51,7 +51,8 @@ def parse_args(argv=None):
   p.add_argument("results", nargs="+", help="e2e_bench JSON files")
   p.add_argument("--fixed-cost", type=float, default=0.004,
                  help="CAD's step-time overhead when nothing moves, as a fraction (default 0.004: "
-                      "1 x H200, Pretrain and ProLong 64K, results/pingpong_v6_summary.md)")
+                      "1 x H200, Pretrain and ProLong 64K, "
+                      "results/archive/4b6459c/pingpong_v6_summary.md)")
   p.add_argument("--min-gain", type=float, default=None,
                  help="the gate's threshold for the `gate` column (default: the config's "
                       "attention.distca.min_gain)")

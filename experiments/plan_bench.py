@@ -1,4 +1,4 @@
-"""Planning time of ``distca_jax.scheduler.schedule`` on one CPU core (Pretrain, 128K budgets).
+"""Planning time of ``distca_jax.plan.schedule`` on one CPU core (Pretrain, 128K budgets).
 
 Plans are made on the host while the previous step runs, so they must be cheap: the targets are
 <= 20 ms per plan for 64 servers and <= 200 ms for 512 servers with 128K-token budgets on the
@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distca_jax import scheduler  # noqa: E402
+from distca_jax import plan as plan_lib  # noqa: E402
 from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
 
 _TARGET_MS = {64: 20.0, 512: 200.0}
@@ -41,7 +41,7 @@ def main() -> None:
   p.add_argument("--tokens-per-rank", type=int, default=131072)
   p.add_argument("--servers", default="64,512")
   p.add_argument("--steps", type=int, default=20, help="batches (plans) per server count")
-  p.add_argument("--tolerance", type=float, default=scheduler.DEFAULT_TOLERANCE)
+  p.add_argument("--tolerance", type=float, default=plan_lib.DEFAULT_TOLERANCE)
   p.add_argument("--out", default="results/plan_bench")
   args = p.parse_args()
   cpus = sorted(os.sched_getaffinity(0))
@@ -53,15 +53,15 @@ def main() -> None:
   load_before = os.getloadavg()
   for s in [int(v) for v in args.servers.split(",")]:
     layouts = [sampler.flat_doclens(step, s) for step in range(args.steps + 1)]
-    scheduler.schedule(layouts[-1], s, tokens_per_rank=t, tolerance=args.tolerance)  # warm up
+    plan_lib.schedule(layouts[-1], s, tokens_per_rank=t, tolerance=args.tolerance)  # warm up
     times, cpu, meta_times, moves, imb_b, imb_a, docs = [], [], [], [], [], [], []
     for doc_lens in layouts[:-1]:
       t0, c0 = time.perf_counter(), time.thread_time()
-      plan = scheduler.schedule(doc_lens, s, tokens_per_rank=t, tolerance=args.tolerance)
+      plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t, tolerance=args.tolerance)
       times.append(time.perf_counter() - t0)
       cpu.append(time.thread_time() - c0)
       t0 = time.perf_counter()
-      scheduler.plan_to_metadata(plan, ranks=[0])  # one device's tables, as one host builds
+      plan_lib.plan_to_metadata(plan, ranks=[0])  # one device's tables, as one host builds
       meta_times.append(time.perf_counter() - t0)
       moves.append(plan.num_moves)
       imb_b.append(plan.imbalance_before)

@@ -2,7 +2,7 @@
 
 Every local step of the CAD exchange (send gather, own rows into the attention buffers, received
 rows into place, the return) is ``y = x[idx]`` over rows of ``heads x head_dim`` bf16, an index
-past the end giving a zero row (``dispatch._take``). This times ways of writing the same copy,
+past the end giving a zero row (``dataplane.take_rows``). This times ways of writing the same copy,
 on the shapes of a 64K-token server, with the index a real plan would hold: mostly runs of
 consecutive rows (``--run``), a fraction ``--used`` of the output real, the rest the sentinel:
 

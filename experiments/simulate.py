@@ -12,7 +12,7 @@ speedups, imbalance, bytes and memory per strategy and writes ``{"strategies": {
 with per-rank breakdowns. ``--paper`` replays the DistCA paper's 3D (no pipeline) and 4D
 (pipeline) experiments on Llama-3-8B at 16/32/64 GPUs and a 34B-class model at 128/256/512 GPUs,
 contexts 128K-512K, both workloads, plus an epsilon sweep and per-rank imbalance; it writes
-OUT.md, OUT.json and OUT_*.png.
+OUT.md, OUT.json and OUT.png.
 """
 
 from __future__ import annotations
@@ -276,8 +276,7 @@ def write_paper(a, blob, cal, km_small: float) -> None:
     L.append(f"| {name} | {s['step_s']:.3f} | {rs.max() / rs.mean():.3f} | "
              f"{s['token_imbalance']:.3f} | {s['memory_gb']['total']:.1f} |")
   stem = os.path.basename(a.out)
-  L.append(f"\nPlots: `{stem}_speedup.png`, `{stem}_eps.png`, "
-           f"`{stem}_ranks.png`.")
+  L.append(f"\nPlot: `{stem}.png` (speedups, epsilon sweep, per-rank compute and tokens).")
   with open(a.out + ".md", "w") as f:
     f.write("\n".join(L) + "\n")
   plot_paper(a.out, blob)
@@ -285,11 +284,16 @@ def write_paper(a, blob, cal, km_small: float) -> None:
 
 
 def plot_paper(stem, blob) -> None:
+  """One figure, ``stem.png``: distca's speedups (3D, 4D), the epsilon sweep and per-rank
+  compute and tokens."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  fig, axes = plt.subplots(2, 1, figsize=(14, 8), sharey=True)
-  for ax, dim_name in zip(axes, ("3d", "4d")):
+  fig = plt.figure(figsize=(15, 12))
+  grid = fig.add_gridspec(3, 3, height_ratios=(1, 1, 0.9))
+  speed_axes = [fig.add_subplot(grid[0, :])]
+  speed_axes.append(fig.add_subplot(grid[1, :], sharey=speed_axes[0]))
+  for ax, dim_name in zip(speed_axes, ("3d", "4d")):
     sub = [r for r in blob["rows"] if r["dims"] == dim_name]
     labels = [f"{r['model'][7:]} {r['gpus']}g {r['context'] // 1024}K {r['workload'][:3]}"
               for r in sub]
@@ -298,7 +302,7 @@ def plot_paper(stem, blob) -> None:
     ax.bar(x, [r["speedup_vs_wlb_ideal_as_implemented"] for r in sub], 0.27,
            label="distca / WLB-ideal as implemented here")
     ax.bar(x + 0.27, [r["speedup_vs_packed_dp"] for r in sub], 0.27, label="distca / packed_dp")
-    for wl, ls in (("pretrain", "--"), ("prolong", ":")):
+    for wl in ("pretrain", "prolong"):
       lo, hi = PAPER_RANGES[(dim_name, wl)]
       ax.axhspan(lo, hi, alpha=0.08, color="green" if wl == "pretrain" else "purple",
                  label=f"paper vs WLB-ideal ({wl})")
@@ -306,38 +310,32 @@ def plot_paper(stem, blob) -> None:
     ax.set_ylim(0.9, None)
     ax.set_xticks(x, labels, rotation=90, fontsize=6)
     ax.set_title(f"{dim_name.upper()} (simulated)")
-  axes[0].set_ylabel("speedup of distca")
-  axes[0].legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(stem + "_speedup.png", dpi=130)
-  plt.close(fig)
+    ax.set_ylabel("speedup of distca")
+  speed_axes[0].legend(fontsize=7)
 
   sw = blob["eps_sweep"]
-  fig, ax = plt.subplots(figsize=(5.5, 4))
+  ax = fig.add_subplot(grid[2, 0])
   ax.plot([e["mb_per_layer"] for e in sw], [e["step_s"] for e in sw], "o-")
   for e in sw:
     ax.annotate(f"eps {e['tolerance']}", (e["mb_per_layer"], e["step_s"]), fontsize=7)
   ax.set_xlabel("CAD bytes received per rank per layer (MB, forward)")
   ax.set_ylabel("simulated step s")
-  ax.set_title("epsilon sweep, 8B, 64 GPUs, Pretrain 128K")
-  fig.tight_layout()
-  fig.savefig(stem + "_eps.png", dpi=130)
-  plt.close(fig)
+  ax.set_title("epsilon sweep, 8B, 64 GPUs, Pretrain 128K", fontsize=9)
 
   imb = blob["imbalance_case"]["strategies"]
-  fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+  rank_axes = [fig.add_subplot(grid[2, 1]), fig.add_subplot(grid[2, 2])]
   for name in ("packed_dp", "wlb", "distca"):
     s = imb[name]
-    axes[0].plot(s["per_rank_step_s"], ".-", label=name)
-    axes[1].plot(np.asarray(s["per_rank_s"]["linear"]) / max(s["per_rank_s"]["linear"]), ".-",
-                 label=name)
-  axes[0].set_title("per-rank compute of a step (s, simulated)")
-  axes[1].set_title("per-rank tokens held (activation memory), / max")
-  for ax in axes:
+    rank_axes[0].plot(s["per_rank_step_s"], ".-", label=name)
+    rank_axes[1].plot(np.asarray(s["per_rank_s"]["linear"]) / max(s["per_rank_s"]["linear"]),
+                      ".-", label=name)
+  rank_axes[0].set_title("per-rank compute of a step (s, simulated)", fontsize=9)
+  rank_axes[1].set_title("per-rank tokens held (activation memory), / max", fontsize=9)
+  for ax in rank_axes:
     ax.set_xlabel("data rank")
     ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(stem + "_ranks.png", dpi=130)
+  fig.savefig(stem + ".png", dpi=110)
   plt.close(fig)
 
 

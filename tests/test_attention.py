@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from distca_jax import attention as attn
+from distca_jax import backends
 from distca_jax.data.workloads import WorkloadSampler, split_into_rows
 
 
@@ -81,7 +82,7 @@ def test_attention_never_crosses_documents():
 
 def test_unknown_backend_names_the_choices():
   with pytest.raises(ValueError, match="available: .*local"):
-    attn.get_backend("nope")
+    backends.get("nope")
 
 
 def test_shape_errors_are_clear():

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from distca_jax import attention as attn
+from distca_jax import backends
 from distca_jax import baselines as bl
 from distca_jax import config as config_lib
-from distca_jax import scheduler as sched
+from distca_jax import plan as plan_lib
 from distca_jax import sharding as shard_lib
 from distca_jax import trainer
 from distca_jax.baselines import packing
@@ -60,7 +61,7 @@ def test_packed_dp_equals_local_and_reference(rows_per_rank):
   doclens = [_rand_lens(rng, t, 12) for _ in range(rows)]
   seg, pos = layout_arrays(doclens, t)
   layout = attn.Layout(jnp.asarray(seg), jnp.asarray(pos))
-  backend = attn.get_backend("packed_dp", max_docs_per_row=32)
+  backend = backends.get("packed_dp", max_docs_per_row=32)
   extra = {k: jnp.asarray(v) for k, v in backend.host_prepare(doclens, t).items()}
   q, k, v, w = _qkvw(rng, rows, t)
 
@@ -114,7 +115,7 @@ def _check_group_backend(rng, name, pl: packing.Placement, backend_opts):
   seg_a, pos_a = pl.layout_arrays()
   extra = {kk: jnp.asarray(vv) for kk, vv in packing.task_tables(pl, max_tasks=64).items()}
   layout = attn.Layout(jnp.asarray(seg_a), jnp.asarray(pos_a), extra)
-  backend = attn.get_backend(name, **backend_opts)
+  backend = backends.get(name, **backend_opts)
   src_j = jnp.asarray(src.reshape(-1))
   b, t = src.shape
 
@@ -177,7 +178,7 @@ def test_arrange_batch_feeds_the_backend_and_keeps_every_token():
   o_ref = np.asarray(attn.dense_reference(q, k, v, ref_layout, softmax_scale=SCALE))
   for name, opts in (("cp", dict(cp_size=4)), ("wlb", dict(cp_size=2, alpha=1.2,
                                                            balance_len=20.0))):
-    backend = attn.get_backend(name, **opts)
+    backend = backends.get(name, **opts)
     # Token ids tag where each token went: a token's id is its natural flat index + 1.
     tagged = dict(batch, inputs=np.where(seg > 0, np.arange(S * t).reshape(S, t) + 1, 0))
     out = backend.host_arrange(tagged, doclens)
@@ -217,7 +218,7 @@ def test_model_loss_and_grads_with_baselines_equal_local():
   dims = bl.ModelDims.from_model(config_lib.model_config(c))
 
   # Core attention has no parameters: one state serves every backend.
-  state = trainer.create_train_state(c, trainer.make_model(c, attn.get_backend("reference")),
+  state = trainer.create_train_state(c, trainer.make_model(c, backends.get("reference")),
                                      trainer.make_optimizer(c), mesh)
 
   def loss_and_grads(backend, np_batch):
@@ -232,10 +233,10 @@ def test_model_loss_and_grads_with_baselines_equal_local():
       loss, g = jax.jit(jax.value_and_grad(f))(state.params, trainer.device_batch(np_batch, mesh))
     return float(loss), jax.tree.leaves(jax.device_get(g))
 
-  loss_ref, g_ref = loss_and_grads(attn.get_backend("reference"), batch)
-  pdp = attn.get_backend("packed_dp", max_docs_per_row=32)
-  cp = attn.get_backend("cp", cp_size=2)
-  wlb = attn.get_backend("wlb", cp_size=2, alpha=1.25, balance_len=dims.balance_len)
+  loss_ref, g_ref = loss_and_grads(backends.get("reference"), batch)
+  pdp = backends.get("packed_dp", max_docs_per_row=32)
+  cp = backends.get("cp", cp_size=2)
+  wlb = backends.get("wlb", cp_size=2, alpha=1.25, balance_len=dims.balance_len)
   for backend, b in ((pdp, trainer.add_host_plan(batch, pdp, doclens, t)),
                      (cp, cp.host_arrange(batch, doclens)),
                      (wlb, wlb.host_arrange(batch, doclens))):
@@ -250,22 +251,22 @@ def test_unarranged_batch_and_bad_options_are_clear_errors():
   q, k, v, _ = _qkvw(rng, S, 16)
   layout = attn.Layout(jnp.ones((S, 16), jnp.int32), jnp.tile(jnp.arange(16), (S, 1)))
   with jax.set_mesh(_mesh()), pytest.raises(ValueError, match="arrange_batch"):
-    attn.get_backend("cp", cp_size=2).fn(q, k, v, layout, softmax_scale=SCALE)
+    backends.get("cp", cp_size=2).fn(q, k, v, layout, softmax_scale=SCALE)
   with pytest.raises(ValueError, match="no mesh"):
-    attn.get_backend("packed_dp").fn(q, k, v, attn.Layout(layout.segment_ids_BxT,
+    backends.get("packed_dp").fn(q, k, v, attn.Layout(layout.segment_ids_BxT,
                                                           layout.positions_BxT,
                                                           {"doc_lens": jnp.zeros((S, 2))}),
                                      softmax_scale=SCALE)
   with pytest.raises(ValueError, match="cp_size"):
-    attn.get_backend("wlb", balance_len=10.0)
+    backends.get("wlb", balance_len=10.0)
   with pytest.raises(ValueError, match="balance_len"):
-    attn.get_backend("wlb", cp_size=2)
+    backends.get("wlb", cp_size=2)
   with pytest.raises(ValueError, match="alpha"):
-    attn.get_backend("wlb", cp_size=2, alpha=0.9, balance_len=1.0)
+    backends.get("wlb", cp_size=2, alpha=0.9, balance_len=1.0)
   with pytest.raises(ValueError, match="kernel"):
-    attn.get_backend("packed_dp", kernel="cuda")
+    backends.get("packed_dp", kernel="cuda")
   with pytest.raises(ValueError, match="max_docs_per_row"):
-    attn.get_backend("packed_dp", max_docs_per_row=2).host_prepare([[1, 1, 1]], 8)
+    backends.get("packed_dp", max_docs_per_row=2).host_prepare([[1, 1, 1]], 8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,7 +341,7 @@ def test_placement_rejects_bad_pieces():
 # Metrics.
 # ----------------------------------------------------------------------------------------------
 def _total_pairs(lens):
-  return int(sched.pairs(0, np.asarray(lens, np.int64)).sum())
+  return int(plan_lib.pairs(0, np.asarray(lens, np.int64)).sum())
 
 
 def test_metrics_conserve_work_and_tokens():
@@ -369,11 +370,11 @@ def test_metrics_conserve_work_and_tokens():
     ref = bl.placement_metrics(bl.wlb_placement(pk), dims, "wlb")
     for f in ("pairs_S", "tokens_S", "bytes_S", "kv_rows_S"):
       np.testing.assert_allclose(getattr(m, f), getattr(ref, f))
-  plan = sched.schedule(flat, s, tokens_per_rank=t, tolerance=0.1)
+  plan = plan_lib.schedule(flat, s, tokens_per_rank=t, tolerance=0.1)
   m = bl.distca_metrics(plan)
   assert m.pairs_S.sum() == _total_pairs(flat)
   assert m.tokens_S.sum() == sum(flat)
-  assert m.kv_rows_S.max() == sched.required_capacity(plan).kv_tokens
+  assert m.kv_rows_S.max() == plan_lib.required_capacity(plan).kv_tokens
   assert m.summary()["attention_imbalance"] == pytest.approx(plan.imbalance_after)
   bq, bkv = dims.q_row_bytes, dims.kv_row_bytes
   assert m.bytes_S.sum() == pytest.approx(2 * plan.bytes_q + plan.bytes_kv)

@@ -128,3 +128,13 @@ def test_per_batch_bound_checks_batches_by_mfu_flops():
     pbb.check_rebuilt(dict(run, mfu=mfu * 1.01), cfg, doclens, ceiling)
   with pytest.raises(ValueError, match="ceiling"):
     pbb.check_rebuilt(dict(devices=2, ceiling=ceiling + 0.5), cfg, doclens, ceiling)
+
+
+def test_backend_overrides_are_options_not_config_keys():
+  """``backend.KEY=VALUE`` items (a variant's signal-only twin) become backend options with
+  parsed values; config overrides are left to the config."""
+  got = e2e_bench.backend_overrides(["attention.distca.tolerance=0", "backend.signal_only=true",
+                                     "backend.exchange_buckets=3", "backend.tolerance=0.5",
+                                     "backend.cost_table=results/x.json"])
+  assert got == {"signal_only": True, "exchange_buckets": 3, "tolerance": 0.5,
+                 "cost_table": "results/x.json"}

@@ -143,7 +143,7 @@ def doc_slices():
 # ----------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _logits_fn(cfg: model_lib.ModelConfig):
-  model = model_lib.Transformer(cfg, attn_lib.get_backend("local").fn)
+  model = model_lib.Transformer(cfg, attn_lib.local_attention)
   return jax.jit(functools.partial(model.apply, method=model_lib.Transformer.logits))
 
 
@@ -279,7 +279,7 @@ def test_perturbing_one_document_leaves_the_others_unchanged(cases):
 def test_params_tree_matches_model_init(cases, scan_layers):
   case = cases["gqa_tied_llama3"]
   cfg, params = load(case, scan_layers=scan_layers)
-  model = model_lib.Transformer(cfg, attn_lib.get_backend("local").fn)
+  model = model_lib.Transformer(cfg, attn_lib.local_attention)
   ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
   want = nn.unbox(jax.eval_shape(model.init, jax.random.key(0), ids, attn_lib.Layout(ids, ids)))
   got = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)

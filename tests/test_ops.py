@@ -22,7 +22,7 @@ import pytest
 from custom_ops import BlockSizes
 from custom_ops import varlen_attention as va
 from distca_jax import ops
-from distca_jax.dispatch import count_primitives
+from distca_jax.dataplane import count_primitives
 
 BLOCKS = BlockSizes.for_interpret()  # 16-row tiles: tasks of up to 40 rows span several blocks
 
@@ -422,11 +422,11 @@ def _kernel_bench():
 
 @pytest.mark.parametrize("family", ["pretrain", "prolong"])
 def test_kernel_bench_sched_workload_is_the_servers_task_table(family):
-  from distca_jax import scheduler  # pylint: disable=import-outside-toplevel
+  from distca_jax import plan as plan_lib  # pylint: disable=import-outside-toplevel
   from distca_jax.data.workloads import WorkloadSampler  # pylint: disable=import-outside-toplevel
   kb = _kernel_bench()
   servers, tokens, step, seed, min_shard = 4, 512, 2, 7, 32
-  plan = scheduler.schedule(
+  plan = plan_lib.schedule(
       WorkloadSampler(family, tokens_per_row=tokens, seed=seed).step_doclens(step, servers),
       servers, tokens_per_rank=tokens, tolerance=0.05, min_shard=min_shard, q_heads=4,
       kv_heads=2, head_dim=32)
@@ -560,7 +560,7 @@ def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
     return jnp.sum(o * do), (o, lse)
 
   emu = FA3Emulator()
-  flash = lambda q, k, v: ops._flash3_masked(
+  flash = lambda q, k, v: ops.flash3_masked(
       q, k, v, cu_q, cu_k, softmax_scale=0.3, max_seqlen_q=msq, max_seqlen_k=msk, grid_levels=4,
       impl=(emu.fwd, emu.bwd))
   ref = lambda q, k, v: ops.core_attention(q, k, v, cu_q, cu_k, backend="reference",
@@ -579,7 +579,7 @@ def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
   # The device's choice is the cheapest bucket holding the table.
   holds = [b for b in buckets if b[0] >= used and b[1] >= lq.max() and b[2] >= lk.max()]
   want_b = min(holds, key=lambda b: b[0] * -(-b[2] // 128))
-  chosen = buckets[int(ops._flash3_bucket(cu_q, cu_k, buckets)[0])]
+  chosen = buckets[int(ops.flash3_bucket(cu_q, cu_k, buckets)[0])]
   assert chosen[0] * -(-chosen[2] // 128) == want_b[0] * -(-want_b[2] // 128)
   assert chosen[0] >= used and chosen[1] >= lq.max() and chosen[2] >= lk.max()
   # The forward ran the full shape once; the backward compiled every shape. No switch in the
@@ -590,7 +590,7 @@ def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
   assert count_primitives(fwd_jaxpr, {"cond"})["cond"] == 0
   assert count_primitives(traced.jaxpr.jaxpr, {"cond"})["cond"] >= 1
   # A task longer than the caller's bound: NaN, not a silently shortened task.
-  short = lambda q, k, v: ops._flash3_masked(
+  short = lambda q, k, v: ops.flash3_masked(
       q, k, v, cu_q, cu_k, softmax_scale=0.3, max_seqlen_q=msq, max_seqlen_k=int(lk.max()) - 1,
       grid_levels=4, impl=(emu.fwd, emu.bwd))
   assert np.isnan(np.asarray(jax.jit(short)(q, k, v)[0])).all()
@@ -626,14 +626,14 @@ def test_flash3_remat_keeps_o_and_compact_lse_not_the_raw_buffer():
   fwd = lambda *a, **kw: tuple(call.bind(*a, **kw))
 
   def loss(q, k, v):
-    o, _ = ops._flash3_masked(q, k, v, cu, cu, softmax_scale=0.3, max_seqlen_q=t,
+    o, _ = ops.flash3_masked(q, k, v, cu, cu, softmax_scale=0.3, max_seqlen_q=t,
                               max_seqlen_k=t, grid_levels=2, impl=(fwd, emu.bwd))
     return jnp.sum(o * o)  # the backward still takes the LSE (a residual of the kernel)
 
   raw = [shape for _, shape, _ in saved_residuals(jax.checkpoint(
       loss, policy=lambda prim, *_, **__: prim.name == "ffi_call"), q, k, v)]
   assert (slots, h, t) in raw  # saving the call's outputs keeps the raw buffer
-  for policy in (model._REMAT_POLICIES["save_attention"], ops.saves_kernel_outputs):
+  for policy in (model.REMAT_POLICIES["save_attention"], ops.saves_kernel_outputs):
     saved = saved_residuals(jax.checkpoint(loss, policy=policy), q, k, v)
     named = sorted(shape for _, shape, why in saved if ops.KERNEL_OUTPUTS_NAME in why)
     assert named == sorted([(t, h, d), (h, t)]), saved

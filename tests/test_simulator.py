@@ -6,16 +6,18 @@ import dataclasses
 import numpy as np
 import pytest
 
-from distca_jax import metrics, scheduler
+from distca_jax import metrics
+from distca_jax import plan as plan_lib
 from distca_jax.baselines import ideal
 from distca_jax.baselines import metrics as bm
 from distca_jax.model import ModelConfig
 from distca_jax.sim import costs, step, validate
 
+
 def _flat_table() -> costs.KernelModel:
   """One grid point: every task is clamped to it and scaled by its causal pairs, so a task
   costs exactly 1 ns per pair (hand computation is easy)."""
-  return costs.KernelModel(scheduler.CostTable.from_arrays([64], [64], [[64 * 65 / 2 * 1e-9]]))
+  return costs.KernelModel(plan_lib.CostTable.from_arrays([64], [64], [[64 * 65 / 2 * 1e-9]]))
 
 
 def _cal(**kw) -> costs.Calibration:
@@ -164,8 +166,10 @@ def test_wlb_ideal_from_config_reaches_the_backend():
       "mesh.data=4"])
   opts = ideal.wlb_options_from_config(c)
   assert 4 % opts["cp_size"] == 0 and opts["alpha"] in ideal.DEFAULT_ALPHAS
-  backend = trainer.make_backend(c)
-  assert backend.host_arrange is not None
+  from distca_jax.backends import wlb
+  options = wlb.Options.from_config(c)
+  assert (options.cp_size, options.alpha) == (opts["cp_size"], opts["alpha"])
+  assert trainer.make_backend(c).host_arrange is not None
   # A field given stays as given.
   c.attention.baselines.cp_size = 2
   assert ideal.wlb_options_from_config(c)["cp_size"] == 2

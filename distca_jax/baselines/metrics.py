@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from distca_jax import metrics as metrics_lib
-from distca_jax import scheduler as sched
+from distca_jax import plan as plan_lib
 from distca_jax.baselines import packing
 
 
@@ -155,7 +155,7 @@ class RankMetrics:
 
 def imbalance(values) -> float:
   """max / mean (1.0 when everything is zero)."""
-  return sched.imbalance(values)
+  return plan_lib.imbalance(values)
 
 
 def estimate_layer_seconds(m: RankMetrics, dims: ModelDims,
@@ -187,7 +187,7 @@ def placement_metrics(placement: packing.Placement, dims: ModelDims, strategy: s
   """
   p = placement
   r, c = p.rows_per_rank, p.cp_size
-  pairs_B = np.bincount(p.row_P, weights=sched.pairs(p.start_P, p.end_P).astype(np.float64),
+  pairs_B = np.bincount(p.row_P, weights=plan_lib.pairs(p.start_P, p.end_P).astype(np.float64),
                         minlength=p.num_rows)
   tokens_B = p.row_tokens()
   lane_tok = np.bincount(p.lane_of_row(np.arange(p.num_rows)), weights=tokens_B)
@@ -224,7 +224,7 @@ def wlb_metrics(pk: packing.WlbPacking, dims: ModelDims, *, rows_per_rank: int =
   """
   c, r = pk.cp_size, rows_per_rank
   start, end = pk.chunks()
-  pr = sched.pairs(start, end).astype(np.float64)  # [J, 2c]
+  pr = plan_lib.pairs(start, end).astype(np.float64)  # [J, 2c]
   pr = pr[:, :c] + pr[:, ::-1][:, :c]  # rank i: chunk i + chunk 2c - 1 - i
   lanes = pk.num_lanes
   idx = (pk.lane_J[:, None] * c + np.arange(c)[None, :]).reshape(-1)
@@ -255,7 +255,7 @@ def wlb_metrics(pk: packing.WlbPacking, dims: ModelDims, *, rows_per_rank: int =
                      by_rank(bytes_LxC), by_rank(kv_LxC).astype(np.int64), c, info)
 
 
-def distca_metrics(plan: sched.Plan) -> RankMetrics:
+def distca_metrics(plan: plan_lib.Plan) -> RankMetrics:
   """``distca`` from a scheduler ``Plan``: loads after balancing, tokens in place, traffic.
 
   A rank receives, per layer forward, the query and K/V rows other ranks send it as a server
@@ -305,7 +305,7 @@ def lanes_from_rows(row_doclens: Sequence[Sequence[int]], cp_size: int,
 
 def rank_metrics(strategy: str, row_doclens: Sequence[Sequence[int]], tokens_per_row: int, *,
                  dims: ModelDims | None = None, rows_per_rank: int = 1, cp_size: int = 1,
-                 alpha: float = 1.0, tolerance: float = sched.DEFAULT_TOLERANCE) -> RankMetrics:
+                 alpha: float = 1.0, tolerance: float = plan_lib.DEFAULT_TOLERANCE) -> RankMetrics:
   """Metrics of one strategy on a trainer batch's per-row document lengths (for training logs).
 
   ``cp`` groups rows into lane sequences, ``wlb`` re-packs the rows' pieces (whole rows' pieces
@@ -325,7 +325,7 @@ def rank_metrics(strategy: str, row_doclens: Sequence[Sequence[int]], tokens_per
   if strategy == "distca":
     if rows_per_rank != 1:
       raise ValueError(f"distca metrics plan one row per rank; got {rows_per_rank=}")
-    plan = sched.schedule([list(r) for r in row_doclens], len(row_doclens),
+    plan = plan_lib.schedule([list(r) for r in row_doclens], len(row_doclens),
                           tokens_per_rank=tokens_per_row, tolerance=tolerance,
                           q_heads=dims.q_heads, kv_heads=dims.kv_heads, head_dim=dims.head_dim,
                           dtype_bytes=dims.dtype_bytes)

@@ -19,8 +19,9 @@ from typing import Sequence
 import numpy as np
 
 from distca_jax import metrics
-from distca_jax import scheduler as sched
+from distca_jax import plan as plan_lib
 from distca_jax.baselines.metrics import ModelDims
+from distca_jax.checks import check_int
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_COST_TABLE = os.path.join(ROOT, "results", "cost_table_flash3_h200.json")
@@ -76,7 +77,7 @@ def model_spec(name: str, n_layers: int | None = None) -> ModelSpec:
     raise ValueError(f"unknown model {name!r}; choose one of {sorted(shapes)}")
   kw = dict(shapes[name])
   if n_layers is not None:
-    kw["n_layers"] = sched.check_int("n_layers", n_layers, 1)
+    kw["n_layers"] = check_int("n_layers", n_layers, 1)
   cfg = ModelConfig(**kw)
   dims = ModelDims.from_model(cfg)
   total = dims.matmul_params + cfg.dim * cfg.vocab_size + (2 * cfg.n_layers + 1) * cfg.dim
@@ -174,9 +175,9 @@ class KernelModel:
   ``sim.validate.fit_small_task_seconds``; 0 = the table alone).
   """
 
-  def __init__(self, table: sched.CostTable | str | None = None, small_task_s: float = 0.0):
+  def __init__(self, table: plan_lib.CostTable | str | None = None, small_task_s: float = 0.0):
     if table is None or isinstance(table, (str, os.PathLike)):
-      table = sched.CostTable.from_json(os.fspath(table or DEFAULT_COST_TABLE))
+      table = plan_lib.CostTable.from_json(os.fspath(table or DEFAULT_COST_TABLE))
     self.table = table
     self.small_task_s = float(small_task_s)
 
@@ -214,8 +215,8 @@ def memory_bytes(spec: ModelSpec, cal: Calibration, *, tokens: float, layers: in
 
 def pipeline_bubble_fraction(stages: int, micro_batches: int) -> float:
   """(S - 1) / (M + S - 1): the idle share of a 1F1B pipeline with equal micro-batches."""
-  s = sched.check_int("stages", stages, 1)
-  m = sched.check_int("micro_batches", micro_batches, 1)
+  s = check_int("stages", stages, 1)
+  m = check_int("micro_batches", micro_batches, 1)
   return (s - 1) / (m + s - 1)
 
 

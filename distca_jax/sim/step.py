@@ -2,7 +2,7 @@
 
 The strategies run the project's own host code on every sampled micro-batch: the workload
 sampler (``data.WorkloadSampler``), the baselines' placements and WLB packer
-(``baselines.packing``, ``baselines.metrics``) and the CAD planner (``scheduler.schedule``).
+(``baselines.packing``, ``baselines.metrics``) and the CAD planner (``plan.schedule``).
 Their per-rank tasks, tokens and bytes become seconds through ``costs`` (measured kernel table,
 fitted matmul rate, fitted collectives, stated inter-node bandwidth):
 
@@ -26,9 +26,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from distca_jax import scheduler as sched
+from distca_jax import plan as plan_lib
 from distca_jax.baselines import metrics as bm
 from distca_jax.baselines import packing
+from distca_jax.checks import check_int
 from distca_jax.data.workloads import WorkloadSampler
 from distca_jax.sim import costs
 
@@ -54,7 +55,7 @@ class Layout:
 
   def __post_init__(self):
     for f in ("gpus", "tensor", "pipe", "micro_batches"):
-      sched.check_int(f, getattr(self, f), 1)
+      check_int(f, getattr(self, f), 1)
     if self.gpus % (self.tensor * self.pipe):
       raise ValueError(f"gpus={self.gpus} must be a multiple of tensor={self.tensor} x "
                        f"pipe={self.pipe}")
@@ -80,7 +81,7 @@ class Options:
     wlb_padded: wlb rows padded to ``Lmax = alpha T`` token slots (this project's backend: the
       linear layers run on the padding too); False = variable-length rows (the paper's WLB).
   """
-  tolerance: float = sched.DEFAULT_TOLERANCE
+  tolerance: float = plan_lib.DEFAULT_TOLERANCE
   min_gain: float = 0.0
   nano_batches: int = 2
   wlb_alphas: Sequence[float] = WLB_ALPHAS
@@ -108,7 +109,7 @@ class MicroResult:
   metrics: bm.RankMetrics
   attn_s: np.ndarray
   group: int
-  plan: sched.Plan | None = None
+  plan: plan_lib.Plan | None = None
 
 
 def _placement_attn(pl: packing.Placement, spec: costs.ModelSpec, km: costs.KernelModel
@@ -142,7 +143,7 @@ def run_wlb(rows, tokens, spec, km, cp_size: int, alpha: float) -> MicroResult:
 
 def run_distca(rows, tokens, spec, km, opts: Options) -> MicroResult:
   d = spec.dims
-  plan = sched.schedule([list(r) for r in rows], len(rows), tokens_per_rank=tokens,
+  plan = plan_lib.schedule([list(r) for r in rows], len(rows), tokens_per_rank=tokens,
                         tolerance=opts.tolerance, q_heads=d.q_heads, kv_heads=d.kv_heads,
                         head_dim=d.head_dim, dtype_bytes=d.dtype_bytes, min_gain=opts.min_gain,
                         linear_pairs_per_token=costs.linear_pairs_per_token(d))
@@ -213,8 +214,8 @@ def strategy_memory(mr_list: Sequence[MicroResult], spec: costs.ModelSpec,
   if m0.strategy in ("cp", "wlb") and m0.cp > 1:  # one layer's gathered K/V of the group
     extra = m0.cp * held * d.kv_row_bytes / layout.tensor
   elif m0.strategy == "distca":
-    caps = [sched.required_capacity(mr.plan) for mr in mr_list]
-    env = sched.Capacity.envelope(caps)
+    caps = [plan_lib.required_capacity(mr.plan) for mr in mr_list]
+    env = plan_lib.Capacity.envelope(caps)
     extra = env.memory_bytes(layout.data, q_heads=d.q_heads, kv_heads=d.kv_heads,
                              head_dim=d.head_dim, dtype_bytes=d.dtype_bytes)["total"]
     extra /= layout.tensor

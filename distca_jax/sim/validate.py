@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from distca_jax import scheduler as sched
+from distca_jax import plan as plan_lib
 from distca_jax.sim import costs, step
 
 RESULTS = os.path.join(costs.ROOT, "results")
@@ -144,7 +144,7 @@ def run_batches(run: E2eRun) -> list[list[list[list[int]]]]:
 
 def _options(run: E2eRun, era: str) -> step.Options:
   return step.Options(
-      tolerance=float(run.override("attention.distca.tolerance", str(sched.DEFAULT_TOLERANCE))),
+      tolerance=float(run.override("attention.distca.tolerance", str(plan_lib.DEFAULT_TOLERANCE))),
       min_gain=_ERA_MIN_GAIN[era], nano_batches=2 if run.backend.endswith("+pingpong") else 1,
       wlb_alphas=(float(run.override("attention.baselines.wlb_alpha", "1.0")),),
       cp_sizes=(int(run.override("attention.baselines.cp_size", "1")),),
@@ -238,21 +238,20 @@ def _case(kind, name, predicted, measured, role, **extra) -> dict[str, Any]:
 def kernel_tables() -> list[dict[str, Any]]:
   """The busiest rank's real task table of every ``flash3_grid_bench`` launch-bucket row (what
   the step runs): q / kv lengths of its tasks and the measured FA3 fwd+bwd seconds."""
-  from distca_jax import dispatch  # pylint: disable=import-outside-toplevel
   from distca_jax import ops  # pylint: disable=import-outside-toplevel
   from distca_jax.baselines import packing  # pylint: disable=import-outside-toplevel
   from distca_jax.data.workloads import WorkloadSampler  # pylint: disable=import-outside-toplevel
   blob = _json("flash3_grid_bench")
   t, s = 65536, 2
-  spec = dispatch.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1,
-                           capacity=sched.Capacity(**blob["capacity"]))
+  spec = plan_lib.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1,
+                           capacity=plan_lib.Capacity(**blob["capacity"]))
   out = []
   for r in blob["rows"]:
     if r["case"] != "buckets":
       continue
     doc_lens = WorkloadSampler(r["workload"], t, seed=0).step_doclens(r["batch"], s)
     if r["table"] == "cad":
-      hp = dispatch.host_plan(doc_lens, spec, tolerance=0.1, q_heads=32, kv_heads=8,
+      hp = plan_lib.host_plan(doc_lens, spec, tolerance=0.1, q_heads=32, kv_heads=8,
                               head_dim=128, dtype_bytes=2)
       tabs = [(np.asarray(hp.meta.cu_seqlens_q[d]), np.asarray(hp.meta.cu_seqlens_k[d]))
               for d in range(s)]

@@ -33,8 +33,9 @@ the task table (distca_jax.ops.core_attention_flops: forward 4*H*D*pairs, forwar
 forward); padding rows add none.
 
 Each backend runs in its own subprocess, so a crash or a missing package costs only its own
-entries, which are recorded with the error. Backends: pallas[:preset] (ours), flash3, cudnn, mha
-and reference (plain jnp, small sizes only). Run (on a GPU machine):
+entries, which are recorded with the error. Backends: pallas[:preset] (ours, Pallas Triton),
+mosaic[:preset] (ours, Pallas Mosaic GPU), flash3, cudnn, mha and reference (plain jnp, small
+sizes only). Run (on a GPU machine):
   python experiments/kernel_bench.py --out results/kernel_bench.json            # full table
   python experiments/kernel_bench.py --quick --out results/kernel_bench_quick.json
 CPU smoke test (tiny shapes; ours in the Pallas interpreter, and the jnp reference):
@@ -66,7 +67,7 @@ DENSE_LENGTHS = (4096, 16384, 65536)
 SHARD_LENGTHS = (4096, 2048, 1024, 512, 256, 128, 64)
 SCHED_FAMILIES = ("pretrain", "prolong")
 SCHED_MIN_SHARDS = (64, 128, 256, 512, 1024, 2048, 4096)
-BACKENDS = ("pallas", "flash3", "cudnn", "mha")
+BACKENDS = ("pallas", "mosaic", "flash3", "cudnn", "mha")
 ALL_BACKENDS = BACKENDS + ("reference",)
 FAMILIES = {
     "dense": [f"dense-{n}" for n in DENSE_LENGTHS],
@@ -80,7 +81,7 @@ FULL = dict(heads=NUM_HEADS, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype="bf
             workloads="dense,ca,sched")
 # A representative subset for one short GPU run: the dense anchor, the composability ends of the
 # synthetic sweep and three min_shard values of each scheduler workload; ours against flash3.
-QUICK = dict(backends="flash3,pallas", workloads=",".join(
+QUICK = dict(backends="flash3,pallas,mosaic", workloads=",".join(
     ["dense-16384", "ca-s128", "ca-s512", "ca-s4096"]
     + [f"sched-{w}-m{m}" for w in SCHED_FAMILIES for m in (128, 512, 2048)]))
 # CPU smoke test: tiny shapes, every workload family, ours interpreted and the jnp reference.
@@ -106,6 +107,14 @@ PALLAS_PRESETS = {
                                block_k_dq=128, num_warps_dq=8, block_q_dkv=128,
                                num_warps_dkv=8),
     "f64x64w8s3-bw8": dict(num_warps=8, num_warps_dq=8, num_warps_dkv=8),
+}
+# Named tilings of the Mosaic GPU kernels (custom_ops/mosaic_attention.BlockSizes); "mosaic" means
+# "mosaic:default".
+MOSAIC_PRESETS = {
+    "default": {},
+    "nopp": dict(pingpong=False),  # forward without ping-pong scheduling of the two warpgroups
+    "s3": dict(max_concurrent_steps=3),
+    "dq128": dict(block_kv_dq=128),
 }
 _SCHED_NAME = re.compile(r"sched-([a-z]+)-m(\d+)")
 
@@ -381,6 +390,18 @@ def run_backend(backend: str, workloads: list[Workload], args, save) -> list[dic
           return ops.core_attention(q, k, v, cu_q, cu_k, backend="pallas", block_sizes=bs,
                                     interpret=args.interpret)
         inputs = (q, k, v, cu_q, cu_k)
+      elif base == "mosaic":
+        from custom_ops import mosaic_attention  # pylint: disable=import-outside-toplevel
+        preset = preset or "default"
+        if preset not in MOSAIC_PRESETS:
+          raise ValueError(f"unknown mosaic {preset=}; choose one of {sorted(MOSAIC_PRESETS)}")
+        mbs = mosaic_attention.BlockSizes(**MOSAIC_PRESETS[preset])
+        entry["block_sizes"] = dataclasses.asdict(mbs)
+        static = ("mosaic", mbs)
+
+        def attn(q, k, v, cu_q, cu_k, mbs=mbs):
+          return mosaic_attention.mosaic_attention(q, k, v, cu_q, cu_k, block_sizes=mbs)[0]
+        inputs = (q, k, v, cu_q, cu_k)
       elif base == "reference":
         static = ("reference",)
 
@@ -572,8 +593,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="representative subset, flash3 + ours: " + QUICK["workloads"])
   preset.add_argument("--tiny", action="store_true",
                       help="CPU smoke test: tiny shapes, reference + ours interpreted")
-  parser.add_argument("--backends", help="comma list of pallas[:preset], flash3, cudnn, mha, "
-                      "reference; presets: " + ", ".join(PALLAS_PRESETS)
+  parser.add_argument("--backends", help="comma list of pallas[:preset], mosaic[:preset], flash3, cudnn, "
+                      "mha, reference; pallas presets: " + ", ".join(PALLAS_PRESETS)
+                      + "; mosaic presets: " + ", ".join(MOSAIC_PRESETS)
                       + f"; default {FULL['backends']}")
   parser.add_argument("--workloads", help="comma list of dense-<L>, ca-s<S>, sched-<W>-m<S> or "
                       f"the families {sorted(FAMILIES)}; default {FULL['workloads']}")

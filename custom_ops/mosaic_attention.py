@@ -55,6 +55,9 @@ _MASK_VALUE = -1e30
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _NUM_COMPUTE_WGS = 2
+# Registers per thread after setmaxnreg: 2 x 128 x 232 + 128 x 40 = 64512 of the SM's 65536. A
+# request the register file cannot meet blocks the warpgroup forever.
+_COMPUTE_REGISTERS, _PRODUCER_REGISTERS = 232, 40
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -334,7 +337,7 @@ def _fwd_kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
 
   @pl.when(wg < _NUM_COMPUTE_WGS)
   def _compute():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
     qs = q_smem.at[wg]
     row0 = q_row + wg * bq
     diag = meta_ref[QT_DIAG + wg, tile]
@@ -411,7 +414,7 @@ def _fwd_kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
 
   @pl.when(wg == _NUM_COMPUTE_WGS)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
     kvh = lax.div(h, group)
 
     def load(j, slot):
@@ -439,7 +442,7 @@ def _dq_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref
 
   @pl.when(wg < _NUM_COMPUTE_WGS)
   def _compute():
-    plgpu.set_max_registers(240, action="increase")
+    plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
     qs, dos, lses, deltas = q_smem.at[wg], do_smem.at[wg], lse_smem.at[wg], delta_smem.at[wg]
     row0 = q_row + wg * bq
     diag = meta_ref[QT_DIAG + wg, tile]
@@ -497,7 +500,7 @@ def _dq_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref
 
   @pl.when(wg == _NUM_COMPUTE_WGS)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
     kvh = lax.div(h, group)
 
     def load(j, slot):
@@ -527,7 +530,7 @@ def _dkv_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_re
 
   @pl.when(wg < _NUM_COMPUTE_WGS)
   def _compute():
-    plgpu.set_max_registers(240, action="increase")
+    plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
     ks, vs = k_smem.at[wg], v_smem.at[wg]
     rows = pl.ds(k_row + wg * bkd, bkd)
     plgpu.copy_gmem_to_smem(k_ref.at[rows, kvh], ks, kv_bar.at[wg])
@@ -592,7 +595,7 @@ def _dkv_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_re
 
   @pl.when(wg == _NUM_COMPUTE_WGS)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
     def load(s, slot):
       h = kvh * group + lax.div(s, per_head)

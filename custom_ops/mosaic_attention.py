@@ -464,9 +464,14 @@ def _dq_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref
     def step(j, dq, masked: bool):
       slot = lax.rem(j, slots)
       plgpu.barrier_wait(k_bar.at[slot])
-      s = _wgmma_result(qs, k_smem.at[slot].transpose((1, 0)), (bq, bkv))
       plgpu.barrier_wait(v_bar.at[slot])
-      dp = _wgmma_result(dos, v_smem.at[slot].transpose((1, 0)), (bq, bkv))
+
+      def s_dp_body(refs):  # both products in flight before one wait
+        s_ref, dp_ref = refs
+        plgpu.wgmma(s_ref, qs, k_smem.at[slot].transpose((1, 0)))
+        plgpu.wgmma(dp_ref, dos, v_smem.at[slot].transpose((1, 0)))
+      zeros = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.float32), plgpu.Layout.WGMMA)
+      s, dp = pl.run_state(s_dp_body)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
       plgpu.barrier_arrive(v_free.at[slot])
       p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(lse, s.shape, [0]))
       if masked:

@@ -113,8 +113,7 @@ PALLAS_PRESETS = {
 MOSAIC_PRESETS = {
     "default": {},
     "nopp": dict(pingpong=False),  # forward without ping-pong scheduling of the two warpgroups
-    "s3": dict(max_concurrent_steps=3),
-    "dq128": dict(block_kv_dq=128),
+    "dq128": dict(block_kv_dq=128),  # dQ kernel: 128-key steps (64 by default)
 }
 _SCHED_NAME = re.compile(r"sched-([a-z]+)-m(\d+)")
 

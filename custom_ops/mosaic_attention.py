@@ -114,6 +114,11 @@ class BlockSizes:
     return _NUM_COMPUTE_WGS * self.block_q
 
   @property
+  def edge_block(self) -> int:
+    """Key-tile size the edge copies of K/V are cut for (``kv_edges``): the larger one."""
+    return max(self.block_kv, self.block_kv_dq)
+
+  @property
   def align_k(self) -> int:
     """Key rows of a CTA tile of the dK/dV kernel; tasks' keys start at multiples of it."""
     return _NUM_COMPUTE_WGS * self.block_kv_dkv
@@ -185,8 +190,12 @@ def _gather_rows(x, index, fill=0.0, axis=0):
 
 
 # q_tile_table fields (rows of the [F, B] table).
-QT_Q_ROW, QT_K_ROW, QT_LK, QT_NMAX, QT_DIAG, QT_NFULL, QT_NKV = 0, 1, 2, 3, 4, 6, 8
-QT_FIELDS = 10
+QT_Q_TILE, QT_KB8, QT_SHIFT, QT_LK, QT_NMAX, QT_DIAG, QT_NFULL, QT_NKV = 0, 1, 2, 3, 4, 5, 7, 9
+QT_FIELDS = 11
+# Key tiles of the forward and dQ kernels are read from the packed K/V buffers in place, starting
+# at multiples of 8 rows (what Mosaic GPU proves for a tiled TMA destination): a task's tile j
+# holds local keys [j * block_kv - shift, (j + 1) * block_kv - shift), shift = cu_k[i] % 8.
+KV_ROW_MULTIPLE = 8
 
 
 def _task_of_tile(start_N, len_N, tile_rows: int, num_tiles: int, tile_start_multiple: int):
@@ -201,15 +210,17 @@ def _task_of_tile(start_N, len_N, tile_rows: int, num_tiles: int, tile_start_mul
   return task, jnp.where(live, local, 0), live
 
 
-def q_tile_table(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, lay_k: AlignedLayout, num_q_rows: int,
-                 bs: BlockSizes, block_kv: int) -> jax.Array:
-  """Forward / dQ work list [QT_FIELDS, B] over the CTA query tiles of the aligned buffer.
+def q_tile_table(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, num_q_rows: int, bs: BlockSizes,
+                 block_kv: int) -> jax.Array:
+  """Forward / dQ work list [QT_FIELDS, B] over the CTA query tiles of the aligned query buffer.
 
-  Per tile: aligned first query row / ``align_q``, task's aligned first key row / ``align_k``,
-  task's keys ``lk``, key tiles
-  the producer streams (max over warpgroups), and per warpgroup ``w`` (fields + w): ``diag``
-  (row ``t`` of the warpgroup's block sees local keys ``j <= t + diag`` and ``j < lk``), key tiles
-  that need no mask, key tiles visited. Sorted by descending key tiles.
+  Per tile: its index (first aligned query row / ``align_q``), the task's first key row rounded
+  down to ``KV_ROW_MULTIPLE`` (in those units) and the rows it was rounded by (``shift``), the
+  task's keys ``lk``, the key tiles the producer streams (max over warpgroups), and per
+  warpgroup ``w`` (fields + w): ``diag`` (row ``t`` of its block sees local keys
+  ``0 <= j <= t + diag``, ``j < lk``), the end of its unmasked key tiles (tile 0 is masked when
+  ``shift > 0``; tiles from ``n_full`` on are masked) and its key tiles. Sorted by descending
+  key tiles.
   """
   n = cu_q_N1.shape[0] - 1
   lq_N = cu_q_N1[1:] - cu_q_N1[:-1]
@@ -218,6 +229,8 @@ def q_tile_table(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, lay_k: AlignedLayout, n
   task, r0, live = _task_of_tile(lay_q.start_N, lq_N, bs.align_q, num_tiles, bs.align_q)
   lq = jnp.where(live, lq_N[task], 0)
   lk = jnp.where(live, lk_N[task], 0)
+  ks = jnp.where(live, cu_k_N1[task], 0)
+  shift = ks % KV_ROW_MULTIPLE
   off = lk - lq
   n_kv_w, n_full_w, diag_w = [], [], []
   for w in range(_NUM_COMPUTE_WGS):
@@ -227,17 +240,36 @@ def q_tile_table(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, lay_k: AlignedLayout, n
     # block wholly past its task's rows visits nothing.
     hi = jnp.where(rw < lq, jnp.clip(diag + bs.block_q, 0, lk), 0)
     lo = jnp.where(rw < lq, jnp.clip(diag + 1, 0, lk), 0)
-    n_kv_w.append((hi + block_kv - 1) // block_kv)
-    n_full_w.append(lo // block_kv)
+    n_kv_w.append(jnp.where(hi > 0, (hi + shift + block_kv - 1) // block_kv, 0))
+    n_full_w.append((lo + shift) // block_kv)
     diag_w.append(diag)
   n_max = jnp.maximum(*n_kv_w)
-  # Rows are stored in units of their alignment, so the kernel's TMA offsets are provably
-  # multiples of the tile (Mosaic GPU's layout inference checks that).
-  fields = [jnp.arange(num_tiles, dtype=jnp.int32),
-            jnp.where(live, lay_k.start_N[task], 0) // bs.align_k, lk, n_max, *diag_w, *n_full_w,
-            *n_kv_w]
+  fields = [jnp.arange(num_tiles, dtype=jnp.int32), ks // KV_ROW_MULTIPLE, shift, lk, n_max,
+            *diag_w, *n_full_w, *n_kv_w]
   table = jnp.stack([f.astype(jnp.int32) for f in fields])
   return table[:, jnp.argsort(-n_max, stable=True)]
+
+
+def kv_edges(cu_k_N1: jax.Array, num_k_rows: int, block_kv: int):
+  """Rows around the ends of the tasks' keys, for tiles that would read outside them.
+
+  A key tile read in place may start before ``cu_k[0]`` (by up to 7 rows) or run past
+  ``cu_k[-1]``; those rows are padding (any value, NaN included) or past the buffer. Such tiles
+  read a small copy instead: rows ``[hb, hb + block_kv)`` then ``[tb, tb + 2 * block_kv + 8)``
+  of the buffer (``hb`` = ``cu_k[0]`` rounded down to 8, ``tb`` = ``cu_k[-1]`` rounded down to 8
+  minus ``block_kv``) with every row outside ``[cu_k[0], cu_k[-1])`` zero.
+
+  Returns:
+    (edges [4] int32: cu_k[0], cu_k[-1], hb / 8, tb / 8; index rows of the copy; their validity).
+  """
+  m = KV_ROW_MULTIPLE
+  lo, hi = cu_k_N1[0], cu_k_N1[-1]
+  hb, tb = lo // m * m, hi // m * m - block_kv
+  rows = jnp.concatenate([hb + jnp.arange(block_kv, dtype=jnp.int32),
+                          tb + jnp.arange(2 * block_kv + m, dtype=jnp.int32)])
+  valid = (rows >= lo) & (rows < hi)
+  edges = jnp.stack([lo, hi, hb // m, tb // m]).astype(jnp.int32)
+  return edges, jnp.where(valid, rows, num_k_rows)
 
 
 # kv_tile_table fields.
@@ -319,7 +351,60 @@ def _stream(num_steps, slots: int, load_step, wait_free):
   lax.fori_loop(slots, num_steps, body, None)
 
 
-def _fwd_kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
+def _stream_key_tiles(meta_ref, edges_ref, k_ref, v_ref, ke_ref, ve_ref, k_smem, v_smem, k_bar,
+                      v_bar, k_free, v_free, *, tile, kvh, block_kv: int, edge_block: int,
+                      slots: int):
+  """Producer of the forward / dQ kernels: the task's key tiles, read in place from K and V
+  (or from the edge copies ``ke_ref`` / ``ve_ref`` when a tile reaches outside the tasks' keys;
+  see ``kv_edges``)."""
+  m = KV_ROW_MULTIPLE
+  lo, hi, hb8, tb8 = (edges_ref[i] for i in range(4))
+  kb8, n_max = meta_ref[QT_KB8, tile], meta_ref[QT_NMAX, tile]
+
+  def load(j, slot):
+    start8 = kb8 + j * (block_kv // m)
+    head = start8 * m < lo
+    outside = head | (start8 * m + block_kv > hi)
+    edge8 = jnp.where(head, start8 - hb8, edge_block // m + start8 - tb8)
+
+    def copy(src_k, src_v, row8):
+      rows = pl.ds(row8 * m, block_kv)
+      plgpu.copy_gmem_to_smem(src_k.at[rows, kvh], k_smem.at[slot], k_bar.at[slot])
+      plgpu.copy_gmem_to_smem(src_v.at[rows, kvh], v_smem.at[slot], v_bar.at[slot])
+    pl.when(outside)(lambda: copy(ke_ref, ve_ref, edge8))
+    pl.when(jnp.logical_not(outside))(lambda: copy(k_ref, v_ref, start8))
+
+  def wait_free(slot):
+    plgpu.barrier_wait(k_free.at[slot])
+    plgpu.barrier_wait(v_free.at[slot])
+  _stream(n_max, slots, load, wait_free)
+
+
+def _key_tile_loops(step, skip, meta_ref, tile, wg, carry):
+  """A compute warpgroup's pass over its task's key tiles: masked tile 0 when the tiles start
+  before the task's keys, the unmasked tiles, the masked diagonal / last tiles, then the tiles
+  only the other warpgroup needs (``skip``)."""
+  shift, n_max = meta_ref[QT_SHIFT, tile], meta_ref[QT_NMAX, tile]
+  n_full, n_kv = meta_ref[QT_NFULL + wg, tile], meta_ref[QT_NKV + wg, tile]
+  a = jnp.minimum(jnp.where(shift > 0, 1, 0), n_kv)
+  b = jnp.maximum(a, jnp.minimum(n_full, n_kv))
+  carry = lax.fori_loop(0, a, functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(a, b, functools.partial(step, masked=False), carry)
+  carry = lax.fori_loop(b, n_kv, functools.partial(step, masked=True), carry)
+  lax.fori_loop(n_kv, n_max, skip, None)
+  return carry
+
+
+def _key_mask(meta_ref, tile, wg, j, shape, block_kv: int):
+  """Visibility of a [rows, keys] tile: local key 0 <= j <= row + diag and j < lk."""
+  rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+  cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+  kpos = cols + (j * block_kv - meta_ref[QT_SHIFT, tile])
+  diag, lk = meta_ref[QT_DIAG + wg, tile], meta_ref[QT_LK, tile]
+  return (kpos >= 0) & (kpos <= rows + diag) & (kpos < lk)
+
+
+def _fwd_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, o_ref, lse_ref,
                 q_smem, k_smem, v_smem, lse_smem, q_bar, k_bar, v_bar, k_free, v_free,
                 sched_bar, *, bs: BlockSizes, scale2: float, group: int):
   """One CTA query tile of one head: O and the log2-domain LSE of its two warpgroup blocks."""
@@ -327,8 +412,6 @@ def _fwd_kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
   bq, bkv, slots = bs.block_q, bs.block_kv, bs.max_concurrent_steps
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
-  q_row, k_row, lk, n_max = (meta_ref[f, tile] for f in (QT_Q_ROW, QT_K_ROW, QT_LK, QT_NMAX))
-  q_row, k_row = q_row * bs.align_q, k_row * bs.align_k
 
   def sched_sync():
     if bs.pingpong:
@@ -339,11 +422,8 @@ def _fwd_kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
   def _compute():
     plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
     qs = q_smem.at[wg]
-    row0 = q_row + wg * bq
-    diag = meta_ref[QT_DIAG + wg, tile]
-    n_full = meta_ref[QT_NFULL + wg, tile]
-    n_kv = meta_ref[QT_NKV + wg, tile]
-    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, bq), h], qs, q_bar.at[wg])
+    rows = pl.ds(meta_ref[QT_Q_TILE, tile] * bs.align_q + wg * bq, bq)
+    plgpu.copy_gmem_to_smem(q_ref.at[rows, h], qs, q_bar.at[wg])
     plgpu.barrier_wait(q_bar.at[wg])
 
     def step(j, carry, masked: bool):
@@ -358,10 +438,7 @@ def _fwd_kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
       s = pl.run_scoped(qk_body, plgpu.ACC((bq, bkv), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
       if masked:
-        rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
-        cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
-        kpos = cols + j * bkv
-        vis = (kpos <= rows + diag) & (kpos < lk)
+        vis = _key_mask(meta_ref, tile, wg, j, s.shape, bkv)
         s = jnp.where(vis, s, _MASK_VALUE)
       m_new = jnp.maximum(m, s.max(axis=1) * scale2)
       alpha = jnp.exp2(m - m_new)
@@ -396,68 +473,46 @@ def _fwd_kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
     carry = (plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA),
              _row_vector(-jnp.inf, bq, 1), _row_vector(0.0, bq, 1))
     pl.when(wg == 1)(sched_sync)
-    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(n_full, n_kv, functools.partial(step, masked=True), carry)
-    lax.fori_loop(n_kv, n_max, skip, None)
+    acc, m, l = _key_tile_loops(step, skip, meta_ref, tile, wg, carry)
     pl.when(wg == 0)(sched_sync)
-    acc, m, l = carry
     seen = l > 0.0
     l_safe = jnp.where(seen, l, 1.0)
     qs[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
     lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log(l_safe) * (1.0 / _LN2), -jnp.inf)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(qs, o_ref.at[pl.ds(row0, bq), h], commit_group=False)
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[h, pl.ds(row0, bq)],
-                            commit_group=False)
+    plgpu.copy_smem_to_gmem(qs, o_ref.at[rows, h], commit_group=False)
+    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[h, rows], commit_group=False)
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == _NUM_COMPUTE_WGS)
   def _producer():
     plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-    kvh = lax.div(h, group)
-
-    def load(j, slot):
-      rows = pl.ds(k_row + j * bkv, bkv)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows, kvh], k_smem.at[slot], k_bar.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows, kvh], v_smem.at[slot], v_bar.at[slot])
-
-    def wait_free(slot):
-      plgpu.barrier_wait(k_free.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
-    _stream(n_max, slots, load, wait_free)
+    _stream_key_tiles(meta_ref, edges_ref, k_ref, v_ref, ke_ref, ve_ref, k_smem, v_smem, k_bar,
+                      v_bar, k_free, v_free, tile=tile, kvh=lax.div(h, group), block_kv=bkv,
+                      edge_block=bs.edge_block, slots=slots)
 
 
-def _dq_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-               q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, in_bar, k_bar, v_bar,
-               k_free, v_free, *, bs: BlockSizes, scale: float, group: int):
+def _dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref, lse_ref,
+               delta_ref, dq_ref, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, in_bar,
+               k_bar, v_bar, k_free, v_free, *, bs: BlockSizes, scale: float, group: int):
   """One CTA query tile of one head: dQ = scale * sum over visible key tiles of dS K."""
   h, tile, wg = lax.axis_index("heads"), lax.axis_index("tiles"), lax.axis_index("wg")
   bq, bkv, slots = bs.block_q, bs.block_kv_dq, bs.max_concurrent_steps
   scale2 = scale * _LOG2E
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
-  q_row, k_row, lk, n_max = (meta_ref[f, tile] for f in (QT_Q_ROW, QT_K_ROW, QT_LK, QT_NMAX))
-  q_row, k_row = q_row * bs.align_q, k_row * bs.align_k
 
   @pl.when(wg < _NUM_COMPUTE_WGS)
   def _compute():
     plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
     qs, dos, lses, deltas = q_smem.at[wg], do_smem.at[wg], lse_smem.at[wg], delta_smem.at[wg]
-    row0 = q_row + wg * bq
-    diag = meta_ref[QT_DIAG + wg, tile]
-    n_full = meta_ref[QT_NFULL + wg, tile]
-    n_kv = meta_ref[QT_NKV + wg, tile]
+    rows = pl.ds(meta_ref[QT_Q_TILE, tile] * bs.align_q + wg * bq, bq)
     bar = in_bar.at[wg]
-    rows = pl.ds(row0, bq)
-    plgpu.copy_gmem_to_smem(q_ref.at[rows, h], qs, bar)
-    plgpu.barrier_wait(bar)
-    plgpu.copy_gmem_to_smem(do_ref.at[rows, h], dos, bar)
-    plgpu.barrier_wait(bar)
-    plgpu.copy_gmem_to_smem(lse_ref.at[h, rows], lses, bar)
-    plgpu.barrier_wait(bar)
-    plgpu.copy_gmem_to_smem(delta_ref.at[h, rows], deltas, bar)
-    plgpu.barrier_wait(bar)
+    for src, dst in ((q_ref.at[rows, h], qs), (do_ref.at[rows, h], dos),
+                     (lse_ref.at[h, rows], lses), (delta_ref.at[h, rows], deltas)):
+      plgpu.copy_gmem_to_smem(src, dst, bar)
+      plgpu.barrier_wait(bar)
     lse = plgpu.load(lses, layout=plgpu.Layout.WGMMA.reduce(1))
     delta = plgpu.load(deltas, layout=plgpu.Layout.WGMMA.reduce(1))
 
@@ -475,10 +530,7 @@ def _dq_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref
       plgpu.barrier_arrive(v_free.at[slot])
       p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(lse, s.shape, [0]))
       if masked:
-        r = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA)
-        kpos = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA)
-        kpos = kpos + j * bkv
-        p = jnp.where((kpos <= r + diag) & (kpos < lk), p, 0.0)
+        p = jnp.where(_key_mask(meta_ref, tile, wg, j, s.shape, bkv), p, 0.0)
       ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
 
       def dq_body(acc_ref):
@@ -495,9 +547,7 @@ def _dq_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref
       plgpu.barrier_arrive(k_free.at[slot])
 
     dq = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-    dq = lax.fori_loop(0, n_full, functools.partial(step, masked=False), dq)
-    dq = lax.fori_loop(n_full, n_kv, functools.partial(step, masked=True), dq)
-    lax.fori_loop(n_kv, n_max, skip, None)
+    dq = _key_tile_loops(step, skip, meta_ref, tile, wg, dq)
     qs[...] = (dq * scale).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(qs, dq_ref.at[rows, h])
@@ -506,17 +556,9 @@ def _dq_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref
   @pl.when(wg == _NUM_COMPUTE_WGS)
   def _producer():
     plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-    kvh = lax.div(h, group)
-
-    def load(j, slot):
-      rows = pl.ds(k_row + j * bkv, bkv)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows, kvh], k_smem.at[slot], k_bar.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows, kvh], v_smem.at[slot], v_bar.at[slot])
-
-    def wait_free(slot):
-      plgpu.barrier_wait(k_free.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
-    _stream(n_max, slots, load, wait_free)
+    _stream_key_tiles(meta_ref, edges_ref, k_ref, v_ref, ke_ref, ve_ref, k_smem, v_smem, k_bar,
+                      v_bar, k_free, v_free, tile=tile, kvh=lax.div(h, group), block_kv=bkv,
+                      edge_block=bs.edge_block, slots=slots)
 
 
 def _dkv_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
@@ -622,10 +664,10 @@ def _compiler_params():
   return plgpu.CompilerParams(approx_math=True)
 
 
-def _forward_aligned(meta, q_p, k_p, v_p, *, bs: BlockSizes, scale: float):
+def _forward_aligned(meta, edges, q_p, k, v, k_edge, v_edge, *, bs: BlockSizes, scale: float):
   """O [P, H, D] and log2-domain LSE [H, P] of the aligned query buffer."""
   num_p, num_heads, head_dim = q_p.shape
-  group = num_heads // k_p.shape[1]
+  group = num_heads // k.shape[1]
   dtype, slots = q_p.dtype, bs.max_concurrent_steps
   kernel = plgpu.kernel(
       functools.partial(_fwd_kernel, bs=bs, scale2=scale * _LOG2E, group=group),
@@ -649,12 +691,13 @@ def _forward_aligned(meta, q_p, k_p, v_p, *, bs: BlockSizes, scale: float):
       thread_name="wg",
       compiler_params=_compiler_params(),
   )
-  return kernel(meta, q_p, k_p, v_p)
+  return kernel(meta, edges, q_p, k, v, k_edge, v_edge)
 
 
-def _dq_aligned(meta, q_p, k_p, v_p, do_p, lse_p, delta_p, *, bs: BlockSizes, scale: float):
+def _dq_aligned(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
+                bs: BlockSizes, scale: float):
   num_p, num_heads, head_dim = q_p.shape
-  group = num_heads // k_p.shape[1]
+  group = num_heads // k.shape[1]
   dtype, slots = q_p.dtype, bs.max_concurrent_steps
   kernel = plgpu.kernel(
       functools.partial(_dq_kernel, bs=bs, scale=scale, group=group),
@@ -678,7 +721,7 @@ def _dq_aligned(meta, q_p, k_p, v_p, do_p, lse_p, delta_p, *, bs: BlockSizes, sc
       thread_name="wg",
       compiler_params=_compiler_params(),
   )
-  return kernel(meta, q_p, k_p, v_p, do_p, lse_p, delta_p)
+  return kernel(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p)
 
 
 def _dkv_aligned(meta, q_p, k_p, v_p, do_p, lse_p, delta_p, *, bs: BlockSizes, scale: float):
@@ -716,20 +759,20 @@ def _dkv_aligned(meta, q_p, k_p, v_p, do_p, lse_p, delta_p, *, bs: BlockSizes, s
 # ------------------------------------------------------------------------------------------------
 
 
-def _layouts(cu_q, cu_k, num_q_rows, num_k_rows, bs):
-  return (aligned_layout(cu_q, num_q_rows, bs.align_q),
-          aligned_layout(cu_k, num_k_rows, bs.align_k))
+def _key_edges(k, v, cu_k, bs):
+  edges, rows = kv_edges(cu_k, k.shape[0], bs.edge_block)
+  return edges, _gather_rows(k, rows), _gather_rows(v, rows)
 
 
 def _forward(q, k, v, cu_q, cu_k, scale, bs):
-  lay_q, lay_k = _layouts(cu_q, cu_k, q.shape[0], k.shape[0], bs)
+  lay_q = aligned_layout(cu_q, q.shape[0], bs.align_q)
   q_p = _gather_rows(q, lay_q.src_P)
-  k_p, v_p = _gather_rows(k, lay_k.src_P), _gather_rows(v, lay_k.src_P)
-  meta = q_tile_table(cu_q, cu_k, lay_q, lay_k, q.shape[0], bs, bs.block_kv)
-  o_p, lse2_p = _forward_aligned(meta, q_p, k_p, v_p, bs=bs, scale=scale)
+  edges, k_edge, v_edge = _key_edges(k, v, cu_k, bs)
+  meta = q_tile_table(cu_q, cu_k, lay_q, q.shape[0], bs, bs.block_kv)
+  o_p, lse2_p = _forward_aligned(meta, edges, q_p, k, v, k_edge, v_edge, bs=bs, scale=scale)
   o = _gather_rows(o_p, lay_q.dst_T)
   lse_TxH = _gather_rows(lse2_p, lay_q.dst_T, fill=-jnp.inf, axis=1).T * _LN2
-  return (o, lse_TxH), (q_p, k_p, v_p, o_p, lse2_p, cu_q, cu_k)
+  return (o, lse_TxH), (q_p, k, v, o_p, lse2_p, cu_q, cu_k)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -739,22 +782,26 @@ def _attention(q, k, v, cu_q, cu_k, scale, bs):
 
 def _attention_fwd(q, k, v, cu_q, cu_k, scale, bs):
   out, res = _forward(q, k, v, cu_q, cu_k, scale, bs)
-  return out, (res, q.shape[0], k.shape[0])
+  return out, (res, q.shape[0])
 
 
 def _attention_bwd(scale, bs, residuals, cotangents):
-  (q_p, k_p, v_p, o_p, lse2_p, cu_q, cu_k), num_q_rows, num_k_rows = residuals
+  (q_p, k, v, o_p, lse2_p, cu_q, cu_k), num_q_rows = residuals
   do, dlse_TxH = cotangents
-  lay_q, lay_k = _layouts(cu_q, cu_k, num_q_rows, num_k_rows, bs)
+  lay_q = aligned_layout(cu_q, num_q_rows, bs.align_q)
+  lay_k = aligned_layout(cu_k, k.shape[0], bs.align_k)
   do_p = _gather_rows(do, lay_q.src_P)
   dlse_p = _gather_rows(dlse_TxH.astype(jnp.float32).T, lay_q.src_P, axis=1)
   # delta_i = sum_d O_id dO_id - dLSE_i: the row term of dS = P * (dP - delta).
   delta_p = jnp.einsum("phd,phd->hp", o_p.astype(jnp.float32), do_p.astype(jnp.float32)) - dlse_p
   # Rows that see no key (LSE -inf) get +inf: their P, hence dS, is exactly 0.
   lse2_b = jnp.where(jnp.isneginf(lse2_p), jnp.inf, lse2_p)
-  meta_q = q_tile_table(cu_q, cu_k, lay_q, lay_k, num_q_rows, bs, bs.block_kv_dq)
-  dq_p = _dq_aligned(meta_q, q_p, k_p, v_p, do_p, lse2_b, delta_p, bs=bs, scale=scale)
-  meta_k = kv_tile_table(cu_q, cu_k, lay_q, lay_k, num_k_rows, bs)
+  edges, k_edge, v_edge = _key_edges(k, v, cu_k, bs)
+  meta_q = q_tile_table(cu_q, cu_k, lay_q, num_q_rows, bs, bs.block_kv_dq)
+  dq_p = _dq_aligned(meta_q, edges, q_p, k, v, k_edge, v_edge, do_p, lse2_b, delta_p, bs=bs,
+                     scale=scale)
+  k_p, v_p = _gather_rows(k, lay_k.src_P), _gather_rows(v, lay_k.src_P)
+  meta_k = kv_tile_table(cu_q, cu_k, lay_q, lay_k, k.shape[0], bs)
   dk_p, dv_p = _dkv_aligned(meta_k, q_p, k_p, v_p, do_p, lse2_b, delta_p, bs=bs, scale=scale)
   dq = _gather_rows(dq_p, lay_q.dst_T)
   dk, dv = _gather_rows(dk_p, lay_k.dst_T), _gather_rows(dv_p, lay_k.dst_T)

@@ -74,46 +74,57 @@ def _visible(lq, lk):
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("block_kv", [64, 128])
 def test_q_tile_table_covers_exactly_the_visible_pairs(seed, block_kv):
+  """Every visible pair in exactly one visited tile, unmasked tiles wholly visible, and every
+  key tile read either inside [cu_k[0], cu_k[-1]) or from the zero-padded edge copy."""
   rng = np.random.default_rng(seed)
   bs = ma.BlockSizes()
   cu_q, cu_k = random_table(rng, 7, 300)
   total_q, total_k = int(cu_q[-1]) + 3, int(cu_k[-1]) + 5
-  lay_q, lay_k = ma._layouts(jnp.asarray(cu_q), jnp.asarray(cu_k), total_q, total_k, bs)
-  table = np.asarray(ma.q_tile_table(jnp.asarray(cu_q), jnp.asarray(cu_k), lay_q, lay_k, total_q,
-                                     bs, block_kv))
-  start_q, start_k = np.asarray(lay_q.start_N), np.asarray(lay_k.start_N)
+  lay_q = ma.aligned_layout(jnp.asarray(cu_q), total_q, bs.align_q)
+  table = np.asarray(ma.q_tile_table(jnp.asarray(cu_q), jnp.asarray(cu_k), lay_q, total_q, bs,
+                                     block_kv))
+  edges, edge_rows = (np.asarray(x) for x in ma.kv_edges(jnp.asarray(cu_k), total_k,
+                                                         bs.edge_block))
+  lo, hi, hb8, tb8 = edges
+  start_q = np.asarray(lay_q.start_N)
   covered = [np.zeros((b - a, d - c), int) for a, b, c, d in
              zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])]
   for col in table.T:
-    q_row, k_row = col[ma.QT_Q_ROW] * bs.align_q, col[ma.QT_K_ROW] * bs.align_k
+    kb, shift, lk = col[ma.QT_KB8] * 8, col[ma.QT_SHIFT], col[ma.QT_LK]
     for w in range(2):
-      row0 = q_row + w * bs.block_q
+      row0 = col[ma.QT_Q_TILE] * bs.align_q + w * bs.block_q
       n_full, n_kv = col[ma.QT_NFULL + w], col[ma.QT_NKV + w]
-      assert 0 <= n_full <= n_kv <= col[ma.QT_NMAX], f"{seed=} {col=}"
+      assert 0 <= n_kv <= col[ma.QT_NMAX], f"{seed=} {col=}"
       if n_kv == 0:
         continue
       task = int(np.searchsorted(start_q, row0, side="right") - 1)
-      while cu_q[task + 1] == cu_q[task]:  # empty tasks share their start with the next one
-        task += 1
-      lq, lk = cu_q[task + 1] - cu_q[task], cu_k[task + 1] - cu_k[task]
-      assert k_row == start_k[task], f"{seed=} {col=} {task=}"
+      lq = cu_q[task + 1] - cu_q[task]
+      assert lk == cu_k[task + 1] - cu_k[task] and kb + shift == cu_k[task], f"{seed=} {col=}"
       r = np.arange(row0, row0 + bs.block_q) - start_q[task]
       assert r[0] < lq, f"{seed=}: a block past its task's rows visits key tiles"
       r = r[r < lq]
       vis = _visible(lq, lk)
+      a = min(int(shift > 0), n_kv)
+      b = max(a, min(n_full, n_kv))
       for j in range(n_kv):
-        keys = np.arange(j * block_kv, (j + 1) * block_kv)
-        real = keys[keys < lk]
-        assert real.size, f"{seed=}: key tile {j} lies past the task's keys"
-        if j < n_full:
-          assert keys[-1] < lk and vis[np.ix_(r, keys)].all(), f"{seed=}: unmasked tile {j}"
-        covered[task][np.ix_(r, real)] += 1
+        start = kb + j * block_kv
+        if start < lo or start + block_kv > hi:  # read from the edge copy
+          e = (start // 8 - hb8 if start < lo else bs.edge_block // 8 + start // 8 - tb8) * 8
+          assert 0 <= e and e + block_kv <= edge_rows.shape[0], f"{seed=} {start=}"
+          src = edge_rows[e:e + block_kv]
+          want = np.arange(start, start + block_kv)
+          want = np.where((want >= lo) & (want < hi), want, total_k)
+          np.testing.assert_array_equal(src, want, err_msg=f"{seed=} edge tile at {start}")
+        kpos = j * block_kv + np.arange(block_kv) - shift
+        real = kpos[(kpos >= 0) & (kpos < lk)]
+        assert real.size, f"{seed=}: key tile {j} holds none of the task's keys"
+        if a <= j < b:
+          assert kpos[0] >= 0 and kpos[-1] < lk and vis[np.ix_(r, kpos)].all(), (
+              f"{seed=}: unmasked tile {j}")
+        covered[task][np.ix_(r, real)] += vis[np.ix_(r, real)]
   for task, cov in enumerate(covered):
-    lq, lk = cov.shape
-    vis = _visible(lq, lk)
+    vis = _visible(*cov.shape)
     assert (cov[vis] == 1).all(), f"{seed=} task {task}: visible pairs visited != once"
-    # Tiles are whole, so invisible pairs near the diagonal may be visited (masked), but no row
-    # visits a key tile that none of its block's rows can see.
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -123,7 +134,8 @@ def test_kv_tile_table_covers_exactly_the_visible_pairs(seed):
   bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
   cu_q, cu_k = random_table(rng, 7, 300)
   total_q, total_k = int(cu_q[-1]) + 2, int(cu_k[-1]) + 7
-  lay_q, lay_k = ma._layouts(jnp.asarray(cu_q), jnp.asarray(cu_k), total_q, total_k, bs)
+  lay_q = ma.aligned_layout(jnp.asarray(cu_q), total_q, bs.align_q)
+  lay_k = ma.aligned_layout(jnp.asarray(cu_k), total_k, bs.align_k)
   table = np.asarray(ma.kv_tile_table(jnp.asarray(cu_q), jnp.asarray(cu_k), lay_q, lay_k,
                                       total_k, bs))
   start_q, start_k = np.asarray(lay_q.start_N), np.asarray(lay_k.start_N)

@@ -75,6 +75,9 @@ class BlockSizes:
     block_q_dkv: query rows per dK/dV step.
     max_concurrent_steps: shared-memory slots the producer warpgroup fills ahead.
     pingpong: forward only: make the two compute warpgroups alternate (FA3 scheduling).
+    dkv_in_place: the dK/dV kernel reads K/V and writes dK/dV in the packed buffers (8-row
+      aligned tile starts, partial tiles stored in power-of-two row pieces); False: on an aligned
+      copy of K/V, gathered before and after the kernel (two more passes over K/V and dK/dV).
   """
   block_q: int = 64
   block_kv: int = 128
@@ -83,13 +86,14 @@ class BlockSizes:
   block_q_dkv: int = 64
   max_concurrent_steps: int = 2
   pingpong: bool = True
+  dkv_in_place: bool = True
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if field.name == "pingpong":
+      if field.name in ("pingpong", "dkv_in_place"):
         if not isinstance(value, bool):
-          raise ValueError(f"BlockSizes.pingpong={value!r} must be a bool")
+          raise ValueError(f"BlockSizes.{field.name}={value!r} must be a bool")
         continue
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"BlockSizes.{field.name}={value!r} must be a positive int")
@@ -115,8 +119,8 @@ class BlockSizes:
 
   @property
   def edge_block(self) -> int:
-    """Key-tile size the edge copies of K/V are cut for (``kv_edges``): the larger one."""
-    return max(self.block_kv, self.block_kv_dq)
+    """Key-tile size the edge copies of K/V are cut for (``kv_edges``): the largest read."""
+    return max(self.block_kv, self.block_kv_dq, self.align_k)
 
   @property
   def align_k(self) -> int:
@@ -314,6 +318,64 @@ def kv_tile_table(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, lay_k: AlignedLayout, 
   return table[:, jnp.argsort(-(n_q - qa), stable=True)]
 
 
+# kv_tile_table_in_place fields: those of kv_tile_table (the first in units of 8 rows, see
+# below), then per warpgroup the first row of its block holding its segment's rows and how many.
+KT_VA_W, KT_VN_W = 10, 12
+KT_FIELDS_IN_PLACE = 14
+
+
+def kv_tile_table_in_place(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, num_k_rows: int,
+                           bs: BlockSizes) -> jax.Array:
+  """dK/dV work list [KT_FIELDS_IN_PLACE, B] over key tiles of the packed K/V buffers.
+
+  The buffer is cut into segments: the N tasks' key ranges, then the tail padding
+  ``[cu_k[-1], U)`` and the head padding ``[0, cu_k[0])`` (query-less, so their dK = dV = 0 is
+  written by the kernel and every row is written exactly once). A segment's tiles start at its
+  first row rounded down to ``KV_ROW_MULTIPLE``; ``KT_K_ROW`` is a tile's first row / 8 and
+  ``moff`` counts from that row. Warpgroup ``w`` stores rows ``[va, va + vn)`` of its block.
+  """
+  n = cu_q_N1.shape[0] - 1
+  m, tile, bkd, bqd = KV_ROW_MULTIPLE, bs.align_k, bs.block_kv_dkv, bs.block_q_dkv
+  cu_k = cu_k_N1.astype(jnp.int32)
+  lo, hi = cu_k[:1], cu_k[-1:]
+  zero = jnp.zeros((1,), jnp.int32)
+  seg_start = jnp.concatenate([cu_k[:-1], hi, zero])
+  seg_len = jnp.maximum(jnp.concatenate([cu_k[1:] - cu_k[:-1], num_k_rows - hi, lo]), 0)
+  seg_lq = jnp.concatenate([cu_q_N1[1:] - cu_q_N1[:-1], zero, zero])
+  seg_q = jnp.concatenate([lay_q.start_N // bs.align_q, zero, zero])
+  shift_S = seg_start % m
+  tiles_S = jnp.where(seg_len > 0, (seg_len + shift_S + tile - 1) // tile, 0)
+  end_S = jnp.cumsum(tiles_S)
+  num_tiles = -(-num_k_rows // tile) + 2 * (n + 2)  # each segment adds < 2 partial tiles
+  t = jnp.arange(num_tiles, dtype=jnp.int32)
+  seg = jnp.minimum(jnp.searchsorted(end_S, t, side="right"), n + 1).astype(jnp.int32)
+  live = t < end_S[-1]
+  lt = t - (end_S[seg] - tiles_S[seg])
+  shift = shift_S[seg]
+  row8 = jnp.where(live, (seg_start[seg] - shift) // m + lt * (tile // m), 0)
+  length = jnp.where(live, seg_len[seg], 0)
+  lq = jnp.where(live, seg_lq[seg], 0)
+  lk = jnp.where(seg < n, length, 0)
+  off = lk - lq
+  n_q = (lq + bqd - 1) // bqd
+  qa_w, qf_w, moff_w, va_w, vn_w = [], [], [], [], []
+  for w in range(_NUM_COMPUTE_WGS):
+    kw = lt * tile + w * bkd - shift  # the segment's local index of the block's first row
+    first = jnp.maximum(kw, 0)
+    last_key = jnp.minimum(kw + bkd, lk) - 1
+    empty = (kw + bkd <= 0) | (kw >= lk)
+    qa_w.append(jnp.where(empty, n_q, jnp.clip((first - off) // bqd, 0, n_q)))
+    qf_w.append(jnp.where(empty, n_q, jnp.clip((last_key - off + bqd - 1) // bqd, 0, n_q)))
+    moff_w.append(kw - off)
+    count = jnp.where(live, jnp.minimum(kw + bkd, length) - first, 0)
+    va_w.append(jnp.where(count > 0, first - kw, 0))
+    vn_w.append(jnp.maximum(count, 0))
+  qa = jnp.minimum(*qa_w)
+  fields = [row8, jnp.where(live, seg_q[seg], 0), n_q, qa, *qa_w, *qf_w, *moff_w, *va_w, *vn_w]
+  table = jnp.stack([f.astype(jnp.int32) for f in fields])
+  return table[:, jnp.argsort(-(n_q - qa), stable=True)]
+
+
 # ------------------------------------------------------------------------------------------------
 # Kernels
 # ------------------------------------------------------------------------------------------------
@@ -351,28 +413,33 @@ def _stream(num_steps, slots: int, load_step, wait_free):
   lax.fori_loop(slots, num_steps, body, None)
 
 
+def _read_key_rows(edges_ref, k_ref, v_ref, ke_ref, ve_ref, start8, num_rows: int,
+                   edge_block: int, copy):
+  """``copy(k_src, v_src, rows)`` for key rows [start8 * 8, + num_rows): in place when they lie
+  inside the tasks' keys [cu_k[0], cu_k[-1]), else from the zero-padded edge copies."""
+  m = KV_ROW_MULTIPLE
+  lo, hi, hb8, tb8 = (edges_ref[i] for i in range(4))
+  head = start8 * m < lo
+  outside = head | (start8 * m + num_rows > hi)
+  edge8 = jnp.where(head, start8 - hb8, edge_block // m + start8 - tb8)
+  pl.when(outside)(lambda: copy(ke_ref, ve_ref, pl.ds(edge8 * m, num_rows)))
+  pl.when(jnp.logical_not(outside))(lambda: copy(k_ref, v_ref, pl.ds(start8 * m, num_rows)))
+
+
 def _stream_key_tiles(meta_ref, edges_ref, k_ref, v_ref, ke_ref, ve_ref, k_smem, v_smem, k_bar,
                       v_bar, k_free, v_free, *, tile, kvh, block_kv: int, edge_block: int,
                       slots: int):
   """Producer of the forward / dQ kernels: the task's key tiles, read in place from K and V
   (or from the edge copies ``ke_ref`` / ``ve_ref`` when a tile reaches outside the tasks' keys;
   see ``kv_edges``)."""
-  m = KV_ROW_MULTIPLE
-  lo, hi, hb8, tb8 = (edges_ref[i] for i in range(4))
   kb8, n_max = meta_ref[QT_KB8, tile], meta_ref[QT_NMAX, tile]
 
   def load(j, slot):
-    start8 = kb8 + j * (block_kv // m)
-    head = start8 * m < lo
-    outside = head | (start8 * m + block_kv > hi)
-    edge8 = jnp.where(head, start8 - hb8, edge_block // m + start8 - tb8)
-
-    def copy(src_k, src_v, row8):
-      rows = pl.ds(row8 * m, block_kv)
+    def copy(src_k, src_v, rows):
       plgpu.copy_gmem_to_smem(src_k.at[rows, kvh], k_smem.at[slot], k_bar.at[slot])
       plgpu.copy_gmem_to_smem(src_v.at[rows, kvh], v_smem.at[slot], v_bar.at[slot])
-    pl.when(outside)(lambda: copy(ke_ref, ve_ref, edge8))
-    pl.when(jnp.logical_not(outside))(lambda: copy(k_ref, v_ref, start8))
+    _read_key_rows(edges_ref, k_ref, v_ref, ke_ref, ve_ref, kb8 + j * (block_kv // KV_ROW_MULTIPLE),
+                   block_kv, edge_block, copy)
 
   def wait_free(slot):
     plgpu.barrier_wait(k_free.at[slot])
@@ -561,17 +628,28 @@ def _dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref,
                       edge_block=bs.edge_block, slots=slots)
 
 
-def _dkv_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-                k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, q_bar, do_bar,
-                lse_bar, delta_bar, free, *, bs: BlockSizes, scale: float, group: int):
-  """One CTA key tile of one KV head: dK, dV over its GQA group's heads and visible queries."""
+def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref, lse_ref,
+                delta_ref, dk_ref, dv_ref, *scratch, bs: BlockSizes, scale: float, group: int):
+  """One CTA key tile of one KV head: dK, dV over its GQA group's heads and visible queries.
+
+  In place (``bs.dkv_in_place``): K/V rows come from the packed buffers (``_read_key_rows``) and
+  each warpgroup stores only its segment's rows of dK/dV, from untiled staging buffers in
+  power-of-two row pieces (TMA stores of whole tiles would overwrite the neighbours' rows).
+  """
+  if bs.dkv_in_place:
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dk_stage, dv_stage, kv_bar, q_bar,
+     do_bar, lse_bar, delta_bar, free) = scratch
+  else:
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, q_bar, do_bar, lse_bar,
+     delta_bar, free) = scratch
   kvh, tile, wg = lax.axis_index("heads"), lax.axis_index("tiles"), lax.axis_index("wg")
   bkd, bqd, slots = bs.block_kv_dkv, bs.block_q_dkv, bs.max_concurrent_steps
+  m = KV_ROW_MULTIPLE
   scale2 = scale * _LOG2E
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
   k_row, q_row, n_q, qa = (meta_ref[f, tile] for f in (KT_K_ROW, KT_Q_ROW, KT_NQ, KT_QA))
-  k_row, q_row = k_row * bs.align_k, q_row * bs.align_q
+  q_row = q_row * bs.align_q
   per_head = n_q - qa
   num_steps = group * per_head
 
@@ -579,11 +657,20 @@ def _dkv_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_re
   def _compute():
     plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
     ks, vs = k_smem.at[wg], v_smem.at[wg]
-    rows = pl.ds(k_row + wg * bkd, bkd)
-    plgpu.copy_gmem_to_smem(k_ref.at[rows, kvh], ks, kv_bar.at[wg])
-    plgpu.barrier_wait(kv_bar.at[wg])
-    plgpu.copy_gmem_to_smem(v_ref.at[rows, kvh], vs, kv_bar.at[wg])
-    plgpu.barrier_wait(kv_bar.at[wg])
+
+    def copy(src_k, src_v, rows):
+      plgpu.copy_gmem_to_smem(src_k.at[rows, kvh], ks, kv_bar.at[wg])
+      plgpu.barrier_wait(kv_bar.at[wg])
+      plgpu.copy_gmem_to_smem(src_v.at[rows, kvh], vs, kv_bar.at[wg])
+      plgpu.barrier_wait(kv_bar.at[wg])
+
+    @pl.when(num_steps > 0)
+    def _load_keys():
+      if bs.dkv_in_place:
+        _read_key_rows(edges_ref, k_ref, v_ref, ke_ref, ve_ref, k_row + wg * (bkd // m), bkd,
+                       bs.edge_block, copy)
+      else:
+        copy(k_ref, v_ref, pl.ds(k_row * bs.align_k + wg * bkd, bkd))
     qa_w = meta_ref[KT_QA_W + wg, tile]
     qf_w = meta_ref[KT_QF_W + wg, tile]
     moff = meta_ref[KT_MOFF_W + wg, tile]
@@ -632,11 +719,30 @@ def _dkv_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_re
 
     zeros = plgpu.layout_cast(jnp.zeros((bkd, head_dim), jnp.float32), plgpu.Layout.WGMMA)
     dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
-    ks[...] = (dk * scale).astype(dtype)
-    vs[...] = dv.astype(dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(ks, dk_ref.at[rows, kvh], commit_group=False)
-    plgpu.copy_smem_to_gmem(vs, dv_ref.at[rows, kvh], commit_group=False)
+    if bs.dkv_in_place:
+      dk_st, dv_st = dk_stage.at[wg], dv_stage.at[wg]
+      dk_st[...] = (dk * scale).astype(dtype)
+      dv_st[...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      row0 = k_row * m + wg * bkd
+      first = meta_ref[KT_VA_W + wg, tile]
+      count = meta_ref[KT_VN_W + wg, tile]
+      piece = bkd
+      while piece >= 1:  # rows [first, first + count) as pieces of 64, 32, ..., 1 rows
+        def store(first=first, piece=piece):
+          for src, dst in ((dk_st, dk_ref), (dv_st, dv_ref)):
+            plgpu.copy_smem_to_gmem(src.at[pl.ds(first, piece)],
+                                    dst.at[pl.ds(row0 + first, piece), kvh], commit_group=False)
+        pl.when((count & piece) != 0)(store)
+        first = first + (count & piece)
+        piece //= 2
+    else:
+      ks[...] = (dk * scale).astype(dtype)
+      vs[...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      rows = pl.ds(k_row * bs.align_k + wg * bkd, bkd)
+      plgpu.copy_smem_to_gmem(ks, dk_ref.at[rows, kvh], commit_group=False)
+      plgpu.copy_smem_to_gmem(vs, dv_ref.at[rows, kvh], commit_group=False)
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0)
 
@@ -724,13 +830,16 @@ def _dq_aligned(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
   return kernel(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p)
 
 
-def _dkv_aligned(meta, q_p, k_p, v_p, do_p, lse_p, delta_p, *, bs: BlockSizes, scale: float):
+def _dkv_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
+              bs: BlockSizes, scale: float):
+  """dK, dV: in the packed buffers (``bs.dkv_in_place``) or in the aligned copies k, v."""
   num_heads, head_dim = q_p.shape[1], q_p.shape[2]
-  num_kv_heads = k_p.shape[1]
+  num_kv_heads = k.shape[1]
   dtype, slots = q_p.dtype, bs.max_concurrent_steps
+  stage = [plgpu.SMEM((_NUM_COMPUTE_WGS, bs.block_kv_dkv, head_dim), dtype)] * 2
   kernel = plgpu.kernel(
       functools.partial(_dkv_kernel, bs=bs, scale=scale, group=num_heads // num_kv_heads),
-      out_type=[jax.ShapeDtypeStruct(k_p.shape, dtype), jax.ShapeDtypeStruct(v_p.shape, dtype)],
+      out_type=[jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)],
       scratch_types=[
           _smem_tile((_NUM_COMPUTE_WGS, bs.block_kv_dkv, head_dim), dtype),
           _smem_tile((_NUM_COMPUTE_WGS, bs.block_kv_dkv, head_dim), dtype),
@@ -738,6 +847,7 @@ def _dkv_aligned(meta, q_p, k_p, v_p, do_p, lse_p, delta_p, *, bs: BlockSizes, s
           _smem_tile((slots, bs.block_q_dkv, head_dim), dtype),
           plgpu.SMEM((slots, bs.block_q_dkv), jnp.float32),
           plgpu.SMEM((slots, bs.block_q_dkv), jnp.float32),
+          *(stage if bs.dkv_in_place else []),
           plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS),
           plgpu.Barrier(num_barriers=slots),
           plgpu.Barrier(num_barriers=slots),
@@ -751,7 +861,7 @@ def _dkv_aligned(meta, q_p, k_p, v_p, do_p, lse_p, delta_p, *, bs: BlockSizes, s
       thread_name="wg",
       compiler_params=_compiler_params(),
   )
-  return kernel(meta, q_p, k_p, v_p, do_p, lse_p, delta_p)
+  return kernel(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -789,7 +899,6 @@ def _attention_bwd(scale, bs, residuals, cotangents):
   (q_p, k, v, o_p, lse2_p, cu_q, cu_k), num_q_rows = residuals
   do, dlse_TxH = cotangents
   lay_q = aligned_layout(cu_q, num_q_rows, bs.align_q)
-  lay_k = aligned_layout(cu_k, k.shape[0], bs.align_k)
   do_p = _gather_rows(do, lay_q.src_P)
   dlse_p = _gather_rows(dlse_TxH.astype(jnp.float32).T, lay_q.src_P, axis=1)
   # delta_i = sum_d O_id dO_id - dLSE_i: the row term of dS = P * (dP - delta).
@@ -800,11 +909,18 @@ def _attention_bwd(scale, bs, residuals, cotangents):
   meta_q = q_tile_table(cu_q, cu_k, lay_q, num_q_rows, bs, bs.block_kv_dq)
   dq_p = _dq_aligned(meta_q, edges, q_p, k, v, k_edge, v_edge, do_p, lse2_b, delta_p, bs=bs,
                      scale=scale)
-  k_p, v_p = _gather_rows(k, lay_k.src_P), _gather_rows(v, lay_k.src_P)
-  meta_k = kv_tile_table(cu_q, cu_k, lay_q, lay_k, k.shape[0], bs)
-  dk_p, dv_p = _dkv_aligned(meta_k, q_p, k_p, v_p, do_p, lse2_b, delta_p, bs=bs, scale=scale)
+  if bs.dkv_in_place:
+    meta_k = kv_tile_table_in_place(cu_q, cu_k, lay_q, k.shape[0], bs)
+    dk, dv = _dkv_call(meta_k, edges, q_p, k, v, k_edge, v_edge, do_p, lse2_b, delta_p, bs=bs,
+                       scale=scale)
+  else:
+    lay_k = aligned_layout(cu_k, k.shape[0], bs.align_k)
+    k_p, v_p = _gather_rows(k, lay_k.src_P), _gather_rows(v, lay_k.src_P)
+    meta_k = kv_tile_table(cu_q, cu_k, lay_q, lay_k, k.shape[0], bs)
+    dk_p, dv_p = _dkv_call(meta_k, edges, q_p, k_p, v_p, k_p, v_p, do_p, lse2_b, delta_p, bs=bs,
+                           scale=scale)
+    dk, dv = _gather_rows(dk_p, lay_k.dst_T), _gather_rows(dv_p, lay_k.dst_T)
   dq = _gather_rows(dq_p, lay_q.dst_T)
-  dk, dv = _gather_rows(dk_p, lay_k.dst_T), _gather_rows(dv_p, lay_k.dst_T)
   return dq, dk, dv, None, None
 
 

@@ -114,6 +114,8 @@ MOSAIC_PRESETS = {
     "default": {},
     "nopp": dict(pingpong=False),  # forward without ping-pong scheduling of the two warpgroups
     "dq128": dict(block_kv_dq=128),  # dQ kernel: 128-key steps (64 by default)
+    # dK/dV on an aligned copy of K/V, gathered before and after the kernel
+    "dkv-gather": dict(dkv_in_place=False),
 }
 _SCHED_NAME = re.compile(r"sched-([a-z]+)-m(\d+)")
 

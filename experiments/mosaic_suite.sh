@@ -13,12 +13,12 @@ if ls ../.whl/*.whl >/dev/null 2>&1; then  # wheels the GPU image lacks (flash-a
     --target /tmp/site ../.whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
-BACKENDS=${BACKENDS:-mosaic,mosaic:nopp,flash3}
+BACKENDS=${BACKENDS:-mosaic,mosaic:dkv-gather,mosaic:dq128,flash3,pallas}
 WORKLOADS=${WORKLOADS:-dense-4096,dense-16384,ca-s128,ca-s512,ca-s4096}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 echo "commit: $(cat COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)"
 # Smoke first, each kernel alone under a short timeout, so a hang names its kernel.
-timeout "${SMOKE_TIMEOUT:-150}" env JAX_PLATFORMS=cuda python3 - <<'PY' 2>&1 | grep -v Warning | tail -8
+timeout "${SMOKE_TIMEOUT:-120}" env JAX_PLATFORMS=cuda python3 - <<'PY' 2>&1 | grep -v Warning | tail -8 | tee "$OUT/smoke.log"
 import time, jax, jax.numpy as jnp
 from custom_ops import mosaic_attention as ma
 T, H, K, D = 1024, 4, 2, 128
@@ -26,23 +26,28 @@ q = jax.random.normal(jax.random.key(0), (T, H, D), jnp.bfloat16)
 k = jax.random.normal(jax.random.key(1), (T, K, D), jnp.bfloat16)
 cu = jnp.asarray([0, 300, 300, 1000], jnp.int32)
 ref = ma.mosaic_attention_reference(*(x.astype(jnp.float32) for x in (q, k, k)), cu, cu)
+def grad(bs):
+  return jax.grad(lambda q, k, v: jnp.sum(ma.mosaic_attention(
+      q, k, v, cu, cu, block_sizes=bs)[0].astype(jnp.float32)), (0, 1, 2))
 for name, fn in [("fwd", lambda q, k, v: ma.mosaic_attention(q, k, v, cu, cu)),
-                 ("fwd+bwd", jax.grad(lambda q, k, v: jnp.sum(
-                     ma.mosaic_attention(q, k, v, cu, cu)[0].astype(jnp.float32)), (0, 1, 2)))]:
+                 ("fwd+bwd in place", grad(ma.BlockSizes())),
+                 ("fwd+bwd gather", grad(ma.BlockSizes(dkv_in_place=False)))]:
   t = time.time()
   out = jax.block_until_ready(jax.jit(fn)(q, k, k))
   print(f"smoke {name}: ran in {time.time() - t:.1f} s", flush=True)
   if name == "fwd":
     err = jnp.linalg.norm(out[0].astype(jnp.float32) - ref[0]) / jnp.linalg.norm(ref[0])
     print(f"smoke fwd: rel err {float(err):.2e}", flush=True)
+print("smoke ok")
 PY
+grep -q "smoke ok" "$OUT/smoke.log" || { echo "smoke failed: no tests, no benchmark"; exit 1; }
 if [ "${TESTS:-1}" != 0 ]; then
-  timeout "${TEST_TIMEOUT:-150}" env JAX_PLATFORMS=cuda python3 -m pytest -q -s -rs \
-    tests/test_mosaic_attention.py 2>&1 | tee "$OUT/mosaic_tests.log" | grep -v "^$" | tail -25
+  timeout "${TEST_TIMEOUT:-200}" env JAX_PLATFORMS=cuda python3 -m pytest -q -s -rs \
+    tests/test_mosaic_attention.py ${TEST_ARGS:-} 2>&1 | tee "$OUT/mosaic_tests.log" | grep -v "^$" | tail -25
 fi
-timeout "${BENCH_TIMEOUT:-330}" python3 experiments/kernel_bench.py \
+timeout "${BENCH_TIMEOUT:-400}" python3 experiments/kernel_bench.py \
   --out "$OUT/kernel_bench_mosaic.json" --backends "$BACKENDS" --workloads "$WORKLOADS" \
-  --child-timeout-s "${CHILD_TIMEOUT:-150}" > "$OUT/kernel_bench_mosaic.log" 2>&1
+  --child-timeout-s "${CHILD_TIMEOUT:-120}" > "$OUT/kernel_bench_mosaic.log" 2>&1
 echo "kernel_bench exit $?"
 grep -i "error" "$OUT/kernel_bench_mosaic.log" | cut -c1-600 | tail -6
 sed -n '/^TFLOP/,/^Output/p' "$OUT/kernel_bench_mosaic.md" 2>/dev/null

@@ -13,6 +13,8 @@ Run: .venv/bin/python -m pytest -q tests/test_mosaic_attention.py            (CP
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -172,6 +174,61 @@ def test_kv_tile_table_covers_exactly_the_visible_pairs(seed):
     assert (cov[vis] == 1).all() and (cov[~vis] == 0).all(), f"{seed=} task {task}"
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_kv_tile_table_in_place_covers_pairs_and_stores_every_row_once(seed):
+  rng = np.random.default_rng(seed)
+  bs = ma.BlockSizes()
+  bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
+  cu_q, cu_k = random_table(rng, 7, 300)
+  total_q, total_k = int(cu_q[-1]) + 2, int(cu_k[-1]) + int(rng.integers(0, 200))
+  lay_q = ma.aligned_layout(jnp.asarray(cu_q), total_q, bs.align_q)
+  table = np.asarray(ma.kv_tile_table_in_place(jnp.asarray(cu_q), jnp.asarray(cu_k), lay_q,
+                                               total_k, bs))
+  edges, edge_rows = (np.asarray(x) for x in ma.kv_edges(jnp.asarray(cu_k), total_k,
+                                                         bs.edge_block))
+  lo, hi, hb8, tb8 = edges
+  start_q = np.asarray(lay_q.start_N)
+  stored = np.zeros(total_k, int)
+  covered = [np.zeros((b - a, d - c), int) for a, b, c, d in
+             zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])]
+  for col in table.T:
+    n_q, qa = col[ma.KT_NQ], col[ma.KT_QA]
+    for w in range(2):
+      row0 = col[ma.KT_K_ROW] * 8 + w * bkd
+      va, vn = col[ma.KT_VA_W + w], col[ma.KT_VN_W + w]
+      assert 0 <= va and va + vn <= bkd, f"{seed=} {col=}"
+      stored[row0 + va:row0 + va + vn] += 1
+      if n_q > qa:  # the kernel reads this block's K/V rows
+        if row0 < lo or row0 + bkd > hi:
+          e = (row0 // 8 - hb8 if row0 < lo else bs.edge_block // 8 + row0 // 8 - tb8) * 8
+          assert 0 <= e and e + bkd <= edge_rows.shape[0], f"{seed=} {row0=}"
+          want = np.arange(row0, row0 + bkd)
+          np.testing.assert_array_equal(
+              edge_rows[e:e + bkd], np.where((want >= lo) & (want < hi), want, total_k))
+      qa_w, qf_w, moff = col[ma.KT_QA_W + w], col[ma.KT_QF_W + w], col[ma.KT_MOFF_W + w]
+      assert qa <= qa_w <= qf_w <= n_q, f"{seed=} {col=}"
+      if qa_w == n_q:
+        continue
+      task = int(np.searchsorted(cu_k[1:], row0 + va, side="right"))
+      lq, lk = cu_q[task + 1] - cu_q[task], cu_k[task + 1] - cu_k[task]
+      assert col[ma.KT_Q_ROW] * bs.align_q == start_q[task] and n_q == -(-lq // bqd), f"{seed=}"
+      keys = row0 + np.arange(bkd) - cu_k[task]  # local key index of each row of the block
+      ok = (keys >= 0) & (keys < lk)
+      vis = _visible(lq, lk)
+      for qt in range(qa_w, n_q):
+        rows = np.arange(qt * bqd, (qt + 1) * bqd)
+        rows = rows[rows < lq]
+        mask = np.arange(bkd)[None, :] + moff <= rows[:, None]
+        np.testing.assert_array_equal(mask[:, ok], vis[np.ix_(rows, keys[ok])], err_msg=f"{seed=}")
+        if qt >= qf_w:
+          assert mask[:, ok].all(), f"{seed=}: unmasked query tile {qt} has invisible pairs"
+        covered[task][np.ix_(rows, keys[ok])] += mask[:, ok]
+  np.testing.assert_array_equal(stored, 1, err_msg=f"{seed=}: dK/dV rows stored != once")
+  for task, cov in enumerate(covered):
+    vis = _visible(*cov.shape)
+    assert (cov[vis] == 1).all() and (cov[~vis] == 0).all(), f"{seed=} task {task}"
+
+
 def test_validation_messages():
   q = jnp.zeros((8, 4, 128), jnp.float32)
   cu = jnp.asarray([0, 8], jnp.int32)
@@ -196,19 +253,23 @@ def _rel(x, ref):
   return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-GPU_CASES = [  # (seed, tasks, max task length, H, K, D)
-    (0, 6, 300, 4, 1, 128),
-    (1, 9, 200, 8, 2, 128),
-    (2, 5, 700, 4, 4, 128),
-    (3, 12, 100, 8, 2, 64),
-    (4, 3, 1000, 2, 1, 128),
+GPU_CASES = [  # (seed, tasks, max task length, H, K, D, dK/dV in place)
+    (0, 6, 300, 4, 1, 128, True),
+    (1, 9, 200, 8, 2, 128, True),
+    (2, 5, 700, 4, 4, 128, True),
+    (3, 12, 100, 8, 2, 64, True),
+    (4, 3, 1000, 2, 1, 128, True),
+    (5, 8, 300, 4, 1, 128, False),
+    (6, 5, 500, 8, 2, 64, False),
 ]
 
 
 @needs_hopper
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"seed{c[0]}-H{c[3]}K{c[4]}D{c[5]}")
+@pytest.mark.parametrize("case", GPU_CASES,
+                         ids=lambda c: f"seed{c[0]}-H{c[3]}K{c[4]}D{c[5]}-inplace{int(c[6])}")
 def test_kernels_match_reference(case):
-  seed, num_tasks, max_len, num_heads, num_kv_heads, head_dim = case
+  seed, num_tasks, max_len, num_heads, num_kv_heads, head_dim, in_place = case
+  bs = ma.BlockSizes(dkv_in_place=in_place)
   rng = np.random.default_rng(seed)
   cu_q, cu_k = random_table(rng, num_tasks, max_len)
   total_q, total_k = int(cu_q[-1]) + 37, int(cu_k[-1]) + 11
@@ -229,8 +290,9 @@ def test_kernels_match_reference(case):
     return (jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
             + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * dlse)), (o, lse)
 
-  got_fn = jax.jit(jax.value_and_grad(lambda *a: loss(ma.mosaic_attention, *a), (0, 1, 2),
-                                      has_aux=True))
+  got_fn = jax.jit(jax.value_and_grad(
+      lambda *a: loss(functools.partial(ma.mosaic_attention, block_sizes=bs), *a), (0, 1, 2),
+      has_aux=True))
   (_, (o, lse)), (dq, dk, dv) = got_fn(q, k, v)
   f32 = lambda x: x.astype(jnp.float32)
   ref_fn = jax.jit(jax.value_and_grad(

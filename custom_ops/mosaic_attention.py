@@ -586,14 +586,9 @@ def _dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref,
     def step(j, dq, masked: bool):
       slot = lax.rem(j, slots)
       plgpu.barrier_wait(k_bar.at[slot])
+      s = _wgmma_result(qs, k_smem.at[slot].transpose((1, 0)), (bq, bkv))
       plgpu.barrier_wait(v_bar.at[slot])
-
-      def s_dp_body(refs):  # both products in flight before one wait
-        s_ref, dp_ref = refs
-        plgpu.wgmma(s_ref, qs, k_smem.at[slot].transpose((1, 0)))
-        plgpu.wgmma(dp_ref, dos, v_smem.at[slot].transpose((1, 0)))
-      zeros = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.float32), plgpu.Layout.WGMMA)
-      s, dp = pl.run_state(s_dp_body)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
+      dp = _wgmma_result(dos, v_smem.at[slot].transpose((1, 0)), (bq, bkv))
       plgpu.barrier_arrive(v_free.at[slot])
       p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(lse, s.shape, [0]))
       if masked:
@@ -831,15 +826,16 @@ def _dq_aligned(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
 
 
 def _dkv_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
-              bs: BlockSizes, scale: float):
-  """dK, dV: in the packed buffers (``bs.dkv_in_place``) or in the aligned copies k, v."""
+              bs: BlockSizes, scale: float, num_k_rows: int):
+  """dK, dV [num_k_rows, K, D]: in the packed buffers (``bs.dkv_in_place``) or in the aligned
+  copies k, v."""
   num_heads, head_dim = q_p.shape[1], q_p.shape[2]
   num_kv_heads = k.shape[1]
   dtype, slots = q_p.dtype, bs.max_concurrent_steps
   stage = [plgpu.SMEM((_NUM_COMPUTE_WGS, bs.block_kv_dkv, head_dim), dtype)] * 2
   kernel = plgpu.kernel(
       functools.partial(_dkv_kernel, bs=bs, scale=scale, group=num_heads // num_kv_heads),
-      out_type=[jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)],
+      out_type=[jax.ShapeDtypeStruct((num_k_rows, *k.shape[1:]), dtype)] * 2,
       scratch_types=[
           _smem_tile((_NUM_COMPUTE_WGS, bs.block_kv_dkv, head_dim), dtype),
           _smem_tile((_NUM_COMPUTE_WGS, bs.block_kv_dkv, head_dim), dtype),
@@ -874,10 +870,21 @@ def _key_edges(k, v, cu_k, bs):
   return edges, _gather_rows(k, rows), _gather_rows(v, rows)
 
 
+def _rows_to_multiple(x, multiple: int):
+  """x with zero rows appended up to a multiple of ``multiple`` rows (a copy; none if already).
+
+  Tiled TMA reads need the K/V buffers' row count to be a multiple of 8 (Mosaic GPU tiles the
+  whole buffer); callers that allocate such buffers pay no copy.
+  """
+  extra = -x.shape[0] % multiple
+  return x if extra == 0 else jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1))
+
+
 def _forward(q, k, v, cu_q, cu_k, scale, bs):
   lay_q = aligned_layout(cu_q, q.shape[0], bs.align_q)
   q_p = _gather_rows(q, lay_q.src_P)
   edges, k_edge, v_edge = _key_edges(k, v, cu_k, bs)
+  k, v = _rows_to_multiple(k, KV_ROW_MULTIPLE), _rows_to_multiple(v, KV_ROW_MULTIPLE)
   meta = q_tile_table(cu_q, cu_k, lay_q, q.shape[0], bs, bs.block_kv)
   o_p, lse2_p = _forward_aligned(meta, edges, q_p, k, v, k_edge, v_edge, bs=bs, scale=scale)
   o = _gather_rows(o_p, lay_q.dst_T)
@@ -892,11 +899,12 @@ def _attention(q, k, v, cu_q, cu_k, scale, bs):
 
 def _attention_fwd(q, k, v, cu_q, cu_k, scale, bs):
   out, res = _forward(q, k, v, cu_q, cu_k, scale, bs)
-  return out, (res, q.shape[0])
+  return out, (res, q.shape[0], k.shape[0])
 
 
 def _attention_bwd(scale, bs, residuals, cotangents):
-  (q_p, k, v, o_p, lse2_p, cu_q, cu_k), num_q_rows = residuals
+  # k, v: the forward's buffers, rows padded to a multiple of 8; num_k_rows: the caller's rows.
+  (q_p, k, v, o_p, lse2_p, cu_q, cu_k), num_q_rows, num_k_rows = residuals
   do, dlse_TxH = cotangents
   lay_q = aligned_layout(cu_q, num_q_rows, bs.align_q)
   do_p = _gather_rows(do, lay_q.src_P)
@@ -910,15 +918,17 @@ def _attention_bwd(scale, bs, residuals, cotangents):
   dq_p = _dq_aligned(meta_q, edges, q_p, k, v, k_edge, v_edge, do_p, lse2_b, delta_p, bs=bs,
                      scale=scale)
   if bs.dkv_in_place:
-    meta_k = kv_tile_table_in_place(cu_q, cu_k, lay_q, k.shape[0], bs)
+    # dK/dV are stored untiled, so they take the caller's row count.
+    meta_k = kv_tile_table_in_place(cu_q, cu_k, lay_q, num_k_rows, bs)
     dk, dv = _dkv_call(meta_k, edges, q_p, k, v, k_edge, v_edge, do_p, lse2_b, delta_p, bs=bs,
-                       scale=scale)
+                       scale=scale, num_k_rows=num_k_rows)
   else:
-    lay_k = aligned_layout(cu_k, k.shape[0], bs.align_k)
+    k, v = k[:num_k_rows], v[:num_k_rows]
+    lay_k = aligned_layout(cu_k, num_k_rows, bs.align_k)
     k_p, v_p = _gather_rows(k, lay_k.src_P), _gather_rows(v, lay_k.src_P)
     meta_k = kv_tile_table(cu_q, cu_k, lay_q, lay_k, k.shape[0], bs)
     dk_p, dv_p = _dkv_call(meta_k, edges, q_p, k_p, v_p, k_p, v_p, do_p, lse2_b, delta_p, bs=bs,
-                           scale=scale)
+                           scale=scale, num_k_rows=k_p.shape[0])
     dk, dv = _gather_rows(dk_p, lay_k.dst_T), _gather_rows(dv_p, lay_k.dst_T)
   dq = _gather_rows(dq_p, lay_q.dst_T)
   return dq, dk, dv, None, None

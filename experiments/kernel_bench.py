@@ -507,7 +507,9 @@ def write_markdown(path: str, result: dict) -> None:
       f"{cfg['head_dim']}, {cfg['dtype']}"
       + (", ours in the Pallas interpreter" if cfg.get("interpret") else "")
       + f"; CA batches: {cfg['tokens']} query tokens of tail shards [b-s, b), "
-      f"b uniform in [s, {cfg['max_doc']}], seed {cfg['seed']}",
+      f"b uniform in [s, {cfg['max_doc']}], seed {cfg['seed']}"
+      + (f"; Q and KV buffers rounded up to multiples of {cfg['row_multiple']} rows"
+         if cfg.get("row_multiple", 1) > 1 else ""),
       f"- sched-W-mS: step {sched['step']} of workload W, {sched['servers']} ranks x "
       f"{sched['tokens_per_rank']} tokens, scheduler.schedule(tolerance={sched['tolerance']}, "
       f"min_shard=S); server {sched['server']!r}"
@@ -621,6 +623,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="sched: Q/KV buffers end at the last task ('used') or keep the "
                       "capacity envelope's padding rows ('envelope')")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--row-multiple", type=int, default=1,
+                      help="round every workload's Q and KV buffer rows up to a multiple of this "
+                      "(padding rows, no FLOPs); 8 = what the mosaic kernel reads K/V in place "
+                      "from (other sizes it pads, one copy of K and V per call)")
   parser.add_argument("--trials", type=int)
   parser.add_argument("--min-trial-s", type=float)
   parser.add_argument("--child-timeout-s", type=float, default=1200)
@@ -649,6 +655,9 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   names = expand_workload_names(args.workloads)
   workloads = make_workloads(names, args.tokens, args.max_doc, args.seed, sched_config(args))
+  for wl in workloads:  # --row-multiple: buffers end at a multiple of that many rows
+    wl.q_rows = -(-wl.q_rows // args.row_multiple) * args.row_multiple
+    wl.kv_rows = -(-wl.kv_rows // args.row_multiple) * args.row_multiple
   backends = args.backends.split(",")
   if args.child:
     return run_child(run_backend, workloads, args)
@@ -664,7 +673,7 @@ def main(argv=None) -> int:
                             trials=args.trials, min_trial_s=args.min_trial_s,
                             num_heads=args.heads, num_kv_heads=args.kv_heads,
                             head_dim=args.head_dim, dtype=args.dtype, interpret=args.interpret,
-                            quick=args.quick, tiny=args.tiny,
+                            quick=args.quick, tiny=args.tiny, row_multiple=args.row_multiple,
                             sched=dataclasses.asdict(sched_config(args)),
                             pallas_presets=PALLAS_PRESETS),
                 backends=backends, workloads=[w.name for w in workloads], entries=[],
@@ -679,7 +688,8 @@ def main(argv=None) -> int:
             "--interpret" if args.interpret else "--no-interpret",
             "--sched-tokens", str(args.sched_tokens), "--sched-servers", str(args.sched_servers),
             "--sched-step", str(args.sched_step), "--sched-tolerance", str(args.sched_tolerance),
-            "--sched-server", args.sched_server, "--sched-buffers", args.sched_buffers]
+            "--sched-server", args.sched_server, "--sched-buffers", args.sched_buffers,
+            "--row-multiple", str(args.row_multiple)]
   for backend in backends:
     part = f"{stem}.{backend.replace(':', '_')}.part.json"
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--backends", backend,

@@ -11,27 +11,37 @@ Letters in names: T query tokens, U key/value tokens, H query heads, K key/value
 N tasks (``N1`` = N + 1), P padded rows, F table fields, B tiles.
 
 Layout (why it looks like this):
-* Aligned copy of each buffer. TMA copies whole tiles, and a tile that straddles two tasks would
-  write the neighbour's output rows. So each task's rows are gathered (inside jit, plain jnp on
-  ``cu_seqlens``) into a padded buffer where every task starts at a multiple of the tile
-  (``BlockSizes.align_q`` / ``align_k`` rows); rows between tasks are zeros. The padded length
-  is static (``padded_rows``: every task adds at most ``align - 1`` rows), so one compiled kernel
-  serves every task table of the same shapes. Outputs are gathered back. Cost: one extra pass
-  over Q, K, V and O in the forward and over dO, dQ, dK, dV in the backward (memory-bound
-  gathers, a few percent of a long-context call).
+* Queries go to an aligned copy. TMA copies whole tiles, and a query tile that straddles two
+  tasks would write the neighbour's output rows. So each task's query rows are gathered (inside
+  jit, plain jnp on ``cu_seqlens``) into a buffer where every task starts at a multiple of the
+  CTA tile (``BlockSizes.align_q`` rows; rows between tasks are zeros), and O, LSE and dQ are
+  gathered back. The padded length is static (``padded_rows``: each task adds at most
+  ``align - 1`` rows), so one compiled kernel serves every task table of the same shapes.
+* Keys and values are read in place. Key tiles start at multiples of ``KV_ROW_MULTIPLE`` (8)
+  rows, the granularity at which Mosaic GPU issues tiled TMA copies; a task's first tile may
+  start up to 7 rows early and its last runs past its end, both masked. Tiles that would reach
+  outside the tasks' rows ``[cu_k[0], cu_k[-1])`` (padding, any value, or past the buffer) read a
+  zero-padded copy of those edge rows instead (``kv_edges``), so NaN in padding never meets a
+  zero probability. The dK/dV kernel tiles the packed buffer the same way (the two padding
+  segments included, which get zeros) and stores each warpgroup's rows of its own segment from
+  untiled staging buffers in power-of-two row pieces. K/V buffers whose row count is not a
+  multiple of 8 are padded first (one copy; Mosaic GPU tiles the whole buffer).
 * Work lists. ``q_tile_table`` lists, for every CTA query tile (two warpgroups of ``block_q``
-  rows each), its task's key rows and, per warpgroup, how many key tiles it visits and how many
-  of those need no causal mask (the rest are the diagonal tiles). ``kv_tile_table`` lists, for
-  every CTA key tile of the dK/dV kernel, the query tiles of its own task that see it, per
-  warpgroup the first one that sees any of its keys and the first that sees all of them. No
-  (query tile, key tile) pair outside a task's key range or above its causal diagonal is
-  visited; tiles are ordered by descending work (longest-processing-time first).
+  rows each), its task's key rows and, per warpgroup, how many key tiles it visits and which of
+  them need no causal mask. ``kv_tile_table_in_place`` lists, for every CTA key tile of the dK/dV
+  kernel, the query tiles of its own task that see it: per warpgroup the first one that sees any
+  of its keys and the first that sees all of them. No (query tile, key tile) pair outside a
+  task's key range or above its causal diagonal is visited; tiles are ordered by descending work
+  (longest-processing-time first).
 * Kernels are warp-specialized: two compute warpgroups and one producer warpgroup that streams
   tiles through ``max_concurrent_steps`` shared-memory slots with TMA (``mbarrier`` handshakes
   per slot). Forward: FlashAttention-3 style online softmax, optional ping-pong scheduling of the
   two compute warpgroups (softmax of one overlaps the matrix products of the other). Backward:
   FlashAttention-2 style without atomics: a dQ kernel over query tiles and a dK/dV kernel over
   key tiles that loops over its GQA group's heads and its task's visible query tiles.
+
+Measured against FlashAttention-3 on one H200: custom_ops/MOSAIC_NOTES.md and
+results/kernel_bench_mosaic.md.
 """
 
 from __future__ import annotations

@@ -229,6 +229,16 @@ def test_kv_tile_table_in_place_covers_pairs_and_stores_every_row_once(seed):
     assert (cov[vis] == 1).all() and (cov[~vis] == 0).all(), f"{seed=} task {task}"
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU-only error")
+def test_ops_backend_mosaic_needs_a_gpu():
+  from distca_jax import ops  # pylint: disable=import-outside-toplevel
+  q = jnp.zeros((8, 4, 128), jnp.bfloat16)
+  cu = jnp.asarray([0, 8], jnp.int32)
+  assert "mosaic" in ops.BACKENDS
+  with pytest.raises(ops.BackendUnavailableError, match="backend='mosaic'.*Hopper"):
+    ops.core_attention(q, q[:, :2], q[:, :2], cu, cu, backend="mosaic")
+
+
 def test_validation_messages():
   q = jnp.zeros((8, 4, 128), jnp.float32)
   cu = jnp.asarray([0, 8], jnp.int32)

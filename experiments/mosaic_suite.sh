@@ -3,7 +3,8 @@
 # (log: $OUT/mosaic_tests.log), then experiments/kernel_bench.py with the mosaic variants beside
 # flash3 (and pallas) in the same run ($OUT/kernel_bench_mosaic.{json,md}), then a summary.
 # Run from the repository root (or a copy of it):  OUT=/tmp/out bash experiments/mosaic_suite.sh
-# Environment: BACKENDS, WORKLOADS (kernel_bench lists), TESTS=0 skips the tests.
+# Environment: BACKENDS, WORKLOADS (kernel_bench lists), TESTS=0 skips the tests, TEST_ARGS (extra
+# pytest arguments, e.g. "-k kernels"), ROWS8_WORKLOADS (also run those with --row-multiple 8).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mosaic_out}
@@ -51,3 +52,10 @@ timeout "${BENCH_TIMEOUT:-400}" python3 experiments/kernel_bench.py \
 echo "kernel_bench exit $?"
 grep -i "error" "$OUT/kernel_bench_mosaic.log" | cut -c1-600 | tail -6
 sed -n '/^TFLOP/,/^Output/p' "$OUT/kernel_bench_mosaic.md" 2>/dev/null
+if [ -n "${ROWS8_WORKLOADS:-}" ]; then  # the same tables in K/V buffers of 8-row multiples
+  timeout "${BENCH_TIMEOUT:-400}" python3 experiments/kernel_bench.py --row-multiple 8 \
+    --out "$OUT/kernel_bench_mosaic_rows8.json" --backends "$BACKENDS" \
+    --workloads "$ROWS8_WORKLOADS" --child-timeout-s "${CHILD_TIMEOUT:-120}" \
+    > "$OUT/kernel_bench_mosaic_rows8.log" 2>&1
+  sed -n '/^TFLOP/,/^Output/p' "$OUT/kernel_bench_mosaic_rows8.md" 2>/dev/null
+fi

@@ -74,8 +74,7 @@ def base_config() -> ml_collections.ConfigDict:
                                           # device holds); 0 = default_capacity's fractions
   c.attention.distca.caps_headroom = 1.1  # >= 1: margin over the sampled batches' envelope
   c.attention.distca.kernel = "reference" # ops.core_attention backend: 'reference' (jnp),
-                                          # 'pallas' (interpret mode on CPU), 'flash3' or
-                                          # 'mosaic' (Hopper)
+                                          # 'pallas' (interpret mode on CPU), 'flash3' (Hopper)
   c.attention.distca.memory_mode = "keep" # 'keep': servers keep received Q/K/V for the
                                           # backward; 'resend': they are re-sent (recomputed)
   c.attention.distca.cost_table = ""      # optional JSON of measured kernel time over (q_len,

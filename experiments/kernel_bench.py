@@ -33,9 +33,8 @@ the task table (distca_jax.ops.core_attention_flops: forward 4*H*D*pairs, forwar
 forward); padding rows add none.
 
 Each backend runs in its own subprocess, so a crash or a missing package costs only its own
-entries, which are recorded with the error. Backends: pallas[:preset] (ours, Pallas Triton),
-mosaic[:preset] (ours, Pallas Mosaic GPU), flash3, cudnn, mha and reference (plain jnp, small
-sizes only). Run (on a GPU machine):
+entries, which are recorded with the error. Backends: pallas[:preset] (ours), flash3, cudnn, mha
+and reference (plain jnp, small sizes only). Run (on a GPU machine):
   python experiments/kernel_bench.py --out results/kernel_bench.json            # full table
   python experiments/kernel_bench.py --quick --out results/kernel_bench_quick.json
 CPU smoke test (tiny shapes; ours in the Pallas interpreter, and the jnp reference):

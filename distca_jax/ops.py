@@ -7,6 +7,7 @@ causal mask is aligned bottom-right inside each task (see ``custom_ops/varlen_at
 Backends:
   'reference'  plain jnp, dense [H, T, U] logits: tests and small buffers only.
   'pallas'     our Pallas kernel (Triton backend); interpret mode on CPU.
+  'mosaic'     our Pallas Mosaic GPU kernels (Hopper GPUs, bf16/fp16, head dim 64/128).
   'flash3'     FlashAttention-3 through the ``flash-attn3-jax`` package (Hopper GPUs, bf16/fp16,
                head dim 128 in the published wheel). Each call runs the cheapest of several
                compiled launch shapes that holds its task table (``flash3_grid_buckets``);
@@ -31,7 +32,7 @@ from custom_ops import varlen_attention as va
 from distca_jax.checks import check_int
 from distca_jax.plan.cost import BWD_FWD_RATIO
 
-BACKENDS = ("reference", "pallas", "flash3")
+BACKENDS = ("reference", "pallas", "flash3", "mosaic")
 FLASH3_PIP_SPEC = "flash-attn3-jax==0.2.3"
 FLASH3_HEAD_DIMS = (128,)  # the head dims the published wheel was built for
 # Kernel backward cost over forward cost (the backward recomputes QK^T): fwd+bwd = 3.5x forward.
@@ -84,7 +85,7 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
     v_UxKxD: packed values [U, K, D].
     cu_seqlens_q_N1: int32 [N + 1], non-decreasing, within [0, T].
     cu_seqlens_k_N1: int32 [N + 1], non-decreasing, within [0, U].
-    backend: 'reference', 'pallas' or 'flash3'.
+    backend: 'reference', 'pallas', 'flash3' or 'mosaic'.
     softmax_scale: logit scale; default 1 / sqrt(D).
     return_lse: also return the natural-log log-sum-exp [T, H] (f32; -inf on rows seeing no key).
     interpret: 'pallas' only; run in the Pallas interpreter. Default: True iff the default
@@ -128,11 +129,22 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
     o, lse = va.varlen_attention(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1,
                                  softmax_scale=softmax_scale, block_sizes=block_sizes,
                                  interpret=interpret)
+  elif backend == "mosaic":
+    o, lse = _mosaic(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1, softmax_scale)
   else:
     o, lse = _flash3(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1,
                      softmax_scale=softmax_scale, max_seqlen_q=max_seqlen_q,
                      max_seqlen_k=max_seqlen_k, grid_levels=grid_levels)
   return (o, lse) if return_lse else o
+
+
+def _mosaic(q, k, v, cu_q, cu_k, softmax_scale):
+  if jax.default_backend() != "gpu":
+    raise BackendUnavailableError(
+        f"backend='mosaic' (custom_ops/mosaic_attention.py) runs only on Hopper GPUs; the default "
+        f"backend is {jax.default_backend()!r}. Use backend='pallas' or 'reference'")
+  from custom_ops import mosaic_attention  # noqa: PLC0415  (imports Mosaic GPU)
+  return mosaic_attention.mosaic_attention(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ DENSE_LENGTHS = (4096, 16384, 65536)
 SHARD_LENGTHS = (4096, 2048, 1024, 512, 256, 128, 64)
 SCHED_FAMILIES = ("pretrain", "prolong")
 SCHED_MIN_SHARDS = (64, 128, 256, 512, 1024, 2048, 4096)
-BACKENDS = ("pallas", "flash3", "cudnn", "mha")
+BACKENDS = ("pallas", "mosaic", "flash3", "cudnn", "mha")
 ALL_BACKENDS = BACKENDS + ("reference",)
 FAMILIES = {
     "dense": [f"dense-{n}" for n in DENSE_LENGTHS],
@@ -80,7 +80,7 @@ FULL = dict(heads=NUM_HEADS, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype="bf
             workloads="dense,ca,sched")
 # A representative subset for one short GPU run: the dense anchor, the composability ends of the
 # synthetic sweep and three min_shard values of each scheduler workload; ours against flash3.
-QUICK = dict(backends="flash3,pallas", workloads=",".join(
+QUICK = dict(backends="flash3,pallas,mosaic", workloads=",".join(
     ["dense-16384", "ca-s128", "ca-s512", "ca-s4096"]
     + [f"sched-{w}-m{m}" for w in SCHED_FAMILIES for m in (128, 512, 2048)]))
 # CPU smoke test: tiny shapes, every workload family, ours interpreted and the jnp reference.
@@ -106,6 +106,15 @@ PALLAS_PRESETS = {
                                block_k_dq=128, num_warps_dq=8, block_q_dkv=128,
                                num_warps_dkv=8),
     "f64x64w8s3-bw8": dict(num_warps=8, num_warps_dq=8, num_warps_dkv=8),
+}
+# Named tilings of the Mosaic GPU kernels (custom_ops/mosaic_attention.BlockSizes); "mosaic" means
+# "mosaic:default".
+MOSAIC_PRESETS = {
+    "default": {},
+    "nopp": dict(pingpong=False),  # forward without ping-pong scheduling of the two warpgroups
+    "dq128": dict(block_kv_dq=128),  # dQ kernel: 128-key steps (64 by default)
+    # dK/dV on an aligned copy of K/V, gathered before and after the kernel
+    "dkv-gather": dict(dkv_in_place=False),
 }
 _SCHED_NAME = re.compile(r"sched-([a-z]+)-m(\d+)")
 
@@ -381,6 +390,18 @@ def run_backend(backend: str, workloads: list[Workload], args, save) -> list[dic
           return ops.core_attention(q, k, v, cu_q, cu_k, backend="pallas", block_sizes=bs,
                                     interpret=args.interpret)
         inputs = (q, k, v, cu_q, cu_k)
+      elif base == "mosaic":
+        from custom_ops import mosaic_attention  # pylint: disable=import-outside-toplevel
+        preset = preset or "default"
+        if preset not in MOSAIC_PRESETS:
+          raise ValueError(f"unknown mosaic {preset=}; choose one of {sorted(MOSAIC_PRESETS)}")
+        mbs = mosaic_attention.BlockSizes(**MOSAIC_PRESETS[preset])
+        entry["block_sizes"] = dataclasses.asdict(mbs)
+        static = ("mosaic", mbs)
+
+        def attn(q, k, v, cu_q, cu_k, mbs=mbs):
+          return mosaic_attention.mosaic_attention(q, k, v, cu_q, cu_k, block_sizes=mbs)[0]
+        inputs = (q, k, v, cu_q, cu_k)
       elif base == "reference":
         static = ("reference",)
 
@@ -485,7 +506,9 @@ def write_markdown(path: str, result: dict) -> None:
       f"{cfg['head_dim']}, {cfg['dtype']}"
       + (", ours in the Pallas interpreter" if cfg.get("interpret") else "")
       + f"; CA batches: {cfg['tokens']} query tokens of tail shards [b-s, b), "
-      f"b uniform in [s, {cfg['max_doc']}], seed {cfg['seed']}",
+      f"b uniform in [s, {cfg['max_doc']}], seed {cfg['seed']}"
+      + (f"; Q and KV buffers rounded up to multiples of {cfg['row_multiple']} rows"
+         if cfg.get("row_multiple", 1) > 1 else ""),
       f"- sched-W-mS: step {sched['step']} of workload W, {sched['servers']} ranks x "
       f"{sched['tokens_per_rank']} tokens, plan_lib.schedule(tolerance={sched['tolerance']}, "
       f"min_shard=S); server {sched['server']!r}"
@@ -572,8 +595,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="representative subset, flash3 + ours: " + QUICK["workloads"])
   preset.add_argument("--tiny", action="store_true",
                       help="CPU smoke test: tiny shapes, reference + ours interpreted")
-  parser.add_argument("--backends", help="comma list of pallas[:preset], flash3, cudnn, mha, "
-                      "reference; presets: " + ", ".join(PALLAS_PRESETS)
+  parser.add_argument("--backends", help="comma list of pallas[:preset], mosaic[:preset], flash3, cudnn, "
+                      "mha, reference; pallas presets: " + ", ".join(PALLAS_PRESETS)
+                      + "; mosaic presets: " + ", ".join(MOSAIC_PRESETS)
                       + f"; default {FULL['backends']}")
   parser.add_argument("--workloads", help="comma list of dense-<L>, ca-s<S>, sched-<W>-m<S> or "
                       f"the families {sorted(FAMILIES)}; default {FULL['workloads']}")
@@ -598,6 +622,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="sched: Q/KV buffers end at the last task ('used') or keep the "
                       "capacity envelope's padding rows ('envelope')")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--row-multiple", type=int, default=1,
+                      help="round every workload's Q and KV buffer rows up to a multiple of this "
+                      "(padding rows, no FLOPs); 8 = what the mosaic kernel reads K/V in place "
+                      "from (other sizes it pads, one copy of K and V per call)")
   parser.add_argument("--trials", type=int)
   parser.add_argument("--min-trial-s", type=float)
   parser.add_argument("--child-timeout-s", type=float, default=1200)
@@ -626,6 +654,9 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   names = expand_workload_names(args.workloads)
   workloads = make_workloads(names, args.tokens, args.max_doc, args.seed, sched_config(args))
+  for wl in workloads:  # --row-multiple: buffers end at a multiple of that many rows
+    wl.q_rows = -(-wl.q_rows // args.row_multiple) * args.row_multiple
+    wl.kv_rows = -(-wl.kv_rows // args.row_multiple) * args.row_multiple
   backends = args.backends.split(",")
   if args.child:
     return run_child(run_backend, workloads, args)
@@ -641,7 +672,7 @@ def main(argv=None) -> int:
                             trials=args.trials, min_trial_s=args.min_trial_s,
                             num_heads=args.heads, num_kv_heads=args.kv_heads,
                             head_dim=args.head_dim, dtype=args.dtype, interpret=args.interpret,
-                            quick=args.quick, tiny=args.tiny,
+                            quick=args.quick, tiny=args.tiny, row_multiple=args.row_multiple,
                             sched=dataclasses.asdict(sched_config(args)),
                             pallas_presets=PALLAS_PRESETS),
                 backends=backends, workloads=[w.name for w in workloads], entries=[],
@@ -656,7 +687,8 @@ def main(argv=None) -> int:
             "--interpret" if args.interpret else "--no-interpret",
             "--sched-tokens", str(args.sched_tokens), "--sched-servers", str(args.sched_servers),
             "--sched-step", str(args.sched_step), "--sched-tolerance", str(args.sched_tolerance),
-            "--sched-server", args.sched_server, "--sched-buffers", args.sched_buffers]
+            "--sched-server", args.sched_server, "--sched-buffers", args.sched_buffers,
+            "--row-multiple", str(args.row_multiple)]
   for backend in backends:
     part = f"{stem}.{backend.replace(':', '_')}.part.json"
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--backends", backend,

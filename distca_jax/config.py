@@ -65,8 +65,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.attention.distca.memory_mode = "keep" # 'keep': servers keep received Q/K/V for the
                                           # backward; 'resend': they are re-sent (recomputed)
   c.attention.distca.exchange_buckets = 8  # per batch the exchange moves only the smallest of
-                                          # 1/n, ..., 1 of each slot that holds the batch
-                                          # (results/dispatch_bench_buckets.md); 1 = full slots
+                                          # 1/n, ..., 1 of each slot that holds the batch; 1 = full
+                                          # slots (results/archive/5fecf88/dispatch_bench_buckets.md)
   # Baselines (distca_jax/baselines): 'packed_dp' (each rank its own documents, one fused varlen
   # call), 'cp' (per-sequence context parallelism: groups of cp_size consecutive data ranks, head-
   # tail chunks, K/V all-gathered) and 'wlb' (WLB-LLM packing over DP groups + per-document CP).

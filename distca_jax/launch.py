@@ -16,7 +16,7 @@ import ml_collections
 # model.ping_pong_layers: post-CA of layer i and pre-CA of layer i+1), and on 2 H200s the step
 # was within 0.6-1.1% of its signal-only twin (tiny all-to-alls) while ping-pong changed nothing
 # (results/archive/7310cdf/e2e_v5_summary.md; that run had the within-layer schedule);
-# DESIGN_NOTES Sec. 6 measured `--xla_gpu_enable_latency_hiding_scheduler` hiding 37% vs 30% of
+# docs/design.md Sec. 13 measured `--xla_gpu_enable_latency_hiding_scheduler` hiding 37% vs 30% of
 # an all-to-all. Pass any XLA flags through the environment (XLA_FLAGS) and they are kept.
 # XLA_PYTHON_CLIENT_MEM_FRACTION: JAX preallocates 75% of GPU memory by default; Llama-3-8B layers
 # at 128K tokens per GPU with remat 'none' plan ~105-113 GiB of an H200's 140

@@ -343,7 +343,7 @@ def attention_pairs(cu_seqlens_q_N1: Sequence[int] | np.ndarray,
   """Exact count of (query, key) pairs the bottom-right causal mask keeps, summed over tasks.
 
   A task with lq queries and lk keys: local row r sees clip(r + 1 + lk - lq, 0, lk) keys; for
-  lq <= lk this is lq * (lk - lq) + lq * (lq + 1) / 2 (the P(a, b) of DESIGN_NOTES section 1).
+  lq <= lk this is lq * (lk - lq) + lq * (lq + 1) / 2 (the P(a, b) of docs/design.md Sec. 10).
   """
   cu_q = np.asarray(cu_seqlens_q_N1, dtype=np.int64)
   cu_k = np.asarray(cu_seqlens_k_N1, dtype=np.int64)

@@ -382,7 +382,7 @@ def test_flops_count_pairs_exactly():
     brute = sum(int((np.arange(b)[None, :] <= np.arange(a)[:, None] + (b - a)).sum())
                 for a, b in zip(lq, lk))
     assert ops.attention_pairs(cu_q, cu_k) == brute
-  # Tail shard [a, b) of a document: P(a, b) = (b - a)(a + b + 1) / 2 (DESIGN_NOTES section 1).
+  # Tail shard [a, b) of a document: P(a, b) = (b - a)(a + b + 1) / 2 (docs/design.md Sec. 10).
   a, b = 1000, 4096
   assert ops.attention_pairs([0, b - a], [0, b]) == (b - a) * (a + b + 1) // 2
   fwd = ops.core_attention_flops([0, b - a], [0, b], num_q_heads=32, head_dim=128)

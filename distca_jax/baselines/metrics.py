@@ -88,7 +88,7 @@ class Hardware:
     peak_flops: dense bf16 peak per GPU.
     efficiency: fraction of peak reached by both matmuls and attention kernels.
     intra_node_bw: bytes/s per GPU for collectives inside a node (NVLink; measured all-to-all
-      132-262 GB/s on 2 H200s, DESIGN_NOTES Sec. 3).
+      132-262 GB/s on 2 H200s, docs/design.md Sec. 11).
     inter_node_bw: bytes/s per GPU once a collective spans nodes (400 Gb/s NIC per GPU).
     gpus_per_node: ranks per node; groups are consecutive ranks, so a group of at most this many
       stays inside one node.

@@ -89,8 +89,8 @@ class ExchangeOptions:
 
 def resolve_collective(collective: str, num_servers: int) -> str:
   """'auto' -> 'ppermute' for 2 servers (one round carrying only the peer's slot was faster on 2
-  H200s: results/dispatch_v3_summary.md), else 'all_to_all' (one collective instead of S - 1
-  rounds)."""
+  H200s: results/archive/039a22a/dispatch_v3_summary.md), else 'all_to_all' (one collective
+  instead of S - 1 rounds)."""
   if collective == "auto":
     return "ppermute" if num_servers == 2 else "all_to_all"
   if num_servers == 1:  # no peer: nothing crosses the wire either way; one all_to_all over the

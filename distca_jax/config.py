@@ -73,7 +73,9 @@ def base_config() -> ml_collections.ConfigDict:
                                           # envelope x caps_headroom, never below the rows a
                                           # device holds); 0 = default_capacity's fractions
   c.attention.distca.caps_headroom = 1.1  # >= 1: margin over the sampled batches' envelope
-  c.attention.distca.kernel = "reference" # ops.core_attention backend: 'reference' (jnp),
+  c.attention.distca.kernel = "auto"      # ops.core_attention backend: 'auto' ('blockwise' on
+                                          # CPU, 'reference' elsewhere: ops.default_kernel),
+                                          # 'blockwise' (jnp tiles), 'reference' (dense jnp),
                                           # 'pallas' (interpret mode on CPU), 'flash3' (Hopper)
   c.attention.distca.memory_mode = "keep" # 'keep': servers keep received Q/K/V for the
                                           # backward; 'resend': they are re-sent (recomputed)
@@ -102,7 +104,8 @@ def base_config() -> ml_collections.ConfigDict:
   # 'cp' and 'wlb' rearrange each batch on the host (Backend.host_arrange, called by the trainer's
   # input thread through trainer.add_host_plan).
   c.attention.baselines = ml_collections.ConfigDict()
-  c.attention.baselines.kernel = "reference"   # ops.core_attention backend of the fused calls
+  c.attention.baselines.kernel = "auto"   # ops.core_attention backend of the fused calls
+                                          # (choices as attention.distca.kernel)
   c.attention.baselines.cp_size = 1            # cp / wlb: ranks per CP group (divides mesh.data)
   c.attention.baselines.wlb_alpha = 1.0        # wlb: per-rank token cap Lmax = alpha x
                                                # tokens_per_rank (>= 1; > 1 trades memory balance

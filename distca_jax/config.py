@@ -38,8 +38,10 @@ def base_config() -> ml_collections.ConfigDict:
                                   # pre-CA of layer i+1, which do not depend on it; the carry
                                   # between layers also holds A's CA output and B's q/k/v;
                                   # needs rows_per_rank % nano_batches == 0
-  c.attention.kernel = "reference"  # ops.core_attention kernel of the fused backends (distca,
-                                  # packed_dp, cp, wlb): 'reference' (jnp), 'pallas', 'flash3'
+  c.attention.kernel = "auto"     # ops.core_attention kernel of the fused backends (distca,
+                                  # packed_dp, cp, wlb): 'auto' ('blockwise' on CPU, 'reference'
+                                  # elsewhere: ops.default_kernel), 'blockwise' (jnp tiles),
+                                  # 'reference' (dense jnp), 'pallas', 'mosaic', 'flash3'
   # `distca`: core attention disaggregation (distca_jax/plan, distca_jax/dataplane,
   # distca_jax/backends/distca.py). Caps are rows per device and call; 0 = auto: the row caps from
   # the run's first batches (caps_from_batches), else plan.default_capacity; tasks 64 per row.

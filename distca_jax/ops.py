@@ -6,6 +6,9 @@ causal mask is aligned bottom-right inside each task (see ``custom_ops/varlen_at
 
 Backends:
   'reference'  plain jnp, dense [H, T, U] logits: tests and small buffers only.
+  'blockwise'  plain jnp, tile by tile over the task table with its own VJP
+               (``custom_ops/blockwise_attention.py``): work follows the tasks' (query, key)
+               pairs, not the buffer sizes. The CPU kernel.
   'pallas'     our Pallas kernel (Triton backend); interpret mode on CPU.
   'mosaic'     our Pallas Mosaic GPU kernels (Hopper GPUs, bf16/fp16, head dim 64/128).
   'flash3'     FlashAttention-3 through the ``flash-attn3-jax`` package (Hopper GPUs, bf16/fp16,
@@ -13,7 +16,10 @@ Backends:
                compiled launch shapes that holds its task table (``flash3_grid_buckets``);
                rows outside the tasks are masked, not computed.
 
-An unavailable backend raises ``BackendUnavailableError`` saying how to get it; nothing falls back.
+'auto' picks ``default_kernel()`` when traced: 'blockwise' on CPU, 'reference' elsewhere (GPU
+configs name 'flash3' or 'pallas'). It is the configs' default; an explicit name is always run
+as named. An unavailable backend raises ``BackendUnavailableError`` saying how to get it;
+nothing falls back.
 """
 
 from __future__ import annotations
@@ -28,11 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from custom_ops import blockwise_attention as bw
 from custom_ops import varlen_attention as va
 from distca_jax.checks import check_int
 from distca_jax.plan.cost import BWD_FWD_RATIO
 
-BACKENDS = ("reference", "pallas", "flash3", "mosaic")
+BACKENDS = ("reference", "pallas", "flash3", "mosaic", "blockwise", "auto")
 FLASH3_PIP_SPEC = "flash-attn3-jax==0.2.3"
 FLASH3_HEAD_DIMS = (128,)  # the head dims the published wheel was built for
 # Kernel backward cost over forward cost (the backward recomputes QK^T): fwd+bwd = 3.5x forward.
@@ -70,11 +77,17 @@ class BackendUnavailableError(RuntimeError):
   """The requested attention backend cannot run here; the message says how to get it."""
 
 
+def default_kernel() -> str:
+  """The kernel 'auto' runs: 'blockwise' when JAX's default backend is the CPU, else 'reference'
+  (GPU runs name their kernel: 'flash3' or 'pallas')."""
+  return "blockwise" if jax.default_backend() == "cpu" else "reference"
+
+
 def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
                    cu_seqlens_q_N1: jax.Array, cu_seqlens_k_N1: jax.Array, *,
                    backend: str = "reference", softmax_scale: float | None = None,
                    return_lse: bool = False, interpret: bool | None = None,
-                   block_sizes: va.BlockSizes | None = None, max_seqlen_q: int | None = None,
+                   block_sizes: va.BlockSizes | bw.BlockSizes | None = None, max_seqlen_q: int | None = None,
                    max_seqlen_k: int | None = None, grid_levels: int = FLASH3_GRID_LEVELS,
                    name_inputs: bool = True):
   """Causal (bottom-right) GQA attention of every CA-task in a fused batch.
@@ -85,12 +98,13 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
     v_UxKxD: packed values [U, K, D].
     cu_seqlens_q_N1: int32 [N + 1], non-decreasing, within [0, T].
     cu_seqlens_k_N1: int32 [N + 1], non-decreasing, within [0, U].
-    backend: 'reference', 'pallas', 'flash3' or 'mosaic'.
+    backend: 'reference', 'blockwise', 'pallas', 'flash3', 'mosaic' or 'auto' (``default_kernel()``).
     softmax_scale: logit scale; default 1 / sqrt(D).
     return_lse: also return the natural-log log-sum-exp [T, H] (f32; -inf on rows seeing no key).
     interpret: 'pallas' only; run in the Pallas interpreter. Default: True iff the default
       backend is CPU.
-    block_sizes: 'pallas' only; kernel tiles (``custom_ops.BlockSizes``).
+    block_sizes: 'pallas': kernel tiles (``custom_ops.BlockSizes``); 'blockwise': its tiles
+      (``custom_ops.blockwise_attention.BlockSizes``).
     max_seqlen_q: 'flash3' only (ignored elsewhere): static upper bound on the query rows of any
       task (padding rows outside the tasks do not count). Default T (always safe). A task
       longer than the bound makes the output NaN.
@@ -107,11 +121,15 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
   """
   if backend not in BACKENDS:
     raise ValueError(f"unknown attention {backend=}; choose one of {BACKENDS}")
+  if backend == "auto":
+    backend = default_kernel()
   va.validate_inputs(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1)
-  if backend != "pallas" and (interpret is not None or block_sizes is not None):
-    raise ValueError(
-        f"interpret={interpret!r} and block_sizes={block_sizes!r} apply to backend='pallas' only; "
-        f"drop them for {backend=}")
+  if backend != "pallas" and interpret is not None:
+    raise ValueError(f"interpret={interpret!r} applies to backend='pallas' only; drop it for "
+                     f"{backend=}")
+  if backend not in ("pallas", "blockwise") and block_sizes is not None:
+    raise ValueError(f"block_sizes={block_sizes!r} applies to backend='pallas' or 'blockwise' "
+                     f"only; drop it for {backend=}")
   if name_inputs:  # for remat policies that keep the kernel's residuals ('save_attention')
     q_TxHxD, k_UxKxD, v_UxKxD = (checkpoint_name(x, KERNEL_INPUTS_NAME)
                                  for x in (q_TxHxD, k_UxKxD, v_UxKxD))
@@ -119,6 +137,9 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
   if backend == "reference":
     o, lse = va.varlen_attention_reference(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1,
                                            cu_seqlens_k_N1, softmax_scale=softmax_scale)
+  elif backend == "blockwise":
+    o, lse = bw.blockwise_attention(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1,
+                                    softmax_scale=softmax_scale, block_sizes=block_sizes)
   elif backend == "pallas":
     if interpret is None:
       interpret = jax.default_backend() == "cpu"

@@ -1,6 +1,7 @@
-"""Core attention over fused CA-task batches: 'pallas' (interpret mode) and 'reference' against an
-independent per-task float64 NumPy oracle (outputs, log-sum-exp and analytic gradients), padding
-behaviour, input validation, backend errors and the exact FLOP count.
+"""Core attention over fused CA-task batches: 'pallas' (interpret mode), 'blockwise' (several tile
+sizes) and 'reference' against an independent per-task float64 NumPy oracle (outputs, log-sum-exp
+and analytic gradients), padding behaviour, 'blockwise' memory (no [T, U] intermediate), 'auto',
+input validation, backend errors and the exact FLOP count.
 
 Run: cd /work/main && .venv/bin/python -m pytest -q tests/test_ops.py
 """
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 
 from custom_ops import BlockSizes
+from custom_ops import blockwise_attention as bw
 from custom_ops import varlen_attention as va
 from distca_jax import ops
 from distca_jax.dataplane import count_primitives
@@ -128,23 +130,26 @@ def random_inputs(rng: np.random.Generator, case: Case, pad_value: float | None 
 
 ON_GPU = jax.default_backend() == "gpu"
 HAS_FLASH3 = importlib.util.find_spec("flash_attn3_jax") is not None
-# 'pallas' runs 16-row tiles (interpreted on CPU, compiled on GPU); on a GPU the production tiles
+# 'pallas' and 'blockwise' run 16-row tiles (pallas interpreted on CPU, compiled on GPU); 'blockwise'
+# with other tiles: test_blockwise_tile_sizes_match_oracle. On a GPU the production tiles
 # ('pallas-default') and FlashAttention-3 ('flash3', when installed) are checked as well.
-BACKENDS = ["pallas", "reference"] + (["pallas-default"] if ON_GPU else []) + (
+BACKENDS = ["pallas", "reference", "blockwise"] + (["pallas-default"] if ON_GPU else []) + (
     ["flash3"] if ON_GPU and HAS_FLASH3 else [])
 
 
 def _backend_kwargs(backend: str) -> dict:
   if backend == "pallas":
     return dict(backend="pallas", interpret=not ON_GPU, block_sizes=BLOCKS)
+  if backend == "blockwise":
+    return dict(backend="blockwise", block_sizes=bw.BlockSizes(16, 16))
   if backend == "pallas-default":
     return dict(backend="pallas", interpret=False)  # BlockSizes.default_for(dtype, D)
   return dict(backend=backend)
 
 
 # One jitted function per backend; task tables are traced, so every table of one Case reuses it.
-def _make_fn(backend: str):
-  kwargs = _backend_kwargs(backend)
+def _make_fn(backend: str, kwargs: dict | None = None):
+  kwargs = kwargs or _backend_kwargs(backend)
   # FA3's backward takes no dLSE, so its loss leaves the log-sum-exp out.
   use_lse = backend != "flash3"
 
@@ -172,10 +177,11 @@ def rel_err(x, ref) -> float:
   return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def check_against_oracle(backend, case, q, k, v, cu_q, cu_k, do, dlse):
+def check_against_oracle(backend, case, q, k, v, cu_q, cu_k, do, dlse, fn=None):
+  """``fn``: the jitted loss-and-grad to check (default ``FNS[backend]``)."""
   if backend == "flash3":
     dlse = np.zeros_like(dlse)
-  (_, (o, lse)), (dq, dk, dv) = FNS[backend](q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k),
+  (_, (o, lse)), (dq, dk, dv) = (fn or FNS[backend])(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k),
                                              jnp.asarray(do), jnp.asarray(dlse))
   scale = 1.0 / np.sqrt(case.head_dim)
   o_ref, lse_ref, dq_ref, dk_ref, dv_ref = oracle(
@@ -249,6 +255,75 @@ def test_nan_padding_does_not_leak(backend):
   for pad in pads:
     q, k, v, do, dlse = random_inputs(rng, case, pad_value=pad, cu_q=cu_q, cu_k=cu_k)
     check_against_oracle(backend, case, q, k, v, cu_q, cu_k, do, dlse)
+
+
+BLOCKWISE_TILES = [(8, 8), (16, 32), (24, 8), (64, 128)]  # (block_q, block_k); 24: not a power of 2
+
+
+@pytest.mark.parametrize("tiles", BLOCKWISE_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+def test_blockwise_tile_sizes_match_oracle(tiles):
+  """'blockwise' with tiles smaller and larger than the tasks, on random tables (empty tasks,
+  1-token tasks, tasks ending at their key end) and the edge table, f32 GQA and bf16 MHA."""
+  fn = _make_fn("blockwise", dict(backend="blockwise", block_sizes=bw.BlockSizes(*tiles)))
+  rng = np.random.default_rng(zlib.crc32(repr(tiles).encode()))
+  for case in (CASES[2], CASES[3]):
+    cu_q, cu_k = random_table(rng, case)
+    q, k, v, do, dlse = random_inputs(rng, case)
+    check_against_oracle("blockwise", case, q, k, v, cu_q, cu_k, do, dlse, fn=fn)
+  lq = [1, 1, 0, 7, 0, 33]  # 1-token, keys without queries, lq > lk, empty, lq == lk
+  lk = [1, 5, 9, 4, 0, 33]
+  case = CASES[1]
+  cu_q = np.concatenate([[3], 3 + np.cumsum(lq)]).astype(np.int32)
+  cu_k = np.concatenate([[2], 2 + np.cumsum(lk)]).astype(np.int32)
+  q, k, v, do, dlse = random_inputs(rng, case)
+  check_against_oracle("blockwise", case, q, k, v, cu_q, cu_k, do, dlse, fn=fn)
+
+
+def _largest_intermediate(jaxpr) -> int:
+  """Elements of the largest value any equation of ``jaxpr`` (sub-jaxprs included) makes."""
+  biggest = 0
+  for eqn in jaxpr.eqns:
+    for var in eqn.outvars:
+      biggest = max(biggest, int(np.prod(getattr(var.aval, "shape", ()), dtype=np.int64)))
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+        if hasattr(sub, "eqns"):
+          biggest = max(biggest, _largest_intermediate(sub))
+  return biggest
+
+
+@pytest.mark.parametrize("backend", ["blockwise", "reference"])
+def test_blockwise_never_builds_the_dense_logits(backend):
+  """Forward and backward of 'blockwise' hold tiles, never a [T, U] array (whose size the dense
+  'reference' reaches: the check can fail)."""
+  num_q_rows, num_k_rows, heads, kv_heads, head_dim = 2048, 2048, 2, 1, 16
+  q = jnp.zeros((num_q_rows, heads, head_dim), jnp.float32)
+  k = jnp.zeros((num_k_rows, kv_heads, head_dim), jnp.float32)
+  cu = jnp.array([0, 1000, 2048], jnp.int32)
+
+  def loss(q, k, v):
+    return jnp.sum(ops.core_attention(q, k, v, cu, cu, backend=backend))
+
+  biggest = _largest_intermediate(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, k).jaxpr)
+  dense = num_q_rows * num_k_rows
+  assert (biggest < dense) == (backend == "blockwise"), (backend, biggest, dense)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU default")
+def test_auto_runs_blockwise_on_cpu():
+  from distca_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  c = config_lib.base_config()
+  assert c.attention.kernel == "auto"
+  assert ops.default_kernel() == "blockwise"
+  case = CASES[1]
+  rng = np.random.default_rng(13)
+  cu_q, cu_k = (jnp.asarray(x) for x in random_table(rng, case))
+  q, k, v, _, _ = random_inputs(rng, case)
+  o_auto, lse_auto = ops.core_attention(q, k, v, cu_q, cu_k, backend="auto", return_lse=True)
+  o, lse = ops.core_attention(q, k, v, cu_q, cu_k, backend="blockwise", return_lse=True)
+  np.testing.assert_array_equal(np.asarray(o_auto, np.float32), np.asarray(o, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse_auto), np.asarray(lse))
 
 
 def test_non_power_of_two_head_dim():
@@ -331,7 +406,7 @@ def _good():
     (lambda a: (*a[:3], jnp.array([0, 20, 16], jnp.int32), a[4]), "non-decreasing"),
     (lambda a: (*a[:3], jnp.array([0, 16, 33], jnp.int32), a[4]), "within [0, 32]"),
 ])
-@pytest.mark.parametrize("backend", ["reference", "pallas"])
+@pytest.mark.parametrize("backend", ["reference", "pallas", "blockwise"])
 def test_bad_inputs_raise_clear_errors(backend, mutate, message):
   with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
     ops.core_attention(*mutate(_good()), backend=backend)
@@ -342,9 +417,13 @@ def test_unknown_backend():
     ops.core_attention(*_good(), backend="cudnn")
 
 
-def test_pallas_only_options_rejected_elsewhere():
-  with pytest.raises(ValueError, match="apply to backend='pallas' only"):
+def test_kernel_only_options_rejected_elsewhere():
+  with pytest.raises(ValueError, match="applies to backend='pallas' or 'blockwise' only"):
     ops.core_attention(*_good(), backend="reference", block_sizes=BLOCKS)
+  with pytest.raises(ValueError, match="applies to backend='pallas' only"):
+    ops.core_attention(*_good(), backend="blockwise", interpret=True)
+  with pytest.raises(ValueError, match="custom_ops.blockwise_attention.BlockSizes; got BlockSizes"):
+    ops.core_attention(*_good(), backend="blockwise", block_sizes=BLOCKS)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn3_jax") is not None,
@@ -364,6 +443,12 @@ def test_pallas_compiled_mode_needs_a_gpu():
 def test_block_sizes_validated(field, value):
   with pytest.raises(ValueError, match=f"BlockSizes.{field}={value}"):
     BlockSizes(**{field: value})
+
+
+@pytest.mark.parametrize("field, value", [("block_q", 0), ("block_k", 2.0)])
+def test_blockwise_block_sizes_validated(field, value):
+  with pytest.raises(ValueError, match=f"BlockSizes.{field}={value}"):
+    bw.BlockSizes(**{field: value})
 
 
 # ------------------------------------------------------------------------------------------------

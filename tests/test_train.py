@@ -310,18 +310,22 @@ BACKEND_OVERRIDES = {
     "cp": {"attention.baselines.cp_size": 2},
     "wlb": {"attention.baselines.cp_size": 2, "attention.baselines.wlb_alpha": 1.25},
     "distca": {"attention.distca.tolerance": 0.05, "attention.distca.min_gain": 0.0},
+    "distca-reference": {"attention.distca.tolerance": 0.05, "attention.distca.min_gain": 0.0,
+                         "attention.kernel": "reference"},
 }
 
 
 @pytest.mark.parametrize("backend", sorted(BACKEND_OVERRIDES))
 def test_every_backend_trains_like_local(backend, tmp_path):
   """The real training loop with each backend: same batches, same init -> same losses as `local`
-  (the strategies only move where attention runs), within float32 tolerance."""
+  (the strategies only move where attention runs), within float32 tolerance. Kernels: the
+  configs' default 'auto' ('blockwise' on CPU; 'distca-reference': the dense kernel)."""
   base = {"mesh.data": 4, "mesh.tensor": 2, "num_steps": 3, "log_every": 1, "checkpoint_every": 0,
           "tensorboard": False, "optim.warmup_steps": 1}
   ref = _with_heads(tiny_config(**base))
   losses_ref = [r["loss"] for r in trainer.train_and_evaluate(ref, str(tmp_path / "local"))]
-  c = _with_heads(tiny_config(**base, **{"attention.backend": backend}, **BACKEND_OVERRIDES[backend]))
+  c = _with_heads(tiny_config(**base, **{"attention.backend": backend.split("-")[0]},
+                              **BACKEND_OVERRIDES[backend]))
   losses = [r["loss"] for r in trainer.train_and_evaluate(c, str(tmp_path / backend))]
   assert len(losses) == len(losses_ref) == 3
   np.testing.assert_allclose(losses, losses_ref, rtol=2e-5)

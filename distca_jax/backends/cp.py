@@ -16,7 +16,7 @@ class Options:
   """Attributes: ``cp_size`` (ranks per group, divides mesh.data; required), ``kernel``,
   ``max_docs_per_row``, ``rows_per_rank`` (the trainer's)."""
   cp_size: int | None = None
-  kernel: str = "reference"
+  kernel: str = "auto"
   max_docs_per_row: int = baselines.DEFAULT_MAX_DOCS_PER_ROW
   rows_per_rank: int = 1
 

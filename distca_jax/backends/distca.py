@@ -55,7 +55,7 @@ class Options:
   q_tokens: int = 0
   kv_tokens: int = 0
   tasks: int = 0
-  kernel: str = "reference"
+  kernel: str = "auto"
   memory_mode: str = "keep"
   rows_per_rank: int = 1
   nano_batches: int = 1

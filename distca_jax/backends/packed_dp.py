@@ -15,7 +15,7 @@ from distca_jax import baselines
 class Options:
   """Attributes: ``kernel`` (``ops.core_attention`` backend), ``max_docs_per_row`` (task-table
   slots per row)."""
-  kernel: str = "reference"
+  kernel: str = "auto"
   max_docs_per_row: int = baselines.DEFAULT_MAX_DOCS_PER_ROW
 
   @classmethod

@@ -17,7 +17,7 @@ class Options:
   """Attributes: as ``cp.Options``, plus ``alpha`` (per-rank token cap ``alpha x T``, >= 1) and
   ``balance_len`` (``baselines.ModelDims.balance_len`` of the model; required)."""
   cp_size: int | None = None
-  kernel: str = "reference"
+  kernel: str = "auto"
   max_docs_per_row: int = baselines.DEFAULT_MAX_DOCS_PER_ROW
   rows_per_rank: int = 1
   alpha: float = 1.0

@@ -70,7 +70,7 @@ def _check_cp(cp_size, name: str) -> int:
 # ----------------------------------------------------------------------------------------------
 # packed_dp
 # ----------------------------------------------------------------------------------------------
-def packed_dp_backend(kernel: str = "reference",
+def packed_dp_backend(kernel: str = "auto",
                       max_docs_per_row: int = DEFAULT_MAX_DOCS_PER_ROW) -> attn_lib.Backend:
   """``packed_dp`` backend: options ``kernel`` (ops backend), ``max_docs_per_row`` (table cap)."""
   kernel = check_kernel(kernel)
@@ -141,7 +141,7 @@ def arrange_batch(strategy: str, np_batch: dict[str, np.ndarray],
   return out, pl
 
 
-def group_backend(name: str, cp_size=None, kernel: str = "reference",
+def group_backend(name: str, cp_size=None, kernel: str = "auto",
                   max_docs_per_row: int = DEFAULT_MAX_DOCS_PER_ROW, rows_per_rank: int = 1,
                   alpha: float = 1.0, balance_len: float | None = None) -> attn_lib.Backend:
   """``cp`` or ``wlb`` (``name``): the batch rearranged on the host by ``arrange_batch``, K/V

@@ -70,7 +70,7 @@ def packed_dp_task_table(doc_lens_RxN: jax.Array, tokens_per_row: int):
 
 
 def packed_dp_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *,
-                        softmax_scale: float, kernel: str = "reference"):
+                        softmax_scale: float, kernel: str = "auto"):
   """Data parallel, no balancing: each rank's rows in one fused varlen call.
 
   Needs ``layout.extra['doc_lens']`` [B, Nd] int32 (``packing.packed_doc_lens``, the backend's
@@ -100,7 +100,7 @@ def packed_dp_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout
 
 
 def group_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *,
-                    softmax_scale: float, cp_size: int, kernel: str = "reference",
+                    softmax_scale: float, cp_size: int, kernel: str = "auto",
                     name: str = "cp"):
   """Context parallelism over groups of ``cp_size`` consecutive `data` ranks (``cp``, ``wlb``).
 

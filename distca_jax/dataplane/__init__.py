@@ -52,7 +52,7 @@ def _dispatch_jit(q, k, v, plan, *, spec, options, mesh):
 def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
                    tolerance: float = cost.DEFAULT_TOLERANCE,
                    capacity: Capacity | Mapping[str, int | None] | None = None,
-                   kernel: str = "reference", softmax_scale: float | None = None,
+                   kernel: str = "auto", softmax_scale: float | None = None,
                    memory_mode: str = "keep", min_shard: int | None = None,
                    data_axis: str = "data", head_axis: str | None = None,
                    return_lse: bool = False, return_plan: bool = False,

@@ -51,7 +51,7 @@ class DispatchOptions:
       stored as sorted ``(name, value)`` pairs.
     exchange: buckets, collective and signal-only (``exchange.ExchangeOptions``).
   """
-  kernel: str = "reference"
+  kernel: str = "auto"
   memory_mode: str = "keep"
   softmax_scale: float | None = None
   data_axis: str = "data"

@@ -54,9 +54,9 @@ def _close(a, b, atol=2e-5, rtol=1e-4):
 # ----------------------------------------------------------------------------------------------
 # Device correctness.
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("rows_per_rank", [1, 2])
-def test_packed_dp_equals_local_and_reference(rows_per_rank):
-  rng = np.random.default_rng()
+@pytest.mark.parametrize("rows_per_rank", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_packed_dp_equals_local_and_reference(seed, rows_per_rank):
+  rng = np.random.default_rng(seed)
   t, rows = 32, S * rows_per_rank
   doclens = [_rand_lens(rng, t, 12) for _ in range(rows)]
   seg, pos = layout_arrays(doclens, t)
@@ -141,9 +141,10 @@ def _check_group_backend(rng, name, pl: packing.Placement, backend_opts):
     _close(a, r, atol=5e-5)
 
 
-@pytest.mark.parametrize("cp_size,rows_per_rank", [(2, 1), (8, 1), (4, 2)])
-def test_cp_equals_reference(cp_size, rows_per_rank):
-  rng = np.random.default_rng()
+@pytest.mark.parametrize("cp_size,rows_per_rank", [
+    (2, 1), pytest.param(8, 1, marks=pytest.mark.slow), pytest.param(4, 2, marks=pytest.mark.slow)])
+def test_cp_equals_reference(seed, cp_size, rows_per_rank):
+  rng = np.random.default_rng(seed)
   t = 32
   lanes = S // cp_size * rows_per_rank
   # Documents up to the whole sequence: they cross chunks and ranks.
@@ -153,9 +154,11 @@ def test_cp_equals_reference(cp_size, rows_per_rank):
   _check_group_backend(rng, "cp", pl, dict(cp_size=cp_size))
 
 
-@pytest.mark.parametrize("cp_size,rows_per_rank,alpha", [(1, 1, 1.2), (2, 1, 1.0), (4, 2, 1.1)])
-def test_wlb_equals_reference(cp_size, rows_per_rank, alpha):
-  rng = np.random.default_rng()
+@pytest.mark.parametrize("cp_size,rows_per_rank,alpha", [
+    pytest.param(1, 1, 1.2, marks=pytest.mark.slow), (2, 1, 1.0),
+    pytest.param(4, 2, 1.1, marks=pytest.mark.slow)])
+def test_wlb_equals_reference(seed, cp_size, rows_per_rank, alpha):
+  rng = np.random.default_rng(seed)
   t = 32
   lens = _rand_lens(rng, S * rows_per_rank * t, 2 * t)
   pk = packing.wlb_pack(lens, S // cp_size * rows_per_rank, cp_size,
@@ -164,9 +167,9 @@ def test_wlb_equals_reference(cp_size, rows_per_rank, alpha):
   _check_group_backend(rng, "wlb", pl, dict(cp_size=cp_size, alpha=alpha, balance_len=24.0))
 
 
-def test_arrange_batch_feeds_the_backend_and_keeps_every_token():
+def test_arrange_batch_feeds_the_backend_and_keeps_every_token(seed):
   """Trainer batch -> arrange_batch -> the backend equals the reference on the natural rows."""
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(seed)
   t = 32
   doclens = [_rand_lens(rng, t, 20) for _ in range(S)]
   seg, pos = layout_arrays(doclens, t)
@@ -199,10 +202,10 @@ def test_arrange_batch_feeds_the_backend_and_keeps_every_token():
   assert bl.EXTRA_PREFIX == trainer.EXTRA_PREFIX
 
 
-def test_model_loss_and_grads_with_baselines_equal_local():
+@pytest.mark.slow
+def test_model_loss_and_grads_with_baselines_equal_local(seed):
   """The real model on a data=4 x tensor=2 mesh: packed_dp (trainer.add_host_plan), cp and wlb
   (host_arrange) give the dense reference backend's loss and parameter gradients."""
-  seed = int(np.random.default_rng().integers(1 << 30))
   c = config_lib.base_config()
   c.model.update(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
                  mlp_dim=64, dtype="float32", remat="none", loss_chunk=64)
@@ -246,8 +249,8 @@ def test_model_loss_and_grads_with_baselines_equal_local():
       np.testing.assert_allclose(a, r, rtol=2e-4, atol=2e-6)
 
 
-def test_unarranged_batch_and_bad_options_are_clear_errors():
-  rng = np.random.default_rng()
+def test_unarranged_batch_and_bad_options_are_clear_errors(seed):
+  rng = np.random.default_rng(seed)
   q, k, v, _ = _qkvw(rng, S, 16)
   layout = attn.Layout(jnp.ones((S, 16), jnp.int32), jnp.tile(jnp.arange(16), (S, 1)))
   with jax.set_mesh(_mesh()), pytest.raises(ValueError, match="arrange_batch"):
@@ -272,8 +275,8 @@ def test_unarranged_batch_and_bad_options_are_clear_errors():
 # ----------------------------------------------------------------------------------------------
 # Host planning.
 # ----------------------------------------------------------------------------------------------
-def test_wlb_pack_places_every_token_under_the_cap_longest_first():
-  rng = np.random.default_rng()
+def test_wlb_pack_places_every_token_under_the_cap_longest_first(seed):
+  rng = np.random.default_rng(seed)
   for _ in range(20):
     lanes, c, t = int(rng.integers(1, 9)), int(rng.choice([1, 2, 3, 4])), int(rng.integers(8, 200))
     alpha = float(rng.choice([1.0, 1.1, 1.5]))
@@ -344,8 +347,8 @@ def _total_pairs(lens):
   return int(plan_lib.pairs(0, np.asarray(lens, np.int64)).sum())
 
 
-def test_metrics_conserve_work_and_tokens():
-  rng = np.random.default_rng()
+def test_metrics_conserve_work_and_tokens(seed):
+  rng = np.random.default_rng(seed)
   dims = bl.ModelDims()
   t, s = 4096, 16
   sampler = WorkloadSampler("prolong", t, seed=int(rng.integers(1 << 20)))
@@ -382,7 +385,7 @@ def test_metrics_conserve_work_and_tokens():
       plan.bytes_kv)
 
 
-def test_rank_metrics_from_trainer_rows_and_model_dims():
+def test_rank_metrics_from_trainer_rows_and_model_dims(seed):
   path = os.path.join(os.path.dirname(__file__), "..", "configs", "llama3_8b_128k.py")
   spec = importlib.util.spec_from_file_location("cfg", path)
   mod = importlib.util.module_from_spec(spec)
@@ -390,7 +393,7 @@ def test_rank_metrics_from_trainer_rows_and_model_dims():
   dims = bl.ModelDims.from_model(config_lib.model_config(mod.get_config()))
   assert dims == bl.ModelDims()
   assert 50_000 < dims.balance_len < 62_000  # ~57K tokens for Llama-3-8B
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(seed)
   t = 2048
   rows = WorkloadSampler("pretrain", t, seed=int(rng.integers(1 << 20))).step_doclens(3, S)
   out = {name: bl.rank_metrics(name, rows, t, cp_size=2, alpha=1.2).summary(dims)

@@ -127,11 +127,11 @@ def _check(got, want, what):
                                err_msg=f"{what}: {n}")
 
 
-def test_outputs_and_grads_equal_per_document_attention_single_trace():
+@pytest.mark.slow
+def test_outputs_and_grads_equal_per_document_attention_single_trace(seed):
   mesh = _mesh()
   traces = []
   run = _make_run(mesh, SPEC, trace_counter=traces, exchange_buckets=8)  # memory_mode 'keep'
-  seed = int(np.random.default_rng().integers(1 << 30))
   rng = np.random.default_rng(seed)
   moves = split_docs = 0
   packed = []
@@ -155,9 +155,10 @@ def test_outputs_and_grads_equal_per_document_attention_single_trace():
   assert all(not np.array_equal(packed[0], p) for p in packed[1:])
 
 
-def test_notebook_entry_flat_and_per_rank_with_grads():
+@pytest.mark.slow
+def test_notebook_entry_flat_and_per_rank_with_grads(seed):
   mesh = _mesh()
-  rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+  rng = np.random.default_rng(seed)
   q, k, v, ct = _inputs(rng)
   sh = NamedSharding(mesh, P("data"))
   doc_lens = [40, 3 * T + 5, 77, 200, 9]  # flat, spanning ranks, padded tail
@@ -186,10 +187,10 @@ def test_notebook_entry_flat_and_per_rank_with_grads():
 _count_prims = dataplane.count_primitives  # structure of one execution (the package's)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["reference", "blockwise", "pallas"])
-def test_resend_equals_keep_and_resends_in_the_backward(kernel):
+def test_resend_equals_keep_and_resends_in_the_backward(seed, kernel):
   mesh = _mesh()
-  seed = int(np.random.default_rng().integers(1 << 30))
   rng = np.random.default_rng(seed)
   name, doc_lens, eps = _layouts(seed)[int(rng.integers(8))]
   hp = plan_lib.host_plan(doc_lens, SPEC, tolerance=float(eps))
@@ -218,13 +219,13 @@ def test_resend_equals_keep_and_resends_in_the_backward(kernel):
       assert counts[mode]["varlen_attention_dkv"] == 1, counts
 
 
-def test_rows_per_device_with_inner_padding_and_tensor_heads():
+@pytest.mark.slow
+def test_rows_per_device_with_inner_padding_and_tensor_heads(seed):
   """data=4 x tensor=2, two rows per device, rows padded inside a device's token range."""
   mesh = _mesh(data=4, tensor=2)
   rows, r = 8, 2
   spec = plan_lib.PlanSpec(num_servers=4, tokens_per_row=T, rows_per_device=r,
                            capacity=plan_lib.resolve_capacity(None, r * T, r))
-  seed = int(np.random.default_rng().integers(1 << 30))
   rng = np.random.default_rng(seed)
   # At most 3 documents of <= 42 tokens: a row never overflows its T = 128 tokens.
   per_row = [[int(x) for x in rng.integers(1, 43, size=int(rng.integers(0, 4)))]
@@ -253,10 +254,9 @@ def test_suggested_config_caps_fit_the_run_batches():
     assert plan.shape == (16, spec.width) and plan.dtype == np.int32
 
 
-def test_startup_caps_come_from_the_runs_batches_and_plan_every_later_batch():
+def test_startup_caps_come_from_the_runs_batches_and_plan_every_later_batch(seed):
   """Caps left at 0 are derived from the run's first batches (with headroom and floors); later
   batches of the same run still plan (a tighter need only degrades balance, never fails)."""
-  seed = int(np.random.default_rng().integers(1 << 30))
   c = _tiny_config("distca", 4, 1, seed, rows_per_rank=4, nano_batches=2)
   c.attention.distca.caps_from_batches = 6
   c.attention.distca.kv_slot = 96  # set by the user: kept
@@ -355,14 +355,14 @@ def _grad_fn(c, mesh, backend, traces=None):
   return jax.jit(jax.value_and_grad(f))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data,tensor,rows_per_rank,nano_batches", [(8, 1, 1, 1), (2, 2, 4, 2)])
-def test_train_loss_and_grads_distca_equal_local(data, tensor, rows_per_rank, nano_batches):
+def test_train_loss_and_grads_distca_equal_local(seed, data, tensor, rows_per_rank, nano_batches):
   """Two batches per mesh: equal loss and gradients, and one trace of the distca step.
 
   data=8 exchanges with one all_to_all; data=2 x tensor=2 with one ppermute round (the 'auto'
   collective) and runs ping-pong (two nano-batches of two rows per rank, each planned apart).
   """
-  seed = int(np.random.default_rng().integers(1 << 30))
   c_local = _tiny_config("local", data, tensor, seed, rows_per_rank, nano_batches)
   c_cad = _tiny_config("distca", data, tensor, seed, rows_per_rank, nano_batches)
   mesh = shard_lib.make_mesh(data=data, tensor=tensor, devices=jax.devices()[:data * tensor])
@@ -393,9 +393,10 @@ def test_train_loss_and_grads_distca_equal_local(data, tensor, rows_per_rank, na
   assert len(traces) == 1
 
 
-def test_train_and_evaluate_with_distca_compiles_once(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_train_and_evaluate_with_distca_compiles_once(seed, tmp_path, monkeypatch):
   """The real job (Prefetcher -> host_prepare -> jitted step) over different batches, one trace."""
-  c = _tiny_config("distca", 8, 1, int(np.random.default_rng().integers(1 << 30)))
+  c = _tiny_config("distca", 8, 1, seed)
   c.rows_per_rank = 2  # 16 rows: two per device
   c.num_steps, c.log_every, c.checkpoint_every, c.tensorboard = 3, 1, 0, False
   c.optim.warmup_steps = 1
@@ -407,12 +408,12 @@ def test_train_and_evaluate_with_distca_compiles_once(tmp_path, monkeypatch):
   assert all(np.isfinite(r["loss"]) and r["loss"] > 1.0 for r in records)
 
 
-def test_config_min_gain_gates_plans_with_the_model_weight():
+def test_config_min_gain_gates_plans_with_the_model_weight(seed):
   """attention.distca.min_gain reaches every plan with the model's linear work per token: a
   batch whose predicted step gain is below it moves nothing; min_gain 0 balances it."""
   from distca_jax import config as config_lib
   from distca_jax import metrics
-  c = _tiny_config("distca", 4, 1, int(np.random.default_rng().integers(1 << 30)))
+  c = _tiny_config("distca", 4, 1, seed)
   lin = metrics.linear_pairs_per_token(config_lib.model_config(c))
   src = make_source(c.data, rows=4 * c.rows_per_rank, tokens_per_row=c.tokens_per_rank,
                     vocab_size=c.model.vocab_size, seed=c.seed)
@@ -484,10 +485,13 @@ def _a2a_widths(jaxpr, out=None, prim="all_to_all"):
 
 
 @pytest.mark.parametrize("buckets,modes,collective", [
-    (1, ("keep", "resend"), "all_to_all"), (4, ("keep", "resend"), "all_to_all"),
-    (8, ("resend",), "all_to_all"), (8, ("keep",), "ppermute"), (1, ("resend",), "ppermute"),
-    (4, ("keep",), "ppermute")])
-def test_bucketed_exchange_equals_reference_both_memory_modes_single_trace(buckets, modes,
+    (1, ("keep", "resend"), "all_to_all"),
+    pytest.param(4, ("keep", "resend"), "all_to_all", marks=pytest.mark.slow),
+    pytest.param(8, ("resend",), "all_to_all", marks=pytest.mark.slow),
+    pytest.param(8, ("keep",), "ppermute", marks=pytest.mark.slow),
+    pytest.param(1, ("resend",), "ppermute", marks=pytest.mark.slow),
+    pytest.param(4, ("keep",), "ppermute", marks=pytest.mark.slow)])
+def test_bucketed_exchange_equals_reference_both_memory_modes_single_trace(seed, buckets, modes,
                                                                             collective):
   """Outputs and grads per bucket count, memory mode and collective; one trace across buckets.
 
@@ -495,7 +499,6 @@ def test_bucketed_exchange_equals_reference_both_memory_modes_single_trace(bucke
   it on 8 layouts.)
   """
   mesh = _mesh()
-  seed = int(np.random.default_rng().integers(1 << 30))
   rng = np.random.default_rng(seed)
   traces = {m: [] for m in modes}
   runs = {m: _make_run(mesh, SPEC, trace_counter=traces[m], memory_mode=m,
@@ -528,7 +531,7 @@ def test_bucketed_exchange_equals_reference_both_memory_modes_single_trace(bucke
     assert set(chosen) == {0}
 
 
-def test_bucket_sizes_shrink_the_all_to_all_and_moved_bytes():
+def test_bucket_sizes_shrink_the_all_to_all_and_moved_bytes(seed):
   buckets = plan_lib.exchange_bucket_rows(CAP, 8)
   # An empty bucket first (a plan that moves nothing), then fractions of q_slot 64, kv_slot 128.
   assert buckets == ((0, 0),) + tuple((8 * i, 16 * i) for i in range(1, 9))
@@ -575,7 +578,6 @@ def test_bucket_sizes_shrink_the_all_to_all_and_moved_bytes():
   assert by["dispatch_useful"] == 0 and by["dispatch_moved"] == 0 and by["return_moved"] == 0
   by1 = plan_lib.exchange_bytes(light.meta, exchange_buckets=1, **bm)
   assert by1["dispatch_moved"] == by1["dispatch_padded"]
-  seed = int(np.random.default_rng().integers(1 << 30))
   heavy = _bucket_layouts(seed)[1][1]
   plan = plan_lib.schedule(heavy, S, tokens_per_rank=T, tolerance=0.0,
                            min_shard=plan_lib.auto_min_shard(T))
@@ -601,8 +603,7 @@ def test_part_bucket_rows_size_the_return_buckets():
   assert plan_lib.return_bucket_rows(CAP, 8) == plan_lib.part_bucket_rows(CAP.q_slot, 8)
 
 
-def test_plan_packs_exchange_rows_and_rejects_slots_not_packed_at_the_front():
-  seed = int(np.random.default_rng().integers(1 << 30))
+def test_plan_packs_exchange_rows_and_rejects_slots_not_packed_at_the_front(seed):
   hp = plan_lib.host_plan(_bucket_layouts(seed)[1][1], SPEC, tolerance=0.0)
   rows = [SPEC.unpack_local(jnp.asarray(hp.packed[p:p + 1]))["exchange_rows"] for p in range(S)]
   want = plan_lib.exchange_rows(hp.meta)
@@ -632,9 +633,9 @@ def test_plan_packs_exchange_rows_and_rejects_slots_not_packed_at_the_front():
       SPEC.pack(dataclasses.replace(hp.meta, **{name: idx}))
 
 
-def test_signal_only_keeps_shapes_moves_one_row_and_is_wrong_by_design():
+@pytest.mark.slow
+def test_signal_only_keeps_shapes_moves_one_row_and_is_wrong_by_design(seed):
   mesh = _mesh()
-  seed = int(np.random.default_rng().integers(1 << 30))
   rng = np.random.default_rng(seed)
   _, doc_lens, _ = _bucket_layouts(seed)[1]
   hp = plan_lib.host_plan(doc_lens, SPEC, tolerance=0.0)
@@ -700,11 +701,11 @@ def test_exchange_options_reach_dispatch_and_bad_values_name_the_fix(monkeypatch
     plan_lib.exchange_bucket_rows(CAP, 0)
 
 
-def test_remat_policies_equal_and_save_attention_never_reruns_the_kernel_or_exchange():
+@pytest.mark.slow
+def test_remat_policies_equal_and_save_attention_never_reruns_the_kernel_or_exchange(seed):
   """Remat policies give the same loss and gradients as 'none' (distca, 2 servers, keep and
   resend); in the jaxpr of value_and_grad, 'save_attention' runs the kernel's forward and CAD's
   collectives as often as 'none' does (no recompute), while 'full' reruns both."""
-  seed = int(np.random.default_rng().integers(1 << 30))
   data = 2
   mesh = shard_lib.make_mesh(data=data, tensor=1, devices=jax.devices()[:data])
   step = int(np.random.default_rng(seed).integers(1000))
@@ -755,10 +756,9 @@ def test_remat_policies_equal_and_save_attention_never_reruns_the_kernel_or_exch
   assert perm["resend", "save_attention"] == perm["resend", "none"] == 5, perm
 
 
-def test_row_copies_as_words_are_bit_exact_and_differentiate_like_take():
+def test_row_copies_as_words_are_bit_exact_and_differentiate_like_take(seed):
   """``_take`` / ``_take_two`` copy rows as 32-bit words: every dtype, row shape and fill (the
   LSE's -inf) comes out bit for bit as ``jnp.take`` gives it, and the gradients match."""
-  seed = int(np.random.default_rng().integers(1 << 30))
   rng = np.random.default_rng(seed)
   for dtype in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.int8):
     for shape in ((50, 4, 16), (50, 3), (50, 3, 5), (50,)):

@@ -224,6 +224,7 @@ def load(case: Case, **overrides):
 # ----------------------------------------------------------------------------------------------
 # Parity with transformers
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("name,scan_layers", [(n, True) for n in CASES] + [("mha_untied", False)])
 def test_logits_equal_transformers(cases, name, scan_layers):
   """Single-document rows and a packed row (per document vs HF on that document alone)."""
@@ -236,6 +237,7 @@ def test_logits_equal_transformers(cases, name, scan_layers):
     assert_close(logits[2, sl], case.ref[f"doc{j}"][0], f"{name} packed document {j}")
 
 
+@pytest.mark.slow
 def test_llama3_scaling_is_exercised(cases):
   """The scaled checkpoints would fail parity without the scaling: the tolerance has teeth."""
   for name in ("gqa_tied_llama3", "mqa_headdim_llama3_bf16_sharded"):
@@ -248,6 +250,7 @@ def test_llama3_scaling_is_exercised(cases):
     assert err > 100 * tolerance(case.ref["single"]), f"{name}: unscaled RoPE agrees with HF ({err=}); scaling untested"
 
 
+@pytest.mark.slow
 def test_perturbing_one_document_leaves_the_others_unchanged(cases):
   case = cases["gqa_tied_llama3"]
   cfg, params = load(case)
@@ -275,6 +278,7 @@ def test_perturbing_one_document_leaves_the_others_unchanged(cases):
 # ----------------------------------------------------------------------------------------------
 # Importer: tree, shards, bf16, placement
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_params_tree_matches_model_init(cases, scan_layers):
   case = cases["gqa_tied_llama3"]
@@ -288,6 +292,7 @@ def test_params_tree_matches_model_init(cases, scan_layers):
   assert all(isinstance(a, np.ndarray) for a in jax.tree.leaves(params))
 
 
+@pytest.mark.slow
 def test_layout_transposes(cases):
   """Spot-check the mapping against the HF tensors directly (layer 1, scan layout)."""
   case = cases["mqa_headdim_llama3_bf16_sharded"]
@@ -306,6 +311,7 @@ def test_layout_transposes(cases):
   np.testing.assert_array_equal(p["final_norm"]["scale"], w["model.norm.weight"])
 
 
+@pytest.mark.slow
 def test_sharded_and_bf16_checkpoints_read_exactly(cases, tmp_path):
   """One file vs three shards + index, f32 vs bf16 storage: same arrays, bit for bit."""
   case = cases["mqa_headdim_llama3_bf16_sharded"]  # weights already bf16-representable

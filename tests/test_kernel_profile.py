@@ -201,6 +201,7 @@ def tiny(tmp_path_factory):
     return out, json.load(f)
 
 
+@pytest.mark.slow
 def test_tiny_entries_have_kernel_rows_and_times(tiny):
   out, result = tiny
   names = kp.TINY["workloads"].split(",")
@@ -225,6 +226,7 @@ def test_tiny_entries_have_kernel_rows_and_times(tiny):
     assert e["flops_bwd"] == pytest.approx(2.5 * e["flops_fwd"]) and e["flops_fwd"] > 0
 
 
+@pytest.mark.slow
 def test_tiny_launch_config_is_the_kernels_tiling(tiny):
   from custom_ops import varlen_attention as va  # pylint: disable=import-outside-toplevel
   _, result = tiny
@@ -252,6 +254,7 @@ def test_tiny_launch_config_is_the_kernels_tiling(tiny):
           e["flops_fwd"] * (nb * (nb + 1) / 2 * blk * blk) / (256 * 257 / 2))
 
 
+@pytest.mark.slow
 def test_tiny_gap_table_and_markdown(tiny):
   out, result = tiny
   gap = result["gap"]

@@ -1,4 +1,4 @@
-"""Mosaic GPU core attention (custom_ops/mosaic_attention.py).
+"""Mosaic GPU core attention (custom_ops/mosaic_attention.py and its kernel and work-list modules).
 
 On CPU: the aligned layout round-trips rows, and the work lists cover exactly the visible (query,
 key) pairs of random task tables (every visible pair in a visited tile, every unmasked tile fully
@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from custom_ops import mosaic_attention as ma
+from custom_ops import mosaic_worklists as mw
 
 ON_HOPPER = jax.default_backend() == "gpu" and any(
     name in jax.devices()[0].device_kind for name in ("H100", "H200", "H800", "H20"))
@@ -55,11 +56,11 @@ def test_aligned_layout_round_trips(seed):
   rng = np.random.default_rng(seed)
   cu, _ = random_table(rng, 6, 150)
   total = int(cu[-1]) + int(rng.integers(0, 9))
-  lay = ma.aligned_layout(jnp.asarray(cu), total, 128)
+  lay = mw.aligned_layout(jnp.asarray(cu), total, 128)
   x = jnp.asarray(rng.standard_normal((total, 3)), jnp.float32)
-  xp = ma._gather_rows(x, lay.src_P)
-  assert xp.shape[0] == ma.padded_rows(total, 6, 128)
-  back = np.asarray(ma._gather_rows(xp, lay.dst_T))
+  xp = mw.gather_rows(x, lay.src_P)
+  assert xp.shape[0] == mw.padded_rows(total, 6, 128)
+  back = np.asarray(mw.gather_rows(xp, lay.dst_T))
   inside = (np.arange(total) >= cu[0]) & (np.arange(total) < cu[-1])
   np.testing.assert_array_equal(back[inside], np.asarray(x)[inside], err_msg=f"{seed=}")
   assert (back[~inside] == 0).all(), f"{seed=}"
@@ -82,21 +83,21 @@ def test_q_tile_table_covers_exactly_the_visible_pairs(seed, block_kv):
   bs = ma.BlockSizes()
   cu_q, cu_k = random_table(rng, 7, 300)
   total_q, total_k = int(cu_q[-1]) + 3, int(cu_k[-1]) + 5
-  lay_q = ma.aligned_layout(jnp.asarray(cu_q), total_q, bs.align_q)
-  table = np.asarray(ma.q_tile_table(jnp.asarray(cu_q), jnp.asarray(cu_k), lay_q, total_q, bs,
+  lay_q = mw.aligned_layout(jnp.asarray(cu_q), total_q, bs.align_q)
+  table = np.asarray(mw.q_tile_table(jnp.asarray(cu_q), jnp.asarray(cu_k), lay_q, total_q, bs,
                                      block_kv))
-  edges, edge_rows = (np.asarray(x) for x in ma.kv_edges(jnp.asarray(cu_k), total_k,
+  edges, edge_rows = (np.asarray(x) for x in mw.kv_edges(jnp.asarray(cu_k), total_k,
                                                          bs.edge_block))
   lo, hi, hb8, tb8 = edges
   start_q = np.asarray(lay_q.start_N)
   covered = [np.zeros((b - a, d - c), int) for a, b, c, d in
              zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])]
   for col in table.T:
-    kb, shift, lk = col[ma.QT_KB8] * 8, col[ma.QT_SHIFT], col[ma.QT_LK]
+    kb, shift, lk = col[mw.QT_KB8] * 8, col[mw.QT_SHIFT], col[mw.QT_LK]
     for w in range(2):
-      row0 = col[ma.QT_Q_TILE] * bs.align_q + w * bs.block_q
-      n_full, n_kv = col[ma.QT_NFULL + w], col[ma.QT_NKV + w]
-      assert 0 <= n_kv <= col[ma.QT_NMAX], f"{seed=} {col=}"
+      row0 = col[mw.QT_Q_TILE] * bs.align_q + w * bs.block_q
+      n_full, n_kv = col[mw.QT_NFULL + w], col[mw.QT_NKV + w]
+      assert 0 <= n_kv <= col[mw.QT_NMAX], f"{seed=} {col=}"
       if n_kv == 0:
         continue
       task = int(np.searchsorted(start_q, row0, side="right") - 1)
@@ -136,18 +137,18 @@ def test_kv_tile_table_covers_exactly_the_visible_pairs(seed):
   bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
   cu_q, cu_k = random_table(rng, 7, 300)
   total_q, total_k = int(cu_q[-1]) + 2, int(cu_k[-1]) + 7
-  lay_q = ma.aligned_layout(jnp.asarray(cu_q), total_q, bs.align_q)
-  lay_k = ma.aligned_layout(jnp.asarray(cu_k), total_k, bs.align_k)
-  table = np.asarray(ma.kv_tile_table(jnp.asarray(cu_q), jnp.asarray(cu_k), lay_q, lay_k,
+  lay_q = mw.aligned_layout(jnp.asarray(cu_q), total_q, bs.align_q)
+  lay_k = mw.aligned_layout(jnp.asarray(cu_k), total_k, bs.align_k)
+  table = np.asarray(mw.kv_tile_table(jnp.asarray(cu_q), jnp.asarray(cu_k), lay_q, lay_k,
                                       total_k, bs))
   start_q, start_k = np.asarray(lay_q.start_N), np.asarray(lay_k.start_N)
   covered = [np.zeros((b - a, d - c), int) for a, b, c, d in
              zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])]
   for col in table.T:
-    k_row, q_row = col[ma.KT_K_ROW] * bs.align_k, col[ma.KT_Q_ROW] * bs.align_q
-    n_q, qa = col[ma.KT_NQ], col[ma.KT_QA]
+    k_row, q_row = col[mw.KT_K_ROW] * bs.align_k, col[mw.KT_Q_ROW] * bs.align_q
+    n_q, qa = col[mw.KT_NQ], col[mw.KT_QA]
     for w in range(2):
-      qa_w, qf_w, moff = col[ma.KT_QA_W + w], col[ma.KT_QF_W + w], col[ma.KT_MOFF_W + w]
+      qa_w, qf_w, moff = col[mw.KT_QA_W + w], col[mw.KT_QF_W + w], col[mw.KT_MOFF_W + w]
       assert qa <= qa_w <= qf_w <= n_q, f"{seed=} {col=}"
       if qa_w == n_q:
         continue
@@ -181,10 +182,10 @@ def test_kv_tile_table_in_place_covers_pairs_and_stores_every_row_once(seed):
   bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
   cu_q, cu_k = random_table(rng, 7, 300)
   total_q, total_k = int(cu_q[-1]) + 2, int(cu_k[-1]) + int(rng.integers(0, 200))
-  lay_q = ma.aligned_layout(jnp.asarray(cu_q), total_q, bs.align_q)
-  table = np.asarray(ma.kv_tile_table_in_place(jnp.asarray(cu_q), jnp.asarray(cu_k), lay_q,
+  lay_q = mw.aligned_layout(jnp.asarray(cu_q), total_q, bs.align_q)
+  table = np.asarray(mw.kv_tile_table_in_place(jnp.asarray(cu_q), jnp.asarray(cu_k), lay_q,
                                                total_k, bs))
-  edges, edge_rows = (np.asarray(x) for x in ma.kv_edges(jnp.asarray(cu_k), total_k,
+  edges, edge_rows = (np.asarray(x) for x in mw.kv_edges(jnp.asarray(cu_k), total_k,
                                                          bs.edge_block))
   lo, hi, hb8, tb8 = edges
   start_q = np.asarray(lay_q.start_N)
@@ -192,10 +193,10 @@ def test_kv_tile_table_in_place_covers_pairs_and_stores_every_row_once(seed):
   covered = [np.zeros((b - a, d - c), int) for a, b, c, d in
              zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])]
   for col in table.T:
-    n_q, qa = col[ma.KT_NQ], col[ma.KT_QA]
+    n_q, qa = col[mw.KT_NQ], col[mw.KT_QA]
     for w in range(2):
-      row0 = col[ma.KT_K_ROW] * 8 + w * bkd
-      va, vn = col[ma.KT_VA_W + w], col[ma.KT_VN_W + w]
+      row0 = col[mw.KT_K_ROW] * 8 + w * bkd
+      va, vn = col[mw.KT_VA_W + w], col[mw.KT_VN_W + w]
       assert 0 <= va and va + vn <= bkd, f"{seed=} {col=}"
       stored[row0 + va:row0 + va + vn] += 1
       if n_q > qa:  # the kernel reads this block's K/V rows
@@ -205,13 +206,13 @@ def test_kv_tile_table_in_place_covers_pairs_and_stores_every_row_once(seed):
           want = np.arange(row0, row0 + bkd)
           np.testing.assert_array_equal(
               edge_rows[e:e + bkd], np.where((want >= lo) & (want < hi), want, total_k))
-      qa_w, qf_w, moff = col[ma.KT_QA_W + w], col[ma.KT_QF_W + w], col[ma.KT_MOFF_W + w]
+      qa_w, qf_w, moff = col[mw.KT_QA_W + w], col[mw.KT_QF_W + w], col[mw.KT_MOFF_W + w]
       assert qa <= qa_w <= qf_w <= n_q, f"{seed=} {col=}"
       if qa_w == n_q:
         continue
       task = int(np.searchsorted(cu_k[1:], row0 + va, side="right"))
       lq, lk = cu_q[task + 1] - cu_q[task], cu_k[task + 1] - cu_k[task]
-      assert col[ma.KT_Q_ROW] * bs.align_q == start_q[task] and n_q == -(-lq // bqd), f"{seed=}"
+      assert col[mw.KT_Q_ROW] * bs.align_q == start_q[task] and n_q == -(-lq // bqd), f"{seed=}"
       keys = row0 + np.arange(bkd) - cu_k[task]  # local key index of each row of the block
       ok = (keys >= 0) & (keys < lk)
       vis = _visible(lq, lk)

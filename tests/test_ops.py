@@ -610,7 +610,8 @@ class FA3Emulator:
     return dq, dk, dv
 
 
-@pytest.mark.parametrize("seed", [11, 12, 13, 14])
+@pytest.mark.parametrize("seed", [11] + [pytest.param(s, marks=pytest.mark.slow)
+                                  for s in (12, 13, 14)])
 def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
   """The flash3 path (bucketed launch shapes, padding masked instead of computed) on an emulator
   of FA3's contract: outputs, LSE and dQ/dK/dV equal the reference kernel's on random tables with
@@ -681,13 +682,13 @@ def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
   assert np.isnan(np.asarray(jax.jit(short)(q, k, v)[0])).all()
 
 
-def test_flash3_remat_keeps_o_and_compact_lse_not_the_raw_buffer():
+def test_flash3_remat_keeps_o_and_compact_lse_not_the_raw_buffer(seed):
   """Under the remat policies that keep attention ('save_attention', 'resend'), the flash3 path
   saves O and the [H, T] log-sum-exp it cuts out of FA3's [slots, H, max_seqlen_q] buffer; never
   that buffer (8.7 GB per layer for 260 slots of a 64K row); gradients unchanged."""
   from distca_jax import model
 
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(seed)
   t, h, kh, d, slots = 96, 4, 2, 16, 8
   lens = rng.multinomial(t - 8, np.ones(3) / 3)
   cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens), np.full(slots - 3, lens.sum())]),

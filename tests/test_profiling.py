@@ -309,6 +309,7 @@ def test_capture_on_cpu_traces_the_ops_that_ran(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Training integration
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_training_with_profile_step_writes_reports(tmp_path, capsys):
   # Step 0 compiles, step 1 gives a step time, step 2 is profiled, step 3 is timed again.
   base = {"mesh.data": 4, "mesh.tensor": 2, "num_steps": 4, "log_every": 1, "checkpoint_every": 0,

@@ -424,7 +424,6 @@ def test_predicted_step_gain_by_hand():
   assert plan_lib.predicted_step_gain([0, 0], 100, 0.0) == 0.0
 
 
-@pytest.mark.parametrize("seed", [int(np.random.default_rng().integers(1 << 30))])
 def test_gate_moves_nothing_below_min_gain_and_balances_above(seed):
   """The gate compares the layout's predicted step gain with min_gain: below it the plan is
   every row where it lives (gated, not degraded); at or above it, the same balance as without

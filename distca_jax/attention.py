@@ -21,6 +21,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from distca_jax.errors import UserError
+
 _NEG = -1e30  # finite "minus infinity": keeps fully masked rows NaN-free.
 
 
@@ -309,6 +311,6 @@ def get_backend(name: str, **options) -> Backend:
     importlib.import_module(_LAZY_MODULES[name])
   if name not in _BACKENDS:
     known = sorted(set(_BACKENDS) | set(_LAZY_MODULES))
-    raise ValueError(f"unknown core-attention backend {name!r}; available: {known}. "
-                     "Set config.attention.backend to one of them.")
+    raise UserError(f"unknown core-attention backend {name!r}; available: {known}. "
+                    "Set config.attention.backend to one of them.")
   return _BACKENDS[name](**options)

@@ -93,7 +93,7 @@ def explain_does_not_fit(c: ml_collections.ConfigDict, err: memory.DoesNotFit,
     try:
       _, info = compile_train_step(_variant(c, over), devices=devices)
       need = info.get("total_per_device_bytes")
-      parts.append(f"{label} needs {need / memory.GIB:.2f} GiB"
+      parts.append(f"{label} needs {memory.format_bytes(need)}"
                    + (" (fits)" if need <= err.capacity else ""))
     except Exception as e:  # pylint: disable=broad-except  # report the knob, keep the others
       parts.append(f"{label}: does not compile ({type(e).__name__})")

@@ -34,6 +34,11 @@ def memory_fields(compiled) -> dict[str, int]:
   return out
 
 
+def format_bytes(n: int) -> str:
+  """GiB to two decimals, or MiB below 1 GiB."""
+  return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / (1 << 20):.2f} MiB"
+
+
 class DoesNotFit(UserError):
   """The train step needs more memory per device than the device has."""
 
@@ -43,11 +48,11 @@ class DoesNotFit(UserError):
     super().__init__(self._line())
 
   def _line(self) -> str:
-    need = "an unknown amount" if self.need is None else f"{self.need / GIB:.2f} GiB"
+    need = "an unknown amount" if self.need is None else format_bytes(self.need)
     what = (f"ran out of device memory ({self.at_run_time})" if self.at_run_time
             else "does not fit in device memory")
     return (f"the train step {what}: it needs {need} per device (XLA's buffer assignment) and the "
-            f"device has {self.capacity / GIB:.2f} GiB (bytes_limit)"
+            f"device has {format_bytes(self.capacity)} (bytes_limit)"
             + (f"; {self.knobs}" if self.knobs else
                "; lower model.remat, raise mesh.tensor or lower tokens_per_rank"))
 

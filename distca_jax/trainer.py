@@ -387,7 +387,9 @@ def _train(c, workdir, log, closers, device_memory_bytes) -> list[dict]:
       with mesh_context(mesh):
         step_fn = jit_train_step(c, model, tx, mesh, state_sh, tuple(np_batch))
         # Pre-flight: compile once ahead of the call and stop if the step cannot fit.
-        step_fn = step_fn.lower(state, device_batch(np_batch, mesh)).compile()
+        batch_shapes = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rows_sharding(mesh))
+                        for k, a in np_batch.items()}
+        step_fn = step_fn.lower(state, batch_shapes).compile()
       memory_need = memory_lib.check_fits(step_fn, mesh.devices.flat[0], device_memory_bytes)
     profiled = step == c.profile_step
     with mesh_context(mesh):

@@ -140,6 +140,7 @@ class CheckpointManager:
     self._saving_step = None
     self.last_good_step: int | None = None  # newest step restored and verified, or saved here
     slow = os.environ.get(SLOW_COMMIT_ENV)
+    self._slow_commit = bool(slow)
     async_options = None
     if slow:  # test hook: runs after every item is written, before the directory is renamed
       slow_step, seconds = (int(v) for v in slow.split(":"))
@@ -170,6 +171,8 @@ class CheckpointManager:
           f"not saving step {step}: {', '.join(record['nonfinite'][:4])} "
           f"{'is' if len(record['nonfinite']) == 1 else 'are'} not finite (the run diverged); "
           f"{good}; lower optim.lr or raise optim.warmup_steps and resume from it")
+    if self._slow_commit:  # test hook: the commit callback reads _saving_step, so no save of
+      self._manager.wait_until_finished()  # another step may be in flight when it changes
     self._saving_step = step
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), run=ocp.args.JsonSave(self._record),

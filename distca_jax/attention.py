@@ -20,6 +20,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+
 _NEG = -1e30  # finite "minus infinity": keeps fully masked rows NaN-free.
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ml_collections
 
 from distca_jax.plan import cost
+from distca_jax.errors import UserError
 from distca_jax.model import ModelConfig
 
 
@@ -124,6 +125,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.peak_tflops = 0.0             # per-device peak for MFU; 0 = look up by device kind (H100/H200:
                                   # 989 dense bf16), unknown devices report no MFU
   c.tensorboard = True            # write TensorBoard event files under WORKDIR/tb
+  c.train = ml_collections.ConfigDict()
+  c.train.max_bad_steps = 3       # stop after this many consecutive steps whose loss or gradient
+                                  # norm was not finite (each is skipped: no update is applied)
   c.profile_step = -1             # -1: off. N: profile step N (0-based; N = 0 also traces the
                                   # compilation on the host) into WORKDIR/profile, write
                                   # report.json / report.md there (distca_jax.profiling: per-rank
@@ -134,27 +138,33 @@ def base_config() -> ml_collections.ConfigDict:
 
 def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
   """The typed, validated model config of a run config."""
-  return ModelConfig(**c.model.to_dict())
+  try:
+    return ModelConfig(**c.model.to_dict())
+  except ValueError as e:  # ModelConfig names the field and the fix
+    raise UserError(f"config.model: {e}") from e
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
   """Errors for values that would fail late (or silently) inside a run."""
   if c.tokens_per_rank <= 0:
-    raise ValueError(f"tokens_per_rank={c.tokens_per_rank} must be positive")
+    raise UserError(f"tokens_per_rank={c.tokens_per_rank} must be positive")
   if c.rows_per_rank <= 0:
-    raise ValueError(f"rows_per_rank={c.rows_per_rank} must be positive")
+    raise UserError(f"rows_per_rank={c.rows_per_rank} must be positive")
   if c.num_steps <= 0:
-    raise ValueError(f"num_steps={c.num_steps} must be positive")
+    raise UserError(f"num_steps={c.num_steps} must be positive")
   if c.optim.warmup_steps < 0 or c.optim.warmup_steps > c.num_steps:
-    raise ValueError(f"optim.warmup_steps={c.optim.warmup_steps} must be in [0, num_steps="
-                     f"{c.num_steps}]")
+    raise UserError(f"optim.warmup_steps={c.optim.warmup_steps} must be in [0, num_steps="
+                    f"{c.num_steps}]")
   if c.attention.nano_batches not in (1, 2):
-    raise ValueError(f"attention.nano_batches={c.attention.nano_batches}; use 1 (single stream) "
-                     "or 2 (ping-pong)")
+    raise UserError(f"attention.nano_batches={c.attention.nano_batches}; use 1 (single stream) "
+                    "or 2 (ping-pong)")
   if c.profile_step != -1 and not 0 <= c.profile_step < c.num_steps:
-    raise ValueError(f"profile_step={c.profile_step} must be -1 (off) or a step in [0, num_steps="
-                     f"{c.num_steps})")
+    raise UserError(f"profile_step={c.profile_step} must be -1 (off) or a step in [0, num_steps="
+                    f"{c.num_steps})")
   if c.rows_per_rank % c.attention.nano_batches:
-    raise ValueError(f"rows_per_rank={c.rows_per_rank} must be a multiple of attention."
-                     f"nano_batches={c.attention.nano_batches} (each nano-batch is whole rows)")
+    raise UserError(f"rows_per_rank={c.rows_per_rank} must be a multiple of attention."
+                    f"nano_batches={c.attention.nano_batches} (each nano-batch is whole rows)")
+  if c.train.max_bad_steps < 1:
+    raise UserError(f"train.max_bad_steps={c.train.max_bad_steps} must be >= 1 (consecutive "
+                    "skipped steps before the run stops)")
   model_config(c)

@@ -60,5 +60,18 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, multihost: bool = Fa
   import jax
   if multihost:
     jax.distributed.initialize()
-  from distca_jax import trainer
-  return trainer.train_and_evaluate(config, workdir)
+  from distca_jax import memory, trainer
+  try:
+    return trainer.train_and_evaluate(config, workdir, device_memory_bytes=_injected_capacity())
+  except memory.DoesNotFit as e:  # add what each knob would need (compiles variants: slow path)
+    from distca_jax import aot
+    raise aot.explain_does_not_fit(config, e) from e.__cause__
+
+
+# Test hook: pretend each device has this many bytes (the memory pre-flight on CPUs).
+DEVICE_MEMORY_ENV = "DISTCA_TEST_DEVICE_MEMORY_BYTES"
+
+
+def _injected_capacity() -> int | None:
+  value = os.environ.get(DEVICE_MEMORY_ENV)
+  return int(value) if value else None

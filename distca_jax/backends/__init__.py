@@ -26,6 +26,7 @@ import types
 import ml_collections
 
 from distca_jax import attention as attn_lib
+from distca_jax.errors import UserError
 from distca_jax.backends import cp, distca, local, packed_dp, reference, wlb
 
 BACKENDS: dict[str, types.ModuleType] = {
@@ -37,7 +38,7 @@ BACKENDS: dict[str, types.ModuleType] = {
 def module(name: str) -> types.ModuleType:
   """The backend module of ``name``."""
   if name not in BACKENDS:
-    raise ValueError(f"unknown core-attention backend {name!r}; available: {sorted(BACKENDS)}. "
+    raise UserError(f"unknown core-attention backend {name!r}; available: {sorted(BACKENDS)}. "
                      "Set config.attention.backend to one of them.")
   return BACKENDS[name]
 

@@ -45,7 +45,7 @@ Modules: this one (input checks, custom_vjp over the packed buffers, public entr
 ``custom_ops/mosaic_kernels.py`` (the three Pallas kernels and their calls).
 
 Measured against FlashAttention-3 on one H200: custom_ops/MOSAIC_NOTES.md and
-results/kernel_bench_mosaic.md.
+results/kernel_bench.md.
 """
 
 from __future__ import annotations

@@ -194,7 +194,7 @@ def flash3_grid_buckets(num_tasks: int, num_q_rows: int, max_seqlen_q: int, max_
   ...``) times ``levels`` bounds (``L, L/2, ...``, multiples of 128), and each call runs the
   cheapest shape that holds its table (``flash3_bucket``): trailing empty slots are cut off and
   the bounds drop to the smallest ladder step above the longest task. Measured on an H200
-  (results/flash3_grid_bench.md): the backward of a ProLong server's 24 tasks in 64 slots with
+  (results/micro/flash3_grid_bench.md): the backward of a ProLong server's 24 tasks in 64 slots with
   bound 64K took 32.7 ms, 23.4 ms with 24 slots and bound 10K. The forward always runs the last
   (full) shape: FA3's forward skips empty tiles (its time did not move with the shape), and one
   forward shape keeps a single LSE buffer shape, so remat policies that save the kernel's

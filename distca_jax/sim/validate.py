@@ -5,7 +5,7 @@ Cases (files under results/):
 * end-to-end steps (``experiments/e2e_bench.py`` JSONs): the very batches the run timed are
   re-sampled (same workload, seed 0, rows, steps) and simulated with the run's strategy, layers
   and GPU count; the measured value is the mean step (tokens / tokens/s over the timed steps);
-* kernel: the FA3 fwd+bwd of real task tables (``flash3_grid_bench.json``, launch buckets) vs the
+* kernel: the FA3 fwd+bwd of real task tables (``micro/flash3_grid_bench.json``, launch buckets) vs the
   cost table on the same tasks (the own-documents tables fit the time of tasks below the table's
   grid, the CAD tables are held out);
 * exchange: all_to_all times of ``collective_bench*.json`` vs the fitted latency + bandwidth;

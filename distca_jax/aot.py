@@ -16,33 +16,25 @@ import ml_collections
 
 from distca_jax import config as config_lib
 from distca_jax import memory
-from distca_jax import sharding as shard_lib
 from distca_jax import trainer
-from distca_jax.data import make_source
 from distca_jax.memory import MEMORY_FIELDS, memory_fields  # noqa: F401  (aot's API)
 
 
 def compile_train_step(c: ml_collections.ConfigDict, devices=None):
   """(compiled step, info dict) for config `c` on `devices` (default: all visible)."""
   config_lib.validate(c)
-  mesh = shard_lib.make_mesh(data=c.mesh.data, tensor=c.mesh.tensor, pipe=c.mesh.pipe,
-                             devices=devices)
-  backend = trainer.make_backend(c)
-  model = trainer.make_model(c, backend)
-  tx = trainer.make_optimizer(c)
-  abstract_state, state_sh = trainer.state_shardings(c, model, tx, mesh)
-  rows = mesh.shape["data"] * c.rows_per_rank
+  run = trainer.setup_run(c, devices=devices)
+  mesh, model, tx, source = run.mesh, run.model, run.tx, run.source
   # Batch shapes (a backend's plan arrays included) from one real host batch: cheap, and the
   # shapes never depend on the batch.
-  source = make_source(c.data, rows=rows, tokens_per_row=c.tokens_per_rank,
-                       vocab_size=model.cfg.vocab_size, seed=c.seed)
-  np_batch = trainer.add_host_plan(source.batch(0), backend, source.doclens(0), c.tokens_per_rank)
+  np_batch = trainer.add_host_plan(source.batch(0), run.backend, source.doclens(0),
+                                   c.tokens_per_rank)
   sh = trainer.rows_sharding(mesh)  # the batch's sharding
   batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for k, a in np_batch.items()}
   t0 = time.time()
   with trainer.mesh_context(mesh):
-    step = trainer.jit_train_step(c, model, tx, mesh, state_sh, tuple(batch))
-    lowered = step.lower(abstract_state, batch)
+    step = trainer.jit_train_step(c, model, tx, mesh, run.state_shardings, tuple(batch))
+    lowered = step.lower(run.abstract_state, batch)
   t1 = time.time()
   compiled = lowered.compile()
   t2 = time.time()

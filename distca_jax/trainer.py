@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -135,6 +136,35 @@ def create_train_state(c, model, tx, mesh):
   _, shardings = state_shardings(c, model, tx, mesh)
   with mesh_context(mesh):
     return jax.jit(_init_fn(c, model, tx, boxed=False), out_shardings=shardings)()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSetup:
+  """What a run is made of before its first step (`setup_run`): the train job, the AOT compile
+  and the benchmarks build it the same way."""
+  mesh: jax.sharding.Mesh
+  backend: attn_lib.Backend
+  model: Transformer
+  tx: optax.GradientTransformation
+  abstract_state: Any    # TrainState of ShapeDtypeStructs carrying their shardings
+  state_shardings: Any   # TrainState of NamedShardings
+  source: Any            # the data source: batch(step), doclens(step), tokens_per_row
+
+
+def setup_run(c: ml_collections.ConfigDict, devices=None, **backend_overrides) -> RunSetup:
+  """Mesh (over `devices`, default all), backend (``backends.build(c, **backend_overrides)``),
+  model, optimizer, abstract state with its shardings, and the data source of config `c`; nothing
+  is materialized (`create_train_state` or a checkpoint restore makes the state)."""
+  mesh = shard_lib.make_mesh(data=c.mesh.data, tensor=c.mesh.tensor, pipe=c.mesh.pipe,
+                             devices=devices)
+  backend = make_backend(c, **backend_overrides)
+  model = make_model(c, backend)
+  tx = make_optimizer(c)
+  abstract, state_sh = state_shardings(c, model, tx, mesh)
+  source = make_source(c.data, rows=mesh.shape["data"] * c.rows_per_rank,
+                       tokens_per_row=c.tokens_per_rank, vocab_size=model.cfg.vocab_size,
+                       seed=c.seed)
+  return RunSetup(mesh, backend, model, tx, abstract, state_sh, source)
 
 
 EXTRA_PREFIX = attn_lib.EXTRA_PREFIX  # batch keys holding a backend's host-made arrays
@@ -300,30 +330,24 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str,
 
 def _train(c, workdir, log, closers, device_memory_bytes) -> list[dict]:
 
-  # Set up mesh
-  mesh = shard_lib.make_mesh(data=c.mesh.data, tensor=c.mesh.tensor, pipe=c.mesh.pipe)
-  data_size = mesh.shape["data"]
-  rows = data_size * c.rows_per_rank
+  # Set up mesh, model, optimizer, data
+  run = setup_run(c)
+  mesh, backend, model, tx, source = run.mesh, run.backend, run.model, run.tx, run.source
+  rows = mesh.shape["data"] * c.rows_per_rank
   log.info(f"mesh {dict(mesh.shape)} on {jax.device_count()} x {jax.devices()[0].device_kind}; "
            f"{rows} rows x {c.tokens_per_rank} tokens per step")
 
-  # Model, optimizer, data
-  backend = make_backend(c)
   if getattr(backend, "caps", None):
     auto = (f" (row caps from the first {c.attention.distca.caps_from_batches} batches x "
             f"{c.attention.distca.caps_headroom})" if c.attention.distca.caps_from_batches else "")
     log.info("distca caps per device and call (0 = plan.default_capacity): "
              + ", ".join(f"{k}={v}" for k, v in backend.caps.items()) + auto)
-  model = make_model(c, backend)
   model_cfg = model.cfg
-  tx = make_optimizer(c)
-  source = make_source(c.data, rows=rows, tokens_per_row=c.tokens_per_rank,
-                       vocab_size=model_cfg.vocab_size, seed=c.seed)
   log.info(f"model: {model_cfg.num_params() / 1e6:.2f}M params; attention backend "
            f"'{c.attention.backend}'; data: {source.describe()}")
 
   # Load checkpoint (or create fresh sharded state)
-  abstract, state_sh = state_shardings(c, model, tx, mesh)
+  abstract, state_sh = run.abstract_state, run.state_shardings
   manager = ckpt_lib.CheckpointManager(workdir, c) if c.checkpoint_every > 0 else None
   state = None
   if manager is not None:

@@ -18,7 +18,7 @@ fits one DP group whole (no document longer than c x Lmax): WLB-LLM never cuts d
 raises CP for long ones.
 
 Run:
-  python experiments/baseline_table.py   # writes results/baseline_table.{json,md}
+  python -m experiments.baseline_table   # writes results/baseline_table.{json,md}
 """
 
 from __future__ import annotations
@@ -26,17 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distca_jax import baselines as bl  # noqa: E402
-from distca_jax import plan as plan_lib  # noqa: E402
-from distca_jax.data.workloads import WorkloadSampler, split_into_rows  # noqa: E402
+from distca_jax import baselines as bl
+from distca_jax import plan as plan_lib
+from distca_jax.data.workloads import WorkloadSampler, split_into_rows
+import experiments
 
 GiB = 2.0**30
 _KEYS = ("attention_imbalance", "token_imbalance", "compute_imbalance", "bytes_mean", "bytes_max",
@@ -273,7 +271,7 @@ def main() -> None:
   p.add_argument("--epsilons", default="0.05,0.1")
   p.add_argument("--out", default="results/baseline_table")
   args = p.parse_args()
-  command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+  command = experiments.command_line(__file__)
   dims, hw = bl.ModelDims(), bl.Hardware()
   alphas = [float(v) for v in args.alphas.split(",")]
   epsilons = [float(v) for v in args.epsilons.split(",")]

@@ -8,9 +8,9 @@ backward (grad of <O, dO> in q, k, v); the per-task time is the call's median ti
 Fusing many tasks is how the data plane runs them, so launch overhead is amortized as in a step.
 
 Run on a GPU (the lead's machine):
-  python experiments/cost_table.py --backend flash3 --out results/cost_table_flash3_h200.json
+  python -m experiments.cost_table --backend flash3 --out results/cost_table_flash3_h200.json
 CPU smoke test (seconds):
-  python experiments/cost_table.py --backend reference --tiny --out /tmp/cost_table_tiny.json
+  python -m experiments.cost_table --backend reference --tiny --out /tmp/cost_table_tiny.json
 
 Output JSON: ``q_lens`` [Q], ``kv_lens`` [K], ``fwd_s`` and ``fwd_bwd_s`` [Q][K] seconds per task
 (null where q_len > kv_len), ``fwd_tflops`` / ``fwd_bwd_tflops`` (throughput counting
@@ -24,14 +24,12 @@ import argparse
 import datetime
 import json
 import os
-import shlex
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distca_jax import plan as plan_lib  # noqa: E402  (after the path setup above)
+from distca_jax import plan as plan_lib
+import experiments
 
 _FULL_Q = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 _FULL_KV = [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288]
@@ -155,7 +153,7 @@ def main() -> None:
             "tokens_per_call": tokens, "repeats": repeats,
             "bwd_fwd_ratio_for_tflops": plan_lib.BWD_FWD_RATIO,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+            "command": experiments.command_line(__file__),
         },
     }
     if not args.no_backward:

@@ -26,7 +26,7 @@ device (one server per device, the mesh's ``data`` axis):
 Bandwidth is per device: useful bytes = mean over devices of the Q+K+V (or O) bytes the plan
 sends to other devices; effective bandwidth = useful bytes / time of the whole stage. Two
 fractions per stage: (a) ``fraction_of_raw`` = mean useful bandwidth / raw all-to-all bandwidth
-for the same bytes (the target is >= 80%, issue 4); (b) ``busiest_fraction_of_raw`` = the busiest
+for the same bytes (the target is >= 80%); (b) ``busiest_fraction_of_raw`` = the busiest
 sender's useful bytes / stage time, over the raw all-to-all bandwidth per device when every device
 sends that many bytes. No exchange can finish before its busiest sender has sent, and with 2
 servers the traffic is often one-directional, which caps (a) near 50% for any dense collective;
@@ -34,9 +34,9 @@ servers the traffic is often one-directional, which caps (a) near 50% for any de
 (``plan_lib.exchange_bytes``). Times are medians over ``--iters`` runs after a warm-up.
 
 Run:
-  python experiments/dispatch_bench.py          # every visible GPU on `data` (e.g. 2 H200s):
+  python -m experiments.dispatch_bench          # every visible GPU on `data` (e.g. 2 H200s):
                                                 # Llama-3-8B heads, bf16, 64K tokens per GPU
-  python experiments/dispatch_bench.py --tiny   # CPU smoke test: 8 fake devices, tiny shapes
+  python -m experiments.dispatch_bench --tiny   # CPU smoke test: 8 fake devices, tiny shapes
 Writes results/dispatch_bench.{json,md} (--tiny: results/dispatch_bench_tiny.{json,md}; --out
 changes the stem) and prints the tables.
 """
@@ -49,8 +49,6 @@ import datetime
 import importlib.util
 import json
 import os
-import shlex
-import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,19 +109,17 @@ if ARGS is not None and ARGS.tiny:  # before jax is imported
                              + " --xla_force_host_platform_device_count=8").strip()
   os.environ["JAX_PLATFORMS"] = "cpu"
 
-if REPO not in sys.path:
-  sys.path.insert(0, REPO)
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
-import numpy as np  # noqa: E402
-
-from distca_jax import aot, dataplane, ops, profiling  # noqa: E402
-from distca_jax import plan as plan_lib  # noqa: E402
-from distca_jax.baselines import packing  # noqa: E402
-from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
+from distca_jax import aot, dataplane, ops, profiling
+from distca_jax import plan as plan_lib
+from distca_jax.baselines import packing
+from distca_jax.data.workloads import WorkloadSampler
+import experiments
 
 AXIS = "data"
 
@@ -430,7 +426,7 @@ def main(a) -> None:
   mesh = Mesh(np.asarray(devices), (AXIS,), axis_types=(AxisType.Auto,))
   dtype = jnp.dtype(a.dtype)
   kernel = _pick_kernel(a, dtype)
-  res = {"command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
+  res = {"command": experiments.command_line(__file__),
          "date": datetime.datetime.now().isoformat(timespec="seconds"),
          "backend": jax.default_backend(), "devices": len(devices),
          "device_kind": devices[0].device_kind, "servers": len(devices),

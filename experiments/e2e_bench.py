@@ -1,6 +1,6 @@
 """End-to-end step time of core-attention strategies, side by side, in one process.
 
-  python experiments/e2e_bench.py --backends distca,packed_dp --workloads pretrain,prolong \
+  python -m experiments.e2e_bench --backends distca,packed_dp --workloads pretrain,prolong \
       --tokens 65536,131072 --layers 4 --steps 20 --out results/e2e_bench
 
 For every (workload, tokens per GPU, backend, variant) it trains `--steps` real optimizer steps of
@@ -44,11 +44,11 @@ import gzip
 import json
 import os
 import statistics
-import sys
 import time
 
+import experiments
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 
 def parse_args(argv=None):
@@ -125,17 +125,9 @@ def run_one(c, steps, warmup, log, profile_dir=None, backend_options=None):
   """Trains warmup + steps steps; returns per-step times and FLOP / token counts."""
   import jax
   from distca_jax import metrics, trainer
-  from distca_jax import sharding as shard_lib
-  from distca_jax.data import make_source
 
-  mesh = shard_lib.make_mesh(data=c.mesh.data, tensor=c.mesh.tensor, pipe=c.mesh.pipe)
-  rows = mesh.shape["data"] * c.rows_per_rank
-  backend = trainer.make_backend(c, **(backend_options or {}))
-  model = trainer.make_model(c, backend)
-  tx = trainer.make_optimizer(c)
-  source = make_source(c.data, rows=rows, tokens_per_row=c.tokens_per_rank,
-                       vocab_size=model.cfg.vocab_size, seed=c.seed)
-  _, state_sh = trainer.state_shardings(c, model, tx, mesh)
+  run = trainer.setup_run(c, **(backend_options or {}))
+  mesh, backend, model, tx, source = run.mesh, run.backend, run.model, run.tx, run.source
   state = trainer.create_train_state(c, model, tx, mesh)
   prefetch = trainer.Prefetcher(source, model.cfg, 0, warmup + steps, backend=backend)
   step_fn, times, flops, tokens, losses, doclens, waits = None, [], [], [], [], [], []
@@ -147,7 +139,7 @@ def run_one(c, steps, warmup, log, profile_dir=None, backend_options=None):
     jax.block_until_ready(batch)
     if step_fn is None:  # compiled once: the steps run it, and memory / HLO are read from it
       with trainer.mesh_context(mesh):
-        step_fn = trainer.jit_train_step(c, model, tx, mesh, state_sh,
+        step_fn = trainer.jit_train_step(c, model, tx, mesh, run.state_shardings,
                                          tuple(np_batch)).lower(state, batch).compile()
     t0 = time.perf_counter()
     with trainer.mesh_context(mesh):
@@ -373,7 +365,7 @@ def _fmt(v, spec=".3f"):
 
 
 def write(a, results, quiet: bool = False):
-  cmd = "python experiments/e2e_bench.py " + " ".join(sys.argv[1:])
+  cmd = experiments.command_line(__file__)
   stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
   with open(a.out + ".json", "w") as f:

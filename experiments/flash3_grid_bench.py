@@ -15,7 +15,7 @@ and times FA3's forward and forward+backward (``ops.core_attention``) on the sam
   used/tight/exact  only the used slots, max_seqlen = the longest task (rounded up to 128), and
                     Q/KV buffers cut to the used rows: the floor of what launch shapes can give
 Run on a GPU machine with flash-attn3-jax installed:
-  python experiments/flash3_grid_bench.py --out results/flash3_grid_bench
+  python -m experiments.flash3_grid_bench --out results/micro/flash3_grid_bench
 Writes <out>.json and <out>.md.
 """
 
@@ -27,19 +27,18 @@ import functools
 import datetime
 import json
 import os
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from distca_jax import ops, profiling  # noqa: E402
-from distca_jax import plan as plan_lib  # noqa: E402
-from distca_jax.baselines import packing  # noqa: E402
-from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
+from distca_jax import ops, profiling
+from distca_jax import plan as plan_lib
+from distca_jax.baselines import packing
+from distca_jax.data.workloads import WorkloadSampler
+import experiments
 
 
 def add_table_args(p: argparse.ArgumentParser, out_stem: str) -> None:
@@ -57,7 +56,7 @@ def add_table_args(p: argparse.ArgumentParser, out_stem: str) -> None:
 
 def _args():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  add_table_args(p, "flash3_grid_bench")
+  add_table_args(p, os.path.join("micro", "flash3_grid_bench"))
   p.add_argument("--servers", type=int, default=2)
   return p.parse_args()
 
@@ -109,7 +108,7 @@ def main(a):
   t, s = a.tokens, a.servers
   spec = plan_lib.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1,
                            capacity=plan_lib.default_capacity(t))
-  res = {"command": "python " + " ".join(sys.argv), "device": jax.devices()[0].device_kind,
+  res = {"command": experiments.command_line(__file__), "device": jax.devices()[0].device_kind,
          "date": datetime.datetime.now().isoformat(timespec="seconds"),
          "capacity": dataclasses.asdict(spec.capacity), "rows": []}
   key = jax.random.key(0)

@@ -35,10 +35,10 @@ forward); padding rows add none.
 Each backend runs in its own subprocess, so a crash or a missing package costs only its own
 entries, which are recorded with the error. Backends: pallas[:preset] (ours), flash3, cudnn, mha
 and reference (plain jnp, small sizes only). Run (on a GPU machine):
-  python experiments/kernel_bench.py --quick   # the table in results/kernel_bench.md
-  python experiments/kernel_bench.py           # every backend and workload (slower)
+  python -m experiments.kernel_bench --quick   # the table in results/kernel_bench.md
+  python -m experiments.kernel_bench           # every backend and workload (slower)
 CPU smoke test (tiny shapes; ours in the Pallas interpreter, and the jnp reference):
-  python experiments/kernel_bench.py --tiny --out /tmp/kernel_bench_tiny.json
+  python -m experiments.kernel_bench --tiny --out /tmp/kernel_bench_tiny.json
 Writes <out>.json and <out>.md (same stem) with the command, device, wall times and every entry.
 """
 
@@ -51,15 +51,14 @@ import json
 import math
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
 import traceback
 
+import experiments
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-  sys.path.insert(0, REPO)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 DENSE_LENGTHS = (4096, 16384, 65536)
@@ -91,7 +90,7 @@ TINY = dict(heads=4, kv_heads=2, head_dim=32, tokens=256, max_doc=256, sched_tok
 # Named tilings of our kernel; "pallas" means "pallas:default".
 PALLAS_PRESETS = {
     "default": {},  # BlockSizes.default_for(bf16, 128): forward 128 x 128 / 8 warps, bwd 64 x 64
-    # The previous default forward (64 x 64, 4 warps), better for 64-token shards.
+    # A smaller forward tile (64 x 64, 4 warps), better for 64-token shards.
     "q64": dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
     # Alternatives for sweeps, each one forward tiling (f<q>x<k>w<warps>s<stages>) paired with
     # one backward change, so one run measures both.
@@ -307,30 +306,11 @@ def make_workloads(names: list[str], tokens: int, max_doc: int, seed: int,
 # ------------------------------------------------------------------------------------------------
 
 
-def _time(fn, args, min_trial_s: float, trials: int):
-  """Median seconds per call: warm-up, then trials of back-to-back calls synced at the end."""
-  import jax  # pylint: disable=import-outside-toplevel
-  jax.block_until_ready(fn(*args))  # compile
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  one = max(time.perf_counter() - t0, 1e-6)
-  reps = max(1, min(50, math.ceil(min_trial_s / one)))
-  times = []
-  for _ in range(trials):
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(reps):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / reps)
-  return statistics.median(times), times, reps
-
-
 def run_backend(backend: str, workloads: list[Workload], args, save) -> list[dict]:
   """Times one backend on every workload; ``save(entries)`` runs after each entry."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from distca_jax import ops  # pylint: disable=import-outside-toplevel
+  from distca_jax import ops, profiling  # pylint: disable=import-outside-toplevel
   from custom_ops import BlockSizes  # pylint: disable=import-outside-toplevel
 
   base, _, preset = backend.partition(":")
@@ -457,12 +437,15 @@ def run_backend(backend: str, workloads: list[Workload], args, save) -> list[dic
       entry["out_mean_abs"] = float(jnp.mean(jnp.abs(o_task)))
       entry["out_finite"] = bool(jnp.isfinite(o_task).all())
       del o, o_task
-      t_fwd, trials, reps = _time(fwd, inputs, args.min_trial_s, args.trials)
-      entry.update(fwd_ms=t_fwd * 1e3, fwd_trials_ms=[t * 1e3 for t in trials], fwd_reps=reps,
-                   fwd_tflops=entry["flops_fwd"] / t_fwd / 1e12)
-      t_fb, trials, reps = _time(fwd_bwd, (*inputs, do), args.min_trial_s, args.trials)
-      entry.update(fwd_bwd_ms=t_fb * 1e3, fwd_bwd_trials_ms=[t * 1e3 for t in trials],
-                   fwd_bwd_reps=reps, fwd_bwd_tflops=entry["flops_fwd_bwd"] / t_fb / 1e12)
+      tm = profiling.time_call(fwd, *inputs, iters=args.trials, min_trial_s=args.min_trial_s)
+      t_fwd = tm["median_s"]
+      entry.update(fwd_ms=t_fwd * 1e3, fwd_trials_ms=[t * 1e3 for t in tm["trials_s"]],
+                   fwd_reps=tm["reps"], fwd_tflops=entry["flops_fwd"] / t_fwd / 1e12)
+      tm = profiling.time_call(fwd_bwd, *inputs, do, iters=args.trials,
+                               min_trial_s=args.min_trial_s)
+      t_fb = tm["median_s"]
+      entry.update(fwd_bwd_ms=t_fb * 1e3, fwd_bwd_trials_ms=[t * 1e3 for t in tm["trials_s"]],
+                   fwd_bwd_reps=tm["reps"], fwd_bwd_tflops=entry["flops_fwd_bwd"] / t_fb / 1e12)
       entry["status"] = "ok"
     except Exception as e:  # pylint: disable=broad-except
       entry["status"] = "error"
@@ -485,7 +468,7 @@ def _fmt(x, digits=0):
   return "-" if x is None else f"{x:.{digits}f}"
 
 
-def _tflops(x):
+def format_tflops(x):
   # Whole TFLOP/s on a GPU; three significant digits for the tiny CPU runs' fractions.
   return "-" if x is None else f"{x:.0f}" if x >= 10 else f"{x:.3g}"
 
@@ -534,7 +517,8 @@ def write_markdown(path: str, result: dict) -> None:
       if e is None:
         cells.append("missing")
       elif e["status"] == "ok":
-        cells.append(f"{_tflops(e.get('fwd_tflops'))} / {_tflops(e.get('fwd_bwd_tflops'))}")
+        cells.append(f"{format_tflops(e.get('fwd_tflops'))} / "
+                     f"{format_tflops(e.get('fwd_bwd_tflops'))}")
       elif e["status"] == "n/a":
         cells.append("n/a")
       else:
@@ -663,8 +647,7 @@ def main(argv=None) -> int:
 
   # The parent never initializes a JAX backend: the children own the GPU's memory.
   import jax  # pylint: disable=import-outside-toplevel
-  result = dict(command=" ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]
-                                 if argv is None else argv),
+  result = dict(command=experiments.command_line(__file__, argv),
                 device="unknown",
                 jax_version=jax.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -691,7 +674,7 @@ def main(argv=None) -> int:
             "--row-multiple", str(args.row_multiple)]
   for backend in backends:
     part = f"{stem}.{backend.replace(':', '_')}.part.json"
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--backends", backend,
+    cmd = [*experiments.module_argv(__file__), "--child", "--backends", backend,
            *shared, "--out", part]
     print(f"== {backend}", flush=True)
     t0 = time.time()

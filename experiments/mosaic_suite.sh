@@ -1,6 +1,6 @@
 #!/bin/bash
 # The Mosaic GPU attention kernels on one GPU, in one call of the device tool: the GPU tests
-# (log: $OUT/mosaic_tests.log), then experiments/kernel_bench.py with the mosaic variants beside
+# (log: $OUT/mosaic_tests.log), then experiments.kernel_bench with the mosaic variants beside
 # flash3 (and pallas) in the same run ($OUT/kernel_bench_mosaic.{json,md}), then a summary.
 # Run from the repository root (or a copy of it):  OUT=/tmp/out bash experiments/mosaic_suite.sh
 # Environment: BACKENDS, WORKLOADS (kernel_bench lists), TESTS=0 skips the tests, TEST_ARGS (extra
@@ -46,14 +46,14 @@ if [ "${TESTS:-1}" != 0 ]; then
   timeout "${TEST_TIMEOUT:-200}" env JAX_PLATFORMS=cuda python3 -m pytest -q -s -rs \
     tests/test_mosaic_attention.py ${TEST_ARGS:-} 2>&1 | tee "$OUT/mosaic_tests.log" | grep -v "^$" | tail -25
 fi
-timeout "${BENCH_TIMEOUT:-400}" python3 experiments/kernel_bench.py \
+timeout "${BENCH_TIMEOUT:-400}" python3 -m experiments.kernel_bench \
   --out "$OUT/kernel_bench_mosaic.json" --backends "$BACKENDS" --workloads "$WORKLOADS" \
   --child-timeout-s "${CHILD_TIMEOUT:-120}" > "$OUT/kernel_bench_mosaic.log" 2>&1
 echo "kernel_bench exit $?"
 grep -i "error" "$OUT/kernel_bench_mosaic.log" | cut -c1-600 | tail -6
 sed -n '/^TFLOP/,/^Output/p' "$OUT/kernel_bench_mosaic.md" 2>/dev/null
 if [ -n "${ROWS8_WORKLOADS:-}" ]; then  # the same tables in K/V buffers of 8-row multiples
-  timeout "${BENCH_TIMEOUT:-400}" python3 experiments/kernel_bench.py --row-multiple 8 \
+  timeout "${BENCH_TIMEOUT:-400}" python3 -m experiments.kernel_bench --row-multiple 8 \
     --out "$OUT/kernel_bench_mosaic_rows8.json" --backends "$BACKENDS" \
     --workloads "$ROWS8_WORKLOADS" --child-timeout-s "${CHILD_TIMEOUT:-120}" \
     > "$OUT/kernel_bench_mosaic_rows8.log" 2>&1

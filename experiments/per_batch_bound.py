@@ -1,6 +1,6 @@
 """How much of the balance ceiling any per-batch choice between CAD and no balancing could take.
 
-  python experiments/per_batch_bound.py results/e2e_2gpu_64k.json \
+  python -m experiments.per_batch_bound results/e2e_2gpu_64k.json \
       results/e2e_2gpu_prolong_128k.json results/e2e_2gpu_128k.json \
       --fixed-cost 0.004 --out results/per_batch_bound
 
@@ -36,14 +36,11 @@ import argparse
 import datetime
 import json
 import os
-import shlex
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
-import e2e_bench  # noqa: E402  (experiments/ is not a package)
+from experiments import e2e_bench
+import experiments
 
 
 def parse_args(argv=None):
@@ -51,8 +48,8 @@ def parse_args(argv=None):
   p.add_argument("results", nargs="+", help="e2e_bench JSON files")
   p.add_argument("--fixed-cost", type=float, default=0.004,
                  help="CAD's step-time overhead when nothing moves, as a fraction (default 0.004: "
-                      "1 x H200, Pretrain and ProLong 64K, "
-                      "results/archive/4b6459c/pingpong_v6_summary.md)")
+                      "distca over packed_dp on 1 x H200, Pretrain and ProLong 64K, "
+                      "results/e2e_1gpu_64k.md)")
   p.add_argument("--min-gain", type=float, default=None,
                  help="the gate's threshold for the `gate` column (default: the config's "
                       "attention.distca.min_gain)")
@@ -162,7 +159,7 @@ def main(argv=None):
               f"{rec['best_of_both_ratio']:.3f} (share {rec['best_of_both_share']:.2f}), gate "
               f"{rec['gate_ratio']:.3f} (share {rec['gate_share']:.2f}; "
               f"{rec['gated_batches']} of {len(rec['batches'])} batches gated)")
-  cmd = "python experiments/per_batch_bound.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+  cmd = experiments.command_line(__file__)
   doc = dict(command=cmd, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
              fixed_cost=a.fixed_cost, results=out)
   with open(a.out + ".json", "w") as f:

@@ -26,9 +26,9 @@ forward+backward of each whole variant. Every variant's output is checked equal 
 (``dataplane.place_unique``) for scale.
 
 Run (one GPU; the numbers are per server):
-  python experiments/placement_bench.py                 # Pretrain and ProLong, 64K tokens
-  python experiments/placement_bench.py --tiny          # CPU smoke test
-Writes results/placement_bench.{json,md} (--out changes the stem).
+  python -m experiments.placement_bench                 # Pretrain and ProLong, 64K tokens
+  python -m experiments.placement_bench --tiny          # CPU smoke test
+Writes results/micro/placement_bench.{json,md} (--out changes the stem).
 """
 
 from __future__ import annotations
@@ -36,20 +36,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import shlex
-import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-  sys.path.insert(0, REPO)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from distca_jax import dataplane, profiling  # noqa: E402
-from distca_jax import plan as plan_lib  # noqa: E402
-from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
+from distca_jax import dataplane, profiling
+from distca_jax import plan as plan_lib
+from distca_jax.data.workloads import WorkloadSampler
+import experiments
 
 
 def _args():
@@ -66,21 +63,21 @@ def _args():
   p.add_argument("--iters", type=int, default=None, help="default 20 (tiny: 2)")
   p.add_argument("--tolerance", type=float, default=0.05)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out", default=None, help="output stem (default results/placement_bench)")
+  p.add_argument("--out", default=None, help="output stem (default results/micro/placement_bench)")
   a = p.parse_args()
   for name, big, small in (("tokens_per_rank", 65536, 512), ("heads", 32, 4), ("kv_heads", 8, 2),
                            ("head_dim", 128, 16), ("iters", 20, 2)):
     if getattr(a, name) is None:
       setattr(a, name, small if a.tiny else big)
   if a.out is None:
-    a.out = os.path.join(REPO, "results", "placement_bench_tiny" if a.tiny else "placement_bench")
+    a.out = os.path.join(REPO, "results", "micro", "placement_bench_tiny" if a.tiny else "placement_bench")
   if a.servers < 2:
     p.error(f"--servers={a.servers} must be >= 2 (one server receives nothing)")
   return a
 
 
 def own_first_pre(own, idx):
-  return dataplane.take_rows(own, idx)  # received rows' places: 0 for now
+  return dataplane.take_rows(own, idx)  # received rows' places stay 0
 
 
 def own_first_post(pre, recv, idx, slot, blk, t):
@@ -244,7 +241,7 @@ def main(a) -> None:
   if a.tiny:
     jax.config.update("jax_platforms", "cpu")
   dev = jax.devices()[0]
-  res = {"command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
+  res = {"command": experiments.command_line(__file__),
          "date": datetime.datetime.now().isoformat(timespec="seconds"),
          "backend": jax.default_backend(), "device_kind": dev.device_kind,
          "servers": a.servers, "tokens_per_rank": a.tokens_per_rank, "heads": a.heads,

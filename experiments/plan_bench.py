@@ -6,8 +6,8 @@ Pretrain workload. The process pins itself to one core; the machine's load avera
 because other processes sharing the core inflate the numbers (the minimum is the least disturbed).
 
 Run:
-  python experiments/plan_bench.py            # writes results/plan_bench.{json,md}
-  python experiments/plan_bench.py --steps 5  # quicker
+  python -m experiments.plan_bench            # writes results/plan_bench.{json,md}
+  python -m experiments.plan_bench --steps 5  # quicker
 """
 
 from __future__ import annotations
@@ -18,19 +18,17 @@ import os
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
   os.environ.setdefault(_var, "1")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import shlex  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import argparse
+import json
+import platform
+import time
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distca_jax import plan as plan_lib  # noqa: E402
-from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
+from distca_jax import plan as plan_lib
+from distca_jax.data.workloads import WorkloadSampler
+import experiments
 
 _TARGET_MS = {64: 20.0, 512: 200.0}
 
@@ -46,7 +44,7 @@ def main() -> None:
   args = p.parse_args()
   cpus = sorted(os.sched_getaffinity(0))
   os.sched_setaffinity(0, {cpus[-1]})
-  command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+  command = experiments.command_line(__file__)
   t = args.tokens_per_rank
   sampler = WorkloadSampler(args.workload, t, seed=0)
   rows = []

@@ -7,7 +7,7 @@ heads, 8 KV heads, head dim 128, bf16). Bytes are the forward dispatch (Q rows p
 the output return moves the Q part again.
 
 Run:
-  python experiments/scheduler_table.py   # writes results/scheduler_table.{json,md}
+  python -m experiments.scheduler_table   # writes results/scheduler_table.{json,md}
 """
 
 from __future__ import annotations
@@ -16,16 +16,14 @@ import argparse
 import dataclasses
 import json
 import os
-import shlex
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distca_jax import plan as plan_lib  # noqa: E402
-from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
+from distca_jax import plan as plan_lib
+from distca_jax.data.workloads import WorkloadSampler
+import experiments
 
 GiB = 2.0**30
 
@@ -39,7 +37,7 @@ def main() -> None:
   p.add_argument("--steps", type=int, default=8, help="batches per configuration")
   p.add_argument("--out", default="results/scheduler_table")
   args = p.parse_args()
-  command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+  command = experiments.command_line(__file__)
   tols = [float(v) for v in args.tolerances.split(",")]
   rows = []
   for name in args.workloads.split(","):

@@ -1,9 +1,9 @@
 """Simulated step time of packed_dp, cp, wlb (WLB-ideal) and distca at any GPU count (host only).
 
-  python experiments/simulate.py --gpus 64 --model llama3_8b --workload pretrain --tokens 131072 \
+  python -m experiments.simulate --gpus 64 --model llama3_8b --workload pretrain --tokens 131072 \
       --tensor 4 --json /tmp/sim.json
-  python experiments/simulate.py --validate --json results/simulator_validation.json
-  python experiments/simulate.py --paper --out results/simulated_scale
+  python -m experiments.simulate --validate --json results/simulator_validation.json
+  python -m experiments.simulate --paper --out results/simulated_scale
 
 The simulator (``distca_jax.sim``) runs the project's sampler, packers and CAD planner on sampled
 batches and times them with costs calibrated on committed measurements (``--validate`` replays
@@ -27,10 +27,10 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from distca_jax.sim import costs, step, validate
+from experiments import command_line
 
-from distca_jax.sim import costs, step, validate  # noqa: E402  (after the path setup above)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The paper's ranges of distca's speedup over WLB-ideal (DistCA, arXiv 2510.18121, Sec. 6).
 PAPER_RANGES = {("3d", "pretrain"): (1.07, 1.20), ("3d", "prolong"): (1.05, 1.12),
@@ -200,7 +200,7 @@ def _range(vals):
 
 
 def write_paper(a, blob, cal, km_small: float) -> None:
-  cmd = "python experiments/simulate.py " + " ".join(sys.argv[1:])
+  cmd = command_line(__file__)
   stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   blob = dict(blob, command=cmd, date=stamp, calibration=dataclasses.asdict(cal),
               small_task_s=km_small)
@@ -343,7 +343,7 @@ def main(argv=None):
   a = parse_args(argv)
   if a.validate:
     v = validate.validate()
-    v["command"] = "python experiments/simulate.py " + " ".join(sys.argv[1:])
+    v["command"] = command_line(__file__)
     table = format_validation(v)
     print(table)
     if a.json:

@@ -1,16 +1,10 @@
 """experiments/e2e_bench.py's derived numbers (speedups, fraction of the bound, twin ratios, loss
 agreement) and its balance ceiling, on hand-made results."""
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "experiments"))
-import e2e_bench  # noqa: E402  (experiments/ is not a package)
-
-from distca_jax.model import ModelConfig  # noqa: E402
+from distca_jax.model import ModelConfig
+from experiments import e2e_bench
 
 
 def _run(backend, step_ms, nano=1, losses=(5.0, 4.0), ceiling=1.2, workload="pretrain",
@@ -69,7 +63,7 @@ def test_per_batch_bound_on_rebuilt_batches(seed):
   """per_batch_bound rebuilds a run's batches from its overrides (the recorded ceiling must
   match), and its 'best of both' and 'gate' ratios follow from the per-batch step times."""
   import numpy as np
-  import per_batch_bound as pbb
+  from experiments import per_batch_bound as pbb
   from distca_jax import config as config_lib
   over = ["data.workload=prolong", "tokens_per_rank=4096", "model.n_layers=2",
           "attention.backend=packed_dp", "rows_per_rank=1", "model.dim=256", "model.mlp_dim=512",
@@ -113,7 +107,7 @@ def test_per_batch_bound_on_rebuilt_batches(seed):
 def test_per_batch_bound_checks_batches_by_mfu_flops():
   """A run that recorded MFU is matched by its MFU FLOPs (a convention independent of the
   ceiling's work model); a run without MFU by its recorded ceiling."""
-  import per_batch_bound as pbb
+  from experiments import per_batch_bound as pbb
   from distca_jax import metrics
   cfg = ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
                     mlp_dim=32)

@@ -11,6 +11,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIBRARY = ("distca_jax", "custom_ops")
+PACKAGES = LIBRARY + ("experiments",)  # whose private names stay inside their module
 MAX_LINES = 800
 
 
@@ -21,6 +22,10 @@ def _rel(path: str) -> str:
 def _library_files():
   return sorted(p for pkg in LIBRARY
                 for p in glob.glob(os.path.join(ROOT, pkg, "**", "*.py"), recursive=True))
+
+
+def _experiment_files():
+  return sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py")))
 
 
 def _package_files(name: str):
@@ -95,16 +100,16 @@ def test_import_graph_at_runtime():
   assert run.returncode == 0, run.stderr
 
 
-@pytest.mark.parametrize("path", _library_files(), ids=_rel)
+@pytest.mark.parametrize("path", _library_files() + _experiment_files(), ids=_rel)
 def test_no_private_name_across_library_modules(path):
-  """`from distca_jax.x import _name` and `x._name` (x an imported library module) only inside
-  the module that defines `_name`."""
+  """`from distca_jax.x import _name` and `x._name` (x an imported library or experiments
+  module) only inside the module that defines `_name`: experiments use the public API too."""
   me = _module_name(path)
   tree = ast.parse(open(path).read(), path)
   aliases = {}  # local name -> library module
   bad = []
   for mod, names in _imports(path):
-    if not any(_in(mod, p) for p in LIBRARY):
+    if not any(_in(mod, p) for p in PACKAGES):
       continue
     for n in names:
       if n.startswith("_") and mod != me:
@@ -112,10 +117,10 @@ def test_no_private_name_across_library_modules(path):
   for node in ast.walk(tree):
     if isinstance(node, ast.Import):
       for a in node.names:
-        if any(_in(a.name, p) for p in LIBRARY):
+        if any(_in(a.name, p) for p in PACKAGES):
           aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
     elif isinstance(node, ast.ImportFrom) and node.module and any(_in(node.module, p)
-                                                                 for p in LIBRARY):
+                                                                 for p in PACKAGES):
       for a in node.names:
         aliases[a.asname or a.name] = f"{node.module}.{a.name}"
   for node in ast.walk(tree):
@@ -124,6 +129,14 @@ def test_no_private_name_across_library_modules(path):
         and node.value.id in aliases and aliases[node.value.id] != me):
       bad.append(f"{node.value.id}.{node.attr} (line {node.lineno})")
   assert not bad, f"{os.path.relpath(path, ROOT)} uses private names of other modules: {bad}"
+
+
+@pytest.mark.parametrize("path", _experiment_files(), ids=_rel)
+def test_experiments_import_as_a_package(path):
+  """Experiments run as `python -m experiments.<name>` from the repository root: none edits
+  sys.path to find the library or a sibling experiment."""
+  with open(path) as f:
+    assert "sys.path" not in f.read(), f"{_rel(path)} edits sys.path; import it as a package"
 
 
 @pytest.mark.parametrize("path", _library_files(), ids=_rel)

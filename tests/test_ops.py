@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-import os
-import sys
 import zlib
 
 import jax
@@ -496,13 +494,8 @@ def test_reference_agrees_with_dense_causal_attention():
 
 
 def _kernel_bench():
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
-                      "kernel_bench.py")
-  spec = importlib.util.spec_from_file_location("kernel_bench", path)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules.setdefault("kernel_bench", module)  # its dataclasses look their module up there
-  spec.loader.exec_module(sys.modules["kernel_bench"])
-  return sys.modules["kernel_bench"]
+  from experiments import kernel_bench  # pylint: disable=import-outside-toplevel
+  return kernel_bench
 
 
 @pytest.mark.parametrize("family", ["pretrain", "prolong"])

@@ -177,11 +177,7 @@ def test_wlb_ideal_from_config_reaches_the_backend():
 
 def test_cli_writes_every_strategy(tmp_path):
   import json
-  import os
-  import sys
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                  "experiments"))
-  import simulate  # noqa: E402  (experiments/ is not a package)
+  from experiments import simulate
   out = tmp_path / "sim.json"
   simulate.main(["--gpus", "8", "--tensor", "2", "--tokens", "16384", "--batches", "1",
                  "--workload", "prolong", "--json", str(out)])

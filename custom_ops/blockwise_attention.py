@@ -42,6 +42,12 @@ from custom_ops import varlen_attention as va
 _NEG = -1e30  # finite "minus infinity" for masked logits (exp underflows to 0, no NaN)
 
 
+def _einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+  """einsum with full f32 products for f32 operands (GPUs default to TF32 for f32 matmuls)."""
+  f32 = jnp.float32 in (a.dtype, b.dtype)
+  return jnp.einsum(spec, a, b, precision=lax.Precision.HIGHEST if f32 else None)
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Tile sizes of the blockwise kernel (forward and backward use the same tiles).
@@ -130,12 +136,12 @@ def _forward(q, k, v, cu_q, cu_k, scale: float, bs: BlockSizes):
       k_blk = lax.dynamic_slice_in_dim(kp, k_start[b] + j * bk, bk)  # [S, K, D]
       v_blk = lax.dynamic_slice_in_dim(vp, k_start[b] + j * bk, bk)
       mask = _tile_mask(nrows[b], lk[b], diag[b], j, bq, bk)
-      s = jnp.where(mask, jnp.einsum("qkgd,skd->qkgs", q_blk, k_blk), _NEG)
+      s = jnp.where(mask, _einsum("qkgd,skd->qkgs", q_blk, k_blk), _NEG)
       m_new = jnp.maximum(m, s.max(-1))
       p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
       corr = jnp.exp(m - m_new)
       l = l * corr + p.sum(-1)
-      acc = acc * corr[..., None] + jnp.einsum("qkgs,skd->qkgd", p, v_blk)
+      acc = acc * corr[..., None] + _einsum("qkgs,skd->qkgd", p, v_blk)
       return acc, m_new, l
 
     init = (jnp.zeros((bq, kh, g, d), jnp.float32), jnp.full((bq, kh, g), _NEG, jnp.float32),
@@ -193,13 +199,13 @@ def _backward(q, k, v, cu_q, cu_k, o, lse_TxKxG, do, dlse_TxH, scale: float, bs:
       k_blk = lax.dynamic_slice_in_dim(kp, row, bk)  # [S, K, D]
       v_blk = lax.dynamic_slice_in_dim(vp, row, bk)
       mask = _tile_mask(nrows[b], lk[b], diag[b], j, bq, bk)
-      s = jnp.einsum("qkgd,skd->qkgs", q_blk, k_blk) * scale
+      s = _einsum("qkgd,skd->qkgs", q_blk, k_blk) * scale
       p = jnp.where(mask, jnp.exp(s - lse_blk), 0.0)
-      dp = jnp.einsum("qkgd,skd->qkgs", do_blk, v_blk)
+      dp = _einsum("qkgd,skd->qkgs", do_blk, v_blk)
       ds = p * (dp - delta_blk)
-      dq_blk = dq_blk + jnp.einsum("qkgs,skd->qkgd", ds, k_blk)
-      dk_win = lax.dynamic_slice_in_dim(dk_buf, row, bk) + jnp.einsum("qkgs,qkgd->skd", ds, q_blk)
-      dv_win = lax.dynamic_slice_in_dim(dv_buf, row, bk) + jnp.einsum("qkgs,qkgd->skd", p, do_blk)
+      dq_blk = dq_blk + _einsum("qkgs,skd->qkgd", ds, k_blk)
+      dk_win = lax.dynamic_slice_in_dim(dk_buf, row, bk) + _einsum("qkgs,qkgd->skd", ds, q_blk)
+      dv_win = lax.dynamic_slice_in_dim(dv_buf, row, bk) + _einsum("qkgs,qkgd->skd", p, do_blk)
       return (dq_blk, lax.dynamic_update_slice_in_dim(dk_buf, dk_win, row, 0),
               lax.dynamic_update_slice_in_dim(dv_buf, dv_win, row, 0))
 

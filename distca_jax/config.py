@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from distca_jax import pipeline
 from distca_jax import scheduler
 from distca_jax.model import ModelConfig
 
@@ -116,7 +117,15 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1                # data-parallel ranks (= CAD attention servers); -1: all the rest
   c.mesh.tensor = 1               # tensor parallelism over heads, MLP and vocab
-  c.mesh.pipe = 1                 # pipeline stages (only 1 for now)
+  c.mesh.pipe = 1                 # pipeline stages (distca_jax.pipeline): each holds n_layers /
+                                  # pipe consecutive layers; the parameters keep their shape
+
+  # --- pipeline: the GPipe schedule used when mesh.pipe > 1 (a scan over M + pipe - 1 ticks).
+  c.pipeline = ml_collections.ConfigDict()
+  c.pipeline.microbatches = 0     # M: each data rank's rows split into M microbatches (rows_per_rank
+                                  # must be a multiple); 0 = 2 x mesh.pipe. The bubble is
+                                  # (pipe - 1) / (M + pipe - 1) of each stage's ticks; more
+                                  # microbatches shrink it but hold more activations in flight
 
   # --- batch: every data-parallel rank gets `rows_per_rank` rows of `tokens_per_rank` tokens.
   c.tokens_per_rank = 256         # the per-rank token budget (the context window that is packed)
@@ -160,6 +169,11 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+# Core-attention backends that run under the pipeline (mesh.pipe > 1): a tick's call sees the
+# rows of every stage as one batch over pipe x data ('distca' plans each tick over all of them).
+PIPELINE_BACKENDS = ("local", "reference", "packed_dp", "distca")
+
+
 def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
   """The typed, validated model config of a run config."""
   return ModelConfig(**c.model.to_dict())
@@ -185,4 +199,19 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.rows_per_rank % c.attention.nano_batches:
     raise ValueError(f"rows_per_rank={c.rows_per_rank} must be a multiple of attention."
                      f"nano_batches={c.attention.nano_batches} (each nano-batch is whole rows)")
+  if c.mesh.pipe > 1:
+    m = pipeline.resolve_microbatches(c.pipeline.microbatches, c.mesh.pipe)
+    if c.rows_per_rank % m:
+      raise ValueError(f"rows_per_rank={c.rows_per_rank} must be a multiple of pipeline."
+                       f"microbatches={m} (each microbatch is whole rows of every data rank; "
+                       "0 = 2 x mesh.pipe)")
+    if c.model.n_layers % c.mesh.pipe:
+      raise ValueError(f"model.n_layers={c.model.n_layers} must be a multiple of mesh.pipe="
+                       f"{c.mesh.pipe} (each stage holds n_layers / pipe layers)")
+    if c.attention.backend not in PIPELINE_BACKENDS:
+      raise ValueError(f"attention.backend={c.attention.backend!r} does not run under mesh.pipe="
+                       f"{c.mesh.pipe} yet; use one of {PIPELINE_BACKENDS} or mesh.pipe=1")
+    if c.attention.nano_batches != 1 or not c.model.scan_layers:
+      raise ValueError(f"mesh.pipe={c.mesh.pipe} runs the single stream over scanned layers; set "
+                       "attention.nano_batches=1 and model.scan_layers=True")
   model_config(c)

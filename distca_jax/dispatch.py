@@ -1027,16 +1027,18 @@ def _check_options(kernel: str, memory_mode: str,
                      "keys/values each choose their own bucket and collective)")
 
 
-def _mesh_and_servers(mesh, data_axis: str):
-  """(mesh, servers): the given mesh or the one set by `jax.set_mesh`, and its data-axis size."""
+def _mesh_and_servers(mesh, data_axis: str | tuple[str, ...]):
+  """(mesh, servers): the given mesh or the one set by `jax.set_mesh`, and the size of its
+  data axis (or the product of several: a pipeline's servers are every pipe x data rank)."""
   if mesh is None:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
       raise ValueError("CAD core attention needs a mesh: pass mesh= or trace under "
                        "jax.set_mesh(mesh) (the trainer's mesh_context)")
-  if data_axis not in mesh.axis_names:
+  axes = data_axis if isinstance(data_axis, tuple) else (data_axis,)
+  if not set(axes) <= set(mesh.axis_names):
     raise ValueError(f"{data_axis=} is not an axis of the mesh {dict(mesh.shape)}")
-  return mesh, mesh.shape[data_axis]
+  return mesh, math.prod(mesh.shape[a] for a in axes)
 
 
 def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Array,

@@ -29,6 +29,7 @@ from distca_jax import attention as attn_lib
 from distca_jax import checkpoint as ckpt_lib
 from distca_jax import config as config_lib
 from distca_jax import metrics as metrics_lib
+from distca_jax import pipeline
 from distca_jax import profiling
 from distca_jax import sharding as shard_lib
 from distca_jax.data import make_source
@@ -60,8 +61,13 @@ def make_backend(c: ml_collections.ConfigDict) -> attn_lib.Backend:
     options = dict(c.attention.distca.to_dict())
     for name in ("caps_from_batches", "caps_headroom"):
       options.pop(name)
-    options.update(dispatch.startup_capacity(c))
-    options = dict(options, rows_per_rank=c.rows_per_rank,
+    pipe = c.mesh.pipe > 1  # a call is one tick: rows_per_rank / M rows of every pipe x data rank
+    if not pipe:  # (caps under the pipeline: set them, or default_capacity's fractions)
+      options.update(dispatch.startup_capacity(c))
+    rows_per_call = c.rows_per_rank // (pipeline.resolve_microbatches(
+        c.pipeline.microbatches, c.mesh.pipe) if pipe else 1)
+    options = dict(options, rows_per_rank=rows_per_call,
+                   data_axis=(pipeline.PIPE_AXIS, "data") if pipe else "data",
                    nano_batches=c.attention.nano_batches, q_heads=m.n_heads,
                    kv_heads=m.n_kv_heads, head_dim=m.head_dim,
                    dtype_bytes=jnp.dtype(m.dtype).itemsize,
@@ -75,13 +81,18 @@ def make_backend(c: ml_collections.ConfigDict) -> attn_lib.Backend:
       from distca_jax.baselines import ModelDims  # imported lazily like the backend itself
       options.update(alpha=b.wlb_alpha,
                      balance_len=ModelDims.from_model(config_lib.model_config(c)).balance_len)
-  return attn_lib.get_backend(c.attention.backend, **options)
+  backend = attn_lib.get_backend(c.attention.backend, **options)
+  if c.mesh.pipe > 1:  # host plans per pipeline tick
+    backend = pipeline.per_tick_backend(backend, stages=c.mesh.pipe, rows_per_rank=c.rows_per_rank,
+                                        microbatches=c.pipeline.microbatches)
+  return backend
 
 
 def make_model(c: ml_collections.ConfigDict, backend: attn_lib.Backend | None = None) -> Transformer:
   """The model with the configured core-attention backend bound in."""
   backend = backend or make_backend(c)
-  return Transformer(config_lib.model_config(c), backend.fn, c.attention.nano_batches)
+  return Transformer(config_lib.model_config(c), backend.fn, c.attention.nano_batches,
+                     c.pipeline.microbatches)
 
 
 def make_optimizer(c: ml_collections.ConfigDict) -> optax.GradientTransformation:

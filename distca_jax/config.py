@@ -73,6 +73,8 @@ def base_config() -> ml_collections.ConfigDict:
                                           # batches of the run's data at startup (their
                                           # envelope x caps_headroom, never below the rows a
                                           # device holds); 0 = default_capacity's fractions
+                                          # (always under mesh.pipe > 1, where one call is a
+                                          # pipeline tick: rows_per_rank / M rows per device)
   c.attention.distca.caps_headroom = 1.1  # >= 1: margin over the sampled batches' envelope
   c.attention.distca.kernel = "reference" # ops.core_attention backend: 'reference' (jnp),
                                           # 'pallas' (interpret mode on CPU), 'flash3' (Hopper)

@@ -26,11 +26,21 @@ The backward is autodiff of the scan: all forward ticks, then all backward ticks
 the layer remat policy (`ModelConfig.remat`) applied to each layer of each tick. The bubble is
 (S - 1) / (M + S - 1) of every stage's ticks (`schedule_table`, `bubble_fraction`).
 
-Embedding and LM head are replicated over `pipe`: every stage embeds each tick's microbatch (a
-row gather; only stage 0 uses it), and after the scan the final hidden states are sharded over
-(pipe, data) rows (when the rows divide), so the final norm, the LM head and the loss run once
-per row, split over all pipe x data ranks; their gradients are summed over `pipe` by the
-partitioner like any replicated weight's over `data`.
+Embedding and LM head are replicated over `pipe` (simplest; they cost every stage their weights
+and Adam moments, 1.05B parameters for Llama-3-8B): the batch is embedded before the scan on
+every pipe rank (a row gather; stage 0 reads microbatch t at tick t), the output buffer is
+replicated over `pipe` (the last stage's slot is broadcast each tick), and after the scan the
+final hidden states are split over (data, pipe) rows (when the rows divide), so the final norm,
+the LM head and the loss run once per row over all pipe x data ranks. Their gradients are summed
+over `pipe` by the partitioner like any replicated weight's over `data`.
+
+Core attention across stages. A tick's core-attention call sees the rows of every stage, so a
+backend that plans on the host plans per tick (`per_tick_backend`): `distca` balances the
+documents of all microbatches the stages hold in that tick over ALL pipe x data ranks as
+attention servers (`data_axis=('pipe', 'data')`), and ranks of a bubble slot, which hold no
+documents, serve the others. Every tick is one phase (the forward ticks, then the backward's
+transposed ticks), the plans of a whole step are made on the host ahead of it, and their shapes
+are fixed (the caps; one compiled step). `packed_dp` computes each rank's own rows.
 
 Microbatches vs nano-batches: microbatches (this module) split a rank's rows over pipeline
 ticks; nano-batches (`attention.nano_batches`, ping-pong) split them inside one layer to overlap

@@ -286,7 +286,8 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> list[dict]
   backend = make_backend(c)
   if getattr(backend, "caps", None):
     auto = (f" (row caps from the first {c.attention.distca.caps_from_batches} batches x "
-            f"{c.attention.distca.caps_headroom})" if c.attention.distca.caps_from_batches else "")
+            f"{c.attention.distca.caps_headroom})"
+            if c.attention.distca.caps_from_batches and c.mesh.pipe == 1 else "")
     log.info("distca caps per device and call (0 = dispatch.default_capacity): "
              + ", ".join(f"{k}={v}" for k, v in backend.caps.items()) + auto)
   model = make_model(c, backend)

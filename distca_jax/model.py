@@ -199,19 +199,12 @@ class PostCA(nn.Module):
 
 
 def split_rows(tree, n: int):
-  """Splits every array of `tree` (leading dim = rows) into n nano-batches, per data rank.
-
-  Rows are sharded over the mesh's `data` axis, rank r holding a contiguous block of R rows;
-  nano-batch i takes rows [i R/n, (i+1) R/n) of every rank's block, so no row moves between
-  devices (the split of pipeline microbatches, ``pipeline.to_microbatches``).
-  """
-  parts = pipeline_lib.to_microbatches(tree, n, key="attention.nano_batches")
-  return [jax.tree.map(lambda a, i=i: a[i], parts) for i in range(n)]
+  """Splits every array of `tree` (leading dim = rows) into n nano-batches, per data rank:
+  nano-batch i takes rows [i R/n, (i+1) R/n) of every rank's block (``pipeline.split_rows``)."""
+  return pipeline_lib.split_rows(tree, n, key="attention.nano_batches")
 
 
-def merge_rows(parts):
-  """Inverse of `split_rows` for a list of arrays."""
-  return pipeline_lib.from_microbatches(jnp.stack(parts))
+merge_rows = pipeline_lib.merge_rows  # the inverse of `split_rows`
 
 
 def _attend(core_attention: attn_lib.CoreAttentionFn, qkv, layout: Layout, scale: float):

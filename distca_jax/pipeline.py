@@ -8,7 +8,7 @@ same for every (pipe, data, tensor). Inside the step the stack is viewed as [S, 
 local reshape of the pipe-sharded dim).
 
 Each data rank's rows form M microbatches (`pipeline.microbatches`; `to_microbatches`: rows
-[i R/M, (i+1) R/M) of every rank's block, so no row moves). The schedule is a `lax.scan` over
+[i R/M, (i+1) R/M) of every rank's block, so no row moves; `split_rows`). The schedule is a `lax.scan` over
 M + S - 1 ticks; the carry holds one activation slot per stage, `[S, Bm, T, E]`, with its stage
 dim sharded on `pipe`. At tick t:
 
@@ -161,32 +161,46 @@ def _data_size() -> int:
   return dict(mesh.shape).get("data", 1) if mesh is not None and mesh.shape else 1
 
 
-def to_microbatches(tree, microbatches: int, *, key: str = "pipeline.microbatches"):
-  """Every array [rows, ...] (rows sharded over `data`) -> [M, rows / M, ...].
+def split_rows(tree, n: int, *, key: str = "pipeline.microbatches"):
+  """Every array of `tree` (leading dim = rows, sharded over `data`) -> n parts, per data rank.
 
-  Microbatch i holds rows [i R/M, (i+1) R/M) of every data rank's block of R rows, so the
-  reshape is local to each rank. `key` names the config key of M in the error.
+  Rank r holds a contiguous block of R rows; part i takes rows [i R/n, (i+1) R/n) of every
+  rank's block, so no row moves between devices. Pipeline microbatches and ping-pong
+  nano-batches (`model.split_rows`) split rows this way; `key` names the config key of n in
+  the error.
   """
   d = _data_size()
 
-  def one(a):
-    rows = a.shape[0]
-    if rows % (d * microbatches):
-      raise ValueError(f"{rows} rows on {d} data ranks cannot be split {microbatches} ways: "
-                       f"set rows_per_rank to a multiple of {key}={microbatches}")
-    r = rows // d
-    a = a.reshape(d, microbatches, r // microbatches, *a.shape[1:])
-    return jnp.swapaxes(a, 0, 1).reshape(microbatches, rows // microbatches, *a.shape[3:])
+  def one(i):
+    def take(a):
+      rows = a.shape[0]
+      if rows % (d * n):
+        raise ValueError(f"{rows} rows on {d} data ranks cannot be split {n} ways: set "
+                         f"rows_per_rank to a multiple of {key}={n}")
+      r = rows // d
+      blk = a.reshape(d, r, *a.shape[1:])[:, i * (r // n):(i + 1) * (r // n)]
+      return blk.reshape(d * (r // n), *a.shape[1:])
+    return jax.tree.map(take, tree)
 
-  return jax.tree.map(one, tree)
+  return [one(i) for i in range(n)]
+
+
+def merge_rows(parts):
+  """Inverse of `split_rows` for a list of arrays."""
+  d = _data_size()
+  blocks = [p.reshape(d, p.shape[0] // d, *p.shape[1:]) for p in parts]
+  out = jnp.concatenate(blocks, axis=1)
+  return out.reshape(-1, *out.shape[2:])
+
+
+def to_microbatches(tree, microbatches: int):
+  """Every array [rows, ...] -> [M, rows / M, ...], microbatch i = `split_rows`' part i."""
+  return jax.tree.map(lambda *parts: jnp.stack(parts), *split_rows(tree, microbatches))
 
 
 def from_microbatches(a_MxBmx):
   """Inverse of `to_microbatches` for one array."""
-  d = _data_size()
-  m, bm = a_MxBmx.shape[:2]
-  a = a_MxBmx.reshape(m, d, bm // d, *a_MxBmx.shape[2:])
-  return jnp.swapaxes(a, 0, 1).reshape(m * bm, *a_MxBmx.shape[2:])
+  return merge_rows([a_MxBmx[i] for i in range(a_MxBmx.shape[0])])
 
 
 def unpack_tick_array(a_BxX, stages: int, microbatches: int):

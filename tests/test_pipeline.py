@@ -183,3 +183,19 @@ def test_distca_plans_pool_ticks_over_every_stage():
   warmups = [backend.host_plans(per_step[0], 256)[0].plan for per_step in ticks]
   assert all(p.loads_before[4:].sum() == 0 for p in warmups)  # stage 1 holds nothing at tick 0
   assert any(p.loads_after[4:].sum() > 0 for p in warmups)    # ... and serves stage 0
+
+
+def test_checkpoint_resumes_under_another_pipe_layout(tmp_path):
+  """A checkpoint of a pipe=1 run resumes under pipe=2 (same parameter tree, other shardings)
+  and continues with the losses of the uninterrupted pipe=1 run."""
+  base = {"mesh.data": 4, "log_every": 1, "checkpoint_every": 2, "tensorboard": False,
+          "optim.warmup_steps": 1, "rows_per_rank": 4, "model.n_layers": 4,
+          "async_checkpoint": False}
+  flat = lambda steps: _with_heads(tiny_config(**base, **{"mesh.tensor": 2, "num_steps": steps}))
+  want = {r["step"]: r["loss"] for r in trainer.train_and_evaluate(flat(4), str(tmp_path / "a"))}
+  trainer.train_and_evaluate(flat(2), str(tmp_path / "b"))
+  piped = _with_heads(tiny_config(**base, **{"num_steps": 4, "mesh.pipe": 2,
+                                             "pipeline.microbatches": 2}))
+  got = {r["step"]: r["loss"] for r in trainer.train_and_evaluate(piped, str(tmp_path / "b"))}
+  assert sorted(got) == [3, 4]
+  np.testing.assert_allclose([got[3], got[4]], [want[3], want[4]], rtol=1e-3)

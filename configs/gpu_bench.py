@@ -32,6 +32,5 @@ def get_config():
   c.checkpoint_every = 0
   c.optim.warmup_steps = 5
   c.attention.backend = "distca"           # CAD; compare: packed_dp, cp, wlb, local
-  c.attention.distca.kernel = "flash3"     # FlashAttention-3 (pip install -e ".[gpu]")
-  c.attention.baselines.kernel = "flash3"
+  c.attention.kernel = "flash3"            # FlashAttention-3 (pip install -e ".[gpu]")
   return c

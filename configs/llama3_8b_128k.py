@@ -43,6 +43,5 @@ def get_config():
   c.num_steps = 1000
   c.log_every = 1
   c.checkpoint_every = 200
-  c.attention.distca.kernel = "flash3"     # FlashAttention-3 (pip install -e ".[gpu]")
-  c.attention.baselines.kernel = "flash3"
+  c.attention.kernel = "flash3"            # FlashAttention-3 (pip install -e ".[gpu]")
   return c

@@ -36,7 +36,8 @@ Kernel layout (why it looks like this):
 
 Why the Triton backend of Pallas (not Mosaic GPU): it runs under ``interpret=True`` on CPU, so
 every test of this contract runs in CI, and its scalar loads make the data-dependent block tables
-easy. Its price, measured on an H200 (results/kernel_gap.md, experiments/kernel_profile.py): 0.54x
+easy. Its price, measured on an H200 (results/archive/ef54cb6/kernel_gap.md,
+experiments/kernel_profile.py): 0.54x
 FlashAttention-3's forward and 0.53-0.80x its forward+backward on shards >= 512 tokens, because
 the lowering gives one 8-warp program per SM (246 registers, 12.5% occupancy) with no warp
 specialization, TMA or persistent grid, and this backward recomputes P in two kernels (1.41x the
@@ -88,7 +89,7 @@ class BlockSizes:
     num_stages_dkv: pipelining depth of the dK/dV query loop.
   """
   # Defaults: the fastest tilings of two sweeps on one H200 (bf16, D=128, 32/8 heads; see
-  # results/kernel_sweep1.md, kernel_sweep2.md): forward 128 x 128 at 8 warps, 3 stages (342
+  # results/archive/be09cdd/kernel_sweep{1,2}.md): forward 128 x 128 at 8 warps, 3 stages (342
   # TFLOP/s dense 16K; 128 x 64 at 4 warps spills: 213); backward 64 x 64 at 4 warps, 2 stages
   # (3 stages: 35% slower). With 64-token shards half of each 128-row query tile is idle:
   # block_q=64, block_k=64, num_warps=4 forwards those at ~320 TFLOP/s instead.
@@ -228,7 +229,7 @@ def _row_blocks(cu_N1: jax.Array, total_rows: int, block: int):
   return seg, local, start, nrows, is_task
 
 
-def _query_block_table(cu_q_N1, cu_k_N1, num_q_rows: int, block_q: int) -> jax.Array:
+def query_block_table(cu_q_N1, cu_k_N1, num_q_rows: int, block_q: int) -> jax.Array:
   """Per query block [5, B]: first row, valid rows, task's first key row, task's keys, diag.
 
   Row t of the block sees the task's local keys j <= t + diag (diag = first local row + lk - lq).
@@ -247,7 +248,7 @@ def _query_block_table(cu_q_N1, cu_k_N1, num_q_rows: int, block_q: int) -> jax.A
   return meta[:, jnp.argsort(-work, stable=True)]
 
 
-def _key_block_table(cu_q_N1, cu_k_N1, num_k_rows: int, block_k: int) -> jax.Array:
+def key_block_table(cu_q_N1, cu_k_N1, num_k_rows: int, block_k: int) -> jax.Array:
   """Per key block [5, B]: first key row, valid keys, task's first query row, task's queries, c.
 
   Local query row r of the task sees key t of the block iff r >= c + t (c = j0 - (lk - lq)).
@@ -307,7 +308,7 @@ def _load(ref_view, mask, other: float = 0.0):
   return plgpu.load(ref_view, mask=mask, other=other)
 
 
-def _key_loop_bounds(q_rows, k_len, diag, block_k: int):
+def key_loop_bounds(q_rows, k_len, diag, block_k: int):
   """Key blocks a query block needs, and how many of them every valid row sees in full."""
   # The last valid row (q_rows - 1) sees j < q_rows + diag; row 0 sees j <= diag.
   k_hi = jnp.maximum(jnp.minimum(k_len, q_rows + diag), 0)
@@ -317,7 +318,7 @@ def _key_loop_bounds(q_rows, k_len, diag, block_k: int):
   return n_full, n_blocks
 
 
-def _query_window_bounds(q_len, k_rows, c, block_q: int, block_k: int):
+def query_window_bounds(q_len, k_rows, c, block_q: int, block_k: int):
   """dK/dV: (first local query row, query windows, masked windows) of a key block.
 
   Local query rows r >= c see key 0 of the block; rows r >= c + k_rows - 1 see all of it. A
@@ -342,7 +343,7 @@ def _fwd_kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale2: float,
   qmask = _tile_mask(row_ok, col_mask, block_q, dpad)
   q_slice = (pl.ds(q_start, block_q), h, cols)
   q = _load(q_ref.at[q_slice], qmask)
-  n_full, n_blocks = _key_loop_bounds(q_rows, k_len, diag, block_k)
+  n_full, n_blocks = key_loop_bounds(q_rows, k_len, diag, block_k)
 
   def body(j, carry, masked: bool):
     acc, m, l = carry
@@ -397,7 +398,7 @@ def _dq_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref
   stat_slice = (h, pl.ds(q_start, block_q))
   lse2 = _load(lse_ref.at[stat_slice], row_ok, float("inf"))
   delta = _load(delta_ref.at[stat_slice], row_ok)
-  n_full, n_blocks = _key_loop_bounds(q_rows, k_len, diag, block_k)
+  n_full, n_blocks = key_loop_bounds(q_rows, k_len, diag, block_k)
 
   def body(j, dq, masked: bool):
     kpos = j * block_k + krows
@@ -434,7 +435,7 @@ def _dkv_kernel(meta_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_re
   k = _load(k_ref.at[k_slice], kmask)
   v = _load(v_ref.at[k_slice], kmask)
 
-  r_first, n_windows, n_masked = _query_window_bounds(q_len, k_rows, c, block_q, block_k)
+  r_first, n_windows, n_masked = query_window_bounds(q_len, k_rows, c, block_q, block_k)
 
   # Everything is computed transposed ([keys, queries]) so that every matmul has the key block
   # (block_k rows) as its M dimension: Hopper's wgmma wants M >= 64 per warpgroup.
@@ -485,7 +486,7 @@ def _forward(q, k, v, cu_q, cu_k, scale: float, bs: BlockSizes, interpret: bool)
   """Returns o [T, H, D] (q dtype) and lse2 [H, T] (f32, log2 domain of the scaled logits)."""
   num_q_rows, num_heads, head_dim = q.shape
   group = num_heads // k.shape[1]
-  meta = _query_block_table(cu_q, cu_k, num_q_rows, bs.block_q)
+  meta = query_block_table(cu_q, cu_k, num_q_rows, bs.block_q)
   kernel = functools.partial(
       _fwd_kernel, scale2=scale * _LOG2E, block_q=bs.block_q, block_k=bs.block_k, group=group,
       head_dim=head_dim, precision=_dot_precision(q.dtype))
@@ -510,7 +511,7 @@ def _backward(q, k, v, cu_q, cu_k, o, lse2, do, dlse_TxH, scale: float, bs: Bloc
   delta = jnp.einsum("thd,thd->ht", o.astype(jnp.float32), do.astype(jnp.float32))
   delta = delta - dlse_TxH.astype(jnp.float32).T
 
-  meta_q = _query_block_table(cu_q, cu_k, num_q_rows, bs.block_q_dq)
+  meta_q = query_block_table(cu_q, cu_k, num_q_rows, bs.block_q_dq)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, scale=scale, block_q=bs.block_q_dq, block_k=bs.block_k_dq,
                         group=group, head_dim=head_dim, precision=precision),
@@ -521,7 +522,7 @@ def _backward(q, k, v, cu_q, cu_k, o, lse2, do, dlse_TxH, scale: float, bs: Bloc
       name="varlen_attention_dq",
   )(meta_q, q, k, v, do, lse2, delta)
 
-  meta_k = _key_block_table(cu_q, cu_k, num_k_rows, bs.block_k_dkv)
+  meta_k = key_block_table(cu_q, cu_k, num_k_rows, bs.block_k_dkv)
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, scale=scale, block_k=bs.block_k_dkv, block_q=bs.block_q_dkv,
                         group=group, head_dim=head_dim, precision=precision),

@@ -15,32 +15,26 @@ import jax
 import ml_collections
 
 from distca_jax import config as config_lib
-from distca_jax import sharding as shard_lib
+from distca_jax import memory
 from distca_jax import trainer
-from distca_jax.data import make_source
+from distca_jax.memory import MEMORY_FIELDS, memory_fields  # noqa: F401  (aot's API)
 
 
 def compile_train_step(c: ml_collections.ConfigDict, devices=None):
   """(compiled step, info dict) for config `c` on `devices` (default: all visible)."""
   config_lib.validate(c)
-  mesh = shard_lib.make_mesh(data=c.mesh.data, tensor=c.mesh.tensor, pipe=c.mesh.pipe,
-                             devices=devices)
-  backend = trainer.make_backend(c)
-  model = trainer.make_model(c, backend)
-  tx = trainer.make_optimizer(c)
-  abstract_state, state_sh = trainer.state_shardings(c, model, tx, mesh)
-  rows = mesh.shape["data"] * c.rows_per_rank
+  run = trainer.setup_run(c, devices=devices)
+  mesh, model, tx, source = run.mesh, run.model, run.tx, run.source
   # Batch shapes (a backend's plan arrays included) from one real host batch: cheap, and the
   # shapes never depend on the batch.
-  source = make_source(c.data, rows=rows, tokens_per_row=c.tokens_per_rank,
-                       vocab_size=model.cfg.vocab_size, seed=c.seed)
-  np_batch = trainer.add_host_plan(source.batch(0), backend, source.doclens(0), c.tokens_per_rank)
+  np_batch = trainer.add_host_plan(source.batch(0), run.backend, source.doclens(0),
+                                   c.tokens_per_rank)
   sh = trainer.rows_sharding(mesh)  # the batch's sharding
   batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for k, a in np_batch.items()}
   t0 = time.time()
   with trainer.mesh_context(mesh):
-    step = trainer.jit_train_step(c, model, tx, mesh, state_sh, tuple(batch))
-    lowered = step.lower(abstract_state, batch)
+    step = trainer.jit_train_step(c, model, tx, mesh, run.state_shardings, tuple(batch))
+    lowered = step.lower(run.abstract_state, batch)
   t1 = time.time()
   compiled = lowered.compile()
   t2 = time.time()
@@ -55,18 +49,45 @@ def compile_train_step(c: ml_collections.ConfigDict, devices=None):
   return compiled, info
 
 
-MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
-                 "alias_size_in_bytes", "generated_code_size_in_bytes")
+def _variant(c: ml_collections.ConfigDict, over: dict) -> ml_collections.ConfigDict:
+  v = ml_collections.ConfigDict(c.to_dict())
+  v.update_from_flattened_dict(over)
+  return v
 
 
-def memory_fields(compiled) -> dict[str, int]:
-  """XLA's buffer assignment of a compiled program, bytes per device ({} when not reported):
-  MEMORY_FIELDS and ``total_per_device_bytes`` = arguments + outputs + temporaries - aliases
-  (donated state aliases its output, so this bounds the live peak)."""
-  mem = compiled.memory_analysis()
-  if mem is None:
-    return {}
-  out = {f: int(getattr(mem, f, 0) or 0) for f in MEMORY_FIELDS}
-  out["total_per_device_bytes"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"]
-                                   + out["temp_size_in_bytes"] - out["alias_size_in_bytes"])
+def knob_variants(c: ml_collections.ConfigDict, n_devices: int) -> list[tuple[str, dict]]:
+  """(label, overrides) of the single-knob changes that lower a step's memory: full remat,
+  twice the tensor parallelism (when it divides the devices and the kv heads), half the tokens
+  per rank. Pipeline parallelism is not implemented (mesh.pipe must be 1), so it is not offered."""
+  out = []
+  if c.model.remat != "full":
+    out.append(("model.remat=full", {"model.remat": "full"}))
+  t = c.mesh.tensor * 2
+  if n_devices % (t * c.mesh.pipe) == 0 and c.model.n_kv_heads % t == 0:
+    if c.mesh.data == -1:
+      out.append((f"mesh.tensor={t}", {"mesh.tensor": t}))
+    elif c.mesh.data % 2 == 0:  # the device count stays: half the data ranks
+      out.append((f"mesh.tensor={t} with mesh.data={c.mesh.data // 2}",
+                  {"mesh.tensor": t, "mesh.data": c.mesh.data // 2}))
+  if c.tokens_per_rank >= 2 and c.tokens_per_rank % 2 == 0:
+    out.append((f"tokens_per_rank={c.tokens_per_rank // 2}",
+                {"tokens_per_rank": c.tokens_per_rank // 2}))
   return out
+
+
+def explain_does_not_fit(c: ml_collections.ConfigDict, err: memory.DoesNotFit,
+                         devices=None) -> memory.DoesNotFit:
+  """`err` with the estimated need of each `knob_variants` change (compiled ahead of time on
+  abstract shapes; a change that fails to compile says so)."""
+  devices = devices if devices is not None else jax.devices()
+  parts = []
+  for label, over in knob_variants(c, len(devices)):
+    try:
+      _, info = compile_train_step(_variant(c, over), devices=devices)
+      need = info.get("total_per_device_bytes")
+      parts.append(f"{label} needs {memory.format_bytes(need)}"
+                   + (" (fits)" if need <= err.capacity else ""))
+    except Exception as e:  # pylint: disable=broad-except  # report the knob, keep the others
+      parts.append(f"{label}: does not compile ({type(e).__name__})")
+  return err.with_knobs("estimated with one change each: " + ", ".join(parts) if parts
+                        else "no single knob change to try")

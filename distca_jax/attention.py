@@ -1,4 +1,4 @@
-"""Core attention: the pluggable middle piece of every layer, selected by a backend name.
+"""Core attention: the pluggable middle piece of every layer (backends: distca_jax.backends).
 
 Core attention is softmax(q k^T) v restricted to each document (causal, never crossing a document
 boundary). It has no weights, so it can be moved anywhere: the `local` backend computes each row's
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import math
 from typing import Any, Callable, Protocol
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+
 
 _NEG = -1e30  # finite "minus infinity": keeps fully masked rows NaN-free.
 
@@ -239,14 +239,15 @@ def local_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: Layout, *, softmax_
   Memory is O(T * block) per row instead of O(T^2); key blocks above the causal diagonal are never
   visited. Block sizes are clamped to divisors of T.
   """
-  _check_shapes(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout)
+  check_shapes(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout)
   t = q_BxTxHxD.shape[1]
   cq, ck = _pick_block(t, block_q), _pick_block(t, block_k)
   return _local_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout.segment_ids_BxT,
                           float(softmax_scale), cq, ck)
 
 
-def _check_shapes(q, k, v, layout: Layout):
+def check_shapes(q, k, v, layout: Layout):
+  """Raises a ValueError unless q [B,T,H,D], k and v [B,T,K,D] and the layout agree."""
   if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
     raise ValueError(f"expected q [B,T,H,D] and k, v [B,T,K,D]; got {q.shape=} {k.shape=} {v.shape=}")
   if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
@@ -258,7 +259,7 @@ def _check_shapes(q, k, v, layout: Layout):
 
 
 # ----------------------------------------------------------------------------------------------
-# The one dispatch point.
+# What a backend is (the backends themselves: distca_jax.backends).
 # ----------------------------------------------------------------------------------------------
 EXTRA_PREFIX = "extra/"  # batch keys holding a backend's host-made arrays (`Layout.extra`)
 
@@ -282,33 +283,3 @@ class Backend:
   fn: Callable[..., jax.Array]
   host_prepare: Callable[..., dict] | None = None
   host_arrange: Callable[..., dict] | None = None
-
-
-# name -> factory(**options) -> Backend
-_BACKENDS: dict[str, Callable[..., Backend]] = {
-    "local": lambda **o: Backend(functools.partial(local_attention, **o)),
-    "reference": lambda **o: Backend(functools.partial(dense_reference, **o)),
-}
-# Backends defined in other modules, imported on first use (they call `register_backend`).
-_LAZY_MODULES = {
-    "distca": "distca_jax.dispatch",
-    "packed_dp": "distca_jax.baselines",
-    "wlb": "distca_jax.baselines",
-    "cp": "distca_jax.baselines",
-}
-
-
-def register_backend(name: str, factory: Callable[..., Backend]) -> None:
-  """Adds a backend: `factory(**options) -> Backend`."""
-  _BACKENDS[name] = factory
-
-
-def get_backend(name: str, **options) -> Backend:
-  """The backend for a config name, with its options bound."""
-  if name not in _BACKENDS and name in _LAZY_MODULES:
-    importlib.import_module(_LAZY_MODULES[name])
-  if name not in _BACKENDS:
-    known = sorted(set(_BACKENDS) | set(_LAZY_MODULES))
-    raise ValueError(f"unknown core-attention backend {name!r}; available: {known}. "
-                     "Set config.attention.backend to one of them.")
-  return _BACKENDS[name](**options)

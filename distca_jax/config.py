@@ -10,7 +10,8 @@ from __future__ import annotations
 import ml_collections
 
 from distca_jax import pipeline
-from distca_jax import scheduler
+from distca_jax.plan import cost
+from distca_jax.errors import UserError
 from distca_jax.model import ModelConfig
 
 
@@ -28,8 +29,9 @@ def base_config() -> ml_collections.ConfigDict:
 
   # --- attention: core attention, the pluggable middle of every layer.
   c.attention = ml_collections.ConfigDict()
-  c.attention.backend = "local"   # 'local' (blockwise jnp, each row its own documents),
-                                  # 'reference' (dense O(T^2) jnp; tests only) or 'distca' (CAD)
+  c.attention.backend = "local"   # distca_jax.backends: 'local' (blockwise jnp, each row its
+                                  # own documents), 'reference' (dense jnp; tests), 'distca'
+                                  # (CAD), 'packed_dp', 'cp', 'wlb' (baselines)
   c.attention.block_q = 512       # `local`: query block (clamped to a divisor of tokens_per_rank)
   c.attention.block_k = 512       # `local`: key block
   c.attention.nano_batches = 1    # 2 = ping-pong (model.ping_pong_layers): each rank's rows form
@@ -38,30 +40,21 @@ def base_config() -> ml_collections.ConfigDict:
                                   # pre-CA of layer i+1, which do not depend on it; the carry
                                   # between layers also holds A's CA output and B's q/k/v;
                                   # needs rows_per_rank % nano_batches == 0
-  # `distca`: core attention disaggregation (distca_jax/dispatch.py). Every data rank is an
-  # attention server; each batch is planned on the host (scheduler.schedule) and executed in the
-  # step by one all-to-all out, one fused kernel call per server and one all-to-all back. Buffer
-  # caps are rows per device (rows_per_rank x tokens_per_rank tokens); 0 = auto: the row caps
-  # (q_slot, kv_slot, q_tokens, kv_tokens) from the run's own first batches (caps_from_batches,
-  # dispatch.startup_capacity), or with caps_from_batches = 0 the fixed fractions of
-  # dispatch.default_capacity (q_slot T/2, kv_slot T, q_tokens 1.5 T, kv_tokens 3 T); tasks 64
-  # per row. The planner never exceeds a cap (tighter caps cost balance, looser ones memory).
+  c.attention.kernel = "auto"     # ops.core_attention kernel of the fused backends (distca,
+                                  # packed_dp, cp, wlb): 'auto' ('blockwise' on CPU, 'reference'
+                                  # elsewhere: ops.default_kernel), 'blockwise' (jnp tiles),
+                                  # 'reference' (dense jnp), 'pallas', 'mosaic', 'flash3'
+  # `distca`: core attention disaggregation (distca_jax/plan, distca_jax/dataplane,
+  # distca_jax/backends/distca.py). Caps are rows per device and call; 0 = auto: the row caps from
+  # the run's first batches (caps_from_batches), else plan.default_capacity; tasks 64 per row.
   c.attention.distca = ml_collections.ConfigDict()
-  c.attention.distca.tolerance = scheduler.DEFAULT_TOLERANCE
-                                          # epsilon: every server within (1 + eps) x mean pairs
-                                          # (0.02; why: scheduler.DEFAULT_TOLERANCE)
-  c.attention.distca.min_gain = 0.02      # the gate: a plan (one per nano-batch) moves nothing
-                                          # when perfect balance would speed the step up by
-                                          # less than 1 + this (predicted from its document
-                                          # lengths and the model: scheduler.
-                                          # predicted_step_gain); 0 = always balance. Why 0.02:
-                                          # on 2 H200s near-balanced batches ran up to 3.5%
-                                          # slower with CAD; replaying the v5 runs' per-batch
-                                          # steps, gates of 0.01 / 0.02 / 0.03 / 0.04 take 0.30
-                                          # / 0.37 / 0.40 / 0.40 (ProLong 64K) and 0.70 / 0.73 /
-                                          # 0.71 / 0.71 (ProLong 128K) of the ceiling's gain and
-                                          # leave Pretrain alone up to 0.03 (experiments/
-                                          # per_batch_bound.py --min-gain)
+  c.attention.distca.tolerance = cost.DEFAULT_TOLERANCE
+                                          # every server within (1 + tolerance) x mean pairs;
+                                          # default: plan.cost.DEFAULT_TOLERANCE says why
+  c.attention.distca.min_gain = 0.02      # the gate: a plan moves nothing when perfect balance
+                                          # would speed the step up by less than this
+                                          # (plan.predicted_step_gain); 0.02 keeps most of the
+                                          # per-batch bound's gain (results/per_batch_bound.md)
   c.attention.distca.min_shard = 0        # shortest query piece a split may create; 0 = auto
                                           # (512, or tokens_per_rank / 16 for short rows)
   c.attention.distca.q_slot = 0           # query rows one rank sends one server
@@ -69,51 +62,30 @@ def base_config() -> ml_collections.ConfigDict:
   c.attention.distca.q_tokens = 0         # query rows in a server's attention input
   c.attention.distca.kv_tokens = 0        # key/value rows in a server's attention input
   c.attention.distca.tasks = 0            # CA-tasks (varlen segments) per server
-  c.attention.distca.caps_from_batches = 32  # row caps left at 0 come from planning this many
-                                          # batches of the run's data at startup (their
-                                          # envelope x caps_headroom, never below the rows a
-                                          # device holds); 0 = default_capacity's fractions
-                                          # (always under mesh.pipe > 1, where one call is a
-                                          # pipeline tick: rows_per_rank / M rows per device)
+  c.attention.distca.caps_from_batches = 32  # row caps left at 0: the envelope of this many of
+                                          # the run's batches planned at startup; 0 = fixed
+                                          # fractions (plan.default_capacity;
+                                          # always under mesh.pipe > 1: one call is a tick)
   c.attention.distca.caps_headroom = 1.1  # >= 1: margin over the sampled batches' envelope
-  c.attention.distca.kernel = "reference" # ops.core_attention backend: 'reference' (jnp),
-                                          # 'pallas' (interpret mode on CPU), 'flash3' (Hopper)
   c.attention.distca.memory_mode = "keep" # 'keep': servers keep received Q/K/V for the
                                           # backward; 'resend': they are re-sent (recomputed)
-  c.attention.distca.cost_table = ""      # optional JSON of measured kernel time over (q_len,
-                                          # kv_len) from experiments/cost_table.py (e.g.
-                                          # results/cost_table_flash3_h200.json); plans then also
-                                          # predict per-server time (balancing stays in pairs)
-  c.attention.distca.exchange_buckets = 8  # int >= 1: per batch the exchange moves only the
-                                          # smallest of 1/n, 2/n, ..., 1 of each slot that holds
-                                          # the batch's fullest slot (lax.switch over n static
-                                          # branches); 1 = always the full slots
-  c.attention.distca.split_exchange = False  # True: query rows and key/value rows each pick
-                                          # their own bucket and cross in their own collective
-                                          # (fewer padded bytes, two collectives; not yet timed
-                                          # on GPUs: results/split_exchange_bytes.md)
-  c.attention.distca.collective = "auto"  # how the exchange moves rows: one tiled
-                                          # 'all_to_all' over every server's slot, or S - 1
-                                          # 'ppermute' rounds over the peers' slots only; 'auto':
-                                          # ppermute with 2 servers, all_to_all otherwise
-                                          # (results/dispatch_v3_summary.md)
-  c.attention.distca.signal_only = False  # benchmarks only: every all-to-all carries one row per
-                                          # slot (same program otherwise); results are WRONG
+  c.attention.distca.exchange_buckets = 8  # per batch the exchange moves only the smallest of
+                                          # 1/n, ..., 1 of each slot that holds the batch; 1 = full
+                                          # slots (results/archive/5fecf88/dispatch_bench_buckets.md)
   # Baselines (distca_jax/baselines): 'packed_dp' (each rank its own documents, one fused varlen
   # call), 'cp' (per-sequence context parallelism: groups of cp_size consecutive data ranks, head-
   # tail chunks, K/V all-gathered) and 'wlb' (WLB-LLM packing over DP groups + per-document CP).
   # 'cp' and 'wlb' rearrange each batch on the host (Backend.host_arrange, called by the trainer's
   # input thread through trainer.add_host_plan).
   c.attention.baselines = ml_collections.ConfigDict()
-  c.attention.baselines.kernel = "reference"   # ops.core_attention backend of the fused calls
-  c.attention.baselines.cp_size = 1            # cp / wlb: ranks per CP group (divides mesh.data)
+  c.attention.baselines.cp_size = 1            # cp / wlb: ranks per CP group (divides mesh.data);
+                                               # wlb: 0 = WLB-ideal's pick (baselines.ideal)
   c.attention.baselines.wlb_alpha = 1.0        # wlb: per-rank token cap Lmax = alpha x
                                                # tokens_per_rank (>= 1; > 1 trades memory balance
-                                               # for attention balance)
-  c.attention.baselines.max_docs_per_row = 128  # task-table slots per row (documents or pieces);
-                                               # unused slots cost flash3 launch work, so keep
-                                               # it tight (Pretrain/ProLong rows hold <= 38
-                                               # documents); packing errors name the need
+                                               # for attention balance); 0 = WLB-ideal's pick
+  c.attention.baselines.max_docs_per_row = 128  # task-table slots per row (documents or pieces;
+                                               # unused ones cost flash3 launch work); packing
+                                               # errors name the need
 
   # --- mesh: named axes; data x tensor x pipe must equal the device count.
   c.mesh = ml_collections.ConfigDict()
@@ -163,6 +135,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.peak_tflops = 0.0             # per-device peak for MFU; 0 = look up by device kind (H100/H200:
                                   # 989 dense bf16), unknown devices report no MFU
   c.tensorboard = True            # write TensorBoard event files under WORKDIR/tb
+  c.train = ml_collections.ConfigDict()
+  c.train.max_bad_steps = 3       # stop after this many consecutive steps whose loss or gradient
+                                  # norm was not finite (each is skipped: no update is applied)
   c.profile_step = -1             # -1: off. N: profile step N (0-based; N = 0 also traces the
                                   # compilation on the host) into WORKDIR/profile, write
                                   # report.json / report.md there (distca_jax.profiling: per-rank
@@ -178,42 +153,48 @@ PIPELINE_BACKENDS = ("local", "reference", "packed_dp", "distca")
 
 def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
   """The typed, validated model config of a run config."""
-  return ModelConfig(**c.model.to_dict())
+  try:
+    return ModelConfig(**c.model.to_dict())
+  except ValueError as e:  # ModelConfig names the field and the fix
+    raise UserError(f"config.model: {e}") from e
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
   """Errors for values that would fail late (or silently) inside a run."""
   if c.tokens_per_rank <= 0:
-    raise ValueError(f"tokens_per_rank={c.tokens_per_rank} must be positive")
+    raise UserError(f"tokens_per_rank={c.tokens_per_rank} must be positive")
   if c.rows_per_rank <= 0:
-    raise ValueError(f"rows_per_rank={c.rows_per_rank} must be positive")
+    raise UserError(f"rows_per_rank={c.rows_per_rank} must be positive")
   if c.num_steps <= 0:
-    raise ValueError(f"num_steps={c.num_steps} must be positive")
+    raise UserError(f"num_steps={c.num_steps} must be positive")
   if c.optim.warmup_steps < 0 or c.optim.warmup_steps > c.num_steps:
-    raise ValueError(f"optim.warmup_steps={c.optim.warmup_steps} must be in [0, num_steps="
-                     f"{c.num_steps}]")
+    raise UserError(f"optim.warmup_steps={c.optim.warmup_steps} must be in [0, num_steps="
+                    f"{c.num_steps}]")
   if c.attention.nano_batches not in (1, 2):
-    raise ValueError(f"attention.nano_batches={c.attention.nano_batches}; use 1 (single stream) "
-                     "or 2 (ping-pong)")
+    raise UserError(f"attention.nano_batches={c.attention.nano_batches}; use 1 (single stream) "
+                    "or 2 (ping-pong)")
   if c.profile_step != -1 and not 0 <= c.profile_step < c.num_steps:
-    raise ValueError(f"profile_step={c.profile_step} must be -1 (off) or a step in [0, num_steps="
-                     f"{c.num_steps})")
+    raise UserError(f"profile_step={c.profile_step} must be -1 (off) or a step in [0, num_steps="
+                    f"{c.num_steps})")
   if c.rows_per_rank % c.attention.nano_batches:
-    raise ValueError(f"rows_per_rank={c.rows_per_rank} must be a multiple of attention."
-                     f"nano_batches={c.attention.nano_batches} (each nano-batch is whole rows)")
+    raise UserError(f"rows_per_rank={c.rows_per_rank} must be a multiple of attention."
+                    f"nano_batches={c.attention.nano_batches} (each nano-batch is whole rows)")
+  if c.train.max_bad_steps < 1:
+    raise UserError(f"train.max_bad_steps={c.train.max_bad_steps} must be >= 1 (consecutive "
+                    "skipped steps before the run stops)")
   if c.mesh.pipe > 1:
     m = pipeline.resolve_microbatches(c.pipeline.microbatches, c.mesh.pipe)
     if c.rows_per_rank % m:
-      raise ValueError(f"rows_per_rank={c.rows_per_rank} must be a multiple of pipeline."
-                       f"microbatches={m} (each microbatch is whole rows of every data rank; "
-                       "0 = 2 x mesh.pipe)")
+      raise UserError(f"rows_per_rank={c.rows_per_rank} must be a multiple of pipeline."
+                      f"microbatches={m} (each microbatch is whole rows of every data rank; "
+                      "0 = 2 x mesh.pipe)")
     if c.model.n_layers % c.mesh.pipe:
-      raise ValueError(f"model.n_layers={c.model.n_layers} must be a multiple of mesh.pipe="
-                       f"{c.mesh.pipe} (each stage holds n_layers / pipe layers)")
+      raise UserError(f"model.n_layers={c.model.n_layers} must be a multiple of mesh.pipe="
+                      f"{c.mesh.pipe} (each stage holds n_layers / pipe layers)")
     if c.attention.backend not in PIPELINE_BACKENDS:
-      raise ValueError(f"attention.backend={c.attention.backend!r} does not run under mesh.pipe="
-                       f"{c.mesh.pipe} yet; use one of {PIPELINE_BACKENDS} or mesh.pipe=1")
+      raise UserError(f"attention.backend={c.attention.backend!r} does not run under mesh.pipe="
+                      f"{c.mesh.pipe} yet; use one of {PIPELINE_BACKENDS} or mesh.pipe=1")
     if c.attention.nano_batches != 1 or not c.model.scan_layers:
-      raise ValueError(f"mesh.pipe={c.mesh.pipe} runs the single stream over scanned layers; set "
-                       "attention.nano_batches=1 and model.scan_layers=True")
+      raise UserError(f"mesh.pipe={c.mesh.pipe} runs the single stream over scanned layers; set "
+                      "attention.nano_batches=1 and model.scan_layers=True")
   model_config(c)

@@ -6,11 +6,14 @@ The command line uses ml_collections' config flags; notebooks, tests and scripts
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib.util
 import os
 from typing import Iterable
 
 import ml_collections
+
+from distca_jax.errors import UserError
 
 
 def load_config(path: str, overrides: Iterable[str] = ()) -> ml_collections.ConfigDict:
@@ -29,6 +32,8 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> ml_collections.Conf
     key, sep, value = item.partition("=")
     if not sep:
       raise ValueError(f"override {item!r} must look like key=value (e.g. mesh.tensor=2)")
+    if key not in config_keys(c):
+      raise UserError(unknown_key_message(c, key))
     node = c
     *parents, leaf = key.split(".")
     for part in parents:
@@ -46,3 +51,28 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> ml_collections.Conf
       new = float(new)
     node[leaf] = new
   return c
+
+
+def config_keys(c: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+  """Every dotted key of `c`, sections included (`model`, `model.dim`, ...)."""
+  out = []
+  for name, value in c.items():
+    out.append(prefix + name)
+    if isinstance(value, ml_collections.ConfigDict):
+      out += config_keys(value, prefix + name + ".")
+  return out
+
+
+def unknown_key_message(c: ml_collections.ConfigDict, key: str) -> str:
+  """One line: `key` is not a config key, and the nearest valid keys (by the whole dotted name,
+  else by its last part, which finds a right key under a wrong section)."""
+  keys = config_keys(c)
+  near = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
+  if not near:
+    leaves = {k: k.rsplit(".", 1)[-1] for k in keys}
+    close = set(difflib.get_close_matches(key.rsplit(".", 1)[-1], set(leaves.values()), n=3,
+                                          cutoff=0.6))
+    near = [k for k, leaf in leaves.items() if leaf in close][:3]
+  hint = (f"nearest valid keys: {', '.join(near)}" if near
+          else "every key is defined (and documented) in distca_jax/config.py")
+  return f"unknown config key {key!r}; {hint}"

@@ -1,7 +1,7 @@
 """Import a Hugging Face Llama checkpoint (`config.json` + safetensors) into `model.Transformer`.
 
     cfg, params = load_hf_checkpoint("/ckpts/Llama-3.1-8B", dtype="bfloat16")
-    logits = Transformer(cfg, attention.get_backend("local").fn).apply(
+    logits = Transformer(cfg, attention.local_attention).apply(
         params, tokens_BxT, layout, method=Transformer.logits)
 
     python -m distca_jax.hf_import CHECKPOINT_DIR           # the mapped config, expected #params
@@ -420,7 +420,7 @@ def _get(tree: Mapping[str, Any], path: tuple[str, ...], what: str) -> Any:
 # ----------------------------------------------------------------------------------------------
 def param_shardings(cfg: model_lib.ModelConfig, mesh) -> Params:
   """{'params': NamedSharding tree} from the model's logical axis names and `sharding.RULES`."""
-  model = model_lib.Transformer(cfg, attn_lib.get_backend("local").fn)
+  model = model_lib.Transformer(cfg, attn_lib.local_attention)
   ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
   abstract = jax.eval_shape(model.init, jax.random.key(0), ids, attn_lib.Layout(ids, ids))
   return sharding_lib.tree_shardings(mesh, nn.get_partition_spec(abstract))

@@ -15,13 +15,13 @@ import ml_collections
 # schedules around the linear layers of the other nano-batch (`attention.nano_batches=2`,
 # model.ping_pong_layers: post-CA of layer i and pre-CA of layer i+1), and on 2 H200s the step
 # was within 0.6-1.1% of its signal-only twin (tiny all-to-alls) while ping-pong changed nothing
-# (results/e2e_v5_summary.md; that run had the within-layer schedule); DESIGN_NOTES Sec. 6 measured
-# `--xla_gpu_enable_latency_hiding_scheduler` hiding 37% vs 30% of an all-to-all. Pass any XLA
-# flags through the environment (XLA_FLAGS) and they are kept.
+# (results/archive/7310cdf/e2e_v5_summary.md; that run had the within-layer schedule);
+# docs/design.md Sec. 13 measured `--xla_gpu_enable_latency_hiding_scheduler` hiding 37% vs 30% of
+# an all-to-all. Pass any XLA flags through the environment (XLA_FLAGS) and they are kept.
 # XLA_PYTHON_CLIENT_MEM_FRACTION: JAX preallocates 75% of GPU memory by default; Llama-3-8B layers
-# at 128K tokens per GPU with remat 'none' plan ~105-113 GiB of an H200's 140 (results/
-# e2e_v5_summary.md), which failed at 75% and fits at 92% (NCCL and kernel workspaces live in the
-# rest).
+# at 128K tokens per GPU with remat 'none' plan ~105-113 GiB of an H200's 140
+# (results/archive/7310cdf/e2e_v5_summary.md), which failed at 75% and fits at 92% (NCCL and
+# kernel workspaces live in the rest).
 GPU_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
 # XLA flags added to XLA_FLAGS unless it already sets them (the user's value wins):
 # --xla_gpu_enable_dynamic_slice_fusion=false: in the layer scan, XLA's dynamic-slice fusion
@@ -29,7 +29,7 @@ GPU_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "XLA_PYTHON_CLIENT_MEM_FRACTION": "
 # residual, so every layer ran the forward kernel twice (two flash_mha_fwd calls in the compiled
 # step's HLO, one without the flag). On one H200, 2 layers of Llama-3-8B: 2 rows of 64K steps
 # 1725 -> 1646 ms (packed_dp), 64K Pretrain 809 -> 785 ms, ProLong 732 -> 720 ms
-# (results/pingpong_v6_summary.md).
+# (results/archive/4b6459c/pingpong_v6_summary.md).
 XLA_FLAG_DEFAULTS = {"xla_gpu_enable_dynamic_slice_fusion": "false"}
 
 
@@ -60,5 +60,18 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, multihost: bool = Fa
   import jax
   if multihost:
     jax.distributed.initialize()
-  from distca_jax import trainer
-  return trainer.train_and_evaluate(config, workdir)
+  from distca_jax import memory, trainer
+  try:
+    return trainer.train_and_evaluate(config, workdir, device_memory_bytes=_injected_capacity())
+  except memory.DoesNotFit as e:  # add what each knob would need (compiles variants: slow path)
+    from distca_jax import aot
+    raise aot.explain_does_not_fit(config, e) from e.__cause__
+
+
+# Test hook: pretend each device has this many bytes (the memory pre-flight on CPUs).
+DEVICE_MEMORY_ENV = "DISTCA_TEST_DEVICE_MEMORY_BYTES"
+
+
+def _injected_capacity() -> int | None:
+  value = os.environ.get(DEVICE_MEMORY_ENV)
+  return int(value) if value else None

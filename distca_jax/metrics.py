@@ -9,6 +9,12 @@ MFU counts document-masked FLOPs, the work the model really needs for the real t
 summed over the documents (pieces) l of the batch, padding excluded, divided by
 (step time * devices * peak). Attention never crosses a document boundary, so packing many short
 documents costs much less than sum(l)^2 would suggest; this is what the formula reflects.
+
+MFU is the reported convention. The work model that the e2e ceiling, the planner's gate, the
+baselines' metrics and the simulator (``distca_jax.sim``) share is ``work_flops``: the same
+token-linear term, attention at the fused kernel's forward + backward (3.5x forward,
+``plan.cost.BWD_FWD_RATIO``). With few layers the LM head dominates the counted FLOPs
+(``lm_head_share``), so MFU tables state the layers and that share.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ import time
 from typing import Iterable, Sequence
 
 import jax
+import numpy as np
 
+from distca_jax.plan import cost as plan_cost
 from distca_jax.model import ModelConfig
 
 # Dense bf16 peak per device, by substring of jax's device_kind.
@@ -34,15 +42,46 @@ def matmul_params(cfg: ModelConfig) -> int:
   return cfg.n_layers * per_layer + e * cfg.vocab_size
 
 
+def attention_pair_flops(n_layers: int, q_heads: int, head_dim: int) -> float:
+  """Training FLOPs of one causal (query, key) pair over ``n_layers`` layers in the work model:
+  the fused kernel's forward + backward (``plan.cost.task_flops``: 4 Hq D forward, 3.5x that
+  with the backward)."""
+  return float(plan_cost.task_flops(1, q_heads, head_dim)) * n_layers
+
+
+def work_flops(matmul_weights: float, n_layers: int, q_heads: int, head_dim: int, tokens,
+               pairs):
+  """The work model shared by the e2e ceiling, the planner's gate and the simulator:
+  ``6 N tokens + attention_pair_flops x pairs`` (scalars or arrays). MFU keeps its reported
+  convention (``step_flops``: attention at 3x forward), so the two differ by design."""
+  return (6.0 * float(matmul_weights) * np.asarray(tokens, np.float64)
+          + attention_pair_flops(n_layers, q_heads, head_dim) * np.asarray(pairs, np.float64))
+
+
+def step_work(cfg: ModelConfig, doc_lens: Iterable[Sequence[int]] | Sequence[int]) -> float:
+  """``work_flops`` of one batch (or one rank's share) of documents: ``l (l + 1) / 2`` causal
+  pairs per document of ``l`` tokens."""
+  flat = np.asarray(_flatten(doc_lens), np.float64)
+  return float(work_flops(matmul_params(cfg), cfg.n_layers, cfg.n_heads, cfg.head_dim,
+                          flat.sum(), (flat * (flat + 1) / 2).sum()))
+
+
 def linear_pairs_per_token(cfg: ModelConfig) -> float:
   """The linear layers' training work per token in causal-pair units of core attention.
 
-  ``step_flops`` counts ``6 N`` per token and ``6 L Hq D l^2`` per document of length ``l``,
-  i.e. ``12 L Hq D`` per causal (query, key) pair (``l (l + 1) / 2`` pairs); one token's linear
-  work is then ``N / (2 L Hq D)`` pairs. The CAD planner's gate weighs attention loads with it
-  (``scheduler.predicted_step_gain``).
+  In the work model (``work_flops``) a token costs ``6 N`` and a causal pair
+  ``attention_pair_flops`` (14 L Hq D), so one token's linear work is ``6 N / (14 L Hq D)``
+  pairs. The CAD planner's gate weighs attention loads with it
+  (``plan.predicted_step_gain``).
   """
-  return matmul_params(cfg) / (2.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim)
+  return 6.0 * matmul_params(cfg) / attention_pair_flops(cfg.n_layers, cfg.n_heads, cfg.head_dim)
+
+
+def lm_head_share(cfg: ModelConfig, doc_lens: Iterable[Sequence[int]] | Sequence[int]) -> float:
+  """The LM head's share of ``step_flops`` (MFU's FLOPs): ``6 E V sum(l) / step_flops``. With
+  few layers the head dominates what MFU counts, so MFU tables state it beside the layers."""
+  total = step_flops(cfg, doc_lens)
+  return 6.0 * cfg.dim * cfg.vocab_size * float(sum(_flatten(doc_lens))) / total if total else 0.0
 
 
 def step_flops(cfg: ModelConfig, doc_lens: Iterable[Sequence[int]] | Sequence[int]) -> float:

@@ -2,7 +2,7 @@
 
 Each layer is three named pieces so that core attention (no weights) can be moved elsewhere:
   * `PreCA`: RMSNorm, Q/K/V projections, RoPE at each token's position inside its own document.
-  * core attention: `attention.get_backend(name).fn`, a function of (q, k, v, layout).
+  * core attention: `backends.build(config).fn`, a function of (q, k, v, layout).
   * `PostCA`: output projection, residual, RMSNorm, SwiGLU MLP, residual.
 Layers run under `nn.scan` (compile time independent of depth) with optional rematerialization.
 With two nano-batches (ping-pong) the stack runs as one cross-layer schedule instead
@@ -63,7 +63,7 @@ class ModelConfig:
   # output: the backward reruns only the linear layers and norms, never the attention kernel's
   # forward nor CAD's exchanges; about 2 x q + 2 x k/v rows per layer more than 'full').
   # Measured at 128K tokens per H200, 2 layers: 'none' steps 2% faster than 'save_attention'
-  # for 116-121 vs 63-66 GB per GPU (results/e2e_v5_summary.md).
+  # for 116-121 vs 63-66 GB per GPU (results/archive/7310cdf/e2e_v5_summary.md).
   remat: str = "full"
   scan_layers: bool = True       # nn.scan over layers (compile time does not grow with depth)
   init_std: float = 0.02         # normal init of every weight matrix
@@ -75,8 +75,8 @@ class ModelConfig:
       raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-    if self.remat not in _REMAT_POLICIES:
-      raise ValueError(f"remat={self.remat!r}; choose one of {sorted(_REMAT_POLICIES)}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={self.remat!r}; choose one of {sorted(REMAT_POLICIES)}")
     for f in ("dtype", "param_dtype"):
       jnp.dtype(getattr(self, f))  # raises on an unknown dtype name
 
@@ -94,7 +94,7 @@ class ModelConfig:
     return n
 
 
-_REMAT_POLICIES = {
+REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
@@ -238,7 +238,7 @@ class _ScanBody(nn.Module):
   def __call__(self, x, layout):
     layer_cls = DecoderLayer
     if self.cfg.remat != "none":
-      layer_cls = nn.remat(DecoderLayer, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+      layer_cls = nn.remat(DecoderLayer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
     return layer_cls(self.cfg, self.core_attention, name="layer")(x, layout), None
 
 
@@ -301,7 +301,7 @@ def ping_pong_layers(cfg: ModelConfig, core_attention: attn_lib.CoreAttentionFn,
       return f
     # prevent_cse=False only inside the scan (as nn.scan does): there a loop already keeps XLA
     # from merging the backward's recomputation with the forward; outside, CSE would undo it.
-    return jax.checkpoint(f, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not in_scan)
+    return jax.checkpoint(f, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not in_scan)
 
   def layer(all_params, i):
     if not stacked:
@@ -417,7 +417,7 @@ class Transformer(nn.Module):
         lambda qkv, lay: _attend(self.core_attention, qkv, lay, scale),
         lambda p, x, o: post_mod.apply({"params": p}, x, o),
         layers, x_BxTxE, layout, microbatches=self.microbatches, stages=stages,
-        remat=cfg.remat != "none", remat_policy=_REMAT_POLICIES[cfg.remat])
+        remat=cfg.remat != "none", remat_policy=REMAT_POLICIES[cfg.remat])
 
   def head_weights(self):
     """[E, V] LM-head matrix (the embedding's transpose when tied)."""

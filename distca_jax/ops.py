@@ -6,13 +6,20 @@ causal mask is aligned bottom-right inside each task (see ``custom_ops/varlen_at
 
 Backends:
   'reference'  plain jnp, dense [H, T, U] logits: tests and small buffers only.
+  'blockwise'  plain jnp, tile by tile over the task table with its own VJP
+               (``custom_ops/blockwise_attention.py``): work follows the tasks' (query, key)
+               pairs, not the buffer sizes. The CPU kernel.
   'pallas'     our Pallas kernel (Triton backend); interpret mode on CPU.
+  'mosaic'     our Pallas Mosaic GPU kernels (Hopper GPUs, bf16/fp16, head dim 64/128).
   'flash3'     FlashAttention-3 through the ``flash-attn3-jax`` package (Hopper GPUs, bf16/fp16,
                head dim 128 in the published wheel). Each call runs the cheapest of several
                compiled launch shapes that holds its task table (``flash3_grid_buckets``);
                rows outside the tasks are masked, not computed.
 
-An unavailable backend raises ``BackendUnavailableError`` saying how to get it; nothing falls back.
+'auto' picks ``default_kernel()`` when traced: 'blockwise' on CPU, 'reference' elsewhere (GPU
+configs name 'flash3' or 'pallas'). It is the configs' default; an explicit name is always run
+as named. An unavailable backend raises ``BackendUnavailableError`` saying how to get it;
+nothing falls back.
 """
 
 from __future__ import annotations
@@ -27,14 +34,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from custom_ops import blockwise_attention as bw
 from custom_ops import varlen_attention as va
-from distca_jax import scheduler
+from distca_jax.checks import check_int
+from distca_jax.plan.cost import BWD_FWD_RATIO
 
-BACKENDS = ("reference", "pallas", "flash3")
+BACKENDS = ("reference", "pallas", "flash3", "mosaic", "blockwise", "auto")
 FLASH3_PIP_SPEC = "flash-attn3-jax==0.2.3"
 FLASH3_HEAD_DIMS = (128,)  # the head dims the published wheel was built for
 # Kernel backward cost over forward cost (the backward recomputes QK^T): fwd+bwd = 3.5x forward.
-BACKWARD_FLOPS_RATIO = scheduler.BWD_FWD_RATIO  # one place holds it: the scheduler
+BACKWARD_FLOPS_RATIO = BWD_FWD_RATIO  # one place holds it: the cost model (plan.cost)
 # flash3 launch shapes per dimension (``flash3_grid_buckets``): 4 -> slots N, N/2, N/4, N/8 times
 # bounds L, L/2, L/4, L/8 (16 compiled FA3 variants, one runs per call).
 FLASH3_GRID_LEVELS = 4
@@ -42,15 +51,15 @@ FLASH3_GRID_LEVELS = 4
 
 # Primitives that are a kernel's forward call and whose outputs are the kernel's O and LSE as
 # the backward takes them: our Pallas kernel. Remat policies that keep attention
-# ('save_attention' in model.py, the 'resend' memory mode in dispatch.py) save them instead of
+# ('save_attention' in model.py, the 'resend' memory mode in dataplane/body.py) save them instead of
 # rerunning the kernel.
 KERNEL_PRIMITIVES = frozenset({"pallas_call"})
 # ``checkpoint_name`` of kernel outputs saved by name instead: FlashAttention-3's FFI call returns
 # its LSE in a [slots, H, max_seqlen_q] buffer (8.7 GB for 260 slots of a 64K row, 32 heads) of
 # which only the first H x T entries are written; saving that call's outputs kept the whole buffer
 # per layer and copied it into the layer scan's stacked residuals (MemcpyD2D, 117-188 ms of a
-# 1.8 s step on an H200, results/pingpong_v6_summary.md). The flash3 path names O and the [H, T]
-# LSE it cuts out of the buffer.
+# 1.8 s step on an H200, results/archive/4b6459c/pingpong_v6_summary.md). The flash3 path
+# names O and the [H, T] LSE it cuts out of the buffer.
 KERNEL_OUTPUTS_NAME = "ca_kernel_out"
 # ``checkpoint_name`` of the kernel's query/key/value inputs (the backward's residuals).
 KERNEL_INPUTS_NAME = "ca_in"
@@ -68,11 +77,17 @@ class BackendUnavailableError(RuntimeError):
   """The requested attention backend cannot run here; the message says how to get it."""
 
 
+def default_kernel() -> str:
+  """The kernel 'auto' runs: 'blockwise' when JAX's default backend is the CPU, else 'reference'
+  (GPU runs name their kernel: 'flash3' or 'pallas')."""
+  return "blockwise" if jax.default_backend() == "cpu" else "reference"
+
+
 def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
                    cu_seqlens_q_N1: jax.Array, cu_seqlens_k_N1: jax.Array, *,
                    backend: str = "reference", softmax_scale: float | None = None,
                    return_lse: bool = False, interpret: bool | None = None,
-                   block_sizes: va.BlockSizes | None = None, max_seqlen_q: int | None = None,
+                   block_sizes: va.BlockSizes | bw.BlockSizes | None = None, max_seqlen_q: int | None = None,
                    max_seqlen_k: int | None = None, grid_levels: int = FLASH3_GRID_LEVELS,
                    name_inputs: bool = True):
   """Causal (bottom-right) GQA attention of every CA-task in a fused batch.
@@ -83,12 +98,13 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
     v_UxKxD: packed values [U, K, D].
     cu_seqlens_q_N1: int32 [N + 1], non-decreasing, within [0, T].
     cu_seqlens_k_N1: int32 [N + 1], non-decreasing, within [0, U].
-    backend: 'reference', 'pallas' or 'flash3'.
+    backend: 'reference', 'blockwise', 'pallas', 'flash3', 'mosaic' or 'auto' (``default_kernel()``).
     softmax_scale: logit scale; default 1 / sqrt(D).
     return_lse: also return the natural-log log-sum-exp [T, H] (f32; -inf on rows seeing no key).
     interpret: 'pallas' only; run in the Pallas interpreter. Default: True iff the default
       backend is CPU.
-    block_sizes: 'pallas' only; kernel tiles (``custom_ops.BlockSizes``).
+    block_sizes: 'pallas': kernel tiles (``custom_ops.BlockSizes``); 'blockwise': its tiles
+      (``custom_ops.blockwise_attention.BlockSizes``).
     max_seqlen_q: 'flash3' only (ignored elsewhere): static upper bound on the query rows of any
       task (padding rows outside the tasks do not count). Default T (always safe). A task
       longer than the bound makes the output NaN.
@@ -105,11 +121,15 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
   """
   if backend not in BACKENDS:
     raise ValueError(f"unknown attention {backend=}; choose one of {BACKENDS}")
+  if backend == "auto":
+    backend = default_kernel()
   va.validate_inputs(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1)
-  if backend != "pallas" and (interpret is not None or block_sizes is not None):
-    raise ValueError(
-        f"interpret={interpret!r} and block_sizes={block_sizes!r} apply to backend='pallas' only; "
-        f"drop them for {backend=}")
+  if backend != "pallas" and interpret is not None:
+    raise ValueError(f"interpret={interpret!r} applies to backend='pallas' only; drop it for "
+                     f"{backend=}")
+  if backend not in ("pallas", "blockwise") and block_sizes is not None:
+    raise ValueError(f"block_sizes={block_sizes!r} applies to backend='pallas' or 'blockwise' "
+                     f"only; drop it for {backend=}")
   if name_inputs:  # for remat policies that keep the kernel's residuals ('save_attention')
     q_TxHxD, k_UxKxD, v_UxKxD = (checkpoint_name(x, KERNEL_INPUTS_NAME)
                                  for x in (q_TxHxD, k_UxKxD, v_UxKxD))
@@ -117,6 +137,9 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
   if backend == "reference":
     o, lse = va.varlen_attention_reference(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1,
                                            cu_seqlens_k_N1, softmax_scale=softmax_scale)
+  elif backend == "blockwise":
+    o, lse = bw.blockwise_attention(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1,
+                                    softmax_scale=softmax_scale, block_sizes=block_sizes)
   elif backend == "pallas":
     if interpret is None:
       interpret = jax.default_backend() == "cpu"
@@ -127,6 +150,8 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
     o, lse = va.varlen_attention(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1,
                                  softmax_scale=softmax_scale, block_sizes=block_sizes,
                                  interpret=interpret)
+  elif backend == "mosaic":
+    o, lse = _mosaic(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1, softmax_scale)
   else:
     o, lse = _flash3(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1,
                      softmax_scale=softmax_scale, max_seqlen_q=max_seqlen_q,
@@ -134,12 +159,22 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
   return (o, lse) if return_lse else o
 
 
+def _mosaic(q, k, v, cu_q, cu_k, softmax_scale):
+  if jax.default_backend() != "gpu":
+    raise BackendUnavailableError(
+        f"backend='mosaic' (custom_ops/mosaic_attention.py) runs only on Hopper GPUs; the default "
+        f"backend is {jax.default_backend()!r}. Use backend='pallas' or 'reference'")
+  from custom_ops import mosaic_attention  # noqa: PLC0415  (imports Mosaic GPU)
+  return mosaic_attention.mosaic_attention(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale)
+
+
 # ------------------------------------------------------------------------------------------------
 # flash3
 # ------------------------------------------------------------------------------------------------
 
 
-def _import_flash3():
+def import_flash3():
+  """The FlashAttention-3 JAX bindings, or a BackendUnavailableError saying how to install them."""
   try:
     return importlib.import_module("flash_attn3_jax")
   except ImportError as e:  # also a missing CUDA runtime inside the extension
@@ -157,9 +192,9 @@ def flash3_grid_buckets(num_tasks: int, num_q_rows: int, max_seqlen_q: int, max_
   the tasks' real lengths (its backward over ``max_seqlen_k``), and a block past its task's end
   still costs a launch. So the backward is compiled for ``levels`` slot counts (``N, N/2, N/4,
   ...``) times ``levels`` bounds (``L, L/2, ...``, multiples of 128), and each call runs the
-  cheapest shape that holds its table (``_flash3_bucket``): trailing empty slots are cut off and
+  cheapest shape that holds its table (``flash3_bucket``): trailing empty slots are cut off and
   the bounds drop to the smallest ladder step above the longest task. Measured on an H200
-  (results/flash3_grid_bench.md): the backward of a ProLong server's 24 tasks in 64 slots with
+  (results/micro/flash3_grid_bench.md): the backward of a ProLong server's 24 tasks in 64 slots with
   bound 64K took 32.7 ms, 23.4 ms with 24 slots and bound 10K. The forward always runs the last
   (full) shape: FA3's forward skips empty tiles (its time did not move with the shape), and one
   forward shape keeps a single LSE buffer shape, so remat policies that save the kernel's
@@ -168,7 +203,7 @@ def flash3_grid_buckets(num_tasks: int, num_q_rows: int, max_seqlen_q: int, max_
   The LSE buffer the bindings allocate is ``[slots, H, max_seqlen_q]`` while FA3 writes it as
   ``[H, T]``, so a shape's ``max_seqlen_q`` is raised to at least ``ceil(T / slots)``.
   """
-  levels = scheduler.check_int("flash3 grid_levels", levels, 1)
+  levels = check_int("flash3 grid_levels", levels, 1)
 
   def level(n: int, i: int, multiple: int) -> int:
     return min(n, max(multiple, -(-n // 2**i // multiple) * multiple))
@@ -181,7 +216,7 @@ def flash3_grid_buckets(num_tasks: int, num_q_rows: int, max_seqlen_q: int, max_
   return tuple(dict.fromkeys(out))
 
 
-def _flash3_bucket(cu_q, cu_k, buckets) -> tuple[jax.Array, jax.Array]:
+def flash3_bucket(cu_q, cu_k, buckets) -> tuple[jax.Array, jax.Array]:
   """Device choice among ``buckets``: (the index of the fewest launched blocks that hold every
   task, whether the last bucket, the caller's full shape, holds them: else FA3 would cut a task
   short)."""
@@ -199,7 +234,7 @@ def _flash3_bucket(cu_q, cu_k, buckets) -> tuple[jax.Array, jax.Array]:
 
 def _flash3(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k,
             grid_levels=FLASH3_GRID_LEVELS):
-  _import_flash3()
+  import_flash3()
   if jax.default_backend() != "gpu":
     raise BackendUnavailableError(
         f"backend='flash3' runs only on CUDA GPUs (Hopper); the default backend is "
@@ -211,12 +246,12 @@ def _flash3(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k,
     raise ValueError(
         f"backend='flash3': the published {FLASH3_PIP_SPEC} wheel is built for head dims "
         f"{FLASH3_HEAD_DIMS}; got {head_dim=} (build flash-attn3-jax from source for others)")
-  return _flash3_masked(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale,
+  return flash3_masked(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale,
                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                         grid_levels=grid_levels, impl=_FA3_IMPL)
 
 
-def _flash3_masked(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k,
+def flash3_masked(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k,
                    grid_levels, impl):
   """FA3 on the real tasks only; rows outside every task are masked to 0 (-inf LSE).
 
@@ -234,7 +269,7 @@ def _flash3_masked(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seql
   msk = min(max_seqlen_k or k.shape[0], k.shape[0])
   buckets = flash3_grid_buckets(cu_q.shape[0] - 1, num_q_rows, msq, msk, grid_levels)
   scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-  bucket, fits = _flash3_bucket(cu_q, cu_k, buckets)
+  bucket, fits = flash3_bucket(cu_q, cu_k, buckets)
   o, lse_HxT = _flash3_attention(q, k, v, cu_q, cu_k, bucket, (buckets, scale, impl))
   _, _, q_valid = va.rows_to_tasks(cu_q, num_q_rows)
   o = jnp.where(q_valid[:, None, None], o, jnp.zeros((), o.dtype))
@@ -329,7 +364,7 @@ def attention_pairs(cu_seqlens_q_N1: Sequence[int] | np.ndarray,
   """Exact count of (query, key) pairs the bottom-right causal mask keeps, summed over tasks.
 
   A task with lq queries and lk keys: local row r sees clip(r + 1 + lk - lq, 0, lk) keys; for
-  lq <= lk this is lq * (lk - lq) + lq * (lq + 1) / 2 (the P(a, b) of DESIGN_NOTES section 1).
+  lq <= lk this is lq * (lk - lq) + lq * (lq + 1) / 2 (the P(a, b) of docs/design.md Sec. 10).
   """
   cu_q = np.asarray(cu_seqlens_q_N1, dtype=np.int64)
   cu_k = np.asarray(cu_seqlens_k_N1, dtype=np.int64)

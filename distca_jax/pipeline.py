@@ -62,6 +62,8 @@ import numpy as np
 from flax import linen as nn
 from jax import lax
 
+from distca_jax.errors import UserError
+
 PIPE_AXIS = "pipe"
 TICK_PREFIX = "tick/"  # layout.extra keys holding per-tick arrays (`per_tick_backend`)
 TICKS_SCOPE = "pipeline_ticks"  # named scope of the tick scan (benchmarks find it in the jaxpr)
@@ -73,7 +75,7 @@ TICKS_SCOPE = "pipeline_ticks"  # named scope of the tick scan (benchmarks find 
 def resolve_microbatches(microbatches: int, stages: int) -> int:
   """The configured microbatch count; 0 takes the default 2 x stages."""
   if microbatches < 0:
-    raise ValueError(f"pipeline.microbatches={microbatches} must be >= 0 (0 = 2 x mesh.pipe)")
+    raise UserError(f"pipeline.microbatches={microbatches} must be >= 0 (0 = 2 x mesh.pipe)")
   return microbatches or 2 * stages
 
 

@@ -42,6 +42,7 @@ import functools
 import glob
 import gzip
 import json
+import math
 import os
 import re
 import socket
@@ -520,17 +521,33 @@ def profile_train_step(step_fn: Callable, state, batch, logdir: str, *,
   return state, metrics, report
 
 
-def time_call(fn: Callable, *args, iters: int, warmup: int = 0) -> dict[str, float]:
-  """Wall time of ``fn(*args)`` to completion: one compiling call and ``warmup`` more untimed,
-  then ``iters`` timed calls; returns ``{'median_s', 'min_s'}`` (benchmarks' one timer)."""
+def time_call(fn: Callable, *args, iters: int, warmup: int = 0, min_trial_s: float = 0.0,
+              max_reps: int = 50) -> dict:
+  """Wall seconds per call of ``fn(*args)`` to completion (the benchmarks' one timer).
+
+  One compiling call and ``warmup`` more run untimed, then ``iters`` timed trials. A trial runs
+  ``reps`` back-to-back calls synced at the end and counts their mean: ``reps`` = 1, or with
+  ``min_trial_s`` > 0 as many calls (at most ``max_reps``) as fill ``min_trial_s``, judged from one
+  more timed call (short kernels then time launch-bound work, not the sync). Returns
+  ``{'median_s', 'min_s', 'trials_s', 'reps'}``.
+  """
   for _ in range(1 + warmup):
     jax.block_until_ready(fn(*args))
+  reps = 1
+  if min_trial_s > 0:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = max(time.perf_counter() - t0, 1e-6)
+    reps = max(1, min(max_reps, math.ceil(min_trial_s / one)))
   ts = []
   for _ in range(iters):
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return {"median_s": statistics.median(ts), "min_s": min(ts)}
+    out = None
+    for _ in range(reps):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    ts.append((time.perf_counter() - t0) / reps)
+  return {"median_s": statistics.median(ts), "min_s": min(ts), "trials_s": ts, "reps": reps}
 
 
 def write_tables(stem: str, result: dict, markdown: str) -> None:

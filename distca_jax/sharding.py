@@ -16,6 +16,8 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from distca_jax.errors import UserError
+
 MESH_AXES = ("pipe", "data", "tensor")
 
 # logical name -> mesh axis (None: replicated). Keep this table short.
@@ -39,14 +41,14 @@ def make_mesh(data: int = -1, tensor: int = 1, pipe: int = 1,
   devices = list(devices if devices is not None else jax.devices())
   n = len(devices)
   if pipe < 1:
-    raise ValueError(f"mesh.pipe={pipe} must be >= 1")
+    raise UserError(f"mesh.pipe={pipe} must be >= 1")
   if tensor < 1 or n % (tensor * pipe):
-    raise ValueError(f"mesh.tensor={tensor} x mesh.pipe={pipe} must divide the {n} devices")
+    raise UserError(f"mesh.tensor={tensor} x mesh.pipe={pipe} must divide the {n} devices")
   if data == -1:
     data = n // (tensor * pipe)
   if data * tensor * pipe != n:
-    raise ValueError(f"mesh data={data} x tensor={tensor} x pipe={pipe} = {data * tensor * pipe} "
-                     f"but {n} devices are visible; set mesh.data=-1 to use them all")
+    raise UserError(f"mesh data={data} x tensor={tensor} x pipe={pipe} = {data * tensor * pipe} "
+                    f"but {n} devices are visible; set mesh.data=-1 to use them all")
   arr = np.asarray(devices).reshape(pipe, data, tensor)
   return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 

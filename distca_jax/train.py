@@ -3,12 +3,18 @@
 Kept short on purpose; the job lives in `distca_jax.trainer`. Override any config key on the
 command line, e.g. `--config.num_steps=50 --config.mesh.tensor=2`. Multi-host GPU jobs call
 `jax.distributed.initialize()` first (pass `--multihost`; it detects SLURM, Open MPI, Kubernetes).
+Bad input (`errors.UserError`: config, data, mesh, flags, checkpoints, divergence) ends the run
+with one line on stderr and exit status 2; `--verbose` shows its traceback too.
 """
+
+import re
+import sys
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from distca_jax import launch
+from distca_jax import configs_io, launch
+from distca_jax.errors import UserError
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py).",
@@ -16,15 +22,54 @@ config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/
 flags.DEFINE_string("workdir", None, "Checkpoints, metrics.jsonl and TensorBoard events go here; "
                     "a workdir holding a checkpoint resumes from it.")
 flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize() before anything else.")
-flags.DEFINE_bool("verbose", False, "Keep INFO logs of libraries (orbax, absl).")
+flags.DEFINE_bool("verbose", False, "Keep INFO logs of libraries (orbax, absl) and show the "
+                  "traceback of bad-input errors.")
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _exit_with(message: str) -> None:
+  print("error: " + " ".join(message.split("\n")), file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+def _override_problem(argv, err: Exception) -> str:
+  """The one-line reason a `--config.KEY=VALUE` override failed to parse."""
+  path = next((a.split("=", 1)[1] if "=" in a else argv[i + 1]
+               for i, a in enumerate(argv) if re.fullmatch(r"--config(=.*)?", a)), None)
+  overrides = [a[len("--config."):] for a in argv if a.startswith("--config.")]
+  if path is not None:
+    try:
+      c = configs_io.load_config(path)
+    except Exception:  # pylint: disable=broad-except  # the config file's own error wins
+      c = None
+    if c is not None:
+      keys = set(configs_io.config_keys(c))
+      for item in overrides:
+        key = item.split("=", 1)[0]
+        if key not in keys:
+          return configs_io.unknown_key_message(c, key) + f" (from --config.{item})"
+  return f"bad config override ({', '.join('--config.' + o for o in overrides)}): {err}"
+
+
+def _parse_flags(argv):
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError, TypeError, ValueError) as e:  # config overrides
+    if "--verbose" in argv:
+      raise
+    _exit_with(_override_problem(argv, e))
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  launch.run(FLAGS.config, FLAGS.workdir, multihost=FLAGS.multihost, verbose=FLAGS.verbose)
+  try:
+    launch.run(FLAGS.config, FLAGS.workdir, multihost=FLAGS.multihost, verbose=FLAGS.verbose)
+  except UserError as e:
+    if FLAGS.verbose:
+      raise
+    _exit_with(str(e))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

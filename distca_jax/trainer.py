@@ -9,7 +9,9 @@ and the RNG.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -26,13 +28,15 @@ import optax
 from flax import linen as nn
 
 from distca_jax import attention as attn_lib
+from distca_jax import backends
 from distca_jax import checkpoint as ckpt_lib
 from distca_jax import config as config_lib
+from distca_jax import memory as memory_lib
 from distca_jax import metrics as metrics_lib
-from distca_jax import pipeline
 from distca_jax import profiling
 from distca_jax import sharding as shard_lib
 from distca_jax.data import make_source
+from distca_jax.errors import UserError
 from distca_jax.model import Transformer
 
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
@@ -44,48 +48,17 @@ class TrainState:
   params: Any            # float32 master weights
   opt_state: Any         # optax state (float32)
   rng: jax.Array         # uint32 key data; step keys are fold_in(rng, step)
+  bad_steps: jax.Array   # int32 scalar: consecutive skipped steps (non-finite loss or grads)
+  skipped_steps: jax.Array  # int32 scalar: skipped steps in all
 
 
 # ----------------------------------------------------------------------------------------------
 # Building blocks
 # ----------------------------------------------------------------------------------------------
-def make_backend(c: ml_collections.ConfigDict) -> attn_lib.Backend:
-  """The configured core-attention backend (options from `config.attention`)."""
-  options = {}
-  if c.attention.backend == "local":
-    options = dict(block_q=c.attention.block_q, block_k=c.attention.block_k)
-  elif c.attention.backend == "distca":
-    # The plan's byte model uses the model's shapes; rows_per_rank fixes the plan's layout.
-    m = config_lib.model_config(c)
-    from distca_jax import dispatch  # pylint: disable=import-outside-toplevel
-    options = dict(c.attention.distca.to_dict())
-    for name in ("caps_from_batches", "caps_headroom"):
-      options.pop(name)
-    pipe = c.mesh.pipe > 1  # a call is one tick: rows_per_rank / M rows of every pipe x data rank
-    if not pipe:  # (caps under the pipeline: set them, or default_capacity's fractions)
-      options.update(dispatch.startup_capacity(c))
-    rows_per_call = c.rows_per_rank // (pipeline.resolve_microbatches(
-        c.pipeline.microbatches, c.mesh.pipe) if pipe else 1)
-    options = dict(options, rows_per_rank=rows_per_call,
-                   data_axis=(pipeline.PIPE_AXIS, "data") if pipe else "data",
-                   nano_batches=c.attention.nano_batches, q_heads=m.n_heads,
-                   kv_heads=m.n_kv_heads, head_dim=m.head_dim,
-                   dtype_bytes=jnp.dtype(m.dtype).itemsize,
-                   linear_pairs_per_token=metrics_lib.linear_pairs_per_token(m))
-  elif c.attention.backend in ("packed_dp", "cp", "wlb"):
-    b = c.attention.baselines
-    options = dict(kernel=b.kernel, max_docs_per_row=b.max_docs_per_row)
-    if c.attention.backend != "packed_dp":
-      options.update(cp_size=b.cp_size, rows_per_rank=c.rows_per_rank)
-    if c.attention.backend == "wlb":
-      from distca_jax.baselines import ModelDims  # imported lazily like the backend itself
-      options.update(alpha=b.wlb_alpha,
-                     balance_len=ModelDims.from_model(config_lib.model_config(c)).balance_len)
-  backend = attn_lib.get_backend(c.attention.backend, **options)
-  if c.mesh.pipe > 1:  # host plans per pipeline tick
-    backend = pipeline.per_tick_backend(backend, stages=c.mesh.pipe, rows_per_rank=c.rows_per_rank,
-                                        microbatches=c.pipeline.microbatches)
-  return backend
+def make_backend(c: ml_collections.ConfigDict, **overrides) -> attn_lib.Backend:
+  """The configured core-attention backend (``backends.build``: options from the config, keyword
+  ``overrides`` for options that are no config keys, e.g. a benchmark's ``signal_only``)."""
+  return backends.build(c, **overrides)
 
 
 def make_model(c: ml_collections.ConfigDict, backend: attn_lib.Backend | None = None) -> Transformer:
@@ -136,7 +109,8 @@ def _init_fn(c, model, tx, *, boxed: bool):
     if not boxed:
       params = nn.meta.unbox(params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      rng=jax.random.key_data(jax.random.fold_in(key, 2)))
+                      rng=jax.random.key_data(jax.random.fold_in(key, 2)),
+                      bad_steps=jnp.zeros((), jnp.int32), skipped_steps=jnp.zeros((), jnp.int32))
   return init
 
 
@@ -165,6 +139,35 @@ def create_train_state(c, model, tx, mesh):
     return jax.jit(_init_fn(c, model, tx, boxed=False), out_shardings=shardings)()
 
 
+@dataclasses.dataclass(frozen=True)
+class RunSetup:
+  """What a run is made of before its first step (`setup_run`): the train job, the AOT compile
+  and the benchmarks build it the same way."""
+  mesh: jax.sharding.Mesh
+  backend: attn_lib.Backend
+  model: Transformer
+  tx: optax.GradientTransformation
+  abstract_state: Any    # TrainState of ShapeDtypeStructs carrying their shardings
+  state_shardings: Any   # TrainState of NamedShardings
+  source: Any            # the data source: batch(step), doclens(step), tokens_per_row
+
+
+def setup_run(c: ml_collections.ConfigDict, devices=None, **backend_overrides) -> RunSetup:
+  """Mesh (over `devices`, default all), backend (``backends.build(c, **backend_overrides)``),
+  model, optimizer, abstract state with its shardings, and the data source of config `c`; nothing
+  is materialized (`create_train_state` or a checkpoint restore makes the state)."""
+  mesh = shard_lib.make_mesh(data=c.mesh.data, tensor=c.mesh.tensor, pipe=c.mesh.pipe,
+                             devices=devices)
+  backend = make_backend(c, **backend_overrides)
+  model = make_model(c, backend)
+  tx = make_optimizer(c)
+  abstract, state_sh = state_shardings(c, model, tx, mesh)
+  source = make_source(c.data, rows=mesh.shape["data"] * c.rows_per_rank,
+                       tokens_per_row=c.tokens_per_rank, vocab_size=model.cfg.vocab_size,
+                       seed=c.seed)
+  return RunSetup(mesh, backend, model, tx, abstract, state_sh, source)
+
+
 EXTRA_PREFIX = attn_lib.EXTRA_PREFIX  # batch keys holding a backend's host-made arrays
 
 
@@ -185,7 +188,13 @@ def add_host_plan(np_batch: dict, backend: attn_lib.Backend, doclens, tokens_per
 
 
 def make_train_step(c, model, tx) -> Callable:
-  """Pure `train_step(state, batch) -> (state, metrics)`; jit and shardings go at the call site."""
+  """Pure `train_step(state, batch) -> (state, metrics)`; jit and shardings go at the call site.
+
+  A step whose loss or gradient norm is not finite is skipped inside the step: parameters and
+  optimizer state stay as they were (a select per element, fused into the update), `step` still
+  advances (the next batch is another one), and `bad_steps` (consecutive skips) and
+  `skipped_steps` count it; the metrics carry both and `skipped` (0 or 1). The loop stops the run
+  after `train.max_bad_steps` consecutive skips."""
 
   def loss_fn(params, batch):
     total, count = model.apply({"params": params}, batch["inputs"], batch["targets"],
@@ -194,11 +203,19 @@ def make_train_step(c, model, tx) -> Callable:
 
   def train_step(state: TrainState, batch):
     (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "loss_tokens": count,
-               "lr": learning_rate(c, state.step)}
+    keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    bad_steps = jnp.where(ok, 0, state.bad_steps + 1)
+    skipped_steps = state.skipped_steps + (~ok).astype(jnp.int32)
+    new_state = state.replace(step=state.step + 1, params=keep_if_bad(params, state.params),
+                              opt_state=keep_if_bad(opt_state, state.opt_state),
+                              bad_steps=bad_steps, skipped_steps=skipped_steps)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": count,
+               "lr": learning_rate(c, state.step), "skipped": (~ok).astype(jnp.float32),
+               "bad_steps": bad_steps, "skipped_steps": skipped_steps}
     return new_state, metrics
 
   return train_step
@@ -262,49 +279,84 @@ class Prefetcher:
     return step, batch, metrics_lib.step_flops(self.model_cfg, doclens), sum(map(sum, doclens))
 
 
+class TrainingDiverged(UserError):
+  """`train.max_bad_steps` consecutive steps had a non-finite loss or gradient norm."""
+
+
+class BadStepWatch:
+  """Stops the run after `max_bad` consecutive skipped steps, reading each step's `bad_steps`
+  metric only once it has reached the host: every step starts its copy (`copy_to_host_async`)
+  and `poll` reads the ones that are ready, so the loop never waits for a step to finish."""
+
+  def __init__(self, max_bad: int, describe_last_good: Callable[[], str]):
+    self.max_bad = max_bad
+    self._describe = describe_last_good
+    self._pending: collections.deque = collections.deque()
+
+  def add(self, step: int, bad_steps: jax.Array) -> None:
+    bad_steps.copy_to_host_async()
+    self._pending.append((step, bad_steps))
+
+  def poll(self, wait: bool = False) -> None:
+    """Checks the steps whose count is on the host (`wait`: all of them)."""
+    while self._pending and (wait or self._pending[0][1].is_ready()):
+      step, bad = self._pending.popleft()
+      if int(bad) >= self.max_bad:
+        raise TrainingDiverged(
+            f"steps {step - int(bad) + 2}..{step + 1} ({int(bad)} in a row, train.max_bad_steps="
+            f"{self.max_bad}) had a non-finite loss or gradient norm and were skipped; "
+            f"{self._describe()}; lower optim.lr or raise optim.warmup_steps and resume from "
+            "it, or check the data of those steps")
+
+
 # ----------------------------------------------------------------------------------------------
 # The job
 # ----------------------------------------------------------------------------------------------
-def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> list[dict]:
+def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str,
+                       device_memory_bytes: int | None = None) -> list[dict]:
   """Trains for `c.num_steps` steps in `workdir` (resuming if it holds a checkpoint).
 
-  Returns the log records written during this call (one per `log_every` steps).
+  Returns the log records written during this call (one per `log_every` steps). The log and the
+  checkpoint manager are closed on every exit, errors included (a pending save completes).
+  `device_memory_bytes` replaces the device's memory for the pre-flight check (tests).
   """
   config_lib.validate(c)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
-  log = metrics_lib.RunLog(workdir, c.num_steps, tensorboard=c.tensorboard)
+  with contextlib.ExitStack() as closers:
+    log = metrics_lib.RunLog(workdir, c.num_steps, tensorboard=c.tensorboard)
+    closers.callback(log.close)
+    return _train(c, workdir, log, closers, device_memory_bytes)
 
-  # Set up mesh
-  mesh = shard_lib.make_mesh(data=c.mesh.data, tensor=c.mesh.tensor, pipe=c.mesh.pipe)
-  data_size = mesh.shape["data"]
-  rows = data_size * c.rows_per_rank
+
+def _train(c, workdir, log, closers, device_memory_bytes) -> list[dict]:
+
+  # Set up mesh, model, optimizer, data
+  run = setup_run(c)
+  mesh, backend, model, tx, source = run.mesh, run.backend, run.model, run.tx, run.source
+  rows = mesh.shape["data"] * c.rows_per_rank
   log.info(f"mesh {dict(mesh.shape)} on {jax.device_count()} x {jax.devices()[0].device_kind}; "
            f"{rows} rows x {c.tokens_per_rank} tokens per step")
 
-  # Model, optimizer, data
-  backend = make_backend(c)
   if getattr(backend, "caps", None):
     auto = (f" (row caps from the first {c.attention.distca.caps_from_batches} batches x "
             f"{c.attention.distca.caps_headroom})"
             if c.attention.distca.caps_from_batches and c.mesh.pipe == 1 else "")
-    log.info("distca caps per device and call (0 = dispatch.default_capacity): "
+    log.info("distca caps per device and call (0 = plan.default_capacity): "
              + ", ".join(f"{k}={v}" for k, v in backend.caps.items()) + auto)
-  model = make_model(c, backend)
   model_cfg = model.cfg
-  tx = make_optimizer(c)
-  source = make_source(c.data, rows=rows, tokens_per_row=c.tokens_per_rank,
-                       vocab_size=model_cfg.vocab_size, seed=c.seed)
   log.info(f"model: {model_cfg.num_params() / 1e6:.2f}M params; attention backend "
            f"'{c.attention.backend}'; data: {source.describe()}")
 
   # Load checkpoint (or create fresh sharded state)
-  abstract, state_sh = state_shardings(c, model, tx, mesh)
+  abstract, state_sh = run.abstract_state, run.state_shardings
   manager = ckpt_lib.CheckpointManager(workdir, c) if c.checkpoint_every > 0 else None
   state = None
-  if manager is not None and manager.latest_step() is not None:
-    state = manager.restore(abstract)
-    log.info(f"resumed from checkpoint at step {int(state.step)} in {workdir}")
+  if manager is not None:
+    closers.callback(manager.close)
+    state = manager.restore_verified(abstract, report=log.info)
+    if state is not None:
+      log.info(f"resumed from checkpoint at step {int(state.step)} in {workdir} (verified)")
   if state is None:
     state = create_train_state(c, model, tx, mesh)
   start = int(state.step)
@@ -329,11 +381,19 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> list[dict]
     log.info(f"profile_step={c.profile_step} was done before the checkpoint (step {start}); "
              "not profiling")
   last_step_time_s = None  # of the last logged window: the unprofiled step time for idle time
+  watch = BadStepWatch(c.train.max_bad_steps, (manager.describe_last_good if manager else
+                                               lambda: "checkpointing is off"))
+  memory_need = None
   for _ in range(start, c.num_steps):
     step, np_batch, flops, tokens = prefetch.next()
     if step_fn is None:  # batch keys (a backend's plan arrays included) are known now
       with mesh_context(mesh):
         step_fn = jit_train_step(c, model, tx, mesh, state_sh, tuple(np_batch))
+        # Pre-flight: compile once ahead of the call and stop if the step cannot fit.
+        batch_shapes = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rows_sharding(mesh))
+                        for k, a in np_batch.items()}
+        step_fn = step_fn.lower(state, batch_shapes).compile()
+      memory_need = memory_lib.check_fits(step_fn, mesh.devices.flat[0], device_memory_bytes)
     profiled = step == c.profile_step
     with mesh_context(mesh):
       if profiled:  # idle time against the last unprofiled step time when there is one
@@ -345,7 +405,14 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> list[dict]
         log.info(f"profiled step {step} (idle = step time - busy; step time is {basis}); "
                  f"report in {profile_dir}/report.md\n" + profiling.format_report(report))
       else:
-        state, m = step_fn(state, device_batch(np_batch, mesh))
+        try:
+          state, m = step_fn(state, device_batch(np_batch, mesh))
+        except jax.errors.JaxRuntimeError as e:
+          memory_lib.raise_if_out_of_memory(e, memory_need, mesh.devices.flat[0],
+                                            device_memory_bytes)
+          raise
+    watch.add(step, m["bad_steps"])
+    watch.poll()
     if window_t0 is None or profiled:  # time from the end of the first (compiling) or profiled
       jax.block_until_ready(m)         # step: those are not representative
       window_t0, window_flops, window_tokens, window_steps = time.time(), 0.0, 0, 0
@@ -368,8 +435,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str) -> list[dict]
       last_step_time_s = rec.get("step_time_s", last_step_time_s)
       window_t0, window_flops, window_tokens, window_steps = time.time(), 0.0, 0, 0
     if manager is not None and (done % c.checkpoint_every == 0 or done == c.num_steps):
+      watch.poll(wait=True)
       manager.save(done, state)
-  if manager is not None:
-    manager.close()
-  log.close()
+  watch.poll(wait=True)
   return records

@@ -1,6 +1,6 @@
 """Compile a config's train step ahead of time and report per-device memory (no params made).
 
-  python experiments/aot_memory.py --config configs/llama3_8b_128k.py --devices 8
+  python -m experiments.aot_memory --config configs/llama3_8b_128k.py --devices 8
 
 --devices N fakes N CPU devices when no accelerator is present (must come before jax starts, so
 this script sets XLA_FLAGS itself). On a GPU host the real devices are used and --devices must
@@ -12,7 +12,6 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main():

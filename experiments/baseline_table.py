@@ -8,7 +8,7 @@ and is scored per rank with `distca_jax.baselines.metrics`:
 * cp: the window cut into S / c sequences of c T, each in 2c head-tail chunks over c ranks;
 * wlb: the window's documents WLB-packed over S / c DP groups (Lmax = alpha T per rank), each
   document in 2c chunks over its group's c ranks;
-* distca: `scheduler.schedule` on the window laid flat over the S ranks (documents span ranks),
+* distca: `plan_lib.schedule` on the window laid flat over the S ranks (documents span ranks),
   tolerance eps, unbounded caps, default min_shard.
 
 For cp and wlb every divisor c of S is tried and the split with the lowest estimated per-layer
@@ -18,7 +18,7 @@ fits one DP group whole (no document longer than c x Lmax): WLB-LLM never cuts d
 raises CP for long ones.
 
 Run:
-  python experiments/baseline_table.py   # writes results/baseline_table.{json,md}
+  python -m experiments.baseline_table   # writes results/baseline_table.{json,md}
 """
 
 from __future__ import annotations
@@ -26,17 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distca_jax import baselines as bl  # noqa: E402
-from distca_jax import scheduler  # noqa: E402
-from distca_jax.data.workloads import WorkloadSampler, split_into_rows  # noqa: E402
+from distca_jax import baselines as bl
+from distca_jax import plan as plan_lib
+from distca_jax.data.workloads import WorkloadSampler, split_into_rows
+import experiments
 
 GiB = 2.0**30
 _KEYS = ("attention_imbalance", "token_imbalance", "compute_imbalance", "bytes_mean", "bytes_max",
@@ -60,7 +58,7 @@ def evaluate(name: str, t: int, s: int, steps: int, alphas, epsilons, dims, hw) 
 
   for step in range(steps):
     flat = sampler.flat_doclens(step, s)
-    base = float(scheduler.pairs(0, np.asarray(flat, np.int64)).sum())  # whole documents
+    base = float(plan_lib.pairs(0, np.asarray(flat, np.int64)).sum())  # whole documents
     add(("packed_dp", None, 1), bl.packed_dp_metrics(split_into_rows(flat, t, s), t, dims), base)
     for c in divisors(s)[1:]:
       add(("cp", None, c), bl.cp_metrics(split_into_rows(flat, c * t, s // c), c, t, dims), base)
@@ -72,9 +70,9 @@ def evaluate(name: str, t: int, s: int, steps: int, alphas, epsilons, dims, hw) 
             {"eligible": pk.num_oversize == 0})
     for eps in epsilons:
       t0 = time.perf_counter()
-      plan = scheduler.schedule(flat, s, tokens_per_rank=t, tolerance=eps,
-                                q_heads=dims.q_heads, kv_heads=dims.kv_heads,
-                                head_dim=dims.head_dim, dtype_bytes=dims.dtype_bytes)
+      plan = plan_lib.schedule(flat, s, tokens_per_rank=t, tolerance=eps,
+                               q_heads=dims.q_heads, kv_heads=dims.kv_heads,
+                               head_dim=dims.head_dim, dtype_bytes=dims.dtype_bytes)
       add(("distca", eps, 1), bl.distca_metrics(plan), base,
           {"plan_ms": (time.perf_counter() - t0) * 1e3})
 
@@ -209,7 +207,7 @@ def markdown(best: list[dict], sweeps: list[dict], command: str, meta: dict) -> 
       "* **attn imb**: max / mean over ranks of causal query-key pairs (core-attention work).",
       "* **token imb**: max / mean of tokens whose activations a rank holds (memory).",
       "* **compute imb**: max / mean of a rank's layer FLOPs, token-linear (6 N_layer per token) "
-      "plus attention (12 H D per pair): the per-rank work WLB's W = (l/B)^2 + l/B weighs.",
+      "plus attention (14 H D per pair, the kernel's forward + backward: `metrics.work_flops`).",
       "* **GiB/rank**: bytes a rank receives in one layer's forward core attention, mean / max over "
       "ranks (cp, wlb: K and V of the other ranks of its CP group; distca: Q and K/V sent to it as "
       "a server plus its outputs returned; the backward moves about as much again).",
@@ -273,7 +271,7 @@ def main() -> None:
   p.add_argument("--epsilons", default="0.05,0.1")
   p.add_argument("--out", default="results/baseline_table")
   args = p.parse_args()
-  command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+  command = experiments.command_line(__file__)
   dims, hw = bl.ModelDims(), bl.Hardware()
   alphas = [float(v) for v in args.alphas.split(",")]
   epsilons = [float(v) for v in args.epsilons.split(",")]

@@ -12,7 +12,7 @@ whether XLA runs an all_to_all and an independent row gather at the same time.
 Every time is the median wall time of ``--iters`` calls. Run it under different ``XLA_FLAGS``
 to compare scheduler settings (the flags in effect are recorded).
 
-Run: python experiments/collective_bench.py --out results/collective_bench
+Run: python -m experiments.collective_bench --out results/collective_bench
 """
 
 from __future__ import annotations
@@ -21,18 +21,17 @@ import argparse
 import datetime
 import json
 import os
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import jax  # noqa: E402
-from jax import lax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
 
-from distca_jax import profiling  # noqa: E402
+from distca_jax import profiling
+import experiments
 
 AXIS = "data"
 
@@ -87,7 +86,7 @@ def main(a):
                                out_shardings=sh)()
   rows = make((s, n_src, h, d))
   gather_bytes = a.gather_rows * h * d * 2
-  res = {"command": "python " + " ".join(sys.argv), "device": f"{s} x {devs[0].device_kind}",
+  res = {"command": experiments.command_line(__file__), "device": f"{s} x {devs[0].device_kind}",
          "xla_flags": os.environ.get("XLA_FLAGS", ""),
          "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": []}
   f_a2a, f_perm, f_gather, f_both = local(a2a), local(permute), local(gather), local(both)

@@ -1,6 +1,6 @@
 """Measures the core-attention kernel's time per CA-task over a (q_len, kv_len) grid.
 
-The scheduler's measured cost model (``distca_jax.scheduler.CostTable``, option
+The scheduler's measured cost model (``distca_jax.plan.CostTable``, option
 ``schedule(..., cost_model=PATH)``) reads the JSON this writes. A grid point (q, kv) times one
 fused varlen call of ``n = max(1, tokens // kv)`` identical tasks, each with q query rows aligned
 at the end of kv keys (the shape of a CA-task ``[kv - q, kv)``), forward alone and forward +
@@ -8,9 +8,9 @@ backward (grad of <O, dO> in q, k, v); the per-task time is the call's median ti
 Fusing many tasks is how the data plane runs them, so launch overhead is amortized as in a step.
 
 Run on a GPU (the lead's machine):
-  python experiments/cost_table.py --backend flash3 --out results/cost_table_flash3_h200.json
+  python -m experiments.cost_table --backend flash3 --out results/cost_table_flash3_h200.json
 CPU smoke test (seconds):
-  python experiments/cost_table.py --backend reference --tiny --out /tmp/cost_table_tiny.json
+  python -m experiments.cost_table --backend reference --tiny --out /tmp/cost_table_tiny.json
 
 Output JSON: ``q_lens`` [Q], ``kv_lens`` [K], ``fwd_s`` and ``fwd_bwd_s`` [Q][K] seconds per task
 (null where q_len > kv_len), ``fwd_tflops`` / ``fwd_bwd_tflops`` (throughput counting
@@ -24,14 +24,12 @@ import argparse
 import datetime
 import json
 import os
-import shlex
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distca_jax import scheduler  # noqa: E402  (after the path setup above)
+from distca_jax import plan as plan_lib
+import experiments
 
 _FULL_Q = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
 _FULL_KV = [128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288]
@@ -85,9 +83,9 @@ def main() -> None:
   tiny = args.tiny
   q_lens = _ints(args.q_lens, _TINY_Q if tiny else _FULL_Q)
   kv_lens = _ints(args.kv_lens, _TINY_KV if tiny else _FULL_KV)
-  hq = args.q_heads or (2 if tiny else scheduler.DEFAULT_Q_HEADS)
-  hkv = args.kv_heads or (1 if tiny else scheduler.DEFAULT_KV_HEADS)
-  dim = args.head_dim or (16 if tiny else scheduler.DEFAULT_HEAD_DIM)
+  hq = args.q_heads or (2 if tiny else plan_lib.DEFAULT_Q_HEADS)
+  hkv = args.kv_heads or (1 if tiny else plan_lib.DEFAULT_KV_HEADS)
+  dim = args.head_dim or (16 if tiny else plan_lib.DEFAULT_HEAD_DIM)
   dtype = jnp.dtype(args.dtype or ("float32" if tiny else "bfloat16"))
   tokens = args.tokens or (256 if tiny else 131072)
   repeats = args.repeats or (2 if tiny else 5)
@@ -126,12 +124,12 @@ def main() -> None:
       if not args.no_backward:
         t_all[i, j] = _median_s(fwd_bwd_j, (q, k, v, do, cu_q, cu_k, ql, kv), args.warmup,
                             repeats) / n
-      pairs = float(scheduler.pairs(kv - ql, kv))
-      f = float(scheduler.task_flops(pairs, hq, dim, backward=False))
+      pairs = float(plan_lib.pairs(kv - ql, kv))
+      f = float(plan_lib.task_flops(pairs, hq, dim, backward=False))
       msg = f"q={ql:7d} kv={kv:7d} tasks={n:5d} fwd {t_fwd[i, j] * 1e6:10.1f} us " \
             f"({f / t_fwd[i, j] / 1e12:8.3g} TF/s)"
       if not args.no_backward:
-        fb = float(scheduler.task_flops(pairs, hq, dim, backward=True))
+        fb = float(plan_lib.task_flops(pairs, hq, dim, backward=True))
         msg += f"  fwd+bwd {t_all[i, j] * 1e6:10.1f} us ({fb / t_all[i, j] / 1e12:8.3g} TF/s)"
       print(msg, flush=True)
 
@@ -141,7 +139,7 @@ def main() -> None:
   qg = np.asarray(q_lens, np.float64)[:, None]
   kg = np.asarray(kv_lens, np.float64)[None, :]
   pairs_g = qg * (2 * kg - qg + 1) / 2
-  flops_g = scheduler.task_flops(pairs_g, hq, dim, backward=False)
+  flops_g = plan_lib.task_flops(pairs_g, hq, dim, backward=False)
   with np.errstate(invalid="ignore", divide="ignore"):
     out = {
         "format": "distca-jax cost table v1",
@@ -153,20 +151,20 @@ def main() -> None:
             "platform": jax.default_backend(), "jax": jax.__version__,
             "q_heads": hq, "kv_heads": hkv, "head_dim": dim, "dtype": str(dtype),
             "tokens_per_call": tokens, "repeats": repeats,
-            "bwd_fwd_ratio_for_tflops": scheduler.BWD_FWD_RATIO,
+            "bwd_fwd_ratio_for_tflops": plan_lib.BWD_FWD_RATIO,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+            "command": experiments.command_line(__file__),
         },
     }
     if not args.no_backward:
       out["fwd_bwd_s"] = _grid(t_all)
-      out["fwd_bwd_tflops"] = _grid(flops_g * (1 + scheduler.BWD_FWD_RATIO) / t_all / 1e12)
+      out["fwd_bwd_tflops"] = _grid(flops_g * (1 + plan_lib.BWD_FWD_RATIO) / t_all / 1e12)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(out, f, indent=1)
   # Prove the file loads as the scheduler will load it.
   key_name = "fwd_s" if args.no_backward else "fwd_bwd_s"
-  table = scheduler.CostTable.from_json(args.out, key=key_name)
+  table = plan_lib.CostTable.from_json(args.out, key=key_name)
   print(f"wrote {args.out}: {len(q_lens)} x {len(kv_lens)} grid ({key_name}); "
         f"t(q={q_lens[0]}, kv={kv_lens[-1]}) = {float(table.time(q_lens[0], kv_lens[-1])):.3e} s")
 

@@ -1,21 +1,21 @@
 """CAD data plane: exchange bandwidth on real plans, and memory/time of 'keep' vs 'resend'.
 
-For each workload, a few batches are planned on the host (``dispatch.host_plan``, per-rank
-document lists as the trainer makes them, caps = ``dispatch.suggest_capacity`` of those batches,
-or with ``--caps default`` the caps of a run that leaves them at 0, ``dispatch.default_capacity``;
+For each workload, a few batches are planned on the host (``plan_lib.host_plan``, per-rank
+document lists as the trainer makes them, caps = ``plan_lib.suggest_capacity`` of those batches,
+or with ``--caps default`` the caps of a run that leaves them at 0, ``plan_lib.default_capacity``;
 one compiled program serves them all) and every device-side piece is timed on every visible
 device (one server per device, the mesh's ``data`` axis):
 
   exchange   sender gather + the Q/K/V collective (``--collective``: one ``lax.all_to_all``, or
-             S - 1 ``lax.ppermute`` rounds) + server gather (``dispatch.send_to_servers``,
+             S - 1 ``lax.ppermute`` rounds) + server gather (``dataplane.send_to_servers``,
              ``--exchange-buckets``: the bucket the batch needs);
   signal     the same exchange with ``signal_only=True`` (one row per slot on the wire): the
              stage's cost without the wire;
-  return     O gather + the same collective + owner gather (``dispatch.return_to_owners``);
+  return     O gather + the same collective + owner gather (``dataplane.return_to_owners``);
   raw a2a    a bare dense ``lax.all_to_all`` moving (a) the same useful bytes per device with no
              padding, (b) the busiest sender's useful bytes from every device, and (c) the
              exchange's full padded slot buffer;
-  CAD attention a chain of ``--layers`` ``dispatch.dispatch_attention`` calls (each layer's O
+  CAD attention a chain of ``--layers`` ``dataplane.dispatch_attention`` calls (each layer's O
              is the next one's Q, so every layer's residuals are alive before the backward, as
              in a model), memory mode 'keep' and 'resend': forward and forward+backward time per
              layer, XLA's compiled temp memory, and the jaxpr's all-to-all and kernel-forward
@@ -26,17 +26,17 @@ device (one server per device, the mesh's ``data`` axis):
 Bandwidth is per device: useful bytes = mean over devices of the Q+K+V (or O) bytes the plan
 sends to other devices; effective bandwidth = useful bytes / time of the whole stage. Two
 fractions per stage: (a) ``fraction_of_raw`` = mean useful bandwidth / raw all-to-all bandwidth
-for the same bytes (the target is >= 80%, issue 4); (b) ``busiest_fraction_of_raw`` = the busiest
+for the same bytes (the target is >= 80%); (b) ``busiest_fraction_of_raw`` = the busiest
 sender's useful bytes / stage time, over the raw all-to-all bandwidth per device when every device
 sends that many bytes. No exchange can finish before its busiest sender has sent, and with 2
 servers the traffic is often one-directional, which caps (a) near 50% for any dense collective;
 (b) is the fair measure then. ``moved`` bytes are what the chosen bucket puts on the wire
-(``dispatch.exchange_bytes``). Times are medians over ``--iters`` runs after a warm-up.
+(``plan_lib.exchange_bytes``). Times are medians over ``--iters`` runs after a warm-up.
 
 Run:
-  python experiments/dispatch_bench.py          # every visible GPU on `data` (e.g. 2 H200s):
+  python -m experiments.dispatch_bench          # every visible GPU on `data` (e.g. 2 H200s):
                                                 # Llama-3-8B heads, bf16, 64K tokens per GPU
-  python experiments/dispatch_bench.py --tiny   # CPU smoke test: 8 fake devices, tiny shapes
+  python -m experiments.dispatch_bench --tiny   # CPU smoke test: 8 fake devices, tiny shapes
 Writes results/dispatch_bench.{json,md} (--tiny: results/dispatch_bench_tiny.{json,md}; --out
 changes the stem) and prints the tables.
 """
@@ -49,8 +49,6 @@ import datetime
 import importlib.util
 import json
 import os
-import shlex
-import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,18 +69,14 @@ def _args():
   p.add_argument("--tolerance", type=float, default=0.1)
   p.add_argument("--caps", default="suggest", choices=("suggest", "default"),
                  help="suggest: the envelope of the planned batches (the tightest caps); default: "
-                 "dispatch.default_capacity, what a run with caps left at 0 and "
+                 "plan_lib.default_capacity, what a run with caps left at 0 and "
                  "caps_from_batches = 0 uses (training derives tight caps like 'suggest' from its "
                  "first batches by default)")
   p.add_argument("--exchange-buckets", type=int, default=8,
                  help="slot fractions the exchange chooses from per batch (1 = full slots)")
   p.add_argument("--collective", default="auto", choices=("auto", "all_to_all", "ppermute"),
-                 help="how the exchange moves rows (dispatch.COLLECTIVES; auto: ppermute with 2 "
+                 help="how the exchange moves rows (dataplane.COLLECTIVES; auto: ppermute with 2 "
                  "devices, else all_to_all)")
-  p.add_argument("--split-exchange", action="store_true",
-                 help="query rows and key/value rows choose their own bucket and cross in their "
-                 "own collective (dispatch.send_to_servers' split_exchange; default one joint "
-                 "bucket)")
   p.add_argument("--exchange-only", action="store_true",
                  help="time only the exchange, its signal-only twin and the return (no CAD "
                  "chains, no no-CAD baseline, no memory report)")
@@ -115,18 +109,17 @@ if ARGS is not None and ARGS.tiny:  # before jax is imported
                              + " --xla_force_host_platform_device_count=8").strip()
   os.environ["JAX_PLATFORMS"] = "cpu"
 
-if REPO not in sys.path:
-  sys.path.insert(0, REPO)
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
-import numpy as np  # noqa: E402
-
-from distca_jax import aot, dispatch, ops, profiling  # noqa: E402
-from distca_jax.baselines import packing  # noqa: E402
-from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
+from distca_jax import aot, dataplane, ops, profiling
+from distca_jax import plan as plan_lib
+from distca_jax.baselines import packing
+from distca_jax.data.workloads import WorkloadSampler
+import experiments
 
 AXIS = "data"
 
@@ -172,13 +165,13 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
   byte_model = dict(q_heads=h, kv_heads=kh, head_dim=d, dtype_bytes=dbytes)
   sampler = WorkloadSampler(name, t, seed=a.seed)
   layouts = [sampler.step_doclens(step, s) for step in range(a.batches)]
-  min_shard = dispatch.auto_min_shard(t)
+  min_shard = plan_lib.auto_min_shard(t)
   if a.caps == "default":
-    cap = dispatch.default_capacity(t)
+    cap = plan_lib.default_capacity(t)
   else:
-    cap = dispatch.suggest_capacity(layouts, s, t, tolerance=a.tolerance, min_shard=min_shard,
-                                    multiple=dispatch._row_multiple(t), **byte_model)
-  spec = dispatch.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1, capacity=cap)
+    cap = plan_lib.suggest_capacity(layouts, s, t, tolerance=a.tolerance, min_shard=min_shard,
+                                    multiple=plan_lib.row_multiple(t), **byte_model)
+  spec = plan_lib.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1, capacity=cap)
   print(f"[{name}] {s} servers x {t} tokens, heads {h}/{kh}x{d} {jnp.dtype(dtype).name}, "
         f"kernel {kernel}, caps {cap}", flush=True)
   row_sh = NamedSharding(mesh, P(AXIS))
@@ -203,25 +196,23 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
                                  check_vma=False))
 
   nb = a.exchange_buckets
-  # Passed only when not the default, so this script also times older trees of the library.
-  wire = {} if a.collective == "auto" else {"collective": a.collective}
-  send_opts = {"split_exchange": True} if a.split_exchange else {}
+  wire = dataplane.ExchangeOptions(buckets=nb, collective=a.collective)
   # Per-rank layouts: no document (so no task) is longer than a rank's tokens; flash3's grid is
   # tasks x ceil(max_seqlen / 128) blocks, so pass the bound as the trainer's backend does.
   kopts = {"max_seqlen_q": t, "max_seqlen_k": t}  # flash3's bound; other kernels ignore it
 
   def exchange(q, k, v, plan, signal_only=False):
     m = spec.unpack_local(plan)
-    qa, ka, va = dispatch.send_to_servers(q[0], k[0], v[0], m, spec, AXIS, exchange_buckets=nb,
-                                          signal_only=signal_only, **wire, **send_opts)
+    qa, ka, va = dataplane.send_to_servers(
+        q[0], k[0], v[0], m, spec, AXIS, dataclasses.replace(wire, signal_only=signal_only))
     return qa[None], ka[None], va[None]
 
   def signal(q, k, v, plan):
     return exchange(q, k, v, plan, signal_only=True)
 
   def ret(o_attn, plan):
-    return dispatch.return_to_owners(o_attn[0], spec.unpack_local(plan), spec, AXIS,
-                                     exchange_buckets=nb, **wire)[None]
+    return dataplane.return_to_owners(o_attn[0], spec.unpack_local(plan), spec, AXIS, 0,
+                                      wire)[None]
 
   def raw_a2a(x):
     return lax.all_to_all(x, AXIS, 1, 1, tiled=True)
@@ -241,12 +232,13 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
     # A chain of `layers` CAD attentions (each layer's O is the next layer's Q), like a model's
     # stack: the residuals of every layer are alive together before the backward, which is where
     # 'keep' and 'resend' differ.
+    options = dataplane.DispatchOptions(kernel=kernel, memory_mode=mode, kernel_options=kopts,
+                                        exchange=wire)
+
     def fwd(q, k, v, plan):
       x = q
       for _ in range(a.layers):
-        x = dispatch.dispatch_attention(x, k, v, plan, spec, kernel=kernel, memory_mode=mode,
-                                        mesh=mesh, exchange_buckets=nb, kernel_options=kopts,
-                                        **wire, **send_opts)
+        x = dataplane.dispatch_attention(x, k, v, plan, spec, options, mesh=mesh)
       return x
 
     def fwd_bwd(q, k, v, plan, ct):
@@ -268,13 +260,13 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
   rows = []
   # No-CAD baseline: one task per own document; one table size for every batch (one compile).
   local_tasks = max(len(rank_lens) for layout in layouts for rank_lens in layout)
-  modes = {} if a.exchange_only else {m: cad(m) for m in dispatch.MEMORY_MODES}
+  modes = {} if a.exchange_only else {m: cad(m) for m in dataplane.MEMORY_MODES}
   for i, doc_lens in enumerate(layouts):
-    hp = dispatch.host_plan(doc_lens, spec, tolerance=a.tolerance, min_shard=min_shard,
+    hp = plan_lib.host_plan(doc_lens, spec, tolerance=a.tolerance, min_shard=min_shard,
                             **byte_model)
     plan = jax.device_put(hp.packed, plan_sh)
     plan0 = plan if i == 0 else plan0
-    by = dispatch.exchange_bytes(hp.meta, exchange_buckets=nb, **byte_model, **send_opts)
+    by = plan_lib.exchange_bytes(hp.meta, exchange_buckets=nb, **byte_model)
     rec = {"batch": i, "docs": int(hp.plan.doc_lens.size), "tasks": int(len(hp.plan.tasks)),
            "imbalance_before": hp.plan.imbalance_before,
            "imbalance_after": hp.plan.imbalance_after, "degraded": hp.plan.degraded,
@@ -322,10 +314,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
 
   # Raw all_to_all of the exchange's padded slot buffer (same for every batch).
   out = {"workload": name, "capacity": dataclasses.asdict(cap), "exchange_buckets": nb,
-         "bucket_rows": dispatch.exchange_bucket_rows(cap, nb), "batches": rows}
-  if a.split_exchange:
-    out["bucket_rows"] = {"q": dispatch.part_bucket_rows(cap.q_slot, nb),
-                          "kv": dispatch.part_bucket_rows(cap.kv_slot, nb)}
+         "bucket_rows": plan_lib.exchange_bucket_rows(cap, nb), "batches": rows}
   if s > 1:
     out["raw_a2a_padded_exchange_buffer"] = raw_bytes(rows[-1]["bytes_dispatch_padded"])
   if a.profile:
@@ -336,7 +325,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
   for mode, (_, fwd_bwd_f) in modes.items():
     traced = fwd_bwd_f.trace(q, k, v, plan0, ct)  # one trace: structure and compiled memory
     out[f"cad_{mode}_memory"] = aot.memory_fields(traced.lower().compile())
-    c = dispatch.count_primitives(traced.jaxpr.jaxpr, {"all_to_all", "flash_mha_varlen_fwd"})
+    c = dataplane.count_primitives(traced.jaxpr.jaxpr, {"all_to_all", "flash_mha_varlen_fwd"})
     out[f"cad_{mode}_structure"] = {
         "all_to_all": c["all_to_all"],
         "kernel_forward_calls": c["varlen_attention_fwd"] + c["flash_mha_varlen_fwd"]}
@@ -367,8 +356,7 @@ def _markdown(res: dict) -> str:
            f"{res['servers']}; tokens per device {res['tokens_per_rank']}; heads "
            f"{res['heads']}/{res['kv_heads']} x {res['head_dim']} {res['dtype']}; kernel "
            f"`{res['kernel']}`; tolerance {res['tolerance']}; caps {res['caps']}; exchange "
-           f"buckets {res['exchange_buckets']}"
-           f"{' (split: Q and K/V apart)' if res.get('split_exchange') else ''}; collective "
+           f"buckets {res['exchange_buckets']}; collective "
            f"{res.get('collective', 'all_to_all')}. "
            f"Times: median of {res['iters']}.",
            ""]
@@ -438,16 +426,15 @@ def main(a) -> None:
   mesh = Mesh(np.asarray(devices), (AXIS,), axis_types=(AxisType.Auto,))
   dtype = jnp.dtype(a.dtype)
   kernel = _pick_kernel(a, dtype)
-  res = {"command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
+  res = {"command": experiments.command_line(__file__),
          "date": datetime.datetime.now().isoformat(timespec="seconds"),
          "backend": jax.default_backend(), "devices": len(devices),
          "device_kind": devices[0].device_kind, "servers": len(devices),
          "tokens_per_rank": a.tokens_per_rank, "heads": a.heads, "kv_heads": a.kv_heads,
          "head_dim": a.head_dim, "dtype": dtype.name, "kernel": kernel,
          "tolerance": a.tolerance, "caps": a.caps, "exchange_buckets": a.exchange_buckets,
-         "collective": (dispatch.resolve_collective(a.collective, len(devices))
-                        if hasattr(dispatch, "resolve_collective") else "all_to_all"),
-         "exchange_only": a.exchange_only, "split_exchange": a.split_exchange,
+         "collective": dataplane.resolve_collective(a.collective, len(devices)),
+         "exchange_only": a.exchange_only,
          "iters": a.iters,
          "layers": a.layers, "tiny": a.tiny,
          "workloads": []}

@@ -4,7 +4,7 @@ FA3's varlen kernels launch ``task slots x ceil(max_seqlen / block) x heads`` th
 block of an empty task slot (or beyond its task's length) exits at once but still costs a launch
 slot. The data plane calls FA3 with a fixed table (``capacity.tasks`` slots, most of them empty
 on a typical batch) and ``max_seqlen = tokens per row``. This benchmark takes each server's real
-table from ``dispatch.host_plan`` (2 servers, workloads Pretrain and ProLong; the busiest
+table from ``plan_lib.host_plan`` (2 servers, workloads Pretrain and ProLong; the busiest
 server) and the own-documents table of the busiest rank (no CAD: packed_dp's call, 128 slots),
 and times FA3's forward and forward+backward (``ops.core_attention``) on the same tasks as
 
@@ -15,7 +15,7 @@ and times FA3's forward and forward+backward (``ops.core_attention``) on the sam
   used/tight/exact  only the used slots, max_seqlen = the longest task (rounded up to 128), and
                     Q/KV buffers cut to the used rows: the floor of what launch shapes can give
 Run on a GPU machine with flash-attn3-jax installed:
-  python experiments/flash3_grid_bench.py --out results/flash3_grid_bench
+  python -m experiments.flash3_grid_bench --out results/micro/flash3_grid_bench
 Writes <out>.json and <out>.md.
 """
 
@@ -27,18 +27,18 @@ import functools
 import datetime
 import json
 import os
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from distca_jax import dispatch, ops, profiling  # noqa: E402
-from distca_jax.baselines import packing  # noqa: E402
-from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
+from distca_jax import ops, profiling
+from distca_jax import plan as plan_lib
+from distca_jax.baselines import packing
+from distca_jax.data.workloads import WorkloadSampler
+import experiments
 
 
 def add_table_args(p: argparse.ArgumentParser, out_stem: str) -> None:
@@ -56,7 +56,7 @@ def add_table_args(p: argparse.ArgumentParser, out_stem: str) -> None:
 
 def _args():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  add_table_args(p, "flash3_grid_bench")
+  add_table_args(p, os.path.join("micro", "flash3_grid_bench"))
   p.add_argument("--servers", type=int, default=2)
   return p.parse_args()
 
@@ -106,9 +106,9 @@ def _jitted(msq: int, msk: int, levels: int) -> dict:
 
 def main(a):
   t, s = a.tokens, a.servers
-  spec = dispatch.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1,
-                           capacity=dispatch.default_capacity(t))
-  res = {"command": "python " + " ".join(sys.argv), "device": jax.devices()[0].device_kind,
+  spec = plan_lib.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1,
+                           capacity=plan_lib.default_capacity(t))
+  res = {"command": experiments.command_line(__file__), "device": jax.devices()[0].device_kind,
          "date": datetime.datetime.now().isoformat(timespec="seconds"),
          "capacity": dataclasses.asdict(spec.capacity), "rows": []}
   key = jax.random.key(0)
@@ -116,7 +116,7 @@ def main(a):
     sampler = WorkloadSampler(wl, t, seed=0)
     for b in range(a.batches):
       doc_lens = sampler.step_doclens(b, s)
-      hp = dispatch.host_plan(doc_lens, spec, q_heads=a.heads, kv_heads=a.kv_heads,
+      hp = plan_lib.host_plan(doc_lens, spec, q_heads=a.heads, kv_heads=a.kv_heads,
                               head_dim=a.head_dim, dtype_bytes=2)
       loads = [ops.attention_pairs(hp.meta.cu_seqlens_q[d], hp.meta.cu_seqlens_k[d])
                for d in range(s)]

@@ -10,7 +10,7 @@ gathered into [Nq, 32, 128] (injective: every source row is used at most once), 
   inverse_gather injective only: ``dx = dy[inv]`` with ``inv`` the inverse map (built on device
                  with an int32 scatter, included in the time)
 
-Run: python experiments/gather_bench.py --out results/gather_bench
+Run: python -m experiments.gather_bench --out results/micro/gather_bench
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ import argparse
 import datetime
 import json
 import os
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from distca_jax import dispatch, profiling  # noqa: E402
+from distca_jax import profiling
+from distca_jax import plan as plan_lib
+import experiments
 
 
 def _args():
@@ -36,7 +36,7 @@ def _args():
   p.add_argument("--tokens", type=int, default=65536)
   p.add_argument("--uses", type=int, default=3, help="most tasks one K/V row feeds")
   p.add_argument("--iters", type=int, default=10)
-  p.add_argument("--out", default=os.path.join(ROOT, "results", "gather_bench"))
+  p.add_argument("--out", default=os.path.join(ROOT, "results", "micro", "gather_bench"))
   return p.parse_args()
 
 
@@ -54,11 +54,11 @@ def _index(rng, n_src: int, n_out: int, used: float, uses: int) -> np.ndarray:
 
 def main(a):
   t = a.tokens
-  cap = dispatch.default_capacity(t)
+  cap = plan_lib.default_capacity(t)
   rng = np.random.default_rng(0)
   cases = {"q": (t + 2 * cap.q_slot, cap.q_tokens, 32, 1),
            "kv": (t + 2 * cap.kv_slot, cap.kv_tokens, 8, a.uses)}
-  res = {"command": "python " + " ".join(sys.argv), "device": jax.devices()[0].device_kind,
+  res = {"command": experiments.command_line(__file__), "device": jax.devices()[0].device_kind,
          "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": []}
   for name, (n_src, n_out, heads, uses) in cases.items():
     idx = jnp.asarray(_index(rng, n_src, n_out, 0.7, uses))

@@ -8,7 +8,7 @@ Workloads (32 query heads, 8 KV heads, head dim 128, bf16, one GPU):
   sched-W-mS         the fused call of one attention server under the real scheduler: step
                      ``--sched-step`` of workload W (pretrain or prolong) from
                      ``WorkloadSampler(W, tokens_per_row=--sched-tokens).step_doclens(step, S)``
-                     over S = ``--sched-servers`` ranks, planned by ``scheduler.schedule`` with
+                     over S = ``--sched-servers`` ranks, planned by ``plan_lib.schedule`` with
                      ``min_shard`` = S_min (64 ... 4096) and ``--sched-tolerance``; the task table
                      is the chosen server's row of ``plan_to_metadata`` (cu_seqlens_q/k with
                      trailing empty task slots), exactly what the data plane hands the kernel.
@@ -35,10 +35,10 @@ forward); padding rows add none.
 Each backend runs in its own subprocess, so a crash or a missing package costs only its own
 entries, which are recorded with the error. Backends: pallas[:preset] (ours), flash3, cudnn, mha
 and reference (plain jnp, small sizes only). Run (on a GPU machine):
-  python experiments/kernel_bench.py --out results/kernel_bench.json            # full table
-  python experiments/kernel_bench.py --quick --out results/kernel_bench_quick.json
+  python -m experiments.kernel_bench --quick   # the table in results/kernel_bench.md
+  python -m experiments.kernel_bench           # every backend and workload (slower)
 CPU smoke test (tiny shapes; ours in the Pallas interpreter, and the jnp reference):
-  python experiments/kernel_bench.py --tiny --out /tmp/kernel_bench_tiny.json
+  python -m experiments.kernel_bench --tiny --out /tmp/kernel_bench_tiny.json
 Writes <out>.json and <out>.md (same stem) with the command, device, wall times and every entry.
 """
 
@@ -51,22 +51,21 @@ import json
 import math
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
 import traceback
 
+import experiments
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-  sys.path.insert(0, REPO)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 DENSE_LENGTHS = (4096, 16384, 65536)
 SHARD_LENGTHS = (4096, 2048, 1024, 512, 256, 128, 64)
 SCHED_FAMILIES = ("pretrain", "prolong")
 SCHED_MIN_SHARDS = (64, 128, 256, 512, 1024, 2048, 4096)
-BACKENDS = ("pallas", "flash3", "cudnn", "mha")
+BACKENDS = ("pallas", "mosaic", "flash3", "cudnn", "mha")
 ALL_BACKENDS = BACKENDS + ("reference",)
 FAMILIES = {
     "dense": [f"dense-{n}" for n in DENSE_LENGTHS],
@@ -80,7 +79,7 @@ FULL = dict(heads=NUM_HEADS, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype="bf
             workloads="dense,ca,sched")
 # A representative subset for one short GPU run: the dense anchor, the composability ends of the
 # synthetic sweep and three min_shard values of each scheduler workload; ours against flash3.
-QUICK = dict(backends="flash3,pallas", workloads=",".join(
+QUICK = dict(backends="flash3,pallas,mosaic", workloads=",".join(
     ["dense-16384", "ca-s128", "ca-s512", "ca-s4096"]
     + [f"sched-{w}-m{m}" for w in SCHED_FAMILIES for m in (128, 512, 2048)]))
 # CPU smoke test: tiny shapes, every workload family, ours interpreted and the jnp reference.
@@ -91,7 +90,7 @@ TINY = dict(heads=4, kv_heads=2, head_dim=32, tokens=256, max_doc=256, sched_tok
 # Named tilings of our kernel; "pallas" means "pallas:default".
 PALLAS_PRESETS = {
     "default": {},  # BlockSizes.default_for(bf16, 128): forward 128 x 128 / 8 warps, bwd 64 x 64
-    # The previous default forward (64 x 64, 4 warps), better for 64-token shards.
+    # A smaller forward tile (64 x 64, 4 warps), better for 64-token shards.
     "q64": dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
     # Alternatives for sweeps, each one forward tiling (f<q>x<k>w<warps>s<stages>) paired with
     # one backward change, so one run measures both.
@@ -106,6 +105,15 @@ PALLAS_PRESETS = {
                                block_k_dq=128, num_warps_dq=8, block_q_dkv=128,
                                num_warps_dkv=8),
     "f64x64w8s3-bw8": dict(num_warps=8, num_warps_dq=8, num_warps_dkv=8),
+}
+# Named tilings of the Mosaic GPU kernels (custom_ops/mosaic_attention.BlockSizes); "mosaic" means
+# "mosaic:default".
+MOSAIC_PRESETS = {
+    "default": {},
+    "nopp": dict(pingpong=False),  # forward without ping-pong scheduling of the two warpgroups
+    "dq128": dict(block_kv_dq=128),  # dQ kernel: 128-key steps (64 by default)
+    # dK/dV on an aligned copy of K/V, gathered before and after the kernel
+    "dkv-gather": dict(dkv_in_place=False),
 }
 _SCHED_NAME = re.compile(r"sched-([a-z]+)-m(\d+)")
 
@@ -172,7 +180,7 @@ def expand_workload_names(spec: str) -> list[str]:
 
 def _sched_plan(family: str, min_shard: int, cfg: SchedConfig, cache: dict):
   """(doc_lens, Plan) of ``family`` at ``min_shard``, memoized in ``cache``."""
-  from distca_jax import scheduler  # pylint: disable=import-outside-toplevel
+  from distca_jax import plan as plan_lib  # pylint: disable=import-outside-toplevel
   from distca_jax.data.workloads import WorkloadSampler  # pylint: disable=import-outside-toplevel
   key = (family, min_shard)
   if key not in cache:
@@ -180,7 +188,7 @@ def _sched_plan(family: str, min_shard: int, cfg: SchedConfig, cache: dict):
       sampler = WorkloadSampler(family, tokens_per_row=cfg.tokens_per_rank, seed=cfg.seed)
       cache[(family, "doc_lens")] = sampler.step_doclens(cfg.step, cfg.servers)
     doc_lens = cache[(family, "doc_lens")]
-    cache[key] = scheduler.schedule(
+    cache[key] = plan_lib.schedule(
         doc_lens, cfg.servers, tokens_per_rank=cfg.tokens_per_rank, tolerance=cfg.tolerance,
         min_shard=min_shard, q_heads=cfg.q_heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim)
   return cache[key]
@@ -189,7 +197,7 @@ def _sched_plan(family: str, min_shard: int, cfg: SchedConfig, cache: dict):
 def make_sched_workload(name: str, cfg: SchedConfig, cache: dict | None = None) -> Workload:
   """The task table one server's fused kernel call gets for ``sched-<family>-m<min_shard>``."""
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from distca_jax import scheduler  # pylint: disable=import-outside-toplevel
+  from distca_jax import plan as plan_lib  # pylint: disable=import-outside-toplevel
   from distca_jax.data.workloads import WORKLOADS  # pylint: disable=import-outside-toplevel
   match = _SCHED_NAME.fullmatch(name)
   if not match or match.group(1) not in WORKLOADS or int(match.group(2)) < 1:
@@ -201,9 +209,9 @@ def make_sched_workload(name: str, cfg: SchedConfig, cache: dict | None = None) 
   # Fixed caps as in training: the envelope over the whole min_shard sweep (plus this one), so
   # every standard name of a family gets the same shapes whichever subset a run selects.
   sweep = sorted(set(SCHED_MIN_SHARDS) | {min_shard})
-  cap = scheduler.Capacity.envelope(
-      [scheduler.required_capacity(_sched_plan(family, m, cfg, cache)) for m in sweep])
-  meta = scheduler.plan_to_metadata(plan, cap)
+  cap = plan_lib.Capacity.envelope(
+      [plan_lib.required_capacity(_sched_plan(family, m, cfg, cache)) for m in sweep])
+  meta = plan_lib.plan_to_metadata(plan, cap)
   loads = np.asarray(plan.loads_after, np.float64)
   num_servers = plan.num_servers
   if cfg.server == "all":
@@ -298,30 +306,11 @@ def make_workloads(names: list[str], tokens: int, max_doc: int, seed: int,
 # ------------------------------------------------------------------------------------------------
 
 
-def _time(fn, args, min_trial_s: float, trials: int):
-  """Median seconds per call: warm-up, then trials of back-to-back calls synced at the end."""
-  import jax  # pylint: disable=import-outside-toplevel
-  jax.block_until_ready(fn(*args))  # compile
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  one = max(time.perf_counter() - t0, 1e-6)
-  reps = max(1, min(50, math.ceil(min_trial_s / one)))
-  times = []
-  for _ in range(trials):
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(reps):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / reps)
-  return statistics.median(times), times, reps
-
-
 def run_backend(backend: str, workloads: list[Workload], args, save) -> list[dict]:
   """Times one backend on every workload; ``save(entries)`` runs after each entry."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from distca_jax import ops  # pylint: disable=import-outside-toplevel
+  from distca_jax import ops, profiling  # pylint: disable=import-outside-toplevel
   from custom_ops import BlockSizes  # pylint: disable=import-outside-toplevel
 
   base, _, preset = backend.partition(":")
@@ -381,6 +370,18 @@ def run_backend(backend: str, workloads: list[Workload], args, save) -> list[dic
           return ops.core_attention(q, k, v, cu_q, cu_k, backend="pallas", block_sizes=bs,
                                     interpret=args.interpret)
         inputs = (q, k, v, cu_q, cu_k)
+      elif base == "mosaic":
+        from custom_ops import mosaic_attention  # pylint: disable=import-outside-toplevel
+        preset = preset or "default"
+        if preset not in MOSAIC_PRESETS:
+          raise ValueError(f"unknown mosaic {preset=}; choose one of {sorted(MOSAIC_PRESETS)}")
+        mbs = mosaic_attention.BlockSizes(**MOSAIC_PRESETS[preset])
+        entry["block_sizes"] = dataclasses.asdict(mbs)
+        static = ("mosaic", mbs)
+
+        def attn(q, k, v, cu_q, cu_k, mbs=mbs):
+          return mosaic_attention.mosaic_attention(q, k, v, cu_q, cu_k, block_sizes=mbs)[0]
+        inputs = (q, k, v, cu_q, cu_k)
       elif base == "reference":
         static = ("reference",)
 
@@ -436,12 +437,15 @@ def run_backend(backend: str, workloads: list[Workload], args, save) -> list[dic
       entry["out_mean_abs"] = float(jnp.mean(jnp.abs(o_task)))
       entry["out_finite"] = bool(jnp.isfinite(o_task).all())
       del o, o_task
-      t_fwd, trials, reps = _time(fwd, inputs, args.min_trial_s, args.trials)
-      entry.update(fwd_ms=t_fwd * 1e3, fwd_trials_ms=[t * 1e3 for t in trials], fwd_reps=reps,
-                   fwd_tflops=entry["flops_fwd"] / t_fwd / 1e12)
-      t_fb, trials, reps = _time(fwd_bwd, (*inputs, do), args.min_trial_s, args.trials)
-      entry.update(fwd_bwd_ms=t_fb * 1e3, fwd_bwd_trials_ms=[t * 1e3 for t in trials],
-                   fwd_bwd_reps=reps, fwd_bwd_tflops=entry["flops_fwd_bwd"] / t_fb / 1e12)
+      tm = profiling.time_call(fwd, *inputs, iters=args.trials, min_trial_s=args.min_trial_s)
+      t_fwd = tm["median_s"]
+      entry.update(fwd_ms=t_fwd * 1e3, fwd_trials_ms=[t * 1e3 for t in tm["trials_s"]],
+                   fwd_reps=tm["reps"], fwd_tflops=entry["flops_fwd"] / t_fwd / 1e12)
+      tm = profiling.time_call(fwd_bwd, *inputs, do, iters=args.trials,
+                               min_trial_s=args.min_trial_s)
+      t_fb = tm["median_s"]
+      entry.update(fwd_bwd_ms=t_fb * 1e3, fwd_bwd_trials_ms=[t * 1e3 for t in tm["trials_s"]],
+                   fwd_bwd_reps=tm["reps"], fwd_bwd_tflops=entry["flops_fwd_bwd"] / t_fb / 1e12)
       entry["status"] = "ok"
     except Exception as e:  # pylint: disable=broad-except
       entry["status"] = "error"
@@ -464,7 +468,7 @@ def _fmt(x, digits=0):
   return "-" if x is None else f"{x:.{digits}f}"
 
 
-def _tflops(x):
+def format_tflops(x):
   # Whole TFLOP/s on a GPU; three significant digits for the tiny CPU runs' fractions.
   return "-" if x is None else f"{x:.0f}" if x >= 10 else f"{x:.3g}"
 
@@ -485,9 +489,11 @@ def write_markdown(path: str, result: dict) -> None:
       f"{cfg['head_dim']}, {cfg['dtype']}"
       + (", ours in the Pallas interpreter" if cfg.get("interpret") else "")
       + f"; CA batches: {cfg['tokens']} query tokens of tail shards [b-s, b), "
-      f"b uniform in [s, {cfg['max_doc']}], seed {cfg['seed']}",
+      f"b uniform in [s, {cfg['max_doc']}], seed {cfg['seed']}"
+      + (f"; Q and KV buffers rounded up to multiples of {cfg['row_multiple']} rows"
+         if cfg.get("row_multiple", 1) > 1 else ""),
       f"- sched-W-mS: step {sched['step']} of workload W, {sched['servers']} ranks x "
-      f"{sched['tokens_per_rank']} tokens, scheduler.schedule(tolerance={sched['tolerance']}, "
+      f"{sched['tokens_per_rank']} tokens, plan_lib.schedule(tolerance={sched['tolerance']}, "
       f"min_shard=S); server {sched['server']!r}"
       + (" (the most loaded after balancing)" if sched["server"] == "max" else "")
       + "; task slots of the capacity envelope over min_shard "
@@ -511,7 +517,8 @@ def write_markdown(path: str, result: dict) -> None:
       if e is None:
         cells.append("missing")
       elif e["status"] == "ok":
-        cells.append(f"{_tflops(e.get('fwd_tflops'))} / {_tflops(e.get('fwd_bwd_tflops'))}")
+        cells.append(f"{format_tflops(e.get('fwd_tflops'))} / "
+                     f"{format_tflops(e.get('fwd_bwd_tflops'))}")
       elif e["status"] == "n/a":
         cells.append("n/a")
       else:
@@ -572,8 +579,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="representative subset, flash3 + ours: " + QUICK["workloads"])
   preset.add_argument("--tiny", action="store_true",
                       help="CPU smoke test: tiny shapes, reference + ours interpreted")
-  parser.add_argument("--backends", help="comma list of pallas[:preset], flash3, cudnn, mha, "
-                      "reference; presets: " + ", ".join(PALLAS_PRESETS)
+  parser.add_argument("--backends", help="comma list of pallas[:preset], mosaic[:preset], flash3, cudnn, "
+                      "mha, reference; pallas presets: " + ", ".join(PALLAS_PRESETS)
+                      + "; mosaic presets: " + ", ".join(MOSAIC_PRESETS)
                       + f"; default {FULL['backends']}")
   parser.add_argument("--workloads", help="comma list of dense-<L>, ca-s<S>, sched-<W>-m<S> or "
                       f"the families {sorted(FAMILIES)}; default {FULL['workloads']}")
@@ -598,6 +606,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="sched: Q/KV buffers end at the last task ('used') or keep the "
                       "capacity envelope's padding rows ('envelope')")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--row-multiple", type=int, default=1,
+                      help="round every workload's Q and KV buffer rows up to a multiple of this "
+                      "(padding rows, no FLOPs); 8 = what the mosaic kernel reads K/V in place "
+                      "from (other sizes it pads, one copy of K and V per call)")
   parser.add_argument("--trials", type=int)
   parser.add_argument("--min-trial-s", type=float)
   parser.add_argument("--child-timeout-s", type=float, default=1200)
@@ -626,14 +638,16 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   names = expand_workload_names(args.workloads)
   workloads = make_workloads(names, args.tokens, args.max_doc, args.seed, sched_config(args))
+  for wl in workloads:  # --row-multiple: buffers end at a multiple of that many rows
+    wl.q_rows = -(-wl.q_rows // args.row_multiple) * args.row_multiple
+    wl.kv_rows = -(-wl.kv_rows // args.row_multiple) * args.row_multiple
   backends = args.backends.split(",")
   if args.child:
     return run_child(run_backend, workloads, args)
 
   # The parent never initializes a JAX backend: the children own the GPU's memory.
   import jax  # pylint: disable=import-outside-toplevel
-  result = dict(command=" ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]
-                                 if argv is None else argv),
+  result = dict(command=experiments.command_line(__file__, argv),
                 device="unknown",
                 jax_version=jax.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -641,7 +655,7 @@ def main(argv=None) -> int:
                             trials=args.trials, min_trial_s=args.min_trial_s,
                             num_heads=args.heads, num_kv_heads=args.kv_heads,
                             head_dim=args.head_dim, dtype=args.dtype, interpret=args.interpret,
-                            quick=args.quick, tiny=args.tiny,
+                            quick=args.quick, tiny=args.tiny, row_multiple=args.row_multiple,
                             sched=dataclasses.asdict(sched_config(args)),
                             pallas_presets=PALLAS_PRESETS),
                 backends=backends, workloads=[w.name for w in workloads], entries=[],
@@ -656,10 +670,11 @@ def main(argv=None) -> int:
             "--interpret" if args.interpret else "--no-interpret",
             "--sched-tokens", str(args.sched_tokens), "--sched-servers", str(args.sched_servers),
             "--sched-step", str(args.sched_step), "--sched-tolerance", str(args.sched_tolerance),
-            "--sched-server", args.sched_server, "--sched-buffers", args.sched_buffers]
+            "--sched-server", args.sched_server, "--sched-buffers", args.sched_buffers,
+            "--row-multiple", str(args.row_multiple)]
   for backend in backends:
     part = f"{stem}.{backend.replace(':', '_')}.part.json"
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--backends", backend,
+    cmd = [*experiments.module_argv(__file__), "--child", "--backends", backend,
            *shared, "--out", part]
     print(f"== {backend}", flush=True)
     t0 = time.time()

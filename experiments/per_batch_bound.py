@@ -1,7 +1,7 @@
 """How much of the balance ceiling any per-batch choice between CAD and no balancing could take.
 
-  python experiments/per_batch_bound.py results/e2e_2gpu_64k_v5c.json \
-      results/e2e_2gpu_prolong_128k_v5b.json results/e2e_2gpu_128k_v5b.json \
+  python -m experiments.per_batch_bound results/e2e_2gpu_64k.json \
+      results/e2e_2gpu_prolong_128k.json results/e2e_2gpu_128k.json \
       --fixed-cost 0.004 --out results/per_batch_bound
 
 Reads `experiments/e2e_bench.py` result files (step times of every timed batch of `packed_dp` and
@@ -10,7 +10,8 @@ config overrides (the data source is a pure function of config, seed and step), 
 (workload, tokens per GPU):
 
   * per batch: both step times, their ratio, and the batch's own ceiling (max over ranks of
-    step work over the mean, work = 6 N tokens + 6 layers Hq D sum(l^2): `e2e_bench.ceiling` of
+    step work over the mean, work = `metrics.step_work` (6 N tokens + the kernel's forward +
+    backward per causal pair, 3.5x forward): `e2e_bench.ceiling` of
     that batch alone);
   * `measured`: the tokens/s ratio distca / packed_dp (total time over the batches);
   * `best of both`: the ratio if every batch had run the faster of (distca's step, packed_dp's
@@ -35,14 +36,11 @@ import argparse
 import datetime
 import json
 import os
-import shlex
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
-import e2e_bench  # noqa: E402  (experiments/ is not a package)
+from experiments import e2e_bench
+import experiments
 
 
 def parse_args(argv=None):
@@ -50,7 +48,8 @@ def parse_args(argv=None):
   p.add_argument("results", nargs="+", help="e2e_bench JSON files")
   p.add_argument("--fixed-cost", type=float, default=0.004,
                  help="CAD's step-time overhead when nothing moves, as a fraction (default 0.004: "
-                      "1 x H200, Pretrain and ProLong 64K, results/pingpong_v6_summary.md)")
+                      "distca over packed_dp on 1 x H200, Pretrain and ProLong 64K, "
+                      "results/e2e_1gpu_64k.md)")
   p.add_argument("--min-gain", type=float, default=None,
                  help="the gate's threshold for the `gate` column (default: the config's "
                       "attention.distca.min_gain)")
@@ -88,6 +87,25 @@ def gated_batches(c, doclens, min_gain) -> list[bool]:
   return out
 
 
+def check_rebuilt(run, model_cfg, doclens, ceiling) -> None:
+  """Raises unless the rebuilt batches are the ones the run timed: their MFU FLOPs must give the
+  run's recorded MFU (a convention that does not change), or, for a record without MFU, their
+  ceiling the recorded one."""
+  from distca_jax import metrics  # pylint: disable=import-outside-toplevel
+  peak = next((tf for name, tf in metrics.PEAK_TFLOPS.items() if name in run.get("device", "")),
+              None)
+  if "mfu" in run and peak:
+    flops = sum(metrics.step_flops(model_cfg, [row for rank in step for row in rank])
+                for step in doclens)
+    mfu = flops / (sum(run["step_ms_all"]) / 1e3) / (peak * 1e12 * run["devices"])
+    if abs(mfu / run["mfu"] - 1.0) > 1e-6:
+      raise ValueError(f"rebuilt batches give MFU {mfu:.6f}, the run recorded {run['mfu']:.6f}: "
+                       "the data source or config changed since the run")
+  elif abs(ceiling - run["ceiling"]) > 1e-6:
+    raise ValueError(f"rebuilt batches give ceiling {ceiling:.6f}, the run recorded "
+                     f"{run['ceiling']:.6f}: the data source or config changed since the run")
+
+
 def analyse(packed: dict, distca: dict, fixed: float, config_path: str, warmup: int,
             min_gain) -> dict:
   from distca_jax import config as config_lib
@@ -104,9 +122,7 @@ def analyse(packed: dict, distca: dict, fixed: float, config_path: str, warmup: 
                      "overrides give different batches; compare runs of the same data")
   model_cfg = config_lib.model_config(c)
   ceiling = e2e_bench.ceiling(model_cfg, doclens)
-  if abs(ceiling - packed["ceiling"]) > 1e-6:
-    raise ValueError(f"rebuilt batches give ceiling {ceiling:.6f}, the run recorded "
-                     f"{packed['ceiling']:.6f}: the data source or config changed since the run")
+  check_rebuilt(packed, model_cfg, doclens, ceiling)
   best = [min(d, p * (1.0 + fixed)) for p, d in zip(p_ms, d_ms)]
   gated = gated_batches(c_ca, doclens, min_gain)
   gate = [p * (1.0 + fixed) if g else d for p, d, g in zip(p_ms, d_ms, gated)]
@@ -143,7 +159,7 @@ def main(argv=None):
               f"{rec['best_of_both_ratio']:.3f} (share {rec['best_of_both_share']:.2f}), gate "
               f"{rec['gate_ratio']:.3f} (share {rec['gate_share']:.2f}; "
               f"{rec['gated_batches']} of {len(rec['batches'])} batches gated)")
-  cmd = "python experiments/per_batch_bound.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+  cmd = experiments.command_line(__file__)
   doc = dict(command=cmd, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
              fixed_cost=a.fixed_cost, results=out)
   with open(a.out + ".json", "w") as f:

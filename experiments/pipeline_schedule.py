@@ -11,7 +11,7 @@ Two parts:
      at tick t stage s holds microbatch t - s (`schedule_table`; none in bubble slots). Per tick,
      the pairs of causal attention each of the S x D ranks computes under three placements:
        local       each rank its own row (packed_dp; no CAD);
-       CAD/stage   CAD within each stage's D data ranks (`scheduler.schedule` over D servers);
+       CAD/stage   CAD within each stage's D data ranks (`plan.schedule` over D servers);
                    bubble stages idle;
        CAD pooled  one plan over all S x D ranks for the tick's documents of every stage
                    (bubble ranks serve too).
@@ -20,7 +20,7 @@ Two parts:
      it), divided by the ideal sum of pairs / (S x D).
 
 Run:
-  python experiments/pipeline_schedule.py   # writes results/pipeline_schedule.{json,md}
+  python -m experiments.pipeline_schedule   # writes results/pipeline_schedule.{json,md}
 """
 
 from __future__ import annotations
@@ -28,22 +28,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import sys
 
 MAX_DEVICES = 64
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + f" --xla_force_host_platform_device_count={MAX_DEVICES}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from distca_jax import configs_io, pipeline, scheduler, trainer  # noqa: E402
+from distca_jax import configs_io, pipeline, trainer  # noqa: E402
+from distca_jax import plan as plan_lib  # noqa: E402
 from distca_jax import sharding as shard_lib  # noqa: E402
 from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
+import experiments  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -104,9 +103,9 @@ def tick_loads(doclens, stages: int, data: int, microbatches: int, t: int, toler
     for s in range(stages):
       stage_rows = rows[s * data:(s + 1) * data]
       if any(stage_rows):  # a bubble stage computes nothing without pooling
-        plan = scheduler.schedule(stage_rows, data, tokens_per_rank=t, tolerance=tolerance)
+        plan = plan_lib.schedule(stage_rows, data, tokens_per_rank=t, tolerance=tolerance)
         out["cad_stage"][tick, s * data:(s + 1) * data] = plan.loads_after
-    plan = scheduler.schedule(rows, stages * data, tokens_per_rank=t, tolerance=tolerance)
+    plan = plan_lib.schedule(rows, stages * data, tokens_per_rank=t, tolerance=tolerance)
     out["cad_pooled"][tick] = plan.loads_after
     np.testing.assert_allclose(plan.loads_after.sum(), out["local"][tick].sum(), rtol=1e-9)
   return out
@@ -129,10 +128,10 @@ def main() -> None:
   p.add_argument("--budgets", default="131072,524288", help="tokens per rank (one row)")
   p.add_argument("--workloads", default="pretrain,prolong")
   p.add_argument("--steps", type=int, default=2, help="batches per configuration")
-  p.add_argument("--tolerance", type=float, default=scheduler.DEFAULT_TOLERANCE)
+  p.add_argument("--tolerance", type=float, default=plan_lib.DEFAULT_TOLERANCE)
   p.add_argument("--out", default="results/pipeline_schedule")
   args = p.parse_args()
-  command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+  command = experiments.command_line(__file__)
   meshes = [tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",")]
 
   bubbles = []

@@ -1,15 +1,15 @@
 """Where the key/value attention buffers are built: all after the wire, or own rows before it.
 
-The exchange's step 3 (``distca_jax.dispatch``) fills a server's key/value attention buffers
+The exchange's step 3 (``distca_jax.dataplane``) fills a server's key/value attention buffers
 ``[kv_tokens, K, D]`` from its own rows and the rows it received. Today that is one fused gather
-from both sources (``dispatch._gather_two``), and it can start only when the collective is done,
+from both sources (``dataplane.gather_two``), and it can start only when the collective is done,
 so all of it sits on the exchange's critical path. The query buffer is already built in two
-steps (``dispatch._place_unique``): own rows first, while the rows are on the wire, then only
+steps (``dataplane.place_unique``): own rows first, while the rows are on the wire, then only
 the received rows. This benchmark times, on ONE device and without any collective, the candidate
 ways to build the key/value buffer from a real plan's routing (the busiest receiving server of a
 ``--servers``-server plan, its received blocks filled with random rows):
 
-  gather_two   ``dispatch._gather_two``: one gather from both sources, all after the wire;
+  gather_two   ``dataplane.gather_two``: one gather from both sources, all after the wire;
   own_first    the own rows' gather (before the wire), then a select pass over every row that
                takes the received row where there is one (after the wire);
   scatter      the own rows' gather (before the wire), then a scatter of the received rows into
@@ -23,12 +23,12 @@ For each own-first variant the whole forward is timed as one program (a separate
 collective's end waits for) is reported as whole - pre; medians of ``--iters`` calls. Then the
 forward+backward of each whole variant. Every variant's output is checked equal to
 ``gather_two``'s, and its gradients close to it. The query buffer's own-first placement is timed too
-(``dispatch._place_unique``) for scale.
+(``dataplane.place_unique``) for scale.
 
 Run (one GPU; the numbers are per server):
-  python experiments/placement_bench.py                 # Pretrain and ProLong, 64K tokens
-  python experiments/placement_bench.py --tiny          # CPU smoke test
-Writes results/placement_bench.{json,md} (--out changes the stem).
+  python -m experiments.placement_bench                 # Pretrain and ProLong, 64K tokens
+  python -m experiments.placement_bench --tiny          # CPU smoke test
+Writes results/micro/placement_bench.{json,md} (--out changes the stem).
 """
 
 from __future__ import annotations
@@ -36,19 +36,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import shlex
-import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-  sys.path.insert(0, REPO)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from distca_jax import dispatch, profiling  # noqa: E402
-from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
+from distca_jax import dataplane, profiling
+from distca_jax import plan as plan_lib
+from distca_jax.data.workloads import WorkloadSampler
+import experiments
 
 
 def _args():
@@ -65,42 +63,42 @@ def _args():
   p.add_argument("--iters", type=int, default=None, help="default 20 (tiny: 2)")
   p.add_argument("--tolerance", type=float, default=0.05)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--out", default=None, help="output stem (default results/placement_bench)")
+  p.add_argument("--out", default=None, help="output stem (default results/micro/placement_bench)")
   a = p.parse_args()
   for name, big, small in (("tokens_per_rank", 65536, 512), ("heads", 32, 4), ("kv_heads", 8, 2),
                            ("head_dim", 128, 16), ("iters", 20, 2)):
     if getattr(a, name) is None:
       setattr(a, name, small if a.tiny else big)
   if a.out is None:
-    a.out = os.path.join(REPO, "results", "placement_bench_tiny" if a.tiny else "placement_bench")
+    a.out = os.path.join(REPO, "results", "micro", "placement_bench_tiny" if a.tiny else "placement_bench")
   if a.servers < 2:
     p.error(f"--servers={a.servers} must be >= 2 (one server receives nothing)")
   return a
 
 
 def own_first_pre(own, idx):
-  return dispatch._take(own, idx)  # received rows' places: 0 for now
+  return dataplane.take_rows(own, idx)  # received rows' places stay 0
 
 
 def own_first_post(pre, recv, idx, slot, blk, t):
   nb, b = recv.shape[:2]
-  ridx, in_recv = dispatch._recv_rows(idx - t, slot, b, nb, blk)
-  got = dispatch._take(recv.reshape((nb * b,) + recv.shape[2:]), ridx)
+  ridx, in_recv = dataplane.recv_rows(idx - t, slot, b, nb, blk)
+  got = dataplane.take_rows(recv.reshape((nb * b,) + recv.shape[2:]), ridx)
   return jnp.where(in_recv[:, None, None], got, pre)
 
 
 def scatter_post(pre, recv, idx, slot, blk, t):
   nb, b = recv.shape[:2]
   n = idx.shape[0]
-  ridx, in_recv = dispatch._recv_rows(idx - t, slot, b, nb, blk)
+  ridx, in_recv = dataplane.recv_rows(idx - t, slot, b, nb, blk)
   dst = jnp.where(in_recv, jnp.arange(n, dtype=jnp.int32), n)
-  got = dispatch._take(recv.reshape((nb * b,) + recv.shape[2:]), ridx)
+  got = dataplane.take_rows(recv.reshape((nb * b,) + recv.shape[2:]), ridx)
   return pre.at[dst].set(got, mode="drop", unique_indices=True)
 
 
 def compact_post(pre, recv, pos, ridx_at_pos):
   nb, b = recv.shape[:2]
-  got = dispatch._take(recv.reshape((nb * b,) + recv.shape[2:]), ridx_at_pos)
+  got = dataplane.take_rows(recv.reshape((nb * b,) + recv.shape[2:]), ridx_at_pos)
   return pre.at[pos].set(got, mode="drop", unique_indices=True)
 
 
@@ -110,20 +108,20 @@ def run_workload(name: str, a) -> list[dict]:
   byte_model = dict(q_heads=h, kv_heads=kh, head_dim=d, dtype_bytes=jnp.dtype(dtype).itemsize)
   sampler = WorkloadSampler(name, t, seed=a.seed)
   layouts = [sampler.step_doclens(i, s) for i in range(a.batches)]
-  min_shard = dispatch.auto_min_shard(t)
-  cap = dispatch.suggest_capacity(layouts, s, t, tolerance=a.tolerance, min_shard=min_shard,
-                                  multiple=dispatch._row_multiple(t), **byte_model)
-  spec = dispatch.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1, capacity=cap)
+  min_shard = plan_lib.auto_min_shard(t)
+  cap = plan_lib.suggest_capacity(layouts, s, t, tolerance=a.tolerance, min_shard=min_shard,
+                                  multiple=plan_lib.row_multiple(t), **byte_model)
+  spec = plan_lib.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1, capacity=cap)
   rng = np.random.default_rng(a.seed)
   k_own = jnp.asarray(rng.standard_normal((t, kh, d), np.float32), dtype)
   q_own = jnp.asarray(rng.standard_normal((t, h, d), np.float32), dtype)
   blk = jnp.arange(s, dtype=jnp.int32)  # all_to_all block order: sender p's rows in block p
   j = {k: jax.jit(f, static_argnums=st) for k, f, st in (
-      ("gather_two", dispatch._gather_two, (3,)), ("pre", own_first_pre, ()),
-      ("q_place", dispatch._place_unique, (3,)))}
+      ("gather_two", dataplane.gather_two, (3,)), ("pre", own_first_pre, ()),
+      ("q_place", dataplane.place_unique, (3,)))}
   out = []
   for i, doc_lens in enumerate(layouts):
-    hp = dispatch.host_plan(doc_lens, spec, tolerance=a.tolerance, min_shard=min_shard,
+    hp = plan_lib.host_plan(doc_lens, spec, tolerance=a.tolerance, min_shard=min_shard,
                             **byte_model)
     meta = hp.meta
     recv_rows = meta.kv_send_len.sum(axis=0) - np.diag(meta.kv_send_len)
@@ -131,7 +129,7 @@ def run_workload(name: str, a) -> list[dict]:
     if recv_rows[server] == 0:
       print(f"[{name}] batch {i}: nothing moves; skipped", flush=True)
       continue
-    bq, bkv = dispatch.exchange_rows(meta).tolist()
+    bq, bkv = plan_lib.exchange_rows(meta).tolist()
     b = -(-bkv // 8) * 8  # the received blocks' rows (a bucket just holding the fullest slot)
     bqr = -(-bq // 8) * 8
     kv_idx = jnp.asarray(meta.kv_attn_idx[server])
@@ -140,7 +138,7 @@ def run_workload(name: str, a) -> list[dict]:
     q_recv = jnp.asarray(rng.standard_normal((s, bqr, h, d), np.float32), dtype)
     # Rows of the attention buffer fed by the wire, and where they read (host-side compaction
     # of the device's own mapping).
-    ridx, fed = (np.asarray(x) for x in dispatch._recv_rows(kv_idx - t, cap.kv_slot, b, s, blk))
+    ridx, fed = (np.asarray(x) for x in dataplane.recv_rows(kv_idx - t, cap.kv_slot, b, s, blk))
     pos_np = np.flatnonzero(fed)
     count = -(-max(1, pos_np.size) // 8) * 8
     pos = np.full(count, kv_idx.shape[0], np.int32)
@@ -181,7 +179,7 @@ def run_workload(name: str, a) -> list[dict]:
     # sums each row's contributions into the own rows and the received blocks.
     ct = jnp.asarray(rng.standard_normal(want.shape, np.float32), dtype)
     whole = {
-        "gather_two": lambda own, recv: dispatch._gather_two(own, recv, kv_idx, cap.kv_slot, blk),
+        "gather_two": lambda own, recv: dataplane.gather_two(own, recv, kv_idx, cap.kv_slot, blk),
         "own_first": lambda own, recv: own_first_post(own_first_pre(own, kv_idx), recv, kv_idx,
                                                       cap.kv_slot, blk, t),
         "scatter": lambda own, recv: scatter_post(own_first_pre(own, kv_idx), recv, kv_idx,
@@ -243,7 +241,7 @@ def main(a) -> None:
   if a.tiny:
     jax.config.update("jax_platforms", "cpu")
   dev = jax.devices()[0]
-  res = {"command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
+  res = {"command": experiments.command_line(__file__),
          "date": datetime.datetime.now().isoformat(timespec="seconds"),
          "backend": jax.default_backend(), "device_kind": dev.device_kind,
          "servers": a.servers, "tokens_per_rank": a.tokens_per_rank, "heads": a.heads,

@@ -1,6 +1,7 @@
 """Plot of `experiments/e2e_bench.py` results: tokens/s per backend, one group per configuration.
 
-  python experiments/plot_e2e.py results/e2e_2gpu.json [more.json ...] --out results/e2e_2gpu.png
+  python -m experiments.plot_e2e results/e2e_2gpu_64k.json results/e2e_2gpu_128k.json \
+      results/e2e_2gpu_128k_wlb.json results/e2e_2gpu_prolong_128k.json --out results/e2e_2gpu.png
 
 Bars are tokens/s of the median step (mean tokens per step / median step time); whiskers span the
 p10-p90 step times. Above each configuration's `packed_dp` bar a tick marks the balance ceiling

@@ -2,22 +2,22 @@
 
 Every local step of the CAD exchange (send gather, own rows into the attention buffers, received
 rows into place, the return) is ``y = x[idx]`` over rows of ``heads x head_dim`` bf16, an index
-past the end giving a zero row (``dispatch._take``). This times ways of writing the same copy,
+past the end giving a zero row (``dataplane.take_rows``). This times ways of writing the same copy,
 on the shapes of a 64K-token server, with the index a real plan would hold: mostly runs of
 consecutive rows (``--run``), a fraction ``--used`` of the output real, the rest the sentinel:
 
-  take         ``jnp.take(x, idx, axis=0, mode='fill')`` on ``[N, H, D]`` bf16 (what runs now)
+  take         ``jnp.take(x, idx, axis=0, mode='fill')`` on ``[N, H, D]`` bf16 (the reference form)
   take_flat    the same on ``[N, H * D]``
   take_u32     rows viewed as uint32 pairs (``lax.bitcast_convert_type``), gathered, viewed back
   take_clip_select  the index clipped in range (``mode='clip'``), then zeros where it was not
   copy         ``x[:n_out] * 1``: a plain contiguous copy of as many bytes, the ceiling
 
 Each variant's output is checked equal to ``take``'s. The variants are timed round-robin
-(``--rounds``, alternating order; the median round is reported), since the first one timed
-read slower in a run that timed them in a fixed order. GB/s counts the bytes written plus the
+(``--rounds``, alternating order; the median round is reported), so no variant gains or loses
+from its place in the order. GB/s counts the bytes written plus the
 bytes read (2 x output bytes): HBM traffic.
 
-Run: python experiments/row_copy_bench.py [--tiny] --out results/row_copy_bench
+Run: python -m experiments.row_copy_bench [--tiny] --out results/micro/row_copy_bench
 """
 
 from __future__ import annotations
@@ -25,19 +25,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import shlex
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-  sys.path.insert(0, ROOT)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax import lax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
 
-from distca_jax import profiling  # noqa: E402
+from distca_jax import profiling
+import experiments
 
 
 def _args():
@@ -50,7 +47,7 @@ def _args():
   p.add_argument("--iters", type=int, default=None, help="default 20 (tiny: 2)")
   p.add_argument("--rounds", type=int, default=3, help="the variants are timed round-robin this "
                  "many times (order effects cancel); the median round is reported")
-  p.add_argument("--out", default=os.path.join(ROOT, "results", "row_copy_bench"))
+  p.add_argument("--out", default=os.path.join(ROOT, "results", "micro", "row_copy_bench"))
   a = p.parse_args()
   a.tokens = a.tokens or (512 if a.tiny else 65536)
   a.iters = a.iters or (2 if a.tiny else 20)
@@ -107,7 +104,7 @@ def main(a):
   rng = np.random.default_rng(0)
   t = a.tokens
   dtype = jnp.bfloat16
-  res = {"command": "python " + " ".join(shlex.quote(x) for x in sys.argv),
+  res = {"command": experiments.command_line(__file__),
          "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
          "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": []}
   for name, heads in (("q", 32 if not a.tiny else 4), ("kv", 8 if not a.tiny else 2)):

@@ -5,18 +5,18 @@ once, while ping-pong (``attention.nano_batches = 2``) calls it once per row. Th
 times FA3's forward+backward (``ops.core_attention``, what the layers run) on the same documents
 three ways:
 
-  per row        one call per row, summed, with packed_dp's table as it was when this ran: the
-                 row's documents in ``max_docs_per_row`` task slots, then its padding as two
-                 pseudo-tasks, so the empty slots sit before the padding ones (each ping-pong
-                 nano-batch ran such a call);
-  fused          one call over both rows with that table (empty slots between the rows too);
-  fused, packed  one call over both rows with packed_dp's table now
+  per row        one call per row, summed, each with a slot-first table: the row's documents
+                 in ``max_docs_per_row`` task slots, then its padding as two pseudo-tasks, so
+                 the empty slots sit before the padding ones;
+  fused          one call over both rows with the slot-first table (empty slots between the
+                 rows too);
+  fused, packed  one call over both rows with packed_dp's table
                  (``baselines.device.packed_dp_task_table``: the empty slots behind the used
                  ones, so FA3's launch buckets, ``ops.flash3_grid_buckets``, trim them).
 
 Rows are sampled from the workloads (``WorkloadSampler``), bf16, Llama-3-8B heads. Run on a GPU
 machine with flash-attn3-jax:
-  python experiments/rows_per_call_bench.py --out results/rows_per_call_bench
+  python -m experiments.rows_per_call_bench --out results/rows_per_call_bench
 Writes <out>.json and <out>.md.
 """
 
@@ -25,21 +25,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "experiments"))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from distca_jax import ops, profiling  # noqa: E402
-from distca_jax.baselines import device, packing  # noqa: E402
-from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
-from flash3_grid_bench import add_table_args  # noqa: E402  (experiments/ is not a package)
+from distca_jax import ops, profiling
+from distca_jax.baselines import device, packing
+from distca_jax.data.workloads import WorkloadSampler
+from experiments.flash3_grid_bench import add_table_args
+import experiments
 
 
 def _args():
@@ -97,7 +92,7 @@ def main():
       res.append(rec)
       print(f"{wl} batch {b} docs {rec['docs']}: per row {rec['per_row_ms']:.1f} ms, fused "
             f"{rec['fused_ms']:.1f} ms, fused+packed {rec['fused_packed_ms']:.1f} ms", flush=True)
-  cmd = "python experiments/rows_per_call_bench.py " + " ".join(sys.argv[1:])
+  cmd = experiments.command_line(__file__)
   doc = dict(command=cmd, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
              device=f"{jax.devices()[0].device_kind} x 1", rows=r, tokens_per_row=t,
              max_docs=a.max_docs, results=res)

@@ -7,7 +7,7 @@ heads, 8 KV heads, head dim 128, bf16). Bytes are the forward dispatch (Q rows p
 the output return moves the Q part again.
 
 Run:
-  python experiments/scheduler_table.py   # writes results/scheduler_table.{json,md}
+  python -m experiments.scheduler_table   # writes results/scheduler_table.{json,md}
 """
 
 from __future__ import annotations
@@ -16,16 +16,14 @@ import argparse
 import dataclasses
 import json
 import os
-import shlex
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distca_jax import scheduler  # noqa: E402
-from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
+from distca_jax import plan as plan_lib
+from distca_jax.data.workloads import WorkloadSampler
+import experiments
 
 GiB = 2.0**30
 
@@ -39,7 +37,7 @@ def main() -> None:
   p.add_argument("--steps", type=int, default=8, help="batches per configuration")
   p.add_argument("--out", default="results/scheduler_table")
   args = p.parse_args()
-  command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+  command = experiments.command_line(__file__)
   tols = [float(v) for v in args.tolerances.split(",")]
   rows = []
   for name in args.workloads.split(","):
@@ -51,10 +49,10 @@ def main() -> None:
           per = []
           for doc_lens in layouts:
             t0 = time.perf_counter()
-            plan = scheduler.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol)
+            plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol)
             ms = (time.perf_counter() - t0) * 1e3
             local = s * t * (plan.q_heads + 2 * plan.kv_heads) * plan.head_dim * plan.dtype_bytes
-            req = scheduler.required_capacity(plan)
+            req = plan_lib.required_capacity(plan)
             per.append({
                 "imbalance_before": plan.imbalance_before,
                 "imbalance_after": plan.imbalance_after,
@@ -99,16 +97,16 @@ def main() -> None:
                 f"degraded {agg['degraded']}/{len(per)}", flush=True)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out + ".json", "w") as f:
-    json.dump({"command": command, "min_shard": scheduler.DEFAULT_MIN_SHARD,
-               "byte_model": {"q_heads": scheduler.DEFAULT_Q_HEADS,
-                              "kv_heads": scheduler.DEFAULT_KV_HEADS,
-                              "head_dim": scheduler.DEFAULT_HEAD_DIM,
-                              "dtype_bytes": scheduler.DEFAULT_DTYPE_BYTES},
+    json.dump({"command": command, "min_shard": plan_lib.DEFAULT_MIN_SHARD,
+               "byte_model": {"q_heads": plan_lib.DEFAULT_Q_HEADS,
+                              "kv_heads": plan_lib.DEFAULT_KV_HEADS,
+                              "head_dim": plan_lib.DEFAULT_HEAD_DIM,
+                              "dtype_bytes": plan_lib.DEFAULT_DTYPE_BYTES},
                "rows": rows}, f, indent=1)
   lines = [
       "# Scheduler: imbalance and bytes moved vs tolerance", "", f"Command: `{command}`", "",
       f"{args.steps} seeded batches per row (flat layouts, documents span ranks), unbounded caps, "
-      f"min_shard={scheduler.DEFAULT_MIN_SHARD}, Llama-3-8B byte model (32 query heads, 8 KV "
+      f"min_shard={plan_lib.DEFAULT_MIN_SHARD}, Llama-3-8B byte model (32 query heads, 8 KV "
       "heads, head dim 128, bf16). Imbalance = max/mean per-server attention pairs. Bytes = "
       "forward dispatch (Q + K + V rows sent to other ranks) per server per layer, mean over "
       "batches; '% local' divides by the bytes of all local Q, K and V; 'KV share' is the part "

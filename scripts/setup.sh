@@ -1,12 +1,23 @@
 #!/usr/bin/env bash
-# One-time setup: .venv (Python 3.12, pinned jax/flax stack, the package in editable mode, test
-# tools) and .venv-hf (test-only torch + transformers reference, see setup_hf_reference.sh).
-# Idempotent: rerunning only checks. Override the interpreter with PYTHON=/path/to/python3.12.
+# Setup, run by scripts/train_tiny.sh and scripts/test.sh (no need to call it yourself): .venv
+# (Python >= 3.12, the pinned jax/flax stack, the package in editable mode, test tools) and, unless
+# --no-hf, .venv-hf (test-only torch + transformers reference, see setup_hf_reference.sh).
+# Idempotent and quick when done: pip runs only when .venv is new or pyproject.toml / this script
+# changed since the last install (a hash kept in .venv/.setup-hash).
+# Override the interpreter with PYTHON=/path/to/python3.12.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-is_py312plus() {  # the interpreter runs and is >= 3.12
-  "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1
+with_hf=1
+for arg in "$@"; do
+  case "$arg" in
+    --no-hf) with_hf=0 ;;
+    *) echo "setup: unknown argument '$arg'; the only option is --no-hf" >&2; exit 2 ;;
+  esac
+done
+
+is_py312plus() {  # the interpreter runs, is >= 3.12 and has venv
+  "$1" -c 'import sys, venv; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1
 }
 
 find_python() {
@@ -26,12 +37,21 @@ find_python() {
 }
 
 if [ ! -x .venv/bin/python ]; then
-  PY=$(find_python) || { echo "setup: no Python >= 3.12 found; install one or set PYTHON=" >&2; exit 1; }
+  PY=$(find_python) || {
+    echo "setup: no Python >= 3.12 with venv found; install one (Debian: apt-get install" \
+         "python3.12 python3.12-venv) or set PYTHON=/path/to/python3.12" >&2
+    exit 1
+  }
   echo "setup: creating .venv with $PY"
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-echo "setup: installing distca-jax and its pinned dependencies into .venv"
-.venv/bin/python -m pip install -q -e ".[test]"
-bash scripts/setup_hf_reference.sh
-echo "setup: done. Train: .venv/bin/python -m distca_jax.train --config configs/tiny_cpu.py --workdir /tmp/distca_tiny"
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ "$(cat .venv/.setup-hash 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing distca-jax and its pinned dependencies into .venv"
+  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+  echo "$want" > .venv/.setup-hash
+fi
+if [ "$with_hf" = 1 ]; then
+  bash scripts/setup_hf_reference.sh
+fi

@@ -44,6 +44,11 @@ find_python() {
   return 1
 }
 
+# Done already: the venv exists and was filled by this very script (same pins, same index).
+want=$(cat "${BASH_SOURCE[0]}" <(echo "${TORCH_INDEX_URL:-}") | sha256sum | cut -d' ' -f1)
+if [[ -x "$VENV/bin/python" && "$(cat "$VENV/.setup-hash" 2>/dev/null)" == "$want" ]]; then
+  exit 0
+fi
 BASE="$(find_python)"
 echo "base interpreter: $BASE ($("$BASE" --version 2>&1))"
 if [[ ! -x "$VENV/bin/python" ]]; then
@@ -57,4 +62,5 @@ else
 fi
 "${PIP[@]}" "transformers==$TRANSFORMERS_VERSION" safetensors numpy
 "$VENV/bin/python" -c 'import torch, transformers; print("ok: torch", torch.__version__, "transformers", transformers.__version__)'
+echo "$want" > "$VENV/.setup-hash"
 echo "reference environment ready: $VENV/bin/python (tests find it there, or via DISTCA_HF_PYTHON)"

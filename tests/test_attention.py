@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from distca_jax import attention as attn
+from distca_jax import backends
 from distca_jax.data.workloads import WorkloadSampler, split_into_rows
 
 
@@ -43,9 +44,10 @@ def _fit(row, t):
 
 
 @pytest.mark.parametrize("heads,kv_heads,workload,blocks", [
-    (4, 2, None, (16, 8)), (2, 2, "pretrain", (32, 32)), (4, 1, "prolong", (8, 16))])
-def test_local_equals_reference(heads, kv_heads, workload, blocks):
-  rng = np.random.default_rng()
+    (4, 2, None, (16, 8)), pytest.param(2, 2, "pretrain", (32, 32), marks=pytest.mark.slow),
+    pytest.param(4, 1, "prolong", (8, 16), marks=pytest.mark.slow)])
+def test_local_equals_reference(seed, heads, kv_heads, workload, blocks):
+  rng = np.random.default_rng(seed)
   b, t, d = 3, 64, 16
   layout = random_layout(rng, b, t, workload)
   q = jnp.asarray(rng.normal(size=(b, t, heads, d)), jnp.float32)
@@ -66,8 +68,8 @@ def test_local_equals_reference(heads, kv_heads, workload, blocks):
     np.testing.assert_allclose(a, r, atol=5e-5, rtol=1e-4)
 
 
-def test_attention_never_crosses_documents():
-  rng = np.random.default_rng()
+def test_attention_never_crosses_documents(seed):
+  rng = np.random.default_rng(seed)
   b, t, h, d = 1, 32, 2, 8
   seg = jnp.asarray(np.repeat([1, 2], 16)[None], jnp.int32)
   layout = attn.Layout(seg, jnp.asarray(np.tile(np.arange(16), 2)[None], jnp.int32))
@@ -81,7 +83,7 @@ def test_attention_never_crosses_documents():
 
 def test_unknown_backend_names_the_choices():
   with pytest.raises(ValueError, match="available: .*local"):
-    attn.get_backend("nope")
+    backends.get("nope")
 
 
 def test_shape_errors_are_clear():

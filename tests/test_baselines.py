@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from distca_jax import attention as attn
+from distca_jax import backends
 from distca_jax import baselines as bl
 from distca_jax import config as config_lib
-from distca_jax import scheduler as sched
+from distca_jax import plan as plan_lib
 from distca_jax import sharding as shard_lib
 from distca_jax import trainer
 from distca_jax.baselines import packing
@@ -53,14 +54,14 @@ def _close(a, b, atol=2e-5, rtol=1e-4):
 # ----------------------------------------------------------------------------------------------
 # Device correctness.
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("rows_per_rank", [1, 2])
-def test_packed_dp_equals_local_and_reference(rows_per_rank):
-  rng = np.random.default_rng()
+@pytest.mark.parametrize("rows_per_rank", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_packed_dp_equals_local_and_reference(seed, rows_per_rank):
+  rng = np.random.default_rng(seed)
   t, rows = 32, S * rows_per_rank
   doclens = [_rand_lens(rng, t, 12) for _ in range(rows)]
   seg, pos = layout_arrays(doclens, t)
   layout = attn.Layout(jnp.asarray(seg), jnp.asarray(pos))
-  backend = attn.get_backend("packed_dp", max_docs_per_row=32)
+  backend = backends.get("packed_dp", max_docs_per_row=32)
   extra = {k: jnp.asarray(v) for k, v in backend.host_prepare(doclens, t).items()}
   q, k, v, w = _qkvw(rng, rows, t)
 
@@ -114,7 +115,7 @@ def _check_group_backend(rng, name, pl: packing.Placement, backend_opts):
   seg_a, pos_a = pl.layout_arrays()
   extra = {kk: jnp.asarray(vv) for kk, vv in packing.task_tables(pl, max_tasks=64).items()}
   layout = attn.Layout(jnp.asarray(seg_a), jnp.asarray(pos_a), extra)
-  backend = attn.get_backend(name, **backend_opts)
+  backend = backends.get(name, **backend_opts)
   src_j = jnp.asarray(src.reshape(-1))
   b, t = src.shape
 
@@ -140,9 +141,10 @@ def _check_group_backend(rng, name, pl: packing.Placement, backend_opts):
     _close(a, r, atol=5e-5)
 
 
-@pytest.mark.parametrize("cp_size,rows_per_rank", [(2, 1), (8, 1), (4, 2)])
-def test_cp_equals_reference(cp_size, rows_per_rank):
-  rng = np.random.default_rng()
+@pytest.mark.parametrize("cp_size,rows_per_rank", [
+    (2, 1), pytest.param(8, 1, marks=pytest.mark.slow), pytest.param(4, 2, marks=pytest.mark.slow)])
+def test_cp_equals_reference(seed, cp_size, rows_per_rank):
+  rng = np.random.default_rng(seed)
   t = 32
   lanes = S // cp_size * rows_per_rank
   # Documents up to the whole sequence: they cross chunks and ranks.
@@ -152,9 +154,11 @@ def test_cp_equals_reference(cp_size, rows_per_rank):
   _check_group_backend(rng, "cp", pl, dict(cp_size=cp_size))
 
 
-@pytest.mark.parametrize("cp_size,rows_per_rank,alpha", [(1, 1, 1.2), (2, 1, 1.0), (4, 2, 1.1)])
-def test_wlb_equals_reference(cp_size, rows_per_rank, alpha):
-  rng = np.random.default_rng()
+@pytest.mark.parametrize("cp_size,rows_per_rank,alpha", [
+    pytest.param(1, 1, 1.2, marks=pytest.mark.slow), (2, 1, 1.0),
+    pytest.param(4, 2, 1.1, marks=pytest.mark.slow)])
+def test_wlb_equals_reference(seed, cp_size, rows_per_rank, alpha):
+  rng = np.random.default_rng(seed)
   t = 32
   lens = _rand_lens(rng, S * rows_per_rank * t, 2 * t)
   pk = packing.wlb_pack(lens, S // cp_size * rows_per_rank, cp_size,
@@ -163,9 +167,9 @@ def test_wlb_equals_reference(cp_size, rows_per_rank, alpha):
   _check_group_backend(rng, "wlb", pl, dict(cp_size=cp_size, alpha=alpha, balance_len=24.0))
 
 
-def test_arrange_batch_feeds_the_backend_and_keeps_every_token():
+def test_arrange_batch_feeds_the_backend_and_keeps_every_token(seed):
   """Trainer batch -> arrange_batch -> the backend equals the reference on the natural rows."""
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(seed)
   t = 32
   doclens = [_rand_lens(rng, t, 20) for _ in range(S)]
   seg, pos = layout_arrays(doclens, t)
@@ -177,7 +181,7 @@ def test_arrange_batch_feeds_the_backend_and_keeps_every_token():
   o_ref = np.asarray(attn.dense_reference(q, k, v, ref_layout, softmax_scale=SCALE))
   for name, opts in (("cp", dict(cp_size=4)), ("wlb", dict(cp_size=2, alpha=1.2,
                                                            balance_len=20.0))):
-    backend = attn.get_backend(name, **opts)
+    backend = backends.get(name, **opts)
     # Token ids tag where each token went: a token's id is its natural flat index + 1.
     tagged = dict(batch, inputs=np.where(seg > 0, np.arange(S * t).reshape(S, t) + 1, 0))
     out = backend.host_arrange(tagged, doclens)
@@ -198,10 +202,10 @@ def test_arrange_batch_feeds_the_backend_and_keeps_every_token():
   assert bl.EXTRA_PREFIX == trainer.EXTRA_PREFIX
 
 
-def test_model_loss_and_grads_with_baselines_equal_local():
+@pytest.mark.slow
+def test_model_loss_and_grads_with_baselines_equal_local(seed):
   """The real model on a data=4 x tensor=2 mesh: packed_dp (trainer.add_host_plan), cp and wlb
   (host_arrange) give the dense reference backend's loss and parameter gradients."""
-  seed = int(np.random.default_rng().integers(1 << 30))
   c = config_lib.base_config()
   c.model.update(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
                  mlp_dim=64, dtype="float32", remat="none", loss_chunk=64)
@@ -217,7 +221,7 @@ def test_model_loss_and_grads_with_baselines_equal_local():
   dims = bl.ModelDims.from_model(config_lib.model_config(c))
 
   # Core attention has no parameters: one state serves every backend.
-  state = trainer.create_train_state(c, trainer.make_model(c, attn.get_backend("reference")),
+  state = trainer.create_train_state(c, trainer.make_model(c, backends.get("reference")),
                                      trainer.make_optimizer(c), mesh)
 
   def loss_and_grads(backend, np_batch):
@@ -232,10 +236,10 @@ def test_model_loss_and_grads_with_baselines_equal_local():
       loss, g = jax.jit(jax.value_and_grad(f))(state.params, trainer.device_batch(np_batch, mesh))
     return float(loss), jax.tree.leaves(jax.device_get(g))
 
-  loss_ref, g_ref = loss_and_grads(attn.get_backend("reference"), batch)
-  pdp = attn.get_backend("packed_dp", max_docs_per_row=32)
-  cp = attn.get_backend("cp", cp_size=2)
-  wlb = attn.get_backend("wlb", cp_size=2, alpha=1.25, balance_len=dims.balance_len)
+  loss_ref, g_ref = loss_and_grads(backends.get("reference"), batch)
+  pdp = backends.get("packed_dp", max_docs_per_row=32)
+  cp = backends.get("cp", cp_size=2)
+  wlb = backends.get("wlb", cp_size=2, alpha=1.25, balance_len=dims.balance_len)
   for backend, b in ((pdp, trainer.add_host_plan(batch, pdp, doclens, t)),
                      (cp, cp.host_arrange(batch, doclens)),
                      (wlb, wlb.host_arrange(batch, doclens))):
@@ -245,34 +249,34 @@ def test_model_loss_and_grads_with_baselines_equal_local():
       np.testing.assert_allclose(a, r, rtol=2e-4, atol=2e-6)
 
 
-def test_unarranged_batch_and_bad_options_are_clear_errors():
-  rng = np.random.default_rng()
+def test_unarranged_batch_and_bad_options_are_clear_errors(seed):
+  rng = np.random.default_rng(seed)
   q, k, v, _ = _qkvw(rng, S, 16)
   layout = attn.Layout(jnp.ones((S, 16), jnp.int32), jnp.tile(jnp.arange(16), (S, 1)))
   with jax.set_mesh(_mesh()), pytest.raises(ValueError, match="arrange_batch"):
-    attn.get_backend("cp", cp_size=2).fn(q, k, v, layout, softmax_scale=SCALE)
+    backends.get("cp", cp_size=2).fn(q, k, v, layout, softmax_scale=SCALE)
   with pytest.raises(ValueError, match="no mesh"):
-    attn.get_backend("packed_dp").fn(q, k, v, attn.Layout(layout.segment_ids_BxT,
+    backends.get("packed_dp").fn(q, k, v, attn.Layout(layout.segment_ids_BxT,
                                                           layout.positions_BxT,
                                                           {"doc_lens": jnp.zeros((S, 2))}),
                                      softmax_scale=SCALE)
   with pytest.raises(ValueError, match="cp_size"):
-    attn.get_backend("wlb", balance_len=10.0)
+    backends.get("wlb", balance_len=10.0)
   with pytest.raises(ValueError, match="balance_len"):
-    attn.get_backend("wlb", cp_size=2)
+    backends.get("wlb", cp_size=2)
   with pytest.raises(ValueError, match="alpha"):
-    attn.get_backend("wlb", cp_size=2, alpha=0.9, balance_len=1.0)
+    backends.get("wlb", cp_size=2, alpha=0.9, balance_len=1.0)
   with pytest.raises(ValueError, match="kernel"):
-    attn.get_backend("packed_dp", kernel="cuda")
+    backends.get("packed_dp", kernel="cuda")
   with pytest.raises(ValueError, match="max_docs_per_row"):
-    attn.get_backend("packed_dp", max_docs_per_row=2).host_prepare([[1, 1, 1]], 8)
+    backends.get("packed_dp", max_docs_per_row=2).host_prepare([[1, 1, 1]], 8)
 
 
 # ----------------------------------------------------------------------------------------------
 # Host planning.
 # ----------------------------------------------------------------------------------------------
-def test_wlb_pack_places_every_token_under_the_cap_longest_first():
-  rng = np.random.default_rng()
+def test_wlb_pack_places_every_token_under_the_cap_longest_first(seed):
+  rng = np.random.default_rng(seed)
   for _ in range(20):
     lanes, c, t = int(rng.integers(1, 9)), int(rng.choice([1, 2, 3, 4])), int(rng.integers(8, 200))
     alpha = float(rng.choice([1.0, 1.1, 1.5]))
@@ -340,11 +344,11 @@ def test_placement_rejects_bad_pieces():
 # Metrics.
 # ----------------------------------------------------------------------------------------------
 def _total_pairs(lens):
-  return int(sched.pairs(0, np.asarray(lens, np.int64)).sum())
+  return int(plan_lib.pairs(0, np.asarray(lens, np.int64)).sum())
 
 
-def test_metrics_conserve_work_and_tokens():
-  rng = np.random.default_rng()
+def test_metrics_conserve_work_and_tokens(seed):
+  rng = np.random.default_rng(seed)
   dims = bl.ModelDims()
   t, s = 4096, 16
   sampler = WorkloadSampler("prolong", t, seed=int(rng.integers(1 << 20)))
@@ -369,11 +373,11 @@ def test_metrics_conserve_work_and_tokens():
     ref = bl.placement_metrics(bl.wlb_placement(pk), dims, "wlb")
     for f in ("pairs_S", "tokens_S", "bytes_S", "kv_rows_S"):
       np.testing.assert_allclose(getattr(m, f), getattr(ref, f))
-  plan = sched.schedule(flat, s, tokens_per_rank=t, tolerance=0.1)
+  plan = plan_lib.schedule(flat, s, tokens_per_rank=t, tolerance=0.1)
   m = bl.distca_metrics(plan)
   assert m.pairs_S.sum() == _total_pairs(flat)
   assert m.tokens_S.sum() == sum(flat)
-  assert m.kv_rows_S.max() == sched.required_capacity(plan).kv_tokens
+  assert m.kv_rows_S.max() == plan_lib.required_capacity(plan).kv_tokens
   assert m.summary()["attention_imbalance"] == pytest.approx(plan.imbalance_after)
   bq, bkv = dims.q_row_bytes, dims.kv_row_bytes
   assert m.bytes_S.sum() == pytest.approx(2 * plan.bytes_q + plan.bytes_kv)
@@ -381,7 +385,7 @@ def test_metrics_conserve_work_and_tokens():
       plan.bytes_kv)
 
 
-def test_rank_metrics_from_trainer_rows_and_model_dims():
+def test_rank_metrics_from_trainer_rows_and_model_dims(seed):
   path = os.path.join(os.path.dirname(__file__), "..", "configs", "llama3_8b_128k.py")
   spec = importlib.util.spec_from_file_location("cfg", path)
   mod = importlib.util.module_from_spec(spec)
@@ -389,7 +393,7 @@ def test_rank_metrics_from_trainer_rows_and_model_dims():
   dims = bl.ModelDims.from_model(config_lib.model_config(mod.get_config()))
   assert dims == bl.ModelDims()
   assert 50_000 < dims.balance_len < 62_000  # ~57K tokens for Llama-3-8B
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(seed)
   t = 2048
   rows = WorkloadSampler("pretrain", t, seed=int(rng.integers(1 << 20))).step_doclens(3, S)
   out = {name: bl.rank_metrics(name, rows, t, cp_size=2, alpha=1.2).summary(dims)

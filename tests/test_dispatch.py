@@ -18,9 +18,11 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from distca_jax import attention as attn_lib
-from distca_jax import configs_io, dispatch, trainer
-from distca_jax import scheduler as sc
+from distca_jax import backends, configs_io, dataplane, trainer
+from distca_jax import plan as plan_lib
 from distca_jax import sharding as shard_lib
+from distca_jax.backends import distca as distca_backend
+from distca_jax.plan import sizing
 from distca_jax.data import make_source
 from distca_jax.data.workloads import WorkloadSampler
 
@@ -29,8 +31,9 @@ S, T, H, KH, D = 8, 128, 4, 2, 16
 # Fixed buffers for every layout below (flat layouts whose documents span all ranks need
 # kv_tokens >= S * T on the server computing a document's last rows; twice that lets mirrored
 # pieces of one all-rank document balance).
-CAP = sc.Capacity(q_slot=T // 2, kv_slot=T, q_tokens=3 * T // 2, kv_tokens=2 * S * T, tasks=48)
-SPEC = dispatch.PlanSpec(num_servers=S, tokens_per_row=T, rows_per_device=1, capacity=CAP)
+CAP = plan_lib.Capacity(q_slot=T // 2, kv_slot=T, q_tokens=3 * T // 2, kv_tokens=2 * S * T,
+                        tasks=48)
+SPEC = plan_lib.PlanSpec(num_servers=S, tokens_per_row=T, rows_per_device=1, capacity=CAP)
 ATOL, RTOL = 2e-5, 2e-4
 
 
@@ -41,7 +44,7 @@ def _mesh(data=S, tensor=1):
 
 def _segments(doc_lens, rows, t):
   """[1, rows * t] segment ids of a flat or per-row layout (each document its own id)."""
-  lens, starts = sc.parse_layout(doc_lens, rows, t)
+  lens, starts = plan_lib.parse_layout(doc_lens, rows, t)
   seg = np.zeros(rows * t, np.int32)
   for j, (g, n) in enumerate(zip(starts.tolist(), lens.tolist())):
     seg[g:g + n] = j + 1
@@ -71,14 +74,22 @@ def _inputs(rng, rows=S, t=T):
   return q, k, v, ct
 
 
+def _options(exchange_buckets=8, collective="auto", signal_only=False, **dispatch):
+  """``DispatchOptions`` from flat keywords (the exchange's three, then the rest)."""
+  wire = dataplane.ExchangeOptions(buckets=exchange_buckets, collective=collective,
+                                   signal_only=signal_only)
+  return dataplane.DispatchOptions(exchange=wire, **dispatch)
+
+
 def _make_run(mesh, spec, trace_counter=None, head_axis=None, **options):
   """jit(output and VJP of dispatch_attention); the plan is an argument (one trace)."""
+  opts = _options(head_axis=head_axis, **options)
 
   def run(q, k, v, plan, ct):
     if trace_counter is not None:
       trace_counter.append(1)
-    o, vjp = jax.vjp(lambda q, k, v: dispatch.dispatch_attention(
-        q, k, v, plan, spec, mesh=mesh, head_axis=head_axis, **options), q, k, v)
+    o, vjp = jax.vjp(lambda q, k, v: dataplane.dispatch_attention(
+        q, k, v, plan, spec, opts, mesh=mesh), q, k, v)
     return (o, *vjp(ct))
 
   qkv = NamedSharding(mesh, P("data", None, head_axis, None))
@@ -116,16 +127,16 @@ def _check(got, want, what):
                                err_msg=f"{what}: {n}")
 
 
-def test_outputs_and_grads_equal_per_document_attention_single_trace():
+@pytest.mark.slow
+def test_outputs_and_grads_equal_per_document_attention_single_trace(seed):
   mesh = _mesh()
   traces = []
   run = _make_run(mesh, SPEC, trace_counter=traces, exchange_buckets=8)  # memory_mode 'keep'
-  seed = int(np.random.default_rng().integers(1 << 30))
   rng = np.random.default_rng(seed)
   moves = split_docs = 0
   packed = []
   for name, doc_lens, eps in _layouts(seed):
-    hp = dispatch.host_plan(doc_lens, SPEC, tolerance=float(eps), q_heads=H, kv_heads=KH,
+    hp = plan_lib.host_plan(doc_lens, SPEC, tolerance=float(eps), q_heads=H, kv_heads=KH,
                             head_dim=D, dtype_bytes=4)
     q, k, v, ct = _inputs(rng)
     got = run(q, k, v, hp.packed, ct)
@@ -144,26 +155,27 @@ def test_outputs_and_grads_equal_per_document_attention_single_trace():
   assert all(not np.array_equal(packed[0], p) for p in packed[1:])
 
 
-def test_notebook_entry_flat_and_per_rank_with_grads():
+@pytest.mark.slow
+def test_notebook_entry_flat_and_per_rank_with_grads(seed):
   mesh = _mesh()
-  rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+  rng = np.random.default_rng(seed)
   q, k, v, ct = _inputs(rng)
   sh = NamedSharding(mesh, P("data"))
   doc_lens = [40, 3 * T + 5, 77, 200, 9]  # flat, spanning ranks, padded tail
 
   @jax.jit
   def grads(q, k, v, ct):
-    o, vjp = jax.vjp(lambda q, k, v: dispatch.core_attention(q, k, v, doc_lens, mesh,
-                                                             tolerance=0.05), q, k, v)
+    o, vjp = jax.vjp(lambda q, k, v: dataplane.core_attention(q, k, v, doc_lens, mesh,
+                                                              tolerance=0.05), q, k, v)
     return (o, *vjp(ct))
 
   got = grads(*(jax.device_put(x, sh) for x in (q, k, v, ct)))
   _check(got, _reference(q, k, v, _segments(doc_lens, S, T), ct), "notebook flat")
   # Per-rank lists, eager call (jitted inside), and the log-sum-exp.
   nested = [[T], [60, 60], [5], [], [128], [1, 2, 3], [100], [127]]
-  o, lse, hp = dispatch.core_attention(*(jax.device_put(x, sh) for x in (q, k, v)), nested, mesh,
-                                       tolerance=0.0, return_lse=True, return_plan=True)
-  want_o, want_lse = sc.reference_document_attention(nested, q, k, v)
+  o, lse, hp = dataplane.core_attention(*(jax.device_put(x, sh) for x in (q, k, v)), nested, mesh,
+                                        tolerance=0.0, return_lse=True, return_plan=True)
+  want_o, want_lse = plan_lib.reference_document_attention(nested, q, k, v)
   np.testing.assert_allclose(np.asarray(o), want_o, atol=ATOL, rtol=RTOL)
   seg = _segments(nested, S, T).reshape(S, T)
   lse = np.asarray(lse)
@@ -172,16 +184,16 @@ def test_notebook_entry_flat_and_per_rank_with_grads():
   assert hp.plan.num_moves > 0
 
 
-_count_prims = dispatch.count_primitives  # structure of one execution (the package's)
+_count_prims = dataplane.count_primitives  # structure of one execution (the package's)
 
 
-@pytest.mark.parametrize("kernel", ["reference", "pallas"])
-def test_resend_equals_keep_and_resends_in_the_backward(kernel):
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["reference", "blockwise", "pallas"])
+def test_resend_equals_keep_and_resends_in_the_backward(seed, kernel):
   mesh = _mesh()
-  seed = int(np.random.default_rng().integers(1 << 30))
   rng = np.random.default_rng(seed)
   name, doc_lens, eps = _layouts(seed)[int(rng.integers(8))]
-  hp = dispatch.host_plan(doc_lens, SPEC, tolerance=float(eps))
+  hp = plan_lib.host_plan(doc_lens, SPEC, tolerance=float(eps))
   q, k, v, ct = _inputs(rng)
   opts = dict(kernel=kernel)
   if kernel == "pallas":
@@ -189,7 +201,7 @@ def test_resend_equals_keep_and_resends_in_the_backward(kernel):
   keep = _make_run(mesh, SPEC, memory_mode="keep", **opts)
   resend = _make_run(mesh, SPEC, memory_mode="resend", **opts)
   want = _reference(q, k, v, _segments(doc_lens, S, T), ct)
-  if kernel == "reference":  # (keep with the Pallas kernel: see the pytest above for 'reference')
+  if kernel != "pallas":  # (keep with the Pallas kernel: see the pytest above for 'reference')
     _check(keep(q, k, v, hp.packed, ct), want, f"{kernel} keep {name} seed={seed}")
   _check(resend(q, k, v, hp.packed, ct), want, f"{kernel} resend {name} seed={seed}")
 
@@ -207,20 +219,20 @@ def test_resend_equals_keep_and_resends_in_the_backward(kernel):
       assert counts[mode]["varlen_attention_dkv"] == 1, counts
 
 
-def test_rows_per_device_with_inner_padding_and_tensor_heads():
+@pytest.mark.slow
+def test_rows_per_device_with_inner_padding_and_tensor_heads(seed):
   """data=4 x tensor=2, two rows per device, rows padded inside a device's token range."""
   mesh = _mesh(data=4, tensor=2)
   rows, r = 8, 2
-  spec = dispatch.PlanSpec(num_servers=4, tokens_per_row=T, rows_per_device=r,
-                           capacity=dispatch.resolve_capacity(None, r * T, r))
-  seed = int(np.random.default_rng().integers(1 << 30))
+  spec = plan_lib.PlanSpec(num_servers=4, tokens_per_row=T, rows_per_device=r,
+                           capacity=plan_lib.resolve_capacity(None, r * T, r))
   rng = np.random.default_rng(seed)
   # At most 3 documents of <= 42 tokens: a row never overflows its T = 128 tokens.
   per_row = [[int(x) for x in rng.integers(1, 43, size=int(rng.integers(0, 4)))]
              for _ in range(rows)]
   per_row[3] = [T]
   per_row[6] = [90, 38]
-  hp = dispatch.host_plan(per_row, spec, tolerance=0.0, min_shard=8)
+  hp = plan_lib.host_plan(per_row, spec, tolerance=0.0, min_shard=8)
   assert hp.plan.num_moves > 0, f"no moves for {per_row=} (seed={seed})"
   q, k, v, ct = _inputs(rng, rows=rows)
   run = _make_run(mesh, spec, head_axis="tensor")
@@ -230,30 +242,29 @@ def test_rows_per_device_with_inner_padding_and_tensor_heads():
 
 def test_suggested_config_caps_fit_the_run_batches():
   c = _tiny_config("distca", 4, 2, 0, rows_per_rank=4, nano_batches=2)
-  caps = dispatch.suggest_config_capacity(c, num_batches=6, data=4)
+  caps = sizing.suggest_config_capacity(c, num_batches=6, data=4)
   for k, v in caps.items():
     c.attention.distca[k] = v
   backend = trainer.make_backend(c)
   src = make_source(c.data, rows=16, tokens_per_row=c.tokens_per_rank,
                     vocab_size=c.model.vocab_size, seed=c.seed)
-  spec = dispatch.PlanSpec(4, c.tokens_per_rank, 2, sc.Capacity(**caps))
+  spec = plan_lib.PlanSpec(4, c.tokens_per_rank, 2, plan_lib.Capacity(**caps))
   for step in range(6):
-    plan = backend.host_prepare(src.doclens(step), c.tokens_per_rank)[dispatch.PLAN_KEY]
+    plan = backend.host_prepare(src.doclens(step), c.tokens_per_rank)[distca_backend.PLAN_KEY]
     assert plan.shape == (16, spec.width) and plan.dtype == np.int32
 
 
-def test_startup_caps_come_from_the_runs_batches_and_plan_every_later_batch():
+def test_startup_caps_come_from_the_runs_batches_and_plan_every_later_batch(seed):
   """Caps left at 0 are derived from the run's first batches (with headroom and floors); later
   batches of the same run still plan (a tighter need only degrades balance, never fails)."""
-  seed = int(np.random.default_rng().integers(1 << 30))
   c = _tiny_config("distca", 4, 1, seed, rows_per_rank=4, nano_batches=2)
   c.attention.distca.caps_from_batches = 6
   c.attention.distca.kv_slot = 96  # set by the user: kept
   rows = c.tokens_per_rank * 2  # rows per device and call (4 rows / 2 nano-batches)
-  got = dispatch.startup_capacity(c)
-  sugg = dispatch.suggest_config_capacity(c, num_batches=6)
+  got = sizing.startup_capacity(c)
+  sugg = sizing.suggest_config_capacity(c, num_batches=6)
   assert set(got) == {"q_slot", "q_tokens", "kv_tokens"}, got  # not kv_slot, never tasks
-  mult = dispatch._row_multiple(rows)
+  mult = plan_lib.row_multiple(rows)
   for name, v in got.items():
     assert v % mult == 0 and v >= sugg[name] * 1.1 - 1e-9, (name, v, sugg, seed)
   assert got["q_tokens"] >= rows and got["kv_tokens"] >= rows
@@ -274,33 +285,33 @@ def test_startup_caps_come_from_the_runs_batches_and_plan_every_later_batch():
       tight.host_prepare(src.doclens(step), c.tokens_per_rank)
   # Off, or every row cap given: nothing derived. A headroom below 1 names the fix.
   c.attention.distca.caps_from_batches = 0
-  assert dispatch.startup_capacity(c) == {}
+  assert sizing.startup_capacity(c) == {}
   c.attention.distca.caps_from_batches = 6
   for name in ("q_slot", "q_tokens", "kv_tokens"):
     c.attention.distca[name] = 512
-  assert dispatch.startup_capacity(c) == {}
+  assert sizing.startup_capacity(c) == {}
   c.attention.distca.caps_headroom = 0.9
   with pytest.raises(ValueError, match=r"caps_headroom=0.9 must be >= 1"):
-    dispatch.startup_capacity(c)
+    sizing.startup_capacity(c)
 
 
 def test_errors_name_the_fix():
   with pytest.raises(ValueError, match="memory_mode"):
-    dispatch.make_backend(memory_mode="forget")
+    backends.get("distca", memory_mode="forget")
   with pytest.raises(ValueError, match="kernel"):
-    dispatch.make_backend(kernel="cudnn")
+    backends.get("distca", kernel="cudnn")
   with pytest.raises(ValueError, match="q_tokens"):
-    dispatch.make_backend(q_tokens=-1)
-  tight = dispatch.PlanSpec(num_servers=2, tokens_per_row=64, rows_per_device=1,
-                            capacity=sc.Capacity(q_slot=8, kv_slot=8, q_tokens=64,
-                                                 kv_tokens=64, tasks=2))
+    backends.get("distca", q_tokens=-1)
+  tight = plan_lib.PlanSpec(num_servers=2, tokens_per_row=64, rows_per_device=1,
+                            capacity=plan_lib.Capacity(q_slot=8, kv_slot=8, q_tokens=64,
+                                                       kv_tokens=64, tasks=2))
   with pytest.raises(ValueError, match=r"capacity\.tasks >= 3"):
-    dispatch.host_plan([[10, 10, 10], [5]], tight)
-  backend = dispatch.make_backend(rows_per_rank=2)
+    plan_lib.host_plan([[10, 10, 10], [5]], tight)
+  backend = backends.get("distca", rows_per_rank=2)
   with pytest.raises(ValueError, match="rows_per_rank=2"):
     backend.host_prepare([[4], [4], [4]], 16)
   with pytest.raises(ValueError, match="nano_batches"):
-    dispatch.make_backend(rows_per_rank=3, nano_batches=2)
+    backends.get("distca", rows_per_rank=3, nano_batches=2)
   with pytest.raises(ValueError, match="host_prepare"):
     q = jnp.zeros((1, 8, H, D))
     backend.fn(q, q, q, attn_lib.Layout(jnp.ones((1, 8), jnp.int32), jnp.zeros((1, 8), jnp.int32)),
@@ -344,14 +355,14 @@ def _grad_fn(c, mesh, backend, traces=None):
   return jax.jit(jax.value_and_grad(f))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data,tensor,rows_per_rank,nano_batches", [(8, 1, 1, 1), (2, 2, 4, 2)])
-def test_train_loss_and_grads_distca_equal_local(data, tensor, rows_per_rank, nano_batches):
+def test_train_loss_and_grads_distca_equal_local(seed, data, tensor, rows_per_rank, nano_batches):
   """Two batches per mesh: equal loss and gradients, and one trace of the distca step.
 
   data=8 exchanges with one all_to_all; data=2 x tensor=2 with one ppermute round (the 'auto'
   collective) and runs ping-pong (two nano-batches of two rows per rank, each planned apart).
   """
-  seed = int(np.random.default_rng().integers(1 << 30))
   c_local = _tiny_config("local", data, tensor, seed, rows_per_rank, nano_batches)
   c_cad = _tiny_config("distca", data, tensor, seed, rows_per_rank, nano_batches)
   mesh = shard_lib.make_mesh(data=data, tensor=tensor, devices=jax.devices()[:data * tensor])
@@ -369,7 +380,7 @@ def test_train_loss_and_grads_distca_equal_local(data, tensor, rows_per_rank, na
     plans = []
     for step in np.random.default_rng(seed).choice(1000, size=2, replace=False).tolist():
       batch = trainer.add_host_plan(src.batch(step), cad, src.doclens(step), c_cad.tokens_per_rank)
-      plans.append(batch["extra/" + dispatch.PLAN_KEY])
+      plans.append(batch["extra/" + distca_backend.PLAN_KEY])
       loss_l, g_l = f_local(params, trainer.device_batch(src.batch(step), mesh))
       loss_c, g_c = f_cad(params, trainer.device_batch(batch, mesh))
       assert np.isfinite(float(loss_l)) and float(loss_l) > 1.0
@@ -382,9 +393,10 @@ def test_train_loss_and_grads_distca_equal_local(data, tensor, rows_per_rank, na
   assert len(traces) == 1
 
 
-def test_train_and_evaluate_with_distca_compiles_once(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_train_and_evaluate_with_distca_compiles_once(seed, tmp_path, monkeypatch):
   """The real job (Prefetcher -> host_prepare -> jitted step) over different batches, one trace."""
-  c = _tiny_config("distca", 8, 1, int(np.random.default_rng().integers(1 << 30)))
+  c = _tiny_config("distca", 8, 1, seed)
   c.rows_per_rank = 2  # 16 rows: two per device
   c.num_steps, c.log_every, c.checkpoint_every, c.tensorboard = 3, 1, 0, False
   c.optim.warmup_steps = 1
@@ -396,12 +408,12 @@ def test_train_and_evaluate_with_distca_compiles_once(tmp_path, monkeypatch):
   assert all(np.isfinite(r["loss"]) and r["loss"] > 1.0 for r in records)
 
 
-def test_config_min_gain_gates_plans_with_the_model_weight():
+def test_config_min_gain_gates_plans_with_the_model_weight(seed):
   """attention.distca.min_gain reaches every plan with the model's linear work per token: a
   batch whose predicted step gain is below it moves nothing; min_gain 0 balances it."""
   from distca_jax import config as config_lib
   from distca_jax import metrics
-  c = _tiny_config("distca", 4, 1, int(np.random.default_rng().integers(1 << 30)))
+  c = _tiny_config("distca", 4, 1, seed)
   lin = metrics.linear_pairs_per_token(config_lib.model_config(c))
   src = make_source(c.data, rows=4 * c.rows_per_rank, tokens_per_row=c.tokens_per_rank,
                     vocab_size=c.model.vocab_size, seed=c.seed)
@@ -413,31 +425,29 @@ def test_config_min_gain_gates_plans_with_the_model_weight():
   for min_gain in (0.0, 1.0):
     c.attention.distca.min_gain = min_gain
     (hp,) = trainer.make_backend(c).host_plans(rows, c.tokens_per_rank)
-    want = sc.predicted_step_gain(hp.plan.loads_before, hp.spec.tokens_per_device, lin)
+    want = plan_lib.predicted_step_gain(hp.plan.loads_before, hp.spec.tokens_per_device, lin)
     assert hp.plan.predicted_gain == pytest.approx(want) and 0 < want < 1.0
     assert hp.plan.gated == (min_gain == 1.0)
     gains.append(hp.plan.num_moves)
   assert gains[0] > 0 and gains[1] == 0  # the ungated plan moved rows, the gated one none
   with pytest.raises(ValueError, match=r"min_gain=-0.5 must be a finite number >= 0"):
-    dispatch.make_backend(min_gain=-0.5)
+    backends.get("distca", min_gain=-0.5)
 
 
 def test_config_cost_table_reaches_the_planner(monkeypatch):
-  """attention.distca.cost_table is loaded and handed to the scheduler for every plan."""
+  """A benchmark's cost_table option is loaded and handed to the planner for every plan."""
   import os
-  from distca_jax import scheduler as sc
-  from distca_jax import dispatch as dispatch_lib
   seen = []
-  real = sc.schedule
+  real = plan_lib.schedule
 
   def spy(*a, **kw):
     seen.append(kw.get("cost_model"))
     return real(*a, **kw)
 
-  monkeypatch.setattr(sc, "schedule", spy)
+  monkeypatch.setattr(plan_lib.spec, "schedule", spy)
   path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
                       "cost_table_flash3_h200.json")
-  backend = dispatch_lib.make_backend(cost_table=path, q_heads=4, kv_heads=2, head_dim=16)
+  backend = backends.get("distca", cost_table=path, q_heads=4, kv_heads=2, head_dim=16)
   backend.host_prepare([[100, 28], [60, 60, 8]], 128)
   assert seen and all(s == path for s in seen)
 
@@ -474,37 +484,38 @@ def _a2a_widths(jaxpr, out=None, prim="all_to_all"):
   return out
 
 
-@pytest.mark.parametrize("buckets,modes,collective,split", [
-    (1, ("keep", "resend"), "all_to_all", False), (4, ("keep", "resend"), "all_to_all", False),
-    (8, ("resend",), "all_to_all", True), (8, ("keep",), "ppermute", False),
-    (1, ("resend",), "ppermute", False), (4, ("keep",), "ppermute", True)])
-def test_bucketed_exchange_equals_reference_both_memory_modes_single_trace(buckets, modes,
-                                                                            collective, split):
-  """Outputs and grads per bucket count, memory mode, collective and joint / split buckets; one
-  trace across buckets.
+@pytest.mark.parametrize("buckets,modes,collective", [
+    (1, ("keep", "resend"), "all_to_all"),
+    pytest.param(4, ("keep", "resend"), "all_to_all", marks=pytest.mark.slow),
+    pytest.param(8, ("resend",), "all_to_all", marks=pytest.mark.slow),
+    pytest.param(8, ("keep",), "ppermute", marks=pytest.mark.slow),
+    pytest.param(1, ("resend",), "ppermute", marks=pytest.mark.slow),
+    pytest.param(4, ("keep",), "ppermute", marks=pytest.mark.slow)])
+def test_bucketed_exchange_equals_reference_both_memory_modes_single_trace(seed, buckets, modes,
+                                                                            collective):
+  """Outputs and grads per bucket count, memory mode and collective; one trace across buckets.
 
   (8 joint buckets with 'keep' and all_to_all is the default: the first test of this file runs
   it on 8 layouts.)
   """
   mesh = _mesh()
-  seed = int(np.random.default_rng().integers(1 << 30))
   rng = np.random.default_rng(seed)
   traces = {m: [] for m in modes}
   runs = {m: _make_run(mesh, SPEC, trace_counter=traces[m], memory_mode=m,
-                       exchange_buckets=buckets, collective=collective, split_exchange=split)
+                       exchange_buckets=buckets, collective=collective)
           for m in modes}
   chosen = []
   for name, doc_lens, eps in _bucket_layouts(seed):
-    hp = dispatch.host_plan(doc_lens, SPEC, tolerance=eps, q_heads=H, kv_heads=KH, head_dim=D,
+    hp = plan_lib.host_plan(doc_lens, SPEC, tolerance=eps, q_heads=H, kv_heads=KH, head_dim=D,
                             dtype_bytes=4)
-    by = dispatch.exchange_bytes(hp.meta, q_heads=H, kv_heads=KH, head_dim=D, dtype_bytes=4,
-                                 exchange_buckets=buckets, split_exchange=split)
+    by = plan_lib.exchange_bytes(hp.meta, q_heads=H, kv_heads=KH, head_dim=D, dtype_bytes=4,
+                                 exchange_buckets=buckets)
     chosen.append(by["bucket"])
     q, k, v, ct = _inputs(rng)
     want = _reference(q, k, v, _segments(doc_lens, S, T), ct)
     for mode, run in runs.items():
       _check(run(q, k, v, hp.packed, ct), want,
-             f"{name} buckets={buckets} {mode} {collective} {split=} seed={seed} "
+             f"{name} buckets={buckets} {mode} {collective} seed={seed} "
              f"bucket={by['bucket']} "
              f"rows={by['exchange_q_rows'], by['exchange_kv_rows']}")
     if name == "light":
@@ -520,29 +531,29 @@ def test_bucketed_exchange_equals_reference_both_memory_modes_single_trace(bucke
     assert set(chosen) == {0}
 
 
-def test_bucket_sizes_shrink_the_all_to_all_and_moved_bytes():
-  buckets = dispatch.exchange_bucket_rows(CAP, 8)
+def test_bucket_sizes_shrink_the_all_to_all_and_moved_bytes(seed):
+  buckets = plan_lib.exchange_bucket_rows(CAP, 8)
   # An empty bucket first (a plan that moves nothing), then fractions of q_slot 64, kv_slot 128.
   assert buckets == ((0, 0),) + tuple((8 * i, 16 * i) for i in range(1, 9))
-  assert dispatch.exchange_bucket_rows(CAP, 1) == ((CAP.q_slot, CAP.kv_slot),)
+  assert plan_lib.exchange_bucket_rows(CAP, 1) == ((CAP.q_slot, CAP.kv_slot),)
   # Rounding to 8 rows merges fractions of small slots; the last bucket is always the full slot.
-  small = sc.Capacity(q_slot=12, kv_slot=20, q_tokens=64, kv_tokens=64, tasks=4)
-  assert dispatch.exchange_bucket_rows(small, 8) == ((0, 0), (8, 8), (8, 16), (12, 16), (12, 20))
-  assert dispatch.choose_bucket((0, 0), buckets) == 0
-  assert dispatch.choose_bucket((0, 1), buckets) == 1  # key/value rows alone move too
-  assert dispatch.choose_bucket((9, 16), buckets) == 2
-  assert dispatch.choose_bucket((8, 17), buckets) == 2
-  assert dispatch.choose_bucket((64, 1), buckets) == 8
+  small = plan_lib.Capacity(q_slot=12, kv_slot=20, q_tokens=64, kv_tokens=64, tasks=4)
+  assert plan_lib.exchange_bucket_rows(small, 8) == ((0, 0), (8, 8), (8, 16), (12, 16), (12, 20))
+  assert plan_lib.choose_bucket((0, 0), buckets) == 0
+  assert plan_lib.choose_bucket((0, 1), buckets) == 1  # key/value rows alone move too
+  assert plan_lib.choose_bucket((9, 16), buckets) == 2
+  assert plan_lib.choose_bucket((8, 17), buckets) == 2
+  assert plan_lib.choose_bucket((64, 1), buckets) == 8
 
   # The compiled program: each switch branch's all_to_all moves only its bucket of every slot
   # (forward: Q/K/V out, then O back with the Q buckets), never an empty buffer; the empty
   # bucket's branch has no all_to_all.
   mesh = _mesh()
-  hp = dispatch.host_plan(_bucket_layouts(0)[1][1], SPEC, tolerance=0.0)
+  hp = plan_lib.host_plan(_bucket_layouts(0)[1][1], SPEC, tolerance=0.0)
   q = jax.ShapeDtypeStruct((S, T, H, D), jnp.float32)
   k = jax.ShapeDtypeStruct((S, T, KH, D), jnp.float32)
-  fwd = lambda q, k, plan, nb: dispatch.dispatch_attention(q, k, k, plan, SPEC, mesh=mesh,
-                                                          exchange_buckets=nb)
+  fwd = lambda q, k, plan, nb: dataplane.dispatch_attention(
+      q, k, k, plan, SPEC, _options(exchange_buckets=nb), mesh=mesh)
   widths = _a2a_widths(jax.make_jaxpr(functools.partial(fwd, nb=8))(q, k, hp.packed).jaxpr)
   want_out = [S * (bq * H * D + 2 * bkv * KH * D) for bq, bkv in buckets[1:]]
   want_back = [S * bq * H * D for bq, _ in buckets[1:]]
@@ -551,8 +562,8 @@ def test_bucket_sizes_shrink_the_all_to_all_and_moved_bytes():
   full = _a2a_widths(jax.make_jaxpr(functools.partial(fwd, nb=1))(q, k, hp.packed).jaxpr)
   assert full == [want_out[-1], want_back[-1]], full
   # ppermute: S - 1 rounds per exchange, each moving one peer's bucket of a slot (no own slot).
-  perm = lambda q, k, plan: dispatch.dispatch_attention(q, k, k, plan, SPEC, mesh=mesh,
-                                                        exchange_buckets=8, collective="ppermute")
+  perm = lambda q, k, plan: dataplane.dispatch_attention(
+      q, k, k, plan, SPEC, _options(exchange_buckets=8, collective="ppermute"), mesh=mesh)
   widths = _a2a_widths(jax.make_jaxpr(perm)(q, k, hp.packed).jaxpr, prim="ppermute")
   want = [w // S for w in want_out for _ in range(S - 1)] + [
       w // S for w in want_back for _ in range(S - 1)]
@@ -562,79 +573,40 @@ def test_bucket_sizes_shrink_the_all_to_all_and_moved_bytes():
   # Host accounting: a light batch moves nothing (the empty bucket), a batch that fills its
   # slots (capacity = the plan's exact need) moves exactly the padded bytes.
   bm = dict(q_heads=H, kv_heads=KH, head_dim=D, dtype_bytes=4)
-  light = dispatch.host_plan(_bucket_layouts(0)[0][1], SPEC, tolerance=0.0)
-  by = dispatch.exchange_bytes(light.meta, exchange_buckets=8, **bm)
+  light = plan_lib.host_plan(_bucket_layouts(0)[0][1], SPEC, tolerance=0.0)
+  by = plan_lib.exchange_bytes(light.meta, exchange_buckets=8, **bm)
   assert by["dispatch_useful"] == 0 and by["dispatch_moved"] == 0 and by["return_moved"] == 0
-  by1 = dispatch.exchange_bytes(light.meta, exchange_buckets=1, **bm)
+  by1 = plan_lib.exchange_bytes(light.meta, exchange_buckets=1, **bm)
   assert by1["dispatch_moved"] == by1["dispatch_padded"]
-  seed = int(np.random.default_rng().integers(1 << 30))
   heavy = _bucket_layouts(seed)[1][1]
-  plan = sc.schedule(heavy, S, tokens_per_rank=T, tolerance=0.0,
-                     min_shard=dispatch.auto_min_shard(T))
-  exact = sc.required_capacity(plan)
-  by = dispatch.exchange_bytes(sc.plan_to_metadata(plan, exact), exchange_buckets=8, **bm)
+  plan = plan_lib.schedule(heavy, S, tokens_per_rank=T, tolerance=0.0,
+                           min_shard=plan_lib.auto_min_shard(T))
+  exact = plan_lib.required_capacity(plan)
+  by = plan_lib.exchange_bytes(plan_lib.plan_to_metadata(plan, exact), exchange_buckets=8, **bm)
   assert (by["exchange_q_rows"], by["exchange_kv_rows"]) == (exact.q_slot, exact.kv_slot), by
   assert by["bucket"] == by["num_buckets"] - 1
   assert by["dispatch_moved"] == by["dispatch_padded"] and by["return_moved"] == by["return_padded"]
   # The same batch in the bigger SPEC: the chosen bucket covers every device's useful rows.
-  hp = dispatch.host_plan(heavy, SPEC, tolerance=0.0)
-  by = dispatch.exchange_bytes(hp.meta, exchange_buckets=8, **bm)
+  hp = plan_lib.host_plan(heavy, SPEC, tolerance=0.0)
+  by = plan_lib.exchange_bytes(hp.meta, exchange_buckets=8, **bm)
   assert by["dispatch_useful_busiest_device"] <= by["dispatch_moved"] <= by["dispatch_padded"]
   assert by["bucket_q_rows"] >= by["exchange_q_rows"] and by["bucket_kv_rows"] >= by[
       "exchange_kv_rows"], by
 
 
-def test_split_exchange_sizes_each_part_by_its_own_bucket():
-  assert dispatch.part_bucket_rows(CAP.q_slot, 8) == ((0,),) + tuple((8 * i,) for i in range(1, 9))
-  assert dispatch.part_bucket_rows(CAP.kv_slot, 8) == ((0,),) + tuple((16 * i,)
+def test_part_bucket_rows_size_the_return_buckets():
+  assert plan_lib.part_bucket_rows(CAP.q_slot, 8) == ((0,),) + tuple((8 * i,) for i in range(1, 9))
+  assert plan_lib.part_bucket_rows(CAP.kv_slot, 8) == ((0,),) + tuple((16 * i,)
                                                                      for i in range(1, 9))
-  assert dispatch.part_bucket_rows(CAP.kv_slot, 1) == ((CAP.kv_slot,),)
-  assert dispatch.part_bucket_rows(20, 8) == ((0,), (8,), (16,), (20,))
-  # The program: a query switch whose collectives carry only query rows, a key/value switch whose
-  # collectives carry only K and V rows, each sized by its own bucket; then the O return.
-  mesh = _mesh()
-  hp = dispatch.host_plan(_bucket_layouts(0)[1][1], SPEC, tolerance=0.0)
-  q = jax.ShapeDtypeStruct((S, T, H, D), jnp.float32)
-  k = jax.ShapeDtypeStruct((S, T, KH, D), jnp.float32)
-  fwd = lambda q, k, plan: dispatch.dispatch_attention(q, k, k, plan, SPEC, mesh=mesh,
-                                                      exchange_buckets=8, split_exchange=True)
-  widths = _a2a_widths(jax.make_jaxpr(fwd)(q, k, hp.packed).jaxpr)
-  q_rows = [b for (b,) in dispatch.part_bucket_rows(CAP.q_slot, 8)[1:]]
-  kv_rows = [b for (b,) in dispatch.part_bucket_rows(CAP.kv_slot, 8)[1:]]
-  assert widths == ([S * b * H * D for b in q_rows] + [S * 2 * b * KH * D for b in kv_rows]
-                    + [S * b * H * D for b in q_rows]), widths
-  # Host accounting on random batches: each part's bucket holds its rows, and split never moves
-  # more than joint; on a batch whose parts fill their slots unevenly it moves less.
-  seed = int(np.random.default_rng().integers(1 << 30))
-  bm = dict(q_heads=H, kv_heads=KH, head_dim=D, dtype_bytes=4, exchange_buckets=8)
-  for name, doc_lens, eps in _bucket_layouts(seed) + _bucket_layouts(seed + 1):
-    meta = dispatch.host_plan(doc_lens, SPEC, tolerance=eps).meta
-    joint = dispatch.exchange_bytes(meta, **bm)
-    split = dispatch.exchange_bytes(meta, split_exchange=True, **bm)
-    assert split["bucket_q_rows"] >= split["exchange_q_rows"], (name, seed, split)
-    assert split["bucket_kv_rows"] >= split["exchange_kv_rows"], (name, seed, split)
-    assert split["dispatch_useful_busiest_device"] <= split["dispatch_moved"], (name, seed)
-    assert split["dispatch_moved"] <= joint["dispatch_moved"], (name, seed, split, joint)
-    assert split["return_moved"] == joint["return_moved"]
-  # Uneven parts: the same plan rows against a capacity they fill unevenly (key/value slots
-  # full, query slots an eighth): the joint bucket is the full one, split keeps Q's eighth.
-  meta = dispatch.host_plan(_bucket_layouts(seed)[1][1], SPEC, tolerance=0.0).meta
-  rows = dispatch.exchange_rows(meta).tolist()
-  assert rows[0] >= 2 and rows[1] > 0, rows
-  uneven = dataclasses.replace(meta, capacity=dataclasses.replace(CAP, q_slot=8 * rows[0],
-                                                                  kv_slot=rows[1]))
-  j = dispatch.exchange_bytes(uneven, **bm)
-  p = dispatch.exchange_bytes(uneven, split_exchange=True, **bm)
-  assert (j["bucket_q_rows"], j["bucket_kv_rows"]) == (8 * rows[0], rows[1]), (j, seed)
-  assert p["bucket_q_rows"] < 8 * rows[0] and p["bucket_kv_rows"] == rows[1], (p, seed)
-  assert p["dispatch_moved"] < j["dispatch_moved"], (p, j, seed)
+  assert plan_lib.part_bucket_rows(CAP.kv_slot, 1) == ((CAP.kv_slot,),)
+  assert plan_lib.part_bucket_rows(20, 8) == ((0,), (8,), (16,), (20,))
+  assert plan_lib.return_bucket_rows(CAP, 8) == plan_lib.part_bucket_rows(CAP.q_slot, 8)
 
 
-def test_plan_packs_exchange_rows_and_rejects_slots_not_packed_at_the_front():
-  seed = int(np.random.default_rng().integers(1 << 30))
-  hp = dispatch.host_plan(_bucket_layouts(seed)[1][1], SPEC, tolerance=0.0)
+def test_plan_packs_exchange_rows_and_rejects_slots_not_packed_at_the_front(seed):
+  hp = plan_lib.host_plan(_bucket_layouts(seed)[1][1], SPEC, tolerance=0.0)
   rows = [SPEC.unpack_local(jnp.asarray(hp.packed[p:p + 1]))["exchange_rows"] for p in range(S)]
-  want = dispatch.exchange_rows(hp.meta)
+  want = plan_lib.exchange_rows(hp.meta)
   assert all(np.array_equal(np.asarray(r), want) for r in rows)  # the same on every device
   off = ~np.eye(S, dtype=bool)
   assert want.tolist() == [hp.meta.q_send_len[off].max(), hp.meta.kv_send_len[off].max()]
@@ -661,12 +633,12 @@ def test_plan_packs_exchange_rows_and_rejects_slots_not_packed_at_the_front():
       SPEC.pack(dataclasses.replace(hp.meta, **{name: idx}))
 
 
-def test_signal_only_keeps_shapes_moves_one_row_and_is_wrong_by_design():
+@pytest.mark.slow
+def test_signal_only_keeps_shapes_moves_one_row_and_is_wrong_by_design(seed):
   mesh = _mesh()
-  seed = int(np.random.default_rng().integers(1 << 30))
   rng = np.random.default_rng(seed)
   _, doc_lens, _ = _bucket_layouts(seed)[1]
-  hp = dispatch.host_plan(doc_lens, SPEC, tolerance=0.0)
+  hp = plan_lib.host_plan(doc_lens, SPEC, tolerance=0.0)
   q, k, v, ct = _inputs(rng)
   sig = _make_run(mesh, SPEC, exchange_buckets=4, signal_only=True, return_lse=False)
   got = sig(q, k, v, hp.packed, ct)
@@ -691,53 +663,49 @@ def test_signal_only_keeps_shapes_moves_one_row_and_is_wrong_by_design():
 
 def test_exchange_options_reach_dispatch_and_bad_values_name_the_fix(monkeypatch):
   c = _tiny_config("distca", 8, 1, 0)
-  assert c.attention.distca.exchange_buckets == 8 and c.attention.distca.signal_only is False
+  assert c.attention.distca.exchange_buckets == 8
+  # Benchmark switches are backend options, not config keys.
+  for name in ("signal_only", "collective", "split_exchange", "cost_table", "kernel"):
+    assert name not in c.attention.distca, name
   c.attention.distca.exchange_buckets = 0
   with pytest.raises(ValueError, match=r"exchange_buckets=0.*int >= 1.*config.attention.distca"):
     trainer.make_backend(c)
   with pytest.raises(ValueError, match=r"signal_only='yes'.*True or False"):
-    dispatch.make_backend(signal_only="yes")
-  assert c.attention.distca.split_exchange is False
-  with pytest.raises(ValueError, match=r"split_exchange=1 must be True or False.*config.attention"):
-    dispatch.make_backend(split_exchange=1)
-  c.attention.distca.split_exchange = True
+    backends.get("distca", signal_only="yes")
   c.attention.distca.exchange_buckets = 3
-  c.attention.distca.collective = "nccl"
   with pytest.raises(ValueError, match=r"collective='nccl'.*all_to_all.*ppermute"):
-    trainer.make_backend(c)
-  c.attention.distca.collective = "ppermute"
-  c.attention.distca.signal_only = True
-  backend = trainer.make_backend(c)
+    trainer.make_backend(c, collective="nccl")
+  backend = trainer.make_backend(c, collective="ppermute", signal_only=True)
   seen = {}
 
   def spy(*args, **kwargs):
-    seen.update(kwargs)
+    seen["options"] = args[5]
     return args[0]
 
-  monkeypatch.setattr(dispatch, "dispatch_attention", spy)
+  monkeypatch.setattr(distca_backend, "dispatch_attention", spy)
   q = jnp.zeros((8, 16, H, D))
   layout = attn_lib.Layout(jnp.ones((8, 16), jnp.int32), jnp.zeros((8, 16), jnp.int32),
-                           extra={dispatch.PLAN_KEY: jnp.zeros((8, 1), jnp.int32)})
+                           extra={distca_backend.PLAN_KEY: jnp.zeros((8, 1), jnp.int32)})
   with trainer.mesh_context(shard_lib.make_mesh(data=8, tensor=1, devices=jax.devices())):
     backend.fn(q, q, q, layout, softmax_scale=1.0)
-  assert seen["exchange_buckets"] == 3 and seen["signal_only"] is True
-  assert seen["collective"] == "ppermute" and seen["split_exchange"] is True
+  assert seen["options"].exchange == dataplane.ExchangeOptions(buckets=3, collective="ppermute",
+                                                               signal_only=True)
   # 'auto' (the default): one ppermute round between 2 servers, one all_to_all among more.
-  assert dispatch.DEFAULT_COLLECTIVE == "auto"
-  assert _tiny_config("distca", 8, 1, 0).attention.distca.collective == "auto"
-  assert [dispatch.resolve_collective("auto", s) for s in (2, 3, 8)] == ["ppermute"] + [
+  assert dataplane.ExchangeOptions().collective == "auto"
+  assert distca_backend.Options.from_config(_tiny_config("distca", 8, 1, 0)).collective == "auto"
+  assert [dataplane.resolve_collective("auto", s) for s in (2, 3, 8)] == ["ppermute"] + [
       "all_to_all"] * 2
-  assert dispatch.resolve_collective("all_to_all", 2) == "all_to_all"
-  assert dispatch.resolve_collective("ppermute", 1) == "all_to_all"  # no peer to send to
+  assert dataplane.resolve_collective("all_to_all", 2) == "all_to_all"
+  assert dataplane.resolve_collective("ppermute", 1) == "all_to_all"  # no peer to send to
   with pytest.raises(ValueError, match="exchange_buckets"):
-    dispatch.exchange_bucket_rows(CAP, 0)
+    plan_lib.exchange_bucket_rows(CAP, 0)
 
 
-def test_remat_policies_equal_and_save_attention_never_reruns_the_kernel_or_exchange():
+@pytest.mark.slow
+def test_remat_policies_equal_and_save_attention_never_reruns_the_kernel_or_exchange(seed):
   """Remat policies give the same loss and gradients as 'none' (distca, 2 servers, keep and
   resend); in the jaxpr of value_and_grad, 'save_attention' runs the kernel's forward and CAD's
   collectives as often as 'none' does (no recompute), while 'full' reruns both."""
-  seed = int(np.random.default_rng().integers(1 << 30))
   data = 2
   mesh = shard_lib.make_mesh(data=data, tensor=1, devices=jax.devices()[:data])
   step = int(np.random.default_rng(seed).integers(1000))
@@ -750,7 +718,7 @@ def test_remat_policies_equal_and_save_attention_never_reruns_the_kernel_or_exch
   got, counts = {}, {}
   for (mode, kernel), remats in cases.items():
     c = _tiny_config("distca", data, 1, seed)
-    c.attention.distca.kernel, c.attention.distca.memory_mode = kernel, mode
+    c.attention.kernel, c.attention.distca.memory_mode = kernel, mode
     c.attention.distca.caps_from_batches = 0
     c.attention.distca.exchange_buckets = 1  # one exchange branch: a smaller program to compile
     c.model.n_layers = 1
@@ -766,8 +734,8 @@ def test_remat_policies_equal_and_save_attention_never_reruns_the_kernel_or_exch
         c.model.remat = remat
         f = _grad_fn(c, mesh, cad)
         if kernel == "pallas":  # structure only: the interpreter is too slow to run each one
-          counts[mode, remat] = dispatch.count_primitives(jax.make_jaxpr(f)(params, dev).jaxpr,
-                                                          {"ppermute"})
+          counts[mode, remat] = dataplane.count_primitives(jax.make_jaxpr(f)(params, dev).jaxpr,
+                                                           {"ppermute"})
         else:
           got[mode, remat] = jax.tree.map(np.asarray, f(params, dev))
   ref_loss, ref_grads = got["keep", "none"]
@@ -788,10 +756,9 @@ def test_remat_policies_equal_and_save_attention_never_reruns_the_kernel_or_exch
   assert perm["resend", "save_attention"] == perm["resend", "none"] == 5, perm
 
 
-def test_row_copies_as_words_are_bit_exact_and_differentiate_like_take():
+def test_row_copies_as_words_are_bit_exact_and_differentiate_like_take(seed):
   """``_take`` / ``_take_two`` copy rows as 32-bit words: every dtype, row shape and fill (the
   LSE's -inf) comes out bit for bit as ``jnp.take`` gives it, and the gradients match."""
-  seed = int(np.random.default_rng().integers(1 << 30))
   rng = np.random.default_rng(seed)
   for dtype in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.int8):
     for shape in ((50, 4, 16), (50, 3), (50, 3, 5), (50,)):
@@ -799,7 +766,7 @@ def test_row_copies_as_words_are_bit_exact_and_differentiate_like_take():
       idx = jnp.asarray(rng.integers(0, 60, size=40), jnp.int32)  # >= 50: the fill
       fills = (0, -np.inf) if jnp.issubdtype(dtype, jnp.floating) else (0, 7)
       for fill in fills:
-        got = dispatch._take(x, idx, fill)
+        got = dataplane.take_rows(x, idx, fill)
         want = jnp.take(x, idx, axis=0, mode="fill", fill_value=fill)
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
@@ -813,12 +780,12 @@ def test_row_copies_as_words_are_bit_exact_and_differentiate_like_take():
   blk = jnp.asarray(rng.permutation(s), jnp.int32)
 
   def plain(own, recv):
-    ridx, in_recv = dispatch._recv_rows(idx - t, slot, b, s, blk)
+    ridx, in_recv = dataplane.recv_rows(idx - t, slot, b, s, blk)
     from_recv = jnp.take(recv.reshape(s * b, 2, 4), ridx, axis=0, mode="fill", fill_value=0)
     return jnp.where(in_recv[:, None, None], from_recv,
                      jnp.take(own, idx, axis=0, mode="fill", fill_value=0))
 
-  words = lambda own, recv: dispatch._gather_two(own, recv, idx, slot, blk)
+  words = lambda own, recv: dataplane.gather_two(own, recv, idx, slot, blk)
   np.testing.assert_array_equal(np.asarray(words(own, recv)), np.asarray(plain(own, recv)))
   ct = jnp.asarray(rng.standard_normal((70, 2, 4)), jnp.float32)
   for g, w in zip(jax.vjp(words, own, recv)[1](ct), jax.vjp(plain, own, recv)[1](ct)):

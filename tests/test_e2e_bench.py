@@ -1,16 +1,10 @@
 """experiments/e2e_bench.py's derived numbers (speedups, fraction of the bound, twin ratios, loss
 agreement) and its balance ceiling, on hand-made results."""
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "experiments"))
-import e2e_bench  # noqa: E402  (experiments/ is not a package)
-
-from distca_jax.model import ModelConfig  # noqa: E402
+from distca_jax.model import ModelConfig
+from experiments import e2e_bench
 
 
 def _run(backend, step_ms, nano=1, losses=(5.0, 4.0), ceiling=1.2, workload="pretrain",
@@ -55,13 +49,21 @@ def test_ceiling_is_max_over_mean_of_step_work():
   assert skewed > 1.0
   # Identical work on every rank in every step is never above 1, whatever the lengths.
   assert e2e_bench.ceiling(cfg, [[[[3, 5]], [[5, 3]]], [[[7]], [[7]]]]) == pytest.approx(1.0)
+  # By hand, in the shared work model: 6 N per token, 4 x 3.5 Hq D per causal pair and layer.
+  from distca_jax import metrics
+  n = metrics.matmul_params(cfg)
+  work = [6 * n * 8 + 14 * 2 * 8 * p for p in (8 * 9 / 2, 8 * 1)]
+  assert skewed == pytest.approx(max(work) / (sum(work) / 2))
+  # The LM head's share of MFU's FLOPs over every row of every step.
+  share = e2e_bench.lm_head_share(cfg, [[[[8]], [[1] * 8]], [[[4, 4]], [[2]]]])
+  assert share == pytest.approx(6 * 16 * 64 * 26 / metrics.step_flops(cfg, [8] + [1] * 8 + [4, 4, 2]))
 
 
-def test_per_batch_bound_on_rebuilt_batches():
+def test_per_batch_bound_on_rebuilt_batches(seed):
   """per_batch_bound rebuilds a run's batches from its overrides (the recorded ceiling must
   match), and its 'best of both' and 'gate' ratios follow from the per-batch step times."""
   import numpy as np
-  import per_batch_bound as pbb
+  from experiments import per_batch_bound as pbb
   from distca_jax import config as config_lib
   over = ["data.workload=prolong", "tokens_per_rank=4096", "model.n_layers=2",
           "attention.backend=packed_dp", "rows_per_rank=1", "model.dim=256", "model.mlp_dim=512",
@@ -69,7 +71,7 @@ def test_per_batch_bound_on_rebuilt_batches():
   steps, devices, fixed = 6, 2, 0.01
   c, doclens = pbb.batch_doclens(pbb.parse_args(["x"]).config, over, devices, 2, steps)
   ceiling = e2e_bench.ceiling(config_lib.model_config(c), doclens)
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(seed)
   packed = list(rng.uniform(100, 200, steps))
   distca = [p * f for p, f in zip(packed, rng.uniform(0.8, 1.1, steps))]
   ca_over = [x.replace("=packed_dp", "=distca") for x in over]
@@ -100,3 +102,33 @@ def test_per_batch_bound_on_rebuilt_batches():
   with pytest.raises(ValueError, match="ceiling"):
     bad = dict(run("packed_dp", packed), ceiling=ceiling + 0.1)
     pbb.analyse(bad, run("distca", distca), fixed, pbb.parse_args(["x"]).config, 2, 0.0)
+
+
+def test_per_batch_bound_checks_batches_by_mfu_flops():
+  """A run that recorded MFU is matched by its MFU FLOPs (a convention independent of the
+  ceiling's work model); a run without MFU by its recorded ceiling."""
+  from experiments import per_batch_bound as pbb
+  from distca_jax import metrics
+  cfg = ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
+                    mlp_dim=32)
+  doclens = [[[[8]], [[1] * 8]], [[[4, 4]], [[2, 6]]]]
+  ms = [10.0, 20.0]
+  flops = sum(metrics.step_flops(cfg, [r for rank in s for r in rank]) for s in doclens)
+  mfu = flops / 0.03 / (989e12 * 2)
+  ceiling = e2e_bench.ceiling(cfg, doclens)
+  run = dict(device="NVIDIA H200", devices=2, step_ms_all=ms, mfu=mfu, ceiling=ceiling + 0.5)
+  pbb.check_rebuilt(run, cfg, doclens, ceiling)  # the stale ceiling is not what is checked
+  with pytest.raises(ValueError, match="MFU"):
+    pbb.check_rebuilt(dict(run, mfu=mfu * 1.01), cfg, doclens, ceiling)
+  with pytest.raises(ValueError, match="ceiling"):
+    pbb.check_rebuilt(dict(devices=2, ceiling=ceiling + 0.5), cfg, doclens, ceiling)
+
+
+def test_backend_overrides_are_options_not_config_keys():
+  """``backend.KEY=VALUE`` items (a variant's signal-only twin) become backend options with
+  parsed values; config overrides are left to the config."""
+  got = e2e_bench.backend_overrides(["attention.distca.tolerance=0", "backend.signal_only=true",
+                                     "backend.exchange_buckets=3", "backend.tolerance=0.5",
+                                     "backend.cost_table=results/x.json"])
+  assert got == {"signal_only": True, "exchange_buckets": 3, "tolerance": 0.5,
+                 "cost_table": "results/x.json"}

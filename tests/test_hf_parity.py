@@ -143,7 +143,7 @@ def doc_slices():
 # ----------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _logits_fn(cfg: model_lib.ModelConfig):
-  model = model_lib.Transformer(cfg, attn_lib.get_backend("local").fn)
+  model = model_lib.Transformer(cfg, attn_lib.local_attention)
   return jax.jit(functools.partial(model.apply, method=model_lib.Transformer.logits))
 
 
@@ -224,6 +224,7 @@ def load(case: Case, **overrides):
 # ----------------------------------------------------------------------------------------------
 # Parity with transformers
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("name,scan_layers", [(n, True) for n in CASES] + [("mha_untied", False)])
 def test_logits_equal_transformers(cases, name, scan_layers):
   """Single-document rows and a packed row (per document vs HF on that document alone)."""
@@ -236,6 +237,7 @@ def test_logits_equal_transformers(cases, name, scan_layers):
     assert_close(logits[2, sl], case.ref[f"doc{j}"][0], f"{name} packed document {j}")
 
 
+@pytest.mark.slow
 def test_llama3_scaling_is_exercised(cases):
   """The scaled checkpoints would fail parity without the scaling: the tolerance has teeth."""
   for name in ("gqa_tied_llama3", "mqa_headdim_llama3_bf16_sharded"):
@@ -248,6 +250,7 @@ def test_llama3_scaling_is_exercised(cases):
     assert err > 100 * tolerance(case.ref["single"]), f"{name}: unscaled RoPE agrees with HF ({err=}); scaling untested"
 
 
+@pytest.mark.slow
 def test_perturbing_one_document_leaves_the_others_unchanged(cases):
   case = cases["gqa_tied_llama3"]
   cfg, params = load(case)
@@ -275,11 +278,12 @@ def test_perturbing_one_document_leaves_the_others_unchanged(cases):
 # ----------------------------------------------------------------------------------------------
 # Importer: tree, shards, bf16, placement
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_params_tree_matches_model_init(cases, scan_layers):
   case = cases["gqa_tied_llama3"]
   cfg, params = load(case, scan_layers=scan_layers)
-  model = model_lib.Transformer(cfg, attn_lib.get_backend("local").fn)
+  model = model_lib.Transformer(cfg, attn_lib.local_attention)
   ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
   want = nn.unbox(jax.eval_shape(model.init, jax.random.key(0), ids, attn_lib.Layout(ids, ids)))
   got = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
@@ -288,6 +292,7 @@ def test_params_tree_matches_model_init(cases, scan_layers):
   assert all(isinstance(a, np.ndarray) for a in jax.tree.leaves(params))
 
 
+@pytest.mark.slow
 def test_layout_transposes(cases):
   """Spot-check the mapping against the HF tensors directly (layer 1, scan layout)."""
   case = cases["mqa_headdim_llama3_bf16_sharded"]
@@ -306,6 +311,7 @@ def test_layout_transposes(cases):
   np.testing.assert_array_equal(p["final_norm"]["scale"], w["model.norm.weight"])
 
 
+@pytest.mark.slow
 def test_sharded_and_bf16_checkpoints_read_exactly(cases, tmp_path):
   """One file vs three shards + index, f32 vs bf16 storage: same arrays, bit for bit."""
   case = cases["mqa_headdim_llama3_bf16_sharded"]  # weights already bf16-representable

@@ -1,29 +1,16 @@
-"""experiments/kernel_profile.py: trace analysis on synthetic events, and a tiny CPU run end to end."""
+"""experiments.kernel_profile and its parts: trace analysis on synthetic events, and a tiny CPU
+run end to end."""
 
-import importlib.util
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 
 from distca_jax.profiling import DeviceEvent
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load(name):
-  if name not in sys.modules:
-    spec = importlib.util.spec_from_file_location(name,
-                                                  os.path.join(ROOT, "experiments", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-  return sys.modules[name]
-
-
-kp = _load("kernel_profile")
+from experiments import kernel_profile as kp
+from experiments import kernel_profile_compiled as kpc
+from experiments import kernel_profile_trace as kpt
 
 
 def Ev(name, start_us, dur_us, long_name=""):  # pylint: disable=invalid-name
@@ -56,13 +43,13 @@ FA3_BWD = "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashA
     ("loop_select_fusion_3", "", "glue", None),
 ])
 def test_kernel_role(name, long_name, role, phase):
-  assert kp.kernel_role(name, long_name) == (role, phase)
+  assert kpt.kernel_role(name, long_name) == (role, phase)
 
 
 def test_short_kernel_name():
-  assert kp.short_kernel_name("device_kernel", FA3_FWD) == "FlashAttnFwdSm90"
-  assert kp.short_kernel_name("varlen_attention_dq_1") == "varlen_attention_dq_1"
-  assert kp.short_kernel_name("x" * 100).endswith("...")
+  assert kpt.short_kernel_name("device_kernel", FA3_FWD) == "FlashAttnFwdSm90"
+  assert kpt.short_kernel_name("varlen_attention_dq_1") == "varlen_attention_dq_1"
+  assert kpt.short_kernel_name("x" * 100).endswith("...")
 
 
 def _synthetic_call(t0):
@@ -74,11 +61,11 @@ def _synthetic_call(t0):
 
 def test_split_calls_and_breakdown():
   events = _synthetic_call(0.0) + _synthetic_call(50_000.0)
-  calls = kp.split_calls(events[::-1], gap_us=10_000)  # order of the input does not matter
+  calls = kpt.split_calls(events[::-1], gap_us=10_000)  # order of the input does not matter
   assert [len(c) for c in calls] == [6, 6]
   flops_fwd, flops_bwd = 4e9, 10e9
   executed = {"fwd": 5e9, "dq": 9e9, "dkdv": 13e9}
-  b = kp.kernel_breakdown(calls, flops_fwd, flops_bwd, executed)
+  b = kpt.kernel_breakdown(calls, flops_fwd, flops_bwd, executed)
   rows = {r["name"]: r for r in b["kernels"]}
   assert b["calls"] == 2 and b["device_us"] == pytest.approx(319.0)
   assert b["span_us"] == pytest.approx(319.0)
@@ -107,7 +94,7 @@ def test_breakdown_separates_kernels_sharing_a_display_name():
   call = [Ev("where_fusion", 0.0, 2.0), Ev("device_kernel", 2.0, 50.0, FA3_FWD),
           Ev("device_kernel", 60.0, 20.0, "flash::FlashAttnBwdPreprocess<...>"),
           Ev("device_kernel", 80.0, 120.0, FA3_BWD)]
-  b = kp.kernel_breakdown([call], 2e9, 5e9, {"fwd": 1e12})
+  b = kpt.kernel_breakdown([call], 2e9, 5e9, {"fwd": 1e12})
   rows = {r["short_name"]: r for r in b["kernels"]}
   assert set(rows) == {"where_fusion", "FlashAttnFwdSm90", "FlashAttnBwdPreprocess",
                        "FlashAttnBwdSm90"}
@@ -119,23 +106,23 @@ def test_breakdown_separates_kernels_sharing_a_display_name():
 
 
 def test_breakdown_without_attention_kernels_has_unknown_phase():
-  calls = kp.split_calls([Ev("ynn_fusion", 0.0, 3.0), Ev("while.2", 1.0, 4.0)], gap_us=100)
-  b = kp.kernel_breakdown(calls, 1e6, 2.5e6)
+  calls = kpt.split_calls([Ev("ynn_fusion", 0.0, 3.0), Ev("while.2", 1.0, 4.0)], gap_us=100)
+  b = kpt.kernel_breakdown(calls, 1e6, 2.5e6)
   assert list(b["phases"]) == ["unknown"]
   assert b["phases"]["unknown"]["tflops_attention"] is None
   assert b["device_us"] == pytest.approx(7.0) and b["span_us"] == pytest.approx(5.0)
 
 
 def test_parse_kernel_details_and_match():
-  d = kp.parse_kernel_details("regs:168 static_shared:0 dynamic_shared:147456 grid:32,130,1 "
+  d = kpt.parse_kernel_details("regs:168 static_shared:0 dynamic_shared:147456 grid:32,130,1 "
                               "block:256,1,1 occ_pct:6.25")
   assert d == dict(regs=168, static_shared=0, dynamic_shared=147456, grid=[32, 130, 1],
                    block=[256, 1, 1], occ_pct=6.25)
   details = {"varlen_attention_fwd": d, FA3_FWD: dict(regs=128)}
-  assert kp.match_details(details, "varlen_attention_fwd") is d
-  assert kp.match_details(details, "FlashAttnFwdSm90", FA3_FWD) == dict(regs=128)
-  assert kp.match_details(details, "FlashAttnFwdSm90") == dict(regs=128)  # contained, unique
-  assert kp.match_details(details, "fusion") is None
+  assert kpt.match_details(details, "varlen_attention_fwd") is d
+  assert kpt.match_details(details, "FlashAttnFwdSm90", FA3_FWD) == dict(regs=128)
+  assert kpt.match_details(details, "FlashAttnFwdSm90") == dict(regs=128)  # contained, unique
+  assert kpt.match_details(details, "fusion") is None
 
 
 def test_ptx_and_triton_log_parsers():
@@ -155,7 +142,7 @@ def test_ptx_and_triton_log_parsers():
   st.local.u32 [%rd1], %r2;
 }
 """
-  stats = kp.ptx_entry_stats(ptx)
+  stats = kpc.ptx_entry_stats(ptx)
   assert stats["varlen_attention_fwd"] == dict(wgmma=2, mma_sync=0, tma=0, cp_async=1,
                                                ld_local=0, st_local=0, threads=256)
   assert stats["varlen_attention_dq"] == dict(wgmma=0, mma_sync=1, tma=1, cp_async=0,
@@ -182,7 +169,7 @@ module attributes {ttg.shared = 1 : i32} {
   }
 }
 """
-  ir = kp.triton_pass_log_stats(log.splitlines(keepends=True))
+  ir = kpc.triton_pass_log_stats(log.splitlines(keepends=True))
   assert ir["shared_bytes"] == 98304 and ir["num_warps"] == 8 and ir["mma_versions"] == [3]
   assert (ir["warp_group_dots"], ir["tt_dots"], ir["async_copies"]) == (1, 0, 1)
   assert "AllocateSharedMemory" in ir["pass_name"]
@@ -201,6 +188,7 @@ def tiny(tmp_path_factory):
     return out, json.load(f)
 
 
+@pytest.mark.slow
 def test_tiny_entries_have_kernel_rows_and_times(tiny):
   out, result = tiny
   names = kp.TINY["workloads"].split(",")
@@ -225,6 +213,7 @@ def test_tiny_entries_have_kernel_rows_and_times(tiny):
     assert e["flops_bwd"] == pytest.approx(2.5 * e["flops_fwd"]) and e["flops_fwd"] > 0
 
 
+@pytest.mark.slow
 def test_tiny_launch_config_is_the_kernels_tiling(tiny):
   from custom_ops import varlen_attention as va  # pylint: disable=import-outside-toplevel
   _, result = tiny
@@ -252,6 +241,7 @@ def test_tiny_launch_config_is_the_kernels_tiling(tiny):
           e["flops_fwd"] * (nb * (nb + 1) / 2 * blk * blk) / (256 * 257 / 2))
 
 
+@pytest.mark.slow
 def test_tiny_gap_table_and_markdown(tiny):
   out, result = tiny
   gap = result["gap"]
@@ -271,7 +261,7 @@ def test_tiny_gap_table_and_markdown(tiny):
   with open(os.path.splitext(out)[0] + ".md") as f:
     md = f.read()
   assert md.startswith("# Kernel profile")
-  assert f"- command: `experiments/kernel_profile.py --tiny --out {out}`" in md
+  assert f"- command: `python -m experiments.kernel_profile --tiny --out {out}`" in md
   assert "- device: cpu" in md and "## Where the gap is (pallas vs reference)" in md
   for wl in result["workloads"]:
     assert f"### {wl} / pallas" in md and f"| {wl} | total |" in md
@@ -282,8 +272,8 @@ def test_breakdown_of_unsplit_calls_is_per_call():
   """When the calls do not separate, one group holding all of them over num_calls gives the same
   per-call kernel times, counts and rates as the split calls."""
   calls = [_synthetic_call(0.0), _synthetic_call(50_000.0)]
-  split = kp.kernel_breakdown(calls, 4e9, 10e9)
-  merged = kp.kernel_breakdown([calls[0] + calls[1]], 4e9, 10e9, num_calls=2)
+  split = kpt.kernel_breakdown(calls, 4e9, 10e9)
+  merged = kpt.kernel_breakdown([calls[0] + calls[1]], 4e9, 10e9, num_calls=2)
   assert merged["calls"] == 2 and merged["device_us"] == pytest.approx(split["device_us"])
   want = {r["name"]: r for r in split["kernels"]}
   for r in merged["kernels"]:

@@ -1,6 +1,7 @@
-"""Core attention over fused CA-task batches: 'pallas' (interpret mode) and 'reference' against an
-independent per-task float64 NumPy oracle (outputs, log-sum-exp and analytic gradients), padding
-behaviour, input validation, backend errors and the exact FLOP count.
+"""Core attention over fused CA-task batches: 'pallas' (interpret mode), 'blockwise' (several tile
+sizes) and 'reference' against an independent per-task float64 NumPy oracle (outputs, log-sum-exp
+and analytic gradients), padding behaviour, 'blockwise' memory (no [T, U] intermediate), 'auto',
+input validation, backend errors and the exact FLOP count.
 
 Run: cd /work/main && .venv/bin/python -m pytest -q tests/test_ops.py
 """
@@ -10,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-import os
-import sys
 import zlib
 
 import jax
@@ -20,9 +19,10 @@ import numpy as np
 import pytest
 
 from custom_ops import BlockSizes
+from custom_ops import blockwise_attention as bw
 from custom_ops import varlen_attention as va
 from distca_jax import ops
-from distca_jax.dispatch import count_primitives
+from distca_jax.dataplane import count_primitives
 
 BLOCKS = BlockSizes.for_interpret()  # 16-row tiles: tasks of up to 40 rows span several blocks
 
@@ -128,23 +128,26 @@ def random_inputs(rng: np.random.Generator, case: Case, pad_value: float | None 
 
 ON_GPU = jax.default_backend() == "gpu"
 HAS_FLASH3 = importlib.util.find_spec("flash_attn3_jax") is not None
-# 'pallas' runs 16-row tiles (interpreted on CPU, compiled on GPU); on a GPU the production tiles
+# 'pallas' and 'blockwise' run 16-row tiles (pallas interpreted on CPU, compiled on GPU); 'blockwise'
+# with other tiles: test_blockwise_tile_sizes_match_oracle. On a GPU the production tiles
 # ('pallas-default') and FlashAttention-3 ('flash3', when installed) are checked as well.
-BACKENDS = ["pallas", "reference"] + (["pallas-default"] if ON_GPU else []) + (
+BACKENDS = ["pallas", "reference", "blockwise"] + (["pallas-default"] if ON_GPU else []) + (
     ["flash3"] if ON_GPU and HAS_FLASH3 else [])
 
 
 def _backend_kwargs(backend: str) -> dict:
   if backend == "pallas":
     return dict(backend="pallas", interpret=not ON_GPU, block_sizes=BLOCKS)
+  if backend == "blockwise":
+    return dict(backend="blockwise", block_sizes=bw.BlockSizes(16, 16))
   if backend == "pallas-default":
     return dict(backend="pallas", interpret=False)  # BlockSizes.default_for(dtype, D)
   return dict(backend=backend)
 
 
 # One jitted function per backend; task tables are traced, so every table of one Case reuses it.
-def _make_fn(backend: str):
-  kwargs = _backend_kwargs(backend)
+def _make_fn(backend: str, kwargs: dict | None = None):
+  kwargs = kwargs or _backend_kwargs(backend)
   # FA3's backward takes no dLSE, so its loss leaves the log-sum-exp out.
   use_lse = backend != "flash3"
 
@@ -172,10 +175,11 @@ def rel_err(x, ref) -> float:
   return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def check_against_oracle(backend, case, q, k, v, cu_q, cu_k, do, dlse):
+def check_against_oracle(backend, case, q, k, v, cu_q, cu_k, do, dlse, fn=None):
+  """``fn``: the jitted loss-and-grad to check (default ``FNS[backend]``)."""
   if backend == "flash3":
     dlse = np.zeros_like(dlse)
-  (_, (o, lse)), (dq, dk, dv) = FNS[backend](q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k),
+  (_, (o, lse)), (dq, dk, dv) = (fn or FNS[backend])(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k),
                                              jnp.asarray(do), jnp.asarray(dlse))
   scale = 1.0 / np.sqrt(case.head_dim)
   o_ref, lse_ref, dq_ref, dk_ref, dv_ref = oracle(
@@ -249,6 +253,75 @@ def test_nan_padding_does_not_leak(backend):
   for pad in pads:
     q, k, v, do, dlse = random_inputs(rng, case, pad_value=pad, cu_q=cu_q, cu_k=cu_k)
     check_against_oracle(backend, case, q, k, v, cu_q, cu_k, do, dlse)
+
+
+BLOCKWISE_TILES = [(8, 8), (16, 32), (24, 8), (64, 128)]  # (block_q, block_k); 24: not a power of 2
+
+
+@pytest.mark.parametrize("tiles", BLOCKWISE_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+def test_blockwise_tile_sizes_match_oracle(tiles):
+  """'blockwise' with tiles smaller and larger than the tasks, on random tables (empty tasks,
+  1-token tasks, tasks ending at their key end) and the edge table, f32 GQA and bf16 MHA."""
+  fn = _make_fn("blockwise", dict(backend="blockwise", block_sizes=bw.BlockSizes(*tiles)))
+  rng = np.random.default_rng(zlib.crc32(repr(tiles).encode()))
+  for case in (CASES[2], CASES[3]):
+    cu_q, cu_k = random_table(rng, case)
+    q, k, v, do, dlse = random_inputs(rng, case)
+    check_against_oracle("blockwise", case, q, k, v, cu_q, cu_k, do, dlse, fn=fn)
+  lq = [1, 1, 0, 7, 0, 33]  # 1-token, keys without queries, lq > lk, empty, lq == lk
+  lk = [1, 5, 9, 4, 0, 33]
+  case = CASES[1]
+  cu_q = np.concatenate([[3], 3 + np.cumsum(lq)]).astype(np.int32)
+  cu_k = np.concatenate([[2], 2 + np.cumsum(lk)]).astype(np.int32)
+  q, k, v, do, dlse = random_inputs(rng, case)
+  check_against_oracle("blockwise", case, q, k, v, cu_q, cu_k, do, dlse, fn=fn)
+
+
+def _largest_intermediate(jaxpr) -> int:
+  """Elements of the largest value any equation of ``jaxpr`` (sub-jaxprs included) makes."""
+  biggest = 0
+  for eqn in jaxpr.eqns:
+    for var in eqn.outvars:
+      biggest = max(biggest, int(np.prod(getattr(var.aval, "shape", ()), dtype=np.int64)))
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+        if hasattr(sub, "eqns"):
+          biggest = max(biggest, _largest_intermediate(sub))
+  return biggest
+
+
+@pytest.mark.parametrize("backend", ["blockwise", "reference"])
+def test_blockwise_never_builds_the_dense_logits(backend):
+  """Forward and backward of 'blockwise' hold tiles, never a [T, U] array (whose size the dense
+  'reference' reaches: the check can fail)."""
+  num_q_rows, num_k_rows, heads, kv_heads, head_dim = 2048, 2048, 2, 1, 16
+  q = jnp.zeros((num_q_rows, heads, head_dim), jnp.float32)
+  k = jnp.zeros((num_k_rows, kv_heads, head_dim), jnp.float32)
+  cu = jnp.array([0, 1000, 2048], jnp.int32)
+
+  def loss(q, k, v):
+    return jnp.sum(ops.core_attention(q, k, v, cu, cu, backend=backend))
+
+  biggest = _largest_intermediate(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, k).jaxpr)
+  dense = num_q_rows * num_k_rows
+  assert (biggest < dense) == (backend == "blockwise"), (backend, biggest, dense)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU default")
+def test_auto_runs_blockwise_on_cpu():
+  from distca_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  c = config_lib.base_config()
+  assert c.attention.kernel == "auto"
+  assert ops.default_kernel() == "blockwise"
+  case = CASES[1]
+  rng = np.random.default_rng(13)
+  cu_q, cu_k = (jnp.asarray(x) for x in random_table(rng, case))
+  q, k, v, _, _ = random_inputs(rng, case)
+  o_auto, lse_auto = ops.core_attention(q, k, v, cu_q, cu_k, backend="auto", return_lse=True)
+  o, lse = ops.core_attention(q, k, v, cu_q, cu_k, backend="blockwise", return_lse=True)
+  np.testing.assert_array_equal(np.asarray(o_auto, np.float32), np.asarray(o, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse_auto), np.asarray(lse))
 
 
 def test_non_power_of_two_head_dim():
@@ -331,7 +404,7 @@ def _good():
     (lambda a: (*a[:3], jnp.array([0, 20, 16], jnp.int32), a[4]), "non-decreasing"),
     (lambda a: (*a[:3], jnp.array([0, 16, 33], jnp.int32), a[4]), "within [0, 32]"),
 ])
-@pytest.mark.parametrize("backend", ["reference", "pallas"])
+@pytest.mark.parametrize("backend", ["reference", "pallas", "blockwise"])
 def test_bad_inputs_raise_clear_errors(backend, mutate, message):
   with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
     ops.core_attention(*mutate(_good()), backend=backend)
@@ -342,9 +415,13 @@ def test_unknown_backend():
     ops.core_attention(*_good(), backend="cudnn")
 
 
-def test_pallas_only_options_rejected_elsewhere():
-  with pytest.raises(ValueError, match="apply to backend='pallas' only"):
+def test_kernel_only_options_rejected_elsewhere():
+  with pytest.raises(ValueError, match="applies to backend='pallas' or 'blockwise' only"):
     ops.core_attention(*_good(), backend="reference", block_sizes=BLOCKS)
+  with pytest.raises(ValueError, match="applies to backend='pallas' only"):
+    ops.core_attention(*_good(), backend="blockwise", interpret=True)
+  with pytest.raises(ValueError, match="custom_ops.blockwise_attention.BlockSizes; got BlockSizes"):
+    ops.core_attention(*_good(), backend="blockwise", block_sizes=BLOCKS)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn3_jax") is not None,
@@ -366,6 +443,12 @@ def test_block_sizes_validated(field, value):
     BlockSizes(**{field: value})
 
 
+@pytest.mark.parametrize("field, value", [("block_q", 0), ("block_k", 2.0)])
+def test_blockwise_block_sizes_validated(field, value):
+  with pytest.raises(ValueError, match=f"BlockSizes.{field}={value}"):
+    bw.BlockSizes(**{field: value})
+
+
 # ------------------------------------------------------------------------------------------------
 # Exact FLOPs
 # ------------------------------------------------------------------------------------------------
@@ -382,7 +465,7 @@ def test_flops_count_pairs_exactly():
     brute = sum(int((np.arange(b)[None, :] <= np.arange(a)[:, None] + (b - a)).sum())
                 for a, b in zip(lq, lk))
     assert ops.attention_pairs(cu_q, cu_k) == brute
-  # Tail shard [a, b) of a document: P(a, b) = (b - a)(a + b + 1) / 2 (DESIGN_NOTES section 1).
+  # Tail shard [a, b) of a document: P(a, b) = (b - a)(a + b + 1) / 2 (docs/design.md Sec. 10).
   a, b = 1000, 4096
   assert ops.attention_pairs([0, b - a], [0, b]) == (b - a) * (a + b + 1) // 2
   fwd = ops.core_attention_flops([0, b - a], [0, b], num_q_heads=32, head_dim=128)
@@ -411,22 +494,17 @@ def test_reference_agrees_with_dense_causal_attention():
 
 
 def _kernel_bench():
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
-                      "kernel_bench.py")
-  spec = importlib.util.spec_from_file_location("kernel_bench", path)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules.setdefault("kernel_bench", module)  # its dataclasses look their module up there
-  spec.loader.exec_module(sys.modules["kernel_bench"])
-  return sys.modules["kernel_bench"]
+  from experiments import kernel_bench  # pylint: disable=import-outside-toplevel
+  return kernel_bench
 
 
 @pytest.mark.parametrize("family", ["pretrain", "prolong"])
 def test_kernel_bench_sched_workload_is_the_servers_task_table(family):
-  from distca_jax import scheduler  # pylint: disable=import-outside-toplevel
+  from distca_jax import plan as plan_lib  # pylint: disable=import-outside-toplevel
   from distca_jax.data.workloads import WorkloadSampler  # pylint: disable=import-outside-toplevel
   kb = _kernel_bench()
   servers, tokens, step, seed, min_shard = 4, 512, 2, 7, 32
-  plan = scheduler.schedule(
+  plan = plan_lib.schedule(
       WorkloadSampler(family, tokens_per_row=tokens, seed=seed).step_doclens(step, servers),
       servers, tokens_per_rank=tokens, tolerance=0.05, min_shard=min_shard, q_heads=4,
       kv_heads=2, head_dim=32)
@@ -525,7 +603,8 @@ class FA3Emulator:
     return dq, dk, dv
 
 
-@pytest.mark.parametrize("seed", [11, 12, 13, 14])
+@pytest.mark.parametrize("seed", [11] + [pytest.param(s, marks=pytest.mark.slow)
+                                  for s in (12, 13, 14)])
 def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
   """The flash3 path (bucketed launch shapes, padding masked instead of computed) on an emulator
   of FA3's contract: outputs, LSE and dQ/dK/dV equal the reference kernel's on random tables with
@@ -560,7 +639,7 @@ def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
     return jnp.sum(o * do), (o, lse)
 
   emu = FA3Emulator()
-  flash = lambda q, k, v: ops._flash3_masked(
+  flash = lambda q, k, v: ops.flash3_masked(
       q, k, v, cu_q, cu_k, softmax_scale=0.3, max_seqlen_q=msq, max_seqlen_k=msk, grid_levels=4,
       impl=(emu.fwd, emu.bwd))
   ref = lambda q, k, v: ops.core_attention(q, k, v, cu_q, cu_k, backend="reference",
@@ -579,7 +658,7 @@ def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
   # The device's choice is the cheapest bucket holding the table.
   holds = [b for b in buckets if b[0] >= used and b[1] >= lq.max() and b[2] >= lk.max()]
   want_b = min(holds, key=lambda b: b[0] * -(-b[2] // 128))
-  chosen = buckets[int(ops._flash3_bucket(cu_q, cu_k, buckets)[0])]
+  chosen = buckets[int(ops.flash3_bucket(cu_q, cu_k, buckets)[0])]
   assert chosen[0] * -(-chosen[2] // 128) == want_b[0] * -(-want_b[2] // 128)
   assert chosen[0] >= used and chosen[1] >= lq.max() and chosen[2] >= lk.max()
   # The forward ran the full shape once; the backward compiled every shape. No switch in the
@@ -590,19 +669,19 @@ def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
   assert count_primitives(fwd_jaxpr, {"cond"})["cond"] == 0
   assert count_primitives(traced.jaxpr.jaxpr, {"cond"})["cond"] >= 1
   # A task longer than the caller's bound: NaN, not a silently shortened task.
-  short = lambda q, k, v: ops._flash3_masked(
+  short = lambda q, k, v: ops.flash3_masked(
       q, k, v, cu_q, cu_k, softmax_scale=0.3, max_seqlen_q=msq, max_seqlen_k=int(lk.max()) - 1,
       grid_levels=4, impl=(emu.fwd, emu.bwd))
   assert np.isnan(np.asarray(jax.jit(short)(q, k, v)[0])).all()
 
 
-def test_flash3_remat_keeps_o_and_compact_lse_not_the_raw_buffer():
+def test_flash3_remat_keeps_o_and_compact_lse_not_the_raw_buffer(seed):
   """Under the remat policies that keep attention ('save_attention', 'resend'), the flash3 path
   saves O and the [H, T] log-sum-exp it cuts out of FA3's [slots, H, max_seqlen_q] buffer; never
   that buffer (8.7 GB per layer for 260 slots of a 64K row); gradients unchanged."""
   from distca_jax import model
 
-  rng = np.random.default_rng()
+  rng = np.random.default_rng(seed)
   t, h, kh, d, slots = 96, 4, 2, 16, 8
   lens = rng.multinomial(t - 8, np.ones(3) / 3)
   cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens), np.full(slots - 3, lens.sum())]),
@@ -626,14 +705,14 @@ def test_flash3_remat_keeps_o_and_compact_lse_not_the_raw_buffer():
   fwd = lambda *a, **kw: tuple(call.bind(*a, **kw))
 
   def loss(q, k, v):
-    o, _ = ops._flash3_masked(q, k, v, cu, cu, softmax_scale=0.3, max_seqlen_q=t,
+    o, _ = ops.flash3_masked(q, k, v, cu, cu, softmax_scale=0.3, max_seqlen_q=t,
                               max_seqlen_k=t, grid_levels=2, impl=(fwd, emu.bwd))
     return jnp.sum(o * o)  # the backward still takes the LSE (a residual of the kernel)
 
   raw = [shape for _, shape, _ in saved_residuals(jax.checkpoint(
       loss, policy=lambda prim, *_, **__: prim.name == "ffi_call"), q, k, v)]
   assert (slots, h, t) in raw  # saving the call's outputs keeps the raw buffer
-  for policy in (model._REMAT_POLICIES["save_attention"], ops.saves_kernel_outputs):
+  for policy in (model.REMAT_POLICIES["save_attention"], ops.saves_kernel_outputs):
     saved = saved_residuals(jax.checkpoint(loss, policy=policy), q, k, v)
     named = sorted(shape for _, shape, why in saved if ops.KERNEL_OUTPUTS_NAME in why)
     assert named == sorted([(t, h, d), (h, t)]), saved

@@ -1,5 +1,6 @@
 """Pipeline parallelism (distca_jax.pipeline) on 8 fake CPU devices: the schedule, and a pipelined
-model equal to pipe=1 in loss, gradients and training curve, compiled once."""
+model equal to pipe=1 in loss, gradients and training curve, compiled once. The fast tier keeps
+the host tables, the tick packing, the config errors and one small loss/gradient case."""
 
 import chex
 import jax
@@ -11,6 +12,7 @@ from distca_jax import pipeline
 from distca_jax import sharding as shard_lib
 from distca_jax import trainer
 from distca_jax.data import make_source
+from distca_jax.errors import UserError
 from test_train import _with_heads, tiny_config
 
 
@@ -50,10 +52,10 @@ def loss_and_grads(c, batch_np, doclens):
 
 @pytest.mark.parametrize("pipe,data,tensor,microbatches,remat,backend", [
     (2, 2, 2, 2, "none", "local"),
-    (2, 4, 1, 4, "full", "local"),
-    (2, 2, 2, 4, "save_attention", "packed_dp"),
-    (4, 2, 1, 0, "save_attention", "local"),
-    (2, 2, 2, 4, "full", "distca"),
+    pytest.param(2, 4, 1, 4, "full", "local", marks=pytest.mark.slow),
+    pytest.param(2, 2, 2, 4, "save_attention", "packed_dp", marks=pytest.mark.slow),
+    pytest.param(4, 2, 1, 0, "save_attention", "local", marks=pytest.mark.slow),
+    pytest.param(2, 2, 2, 4, "full", "distca", marks=pytest.mark.slow),
 ])
 def test_pipelined_loss_and_grads_equal_pipe_1(pipe, data, tensor, microbatches, remat, backend):
   """One step's loss and every gradient (layers, embedding, LM head) of the pipelined model
@@ -83,6 +85,7 @@ def test_pipelined_loss_and_grads_equal_pipe_1(pipe, data, tensor, microbatches,
     np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-6, err_msg=path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipe,data,tensor,ref_tensor,backend", [
     (2, 4, 1, 2, "local"), (2, 2, 2, 4, "local"), (2, 4, 1, 2, "distca")])
 def test_pipelined_training_matches_pipe_1_and_traces_once(pipe, data, tensor, ref_tensor,
@@ -112,15 +115,15 @@ def test_pipelined_training_matches_pipe_1_and_traces_once(pipe, data, tensor, r
 
 def test_pipeline_config_errors():
   c = tiny_config(**{"mesh.pipe": 2, "rows_per_rank": 6})  # default M = 4
-  with pytest.raises(ValueError, match="multiple of pipeline.microbatches=4"):
+  with pytest.raises(UserError, match="multiple of pipeline.microbatches=4"):
     config_lib.validate(c)
   c = tiny_config(**{"mesh.pipe": 4, "model.n_layers": 2, "rows_per_rank": 8})
-  with pytest.raises(ValueError, match="n_layers=2 must be a multiple of mesh.pipe=4"):
+  with pytest.raises(UserError, match="n_layers=2 must be a multiple of mesh.pipe=4"):
     config_lib.validate(c)
   c = tiny_config(**{"mesh.pipe": 2, "rows_per_rank": 4, "attention.nano_batches": 2})
-  with pytest.raises(ValueError, match="nano_batches=1"):
+  with pytest.raises(UserError, match="nano_batches=1"):
     config_lib.validate(c)
-  with pytest.raises(ValueError, match="pipeline.microbatches=-1"):
+  with pytest.raises(UserError, match="pipeline.microbatches=-1"):
     pipeline.resolve_microbatches(-1, 2)
 
 
@@ -185,6 +188,7 @@ def test_distca_plans_pool_ticks_over_every_stage():
   assert any(p.loads_after[4:].sum() > 0 for p in warmups)    # ... and serves stage 0
 
 
+@pytest.mark.slow
 def test_checkpoint_resumes_under_another_pipe_layout(tmp_path):
   """A checkpoint of a pipe=1 run resumes under pipe=2 (same parameter tree, other shardings)
   and continues with the losses of the uninterrupted pipe=1 run."""

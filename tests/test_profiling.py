@@ -309,6 +309,7 @@ def test_capture_on_cpu_traces_the_ops_that_ran(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Training integration
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_training_with_profile_step_writes_reports(tmp_path, capsys):
   # Step 0 compiles, step 1 gives a step time, step 2 is profiled, step 3 is timed again.
   base = {"mesh.data": 4, "mesh.tensor": 2, "num_steps": 4, "log_every": 1, "checkpoint_every": 0,
@@ -357,3 +358,24 @@ def test_other_top_names_the_hlo_ops_behind_each_name():
   # 4 GB in 9.5 ms: 421 GB/s.
   assert "| 4.00 (421) | `copy.2` 6.0, `copy.1` 3.0 |" in profiling.format_report(
       profiling.step_report(events))
+
+
+@pytest.mark.parametrize("min_trial_s", [0.0, 0.02])
+def test_time_call_counts_calls_and_times_per_call(min_trial_s):
+  """One compiling call and `warmup` more, one sizing call when trials batch calls, then `iters`
+  trials of `reps` calls each; times are per call (each call sleeps at least 2 ms)."""
+  import time  # pylint: disable=import-outside-toplevel
+  calls = []
+  x = jnp.zeros(())
+
+  def fn(a):
+    calls.append(1)
+    time.sleep(0.002)
+    return a
+
+  t = profiling.time_call(fn, x, iters=3, warmup=1, min_trial_s=min_trial_s)
+  sizing = 1 if min_trial_s > 0 else 0
+  assert len(calls) == 1 + 1 + sizing + 3 * t["reps"], (len(calls), t)
+  assert (t["reps"] == 1) if min_trial_s == 0 else (1 <= t["reps"] <= 10)
+  assert len(t["trials_s"]) == 3 and t["min_s"] <= t["median_s"]
+  assert all(0.002 <= s < 1.0 for s in t["trials_s"]), t

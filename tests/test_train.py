@@ -57,9 +57,9 @@ def loss_and_grads(c, devices, batch_np):
   return float(loss), jax.tree.map(np.asarray, jax.device_get(grads))
 
 
-@pytest.mark.parametrize("data,tensor", [(8, 1), (4, 2), (2, 4)])
-def test_sharded_loss_and_grads_equal_single_device(data, tensor):
-  seed = int(np.random.default_rng().integers(1 << 30))
+@pytest.mark.parametrize("data,tensor", [
+    (8, 1), pytest.param(4, 2, marks=pytest.mark.slow), pytest.param(2, 4, marks=pytest.mark.slow)])
+def test_sharded_loss_and_grads_equal_single_device(seed, data, tensor):
   # 8 query / 4 kv heads: divisible by every tensor size tested.
   c = _with_heads(tiny_config(**{"mesh.data": data, "mesh.tensor": tensor, "seed": seed}))
   src = make_source(c.data, rows=8, tokens_per_row=c.tokens_per_rank,
@@ -142,6 +142,7 @@ def _losses(workdir):
   return by_step
 
 
+@pytest.mark.slow
 def test_killed_and_resumed_run_reproduces_losses_exactly(tmp_path):
   over = ["num_steps=24", "log_every=1", "checkpoint_every=4", "tokens_per_rank=64",
           "rows_per_rank=2", "model.n_layers=2", "attention.block_q=32", "attention.block_k=32",
@@ -164,6 +165,7 @@ def test_killed_and_resumed_run_reproduces_losses_exactly(tmp_path):
   assert "nothing to do" in out
 
 
+@pytest.mark.slow
 def test_8b_128k_compiles_ahead_of_time_on_8_devices():
   c = configs_io.load_config(os.path.join(ROOT, "configs", "llama3_8b_128k.py"))
   _, info = aot.compile_train_step(c, devices=jax.devices()[:8])
@@ -174,9 +176,23 @@ def test_8b_128k_compiles_ahead_of_time_on_8_devices():
   assert info["total_per_device_bytes"] > info["argument_size_in_bytes"]
 
 
+def test_tiny_compiles_ahead_of_time_with_its_state_as_arguments():
+  """The AOT path on the tiny model (the 8B compile is in the slow tier): the mesh asked for, the
+  model's parameter count, and per-device arguments between the f32 params + two Adam moments
+  spread over all 4 devices and all of them on each, plus the batch."""
+  from distca_jax import config as config_lib
+  c = _with_heads(tiny_config(**{"mesh.data": 2, "mesh.tensor": 2}))
+  _, info = aot.compile_train_step(c, devices=jax.devices()[:4])
+  assert info["mesh"] == {"pipe": 1, "data": 2, "tensor": 2}
+  assert info["params"] == config_lib.model_config(c).num_params() > 0
+  state_bytes = 3 * 4 * info["params"]
+  assert state_bytes / 4 <= info["argument_size_in_bytes"] <= state_bytes + (1 << 20)
+  assert info["total_per_device_bytes"] >= info["argument_size_in_bytes"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("data,tensor", [(4, 2)])
-def test_ping_pong_equals_single_stream(data, tensor):
-  seed = int(np.random.default_rng().integers(1 << 30))
+def test_ping_pong_equals_single_stream(seed, data, tensor):
   over = {"mesh.data": data, "mesh.tensor": tensor, "seed": seed, "rows_per_rank": 2}
   single = _with_heads(tiny_config(**over))
   pingpong = _with_heads(tiny_config(**over, **{"attention.nano_batches": 2}))
@@ -191,13 +207,13 @@ def test_ping_pong_equals_single_stream(data, tensor):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("scan_layers,n_layers,remat", [(True, 3, "full"), (False, 3, "none"),
-                                                        (False, 2, "full"),
-                                                        (True, 1, "save_attention")])
-def test_ping_pong_schedule_variants_equal_single_stream(scan_layers, n_layers, remat):
+@pytest.mark.parametrize("scan_layers,n_layers,remat", [
+    pytest.param(True, 3, "full", marks=pytest.mark.slow),
+    pytest.param(False, 3, "none", marks=pytest.mark.slow),
+    pytest.param(False, 2, "full", marks=pytest.mark.slow), (True, 1, "save_attention")])
+def test_ping_pong_schedule_variants_equal_single_stream(seed, scan_layers, n_layers, remat):
   """The cross-layer schedule (prologue, L - 1 units, epilogue) on scanned and unrolled stacks,
   one layer (no unit) and the remat policies: the single stream's loss and gradients."""
-  seed = int(np.random.default_rng().integers(1 << 30))
   over = {"mesh.data": 2, "mesh.tensor": 1, "seed": seed, "rows_per_rank": 2,
           "model.scan_layers": scan_layers, "model.n_layers": n_layers, "model.remat": remat}
   single = tiny_config(**over)
@@ -310,29 +326,42 @@ BACKEND_OVERRIDES = {
     "cp": {"attention.baselines.cp_size": 2},
     "wlb": {"attention.baselines.cp_size": 2, "attention.baselines.wlb_alpha": 1.25},
     "distca": {"attention.distca.tolerance": 0.05, "attention.distca.min_gain": 0.0},
+    "distca-reference": {"attention.distca.tolerance": 0.05, "attention.distca.min_gain": 0.0,
+                         "attention.kernel": "reference"},
 }
 
 
+BACKEND_RUN = {"mesh.data": 4, "mesh.tensor": 2, "num_steps": 3, "log_every": 1,
+               "checkpoint_every": 0, "tensorboard": False, "optim.warmup_steps": 1}
+
+
+@pytest.fixture(scope="module")
+def local_losses(tmp_path_factory):
+  """`local`'s losses on the backend comparison's run, trained once for every backend."""
+  ref = _with_heads(tiny_config(**BACKEND_RUN))
+  return [r["loss"] for r in trainer.train_and_evaluate(ref, str(tmp_path_factory.mktemp("local")))]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", sorted(BACKEND_OVERRIDES))
-def test_every_backend_trains_like_local(backend, tmp_path):
+def test_every_backend_trains_like_local(backend, local_losses, tmp_path):
   """The real training loop with each backend: same batches, same init -> same losses as `local`
-  (the strategies only move where attention runs), within float32 tolerance."""
-  base = {"mesh.data": 4, "mesh.tensor": 2, "num_steps": 3, "log_every": 1, "checkpoint_every": 0,
-          "tensorboard": False, "optim.warmup_steps": 1}
-  ref = _with_heads(tiny_config(**base))
-  losses_ref = [r["loss"] for r in trainer.train_and_evaluate(ref, str(tmp_path / "local"))]
-  c = _with_heads(tiny_config(**base, **{"attention.backend": backend}, **BACKEND_OVERRIDES[backend]))
+  (the strategies only move where attention runs), within float32 tolerance. Kernels: the
+  configs' default 'auto' ('blockwise' on CPU; 'distca-reference': the dense kernel)."""
+  losses_ref = local_losses
+  c = _with_heads(tiny_config(**BACKEND_RUN, **{"attention.backend": backend.split("-")[0]},
+                              **BACKEND_OVERRIDES[backend]))
   losses = [r["loss"] for r in trainer.train_and_evaluate(c, str(tmp_path / backend))]
   assert len(losses) == len(losses_ref) == 3
   np.testing.assert_allclose(losses, losses_ref, rtol=2e-5)
 
 
 @pytest.mark.parametrize("t,chunk", [(37, 8), (64, 16), (11, 64)])
-def test_chunked_cross_entropy_matches_full_logits(t, chunk):
+def test_chunked_cross_entropy_matches_full_logits(seed, t, chunk):
   """Any row length (a prime like WLB's 78643-token rows included) and chunk: the same sum and
   token count as full logits, and the same gradient, with chunks never smaller than asked."""
   from distca_jax import model as model_lib
-  rng = np.random.default_rng([t, chunk, int(np.random.SeedSequence().entropy % 2**31)])
+  rng = np.random.default_rng([t, chunk, seed])
   b, e, v = 2, 8, 32
   h = jnp.asarray(rng.standard_normal((b, t, e)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((e, v)), jnp.float32)

@@ -1,7 +1,7 @@
 """Baselines in the same system as CAD: `packed_dp`, `wlb` and `cp` core-attention backends.
 
-Importing this package registers the three backends with `distca_jax.attention` (which imports it
-lazily on first use of any of the names):
+The trainer builds them through `distca_jax.backends` (modules `packed_dp`, `cp`, `wlb`), from
+the constructors here (`packed_dp_backend`, `group_backend`):
 
 * ``packed_dp``: no balancing; each rank computes its own rows' documents in one fused varlen call
   (``host_prepare`` adds the per-row document lengths). Runs in the trainer as it is.
@@ -44,14 +44,16 @@ EXTRA_PREFIX = attn_lib.EXTRA_PREFIX  # batch keys that become `layout.extra`
 DEFAULT_MAX_DOCS_PER_ROW = 128
 
 __all__ = [
-    "Hardware", "ModelDims", "Placement", "RankMetrics", "WlbPacking",
-    "arrange_batch", "cp_metrics", "cp_placement", "distca_metrics", "estimate_layer_seconds",
-    "imbalance", "natural_placement", "packed_dp_metrics", "placement_metrics", "rank_metrics",
-    "task_tables", "wlb_metrics", "wlb_pack", "wlb_placement", "wlb_row_tokens",
+    "Hardware", "ModelDims", "Placement", "RankMetrics", "WlbPacking", "arrange_batch",
+    "check_kernel", "cp_metrics", "cp_placement", "distca_metrics", "estimate_layer_seconds",
+    "group_backend", "imbalance", "natural_placement", "packed_dp_backend", "packed_dp_metrics",
+    "placement_metrics", "rank_metrics", "task_tables", "wlb_metrics", "wlb_pack",
+    "wlb_placement", "wlb_row_tokens",
 ]
 
 
-def _check_kernel(kernel: str) -> str:
+def check_kernel(kernel: str) -> str:
+  """``kernel`` if it is an ``ops.core_attention`` backend, else a ValueError naming the fix."""
   if kernel not in ops.BACKENDS:
     raise ValueError(f"attention kernel {kernel=} is not one of {ops.BACKENDS}; set "
                      "config.attention.kernel")
@@ -68,10 +70,10 @@ def _check_cp(cp_size, name: str) -> int:
 # ----------------------------------------------------------------------------------------------
 # packed_dp
 # ----------------------------------------------------------------------------------------------
-def make_packed_dp(kernel: str = "reference",
-                   max_docs_per_row: int = DEFAULT_MAX_DOCS_PER_ROW) -> attn_lib.Backend:
+def packed_dp_backend(kernel: str = "auto",
+                      max_docs_per_row: int = DEFAULT_MAX_DOCS_PER_ROW) -> attn_lib.Backend:
   """``packed_dp`` backend: options ``kernel`` (ops backend), ``max_docs_per_row`` (table cap)."""
-  kernel = _check_kernel(kernel)
+  kernel = check_kernel(kernel)
   nd = packing.check_pos_int("max_docs_per_row", max_docs_per_row)
 
   def host_prepare(doclens, tokens_per_row):
@@ -139,11 +141,13 @@ def arrange_batch(strategy: str, np_batch: dict[str, np.ndarray],
   return out, pl
 
 
-def _make_group_backend(name: str, cp_size=None, kernel: str = "reference",
-                        max_docs_per_row: int = DEFAULT_MAX_DOCS_PER_ROW, rows_per_rank: int = 1,
-                        alpha: float = 1.0, balance_len: float | None = None) -> attn_lib.Backend:
+def group_backend(name: str, cp_size=None, kernel: str = "auto",
+                  max_docs_per_row: int = DEFAULT_MAX_DOCS_PER_ROW, rows_per_rank: int = 1,
+                  alpha: float = 1.0, balance_len: float | None = None) -> attn_lib.Backend:
+  """``cp`` or ``wlb`` (``name``): the batch rearranged on the host by ``arrange_batch``, K/V
+  all-gathered in groups of ``cp_size`` data ranks (``device.group_attention``)."""
   c = _check_cp(cp_size, name)
-  kernel = _check_kernel(kernel)
+  kernel = check_kernel(kernel)
   if name == "wlb":
     wlb_row_tokens(alpha, 2)  # validates alpha
     if balance_len is None or not balance_len > 0:
@@ -159,10 +163,3 @@ def _make_group_backend(name: str, cp_size=None, kernel: str = "reference",
   fn = functools.partial(device.group_attention, cp_size=c, kernel=kernel, name=name)
   return attn_lib.Backend(fn, host_arrange=host_arrange)
 
-
-make_cp = functools.partial(_make_group_backend, "cp")
-make_wlb = functools.partial(_make_group_backend, "wlb")
-
-attn_lib.register_backend("packed_dp", make_packed_dp)
-attn_lib.register_backend("cp", make_cp)
-attn_lib.register_backend("wlb", make_wlb)

@@ -56,7 +56,8 @@ def packed_dp_task_table(doc_lens_RxN: jax.Array, tokens_per_row: int):
   0. Empty slots (a row's unused document slots, zero padding) go last, the others in order
   (the offsets do not change): flash3 then launches only the slots in use (its launch buckets
   cut trailing empty slots). With them between rows, one call over 2 rows of 64K took 224 ms
-  forward+backward against 185 ms for one call per row (results/rows_per_call_bench.md).
+  forward+backward against 185 ms for one call per row
+  (results/archive/94b2700/rows_per_call_bench.md).
   """
   lens = doc_lens_RxN.astype(jnp.int32)
   pad_R1 = tokens_per_row - lens.sum(1, keepdims=True)
@@ -70,14 +71,14 @@ def packed_dp_task_table(doc_lens_RxN: jax.Array, tokens_per_row: int):
 
 
 def packed_dp_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *,
-                        softmax_scale: float, kernel: str = "reference"):
+                        softmax_scale: float, kernel: str = "auto"):
   """Data parallel, no balancing: each rank's rows in one fused varlen call.
 
   Needs ``layout.extra['doc_lens']`` [B, Nd] int32 (``packing.packed_doc_lens``, the backend's
   ``host_prepare``): the lengths of each row's documents, zero-padded.
   """
   # pylint: disable-next=protected-access
-  attn_lib._check_shapes(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout)
+  attn_lib.check_shapes(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout)
   (doc_lens_BxN,) = _extra(layout, "packed_dp", ("doc_lens",),
                            "the trainer adds them through Backend.host_prepare")
   mesh, spec = _mesh_and_specs("packed_dp")
@@ -104,7 +105,7 @@ def packed_dp_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout
 
 
 def group_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *,
-                    softmax_scale: float, cp_size: int, kernel: str = "reference",
+                    softmax_scale: float, cp_size: int, kernel: str = "auto",
                     name: str = "cp"):
   """Context parallelism over groups of ``cp_size`` consecutive `data` ranks (``cp``, ``wlb``).
 
@@ -112,7 +113,7 @@ def group_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *,
   (``packing.task_tables`` of the rows' placement) and rows holding that placement's tokens.
   """
   # pylint: disable-next=protected-access
-  attn_lib._check_shapes(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout)
+  attn_lib.check_shapes(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout)
   kv_index_BxU, cu_q_BxN1, cu_k_BxN1 = _extra(
       layout, name, ("kv_index", "cu_seqlens_q", "cu_seqlens_k"),
       "arrange the batch with distca_jax.baselines.arrange_batch (the trainer does it through "

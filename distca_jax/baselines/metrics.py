@@ -3,7 +3,8 @@
 One ``RankMetrics`` per (strategy, batch) with, for each of the ``S`` ranks:
 
 * ``pairs_S``: causal query-key pairs its core attention computes (work; forward FLOPs are
-  ``4 * q_heads * head_dim * pairs`` per layer, ``BWD_FWD_RATIO`` more in the backward);
+  ``4 * q_heads * head_dim * pairs`` per layer, ``BWD_FWD_RATIO`` times that in the backward:
+  the work model ``metrics.work_flops``);
 * ``tokens_S``: tokens whose layer activations it holds (the token-linear part of the layer, the
   bulk of activation memory: ``packed_dp`` / ``distca`` keep tokens where the data put them,
   ``cp`` holds exactly ``T`` per rank, ``wlb`` up to ``alpha T``);
@@ -29,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from distca_jax import metrics as metrics_lib
-from distca_jax import scheduler as sched
+from distca_jax import plan as plan_lib
 from distca_jax.baselines import packing
 
 
@@ -87,7 +88,7 @@ class Hardware:
     peak_flops: dense bf16 peak per GPU.
     efficiency: fraction of peak reached by both matmuls and attention kernels.
     intra_node_bw: bytes/s per GPU for collectives inside a node (NVLink; measured all-to-all
-      132-262 GB/s on 2 H200s, DESIGN_NOTES Sec. 3).
+      132-262 GB/s on 2 H200s, docs/design.md Sec. 11).
     inter_node_bw: bytes/s per GPU once a collective spans nodes (400 Gb/s NIC per GPU).
     gpus_per_node: ranks per node; groups are consecutive ranks, so a group of at most this many
       stays inside one node.
@@ -128,10 +129,10 @@ class RankMetrics:
     return int(self.pairs_S.size)
 
   def compute_flops_S(self, dims: ModelDims) -> np.ndarray:
-    """[S] one layer's forward + backward FLOPs: token-linear 6 N_layer tokens + attention
-    12 H D pairs (the 3x-forward convention of `metrics.step_flops`; what WLB's W weighs)."""
-    return (6.0 * dims.layer_matmul_params * self.tokens_S
-            + 12.0 * dims.q_heads * dims.head_dim * self.pairs_S.astype(np.float64))
+    """[S] one layer's forward + backward FLOPs in the shared work model
+    (``metrics.work_flops``): token-linear 6 N_layer tokens + attention at 3.5x forward."""
+    return metrics_lib.work_flops(dims.layer_matmul_params, 1, dims.q_heads, dims.head_dim,
+                                  self.tokens_S, self.pairs_S)
 
   def summary(self, dims: ModelDims | None = None, hw: Hardware | None = None) -> dict[str, Any]:
     """Headline numbers (JSON-friendly)."""
@@ -154,15 +155,14 @@ class RankMetrics:
 
 def imbalance(values) -> float:
   """max / mean (1.0 when everything is zero)."""
-  return sched.imbalance(values)
+  return plan_lib.imbalance(values)
 
 
 def estimate_layer_seconds(m: RankMetrics, dims: ModelDims,
                            hw: Hardware | None = None) -> np.ndarray:
   """[S] estimated seconds of one layer's forward + backward per rank, communication not hidden.
 
-  compute = (6 N_layer tokens + 12 H D pairs) / (peak x efficiency) (Megatron's 3x-forward
-  convention for both parts); communication = 2 x bytes / bandwidth(span) (forward, and as much
+  compute = ``compute_flops_S`` (the shared work model) / (peak x efficiency); communication = 2 x bytes / bandwidth(span) (forward, and as much
   again in the backward).
   """
   hw = hw or Hardware()
@@ -187,7 +187,7 @@ def placement_metrics(placement: packing.Placement, dims: ModelDims, strategy: s
   """
   p = placement
   r, c = p.rows_per_rank, p.cp_size
-  pairs_B = np.bincount(p.row_P, weights=sched.pairs(p.start_P, p.end_P).astype(np.float64),
+  pairs_B = np.bincount(p.row_P, weights=plan_lib.pairs(p.start_P, p.end_P).astype(np.float64),
                         minlength=p.num_rows)
   tokens_B = p.row_tokens()
   lane_tok = np.bincount(p.lane_of_row(np.arange(p.num_rows)), weights=tokens_B)
@@ -224,7 +224,7 @@ def wlb_metrics(pk: packing.WlbPacking, dims: ModelDims, *, rows_per_rank: int =
   """
   c, r = pk.cp_size, rows_per_rank
   start, end = pk.chunks()
-  pr = sched.pairs(start, end).astype(np.float64)  # [J, 2c]
+  pr = plan_lib.pairs(start, end).astype(np.float64)  # [J, 2c]
   pr = pr[:, :c] + pr[:, ::-1][:, :c]  # rank i: chunk i + chunk 2c - 1 - i
   lanes = pk.num_lanes
   idx = (pk.lane_J[:, None] * c + np.arange(c)[None, :]).reshape(-1)
@@ -255,7 +255,7 @@ def wlb_metrics(pk: packing.WlbPacking, dims: ModelDims, *, rows_per_rank: int =
                      by_rank(bytes_LxC), by_rank(kv_LxC).astype(np.int64), c, info)
 
 
-def distca_metrics(plan: sched.Plan) -> RankMetrics:
+def distca_metrics(plan: plan_lib.Plan) -> RankMetrics:
   """``distca`` from a scheduler ``Plan``: loads after balancing, tokens in place, traffic.
 
   A rank receives, per layer forward, the query and K/V rows other ranks send it as a server
@@ -305,7 +305,7 @@ def lanes_from_rows(row_doclens: Sequence[Sequence[int]], cp_size: int,
 
 def rank_metrics(strategy: str, row_doclens: Sequence[Sequence[int]], tokens_per_row: int, *,
                  dims: ModelDims | None = None, rows_per_rank: int = 1, cp_size: int = 1,
-                 alpha: float = 1.0, tolerance: float = sched.DEFAULT_TOLERANCE) -> RankMetrics:
+                 alpha: float = 1.0, tolerance: float = plan_lib.DEFAULT_TOLERANCE) -> RankMetrics:
   """Metrics of one strategy on a trainer batch's per-row document lengths (for training logs).
 
   ``cp`` groups rows into lane sequences, ``wlb`` re-packs the rows' pieces (whole rows' pieces
@@ -325,7 +325,7 @@ def rank_metrics(strategy: str, row_doclens: Sequence[Sequence[int]], tokens_per
   if strategy == "distca":
     if rows_per_rank != 1:
       raise ValueError(f"distca metrics plan one row per rank; got {rows_per_rank=}")
-    plan = sched.schedule([list(r) for r in row_doclens], len(row_doclens),
+    plan = plan_lib.schedule([list(r) for r in row_doclens], len(row_doclens),
                           tokens_per_rank=tokens_per_row, tolerance=tolerance,
                           q_heads=dims.q_heads, kv_heads=dims.kv_heads, head_dim=dims.head_dim,
                           dtype_bytes=dims.dtype_bytes)

@@ -35,17 +35,18 @@ from typing import Sequence
 
 import numpy as np
 
-from distca_jax import scheduler
+from distca_jax import checks
+from distca_jax.plan import metadata
 
 
 def check_pos_int(name: str, v, lo: int = 1) -> int:
-  return scheduler.check_int(name, v, lo)
+  return checks.check_int(name, v, lo)
 
 
-ranges = scheduler.ranges  # concatenated aranges; one implementation, in the scheduler
+ranges = metadata.ranges  # concatenated aranges; one implementation, in the planner
 
 
-split_at = scheduler.split_at  # intervals cut at multiples of a width (one implementation)
+split_at = metadata.split_at  # intervals cut at multiples of a width (one implementation)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -34,6 +34,8 @@ from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from distca_jax.errors import UserError
+
 BATCH_DTYPES = {
     "inputs": np.int32,
     "targets": np.int32,
@@ -44,7 +46,7 @@ BATCH_DTYPES = {
 BATCH_KEYS = tuple(BATCH_DTYPES)
 
 
-class DataError(ValueError):
+class DataError(UserError):
   """Bad data input (file, config value or document); the message names the input and the fix."""
 
 

@@ -1,0 +1,196 @@
+"""Core attention over a fused batch of CA-tasks: Pallas Mosaic GPU kernels (Hopper) and reference.
+
+Same contract as ``custom_ops/varlen_attention.py`` (task ``i`` owns query rows
+``[cu_q[i], cu_q[i+1])`` and key/value rows ``[cu_k[i], cu_k[i+1])``; bottom-right causal mask
+inside each task; GQA; rows that see no key get output 0 and log-sum-exp ``-inf``; key rows
+outside every task get dK = dV = 0). Inputs bf16 or fp16, head dim 64 or 128, f32 accumulation.
+The kernels run only on Hopper GPUs (warpgroup MMA, TMA); ``mosaic_attention_reference`` is the
+plain-jnp oracle (the same function as ``varlen_attention_reference``).
+
+Letters in names: T query tokens, U key/value tokens, H query heads, K key/value heads, D head dim,
+N tasks (``N1`` = N + 1), P padded rows, F table fields, B tiles.
+
+Layout (why it looks like this):
+* Queries go to an aligned copy. TMA copies whole tiles, and a query tile that straddles two
+  tasks would write the neighbour's output rows. So each task's query rows are gathered (inside
+  jit, plain jnp on ``cu_seqlens``) into a buffer where every task starts at a multiple of the
+  CTA tile (``BlockSizes.align_q`` rows; rows between tasks are zeros), and O, LSE and dQ are
+  gathered back. The padded length is static (``padded_rows``: each task adds at most
+  ``align - 1`` rows), so one compiled kernel serves every task table of the same shapes.
+* Keys and values are read in place. Key tiles start at multiples of ``KV_ROW_MULTIPLE`` (8)
+  rows, the granularity at which Mosaic GPU issues tiled TMA copies; a task's first tile may
+  start up to 7 rows early and its last runs past its end, both masked. Tiles that would reach
+  outside the tasks' rows ``[cu_k[0], cu_k[-1])`` (padding, any value, or past the buffer) read a
+  zero-padded copy of those edge rows instead (``kv_edges``), so NaN in padding never meets a
+  zero probability. The dK/dV kernel tiles the packed buffer the same way (the two padding
+  segments included, which get zeros) and stores each warpgroup's rows of its own segment from
+  untiled staging buffers in power-of-two row pieces. K/V buffers whose row count is not a
+  multiple of 8 are padded first (one copy; Mosaic GPU tiles the whole buffer).
+* Work lists. ``q_tile_table`` lists, for every CTA query tile (two warpgroups of ``block_q``
+  rows each), its task's key rows and, per warpgroup, how many key tiles it visits and which of
+  them need no causal mask. ``kv_tile_table_in_place`` lists, for every CTA key tile of the dK/dV
+  kernel, the query tiles of its own task that see it: per warpgroup the first one that sees any
+  of its keys and the first that sees all of them. No (query tile, key tile) pair outside a
+  task's key range or above its causal diagonal is visited; tiles are ordered by descending work
+  (longest-processing-time first).
+* Kernels are warp-specialized: two compute warpgroups and one producer warpgroup that streams
+  tiles through ``max_concurrent_steps`` shared-memory slots with TMA (``mbarrier`` handshakes
+  per slot). Forward: FlashAttention-3 style online softmax, optional ping-pong scheduling of the
+  two compute warpgroups (softmax of one overlaps the matrix products of the other). Backward:
+  FlashAttention-2 style without atomics: a dQ kernel over query tiles and a dK/dV kernel over
+  key tiles that loops over its GQA group's heads and its task's visible query tiles.
+
+Modules: this one (input checks, custom_vjp over the packed buffers, public entry point),
+``custom_ops/mosaic_worklists.py`` (``BlockSizes``, aligned layout, work lists) and
+``custom_ops/mosaic_kernels.py`` (the three Pallas kernels and their calls).
+
+Measured against FlashAttention-3 on one H200: custom_ops/MOSAIC_NOTES.md and
+results/kernel_bench.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from custom_ops import varlen_attention as va
+from custom_ops.mosaic_kernels import LN2, dkv_call, dq_aligned, forward_aligned
+from custom_ops.mosaic_worklists import (KV_ROW_MULTIPLE, BlockSizes, aligned_layout,
+                                         gather_rows, kv_edges, kv_tile_table,
+                                         kv_tile_table_in_place, q_tile_table)
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation
+# ------------------------------------------------------------------------------------------------
+
+
+def validate_inputs(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1) -> None:
+  """The varlen contract's checks plus this kernel's dtype and head-dim limits."""
+  va.validate_inputs(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1)
+  dtype, head_dim = q_TxHxD.dtype, q_TxHxD.shape[2]
+  if dtype not in SUPPORTED_DTYPES:
+    raise ValueError(
+        f"mosaic attention takes bf16 or fp16 inputs; got {dtype=} (cast, or use the 'pallas' "
+        "kernel for f32)")
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    raise ValueError(
+        f"mosaic attention supports head dims {SUPPORTED_HEAD_DIMS}; got {head_dim=} (use the "
+        "'pallas' kernel for others)")
+
+
+# ------------------------------------------------------------------------------------------------
+# custom_vjp over packed buffers
+# ------------------------------------------------------------------------------------------------
+
+
+def _key_edges(k, v, cu_k, bs):
+  edges, rows = kv_edges(cu_k, k.shape[0], bs.edge_block)
+  return edges, gather_rows(k, rows), gather_rows(v, rows)
+
+
+def _rows_to_multiple(x, multiple: int):
+  """x with zero rows appended up to a multiple of ``multiple`` rows (a copy; none if already).
+
+  Tiled TMA reads need the K/V buffers' row count to be a multiple of 8 (Mosaic GPU tiles the
+  whole buffer); callers that allocate such buffers pay no copy.
+  """
+  extra = -x.shape[0] % multiple
+  return x if extra == 0 else jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1))
+
+
+def _forward(q, k, v, cu_q, cu_k, scale, bs):
+  lay_q = aligned_layout(cu_q, q.shape[0], bs.align_q)
+  q_p = gather_rows(q, lay_q.src_P)
+  edges, k_edge, v_edge = _key_edges(k, v, cu_k, bs)
+  k, v = _rows_to_multiple(k, KV_ROW_MULTIPLE), _rows_to_multiple(v, KV_ROW_MULTIPLE)
+  meta = q_tile_table(cu_q, cu_k, lay_q, q.shape[0], bs, bs.block_kv)
+  o_p, lse2_p = forward_aligned(meta, edges, q_p, k, v, k_edge, v_edge, bs=bs, scale=scale)
+  o = gather_rows(o_p, lay_q.dst_T)
+  lse_TxH = gather_rows(lse2_p, lay_q.dst_T, fill=-jnp.inf, axis=1).T * LN2
+  return (o, lse_TxH), (q_p, k, v, o_p, lse2_p, cu_q, cu_k)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention(q, k, v, cu_q, cu_k, scale, bs):
+  return _forward(q, k, v, cu_q, cu_k, scale, bs)[0]
+
+
+def _attention_fwd(q, k, v, cu_q, cu_k, scale, bs):
+  out, res = _forward(q, k, v, cu_q, cu_k, scale, bs)
+  return out, (res, q.shape[0], k.shape[0])
+
+
+def _attention_bwd(scale, bs, residuals, cotangents):
+  # k, v: the forward's buffers, rows padded to a multiple of 8; num_k_rows: the caller's rows.
+  (q_p, k, v, o_p, lse2_p, cu_q, cu_k), num_q_rows, num_k_rows = residuals
+  do, dlse_TxH = cotangents
+  lay_q = aligned_layout(cu_q, num_q_rows, bs.align_q)
+  do_p = gather_rows(do, lay_q.src_P)
+  dlse_p = gather_rows(dlse_TxH.astype(jnp.float32).T, lay_q.src_P, axis=1)
+  # delta_i = sum_d O_id dO_id - dLSE_i: the row term of dS = P * (dP - delta).
+  delta_p = jnp.einsum("phd,phd->hp", o_p.astype(jnp.float32), do_p.astype(jnp.float32)) - dlse_p
+  # Rows that see no key (LSE -inf) get +inf: their P, hence dS, is exactly 0.
+  lse2_b = jnp.where(jnp.isneginf(lse2_p), jnp.inf, lse2_p)
+  edges, k_edge, v_edge = _key_edges(k, v, cu_k, bs)
+  meta_q = q_tile_table(cu_q, cu_k, lay_q, num_q_rows, bs, bs.block_kv_dq)
+  dq_p = dq_aligned(meta_q, edges, q_p, k, v, k_edge, v_edge, do_p, lse2_b, delta_p, bs=bs,
+                     scale=scale)
+  if bs.dkv_in_place:
+    # dK/dV are stored untiled, so they take the caller's row count.
+    meta_k = kv_tile_table_in_place(cu_q, cu_k, lay_q, num_k_rows, bs)
+    dk, dv = dkv_call(meta_k, edges, q_p, k, v, k_edge, v_edge, do_p, lse2_b, delta_p, bs=bs,
+                       scale=scale, num_k_rows=num_k_rows)
+  else:
+    k, v = k[:num_k_rows], v[:num_k_rows]
+    lay_k = aligned_layout(cu_k, num_k_rows, bs.align_k)
+    k_p, v_p = gather_rows(k, lay_k.src_P), gather_rows(v, lay_k.src_P)
+    meta_k = kv_tile_table(cu_q, cu_k, lay_q, lay_k, k.shape[0], bs)
+    dk_p, dv_p = dkv_call(meta_k, edges, q_p, k_p, v_p, k_p, v_p, do_p, lse2_b, delta_p, bs=bs,
+                           scale=scale, num_k_rows=k_p.shape[0])
+    dk, dv = gather_rows(dk_p, lay_k.dst_T), gather_rows(dv_p, lay_k.dst_T)
+  dq = gather_rows(dq_p, lay_q.dst_T)
+  return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def mosaic_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
+                     cu_seqlens_q_N1: jax.Array, cu_seqlens_k_N1: jax.Array, *,
+                     softmax_scale: float | None = None,
+                     block_sizes: BlockSizes | None = None) -> tuple[jax.Array, jax.Array]:
+  """Causal (bottom-right) GQA attention of every CA-task of a fused batch; Mosaic GPU kernels.
+
+  Args:
+    q_TxHxD: packed queries [T, H, D], bf16/fp16, D in ``SUPPORTED_HEAD_DIMS``.
+    k_UxKxD: packed keys [U, K, D], H a multiple of K.
+    v_UxKxD: packed values [U, K, D].
+    cu_seqlens_q_N1: int32 [N + 1]; task i owns query rows [cu_q[i], cu_q[i+1]).
+    cu_seqlens_k_N1: int32 [N + 1]; task i owns key rows [cu_k[i], cu_k[i+1]).
+    softmax_scale: logit scale; default 1 / sqrt(D).
+    block_sizes: kernel tiles; default ``BlockSizes()``.
+
+  Returns:
+    o_TxHxD (q dtype; 0 on rows that see no key) and lse_TxH (f32 natural-log log-sum-exp of the
+    scaled logits; -inf on rows that see no key). Differentiable in q, k, v (and through lse).
+  """
+  validate_inputs(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1)
+  block_sizes = BlockSizes() if block_sizes is None else block_sizes
+  if not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f"block_sizes must be a mosaic_attention.BlockSizes; got {block_sizes=}")
+  head_dim = q_TxHxD.shape[2]
+  scale = float(1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale)
+  return _attention(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1, scale,
+                    block_sizes)
+
+
+
+# The oracle: the plain-jnp dense masked attention of the shared contract.
+mosaic_attention_reference = va.varlen_attention_reference

@@ -1,0 +1,313 @@
+"""Tiling and device-side work lists of the Mosaic GPU attention kernels (plain jnp, inside jit).
+
+``BlockSizes`` (the kernels' tiles), the aligned query layout (``aligned_layout``), the key edge
+copies (``kv_edges``) and the work lists the kernels read (``q_tile_table`` for the forward and
+dQ kernels, ``kv_tile_table`` / ``kv_tile_table_in_place`` for the dK/dV kernel), with the field
+indices of those tables. Why the layout looks like this: ``custom_ops/mosaic_attention.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from custom_ops import varlen_attention as va
+
+# Compute warpgroups per CTA (each takes one block of rows; a producer warpgroup streams tiles).
+NUM_COMPUTE_WGS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiles of the three kernels (all static).
+
+  Attributes:
+    block_q: query rows per compute warpgroup in the forward and dQ kernels (a CTA takes two).
+    block_kv: key rows per forward step.
+    block_kv_dq: key rows per dQ step.
+    block_kv_dkv: key rows per compute warpgroup in the dK/dV kernel (a CTA takes two).
+    block_q_dkv: query rows per dK/dV step.
+    max_concurrent_steps: shared-memory slots the producer warpgroup fills ahead.
+    pingpong: forward only: make the two compute warpgroups alternate (FA3 scheduling).
+    dkv_in_place: the dK/dV kernel reads K/V and writes dK/dV in the packed buffers (8-row
+      aligned tile starts, partial tiles stored in power-of-two row pieces); False: on an aligned
+      copy of K/V, gathered before and after the kernel (two more passes over K/V and dK/dV).
+  """
+  block_q: int = 64
+  block_kv: int = 128
+  block_kv_dq: int = 64
+  block_kv_dkv: int = 64
+  block_q_dkv: int = 64
+  max_concurrent_steps: int = 2
+  pingpong: bool = True
+  dkv_in_place: bool = True
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if field.name in ("pingpong", "dkv_in_place"):
+        if not isinstance(value, bool):
+          raise ValueError(f"BlockSizes.{field.name}={value!r} must be a bool")
+        continue
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"BlockSizes.{field.name}={value!r} must be a positive int")
+      if field.name.startswith("block_") and value % 64:
+        raise ValueError(
+            f"BlockSizes.{field.name}={value} must be a multiple of 64 (warpgroup MMA tiles)")
+    if self.max_concurrent_steps < 2:
+      raise ValueError(
+          f"BlockSizes.max_concurrent_steps={self.max_concurrent_steps} must be >= 2")
+    if self.align_q % self.block_q_dkv:
+      raise ValueError(
+          f"BlockSizes: block_q_dkv={self.block_q_dkv} must divide the query tile "
+          f"2 * block_q={self.align_q}")
+    if self.align_k % self.block_kv or self.align_k % self.block_kv_dq:
+      raise ValueError(
+          f"BlockSizes: block_kv={self.block_kv} and block_kv_dq={self.block_kv_dq} must divide "
+          f"the key tile 2 * block_kv_dkv={self.align_k}")
+
+  @property
+  def align_q(self) -> int:
+    """Query rows of a CTA tile of the forward and dQ kernels; tasks start at multiples of it."""
+    return NUM_COMPUTE_WGS * self.block_q
+
+  @property
+  def edge_block(self) -> int:
+    """Key-tile size the edge copies of K/V are cut for (``kv_edges``): the largest read."""
+    return max(self.block_kv, self.block_kv_dq, self.align_k)
+
+  @property
+  def align_k(self) -> int:
+    """Key rows of a CTA tile of the dK/dV kernel; tasks' keys start at multiples of it."""
+    return NUM_COMPUTE_WGS * self.block_kv_dkv
+
+
+# ------------------------------------------------------------------------------------------------
+# Aligned layout and work lists (plain jnp on cu_seqlens, inside jit)
+# ------------------------------------------------------------------------------------------------
+
+
+def padded_rows(total_rows: int, num_tasks: int, align: int) -> int:
+  """Static length of the aligned buffer: each task rounded up to a multiple of ``align``."""
+  return (-(-total_rows // align) + num_tasks) * align
+
+
+@dataclasses.dataclass(frozen=True)
+class AlignedLayout:
+  """Where each task's rows live in the aligned buffer.
+
+  Attributes:
+    start_N: first aligned row of each task (a multiple of ``align``).
+    src_P: for each aligned row, its row in the packed buffer, or ``total_rows`` (a zero row).
+    dst_T: for each packed row, its aligned row, or ``P`` (rows outside every task).
+  """
+  start_N: jax.Array
+  src_P: jax.Array
+  dst_T: jax.Array
+
+
+def aligned_layout(cu_N1: jax.Array, total_rows: int, align: int) -> AlignedLayout:
+  n = cu_N1.shape[0] - 1
+  cu = cu_N1.astype(jnp.int32)
+  len_N = jnp.maximum(cu[1:] - cu[:-1], 0)
+  plen_N = (len_N + align - 1) // align * align
+  end_N = jnp.cumsum(plen_N)
+  start_N = end_N - plen_N
+  num_p = padded_rows(total_rows, n, align)
+  p = jnp.arange(num_p, dtype=jnp.int32)
+  task = jnp.minimum(jnp.searchsorted(end_N, p, side="right"), n - 1).astype(jnp.int32)
+  local = p - start_N[task]
+  valid = (p < end_N[-1]) & (local < len_N[task])
+  src_P = jnp.where(valid, cu[task] + local, total_rows)
+  t_task, t_local, t_valid = va.rows_to_tasks(cu, total_rows)
+  dst_T = jnp.where(t_valid, start_N[t_task] + t_local, num_p)
+  return AlignedLayout(start_N=start_N, src_P=src_P, dst_T=dst_T)
+
+
+def gather_rows(x, index, fill=0.0, axis=0):
+  return jnp.take(x, index, axis=axis, mode="fill", fill_value=fill)
+
+
+# q_tile_table fields (rows of the [F, B] table).
+QT_Q_TILE, QT_KB8, QT_SHIFT, QT_LK, QT_NMAX, QT_DIAG, QT_NFULL, QT_NKV = 0, 1, 2, 3, 4, 5, 7, 9
+QT_FIELDS = 11
+# Key tiles of the forward and dQ kernels are read from the packed K/V buffers in place, starting
+# at multiples of 8 rows (what Mosaic GPU proves for a tiled TMA destination): a task's tile j
+# holds local keys [j * block_kv - shift, (j + 1) * block_kv - shift), shift = cu_k[i] % 8.
+KV_ROW_MULTIPLE = 8
+
+
+def _task_of_tile(start_N, len_N, tile_rows: int, num_tiles: int, tile_start_multiple: int):
+  """Task and first local row of each aligned tile, and whether it holds task rows."""
+  n = start_N.shape[0]
+  plen_N = (len_N + tile_start_multiple - 1) // tile_start_multiple * tile_start_multiple
+  end_N = start_N + plen_N
+  row = jnp.arange(num_tiles, dtype=jnp.int32) * tile_rows
+  task = jnp.minimum(jnp.searchsorted(end_N, row, side="right"), n - 1).astype(jnp.int32)
+  local = row - start_N[task]
+  live = (row < end_N[-1]) & (local < len_N[task])
+  return task, jnp.where(live, local, 0), live
+
+
+def q_tile_table(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, num_q_rows: int, bs: BlockSizes,
+                 block_kv: int) -> jax.Array:
+  """Forward / dQ work list [QT_FIELDS, B] over the CTA query tiles of the aligned query buffer.
+
+  Per tile: its index (first aligned query row / ``align_q``), the task's first key row rounded
+  down to ``KV_ROW_MULTIPLE`` (in those units) and the rows it was rounded by (``shift``), the
+  task's keys ``lk``, the key tiles the producer streams (max over warpgroups), and per
+  warpgroup ``w`` (fields + w): ``diag`` (row ``t`` of its block sees local keys
+  ``0 <= j <= t + diag``, ``j < lk``), the end of its unmasked key tiles (tile 0 is masked when
+  ``shift > 0``; tiles from ``n_full`` on are masked) and its key tiles. Sorted by descending
+  key tiles.
+  """
+  n = cu_q_N1.shape[0] - 1
+  lq_N = cu_q_N1[1:] - cu_q_N1[:-1]
+  lk_N = cu_k_N1[1:] - cu_k_N1[:-1]
+  num_tiles = padded_rows(num_q_rows, n, bs.align_q) // bs.align_q
+  task, r0, live = _task_of_tile(lay_q.start_N, lq_N, bs.align_q, num_tiles, bs.align_q)
+  lq = jnp.where(live, lq_N[task], 0)
+  lk = jnp.where(live, lk_N[task], 0)
+  ks = jnp.where(live, cu_k_N1[task], 0)
+  shift = ks % KV_ROW_MULTIPLE
+  off = lk - lq
+  n_kv_w, n_full_w, diag_w = [], [], []
+  for w in range(NUM_COMPUTE_WGS):
+    rw = r0 + w * bs.block_q
+    diag = rw + off
+    # Keys the block's last row sees (rows past the task see every key), and its first row; a
+    # block wholly past its task's rows visits nothing.
+    hi = jnp.where(rw < lq, jnp.clip(diag + bs.block_q, 0, lk), 0)
+    lo = jnp.where(rw < lq, jnp.clip(diag + 1, 0, lk), 0)
+    n_kv_w.append(jnp.where(hi > 0, (hi + shift + block_kv - 1) // block_kv, 0))
+    n_full_w.append((lo + shift) // block_kv)
+    diag_w.append(diag)
+  n_max = jnp.maximum(*n_kv_w)
+  fields = [jnp.arange(num_tiles, dtype=jnp.int32), ks // KV_ROW_MULTIPLE, shift, lk, n_max,
+            *diag_w, *n_full_w, *n_kv_w]
+  table = jnp.stack([f.astype(jnp.int32) for f in fields])
+  return table[:, jnp.argsort(-n_max, stable=True)]
+
+
+def kv_edges(cu_k_N1: jax.Array, num_k_rows: int, block_kv: int):
+  """Rows around the ends of the tasks' keys, for tiles that would read outside them.
+
+  A key tile read in place may start before ``cu_k[0]`` (by up to 7 rows) or run past
+  ``cu_k[-1]``; those rows are padding (any value, NaN included) or past the buffer. Such tiles
+  read a small copy instead: rows ``[hb, hb + block_kv)`` then ``[tb, tb + 2 * block_kv + 8)``
+  of the buffer (``hb`` = ``cu_k[0]`` rounded down to 8, ``tb`` = ``cu_k[-1]`` rounded down to 8
+  minus ``block_kv``) with every row outside ``[cu_k[0], cu_k[-1])`` zero.
+
+  Returns:
+    (edges [4] int32: cu_k[0], cu_k[-1], hb / 8, tb / 8; index rows of the copy; their validity).
+  """
+  m = KV_ROW_MULTIPLE
+  lo, hi = cu_k_N1[0], cu_k_N1[-1]
+  hb, tb = lo // m * m, hi // m * m - block_kv
+  rows = jnp.concatenate([hb + jnp.arange(block_kv, dtype=jnp.int32),
+                          tb + jnp.arange(2 * block_kv + m, dtype=jnp.int32)])
+  valid = (rows >= lo) & (rows < hi)
+  edges = jnp.stack([lo, hi, hb // m, tb // m]).astype(jnp.int32)
+  return edges, jnp.where(valid, rows, num_k_rows)
+
+
+# kv_tile_table fields.
+KT_K_ROW, KT_Q_ROW, KT_NQ, KT_QA, KT_QA_W, KT_QF_W, KT_MOFF_W = 0, 1, 2, 3, 4, 6, 8
+KT_FIELDS = 10
+
+
+def kv_tile_table(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, lay_k: AlignedLayout, num_k_rows: int,
+                  bs: BlockSizes) -> jax.Array:
+  """dK/dV work list [KT_FIELDS, B] over the CTA key tiles of the aligned buffer.
+
+  Per tile: aligned first key row / ``align_k``, task's aligned first query row / ``align_q``,
+  the task's query tiles
+  (``block_q_dkv`` rows each), the first query tile any warpgroup needs, and per warpgroup ``w``
+  (fields + w): first query tile that sees any of its keys, first query tile that sees all of
+  them (no mask from there on), and ``moff`` (its key ``i`` is seen by local query row ``r`` iff
+  ``i + moff <= r``). Sorted by descending query tiles streamed.
+  """
+  n = cu_q_N1.shape[0] - 1
+  lq_N = cu_q_N1[1:] - cu_q_N1[:-1]
+  lk_N = cu_k_N1[1:] - cu_k_N1[:-1]
+  bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
+  num_tiles = padded_rows(num_k_rows, n, bs.align_k) // bs.align_k
+  task, k0, live = _task_of_tile(lay_k.start_N, lk_N, bs.align_k, num_tiles, bs.align_k)
+  lq = jnp.where(live, lq_N[task], 0)
+  lk = jnp.where(live, lk_N[task], 0)
+  off = lk - lq
+  n_q = jnp.where(live, (lq + bqd - 1) // bqd, 0)
+  qa_w, qf_w, moff_w = [], [], []
+  for w in range(NUM_COMPUTE_WGS):
+    kw = k0 + w * bkd
+    empty = kw >= lk
+    last = jnp.minimum(kw + bkd, lk) - 1
+    qa_w.append(jnp.where(empty, n_q, jnp.clip((kw - off) // bqd, 0, n_q)))
+    qf_w.append(jnp.where(empty, n_q, jnp.clip((last - off + bqd - 1) // bqd, 0, n_q)))
+    moff_w.append(kw - off)
+  qa = jnp.minimum(*qa_w)
+  fields = [jnp.arange(num_tiles, dtype=jnp.int32),
+            jnp.where(live, lay_q.start_N[task], 0) // bs.align_q, n_q, qa, *qa_w, *qf_w,
+            *moff_w]
+  table = jnp.stack([f.astype(jnp.int32) for f in fields])
+  return table[:, jnp.argsort(-(n_q - qa), stable=True)]
+
+
+# kv_tile_table_in_place fields: those of kv_tile_table (the first in units of 8 rows, see
+# below), then per warpgroup the first row of its block holding its segment's rows and how many.
+KT_VA_W, KT_VN_W = 10, 12
+KT_FIELDS_IN_PLACE = 14
+
+
+def kv_tile_table_in_place(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, num_k_rows: int,
+                           bs: BlockSizes) -> jax.Array:
+  """dK/dV work list [KT_FIELDS_IN_PLACE, B] over key tiles of the packed K/V buffers.
+
+  The buffer is cut into segments: the N tasks' key ranges, then the tail padding
+  ``[cu_k[-1], U)`` and the head padding ``[0, cu_k[0])`` (query-less, so their dK = dV = 0 is
+  written by the kernel and every row is written exactly once). A segment's tiles start at its
+  first row rounded down to ``KV_ROW_MULTIPLE``; ``KT_K_ROW`` is a tile's first row / 8 and
+  ``moff`` counts from that row. Warpgroup ``w`` stores rows ``[va, va + vn)`` of its block.
+  """
+  n = cu_q_N1.shape[0] - 1
+  m, tile, bkd, bqd = KV_ROW_MULTIPLE, bs.align_k, bs.block_kv_dkv, bs.block_q_dkv
+  cu_k = cu_k_N1.astype(jnp.int32)
+  lo, hi = cu_k[:1], cu_k[-1:]
+  zero = jnp.zeros((1,), jnp.int32)
+  seg_start = jnp.concatenate([cu_k[:-1], hi, zero])
+  seg_len = jnp.maximum(jnp.concatenate([cu_k[1:] - cu_k[:-1], num_k_rows - hi, lo]), 0)
+  seg_lq = jnp.concatenate([cu_q_N1[1:] - cu_q_N1[:-1], zero, zero])
+  seg_q = jnp.concatenate([lay_q.start_N // bs.align_q, zero, zero])
+  shift_S = seg_start % m
+  tiles_S = jnp.where(seg_len > 0, (seg_len + shift_S + tile - 1) // tile, 0)
+  end_S = jnp.cumsum(tiles_S)
+  num_tiles = -(-num_k_rows // tile) + 2 * (n + 2)  # each segment adds < 2 partial tiles
+  t = jnp.arange(num_tiles, dtype=jnp.int32)
+  seg = jnp.minimum(jnp.searchsorted(end_S, t, side="right"), n + 1).astype(jnp.int32)
+  live = t < end_S[-1]
+  lt = t - (end_S[seg] - tiles_S[seg])
+  shift = shift_S[seg]
+  row8 = jnp.where(live, (seg_start[seg] - shift) // m + lt * (tile // m), 0)
+  length = jnp.where(live, seg_len[seg], 0)
+  lq = jnp.where(live, seg_lq[seg], 0)
+  lk = jnp.where(seg < n, length, 0)
+  off = lk - lq
+  n_q = (lq + bqd - 1) // bqd
+  qa_w, qf_w, moff_w, va_w, vn_w = [], [], [], [], []
+  for w in range(NUM_COMPUTE_WGS):
+    kw = lt * tile + w * bkd - shift  # the segment's local index of the block's first row
+    first = jnp.maximum(kw, 0)
+    last_key = jnp.minimum(kw + bkd, lk) - 1
+    empty = (kw + bkd <= 0) | (kw >= lk)
+    qa_w.append(jnp.where(empty, n_q, jnp.clip((first - off) // bqd, 0, n_q)))
+    qf_w.append(jnp.where(empty, n_q, jnp.clip((last_key - off + bqd - 1) // bqd, 0, n_q)))
+    moff_w.append(kw - off)
+    count = jnp.where(live, jnp.minimum(kw + bkd, length) - first, 0)
+    va_w.append(jnp.where(count > 0, first - kw, 0))
+    vn_w.append(jnp.maximum(count, 0))
+  qa = jnp.minimum(*qa_w)
+  fields = [row8, jnp.where(live, seg_q[seg], 0), n_q, qa, *qa_w, *qf_w, *moff_w, *va_w, *vn_w]
+  table = jnp.stack([f.astype(jnp.int32) for f in fields])
+  return table[:, jnp.argsort(-(n_q - qa), stable=True)]

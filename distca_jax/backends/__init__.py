@@ -1,0 +1,62 @@
+"""Core-attention backends: one module per backend, each exporting the same two names.
+
+* ``Options``: a frozen dataclass of the backend's options, with ``Options.from_config(c)``
+  reading them from a run config;
+* ``make(options) -> attention.Backend``.
+
+``build(c, **overrides)`` is the one place a name becomes a backend (the trainer calls it;
+benchmarks pass options that are no config keys, e.g. ``signal_only=True``, as overrides);
+``get(name, **options)`` builds one from options alone (tests, notebooks).
+
+==============  ======================================================================
+``local``       each row attends its own documents (blockwise jnp, custom VJP)
+``reference``   dense O(T^2) jnp (tests)
+``distca``      core attention disaggregation: host plan + data plane (``plan``, ``dataplane``)
+``packed_dp``   each rank its own documents, one fused varlen call
+``cp``          per-sequence context parallelism
+``wlb``         WLB-LLM packing + per-document context parallelism
+==============  ======================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import ml_collections
+
+from distca_jax import attention as attn_lib
+from distca_jax import pipeline
+from distca_jax.errors import UserError
+from distca_jax.backends import cp, distca, local, packed_dp, reference, wlb
+
+BACKENDS: dict[str, types.ModuleType] = {
+    "local": local, "reference": reference, "distca": distca, "packed_dp": packed_dp, "cp": cp,
+    "wlb": wlb,
+}
+
+
+def module(name: str) -> types.ModuleType:
+  """The backend module of ``name``."""
+  if name not in BACKENDS:
+    raise UserError(f"unknown core-attention backend {name!r}; available: {sorted(BACKENDS)}. "
+                     "Set config.attention.backend to one of them.")
+  return BACKENDS[name]
+
+
+def build(c: ml_collections.ConfigDict, **overrides) -> attn_lib.Backend:
+  """The configured backend (``config.attention.backend``), options from the config; keyword
+  ``overrides`` replace single options (names of the backend's ``Options`` fields). Under a
+  pipeline (``mesh.pipe > 1``) its host planning runs per tick (``pipeline.per_tick_backend``)."""
+  m = module(c.attention.backend)
+  backend = m.make(dataclasses.replace(m.Options.from_config(c), **overrides))
+  if c.mesh.pipe > 1:  # one core-attention call is one pipeline tick: host plans per tick
+    backend = pipeline.per_tick_backend(backend, stages=c.mesh.pipe, rows_per_rank=c.rows_per_rank,
+                                        microbatches=c.pipeline.microbatches)
+  return backend
+
+
+def get(name: str, **options) -> attn_lib.Backend:
+  """The backend ``name`` with ``options`` (its ``Options`` fields; the rest default)."""
+  m = module(name)
+  return m.make(m.Options(**options))

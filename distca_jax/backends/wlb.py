@@ -1,0 +1,40 @@
+"""``wlb``: WLB-LLM variable-length packing over DP groups plus per-document context parallelism
+inside each group (``baselines.group_backend``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from distca_jax import attention as attn_lib
+from distca_jax import baselines
+from distca_jax import config as config_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Attributes: as ``cp.Options``, plus ``alpha`` (per-rank token cap ``alpha x T``, >= 1) and
+  ``balance_len`` (``baselines.ModelDims.balance_len`` of the model; required)."""
+  cp_size: int | None = None
+  kernel: str = "auto"
+  max_docs_per_row: int = baselines.DEFAULT_MAX_DOCS_PER_ROW
+  rows_per_rank: int = 1
+  alpha: float = 1.0
+  balance_len: float | None = None
+
+  @classmethod
+  def from_config(cls, c: ml_collections.ConfigDict) -> "Options":
+    b = c.attention.baselines
+    dims = baselines.ModelDims.from_model(config_lib.model_config(c))
+    options = cls(cp_size=b.cp_size, kernel=c.attention.kernel,
+                  max_docs_per_row=b.max_docs_per_row, rows_per_rank=c.rows_per_rank,
+                  alpha=b.wlb_alpha, balance_len=dims.balance_len)
+    if not (b.cp_size and b.wlb_alpha):  # 0 = WLB-ideal: the best predicted split / alpha
+      from distca_jax.baselines import ideal  # pylint: disable=import-outside-toplevel
+      options = dataclasses.replace(options, **ideal.wlb_options_from_config(c))
+    return options
+
+
+def make(options: Options) -> attn_lib.Backend:
+  return baselines.group_backend("wlb", **dataclasses.asdict(options))

@@ -1,0 +1,190 @@
+"""The per-device body (send, one fused kernel call over all of a server's tasks, return) and
+its ``shard_map`` over the mesh: ``dispatch_attention``, the device function of CAD.
+
+Backward: the gathers and collectives of ``exchange`` transpose to scatters and collectives
+(dK/dV of a key/value row used by several tasks or servers are summed; the bucket switch
+becomes a switch on the same bucket); the kernel has its own ``custom_vjp``. Memory modes:
+  'keep'    default autodiff: the kernel's residuals (the server's received Q/K/V attention
+            buffers, O and LSE) stay alive until the backward.
+  'resend'  ``jax.checkpoint`` around the per-device body whose policy saves only the kernel's
+            outputs (O, LSE): the attention buffers are rebuilt in the backward by re-running the
+            gathers and the collective (the owners re-send Q/K/V), and the kernel's forward is
+            not rerun. With the plain-jnp 'reference' kernel there is no kernel primitive to
+            save, so its forward is recomputed too (it is a test kernel).
+The layer's remat policy (``ModelConfig.remat``) wraps all of this: 'full' reruns the whole
+forward in the backward (exchange, kernel, return); 'save_attention' keeps the kernel's outputs
+and inputs ('keep'; with 'resend' the inputs are still re-sent) and the returned O.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from distca_jax import ops
+from distca_jax.dataplane.exchange import ExchangeOptions, return_to_owners, send_to_servers
+from distca_jax.plan.spec import PlanSpec
+
+MEMORY_MODES = ("keep", "resend")
+KERNELS = ops.BACKENDS
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchOptions:
+  """Everything static about one ``dispatch_attention`` call (hashable: a jit static argument).
+
+  Attributes:
+    kernel: ``ops.core_attention`` backend ('reference', 'pallas', 'flash3').
+    memory_mode: 'keep' or 'resend' (module docstring).
+    softmax_scale: default ``1 / sqrt(D)``.
+    data_axis: the mesh axis of the servers (a tuple of axes: their product, e.g. a pipeline's
+      (pipe, data)).
+    head_axis: mesh axis the heads are split over (tensor parallelism), or None.
+    return_lse: also return the softmax log-sum-exp ``[B, T, H]`` (f32; -inf at padding).
+    kernel_options: extra keywords for ``ops.core_attention`` (e.g. ``interpret``); a mapping is
+      stored as sorted ``(name, value)`` pairs.
+    exchange: buckets, collective and signal-only (``exchange.ExchangeOptions``).
+  """
+  kernel: str = "auto"
+  memory_mode: str = "keep"
+  softmax_scale: float | None = None
+  data_axis: str | tuple[str, ...] = "data"
+  head_axis: str | None = None
+  return_lse: bool = False
+  kernel_options: tuple[tuple[str, Any], ...] = ()
+  exchange: ExchangeOptions = ExchangeOptions()
+
+  def __post_init__(self):
+    if self.kernel not in KERNELS:
+      raise ValueError(f"distca kernel={self.kernel!r} is not a core_attention backend; choose "
+                       f"one of {KERNELS}")
+    if self.memory_mode not in MEMORY_MODES:
+      raise ValueError(f"distca memory_mode={self.memory_mode!r}; choose one of {MEMORY_MODES}")
+    if isinstance(self.kernel_options, Mapping):
+      object.__setattr__(self, "kernel_options", tuple(sorted(self.kernel_options.items())))
+    if not isinstance(self.exchange, ExchangeOptions):
+      raise TypeError(f"exchange={self.exchange!r} must be an ExchangeOptions")
+
+
+def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec,
+                 options: DispatchOptions):
+  """One device: send, fused kernel over all of its tasks, return.
+
+  With the 'resend' memory mode the kernel's inputs are not named for the layer's remat policy,
+  so a policy that keeps them ('save_attention') cannot undo the re-send.
+  """
+  r, t, h, d = q_RxTxHxD.shape
+  kh = k_RxTxKxD.shape[2]
+  axis, wire, return_lse = options.data_axis, options.exchange, options.return_lse
+  m = spec.unpack_local(plan_RxW)
+  q_attn, k_attn, v_attn = send_to_servers(
+      q_RxTxHxD.reshape(r * t, h, d), k_RxTxKxD.reshape(r * t, kh, d),
+      v_RxTxKxD.reshape(r * t, kh, d), m, spec, axis, wire)
+  # 4. One fused varlen call over all of this server's tasks.
+  out = ops.core_attention(q_attn, k_attn, v_attn, m["cu_seqlens_q"], m["cu_seqlens_k"],
+                           backend=options.kernel, softmax_scale=options.softmax_scale,
+                           return_lse=return_lse, name_inputs=options.memory_mode != "resend",
+                           **dict(options.kernel_options))
+  o_attn, lse_attn = out if return_lse else (out, None)
+  # 5. O back to the owners (zeros at padding).
+  o_RxTxHxD = return_to_owners(o_attn, m, spec, axis, 0, wire).reshape(r, t, h, d)
+  if not return_lse:
+    return o_RxTxHxD
+  lse_RxTxH = return_to_owners(lse_attn, m, spec, axis, -jnp.inf, wire).reshape(r, t, h)
+  return o_RxTxHxD, lse_RxTxH
+
+
+def mesh_and_servers(mesh, data_axis: str | tuple[str, ...]):
+  """(mesh, servers): the given mesh or the one set by `jax.set_mesh`, and the size of its
+  data axis (or the product of several: a pipeline's servers are every pipe x data rank)."""
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      raise ValueError("CAD core attention needs a mesh: pass mesh= or trace under "
+                       "jax.set_mesh(mesh) (the trainer's mesh_context)")
+  axes = data_axis if isinstance(data_axis, tuple) else (data_axis,)
+  if not set(axes) <= set(mesh.axis_names):
+    raise ValueError(f"{data_axis=} is not an axis of the mesh {dict(mesh.shape)}")
+  return mesh, math.prod(mesh.shape[a] for a in axes)
+
+
+def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Array,
+                       plan_BxW: jax.Array, spec: PlanSpec,
+                       options: DispatchOptions = DispatchOptions(), *, mesh=None):
+  """Core attention of every document by CAD, given a packed plan (device side, jit-able).
+
+  Args:
+    q_BxTxHxD: queries, rows ``B = S * R`` sharded over ``options.data_axis`` (heads over
+      ``options.head_axis``).
+    k_BxTxKxD, v_BxTxKxD: keys and values, sharded the same way.
+    plan_BxW: int32 packed plan (``HostPlan.packed``), rows sharded over the data axis.
+    spec: the plan's static shapes.
+    options: kernel, memory mode, axes, exchange (``DispatchOptions``).
+    mesh: the mesh; default the one set by ``jax.set_mesh`` (``trainer.mesh_context``).
+
+  Returns:
+    O ``[B, T, H, D]`` like q (zeros at padding), or ``(O, lse)``.
+  """
+  data_axis, head_axis = options.data_axis, options.head_axis
+  mesh, s = mesh_and_servers(mesh, data_axis)
+  b, t, h, d = q_BxTxHxD.shape
+  kh = k_BxTxKxD.shape[2]
+  if k_BxTxKxD.shape != (b, t, kh, d) or v_BxTxKxD.shape != k_BxTxKxD.shape:
+    raise ValueError(f"expected q [B,T,H,D], k and v [B,T,K,D]; got {q_BxTxHxD.shape=} "
+                     f"{k_BxTxKxD.shape=} {v_BxTxKxD.shape=}")
+  if not q_BxTxHxD.dtype == k_BxTxKxD.dtype == v_BxTxKxD.dtype:
+    raise ValueError(f"q, k, v must share a dtype (one all-to-all carries them); got "
+                     f"{q_BxTxHxD.dtype=} {k_BxTxKxD.dtype=} {v_BxTxKxD.dtype=}")
+  if s != spec.num_servers or b != s * spec.rows_per_device or t != spec.tokens_per_row:
+    raise ValueError(f"q {q_BxTxHxD.shape} on a {data_axis}={s} mesh does not match the plan's "
+                     f"{spec}: expected rows = {spec.num_servers} x {spec.rows_per_device}, "
+                     f"tokens per row = {spec.tokens_per_row}")
+  if plan_BxW.shape != (b, spec.width) or plan_BxW.dtype != jnp.int32:
+    raise ValueError(f"{plan_BxW.shape=} {plan_BxW.dtype=} must be int32 {(b, spec.width)} "
+                     "(built by host_plan for the same capacity, rows_per_rank and mesh)")
+  if head_axis is not None:
+    tp = mesh.shape[head_axis]
+    if h % tp or kh % tp:
+      raise ValueError(f"query heads {h} and kv heads {kh} must divide by {head_axis}={tp}")
+  scale = options.softmax_scale
+  options = dataclasses.replace(options, softmax_scale=1.0 / math.sqrt(d) if scale is None
+                                else float(scale))
+  body = functools.partial(_device_body, spec=spec, options=options)
+  if options.memory_mode == "resend":
+    body = jax.checkpoint(body, policy=ops.saves_kernel_outputs)
+  qkv = P(data_axis, None, head_axis, None)
+  out_specs = (qkv, P(data_axis, None, head_axis)) if options.return_lse else qkv
+  # check_vma=False: the Pallas kernel's pallas_call carries no varying-axes annotations.
+  f = jax.shard_map(body, mesh=mesh, in_specs=(qkv, qkv, qkv, P(data_axis, None)),
+                    out_specs=out_specs, check_vma=False)
+  return f(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, plan_BxW)
+
+
+def count_primitives(jaxpr, names) -> collections.Counter:
+  """Primitives of ``names`` one execution of ``jaxpr`` runs (nested jaxprs included; a bucket
+  switch counts its largest branch), plus every ``pallas_call`` under its kernel's name (e.g.
+  ``varlen_attention_fwd``). Benchmarks and tests read a CAD program's structure with it."""
+  acc = collections.Counter()
+  for e in jaxpr.eqns:
+    if e.primitive.name in names:
+      acc[e.primitive.name] += 1
+    if e.primitive.name == "pallas_call":
+      acc[str(e.params["name"])] += 1
+    if e.primitive.name == "cond":
+      per_branch = [count_primitives(b.jaxpr, names) for b in e.params["branches"]]
+      for key in set().union(*per_branch):
+        acc[key] += max(c[key] for c in per_branch)
+      continue
+    for p in e.params.values():
+      for sub in p if isinstance(p, (list, tuple)) else [p]:
+        inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+        if inner is not None and hasattr(inner, "eqns"):
+          acc.update(count_primitives(inner, names))
+  return acc

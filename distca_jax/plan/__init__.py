@@ -1,0 +1,43 @@
+"""Host planning (NumPy): which attention server computes which query shard, and the routing
+tables the device step executes.
+
+Modules, in dependency order: ``cost`` (pairs, FLOPs, measured kernel times, the balance gate),
+``capacity`` (the fixed buffer sizes a plan must fit), ``metadata`` (``Plan``, ``PlanMetadata``,
+``plan_to_metadata``: the contract with ``distca_jax.dataplane``), ``balancer`` (``schedule``),
+``spec`` (``PlanSpec``, ``host_plan``: a batch's plan packed for the step), ``sizing`` (caps for
+a run config from its own batches; not imported here: it reads the data pipeline), ``executor``
+(the NumPy oracle of the contract) and ``diagnostics``.
+Nothing here runs on a device.
+"""
+
+from distca_jax.plan.balancer import SPLITS, Balancer, schedule
+from distca_jax.plan.capacity import (CAP_FIELDS, Capacity, caps_with_headroom, default_capacity,
+                                      required_capacity, resolve_capacity, row_multiple)
+from distca_jax.plan.cost import (BWD_FWD_RATIO, DEFAULT_DTYPE_BYTES, DEFAULT_HEAD_DIM,
+                                  DEFAULT_KV_HEADS, DEFAULT_MIN_SHARD, DEFAULT_Q_HEADS,
+                                  DEFAULT_TOLERANCE, FWD_FLOPS_PER_PAIR, MFU_FWD_BWD_FACTOR,
+                                  CostTable, as_cost_table, imbalance, pairs, predicted_step_gain,
+                                  task_flops)
+from distca_jax.plan.diagnostics import (diagnostics, exchange_bytes, pair_bytes, plot_loads,
+                                         server_loads, traffic_rows)
+from distca_jax.plan.executor import reference_document_attention, reference_execute
+from distca_jax.plan.metadata import (Plan, PlanMetadata, parse_layout, plan_to_metadata, ranges,
+                                      split_at)
+from distca_jax.plan.spec import (DEFAULT_EXCHANGE_BUCKETS, HostPlan, PlanSpec, auto_min_shard,
+                                  choose_bucket, device_layout, exchange_bucket_rows,
+                                  exchange_rows, fit_host_plan, host_plan, nano_batch_rows,
+                                  part_bucket_rows, return_bucket_rows, suggest_capacity)
+
+__all__ = [
+    "BWD_FWD_RATIO", "Balancer", "CAP_FIELDS", "Capacity", "CostTable", "DEFAULT_DTYPE_BYTES",
+    "DEFAULT_EXCHANGE_BUCKETS", "DEFAULT_HEAD_DIM", "DEFAULT_KV_HEADS", "DEFAULT_MIN_SHARD",
+    "DEFAULT_Q_HEADS", "DEFAULT_TOLERANCE", "FWD_FLOPS_PER_PAIR", "HostPlan", "MFU_FWD_BWD_FACTOR",
+    "Plan", "PlanMetadata", "PlanSpec", "SPLITS", "as_cost_table", "auto_min_shard",
+    "caps_with_headroom", "choose_bucket", "default_capacity", "device_layout", "diagnostics",
+    "exchange_bucket_rows", "exchange_bytes", "exchange_rows", "fit_host_plan", "host_plan",
+    "imbalance", "nano_batch_rows", "pair_bytes", "pairs", "parse_layout", "part_bucket_rows",
+    "plan_to_metadata", "plot_loads", "predicted_step_gain", "ranges",
+    "reference_document_attention", "reference_execute", "required_capacity", "resolve_capacity",
+    "return_bucket_rows", "row_multiple", "schedule", "server_loads", "split_at",
+    "suggest_capacity", "task_flops", "traffic_rows",
+]

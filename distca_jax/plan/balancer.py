@@ -1,0 +1,786 @@
+"""The balancer: spread CA-tasks over in-place attention servers (host, NumPy only).
+
+``schedule`` turns a global batch's document layout (``metadata.parse_layout``) into a ``Plan``:
+which server computes which query shard. Cost units: ``cost.pairs``; caps: ``capacity.Capacity``.
+
+
+Balancing (greedy, communication-aware; paper Sec. 4.2)
+-------------------------------------------------------
+Let ``mean`` be the mean load and ``limit = (1 + tolerance) mean``. While some server is above the
+limit, the most needy server (lowest load, not yet found blocked) is the destination; among all
+items on servers above the limit (an item is one or two query intervals of one document on one
+server), each is scored by ``useful work moved / bytes communicated`` under three options, and the
+best (item, option) that passes the exact capacity check is applied:
+
+* whole: move the item;
+* mirrored: take ``m`` tokens from the inner end of its head interval ``[a, x)`` and ``m`` from the
+  inner start of its tail interval ``[y, b)`` (a single interval is split at its middle). These
+  ``m`` mirrored pairs cost exactly ``m (x + y + 1)`` pairs, so the moved work is exact; taking
+  the innermost pairs keeps the key range of the moved piece short (``[0, y + m)``);
+* suffix: move the last ``k`` tokens ``[b - k, b)`` (keys ``[0, b)``), which needs fewer query
+  rows for the same work but the whole key range.
+
+Bytes of a move are the query bytes of moved rows not owned by the destination plus the key/value
+bytes of context rows not already present there: the rows of ``[0, b)`` of that document the
+destination neither owns nor already receives (a KV row is sent at most once per (sender, server)
+pair because every task's key range is a prefix ``[0, b)``). "Useful work" is the move's work
+capped at ``min(source excess over limit, destination room to mean)``, so overshooting buys
+nothing. A move never pushes its destination above ``limit`` and never creates a query piece
+shorter than ``min_shard`` tokens (whole items, however short, may move). The loop is
+deterministic: ties go to the lowest item index and the options' fixed order.
+
+It stops when every server is at most ``limit`` (servers below the mean do not slow a step). If
+no destination admits a move first (pieces of at least ``min_shard`` tokens do not fit the room a
+tight limit leaves, or caps refuse), a second phase keeps lowering the maximum load with the same
+greedy under intermediate limits between the current maximum and ``limit`` (more room per
+destination), so a smaller tolerance never ends worse than it must. ``Plan.degraded`` is set
+when the result is above ``limit``, with a reason naming the caps that blocked moves or the
+``min_shard`` granularity.
+Sufficient condition for reaching the limit without caps: a destination below the mean always has
+room ``>= tolerance * mean``, and the smallest move any item allows costs at most
+``4 min_shard (L_max + 1)`` pairs (a piece of ``min_shard`` tokens, or a whole item too short to
+split: at most two parts shorter than ``2 min_shard`` each); when that is ``<= tolerance * mean``
+the greedy always finds a move until every server is within the limit. With ``tolerance = 0`` an
+exact balance of integer token counts is generally impossible and the plan reports ``degraded``
+within one such piece of the mean.
+
+The gate (``min_gain``): balancing first asks whether it is worth it. With the linear layers'
+work per token in pair units (``linear_pairs_per_token``, from the model), the speedup a perfect
+balance could bring is ``1 + (max - mean) / (mean + linear work)`` (``predicted_step_gain`` is
+the part past 1); below ``min_gain`` nothing moves and the plan is ``gated``. The data plane
+plans each nano-batch apart, so each is gated on its own. Moving rows costs time of its own
+(gathers into the attention buffers, the exchange, shorter kernel tasks): on 2 H200s, batches
+whose step-work ceiling was 1.00-1.03 ran at 0.965-1.010x packed_dp's speed with CAD, while
+those above 1.05 took their whole ceiling (results/per_batch_bound.md).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Mapping
+
+import numpy as np
+
+from distca_jax.checks import check_float, check_int
+from distca_jax.plan import cost
+from distca_jax.plan.capacity import CAP_FIELDS, Capacity
+from distca_jax.plan.cost import CostTable, imbalance, pairs, predicted_step_gain
+from distca_jax.plan.metadata import Plan, parse_layout
+
+SPLITS = ("auto", "mirrored", "suffix")
+
+
+# ---------------------------------------------------------------------------------------------
+# The balancer.
+# ---------------------------------------------------------------------------------------------
+def _merge(ivs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+  """Sorted union of half-open intervals, touching ones merged."""
+  if len(ivs) <= 1:
+    return list(ivs)
+  ivs = sorted(ivs)
+  out = [ivs[0]]
+  for lo, hi in ivs[1:]:
+    plo, phi = out[-1]
+    if lo <= phi:
+      out[-1] = (plo, max(phi, hi))
+    else:
+      out.append((lo, hi))
+  return out
+
+
+def _subtract(ivs: list[tuple[int, int]], cut: list[tuple[int, int]]) -> list[tuple[int, int]]:
+  """``ivs`` minus ``cut`` (``cut`` lies inside ``ivs``)."""
+  out = []
+  for lo, hi in ivs:
+    pieces = [(lo, hi)]
+    for clo, chi in cut:
+      nxt = []
+      for plo, phi in pieces:
+        if chi <= plo or clo >= phi:
+          nxt.append((plo, phi))
+          continue
+        if plo < clo:
+          nxt.append((plo, clo))
+        if chi < phi:
+          nxt.append((chi, phi))
+      pieces = nxt
+    out.extend(pieces)
+  return out
+
+
+class Balancer:
+  """Mutable state of one greedy run; see the module docstring for the rules.
+
+  An item is one or two query intervals of one document on one server: the head
+  ``[head_lo, head_hi)`` and the tail ``[tail_lo, tail_hi)`` (one interval when
+  ``head_hi == tail_lo``). Item arrays (``item_doc``, ``head_lo`` ... ``item_server``) hold
+  ``num_items`` live rows. ``intervals[(doc, server)]`` is the truth for tasks and traffic;
+  ``loads``, ``q_rows``, ``kv_attn_rows`` and ``num_tasks`` are per server, ``pair_q_rows`` and
+  ``pair_kv_rows`` per (sender, server).
+  """
+
+  def __init__(self, lens: np.ndarray, starts: np.ndarray, num_servers: int,
+               tokens_per_rank: int, tolerance: float, min_shard: int, capacity: Capacity,
+               q_row_bytes: float, kv_row_bytes: float, split: str):
+    s, t = num_servers, tokens_per_rank
+    self.num_servers, self.tokens_per_rank = s, t
+    self.tolerance, self.min_shard, self.capacity = tolerance, min_shard, capacity
+    self.q_row_bytes, self.kv_row_bytes, self.split = q_row_bytes, kv_row_bytes, split
+    self.doc_starts = starts.tolist()
+    jn = lens.size
+    first = starts // t
+    last = (starts + lens - 1) // t
+    self.doc_first_rank = first
+    nseg = (last - first + 1) if jn else np.zeros(0, np.int64)
+    doc = np.repeat(np.arange(jn), nseg)
+    off = np.arange(doc.size) - np.repeat(np.cumsum(nseg) - nseg, nseg)
+    rank = first[doc] + off
+    lo = np.maximum(0, rank * t - starts[doc])
+    hi = np.minimum(lens[doc], (rank + 1) * t - starts[doc])
+    n0 = doc.size
+    self.num_items = n0
+    size = n0 + 4 * s + 64
+    self.item_doc = np.zeros(size, np.int64)
+    self.head_lo = np.zeros(size)
+    self.head_hi = np.zeros(size)
+    self.tail_lo = np.zeros(size)
+    self.tail_hi = np.zeros(size)
+    self.item_work = np.zeros(size)
+    self.item_server = np.zeros(size, np.int64)
+    mid = (lo + hi) // 2
+    self.item_doc[:n0] = doc
+    self.head_lo[:n0] = lo
+    self.head_hi[:n0] = mid
+    self.tail_lo[:n0] = mid
+    self.tail_hi[:n0] = hi
+    self.item_work[:n0] = pairs(lo, hi)
+    self.item_server[:n0] = rank
+    self.seg_rank, self.seg_lo, self.seg_hi = rank, lo, hi
+    # (doc, server) -> sorted merged query intervals: the truth for tasks and traffic.
+    self.intervals: dict[tuple[int, int], list[tuple[int, int]]] = {
+        (j, r): [(a, b)] for j, r, a, b in zip(doc.tolist(), rank.tolist(), lo.tolist(),
+                                               hi.tolist())}
+    self.loads = np.bincount(rank, weights=pairs(lo, hi).astype(np.float64), minlength=s)
+    self.q_rows = np.bincount(rank, weights=(hi - lo).astype(np.float64), minlength=s)
+    self.kv_attn_rows = np.bincount(rank, weights=hi.astype(np.float64), minlength=s)
+    self.num_tasks = np.bincount(rank, minlength=s).astype(np.float64)
+    self.pair_q_rows = np.zeros((s, s))
+    self.pair_kv_rows = np.zeros((s, s))
+    self.spanning_docs = set(np.flatnonzero(nseg > 1).tolist())
+    # Docs whose bytes to a destination need exact correction: spanning docs owned by it, and
+    # docs it has received pieces of.
+    self.exact_docs: list[set[int]] = [set() for _ in range(s)]
+    self.doc_items: dict[int, list[int]] = {}
+    for i, (j, r, a) in enumerate(zip(doc.tolist(), rank.tolist(), lo.tolist())):
+      if j in self.spanning_docs:
+        self.exact_docs[r].add(j)
+        self.doc_items.setdefault(j, []).append(i)
+        if a > 0:
+          for o, cnt in self._owner_rows(j, 0, a):
+            if o != r:
+              self.pair_kv_rows[o, r] += cnt
+    self.num_moves = 0
+
+  # -- ownership ------------------------------------------------------------------------------
+  def _owner_rows(self, j: int, lo: int, hi: int) -> list[tuple[int, int]]:
+    """[(rank, rows)] of document ``j``'s rows [lo, hi) by owning rank."""
+    t = self.tokens_per_rank
+    g0, g1 = self.doc_starts[j] + lo, self.doc_starts[j] + hi
+    out = []
+    r = g0 // t
+    while g0 < g1:
+      e = min(g1, (r + 1) * t)
+      out.append((r, e - g0))
+      g0, r = e, r + 1
+    return out
+
+  def _own_overlap(self, j: int, d: int, lo: int, hi: int) -> int:
+    """Rows of document ``j``'s [lo, hi) owned by rank ``d``."""
+    g = self.doc_starts[j]
+    olo, ohi = max(lo, d * self.tokens_per_rank - g), min(hi, (d + 1) * self.tokens_per_rank - g)
+    return max(0, ohi - olo)
+
+  def _stats(self, j: int, d: int, ivs: list[tuple[int, int]]):
+    """(load, q rows, tasks, kv attention rows, {owner: q rows}, {owner: kv rows})."""
+    load = q = kva = 0
+    pq: dict[int, int] = {}
+    pkv: dict[int, int] = {}
+    span = j in self.spanning_docs
+    for lo, hi in ivs:
+      load += (hi - lo) * (lo + hi + 1) // 2
+      q += hi - lo
+      kva += hi
+      if span:
+        for o, c in self._owner_rows(j, lo, hi):
+          if o != d:
+            pq[o] = pq.get(o, 0) + c
+    if ivs:
+      end = ivs[-1][1]
+      if span:
+        for o, c in self._owner_rows(j, 0, end):
+          if o != d:
+            pkv[o] = pkv.get(o, 0) + c
+      else:
+        o = self.doc_starts[j] // self.tokens_per_rank
+        if o != d:
+          pq[o] = q
+          pkv[o] = end
+    return load, q, len(ivs), kva, pq, pkv
+
+  # -- one move -------------------------------------------------------------------------------
+  def _exact(self, i: int, opt: int, d: int, t_useful: float, room: float,
+             upper: float = math.inf):
+    """Exact integer version of option ``opt`` (0 whole, 1 mirrored, 2 suffix) for item ``i``.
+
+    ``m`` (mirrored pairs) or ``k`` (suffix tokens) is the smallest amount whose work reaches
+    ``t_useful``, within [min_shard bound, ``upper``] and the destination ``room``; if that
+    overflows a cap, halved amounts are tried down to the minimum.
+
+    Returns (moved intervals, kept item (a, x, y, b) or None, moved item, work, where, effects)
+    or a string naming why it is infeasible (a cap name, or 'shape').
+    """
+    a, x = int(self.head_lo[i]), int(self.head_hi[i])
+    y, b = int(self.tail_lo[i]), int(self.tail_hi[i])
+    two = x < y
+    m0 = self.min_shard
+    upper = int(min(upper, b))
+    if opt == 0:
+      if self.item_work[i] > room:
+        return "shape"
+      return self._effects(i, d, [(a, x), (y, b)] if two else [(a, b)], None, (a, x, y, b))
+    if opt == 1:
+      c1 = x + y + 1
+      m_lo = max(m0 if two else (m0 + 1) // 2, 1)
+      m_hi = min(min(x - a, b - y) - m0, int(room // c1), upper)
+      m = min(max(math.ceil(t_useful / c1), m_lo), m_hi)
+      if m < m_lo:
+        return "shape"
+      while True:
+        if two:
+          moved, new = [(x - m, x), (y, y + m)], (x - m, x, y, y + m)
+        else:
+          moved, new = [(x - m, x + m)], (x - m, x, x, x + m)
+        res = self._effects(i, d, moved, (a, x - m, y + m, b), new)
+        if not isinstance(res, str) or m == m_lo:
+          return res
+        m = max(m_lo, m // 2)
+    last_lo = y if two else a
+    bb = 2 * b + 1
+
+    def w_of(k):
+      return k * (bb - k) // 2
+
+    def k_for(target: float) -> int:
+      """Smallest k with w_of(k) >= target."""
+      k = max(0, math.ceil((bb - math.sqrt(max(bb * bb - 8.0 * target, 0.0))) / 2))
+      while k > 0 and w_of(k - 1) >= target:
+        k -= 1
+      while w_of(k) < target and k < b - last_lo:
+        k += 1
+      return k
+
+    k_room = k_for(room)
+    if w_of(k_room) > room:
+      k_room -= 1
+    k_lo = max(m0, 1)
+    k_hi = min(b - last_lo - m0, k_room, upper)
+    k = min(max(k_for(t_useful), k_lo), k_hi)
+    if k < k_lo:
+      return "shape"
+    while True:
+      new = (b - k, b - k + k // 2, b - k + k // 2, b)
+      if two:
+        kept = (a, x, y, b - k)
+      else:
+        km = (a + b - k) // 2
+        kept = (a, km, km, b - k)
+      res = self._effects(i, d, [(b - k, b)], kept, new)
+      if not isinstance(res, str) or k == k_lo:
+        return res
+      k = max(k_lo, k // 2)
+
+  def _effects(self, i: int, d: int, moved, kept, new):
+    """Per-server and per-pair deltas of moving ``moved`` of item ``i`` to ``d``; checks caps."""
+    j = int(self.item_doc[i])
+    s = int(self.item_server[i])
+    old_s = self.intervals[(j, s)]
+    new_s = _subtract(old_s, moved)
+    old_d = self.intervals.get((j, d), [])
+    new_d = _merge(old_d + moved)
+    eff = []
+    for srv_, old, new_ivs in ((s, old_s, new_s), (d, old_d, new_d)):
+      st0 = self._stats(j, srv_, old)
+      st1 = self._stats(j, srv_, new_ivs)
+      dpq = {o: st1[4].get(o, 0) - st0[4].get(o, 0) for o in set(st0[4]) | set(st1[4])}
+      dpkv = {o: st1[5].get(o, 0) - st0[5].get(o, 0) for o in set(st0[5]) | set(st1[5])}
+      eff.append((srv_, st1[0] - st0[0], st1[1] - st0[1], st1[2] - st0[2], st1[3] - st0[3],
+                  dpq, dpkv))
+    cap = self.capacity
+    for srv_, _, dq, dt, dkva, dpq, dpkv in eff:
+      if cap.q_tokens is not None and dq > 0 and self.q_rows[srv_] + dq > cap.q_tokens:
+        return "q_tokens"
+      if cap.tasks is not None and dt > 0 and self.num_tasks[srv_] + dt > cap.tasks:
+        return "tasks"
+      if cap.kv_tokens is not None and dkva > 0 and self.kv_attn_rows[srv_] + dkva > cap.kv_tokens:
+        return "kv_tokens"
+      if cap.q_slot is not None:
+        for o, c in dpq.items():
+          if c > 0 and self.pair_q_rows[o, srv_] + c > cap.q_slot:
+            return "q_slot"
+      if cap.kv_slot is not None:
+        for o, c in dpkv.items():
+          if c > 0 and self.pair_kv_rows[o, srv_] + c > cap.kv_slot:
+            return "kv_slot"
+    work = eff[1][1]
+    return moved, kept, new, work, (s, new_s, new_d), eff
+
+  def _apply(self, i: int, d: int, res) -> None:
+    moved, kept, new, work, (s, new_s, new_d), eff = res
+    j = int(self.item_doc[i])
+    for srv_, dload, dq, dt, dkva, dpq, dpkv in eff:
+      self.loads[srv_] += dload
+      self.q_rows[srv_] += dq
+      self.num_tasks[srv_] += dt
+      self.kv_attn_rows[srv_] += dkva
+      for o, c in dpq.items():
+        self.pair_q_rows[o, srv_] += c
+      for o, c in dpkv.items():
+        self.pair_kv_rows[o, srv_] += c
+    if new_s:
+      self.intervals[(j, s)] = new_s
+    else:
+      del self.intervals[(j, s)]
+    self.intervals[(j, d)] = new_d
+    if kept is None:
+      self.item_server[i] = d
+      ni = i
+    else:
+      self._set_item(i, kept)
+      ni = self.num_items
+      if ni >= self.item_doc.size:
+        self._grow()
+      self.item_doc[ni] = j
+      self.item_server[ni] = d
+      self._set_item(ni, new)
+      self.num_items += 1
+    self.exact_docs[d].add(j)
+    items = self.doc_items.setdefault(j, [])
+    if not items:
+      items.append(i)
+    if ni != i:
+      items.append(ni)
+    self.num_moves += 1
+
+  def _set_item(self, i: int, shape) -> None:
+    a, x, y, b = shape
+    if x == a or y == b:  # one side empty: re-centre a single interval
+      lo, hi = (y, b) if x == a else (a, x)
+      a, b = lo, hi
+      x = y = (lo + hi) // 2
+    self.head_lo[i], self.head_hi[i], self.tail_lo[i], self.tail_hi[i] = a, x, y, b
+    self.item_work[i] = pairs(a, x) + pairs(y, b)
+
+  def _grow(self) -> None:
+    for name in ("item_doc", "head_lo", "head_hi", "tail_lo", "tail_hi", "item_work",
+                 "item_server"):
+      arr = getattr(self, name)
+      setattr(self, name, np.concatenate([arr, np.zeros_like(arr)]))
+
+  # -- scoring --------------------------------------------------------------------------------
+  # Derived per-item quantities the scorer needs, cached for the pool (rows aligned with it).
+  def _derive(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+    a, x, y, b = self.head_lo[idx], self.head_hi[idx], self.tail_lo[idx], self.tail_hi[idx]
+    two = x < y
+    m0 = float(self.min_shard)
+    c1 = x + y + 1
+    rows_w = (x - a) + (b - y)
+    bb = 2 * b + 1
+    return {
+        "srv": self.item_server[idx], "own": self.doc_first_rank[self.item_doc[idx]],
+        "w": self.item_work[idx],
+        "b": b, "x": x, "y": y, "two": two, "c1": c1, "inv_c1": 1.0 / c1,
+        "m_lo": np.maximum(np.where(two, m0, math.ceil(m0 / 2)), 1.0),
+        "m_hi": np.minimum(x - a, b - y) - m0,
+        "bytes_w": self.q_row_bytes * rows_w + self.kv_row_bytes * b, "rows_w": rows_w,
+        "kvb_y": self.kv_row_bytes * y,
+        "kva_w": np.where(two, x + b, b), "kva_m0": np.where(two, x + y, y),
+        "parts_w": np.where(two, 2.0, 1.0), "bb": bb, "bb2": bb * bb,
+        "k_hi": b - np.where(two, y, a) - m0, "kvb_b": self.kv_row_bytes * b}
+
+  def _set_pool(self, pool: np.ndarray) -> None:
+    self.pool = pool
+    self.pool_items = self._derive(pool)
+
+  def _filter_pool(self, keep: np.ndarray) -> None:
+    self.pool = self.pool[keep]
+    self.pool_items = {k: v[keep] for k, v in self.pool_items.items()}
+
+  def _refresh_pool_item(self, i: int) -> None:
+    p = int(np.searchsorted(self.pool, i))
+    if p < self.pool.size and self.pool[p] == i:
+      one = self._derive(np.asarray([i]))
+      for k, v in one.items():
+        self.pool_items[k][p] = v[0]
+
+  def _score(self, d: int, exc: np.ndarray, soft: float, room: float, use_caps: bool = True):
+    """Scores every pool item for destination ``d``.
+
+    Returns (candidate items [n], priorities [3, n] (rows: whole, mirrored, suffix; -1 marks an
+    infeasible option), useful targets [n], amount bounds [3, n] from the caps).
+    """
+    c = self.pool
+    if c.size == 0:
+      return c, None, None, None
+    with np.errstate(divide="ignore", invalid="ignore"):
+      return self._score_pool(d, exc, soft, room, use_caps)
+
+  def _score_pool(self, d: int, exc: np.ndarray, soft: float, room: float, use_caps: bool):
+    c = self.pool
+    pc = self.pool_items
+    cap = self.capacity
+    tu = np.minimum(exc[pc["srv"]], soft)
+    qb, kvb, m0 = self.q_row_bytes, self.kv_row_bytes, float(self.min_shard)
+    prio = np.empty((3, c.size))
+    upper = np.full((3, c.size), np.inf)
+    w = pc["w"]
+    # Destination room left under each cap (a move into the document's own rank uses no pair).
+    inf = np.inf
+    capped = use_caps and any(getattr(cap, f) is not None for f in CAP_FIELDS)
+    if capped:
+      free_q = inf if cap.q_tokens is None else cap.q_tokens - self.q_rows[d]
+      free_t = inf if cap.tasks is None else cap.tasks - self.num_tasks[d]
+      free_kva = inf if cap.kv_tokens is None else cap.kv_tokens - self.kv_attn_rows[d]
+      home = pc["own"] == d
+      free_qs = (np.full(c.size, inf) if cap.q_slot is None
+                 else np.where(home, inf, cap.q_slot - self.pair_q_rows[pc["own"], d]))
+      free_kvs = (np.full(c.size, inf) if cap.kv_slot is None
+                  else np.where(home, inf, cap.kv_slot - self.pair_kv_rows[pc["own"], d]))
+      free_rows = np.minimum(free_qs, free_q)
+    # Option 0: the whole item.
+    np.divide(np.minimum(w, tu), pc["bytes_w"], out=prio[0])
+    bad = w > room
+    if capped:
+      bad |= ((pc["rows_w"] > free_rows) | (pc["parts_w"] > free_t) | (pc["kva_w"] > free_kva)
+              | (pc["b"] > free_kvs))
+    prio[0][bad] = -1.0
+    # Option 1: m innermost mirrored pairs, m in [m_lo, m_up].
+    if self.split != "suffix":
+      c1 = pc["c1"]
+      m_up = np.minimum(pc["m_hi"], np.floor(room * pc["inv_c1"]))
+      m_lo = pc["m_lo"]
+      bad = np.zeros(c.size, dtype=bool)
+      if capped:
+        np.minimum(m_up, np.floor(free_rows / 2), out=m_up)
+        np.minimum(m_up, free_kva - pc["kva_m0"], out=m_up)
+        np.minimum(m_up, free_kvs - pc["y"], out=m_up)
+        bad |= np.where(pc["two"], 2.0, 1.0) > free_t
+        # A single interval split in the middle leaves two tasks on the source.
+        single = ~pc["two"]
+        if cap.tasks is not None:
+          bad |= single & (self.num_tasks[pc["srv"]] + 1 > cap.tasks)
+        if cap.kv_tokens is not None:
+          src_free = cap.kv_tokens - self.kv_attn_rows[pc["srv"]]
+          m_lo = np.where(single, np.maximum(m_lo, pc["x"] - src_free), m_lo)
+      upper[1] = m_up
+      m = np.ceil(tu * pc["inv_c1"])
+      np.maximum(m, m_lo, out=m)
+      np.minimum(m, m_up, out=m)
+      np.divide(np.minimum(m * c1, tu), m * (2 * qb + kvb) + pc["kvb_y"], out=prio[1])
+      prio[1][bad | (m < m_lo)] = -1.0
+    else:
+      prio[1] = -1.0
+    # Option 2: the last k tokens, k in [min_shard, k_up].
+    if self.split != "mirrored":
+      bb, bb2 = pc["bb"], pc["bb2"]
+      k_up = pc["k_hi"].copy()
+      bad = np.zeros(c.size, dtype=bool)
+      if capped:
+        np.minimum(k_up, free_rows, out=k_up)
+        bad |= (1.0 > free_t) | (pc["b"] > free_kva) | (pc["b"] > free_kvs)
+      k = np.ceil(0.5 * (bb - np.sqrt(np.maximum(bb2 - 8 * tu, 0.0))))
+      np.maximum(k, m0, out=k)
+      np.minimum(k, k_up, out=k)
+      over = k * (bb - k) > 2 * room
+      if over.any():
+        k_room = np.floor(0.5 * (bb - np.sqrt(np.maximum(bb2 - 8 * room, 0.0))))
+        k = np.where(over, k_room, k)
+      upper[2] = k_up
+      np.divide(np.minimum(0.5 * k * (bb - k), tu), qb * k + pc["kvb_b"], out=prio[2])
+      prio[2][bad | (k < max(m0, 1.0))] = -1.0
+    else:
+      prio[2] = -1.0
+    # Exact scores for documents already (partly) at the destination or owned by it: their bytes
+    # (rows already there) and caps (merged intervals) differ from the formulas above.
+    docs = self.exact_docs[d]
+    if docs:
+      items = [i for j in docs for i in self.doc_items.get(j, ())]
+      if items:
+        pos = np.minimum(np.searchsorted(c, np.asarray(items, dtype=np.int64)), c.size - 1)
+        for i, p in zip(items, pos.tolist()):
+          if c[p] == i:
+            self._correct(i, p, d, prio, upper, float(tu[p]), room, use_caps)
+    return c, prio, tu, upper
+
+  def _correct(self, i: int, p: int, d: int, prio: np.ndarray, upper: np.ndarray, tu: float,
+               room: float, use_caps: bool) -> None:
+    """Recomputes the priorities of candidate ``p`` (item ``i``) with exact bytes and caps."""
+    j = int(self.item_doc[i])
+    ivs = self.intervals.get((j, d))
+    have = ivs[-1][1] if ivs else 0
+    saved = self.capacity
+    if not use_caps:
+      self.capacity = Capacity()
+    try:
+      for opt in range(3):
+        upper[opt, p] = np.inf
+        if (opt == 1 and self.split == "suffix") or (opt == 2 and self.split == "mirrored"):
+          continue
+        res = self._exact(i, opt, d, tu, room)
+        if isinstance(res, str):
+          prio[opt, p] = -1.0
+          continue
+        moved, work = res[0], res[3]
+        q_rows = sum(hi - lo - self._own_overlap(j, d, lo, hi) for lo, hi in moved)
+        end = max(hi for _, hi in moved)
+        kv_rows = (end - have - self._own_overlap(j, d, have, end)) if end > have else 0
+        nbytes = self.q_row_bytes * q_rows + self.kv_row_bytes * kv_rows
+        prio[opt, p] = min(work, tu) / nbytes if nbytes > 0 else np.inf
+    finally:
+      self.capacity = saved
+
+  def run(self, mean: float, max_moves: int) -> str:
+    """Greedy balancing; returns '' on success or the reason it stopped above the limit.
+
+    Phase 1 balances towards ``(1 + tol) * mean``. If it gets stuck above that (pieces no
+    smaller than ``min_shard`` do not fit the room destinations have under a tight limit, or caps
+    refuse), phase 2 keeps lowering the maximum load: it reruns the greedy with intermediate
+    limits between the current maximum and the target, which give destinations more room.
+    """
+    target = (1.0 + self.tolerance) * mean
+    status = self._run_at(mean, target, max_moves)
+    if status != "stuck":
+      return status
+    for _ in range(64):
+      top = self.loads.max()
+      for frac in (0.5, 0.8, 0.95):
+        moves = self.num_moves
+        status = self._run_at(mean, target + (top - target) * frac, max_moves)
+        if status.startswith("move limit"):
+          return status
+        if self.num_moves > moves and self.loads.max() < top:
+          break
+      else:
+        break
+      if self.loads.max() <= target * (1 + 1e-12):
+        return ""
+    return self._why_stopped(mean, target)
+
+  def _run_at(self, mean: float, limit: float, max_moves: int) -> str:
+    """Greedy loop towards ``limit``: '' when reached, 'stuck', or the move-limit reason."""
+    lim_eps = limit * (1 + 1e-12)
+    blocked = np.zeros(self.num_servers, dtype=bool)
+    moves_at_clear = self.num_moves
+    # Servers only leave the overloaded set (destinations never pass the limit), so the pool of
+    # candidate items only shrinks: filter it when a source drops out or an item moves whole.
+    self._set_pool(np.flatnonzero((self.loads > lim_eps)[self.item_server[:self.num_items]]))
+    while True:
+      if self.loads.max() <= lim_eps:
+        return ""
+      if self.num_moves >= max_moves:
+        return f"move limit {max_moves} reached"
+      cand = np.where(blocked | (self.loads >= limit), np.inf, self.loads)
+      d = int(np.argmin(cand))
+      if not np.isfinite(cand[d]):
+        # Every destination is blocked. Moves since the last sweep may have changed the pool
+        # (smaller kept pieces), so sweep again once; stop when a sweep moved nothing.
+        if self.num_moves > moves_at_clear and blocked.any():
+          blocked[:] = False
+          moves_at_clear = self.num_moves
+          continue
+        return "stuck"
+      exc = self.loads - limit
+      room = limit - self.loads[d]
+      soft = mean - self.loads[d]
+      if soft <= 0:
+        soft = room
+      c, prio, tu, upper = self._score(d, exc, soft, room)
+      done = False
+      if prio is not None:
+        flat = prio.reshape(-1)
+        for _ in range(64):
+          f = int(np.argmax(flat))
+          if flat[f] <= 0:
+            break
+          opt, p = divmod(f, c.size)
+          i = int(c[p])
+          res = self._exact(i, opt, d, float(tu[p]), room, float(upper[opt, p]))
+          if isinstance(res, str):
+            flat[f] = -1.0
+            continue
+          src = int(self.item_server[i])
+          self._apply(i, d, res)
+          if self.loads[src] <= lim_eps:
+            self._filter_pool(self.pool_items["srv"] != src)
+          elif res[1] is None:
+            self._filter_pool(self.pool != i)
+          else:
+            self._refresh_pool_item(i)
+          done = True
+          break
+      if not done:
+        blocked[d] = True
+
+  def _why_stopped(self, mean: float, limit: float) -> str:
+    """Explains why no destination admits a move: the caps (which) or min_shard granularity."""
+    exc = self.loads - limit
+    refused: dict[str, int] = {}
+    for d in np.flatnonzero(self.loads < limit).tolist():
+      room = limit - self.loads[d]
+      soft = mean - self.loads[d]
+      c, prio, tu, _ = self._score(d, exc, soft if soft > 0 else room, room, use_caps=False)
+      if prio is None or prio.max() <= 0:
+        continue
+      # Without caps a move exists: name the caps refusing the best uncapped moves.
+      flat = prio.reshape(-1)
+      for f in np.argsort(-flat, kind="stable")[:4].tolist():
+        if flat[f] <= 0:
+          break
+        opt, p = divmod(f, c.size)
+        res = self._exact(int(c[p]), opt, d, float(tu[p]), room)
+        if isinstance(res, str) and res != "shape":
+          refused[res] = refused.get(res, 0) + 1
+    if refused:
+      caps = ", ".join(f"{k}={getattr(self.capacity, k)}" for k in sorted(refused))
+      return f"capacity blocked moves ({caps}); raise those caps for better balance"
+    return (f"no movable piece fits: items on overloaded servers are unsplittable under "
+            f"min_shard={self.min_shard} or larger than the room left on under-loaded servers")
+
+
+def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
+             tolerance: float = cost.DEFAULT_TOLERANCE,
+             capacity: Capacity | Mapping[str, int | None] | None = None,
+             min_shard: int = cost.DEFAULT_MIN_SHARD,
+             split: str = "auto",
+             q_heads: int = cost.DEFAULT_Q_HEADS, kv_heads: int = cost.DEFAULT_KV_HEADS,
+             head_dim: int = cost.DEFAULT_HEAD_DIM, dtype_bytes: int = cost.DEFAULT_DTYPE_BYTES,
+             cost_model: str | os.PathLike | CostTable | None = None,
+             max_moves: int | None = None, min_gain: float = 0.0,
+             linear_pairs_per_token: float = 0.0) -> Plan:
+  """Balances core-attention work over ``num_servers`` in-place servers.
+
+  Args:
+    doc_lens: flat list of document lengths packed across ranks (documents may span ranks), or
+      one list per rank (documents never span ranks). See the module docstring.
+    num_servers: number of ranks = attention servers (``S``).
+    tokens_per_rank: token budget of one rank (``T``).
+    tolerance: epsilon; the goal is every server at most ``(1 + tolerance) * mean`` pairs.
+    capacity: buffer caps (``Capacity`` or a dict of its fields); None = unbounded.
+    min_shard: shortest query piece a split may create (whole items of any length may move).
+    split: 'auto' (mirrored or suffix, whichever scores better), 'mirrored' or 'suffix'.
+    q_heads, kv_heads, head_dim, dtype_bytes: the byte model (query row = q_heads * head_dim *
+      dtype_bytes; key/value row = 2 * kv_heads * head_dim * dtype_bytes).
+    cost_model: a ``CostTable`` or the path of its JSON; fills ``Plan.times_*``.
+    max_moves: safety bound on moves (default ``20 * (S + items)``).
+    min_gain: the gate: when the speedup a perfect balance could bring, minus 1
+      (``predicted_step_gain`` with ``linear_pairs_per_token``), is below this, nothing
+      moves (``Plan.gated``): moving rows has a cost of its own (gathers, exchange, shorter
+      kernel tasks), which on near-balanced batches exceeds the gain. 0 = always balance.
+    linear_pairs_per_token: the linear layers' work per token in pair units (see
+      ``predicted_step_gain``); 0 counts attention alone.
+
+  Returns:
+    The ``Plan``.
+  """
+  lens, starts = parse_layout(doc_lens, num_servers, tokens_per_rank)
+  s, t = int(num_servers), int(tokens_per_rank)
+  if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not (
+      0.0 <= float(tolerance) < float("inf")):
+    raise ValueError(f"{tolerance=} must be a finite float >= 0 (e.g. 0.1)")
+  tol = float(tolerance)
+  m0 = check_int("min_shard", min_shard, 1)
+  if split not in SPLITS:
+    raise ValueError(f"{split=} must be one of {SPLITS}")
+  for name, v in (("q_heads", q_heads), ("kv_heads", kv_heads), ("head_dim", head_dim),
+                  ("dtype_bytes", dtype_bytes)):
+    check_int(name, v, 1)
+  if q_heads % kv_heads:
+    raise ValueError(f"{q_heads=} must be a multiple of {kv_heads=} (grouped-query attention)")
+  if capacity is None:
+    cap = Capacity()
+  elif isinstance(capacity, Capacity):
+    cap = capacity
+  elif isinstance(capacity, Mapping):
+    unknown = set(capacity) - set(CAP_FIELDS)
+    if unknown:
+      raise ValueError(f"unknown capacity fields {sorted(unknown)}; valid: {CAP_FIELDS}")
+    cap = Capacity(**capacity)
+  else:
+    raise TypeError(f"capacity={capacity!r} must be None, a Capacity or a dict")
+  table = cost.as_cost_table(cost_model)
+  qb = float(q_heads * head_dim * dtype_bytes)
+  kvb = float(2 * kv_heads * head_dim * dtype_bytes)
+
+  bal = Balancer(lens, starts, s, t, tol, m0, cap, qb, kvb, split)
+  _check_initial_caps(bal, cap)
+  loads_before = bal.loads.copy()
+  total = float(loads_before.sum())
+  mean = total / s
+  if max_moves is None:
+    max_moves = 20 * (s + bal.num_items)
+  check_int("max_moves", max_moves, 0)
+  min_gain = check_float("min_gain", min_gain)
+  gain = predicted_step_gain(loads_before, t,
+                             check_float("linear_pairs_per_token", linear_pairs_per_token))
+  gated = min_gain > 0.0 and gain < min_gain
+  reason = bal.run(mean, max_moves) if total > 0 and not gated else ""
+
+  # Tasks: every merged interval of every (document, server).
+  keys = list(bal.intervals.keys())
+  nper = [len(bal.intervals[k]) for k in keys]
+  flat = [iv for k in keys for iv in bal.intervals[k]]
+  tasks = np.zeros((len(flat), 4), dtype=np.int64)
+  if flat:
+    tasks[:, 0] = np.repeat([k[0] for k in keys], nper)
+    tasks[:, 3] = np.repeat([k[1] for k in keys], nper)
+    tasks[:, 1:3] = np.asarray(flat, dtype=np.int64)
+    tasks = tasks[np.lexsort((tasks[:, 1], tasks[:, 0], tasks[:, 3]))]
+  loads_after = np.bincount(tasks[:, 3], weights=pairs(tasks[:, 1], tasks[:, 2]).astype(
+      np.float64), minlength=s)
+  imb_after = imbalance(loads_after)
+  degraded = imb_after > (1.0 + tol) * (1 + 1e-12) and not gated
+  if degraded and not reason:
+    reason = "stopped above the limit"
+  times_before = times_after = None
+  if table is not None:
+    seg_q = bal.seg_hi - bal.seg_lo
+    times_before = np.bincount(bal.seg_rank, weights=table.time(seg_q, bal.seg_hi) if seg_q.size
+                               else np.zeros(0), minlength=s)
+    times_after = np.bincount(tasks[:, 3], weights=table.time(tasks[:, 2] - tasks[:, 1],
+                                                              tasks[:, 2]) if len(tasks)
+                              else np.zeros(0), minlength=s)
+  pq = bal.pair_q_rows.astype(np.int64)
+  pkv = bal.pair_kv_rows.astype(np.int64)
+  return Plan(tasks=tasks, loads_before=loads_before, loads_after=loads_after,
+              imbalance_before=imbalance(loads_before), imbalance_after=imb_after,
+              pair_q_rows=pq, pair_kv_rows=pkv, bytes_q=int(pq.sum() * qb),
+              bytes_kv=int(pkv.sum() * kvb), degraded=bool(degraded),
+              degraded_reason=reason if degraded else "", times_before=times_before,
+              times_after=times_after, doc_lens=lens, doc_starts=starts, num_servers=s,
+              tokens_per_rank=t, tolerance=tol, min_shard=m0, capacity=cap, q_heads=q_heads,
+              kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
+              num_moves=bal.num_moves, predicted_gain=gain, gated=gated)
+
+
+def _check_initial_caps(bal: Balancer, cap: Capacity) -> None:
+  """Raises when the layout, computed where it lives, already overflows a cap."""
+  need = {"q_tokens": bal.q_rows.max(initial=0), "kv_tokens": bal.kv_attn_rows.max(initial=0),
+          "tasks": bal.num_tasks.max(initial=0), "q_slot": bal.pair_q_rows.max(initial=0),
+          "kv_slot": bal.pair_kv_rows.max(initial=0)}
+  for name, v in need.items():
+    c = getattr(cap, name)
+    if c is not None and v > c:
+      raise ValueError(
+          f"the layout itself (every row computed where it lives) needs capacity.{name} >= "
+          f"{int(v)} but {name}={c}; raise it (documents spanning ranks need kv_slot up to "
+          "tokens_per_rank, many short documents need more tasks)")

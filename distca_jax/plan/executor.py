@@ -1,0 +1,119 @@
+"""NumPy reference executor: runs ``PlanMetadata`` step by step (gather, all-to-all, per-task
+attention, return) as the test oracle of the plan contract, and each document's attention
+computed alone as the oracle of the whole data plane."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from distca_jax.plan.metadata import PlanMetadata, parse_layout
+
+
+def _take(x: np.ndarray, idx: np.ndarray) -> np.ndarray:
+  """``jnp.take(x, idx, axis=0, mode='fill', fill_value=0)`` in NumPy."""
+  out = np.zeros(idx.shape + x.shape[1:], dtype=x.dtype)
+  ok = (idx >= 0) & (idx < x.shape[0])
+  out[ok] = x[idx[ok]]
+  return out
+
+
+def _causal_attention(q_NxHxD, k_MxKxD, v_MxKxD, scale: float):
+  """Causal attention with queries aligned to the last rows of the keys; returns (O, LSE)."""
+  n, h, _ = q_NxHxD.shape
+  m, kh, _ = k_MxKxD.shape
+  rep = h // kh
+  k_HxDxM = np.repeat(k_MxKxD, rep, axis=1).transpose(1, 2, 0)
+  v_HxMxD = np.repeat(v_MxKxD, rep, axis=1).transpose(1, 0, 2)
+  s = np.matmul(q_NxHxD.transpose(1, 0, 2), k_HxDxM) * scale  # [H, N, M]
+  qpos = (m - n) + np.arange(n)
+  s = np.where(np.arange(m)[None, None, :] <= qpos[None, :, None], s, -np.inf)
+  mx = s.max(axis=-1, keepdims=True)
+  p = np.exp(s - mx)
+  denom = p.sum(axis=-1, keepdims=True)
+  o = np.matmul(p / denom, v_HxMxD).transpose(1, 0, 2)  # [N, H, D]
+  lse = (mx + np.log(denom))[..., 0].T  # [n, h]
+  return o, lse
+
+
+def reference_execute(meta: PlanMetadata, q_STHD: np.ndarray, k_STKD: np.ndarray,
+                      v_STKD: np.ndarray, *, scale: float | None = None):
+  """Runs the metadata with NumPy: gather, all_to_all, per-task attention, return.
+
+  Args:
+    meta: metadata built for every rank (``ranks`` = all, in order).
+    q_STHD: [S, T, H, D] queries per rank; k_STKD, v_STKD: [S, T, K, D].
+    scale: softmax scale (default 1 / sqrt(D)).
+
+  Returns:
+    (o [S, T, H, D], lse [S, T, H]); padding rows are zero.
+  """
+  s, t = meta.num_servers, meta.tokens_per_rank
+  if not np.array_equal(meta.ranks, np.arange(s)):
+    raise ValueError("reference_execute needs metadata for every rank (ranks=None)")
+  if q_STHD.shape[:2] != (s, t) or k_STKD.shape[:2] != (s, t) or v_STKD.shape != k_STKD.shape:
+    raise ValueError(f"expected q [S={s}, T={t}, H, D], k/v [S, T, K, D]; got {q_STHD.shape=} "
+                     f"{k_STKD.shape=} {v_STKD.shape=}")
+  h, dim = q_STHD.shape[2:]
+  scale = 1.0 / math.sqrt(dim) if scale is None else scale
+  cap = meta.capacity
+  # 1-2. Sender gather and dense all_to_all: recv[s][p] = send[p][s].
+  q_send = np.stack([_take(q_STHD[p], meta.q_send_idx[p]) for p in range(s)])  # [S,S,Cq,H,D]
+  k_send = np.stack([_take(k_STKD[p], meta.kv_send_idx[p]) for p in range(s)])
+  v_send = np.stack([_take(v_STKD[p], meta.kv_send_idx[p]) for p in range(s)])
+  q_recv, k_recv, v_recv = (x.swapaxes(0, 1) for x in (q_send, k_send, v_send))
+  o_attn, lse_attn = [], []
+  for d in range(s):
+    # 3. Server gather into attention inputs.
+    q_src = np.concatenate([q_STHD[d], q_recv[d].reshape((s * cap.q_slot,) + q_STHD.shape[2:])])
+    k_src = np.concatenate([k_STKD[d], k_recv[d].reshape((s * cap.kv_slot,) + k_STKD.shape[2:])])
+    v_src = np.concatenate([v_STKD[d], v_recv[d].reshape((s * cap.kv_slot,) + v_STKD.shape[2:])])
+    qa = _take(q_src, meta.q_attn_idx[d])
+    ka = _take(k_src, meta.kv_attn_idx[d])
+    va = _take(v_src, meta.kv_attn_idx[d])
+    # 4. One varlen call: every task [cu_q[i], cu_q[i+1]) x [cu_k[i], cu_k[i+1]).
+    o = np.zeros(qa.shape, dtype=np.float64)
+    lse = np.zeros(qa.shape[:2], dtype=np.float64)
+    cq_, ck_ = meta.cu_seqlens_q[d], meta.cu_seqlens_k[d]
+    for i in range(cap.tasks):
+      q0, q1, k0, k1 = int(cq_[i]), int(cq_[i + 1]), int(ck_[i]), int(ck_[i + 1])
+      if q1 == q0:
+        continue
+      if k1 - k0 < q1 - q0:
+        raise ValueError(f"server {d} task {i}: {q1 - q0} queries but only {k1 - k0} keys")
+      o[q0:q1], lse[q0:q1] = _causal_attention(qa[q0:q1], ka[k0:k1], va[k0:k1], scale)
+    o_attn.append(o)
+    lse_attn.append(lse)
+  # 5. Return to owners.
+  o_send = np.stack([_take(o_attn[d], meta.o_send_idx[d]) for d in range(s)])  # [S,S,Cq,H,D]
+  l_send = np.stack([_take(lse_attn[d], meta.o_send_idx[d]) for d in range(s)])
+  o_recv, l_recv = o_send.swapaxes(0, 1), l_send.swapaxes(0, 1)
+  out_o = np.zeros(q_STHD.shape, dtype=np.float64)
+  out_l = np.zeros(q_STHD.shape[:3], dtype=np.float64)
+  for p in range(s):
+    o_src = np.concatenate([o_attn[p], o_recv[p].reshape((s * cap.q_slot, h, dim))])
+    l_src = np.concatenate([lse_attn[p], l_recv[p].reshape((s * cap.q_slot, h))])
+    out_o[p] = _take(o_src, meta.o_local_idx[p])
+    out_l[p] = _take(l_src, meta.o_local_idx[p])
+  return out_o, out_l
+
+
+def reference_document_attention(doc_lens, q_STHD: np.ndarray, k_STKD: np.ndarray,
+                                 v_STKD: np.ndarray, *, scale: float | None = None):
+  """Each document's causal attention computed alone; (o [S,T,H,D], lse [S,T,H]), pads zero."""
+  s, t, h, dim = q_STHD.shape
+  lens, starts = parse_layout(doc_lens, s, t)
+  scale = 1.0 / math.sqrt(dim) if scale is None else scale
+  qf = q_STHD.reshape(s * t, h, dim)
+  kf = k_STKD.reshape((s * t,) + k_STKD.shape[2:])
+  vf = v_STKD.reshape((s * t,) + v_STKD.shape[2:])
+  o = np.zeros((s * t, h, dim))
+  lse = np.zeros((s * t, h))
+  for g, n in zip(starts.tolist(), lens.tolist()):
+    o[g:g + n], lse[g:g + n] = _causal_attention(qf[g:g + n], kf[g:g + n], vf[g:g + n], scale)
+  return o.reshape(s, t, h, dim), lse.reshape(s, t, h)
+
+
+# ---------------------------------------------------------------------------------------------
+# Diagnostics.

@@ -1,0 +1,463 @@
+"""A plan and its routing tables: ``Plan`` (which server computes which query shard) and
+``PlanMetadata`` (fixed-shape int32 arrays the data plane executes), with the layout parser.
+
+Ranks, documents, servers
+-------------------------
+``doc_lens`` is either one flat list packed in order across ranks (rank ``r`` holds global tokens
+``[r T, (r + 1) T)``, ``T = tokens_per_rank``; documents may span ranks; an unfilled tail is
+padding) or one list per rank (documents never span ranks; each rank's unfilled tail is padding).
+Documents are numbered in that order (rank-major for the nested form). Every rank is an attention
+server ("in place"). The starting point is "every query row computed where it lives": one task per
+(document, rank) segment ``[lo, hi)`` with keys ``[0, hi)``; a document spanning ranks already
+needs key/value rows of its earlier segments from their ranks.
+
+Key/value layout on a server (the choice and its cost)
+------------------------------------------------------
+The kernel takes one varlen call per server with monotone ``cu_seqlens_q`` / ``cu_seqlens_k``, so
+every task owns a contiguous, disjoint key range ``[cu_seqlens_k[i], cu_seqlens_k[i + 1])`` whose
+last ``q_len`` rows are aligned with the task's queries (causal, bottom-right). Several tasks of one
+document on one server (the head and tail of a mirrored split, or non-adjacent shards) therefore
+each get their own copy of their key prefix ``[0, b_i)`` in the attention KV buffer: the rows are
+sent over the network once per (sender, server) pair and duplicated by the server's local gather.
+Adjacent shards of one document on one server are merged into a single task first. Cost of the
+duplication: no network bytes; HBM of ``sum_i b_i - max_i b_i`` extra KV rows per document on that
+server (a head-tail pair ``[s, s+m) + [L-s-m, L-s)`` duplicates ``s + m`` rows, i.e.
+``2 (s + m) bkv`` bytes for K and V), counted in ``kv_tokens``; the kernel reads them anyway
+because each task attends its whole key prefix. The gather's transpose (scatter-add) sums dK/dV of
+duplicated rows in the backward for free. (A kernel taking per-row key ranges could share one
+prefix; the ``core_attention`` signature does not.)
+
+PlanMetadata: the contract with the data plane
+----------------------------------------------
+
+so the data plane shards every array over its data axis and each device reads its own row.
+``T = tokens_per_rank``, ``Cq, Ckv, Nq, Nkv, Nt`` are the capacity's ``q_slot, kv_slot, q_tokens,
+kv_tokens, tasks``. Padding entries hold a sentinel one past the end of the indexed array:
+gather with ``jnp.take(..., mode='fill', fill_value=0)`` and scatter with ``mode='drop'`` (this
+also makes the autodiff transposes correct).
+
+1. Sender gather (device ``p``): ``q_send_idx[p, s, j]`` in ``[0, T]`` is the local row of
+   ``q[p]`` placed in slot ``j`` of the buffer bound for server ``s`` (sentinel ``T``);
+   ``kv_send_idx[p, s, j]`` likewise for K and V (both use the same rows). The self pair
+   ``[p, p, :]`` is all sentinel. Build ``q_send[S, Cq, H, D]``, ``k_send/v_send[S, Ckv, K, D]``.
+2. Exchange: dense ``lax.all_to_all`` (split axis 0, concat axis 0): server ``s`` receives
+   ``q_recv[p] = q_send_of_p[s]``, i.e. ``q_recv[S, Cq, H, D]``, ``k_recv/v_recv[S, Ckv, K, D]``.
+3. Server gather into attention inputs (device ``s``): sources are the server's own rows followed
+   by everything received: ``q_src = concat([q_local[T], q_recv.reshape(S * Cq)])``;
+   ``q_attn = q_src[q_attn_idx[s]]`` with ``q_attn_idx[s, Nq]`` in ``[0, T + S Cq]`` (sentinel
+   ``T + S Cq``); ``kv_src`` / ``kv_attn_idx[s, Nkv]`` likewise with ``Ckv`` (sentinel
+   ``T + S Ckv``). KV indices may repeat (duplicated prefixes, see above); query indices never do.
+4. Kernel: one call ``core_attention(q_attn, k_attn, v_attn, cu_seqlens_q[s], cu_seqlens_k[s])``
+   with ``cu_seqlens_q[s, Nt + 1]``, ``cu_seqlens_k[s, Nt + 1]`` over the attention inputs, causal
+   bottom-right; unused trailing tasks are empty (the arrays repeat their last value) and rows past
+   ``cu_seqlens_*[s, Nt]`` belong to no task (their output is never read).
+5. Return: ``o_send = O_attn[o_send_idx[s]]`` with ``o_send_idx[s, p, j]`` in ``[0, Nq]`` (the
+   attention row whose output goes back to sender ``p`` in the slot ``j`` where its query came
+   from; sentinel ``Nq``), ``all_to_all`` back, then the owner ``p`` assembles its output rows:
+   ``o_src = concat([O_attn_own[Nq], o_recv.reshape(S * Cq)])`` and
+   ``o_local = o_src[o_local_idx[p]]`` with ``o_local_idx[p, T]`` in ``[0, Nq + S Cq]``
+   (sentinel for padding rows, which come back zero). The softmax LSE follows the same routing.
+
+Counts (``q_send_len``, ``kv_send_len`` [S, S] rows per (sender, server); ``q_len``, ``kv_len``,
+``num_tasks`` [S] per server) give useful bytes for bandwidth reports and masks;
+``task_index[s, Nt]`` maps a server's task slot to its row in ``Plan.tasks`` (-1 for padding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from distca_jax.checks import check_int
+from distca_jax.plan.capacity import Capacity, required_capacity
+
+# ---------------------------------------------------------------------------------------------
+# Layout parsing.
+# ---------------------------------------------------------------------------------------------
+def parse_layout(doc_lens, num_servers: int, tokens_per_rank: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+  """Validates ``doc_lens`` (flat or per rank) and returns (lengths [J], global starts [J]).
+
+  Global token ``g`` lives on rank ``g // tokens_per_rank`` at local row ``g % tokens_per_rank``.
+  """
+  s = check_int("num_servers", num_servers, 1)
+  t = check_int("tokens_per_rank", tokens_per_rank, 1)
+  if isinstance(doc_lens, np.ndarray) and doc_lens.ndim == 1:
+    doc_lens = doc_lens.tolist()
+  if not isinstance(doc_lens, (list, tuple)):
+    raise TypeError(f"doc_lens must be a list of ints or a list of per-rank lists; got "
+                    f"{type(doc_lens).__name__}")
+  is_seq = [isinstance(v, (list, tuple, np.ndarray)) for v in doc_lens]
+  if any(is_seq) and not all(is_seq):
+    raise ValueError("doc_lens mixes ints and lists; pass either a flat list of lengths or one "
+                     "list per rank")
+  nested = bool(doc_lens) and all(is_seq)
+
+  def _lens(vals, where: str) -> np.ndarray:
+    out = np.zeros(len(vals), dtype=np.int64)
+    for i, v in enumerate(vals):
+      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"document length {v!r} at {where}[{i}] must be a positive int")
+      out[i] = int(v)
+    return out
+
+  if not nested:
+    lens = _lens(doc_lens, "doc_lens")
+    total = int(lens.sum())
+    if total > s * t:
+      raise ValueError(f"doc_lens hold {total} tokens > {num_servers=} x {tokens_per_rank=} = "
+                       f"{s * t}; raise tokens_per_rank or num_servers")
+    starts = np.cumsum(lens) - lens
+    return lens, starts
+  if len(doc_lens) != s:
+    raise ValueError(f"per-rank doc_lens has {len(doc_lens)} ranks but {num_servers=}; servers "
+                     "are the ranks (in place), pass one list per rank")
+  all_lens, all_starts = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+  for r, rank_lens in enumerate(doc_lens):
+    lens = _lens(list(rank_lens), f"doc_lens[{r}]")
+    if lens.sum() > t:
+      raise ValueError(f"rank {r} holds {int(lens.sum())} tokens > {tokens_per_rank=}")
+    all_lens.append(lens)
+    all_starts.append(r * t + np.cumsum(lens) - lens)
+  return np.concatenate(all_lens), np.concatenate(all_starts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan.
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A schedule: which server computes which query shard.
+
+  Attributes:
+    tasks: [N, 4] int64 rows (document index, query start, query end, server), positions inside
+      the document; sorted by (server, document, start). Keys of a task are [0, query end).
+    loads_before: [S] pairs per server when every row is computed where it lives.
+    loads_after: [S] pairs per server under this plan.
+    imbalance_before / imbalance_after: max / mean of the loads (1.0 when there is no work).
+    pair_q_rows / pair_kv_rows: [S, S] rows sent from sender (row) to server (column), self
+      excluded; bytes are these times the row sizes.
+    bytes_q / bytes_kv: dispatch bytes (query, key+value); the output return moves ``bytes_q``
+      again (O rows have the query's shape).
+    degraded: True when the plan ends above ``(1 + tolerance) * mean``; ``degraded_reason`` says
+      which cap or granularity stopped it.
+    times_before / times_after: [S] predicted kernel seconds from the cost table, or None.
+    doc_lens / doc_starts: [J] the parsed layout (global token starts).
+    capacity: the caps the plan respects (None fields = unbounded).
+    num_moves: balancing moves applied.
+    predicted_gain: the speedup a perfect balance would bring, minus 1: ``predicted_step_gain``
+      of ``loads_before`` (attention alone, ``imbalance_before - 1``, when
+      ``linear_pairs_per_token`` is 0).
+    gated: True when that gain was below ``min_gain``: nothing moved, by decision (not
+      ``degraded``).
+  """
+  tasks: np.ndarray
+  loads_before: np.ndarray
+  loads_after: np.ndarray
+  imbalance_before: float
+  imbalance_after: float
+  pair_q_rows: np.ndarray
+  pair_kv_rows: np.ndarray
+  bytes_q: int
+  bytes_kv: int
+  degraded: bool
+  degraded_reason: str
+  times_before: np.ndarray | None
+  times_after: np.ndarray | None
+  doc_lens: np.ndarray
+  doc_starts: np.ndarray
+  num_servers: int
+  tokens_per_rank: int
+  tolerance: float
+  min_shard: int
+  capacity: Capacity
+  q_heads: int
+  kv_heads: int
+  head_dim: int
+  dtype_bytes: int
+  num_moves: int
+  predicted_gain: float = 0.0
+  gated: bool = False
+
+  @property
+  def bytes_total(self) -> int:
+    """Dispatch bytes, query plus key/value (add ``bytes_q`` for the output's return)."""
+    return self.bytes_q + self.bytes_kv
+
+  @property
+  def pair_bytes(self) -> np.ndarray:
+    """[S, S] dispatch bytes per (sender, server)."""
+    return (self.pair_q_rows * self.q_heads * self.head_dim * self.dtype_bytes
+            + self.pair_kv_rows * 2 * self.kv_heads * self.head_dim * self.dtype_bytes)
+
+  def summary(self) -> str:
+    """One line of the headline numbers."""
+    return (f"servers={self.num_servers} docs={self.doc_lens.size} tasks={len(self.tasks)} "
+            f"imbalance {self.imbalance_before:.3f} -> {self.imbalance_after:.3f} "
+            f"moves={self.num_moves} bytes={self.bytes_total / 2**20:.1f} MiB"
+            + (f" DEGRADED: {self.degraded_reason}" if self.degraded else "")
+            + (f" GATED: predicted step gain {self.predicted_gain:.4f}" if self.gated else ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan -> metadata (the data plane's contract; see the module docstring).
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PlanMetadata:
+  """Fixed-shape int32 routing tables of one plan; leading axis = the device that reads them.
+
+  Shapes use ``S`` servers (= ranks), ``T`` tokens per rank and the capacity's ``Cq`` (q_slot),
+  ``Ckv`` (kv_slot), ``Nq`` (q_tokens), ``Nkv`` (kv_tokens), ``Nt`` (tasks). With ``ranks`` given to
+  ``plan_to_metadata`` the leading axis holds only those devices, in that order (``R`` rows).
+
+  Attributes:
+    q_send_idx: [R, S, Cq] sender-local query rows per destination slot (sentinel ``T``).
+    kv_send_idx: [R, S, Ckv] sender-local key/value rows per destination slot (sentinel ``T``).
+    q_attn_idx: [R, Nq] attention query rows from ``concat(own [T], received [S * Cq])``
+      (sentinel ``T + S * Cq``).
+    kv_attn_idx: [R, Nkv] attention key/value rows from ``concat(own [T], received [S * Ckv])``
+      (sentinel ``T + S * Ckv``); may repeat.
+    cu_seqlens_q: [R, Nt + 1] task boundaries over the attention query rows.
+    cu_seqlens_k: [R, Nt + 1] task boundaries over the attention key/value rows.
+    o_send_idx: [R, S, Cq] attention output row returned to each sender slot (sentinel ``Nq``).
+    o_local_idx: [R, T] output row of each local token from ``concat(own O [Nq], returned
+      [S * Cq])`` (sentinel ``Nq + S * Cq`` for padding).
+    q_send_len: [S, S] query rows per (sender, server), self pair 0.
+    kv_send_len: [S, S] key/value rows per (sender, server), self pair 0.
+    q_len: [S] attention query rows per server.
+    kv_len: [S] attention key/value rows per server (duplicates counted).
+    num_tasks: [S] tasks per server.
+    task_index: [R, Nt] row of ``Plan.tasks`` for each task slot (-1 for padding).
+    ranks: [R] the devices of the leading axis.
+    num_servers: ``S``.
+    tokens_per_rank: ``T``.
+    capacity: the (fully bounded) capacity the shapes come from.
+  """
+  q_send_idx: np.ndarray
+  kv_send_idx: np.ndarray
+  q_attn_idx: np.ndarray
+  kv_attn_idx: np.ndarray
+  cu_seqlens_q: np.ndarray
+  cu_seqlens_k: np.ndarray
+  o_send_idx: np.ndarray
+  o_local_idx: np.ndarray
+  q_send_len: np.ndarray
+  kv_send_len: np.ndarray
+  q_len: np.ndarray
+  kv_len: np.ndarray
+  num_tasks: np.ndarray
+  task_index: np.ndarray
+  ranks: np.ndarray
+  num_servers: int
+  tokens_per_rank: int
+  capacity: Capacity
+
+  DEVICE_FIELDS = ("q_send_idx", "kv_send_idx", "q_attn_idx", "kv_attn_idx", "cu_seqlens_q",
+                   "cu_seqlens_k", "o_send_idx", "o_local_idx")
+
+  def device_arrays(self) -> dict[str, np.ndarray]:
+    """The arrays the compiled step consumes (all int32, leading axis = device)."""
+    return {f: getattr(self, f) for f in self.DEVICE_FIELDS}
+
+
+def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
+                     ranks: Sequence[int] | None = None) -> PlanMetadata:
+  """Routing tables for ``plan`` in buffers of ``capacity``.
+
+  Args:
+    plan: from ``schedule``.
+    capacity: buffer sizes; None fields (or None) fall back to ``plan.capacity``, then to the
+      plan's own tight sizes (``required_capacity``; shapes then vary between plans).
+    ranks: devices whose rows to build (e.g. a host's local devices); default all.
+
+  Returns:
+    ``PlanMetadata``. Raises ``ValueError`` if the plan does not fit ``capacity``.
+  """
+  s, t = plan.num_servers, plan.tokens_per_rank
+  cap = (capacity or Capacity()).replace_none(plan.capacity).replace_none(
+      required_capacity(plan))
+  cq, ckv, nq, nkv, nt = cap.q_slot, cap.kv_slot, cap.q_tokens, cap.kv_tokens, cap.tasks
+  if ranks is None:
+    ranks_arr = np.arange(s)
+  else:
+    ranks_arr = np.asarray(list(ranks), dtype=np.int64)
+    if ranks_arr.ndim != 1 or ((ranks_arr < 0) | (ranks_arr >= s)).any() or len(
+        set(ranks_arr.tolist())) != ranks_arr.size:
+      raise ValueError(f"{ranks=} must be distinct ranks in [0, {s})")
+  row_of = np.full(s, -1, dtype=np.int64)
+  row_of[ranks_arr] = np.arange(ranks_arr.size)
+  nr = ranks_arr.size
+  i32 = np.int32
+  q_send_idx = np.full((nr, s, cq), t, i32)
+  kv_send_idx = np.full((nr, s, ckv), t, i32)
+  q_attn_idx = np.full((nr, nq), t + s * cq, i32)
+  kv_attn_idx = np.full((nr, nkv), t + s * ckv, i32)
+  cu_q = np.zeros((nr, nt + 1), i32)
+  cu_k = np.zeros((nr, nt + 1), i32)
+  o_send_idx = np.full((nr, s, cq), nq, i32)
+  o_local_idx = np.full((nr, t), nq + s * cq, i32)
+  task_index = np.full((nr, nt), -1, i32)
+  q_send_len = np.zeros((s, s), np.int64)
+  kv_send_len = np.zeros((s, s), np.int64)
+  q_len = np.zeros(s, np.int64)
+  kv_len = np.zeros(s, np.int64)
+  num_tasks = np.zeros(s, np.int64)
+
+  tasks = plan.tasks
+  g_doc = plan.doc_starts
+  doc, qa, qb_, srv = tasks[:, 0], tasks[:, 1], tasks[:, 2], tasks[:, 3]
+  qlen_t = qb_ - qa
+  num_tasks = np.bincount(srv, minlength=s)
+  q_len = np.bincount(srv, weights=qlen_t, minlength=s).astype(np.int64)
+  kv_len = np.bincount(srv, weights=qb_, minlength=s).astype(np.int64)
+  for name, have, lim in (("tasks", num_tasks, nt), ("q_tokens", q_len, nq),
+                          ("kv_tokens", kv_len, nkv)):
+    if have.max(initial=0) > lim:
+      d = int(np.argmax(have))
+      raise ValueError(f"server {d} needs {name}={int(have[d])} > capacity.{name}={lim}")
+  first_task = np.searchsorted(srv, np.arange(s))
+  # Offsets of each task inside its server's attention Q and KV buffers (tasks in plan order).
+  q_off = np.cumsum(qlen_t) - qlen_t
+  k_off = np.cumsum(qb_) - qb_
+  if tasks.shape[0]:
+    q_off -= q_off[first_task[srv]]
+    k_off -= k_off[first_task[srv]]
+  gs = g_doc[doc] + qa
+
+  # Query pieces: task query intervals cut at rank boundaries; slots per (owner, server) pair.
+  pt, p_own, p_s, p_e = split_at(gs, g_doc[doc] + qb_, t)
+  p_srv = srv[pt]
+  p_len = p_e - p_s
+  p_attn = q_off[pt] + (p_s - gs[pt])
+  p_cross = p_own != p_srv
+  p_pos = np.zeros_like(p_s)
+  p_pos[p_cross] = _slot_positions(p_srv[p_cross], p_own[p_cross], p_len[p_cross], s)
+  q_send_len = np.zeros((s, s), np.int64)
+  np.add.at(q_send_len, (p_own[p_cross], p_srv[p_cross]), p_len[p_cross])
+  if q_send_len.max(initial=0) > cq:
+    o, d = np.unravel_index(np.argmax(q_send_len), q_send_len.shape)
+    raise ValueError(f"server {d} receives {int(q_send_len[o, d])} query rows from sender {o} "
+                     f"> capacity.q_slot={cq}")
+  # KV: per (server, document) the rows [0, max end) are sent once; cut at rank boundaries.
+  if tasks.shape[0]:
+    grp = np.flatnonzero(np.r_[True, (srv[1:] != srv[:-1]) | (doc[1:] != doc[:-1])])
+    u_end = np.maximum.reduceat(qb_, grp)
+  else:
+    grp = np.zeros(0, np.int64)
+    u_end = np.zeros(0, np.int64)
+  u_srv, u_doc = srv[grp], doc[grp]
+  ut, u_own, u_s, u_e = split_at(g_doc[u_doc], g_doc[u_doc] + u_end, t)
+  u_psrv = u_srv[ut]
+  u_len = u_e - u_s
+  u_cross = u_own != u_psrv
+  u_pos = np.zeros_like(u_s)
+  u_pos[u_cross] = _slot_positions(u_psrv[u_cross], u_own[u_cross], u_len[u_cross], s)
+  kv_send_len = np.zeros((s, s), np.int64)
+  np.add.at(kv_send_len, (u_own[u_cross], u_psrv[u_cross]), u_len[u_cross])
+  if kv_send_len.max(initial=0) > ckv:
+    o, d = np.unravel_index(np.argmax(kv_send_len), kv_send_len.shape)
+    raise ValueError(f"server {d} receives {int(kv_send_len[o, d])} key/value rows from sender "
+                     f"{o} > capacity.kv_slot={ckv}")
+
+  # Server side (devices in ``ranks``): attention gathers, task tables, output return slots.
+  sel = row_of[p_srv] >= 0
+  r_ = row_of[p_srv[sel]]
+  val0 = np.where(p_cross[sel], t + p_own[sel] * cq + p_pos[sel], p_s[sel] % t)
+  q_attn_idx.reshape(-1)[ranges(r_ * nq + p_attn[sel], p_len[sel])] = ranges(val0, p_len[sel])
+  selc = sel & p_cross
+  r_ = row_of[p_srv[selc]]
+  o_send_idx.reshape(-1)[ranges((r_ * s + p_own[selc]) * cq + p_pos[selc], p_len[selc])] = (
+      ranges(p_attn[selc], p_len[selc]))
+  # Each task's keys [0, b) of its document, cut at rank boundaries; a cross-rank piece starts
+  # where the (server, document, owner) KV slot piece starts, so it inherits that slot position.
+  tsel = np.flatnonzero(row_of[srv] >= 0)
+  kt, k_own, k_s, k_e = split_at(g_doc[doc[tsel]], g_doc[doc[tsel]] + qb_[tsel], t)
+  kt = tsel[kt]
+  k_srv = srv[kt]
+  k_cross = k_own != k_srv
+  nd = max(int(plan.doc_lens.size), 1)
+  u_key = (u_psrv * nd + u_doc[ut]) * s + u_own
+  k_key = (k_srv * nd + doc[kt]) * s + k_own
+  u_order = np.argsort(u_key, kind="stable")
+  k_upos = u_pos[u_order[np.searchsorted(u_key[u_order], k_key)]] if kt.size else k_key
+  val0 = np.where(k_cross, t + k_own * ckv + k_upos, k_s % t)
+  dst0 = row_of[k_srv] * nkv + k_off[kt] + (k_s - g_doc[doc[kt]])
+  kv_attn_idx.reshape(-1)[ranges(dst0, k_e - k_s)] = ranges(val0, k_e - k_s)
+  for d in ranks_arr.tolist():
+    r = row_of[d]
+    lo_t, n_task = int(first_task[d]), int(num_tasks[d])
+    ql, kl = qlen_t[lo_t:lo_t + n_task], qb_[lo_t:lo_t + n_task]
+    cu_q[r, 1:] = np.concatenate([np.cumsum(ql), np.full(nt - n_task, ql.sum())])
+    cu_k[r, 1:] = np.concatenate([np.cumsum(kl), np.full(nt - n_task, kl.sum())])
+    task_index[r, :n_task] = np.arange(lo_t, lo_t + n_task)
+
+  # Sender side (devices in ``ranks`` as owners): send slots and where outputs come back.
+  osel = row_of[p_own] >= 0
+  ro = row_of[p_own[osel]]
+  val0 = np.where(p_cross[osel], nq + p_srv[osel] * cq + p_pos[osel], p_attn[osel])
+  o_local_idx.reshape(-1)[ranges(ro * t + p_s[osel] % t, p_len[osel])] = (
+      ranges(val0, p_len[osel]))
+  osel &= p_cross
+  ro = row_of[p_own[osel]]
+  q_send_idx.reshape(-1)[ranges((ro * s + p_srv[osel]) * cq + p_pos[osel], p_len[osel])] = (
+      ranges(p_s[osel] % t, p_len[osel]))
+  usel = (row_of[u_own] >= 0) & u_cross
+  ro = row_of[u_own[usel]]
+  kv_send_idx.reshape(-1)[ranges((ro * s + u_psrv[usel]) * ckv + u_pos[usel], u_len[usel])] = (
+      ranges(u_s[usel] % t, u_len[usel]))
+  return PlanMetadata(q_send_idx=q_send_idx, kv_send_idx=kv_send_idx, q_attn_idx=q_attn_idx,
+                      kv_attn_idx=kv_attn_idx, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                      o_send_idx=o_send_idx, o_local_idx=o_local_idx, q_send_len=q_send_len,
+                      kv_send_len=kv_send_len, q_len=q_len, kv_len=kv_len, num_tasks=num_tasks,
+                      task_index=task_index, ranks=ranks_arr, num_servers=s, tokens_per_rank=t,
+                      capacity=cap)
+
+
+def split_at(g0: np.ndarray, g1: np.ndarray, width: int):
+  """Cuts intervals [g0, g1) at multiples of ``width`` (rank boundaries when width = T).
+
+  Empty intervals yield no piece. Returns (interval index, block index, piece start, piece end),
+  pieces in interval order.
+  """
+  g0 = np.asarray(g0, np.int64)
+  g1 = np.asarray(g1, np.int64)
+  keep = g1 > g0
+  g0, g1, src = g0[keep], g1[keep], np.flatnonzero(keep)
+  if g0.size == 0:
+    z = np.zeros(0, np.int64)
+    return z, z, z, z
+  r0 = g0 // width
+  cnt = (g1 - 1) // width - r0 + 1
+  idx = np.repeat(np.arange(g0.size), cnt)
+  block = r0[idx] + (np.arange(idx.size) - np.repeat(np.cumsum(cnt) - cnt, cnt))
+  return (src[idx], block, np.maximum(g0[idx], block * width),
+          np.minimum(g1[idx], (block + 1) * width))
+
+
+def _slot_positions(server: np.ndarray, owner: np.ndarray, lengths: np.ndarray,
+                    s: int) -> np.ndarray:
+  """Start of each piece inside its (owner, server) slot: pieces keep their given order."""
+  if server.size == 0:
+    return np.zeros(0, np.int64)
+  key = server * s + owner
+  order = np.argsort(key, kind="stable")
+  ln = lengths[order]
+  excl = np.cumsum(ln) - ln
+  ks = key[order]
+  start = np.r_[True, ks[1:] != ks[:-1]]
+  base = np.maximum.accumulate(np.where(start, excl, 0))
+  pos = np.empty_like(excl)
+  pos[order] = excl - base
+  return pos
+
+
+def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+  """Concatenation of ``arange(starts[i], starts[i] + lengths[i])`` (int64)."""
+  lengths = np.asarray(lengths, dtype=np.int64)
+  total = int(lengths.sum())
+  if total == 0:
+    return np.zeros(0, np.int64)
+  offs = np.cumsum(lengths) - lengths
+  return np.repeat(np.asarray(starts, np.int64) - offs, lengths) + np.arange(total)

@@ -1,0 +1,394 @@
+"""A batch's plan as the device step reads it: static shapes (``PlanSpec``), the host planner
+(``host_plan``: schedule, routing tables, packing) and the exchange buckets' row counts.
+
+The contract with the data plane: a batch's plan enters the step as one int32 array
+``[S * R, W]`` (every ``PlanMetadata`` device field and ``exchange_rows`` of each device,
+flattened and split over that device's rows); every shape comes from the ``PlanSpec`` (servers,
+tokens per row, rows per device, capacity), so one compiled step serves every batch.
+
+Rows per device. The trainer gives each data rank ``R`` rows of ``T`` tokens and never lets a
+document cross a row. Planning is per device: a device's rows are concatenated into ``R * T``
+local tokens (its documents packed first, padding last, so the balancer's "per-rank list" form
+applies), and the host rewrites every local row index of the metadata through that packing
+permutation, so the device works on its rows in their natural ``[R, T]`` order. With
+``attention.nano_batches = n`` the model calls core attention once per nano-batch (``R / n``
+rows of every rank; ``nano_batch_rows``), each planned and balanced on its own.
+
+Exchange buckets. A slot's used rows are packed at its front (checked by ``PlanSpec.pack``), and
+``exchange_rows`` stores in every device's plan the most rows any (sender, server != sender) slot
+uses, for Q and for K/V. With ``exchange_buckets = n`` the device picks the smallest fraction of
+``1/n, ..., 1`` of the slot that holds them (``exchange_bucket_rows``; ``choose_bucket`` is the
+host twin of that choice); ``distca_jax.dataplane.exchange`` runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from distca_jax.checks import check_int
+from distca_jax.plan import cost
+from distca_jax.plan.balancer import schedule
+from distca_jax.plan.capacity import Capacity, required_capacity, row_multiple
+from distca_jax.plan.metadata import Plan, PlanMetadata, plan_to_metadata
+
+# Exchange buckets: the default count, and bucket slot rows are rounded up to a multiple of
+# this (whole sublanes/tiles; fewer distinct branches for small slots).
+DEFAULT_EXCHANGE_BUCKETS = 8
+_BUCKET_ROW_MULTIPLE = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSpec:
+  """Everything static about a packed plan (hashable: a jit static argument).
+
+  Attributes:
+    num_servers: ``S``, the size of the data axis.
+    tokens_per_row: ``T``.
+    rows_per_device: ``R``; a device holds ``R * T`` tokens.
+    capacity: the bounded capacity that sizes every buffer.
+  """
+  num_servers: int
+  tokens_per_row: int
+  rows_per_device: int
+  capacity: Capacity
+
+  def __post_init__(self):
+    for name in ("num_servers", "tokens_per_row", "rows_per_device"):
+      check_int(name, getattr(self, name), 1)
+    if not self.capacity.bounded:
+      raise ValueError(f"PlanSpec needs a bounded capacity (every field set); got {self.capacity}")
+
+  @property
+  def tokens_per_device(self) -> int:
+    return self.tokens_per_row * self.rows_per_device
+
+  @property
+  def fields(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, per-device shape) of every packed field, in packing order.
+
+    Every ``PlanMetadata.DEVICE_FIELDS`` entry, then ``exchange_rows`` (int32 [2], the same on
+    every device, from ``exchange_rows(meta)``): the most query and key/value rows any (sender,
+    server != sender) slot uses, which picks the exchange bucket on the device.
+    """
+    s, c = self.num_servers, self.capacity
+    return (("q_send_idx", (s, c.q_slot)), ("kv_send_idx", (s, c.kv_slot)),
+            ("q_attn_idx", (c.q_tokens,)), ("kv_attn_idx", (c.kv_tokens,)),
+            ("cu_seqlens_q", (c.tasks + 1,)), ("cu_seqlens_k", (c.tasks + 1,)),
+            ("o_send_idx", (s, c.q_slot)), ("o_local_idx", (self.tokens_per_device,)),
+            ("exchange_rows", (2,)))
+
+  @property
+  def device_width(self) -> int:
+    """int32 entries of one device's metadata."""
+    return sum(math.prod(shape) for _, shape in self.fields)
+
+  @property
+  def width(self) -> int:
+    """``W``: entries per row of the packed plan array ``[S * R, W]``."""
+    return -(-self.device_width // self.rows_per_device)
+
+  def pack(self, meta: PlanMetadata) -> np.ndarray:
+    """``PlanMetadata`` (all ranks) -> int32 ``[S * R, W]``: each device's fields, flattened.
+
+    Also checks that every send slot's used rows are at its front (the bucketed exchange sends
+    only a prefix of each slot) and appends ``exchange_rows``.
+    """
+    s, r = self.num_servers, self.rows_per_device
+    if meta.num_servers != s or meta.tokens_per_rank != self.tokens_per_device:
+      raise ValueError(f"metadata for {meta.num_servers} servers x {meta.tokens_per_rank} tokens "
+                       f"does not match {self}")
+    _check_slots_front_packed(meta)
+    _check_unique_rows(meta)
+    arrays = dict(meta.device_arrays(),
+                  exchange_rows=np.broadcast_to(exchange_rows(meta), (s, 2)))
+    flat = np.concatenate([arrays[name].reshape(s, -1) for name, _ in self.fields], axis=1)
+    if flat.shape[1] != self.device_width:
+      raise ValueError(f"metadata shapes do not match the capacity: {flat.shape[1]=} entries per "
+                       f"device, expected {self.device_width} from {self.capacity}")
+    out = np.zeros((s, r * self.width), np.int32)
+    out[:, :flat.shape[1]] = flat
+    return out.reshape(s * r, self.width)
+
+  def unpack_local(self, plan_RxW):
+    """One device's block ``[R, W]`` of the packed plan (a jax or NumPy array) -> its metadata
+    fields, reshaped views of it (the data plane calls this inside the step)."""
+    flat = plan_RxW.reshape(-1)
+    out, off = {}, 0
+    for name, shape in self.fields:
+      n = math.prod(shape)
+      out[name] = flat[off:off + n].reshape(shape)
+      off += n
+    return out
+
+
+def exchange_rows(meta: PlanMetadata) -> np.ndarray:
+  """int32 [2]: the most (query, key/value) rows any (sender, server != sender) slot holds."""
+  off = ~np.eye(meta.num_servers, dtype=bool)
+  return np.array([np.where(off, meta.q_send_len, 0).max(initial=0),
+                   np.where(off, meta.kv_send_len, 0).max(initial=0)], np.int32)
+
+
+def _check_unique_rows(meta: PlanMetadata) -> None:
+  """Raises unless the query/output routing reads every source row at most once per device.
+
+  The backward of those gathers is a gather through the inverse map (``_take(unique=True)``),
+  which is the sum of the contributions only if no source row is read twice.
+  """
+  t, s = meta.tokens_per_rank, meta.num_servers
+  cq, nq = meta.capacity.q_slot, meta.capacity.q_tokens
+  for name, bound in (("q_send_idx", t), ("q_attn_idx", t + s * cq), ("o_send_idx", nq),
+                      ("o_local_idx", nq + s * cq)):
+    for p, rows in enumerate(getattr(meta, name)):
+      rows = rows.reshape(-1)
+      rows = rows[rows < bound]
+      if rows.size and np.bincount(rows).max() > 1:
+        dup = int(np.flatnonzero(np.bincount(rows) > 1)[0])
+        raise ValueError(f"metadata {name}[{p}] reads source row {dup} more than once; query and "
+                         "output rows must be routed once (build metadata with "
+                         "plan.plan_to_metadata)")
+
+
+def _check_slots_front_packed(meta: PlanMetadata) -> None:
+  """Raises unless every send slot holds exactly its plan rows, at its front.
+
+  The bucketed exchange moves only a prefix of each slot; a used entry behind it would be lost.
+  Slots: ``q_send_idx[p, d]`` and ``kv_send_idx[p, d]`` (sender p to server d, sentinel ``T``)
+  hold ``q_send_len[p, d]`` / ``kv_send_len[p, d]`` rows; ``o_send_idx[d, p]`` (server d back to
+  owner p, sentinel ``Nq``) holds ``q_send_len[p, d]``.
+  """
+  if meta.ranks.size != meta.num_servers:
+    raise ValueError(f"packing needs every device's metadata; got ranks {meta.ranks.tolist()} of "
+                     f"{meta.num_servers} (call plan_to_metadata without ranks=)")
+  t, nq = meta.tokens_per_rank, meta.capacity.q_tokens
+  for name, sentinel, want in (("q_send_idx", t, meta.q_send_len),
+                               ("kv_send_idx", t, meta.kv_send_len),
+                               ("o_send_idx", nq, meta.q_send_len.T)):
+    used = getattr(meta, name) != sentinel
+    front = np.arange(used.shape[-1]) < np.asarray(want)[..., None]
+    if not np.array_equal(used, front):
+      p, d = np.argwhere((used != front).any(-1))[0].tolist()
+      raise ValueError(f"metadata slot {name}[{p}, {d}] does not hold exactly its "
+                       f"{int(want[p, d])} plan rows at its front (used entries at "
+                       f"{np.flatnonzero(used[p, d]).tolist()[:8]}...); build metadata with "
+                       "plan.plan_to_metadata")
+
+
+def _bucket_slot_rows(i: int, n: int, slot: int) -> int:
+  """Rows of a slot bucket ``i`` of ``n`` keeps: ``ceil(i / n * slot)``, rounded up to a
+  multiple of 8, at most the slot."""
+  r = -(-i * slot // n)
+  return min(slot, -(-r // _BUCKET_ROW_MULTIPLE) * _BUCKET_ROW_MULTIPLE)
+
+
+def exchange_bucket_rows(capacity: Capacity,
+                         exchange_buckets: int) -> tuple[tuple[int, int], ...]:
+  """(query rows, key/value rows) per slot of each joint exchange bucket, ascending.
+
+  With ``exchange_buckets = n >= 2`` the first bucket is ``(0, 0)``: a plan that moves nothing
+  (every task on its owner) skips the gathers and the all-to-all. Bucket ``i`` of ``n`` keeps
+  ``ceil(i / n * slot)`` rows of a slot, rounded up to a multiple of 8 and at most the slot;
+  buckets equal to the previous one are dropped, so the last is always the full slot.
+  ``n = 1`` is the full slot alone (no switch).
+  """
+  n = check_int("exchange_buckets", exchange_buckets, 1)
+  out = [(0, 0)] if n > 1 else []
+  for i in range(1, n + 1):
+    b = (_bucket_slot_rows(i, n, capacity.q_slot), _bucket_slot_rows(i, n, capacity.kv_slot))
+    if not out or b != out[-1]:
+      out.append(b)
+  return tuple(out)
+
+
+def part_bucket_rows(slot: int, exchange_buckets: int) -> tuple[tuple[int], ...]:
+  """Rows per slot of each bucket of one part (queries or keys/values) alone, ascending.
+
+  The same fractions as ``exchange_bucket_rows`` (0 first when ``n >= 2``; distinct sizes
+  only). The return of O / LSE rows uses the query part's list (``return_bucket_rows``).
+  """
+  n = check_int("exchange_buckets", exchange_buckets, 1)
+  return tuple((r,) for r in sorted({_bucket_slot_rows(i, n, slot) for i in range(1, n + 1)}
+                                    | ({0} if n > 1 else set())))
+
+
+def return_bucket_rows(capacity: Capacity, exchange_buckets: int) -> tuple[tuple[int], ...]:
+  """Query rows per slot of each return (O / LSE) bucket: the exchange buckets' Q sizes."""
+  return part_bucket_rows(capacity.q_slot, exchange_buckets)
+
+
+def choose_bucket(rows: Sequence[int], bucket_rows: Sequence[Sequence[int]]) -> int:
+  """Host twin of the device's choice: the first bucket holding ``rows`` in every part."""
+  for i, b in enumerate(bucket_rows):
+    if all(x <= y for x, y in zip(rows, b)):
+      return i
+  raise ValueError(f"{tuple(rows)=} exceed the largest bucket {tuple(bucket_rows[-1])}: the plan "
+                   "does not fit its capacity")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPlan:
+  """A batch's plan, its routing tables and the packed array the device step reads.
+
+  Attributes:
+    plan: ``Plan`` over devices (each device's rows concatenated, documents first).
+    meta: ``PlanMetadata`` with local rows in the devices' natural ``[R, T]`` order.
+    packed: int32 ``[S * R, W]`` (``PlanSpec.pack``), rows sharded like the batch.
+    spec: the static shapes.
+  """
+  plan: Plan
+  meta: PlanMetadata
+  packed: np.ndarray
+  spec: PlanSpec
+
+
+def auto_min_shard(tokens_per_row: int) -> int:
+  """Default ``min_shard``: ``cost.DEFAULT_MIN_SHARD``, or ``T / 16`` (at least 8) for short
+  rows."""
+  return int(min(cost.DEFAULT_MIN_SHARD, max(8, tokens_per_row // 16)))
+
+
+def device_layout(doc_lens, spec: PlanSpec):
+  """Scheduler layout over devices and the per-device packing permutation ``[S, R * T]``.
+
+  Returns (layout for ``schedule``, perm) where ``perm[p, i]`` is the natural local row
+  (``row * T + token``) of packed local row ``i`` (documents of row 0, row 1, ..., then padding).
+  """
+  s, r, t = spec.num_servers, spec.rows_per_device, spec.tokens_per_row
+  perm = np.tile(np.arange(r * t, dtype=np.int64), (s, 1))
+  is_seq = [isinstance(v, (list, tuple, np.ndarray)) for v in doc_lens]
+  nested = bool(doc_lens) and all(is_seq)
+  if not nested or r == 1:
+    # Flat (documents may span ranks) or one list per rank: the balancer's own forms.
+    if not nested and r != 1:
+      raise ValueError(f"a flat doc_lens list needs rows_per_device=1 (got {r}); pass one list "
+                       "per row")
+    return doc_lens, perm
+  if len(doc_lens) != s * r:
+    raise ValueError(f"doc_lens has {len(doc_lens)} rows but {s} devices x {r} rows per device "
+                     f"= {s * r}; check rows_per_rank")
+  per_device = []
+  for p in range(s):
+    rows = [list(map(int, doc_lens[p * r + j])) for j in range(r)]
+    used = [sum(x) for x in rows]
+    for j, u in enumerate(used):
+      if u > t:
+        raise ValueError(f"row {p * r + j} holds {u} tokens > tokens_per_row={t}")
+    real = np.concatenate([j * t + np.arange(u) for j, u in enumerate(used)])
+    pad = np.concatenate([j * t + np.arange(u, t) for j, u in enumerate(used)])
+    perm[p] = np.concatenate([real, pad])
+    per_device.append([x for row in rows for x in row])
+  return per_device, perm
+
+
+def _remap_local_rows(meta: PlanMetadata, perm: np.ndarray) -> PlanMetadata:
+  """Rewrites every local-row reference of ``meta`` from packed to natural row order."""
+  td = meta.tokens_per_rank
+  if np.array_equal(perm, np.broadcast_to(np.arange(td), perm.shape)):
+    return meta
+
+  def local(idx: np.ndarray) -> np.ndarray:
+    # Values < td are own rows (sentinels and received-buffer rows are >= td).
+    out = idx.copy()
+    for p in range(idx.shape[0]):
+      m = out[p] < td
+      out[p][m] = perm[p][out[p][m]]
+    return out
+
+  o_local = np.empty_like(meta.o_local_idx)
+  for p in range(perm.shape[0]):
+    o_local[p, perm[p]] = meta.o_local_idx[p]
+  return dataclasses.replace(
+      meta, q_send_idx=local(meta.q_send_idx), kv_send_idx=local(meta.kv_send_idx),
+      q_attn_idx=local(meta.q_attn_idx), kv_attn_idx=local(meta.kv_attn_idx),
+      o_local_idx=o_local)
+
+
+def host_plan(doc_lens, spec: PlanSpec, *, tolerance: float = cost.DEFAULT_TOLERANCE,
+              min_shard: int | None = None, **schedule_options) -> HostPlan:
+  """Plans a batch on the host: schedule, routing tables, packing (NumPy only).
+
+  Args:
+    doc_lens: a flat list packed across ranks (``rows_per_device`` must be 1; documents may span
+      ranks), or one list per row (``S * R`` lists; with ``R = 1`` one list per rank).
+    spec: the static shapes (servers, tokens per row, rows per device, capacity).
+    tolerance: the balancing epsilon.
+    min_shard: shortest query piece a split may create; None = ``auto_min_shard``.
+    **schedule_options: further ``plan.schedule`` keywords (split, q_heads, kv_heads,
+      head_dim, dtype_bytes, cost_model, max_moves).
+
+  Returns:
+    ``HostPlan``. Raises ``ValueError`` naming the cap to raise when the layout overflows it.
+  """
+  layout, perm = device_layout(doc_lens, spec)
+  if min_shard is None or min_shard == 0:
+    min_shard = auto_min_shard(spec.tokens_per_row)
+  try:
+    plan = schedule(layout, spec.num_servers, tokens_per_rank=spec.tokens_per_device,
+                       tolerance=tolerance, capacity=spec.capacity, min_shard=min_shard,
+                       **schedule_options)
+  except ValueError as e:
+    raise ValueError(f"distca: cannot plan this batch within {spec.capacity}: {e} (set the cap in "
+                     "config.attention.distca or the capacity= option)") from e
+  meta = _remap_local_rows(plan_to_metadata(plan, spec.capacity), perm)
+  return HostPlan(plan=plan, meta=meta, packed=spec.pack(meta), spec=spec)
+
+
+
+
+def nano_batch_rows(num_devices: int, rows_per_device: int, nano_batches: int,
+                     i: int) -> list[int]:
+  """Batch rows of nano-batch ``i``: rows ``[i R/n, (i+1) R/n)`` of every device's block."""
+  rn = rows_per_device // nano_batches
+  return [p * rows_per_device + i * rn + j for p in range(num_devices) for j in range(rn)]
+
+
+def fit_host_plan(doc_lens, num_servers: int, tokens_per_rank: int,
+                  capacity: Capacity | Mapping[str, int | None] | None = None, *,
+                  tolerance: float = cost.DEFAULT_TOLERANCE, min_shard: int | None = None,
+                  **schedule_options) -> HostPlan:
+  """``host_plan`` for one row per rank, with caps left unset sized by the plan itself.
+
+  A bounded ``capacity`` plans as ``host_plan`` does. Otherwise the batch is planned once
+  without the missing caps, which then take the plan's own needs rounded up to a row multiple
+  (``capacity.row_multiple``): a new layout may then change shapes (and recompile).
+  """
+  cap = capacity if isinstance(capacity, Capacity) else Capacity(**dict(capacity or {}))
+  if min_shard is None or min_shard == 0:
+    min_shard = auto_min_shard(tokens_per_rank)
+  if cap.bounded:
+    spec = PlanSpec(num_servers=num_servers, tokens_per_row=tokens_per_rank, rows_per_device=1,
+                    capacity=cap)
+    return host_plan(doc_lens, spec, tolerance=tolerance, min_shard=min_shard,
+                     **schedule_options)
+  # One row per rank: local rows keep their order, so no remapping is needed.
+  free = schedule(doc_lens, num_servers, tokens_per_rank=tokens_per_rank, tolerance=tolerance,
+                  capacity=cap, min_shard=min_shard, **schedule_options)
+  cap = cap.replace_none(Capacity.envelope([required_capacity(free)],
+                                           multiple=row_multiple(tokens_per_rank)))
+  spec = PlanSpec(num_servers=num_servers, tokens_per_row=tokens_per_rank, rows_per_device=1,
+                  capacity=cap)
+  meta = plan_to_metadata(free, cap)
+  return HostPlan(plan=free, meta=meta, packed=spec.pack(meta), spec=spec)
+
+
+def suggest_capacity(doc_lens_samples: Sequence[Any], num_servers: int, tokens_per_rank: int, *,
+                     quantile: float = 1.0, multiple: int = 128, **schedule_options) -> Capacity:
+  """Caps covering ``quantile`` of sampled layouts, planned without caps (``Capacity.envelope``).
+
+  Args:
+    doc_lens_samples: layouts, each as ``schedule`` takes them.
+    num_servers: ``S``.
+    tokens_per_rank: tokens per device (rows per device x tokens per row).
+    quantile: per-field quantile over the samples (1.0 = the maximum).
+    multiple: row fields are rounded up to a multiple of this.
+    **schedule_options: passed to ``schedule`` (tolerance, min_shard, ...).
+  """
+  reqs = [required_capacity(schedule(d, num_servers, tokens_per_rank=tokens_per_rank,
+                                     **schedule_options)) for d in doc_lens_samples]
+  return Capacity.envelope(reqs, quantile=quantile, multiple=multiple)

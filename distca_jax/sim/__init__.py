@@ -1,0 +1,5 @@
+"""Step-time simulator (host, NumPy): the project's planner and packers on sampled batches, timed
+with measured costs. ``costs``: models, calibration, kernel / collective / memory models;
+``step``: the strategies and the step; ``validate``: replays of committed measurements.
+Entry point: ``experiments/simulate.py``.
+"""

@@ -1,0 +1,236 @@
+"""Measured costs of the step simulator: model shapes, compute rates, collectives, memory.
+
+Every constant here is either measured in this repository (with the file it comes from) or a
+stated parameter. ``Calibration`` holds them; ``fit_calibration`` derives the compute ones from
+committed one-GPU runs (``sim.validate.calibration_runs``), so the defaults can be re-derived.
+
+Work model: ``metrics.work_flops``, shared with the e2e ceiling, the planner's gate and the
+baselines' metrics (a token costs ``6 N``, a causal pair the kernel's forward + backward, 3.5x
+forward); for time, the simulator uses the measured kernel table where it applies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Sequence
+
+import numpy as np
+
+from distca_jax import metrics
+from distca_jax import plan as plan_lib
+from distca_jax.baselines.metrics import ModelDims
+from distca_jax.checks import check_int
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_COST_TABLE = os.path.join(ROOT, "results", "cost_table_flash3_h200.json")
+# The cost table's attention shapes: times scale with Hq x D for other models.
+_TABLE_HEADS_X_DIM = 32 * 128
+
+
+# ----------------------------------------------------------------------------------------------
+# Models.
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """What the simulator needs of a model beyond ``ModelDims``: widths for memory and TP traffic.
+
+  Attributes:
+    name: preset name.
+    dims: attention shapes, layers and matmul weights (``baselines.metrics.ModelDims``).
+    dim: E, the residual width.
+    vocab_size: V.
+    total_params: every parameter (matmul weights, input embedding, norms).
+  """
+  name: str
+  dims: ModelDims
+  dim: int
+  vocab_size: int
+  total_params: int
+
+  @property
+  def head_params(self) -> int:
+    """Weights of the LM head (E x V)."""
+    return self.dims.matmul_params - self.dims.n_layers * self.dims.layer_matmul_params
+
+  def with_layers(self, n_layers: int) -> "ModelSpec":
+    """The same shapes with ``n_layers`` layers (the benchmarks run a few of the 32)."""
+    d = self.dims
+    n = d.layer_matmul_params * n_layers + self.head_params
+    extra = self.total_params - d.matmul_params
+    return ModelSpec(self.name, dataclasses.replace(d, n_layers=n_layers, matmul_params=n),
+                     self.dim, self.vocab_size, n + extra)
+
+
+def model_spec(name: str, n_layers: int | None = None) -> ModelSpec:
+  """Presets: 'llama3_8b' (Llama-3-8B) and 'llama3_34b' (a 34B-class Llama-3: CodeLlama-34B
+  layer shapes, E 8192, 48 layers, 64/8 heads of 128, SwiGLU 22016, Llama-3 vocabulary)."""
+  from distca_jax.model import ModelConfig  # pylint: disable=import-outside-toplevel
+  shapes = {
+      "llama3_8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                        mlp_dim=14336, vocab_size=128256),
+      "llama3_34b": dict(dim=8192, n_layers=48, n_heads=64, n_kv_heads=8, head_dim=128,
+                         mlp_dim=22016, vocab_size=128256),
+  }
+  if name not in shapes:
+    raise ValueError(f"unknown model {name!r}; choose one of {sorted(shapes)}")
+  kw = dict(shapes[name])
+  if n_layers is not None:
+    kw["n_layers"] = check_int("n_layers", n_layers, 1)
+  cfg = ModelConfig(**kw)
+  dims = ModelDims.from_model(cfg)
+  total = dims.matmul_params + cfg.dim * cfg.vocab_size + (2 * cfg.n_layers + 1) * cfg.dim
+  return ModelSpec(name, dims, cfg.dim, cfg.vocab_size, total)
+
+
+# ----------------------------------------------------------------------------------------------
+# The shared work model (``metrics.work_flops``), on ``ModelDims``.
+# ----------------------------------------------------------------------------------------------
+def step_work(dims: ModelDims, tokens, pairs) -> np.ndarray:
+  """``metrics.work_flops`` of ``tokens`` tokens holding ``pairs`` causal pairs (all layers)."""
+  return metrics.work_flops(dims.matmul_params, dims.n_layers, dims.q_heads, dims.head_dim,
+                            tokens, pairs)
+
+
+def linear_pairs_per_token(dims: ModelDims) -> float:
+  """One token's linear work in pair units (the planner's gate; ``metrics``' definition)."""
+  return 6.0 * dims.matmul_params / metrics.attention_pair_flops(dims.n_layers, dims.q_heads,
+                                                                  dims.head_dim)
+
+
+# ----------------------------------------------------------------------------------------------
+# Calibration.
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  """Measured rates and stated parameters (one H200 per GPU unless changed).
+
+  Attributes:
+    matmul_tflops: effective TFLOP/s of token-linear work (layers' 6 N_layer per token times
+      ``remat_factor``, LM head 6 E V per token); fitted on one-GPU steps (``fit_calibration``).
+    remat_factor: the layers' linear work with rematerialization: 'save_attention' reruns the
+      forward linears in the backward (8 N instead of 6 N: 4/3).
+    attention_scale: measured in-step core-attention time over the cost table's prediction
+      (fitted; 1 = the table as measured).
+    step_fixed_s: per-step time independent of tokens and layers (optimizer, launch), fitted.
+    a2a_latency_s, intra_node_bw: all_to_all time = latency + bytes / bw inside a node, fitted on
+      results/collective_bench.json (2 x H200 NVLink).
+    inter_node_bw: bytes/s per GPU once a collective spans nodes (stated: 50 GB/s, 400 Gb/s NICs).
+    gpus_per_node: GPUs of one NVLink domain.
+    hbm_bytes: memory a GPU gives the step (H200 141 GB x 0.92, the launcher's fraction).
+    act_bytes_per_token_layer: activation bytes a layer keeps per token at E = 4096
+      ('save_attention'), fitted on the compiled steps' memory (``sim.validate.fit_memory``,
+      one-GPU runs at 2 and 4 layers; scales with E).
+    act_bytes_per_token_fixed: per-token bytes outside the layers at E = 4096 (embedding,
+      LM-head chunks, loss), fitted likewise.
+    state_bytes_per_param: f32 parameters + Adam moments (12) + f32 gradients (4).
+    single_stream_hidden: fraction of CAD's exchange hidden behind compute without ping-pong
+      (XLA overlaps the K/V all_to_all with the query projection's tail; stated: 0.5).
+  """
+  matmul_tflops: float = 585.0
+  remat_factor: float = 4.0 / 3.0
+  attention_scale: float = 1.0
+  step_fixed_s: float = 0.0
+  a2a_latency_s: float = 3.5e-4
+  intra_node_bw: float = 300e9
+  inter_node_bw: float = 50e9
+  gpus_per_node: int = 8
+  hbm_bytes: float = 141e9 * 0.92
+  act_bytes_per_token_layer: float = 58e3
+  act_bytes_per_token_fixed: float = 156e3
+  state_bytes_per_param: float = 16.0
+  single_stream_hidden: float = 0.5
+
+  def bandwidth(self, span_gpus: int) -> float:
+    """Bytes/s per GPU of a collective over ``span_gpus`` consecutive GPUs."""
+    return self.intra_node_bw if span_gpus <= self.gpus_per_node else self.inter_node_bw
+
+  def collective_s(self, bytes_per_gpu, span_gpus: int, calls: int = 1) -> np.ndarray:
+    """Seconds of ``calls`` collectives moving ``bytes_per_gpu`` in all (0 for one GPU)."""
+    if span_gpus <= 1:
+      return np.zeros_like(np.asarray(bytes_per_gpu, np.float64))
+    return calls * self.a2a_latency_s + np.asarray(bytes_per_gpu, np.float64) / self.bandwidth(
+        span_gpus)
+
+
+def fit_alpha_beta(mb: Sequence[float], ms: Sequence[float]) -> tuple[float, float]:
+  """(latency s, bytes/s) of ``time = latency + bytes / bw`` by least squares on (MB, ms)."""
+  x = np.asarray(mb, np.float64) * 1e6
+  y = np.asarray(ms, np.float64) * 1e-3
+  slope, icpt = np.polyfit(x, y, 1)
+  return float(max(icpt, 0.0)), float(1.0 / slope)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel time.
+# ----------------------------------------------------------------------------------------------
+class KernelModel:
+  """Core-attention seconds of tasks (one layer, forward + backward) from the measured table
+  (``Calibration.attention_scale`` is applied by the step model).
+
+  Tasks whose key range is shorter than the table's smallest ``kv_len`` are outside what was
+  measured: the table scales them from the grid by causal pairs, which assumes a long task's
+  efficiency; ``small_task_s`` adds a fixed time to each of them (fitted on real task tables,
+  ``sim.validate.fit_small_task_seconds``; 0 = the table alone).
+  """
+
+  def __init__(self, table: plan_lib.CostTable | str | None = None, small_task_s: float = 0.0):
+    if table is None or isinstance(table, (str, os.PathLike)):
+      table = plan_lib.CostTable.from_json(os.fspath(table or DEFAULT_COST_TABLE))
+    self.table = table
+    self.small_task_s = float(small_task_s)
+
+  def task_seconds(self, q_len, kv_len, dims: ModelDims) -> np.ndarray:
+    """[N] seconds of tasks with ``q_len`` queries ending ``kv_len`` keys."""
+    q = np.asarray(q_len, np.float64)
+    if q.size == 0:
+      return np.zeros(0)
+    kv = np.asarray(kv_len, np.float64)
+    heads = dims.q_heads * dims.head_dim / _TABLE_HEADS_X_DIM
+    small = (kv < self.table.kv_lens[0]) * self.small_task_s
+    return (self.table.time(q, kv) + small) * heads
+
+  def docs_seconds(self, doc_lens, dims: ModelDims) -> float:
+    """Seconds of whole documents computed where they are (one task each)."""
+    lens = np.asarray([int(x) for x in doc_lens if int(x) > 0], np.float64)
+    return float(self.task_seconds(lens, lens, dims).sum())
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory.
+# ----------------------------------------------------------------------------------------------
+def memory_bytes(spec: ModelSpec, cal: Calibration, *, tokens: float, layers: int, tp: int,
+                 pp: int, in_flight: int = 1, extra_bytes: float = 0.0) -> dict[str, float]:
+  """Per-GPU bytes of one rank: state, activations (``tokens`` held, ``layers`` of its stage,
+  ``in_flight`` micro-batches kept by the pipeline schedule) and strategy buffers."""
+  width = spec.dim / 4096.0
+  state = spec.total_params / (tp * pp) * cal.state_bytes_per_param
+  act = tokens * in_flight * (layers * cal.act_bytes_per_token_layer
+                              + cal.act_bytes_per_token_fixed) * width / tp
+  total = state + act + extra_bytes
+  return {"state": state, "activations": act, "buffers": float(extra_bytes), "total": total,
+          "fits": bool(total <= cal.hbm_bytes)}
+
+
+def pipeline_bubble_fraction(stages: int, micro_batches: int) -> float:
+  """(S - 1) / (M + S - 1): the idle share of a 1F1B pipeline with equal micro-batches."""
+  s = check_int("stages", stages, 1)
+  m = check_int("micro_batches", micro_batches, 1)
+  return (s - 1) / (m + s - 1)
+
+
+def pipeline_seconds(stage_s_M: np.ndarray, stages: int) -> float:
+  """A 1F1B pipeline's time for micro-batches whose slowest stage takes ``stage_s_M`` [M]:
+  every micro-batch passes each stage once (sum) and the fill / drain waits ``S - 1`` stage
+  times of the slowest micro-batch (equal micro-batches: the bubble fraction above)."""
+  u = np.asarray(stage_s_M, np.float64)
+  return float(u.sum() + (stages - 1) * u.max()) if u.size else 0.0
+
+
+def ceil_div(a: int, b: int) -> int:
+  return -(-int(a) // int(b))
+
+
+def round_up(x: float, m: int) -> int:
+  return int(math.ceil(x / m) * m)

@@ -1,0 +1,21 @@
+"""Benchmarks and tables over the library's public API; each module runs as
+``python -m experiments.<name>`` from the repository root (``--help`` lists its options)."""
+
+import os
+import shlex
+import sys
+
+
+def command_line(module_file: str, argv=None) -> str:
+  """The command that runs experiment ``module_file`` (its ``__file__``) with ``argv`` (default:
+  this process's arguments), as a results table records it: ``python -m experiments.<name> ...``."""
+  name = os.path.splitext(os.path.basename(module_file))[0]
+  args = sys.argv[1:] if argv is None else list(argv)
+  return " ".join(["python", "-m", f"experiments.{name}", *map(shlex.quote, args)])
+
+
+def module_argv(module_file: str) -> list[str]:
+  """``[python, -m, experiments.<name>]`` for experiment ``module_file`` (its ``__file__``): how a
+  benchmark starts its per-backend child processes (from the repository root, like the parent)."""
+  name = os.path.splitext(os.path.basename(module_file))[0]
+  return [sys.executable, "-m", f"experiments.{name}"]

@@ -1,0 +1,177 @@
+"""The package layout: host planning (distca_jax.plan) apart from the device data plane
+(distca_jax.dataplane), no private names across library modules, no oversized library file."""
+
+import ast
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIBRARY = ("distca_jax", "custom_ops")
+PACKAGES = LIBRARY + ("experiments",)  # whose private names stay inside their module
+MAX_LINES = 800
+
+
+def _rel(path: str) -> str:
+  return os.path.relpath(path, ROOT)
+
+
+def _library_files():
+  return sorted(p for pkg in LIBRARY
+                for p in glob.glob(os.path.join(ROOT, pkg, "**", "*.py"), recursive=True))
+
+
+def _experiment_files():
+  return sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py")))
+
+
+def _package_files(name: str):
+  return sorted(glob.glob(os.path.join(ROOT, "distca_jax", name, "*.py")))
+
+
+def _module_name(path: str) -> str:
+  rel = os.path.relpath(path, ROOT)[:-len(".py")].replace(os.sep, ".")
+  return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def _imports(path: str) -> list[tuple[str, list[str]]]:
+  """(module, names) of every import in the file: names imported from it ([] for `import m`)."""
+  tree = ast.parse(open(path).read(), path)
+  me = _module_name(path)
+  pkg = me if path.endswith("__init__.py") else me.rpartition(".")[0]
+  out = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      out.extend((a.name, []) for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      mod = node.module or ""
+      if node.level:
+        base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+        mod = ".".join(base + ([mod] if mod else []))
+      out.append((mod, [a.name for a in node.names]))
+  return out
+
+
+def _in(module: str, package: str) -> bool:
+  return module == package or module.startswith(package + ".")
+
+
+def _imported_modules(path: str) -> set[str]:
+  """Modules the file imports, counting `from pkg import mod` as an import of `pkg.mod`."""
+  mods = set()
+  for mod, names in _imports(path):
+    mods.add(mod)
+    mods.update(f"{mod}.{n}" for n in names)
+  return mods
+
+
+@pytest.mark.parametrize("path", _package_files("dataplane"), ids=_rel)
+def test_dataplane_imports_no_data_pipeline(path):
+  bad = sorted(m for m in _imported_modules(path) if _in(m, "distca_jax.data"))
+  assert not bad, f"{os.path.relpath(path, ROOT)} imports the data pipeline: {bad}"
+
+
+@pytest.mark.parametrize("path", _package_files("plan"), ids=_rel)
+def test_plan_imports_no_dataplane_and_no_jax_outside_sizing(path):
+  mods = _imported_modules(path)
+  bad = sorted(m for m in mods if _in(m, "distca_jax.dataplane") or _in(m, "distca_jax.backends"))
+  assert not bad, f"{os.path.relpath(path, ROOT)} (host planning) imports the device side: {bad}"
+  if os.path.basename(path) != "sizing.py":
+    jax_mods = sorted(m for m in mods if _in(m, "jax"))
+    assert not jax_mods, f"{os.path.relpath(path, ROOT)} is host NumPy only; imports {jax_mods}"
+
+
+def test_import_graph_at_runtime():
+  """Importing the planner loads neither jax nor the data pipeline; importing the data plane
+  does not load the data pipeline (transitively, not only by direct imports)."""
+  code = ("import sys\n"
+          "import distca_jax.plan\n"
+          "assert 'jax' not in sys.modules, 'distca_jax.plan loaded jax'\n"
+          "assert 'distca_jax.data' not in sys.modules, 'distca_jax.plan loaded distca_jax.data'\n"
+          "import distca_jax.dataplane\n"
+          "bad = sorted(m for m in sys.modules if m == 'distca_jax.data' or"
+          " m.startswith('distca_jax.data.'))\n"
+          "assert not bad, f'distca_jax.dataplane loaded {bad}'\n")
+  run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert run.returncode == 0, run.stderr
+
+
+@pytest.mark.parametrize("path", _library_files() + _experiment_files(), ids=_rel)
+def test_no_private_name_across_library_modules(path):
+  """`from distca_jax.x import _name` and `x._name` (x an imported library or experiments
+  module) only inside the module that defines `_name`: experiments use the public API too."""
+  me = _module_name(path)
+  tree = ast.parse(open(path).read(), path)
+  aliases = {}  # local name -> library module
+  bad = []
+  for mod, names in _imports(path):
+    if not any(_in(mod, p) for p in PACKAGES):
+      continue
+    for n in names:
+      if n.startswith("_") and mod != me:
+        bad.append(f"from {mod} import {n}")
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for a in node.names:
+        if any(_in(a.name, p) for p in PACKAGES):
+          aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+    elif isinstance(node, ast.ImportFrom) and node.module and any(_in(node.module, p)
+                                                                 for p in PACKAGES):
+      for a in node.names:
+        aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+        and not node.attr.startswith("__") and isinstance(node.value, ast.Name)
+        and node.value.id in aliases and aliases[node.value.id] != me):
+      bad.append(f"{node.value.id}.{node.attr} (line {node.lineno})")
+  assert not bad, f"{os.path.relpath(path, ROOT)} uses private names of other modules: {bad}"
+
+
+@pytest.mark.parametrize("path", _experiment_files(), ids=_rel)
+def test_experiments_import_as_a_package(path):
+  """Experiments run as `python -m experiments.<name>` from the repository root: none edits
+  sys.path to find the library or a sibling experiment."""
+  with open(path) as f:
+    assert "sys.path" not in f.read(), f"{_rel(path)} edits sys.path; import it as a package"
+
+
+@pytest.mark.parametrize("path", _library_files(), ids=_rel)
+def test_library_files_are_short(path):
+  with open(path) as f:
+    n = sum(1 for _ in f)
+  assert n <= MAX_LINES, (f"{os.path.relpath(path, ROOT)} has {n} lines > {MAX_LINES}; split it "
+                          "along a seam")
+
+
+def test_old_modules_are_gone():
+  for old in ("scheduler", "dispatch"):
+    assert not os.path.exists(os.path.join(ROOT, "distca_jax", f"{old}.py"))
+
+
+def test_every_backend_module_exports_options_and_make():
+  """One registry: each backend module has a frozen ``Options`` with ``from_config`` and a
+  ``make(options) -> attention.Backend``; ``backends.build`` turns every name of a shipped config
+  into a backend, and the trainer names no backend."""
+  import dataclasses
+  import inspect
+
+  from distca_jax import attention, backends, configs_io, trainer
+  c = configs_io.load_config(os.path.join(ROOT, "configs", "tiny_cpu.py"))
+  c.attention.distca.caps_from_batches = 2
+  assert set(backends.BACKENDS) == {"local", "reference", "distca", "packed_dp", "cp", "wlb"}
+  for name, m in backends.BACKENDS.items():
+    assert dataclasses.is_dataclass(m.Options) and m.Options.__dataclass_params__.frozen, name
+    c.attention.backend = name
+    options = m.Options.from_config(c)
+    assert isinstance(options, m.Options), name
+    assert isinstance(backends.build(c), attention.Backend), name
+    assert isinstance(m.make(options), attention.Backend), name
+  with pytest.raises(ValueError, match=r"available: .*distca"):
+    backends.module("nope")
+  source = inspect.getsource(trainer)
+  for name in backends.BACKENDS:
+    assert f'"{name}"' not in source and f"'{name}'" not in source, name

@@ -1,0 +1,233 @@
+"""The step simulator (distca_jax.sim): hand-computed steps, imbalance, pipeline bubbles, memory,
+the shared work model, WLB-ideal's choice and the replays of committed measurements."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from distca_jax import metrics
+from distca_jax import plan as plan_lib
+from distca_jax.baselines import ideal
+from distca_jax.baselines import metrics as bm
+from distca_jax.model import ModelConfig
+from distca_jax.sim import costs, step, validate
+
+
+def _flat_table() -> costs.KernelModel:
+  """One grid point: every task is clamped to it and scaled by its causal pairs, so a task
+  costs exactly 1 ns per pair (hand computation is easy)."""
+  return costs.KernelModel(plan_lib.CostTable.from_arrays([64], [64], [[64 * 65 / 2 * 1e-9]]))
+
+
+def _cal(**kw) -> costs.Calibration:
+  return dataclasses.replace(costs.Calibration(matmul_tflops=500.0, step_fixed_s=0.0,
+                                               attention_scale=1.0), **kw)
+
+
+def test_one_gpu_step_matches_hand_computation():
+  spec = costs.model_spec("llama3_8b", n_layers=2)
+  km, cal = _flat_table(), _cal(step_fixed_s=0.01)
+  t = 4096
+  docs = [1000, 3000]
+  res = step.simulate([[[docs]]], spec, step.Layout(gpus=1), t, cal=cal, km=km,
+                      strategies=("packed_dp",))["packed_dp"]
+  d = spec.dims
+  linear = 6.0 * t * (2 * d.layer_matmul_params * cal.remat_factor + spec.head_params) / 500e12
+  attn = 2 * sum(l * (l + 1) / 2 * 1e-9 for l in docs)
+  assert res["step_s"] == pytest.approx(0.01 + linear + attn, rel=1e-6)
+  assert res["fits_memory"]
+
+
+def test_more_imbalance_means_longer_packed_dp_steps():
+  spec = costs.model_spec("llama3_8b", n_layers=2)
+  km, cal, lay, t = _flat_table(), _cal(), step.Layout(gpus=2), 8192
+  balanced = [[[[4096, 4096], [4096, 4096]]]]
+  skewed = [[[[8192], [1024] * 8]]]
+  sim = lambda b: step.simulate(b, spec, lay, t, cal=cal, km=km,
+                                strategies=("packed_dp", "distca"))
+  bal, skw = sim(balanced), sim(skewed)
+  assert skw["packed_dp"]["step_s"] > bal["packed_dp"]["step_s"]
+  assert skw["packed_dp"]["attention_imbalance"] > bal["packed_dp"]["attention_imbalance"]
+  # CAD balances the skewed batch: faster than packed_dp there, no worse than the ideal split.
+  assert skw["distca"]["step_s"] < skw["packed_dp"]["step_s"]
+  assert skw["distca"]["attention_imbalance"] < 1.05
+
+
+@pytest.mark.parametrize("stages,micro", [(1, 4), (2, 4), (4, 8), (8, 3)])
+def test_pipeline_bubble_matches_formula(stages, micro):
+  u = 0.25
+  total = costs.pipeline_seconds(np.full(micro, u), stages)
+  busy = micro * u
+  assert 1 - busy / total == pytest.approx(costs.pipeline_bubble_fraction(stages, micro))
+  # step_seconds: the slowest rank of a sync group sets each micro-batch's stage time.
+  per = np.full((micro, 4), u)
+  per[:, 1] = 2 * u
+  assert step.step_seconds(per, 4, stages) == pytest.approx(2 * (micro + stages - 1) * u)
+  # Without a pipeline, independent ranks (group 1) accumulate their own micro-batches.
+  assert step.step_seconds(per, 1, 1) == pytest.approx(2 * micro * u)
+
+
+def test_layout_and_bubble_errors():
+  with pytest.raises(ValueError, match="multiple of tensor"):
+    step.Layout(gpus=12, tensor=8)
+  with pytest.raises(ValueError, match="micro_batches"):
+    costs.pipeline_bubble_fraction(2, 0)
+  with pytest.raises(ValueError, match="unknown model"):
+    costs.model_spec("gpt2")
+
+
+def test_memory_that_does_not_fit_is_reported():
+  spec = costs.model_spec("llama3_8b")
+  cal = costs.Calibration()
+  small = costs.memory_bytes(spec, cal, tokens=32768, layers=32, tp=8, pp=1)
+  big = costs.memory_bytes(spec, cal, tokens=1 << 20, layers=32, tp=1, pp=1)
+  assert small["fits"] and not big["fits"]
+  assert big["total"] == pytest.approx(big["state"] + big["activations"])
+
+
+def test_shared_work_model_counts_attention_at_3_5x_forward():
+  cfg = ModelConfig(vocab_size=64, dim=16, n_layers=3, n_heads=2, n_kv_heads=1, head_dim=8,
+                    mlp_dim=32)
+  docs = [5, 7]
+  n = metrics.matmul_params(cfg)
+  pairs = sum(l * (l + 1) / 2 for l in docs)
+  by_hand = 6 * n * 12 + 3 * 4 * 3.5 * 2 * 8 * pairs
+  assert metrics.step_work(cfg, docs) == pytest.approx(by_hand)
+  dims = bm.ModelDims.from_model(cfg)
+  assert float(costs.step_work(dims, 12, pairs)) == pytest.approx(by_hand)
+  # The gate's weight: one token's linear work in pairs of the same model.
+  assert metrics.linear_pairs_per_token(cfg) == pytest.approx(6 * n / (3 * 4 * 3.5 * 2 * 8))
+  assert costs.linear_pairs_per_token(dims) == pytest.approx(metrics.linear_pairs_per_token(cfg))
+  # MFU keeps its convention (3x forward), so it counts less attention than the work model.
+  assert metrics.step_flops(cfg, docs) < metrics.step_work(cfg, docs)
+  share = metrics.lm_head_share(cfg, docs)
+  assert share == pytest.approx(6 * 16 * 64 * 12 / metrics.step_flops(cfg, docs))
+
+
+def test_wlb_ideal_picks_the_best_fitting_candidate():
+  rng = np.random.default_rng(0)
+  t, ranks = 4096, 4
+  batches = []
+  for _ in range(2):
+    rows = []
+    for _ in range(ranks):
+      lens = list(rng.integers(64, 2048, 6))
+      while sum(lens) > t:
+        lens.pop()
+      rows.append([int(x) for x in lens])
+    batches.append(rows)
+  dims = costs.model_spec("llama3_8b", n_layers=2).dims
+  ch = ideal.choose_wlb(batches, t, dims, alphas=(1.0, 1.5))
+  fits = [c for c in ch.candidates if c[3]]
+  assert ch.layer_seconds == pytest.approx(min(c[2] for c in fits))
+  assert {c[0] for c in ch.candidates} == {1, 2, 4}
+  capped = ideal.choose_wlb(batches, t, dims, alphas=(1.0, 1.5), max_row_tokens=t)
+  assert capped.alpha == 1.0
+  with pytest.raises(ValueError, match="no wlb candidate"):
+    ideal.choose_wlb(batches, t, dims, alphas=(1.5,), max_row_tokens=t)
+
+
+def test_alpha_beta_fit_recovers_parameters():
+  mb = [10.0, 100.0, 400.0]
+  ms = [0.2 + x * 1e6 / 250e9 * 1e3 for x in mb]
+  lat, bw = costs.fit_alpha_beta(mb, ms)
+  assert lat == pytest.approx(2e-4) and bw == pytest.approx(250e9)
+
+
+@pytest.fixture(scope="module")
+def validation():
+  return validate.validate()
+
+
+def test_validation_replays_committed_runs(validation):
+  cases = validation["cases"]
+  kinds = {c["kind"] for c in cases}
+  assert kinds == {"e2e", "kernel", "exchange", "speedup", "memory"}
+  held = [c for c in cases if c["role"] == "held-out" and c["within_10pct"]]
+  assert len(held) >= 4
+  # Every 2-GPU end-to-end run is a held-out case of its era.
+  two_gpu = [c for c in cases if c["kind"] == "e2e" and "2 GPU" in c["name"]]
+  assert two_gpu and all(c["role"] == "held-out" for c in two_gpu)
+  # Measured 2-GPU speedups of distca are predicted from one-GPU calibration alone.
+  speedups = [c for c in cases if c["kind"] == "speedup"]
+  assert len(speedups) >= 4 and all(c["within_10pct"] for c in speedups)
+  assert validation["max_abs_error"] == max(abs(c["error"]) for c in cases)
+
+
+def test_wlb_ideal_from_config_reaches_the_backend():
+  """attention.baselines.cp_size = wlb_alpha = 0: the wlb backend takes choose_wlb's pick on the
+  run's own first batches."""
+  import os
+  from distca_jax import configs_io, trainer
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  c = configs_io.load_config(os.path.join(root, "configs", "tiny_cpu.py"), [
+      "attention.backend=wlb", "attention.baselines.cp_size=0", "attention.baselines.wlb_alpha=0",
+      "mesh.data=4"])
+  opts = ideal.wlb_options_from_config(c)
+  assert 4 % opts["cp_size"] == 0 and opts["alpha"] in ideal.DEFAULT_ALPHAS
+  from distca_jax.backends import wlb
+  options = wlb.Options.from_config(c)
+  assert (options.cp_size, options.alpha) == (opts["cp_size"], opts["alpha"])
+  assert trainer.make_backend(c).host_arrange is not None
+  # A field given stays as given.
+  c.attention.baselines.cp_size = 2
+  assert ideal.wlb_options_from_config(c)["cp_size"] == 2
+
+
+def test_cli_writes_every_strategy(tmp_path):
+  import json
+  from experiments import simulate
+  out = tmp_path / "sim.json"
+  simulate.main(["--gpus", "8", "--tensor", "2", "--tokens", "16384", "--batches", "1",
+                 "--workload", "prolong", "--json", str(out)])
+  blob = json.loads(out.read_text())
+  assert set(blob["strategies"]) == set(step.STRATEGIES)
+  for s in blob["strategies"].values():
+    assert s["step_s"] > 0 and len(s["per_rank_step_s"]) == 4
+  assert blob["speedup_vs_packed_dp"] == pytest.approx(
+      blob["strategies"]["packed_dp"]["step_s"] / blob["strategies"]["distca"]["step_s"])
+
+
+def test_small_tasks_below_the_grid_pay_the_fitted_time():
+  base = _flat_table()
+  km = costs.KernelModel(base.table, small_task_s=1e-3)
+  dims = costs.model_spec("llama3_8b").dims
+  q, kv = np.array([10, 32, 100]), np.array([40, 64, 200])
+  extra = km.task_seconds(q, kv, dims) - base.task_seconds(q, kv, dims)
+  np.testing.assert_allclose(extra, [1e-3, 0.0, 0.0])  # only kv 40 < the grid's 64
+  # The fit: the measured excess over the table per below-grid task of the fitted tables.
+  tables = [dict(table="own", q=q, kv=kv, measured_s=float(base.task_seconds(q, kv, dims).sum())
+                 + 2e-3), dict(table="cad", q=q, kv=kv, measured_s=1.0)]
+  assert validate.fit_small_task_seconds(tables, base) == pytest.approx(2e-3)
+
+
+def test_memory_fit_recovers_per_token_bytes():
+  spec2, spec4 = (costs.model_spec("llama3_8b", n_layers=n) for n in (2, 4))
+  base = costs.Calibration()
+  fixed, layer = 150e3, 60e3
+
+  def run(layers, rows, spec):
+    gb = (spec.total_params * base.state_bytes_per_param
+          + rows * 65536 * (fixed + layers * layer)) / 1e9
+    return validate.E2eRun("x", "pretrain", "packed_dp", 65536, layers, rows, 1, (0,), 1.0, 1.0,
+                           (), gb)
+
+  cal = validate.fit_memory([run(2, 1, spec2), run(2, 2, spec2), run(4, 2, spec4)], base)
+  assert cal.act_bytes_per_token_fixed == pytest.approx(fixed)
+  assert cal.act_bytes_per_token_layer == pytest.approx(layer)
+
+
+def test_results_path_follows_archived_moves(tmp_path):
+  root = tmp_path / "results"
+  (root / "archive" / "abc").mkdir(parents=True)
+  (root / "cur.json").write_text("{}")
+  (root / "archive" / "abc" / "old_v1.json").write_text("{}")
+  (root / "archive" / "moves.tsv").write_text(
+      "old_path\tnew_path\nresults/old_v1.json\tresults/archive/abc/old_v1.json\n"
+      "results/old_v2.json\tresults/cur.json\n")
+  assert validate.results_path("cur", str(root)) == str(root / "cur.json")
+  assert validate.results_path("old_v1", str(root)) == str(root / "archive" / "abc" / "old_v1.json")
+  assert validate.results_path("old_v2", str(root)) == str(root / "cur.json")
+  with pytest.raises(FileNotFoundError, match="nope"):
+    validate.results_path("nope", str(root))

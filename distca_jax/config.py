@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from distca_jax import pipeline
 from distca_jax.plan import cost
 from distca_jax.errors import UserError
 from distca_jax.model import ModelConfig
@@ -63,7 +64,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.attention.distca.tasks = 0            # CA-tasks (varlen segments) per server
   c.attention.distca.caps_from_batches = 32  # row caps left at 0: the envelope of this many of
                                           # the run's batches planned at startup; 0 = fixed
-                                          # fractions (plan.default_capacity)
+                                          # fractions (plan.default_capacity;
+                                          # always under mesh.pipe > 1: one call is a tick)
   c.attention.distca.caps_headroom = 1.1  # >= 1: margin over the sampled batches' envelope
   c.attention.distca.memory_mode = "keep" # 'keep': servers keep received Q/K/V for the
                                           # backward; 'resend': they are re-sent (recomputed)
@@ -89,7 +91,15 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1                # data-parallel ranks (= CAD attention servers); -1: all the rest
   c.mesh.tensor = 1               # tensor parallelism over heads, MLP and vocab
-  c.mesh.pipe = 1                 # pipeline stages (only 1 for now)
+  c.mesh.pipe = 1                 # pipeline stages (distca_jax.pipeline): each holds n_layers /
+                                  # pipe consecutive layers; the parameters keep their shape
+
+  # --- pipeline: the GPipe schedule used when mesh.pipe > 1 (a scan over M + pipe - 1 ticks).
+  c.pipeline = ml_collections.ConfigDict()
+  c.pipeline.microbatches = 0     # M: each data rank's rows split into M microbatches (rows_per_rank
+                                  # must be a multiple); 0 = 2 x mesh.pipe. The bubble is
+                                  # (pipe - 1) / (M + pipe - 1) of each stage's ticks; more
+                                  # microbatches shrink it but hold more activations in flight
 
   # --- batch: every data-parallel rank gets `rows_per_rank` rows of `tokens_per_rank` tokens.
   c.tokens_per_rank = 256         # the per-rank token budget (the context window that is packed)
@@ -136,6 +146,11 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+# Core-attention backends that run under the pipeline (mesh.pipe > 1): a tick's call sees the
+# rows of every stage as one batch over pipe x data ('distca' plans each tick over all of them).
+PIPELINE_BACKENDS = ("local", "reference", "packed_dp", "distca")
+
+
 def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
   """The typed, validated model config of a run config."""
   try:
@@ -167,4 +182,19 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.train.max_bad_steps < 1:
     raise UserError(f"train.max_bad_steps={c.train.max_bad_steps} must be >= 1 (consecutive "
                     "skipped steps before the run stops)")
+  if c.mesh.pipe > 1:
+    m = pipeline.resolve_microbatches(c.pipeline.microbatches, c.mesh.pipe)
+    if c.rows_per_rank % m:
+      raise UserError(f"rows_per_rank={c.rows_per_rank} must be a multiple of pipeline."
+                      f"microbatches={m} (each microbatch is whole rows of every data rank; "
+                      "0 = 2 x mesh.pipe)")
+    if c.model.n_layers % c.mesh.pipe:
+      raise UserError(f"model.n_layers={c.model.n_layers} must be a multiple of mesh.pipe="
+                      f"{c.mesh.pipe} (each stage holds n_layers / pipe layers)")
+    if c.attention.backend not in PIPELINE_BACKENDS:
+      raise UserError(f"attention.backend={c.attention.backend!r} does not run under mesh.pipe="
+                      f"{c.mesh.pipe} yet; use one of {PIPELINE_BACKENDS} or mesh.pipe=1")
+    if c.attention.nano_batches != 1 or not c.model.scan_layers:
+      raise UserError(f"mesh.pipe={c.mesh.pipe} runs the single stream over scanned layers; set "
+                      "attention.nano_batches=1 and model.scan_layers=True")
   model_config(c)

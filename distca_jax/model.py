@@ -6,7 +6,8 @@ Each layer is three named pieces so that core attention (no weights) can be move
   * `PostCA`: output projection, residual, RMSNorm, SwiGLU MLP, residual.
 Layers run under `nn.scan` (compile time independent of depth) with optional rematerialization.
 With two nano-batches (ping-pong) the stack runs as one cross-layer schedule instead
-(`ping_pong_layers`), over the same parameters.
+(`ping_pong_layers`), over the same parameters; on a mesh whose `pipe` axis is larger than 1 it
+runs as a pipeline of stages (`distca_jax.pipeline`), over the same parameters too.
 Parameters are float32 (master copy), compute runs in `dtype` (bf16 by default).
 
 Shape letters: B rows, T tokens per row, E embed, H query heads, K kv heads, D head dim,
@@ -15,6 +16,7 @@ F MLP hidden, V vocab, L layers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any
@@ -27,6 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from distca_jax import attention as attn_lib
 from distca_jax import ops
+from distca_jax import pipeline as pipeline_lib
 
 Layout = attn_lib.Layout
 
@@ -196,39 +199,12 @@ class PostCA(nn.Module):
 
 
 def split_rows(tree, n: int):
-  """Splits every array of `tree` (leading dim = rows) into n nano-batches, per data rank.
-
-  Rows are sharded over the mesh's `data` axis, rank r holding a contiguous block of R rows;
-  nano-batch i takes rows [i R/n, (i+1) R/n) of every rank's block, so no row moves between
-  devices.
-  """
-  d = _data_axis_size()
-
-  def one(i):
-    def take(a):
-      rows = a.shape[0]
-      if rows % (d * n):
-        raise ValueError(f"{rows} rows cannot form {n} nano-batches on {d} data ranks: set "
-                         f"rows_per_rank to a multiple of attention.nano_batches={n}")
-      r = rows // d
-      blk = a.reshape(d, r, *a.shape[1:])[:, i * (r // n):(i + 1) * (r // n)]
-      return blk.reshape(d * (r // n), *a.shape[1:])
-    return jax.tree.map(take, tree)
-
-  return [one(i) for i in range(n)]
+  """Splits every array of `tree` (leading dim = rows) into n nano-batches, per data rank:
+  nano-batch i takes rows [i R/n, (i+1) R/n) of every rank's block (``pipeline.split_rows``)."""
+  return pipeline_lib.split_rows(tree, n, key="attention.nano_batches")
 
 
-def merge_rows(parts):
-  """Inverse of `split_rows` for a list of arrays."""
-  d = _data_axis_size()
-  blocks = [p.reshape(d, p.shape[0] // d, *p.shape[1:]) for p in parts]
-  out = jnp.concatenate(blocks, axis=1)
-  return out.reshape(-1, *out.shape[2:])
-
-
-def _data_axis_size() -> int:
-  mesh = jax.sharding.get_abstract_mesh()
-  return dict(mesh.shape).get("data", 1) if mesh is not None and mesh.shape else 1
+merge_rows = pipeline_lib.merge_rows  # the inverse of `split_rows`
 
 
 def _attend(core_attention: attn_lib.CoreAttentionFn, qkv, layout: Layout, scale: float):
@@ -376,6 +352,7 @@ class Transformer(nn.Module):
   cfg: ModelConfig
   core_attention: attn_lib.CoreAttentionFn
   nano_batches: int = 1  # 2: ping-pong of two nano-batches per rank (``ping_pong_layers``)
+  microbatches: int = 0  # pipeline microbatches when the mesh's `pipe` axis is > 1 (0: 2 x pipe)
 
   def setup(self):
     cfg = self.cfg
@@ -401,6 +378,11 @@ class Transformer(nn.Module):
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
     if self.nano_batches not in (1, 2):
       raise ValueError(f"nano_batches={self.nano_batches}; use 1 (single stream) or 2 (ping-pong)")
+    stages = pipeline_lib.mesh_stages()
+    if stages > 1 and not self.is_initializing():
+      x = self._pipeline(x, layout, stages)
+      with pipeline_lib.head_rules(x.shape[0]):  # the head splits rows over (pipe, data)
+        return self.final_norm(nn.with_logical_constraint(x, ("batch", "length", "embed")))
     if self.nano_batches == 2 and not self.is_initializing():
       # The parameters are the single stream's (``init`` runs that path): read them and run the
       # ping-pong schedule over them.
@@ -417,6 +399,26 @@ class Transformer(nn.Module):
         x, _ = layer(x, layout)
     return self.final_norm(x)
 
+  def _pipeline(self, x_BxTxE, layout: Layout, stages: int):
+    """The stack as `stages` pipeline stages (``pipeline.pipeline_layers``) over the scanned
+    parameters (the single stream's, which ``init`` makes)."""
+    cfg = self.cfg
+    if self.nano_batches != 1:
+      raise ValueError(f"attention.nano_batches={self.nano_batches} with mesh.pipe={stages}: the "
+                       "pipeline runs the single stream; set attention.nano_batches=1")
+    if not cfg.scan_layers:
+      raise ValueError(f"mesh.pipe={stages} needs model.scan_layers=True (stages are slices of "
+                       "the stacked layers)")
+    layers = nn.meta.unbox(self.variables["params"])["layers"]["layer"]
+    pre_mod, post_mod = PreCA(cfg, parent=None), PostCA(cfg, parent=None)
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+    return pipeline_lib.pipeline_layers(
+        lambda p, x, pos: pre_mod.apply({"params": p}, x, pos),
+        lambda qkv, lay: _attend(self.core_attention, qkv, lay, scale),
+        lambda p, x, o: post_mod.apply({"params": p}, x, o),
+        layers, x_BxTxE, layout, microbatches=self.microbatches, stages=stages,
+        remat=cfg.remat != "none", remat_policy=REMAT_POLICIES[cfg.remat])
+
   def head_weights(self):
     """[E, V] LM-head matrix (the embedding's transpose when tied)."""
     return self.embedding.T if self.cfg.tie_embeddings else self.lm_head
@@ -429,7 +431,10 @@ class Transformer(nn.Module):
     """(sum of masked token cross-entropies, number of loss tokens), LM head chunked over T."""
     h = self(tokens_BxT, layout)
     w = self.head_weights()
-    return chunked_cross_entropy(h, w, targets_BxT, loss_mask_BxT, self.cfg.loss_chunk)
+    head_rules = (pipeline_lib.head_rules(h.shape[0]) if pipeline_lib.mesh_stages() > 1
+                  else contextlib.nullcontext())
+    with head_rules:
+      return chunked_cross_entropy(h, w, targets_BxT, loss_mask_BxT, self.cfg.loss_chunk)
 
 
 def lm_head_logits(h_BxTxE, w_ExV):

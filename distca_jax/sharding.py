@@ -1,7 +1,8 @@
 """Device mesh and the one table that maps logical axis names to mesh axes.
 
-Mesh axes: `pipe` (pipeline stages; 1 until pipelining lands), `data` (data-parallel ranks, which
-are also CAD's attention servers) and `tensor` (tensor parallelism over heads, MLP and vocab).
+Mesh axes: `pipe` (pipeline stages, `distca_jax.pipeline`: the stacked layers' dim lives on it),
+`data` (data-parallel ranks, which are also CAD's attention servers) and `tensor` (tensor
+parallelism over heads, MLP and vocab).
 Parameters and activations name their dimensions logically (`embed`, `heads`, ...); `RULES` alone
 decides where each name lives.
 """
@@ -29,7 +30,8 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("vocab", "tensor"),
-    ("layers", None),
+    ("layers", "pipe"),   # the stacked layers' dim: stage s holds its L / pipe layers
+    ("stage", "pipe"),    # a pipeline's per-stage activation slots (distca_jax.pipeline)
 )
 
 
@@ -38,8 +40,8 @@ def make_mesh(data: int = -1, tensor: int = 1, pipe: int = 1,
   """A (pipe, data, tensor) mesh; `data=-1` takes every device not used by the other axes."""
   devices = list(devices if devices is not None else jax.devices())
   n = len(devices)
-  if pipe != 1:
-    raise UserError(f"{pipe=}: pipeline parallelism is not implemented yet; set mesh.pipe=1")
+  if pipe < 1:
+    raise UserError(f"mesh.pipe={pipe} must be >= 1")
   if tensor < 1 or n % (tensor * pipe):
     raise UserError(f"mesh.tensor={tensor} x mesh.pipe={pipe} must divide the {n} devices")
   if data == -1:

@@ -64,7 +64,8 @@ def make_backend(c: ml_collections.ConfigDict, **overrides) -> attn_lib.Backend:
 def make_model(c: ml_collections.ConfigDict, backend: attn_lib.Backend | None = None) -> Transformer:
   """The model with the configured core-attention backend bound in."""
   backend = backend or make_backend(c)
-  return Transformer(config_lib.model_config(c), backend.fn, c.attention.nano_batches)
+  return Transformer(config_lib.model_config(c), backend.fn, c.attention.nano_batches,
+                     c.pipeline.microbatches)
 
 
 def make_optimizer(c: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -339,7 +340,8 @@ def _train(c, workdir, log, closers, device_memory_bytes) -> list[dict]:
 
   if getattr(backend, "caps", None):
     auto = (f" (row caps from the first {c.attention.distca.caps_from_batches} batches x "
-            f"{c.attention.distca.caps_headroom})" if c.attention.distca.caps_from_batches else "")
+            f"{c.attention.distca.caps_headroom})"
+            if c.attention.distca.caps_from_batches and c.mesh.pipe == 1 else "")
     log.info("distca caps per device and call (0 = plan.default_capacity): "
              + ", ".join(f"{k}={v}" for k, v in backend.caps.items()) + auto)
   model_cfg = model.cfg

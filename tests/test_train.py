@@ -108,8 +108,8 @@ def test_config_override_errors():
 def test_bad_mesh_is_a_clear_error():
   with pytest.raises(ValueError, match="devices are visible"):
     shard_lib.make_mesh(data=3, tensor=1)
-  with pytest.raises(ValueError, match="pipe"):
-    shard_lib.make_mesh(pipe=2)
+  with pytest.raises(ValueError, match="mesh.pipe=3 must divide the 8 devices"):
+    shard_lib.make_mesh(pipe=3)
 
 
 def _run_train(workdir, overrides, env_devices, kill_after_ckpt=None):

@@ -26,6 +26,7 @@ import types
 import ml_collections
 
 from distca_jax import attention as attn_lib
+from distca_jax import pipeline
 from distca_jax.errors import UserError
 from distca_jax.backends import cp, distca, local, packed_dp, reference, wlb
 
@@ -45,9 +46,14 @@ def module(name: str) -> types.ModuleType:
 
 def build(c: ml_collections.ConfigDict, **overrides) -> attn_lib.Backend:
   """The configured backend (``config.attention.backend``), options from the config; keyword
-  ``overrides`` replace single options (names of the backend's ``Options`` fields)."""
+  ``overrides`` replace single options (names of the backend's ``Options`` fields). Under a
+  pipeline (``mesh.pipe > 1``) its host planning runs per tick (``pipeline.per_tick_backend``)."""
   m = module(c.attention.backend)
-  return m.make(dataclasses.replace(m.Options.from_config(c), **overrides))
+  backend = m.make(dataclasses.replace(m.Options.from_config(c), **overrides))
+  if c.mesh.pipe > 1:  # one core-attention call is one pipeline tick: host plans per tick
+    backend = pipeline.per_tick_backend(backend, stages=c.mesh.pipe, rows_per_rank=c.rows_per_rank,
+                                        microbatches=c.pipeline.microbatches)
+  return backend
 
 
 def get(name: str, **options) -> attn_lib.Backend:

@@ -14,6 +14,7 @@ import numpy as np
 from distca_jax import attention as attn_lib
 from distca_jax import config as config_lib
 from distca_jax import metrics as metrics_lib
+from distca_jax import pipeline
 from distca_jax.checks import check_float, check_int
 from distca_jax.dataplane import (DispatchOptions, ExchangeOptions, dispatch_attention,
                                   mesh_and_servers)
@@ -36,11 +37,13 @@ class Options:
     q_slot, kv_slot, q_tokens, kv_tokens, tasks: caps per device for one call (``R/n`` rows of
       ``tokens_per_row``); 0 takes ``plan.default_capacity``'s value.
     kernel, memory_mode: ``dataplane.DispatchOptions``.
-    rows_per_rank, nano_batches: the trainer's ``R`` and ``n``.
+    rows_per_rank, nano_batches: the rows of one call per device (the trainer's ``R``; ``R / M``
+      under a pipeline of M microbatches) and ``n``.
     q_heads, kv_heads, head_dim, dtype_bytes: the byte model.
     linear_pairs_per_token: the linear layers' work per token in pair units, for the gate
       (``metrics.linear_pairs_per_token`` of the model).
-    data_axis, head_axis: the mesh axes of the servers and of the heads.
+    data_axis, head_axis: the mesh axes of the servers (a tuple: their product; a pipeline's
+      ``('pipe', 'data')``) and of the heads.
     exchange_buckets, collective, signal_only: ``dataplane.ExchangeOptions``. Training takes
       ``collective='auto'`` and ``signal_only=False``; benchmarks pass others to
       ``backends.build(c, ...)``.
@@ -64,7 +67,7 @@ class Options:
   head_dim: int = cost.DEFAULT_HEAD_DIM
   dtype_bytes: int = cost.DEFAULT_DTYPE_BYTES
   linear_pairs_per_token: float = 0.0
-  data_axis: str = "data"
+  data_axis: str | tuple[str, ...] = "data"
   head_axis: str | None = "tensor"
   exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS
   collective: str = "auto"
@@ -77,10 +80,17 @@ class Options:
     d = c.attention.distca
     m = config_lib.model_config(c)
     caps = {f: d[f] for f in CAP_FIELDS}
-    caps.update(sizing.startup_capacity(c))
+    # Under a pipeline (mesh.pipe > 1) one call is one tick: rows_per_rank / M rows of every
+    # pipe x data rank, all of them servers; caps there are set ones or default_capacity's.
+    pipe = c.mesh.pipe > 1
+    if not pipe:
+      caps.update(sizing.startup_capacity(c))
+    rows = c.rows_per_rank // (pipeline.resolve_microbatches(c.pipeline.microbatches, c.mesh.pipe)
+                               if pipe else 1)
     return cls(tolerance=d.tolerance, min_shard=d.min_shard, min_gain=d.min_gain, **caps,
                kernel=c.attention.kernel, memory_mode=d.memory_mode,
-               rows_per_rank=c.rows_per_rank, nano_batches=c.attention.nano_batches,
+               rows_per_rank=rows, nano_batches=c.attention.nano_batches,
+               data_axis=(pipeline.PIPE_AXIS, "data") if pipe else "data",
                q_heads=m.n_heads, kv_heads=m.n_kv_heads, head_dim=m.head_dim,
                dtype_bytes=jnp.dtype(m.dtype).itemsize,
                linear_pairs_per_token=metrics_lib.linear_pairs_per_token(m),

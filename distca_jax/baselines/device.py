@@ -24,6 +24,7 @@ from distca_jax import attention as attn_lib
 from distca_jax import ops
 
 DATA_AXIS = "data"
+PIPE_AXIS = "pipe"
 TENSOR_AXIS = "tensor"
 
 
@@ -80,7 +81,11 @@ def packed_dp_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout
   attn_lib.check_shapes(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout)
   (doc_lens_BxN,) = _extra(layout, "packed_dp", ("doc_lens",),
                            "the trainer adds them through Backend.host_prepare")
-  _, spec = _mesh_and_specs("packed_dp")
+  mesh, spec = _mesh_and_specs("packed_dp")
+  # Under a pipeline (mesh.pipe > 1) the rows are every stage's slot, sharded over (pipe, data):
+  # each rank still computes the rows it holds.
+  rows = (PIPE_AXIS, DATA_AXIS) if dict(mesh.shape).get(PIPE_AXIS, 1) > 1 else DATA_AXIS
+  spec = P(rows, *spec[1:])
 
   def per_rank(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, doc_lens_RxN):
     r, t, h, d = q_RxTxHxD.shape
@@ -95,7 +100,7 @@ def packed_dp_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout
 
   # check_vma=False: kernel primitives (pallas_call, flash3's FFI custom_vjp) carry no
   # varying-manual-axes types; with checking on, flash3's backward fails type matching on GPUs.
-  return jax.shard_map(per_rank, in_specs=(spec, spec, spec, P(DATA_AXIS, None)),
+  return jax.shard_map(per_rank, in_specs=(spec, spec, spec, P(rows, None)),
                        out_specs=spec, check_vma=False)(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, doc_lens_BxN)
 
 

@@ -44,7 +44,8 @@ class DispatchOptions:
     kernel: ``ops.core_attention`` backend ('reference', 'pallas', 'flash3').
     memory_mode: 'keep' or 'resend' (module docstring).
     softmax_scale: default ``1 / sqrt(D)``.
-    data_axis: the mesh axis of the servers.
+    data_axis: the mesh axis of the servers (a tuple of axes: their product, e.g. a pipeline's
+      (pipe, data)).
     head_axis: mesh axis the heads are split over (tensor parallelism), or None.
     return_lse: also return the softmax log-sum-exp ``[B, T, H]`` (f32; -inf at padding).
     kernel_options: extra keywords for ``ops.core_attention`` (e.g. ``interpret``); a mapping is
@@ -54,7 +55,7 @@ class DispatchOptions:
   kernel: str = "auto"
   memory_mode: str = "keep"
   softmax_scale: float | None = None
-  data_axis: str = "data"
+  data_axis: str | tuple[str, ...] = "data"
   head_axis: str | None = None
   return_lse: bool = False
   kernel_options: tuple[tuple[str, Any], ...] = ()
@@ -100,16 +101,18 @@ def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec,
   return o_RxTxHxD, lse_RxTxH
 
 
-def mesh_and_servers(mesh, data_axis: str):
-  """(mesh, servers): the given mesh or the one set by `jax.set_mesh`, and its data-axis size."""
+def mesh_and_servers(mesh, data_axis: str | tuple[str, ...]):
+  """(mesh, servers): the given mesh or the one set by `jax.set_mesh`, and the size of its
+  data axis (or the product of several: a pipeline's servers are every pipe x data rank)."""
   if mesh is None:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
       raise ValueError("CAD core attention needs a mesh: pass mesh= or trace under "
                        "jax.set_mesh(mesh) (the trainer's mesh_context)")
-  if data_axis not in mesh.axis_names:
+  axes = data_axis if isinstance(data_axis, tuple) else (data_axis,)
+  if not set(axes) <= set(mesh.axis_names):
     raise ValueError(f"{data_axis=} is not an axis of the mesh {dict(mesh.shape)}")
-  return mesh, mesh.shape[data_axis]
+  return mesh, math.prod(mesh.shape[a] for a in axes)
 
 
 def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Array,

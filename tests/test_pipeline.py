@@ -1,0 +1,205 @@
+"""Pipeline parallelism (distca_jax.pipeline) on 8 fake CPU devices: the schedule, and a pipelined
+model equal to pipe=1 in loss, gradients and training curve, compiled once. The fast tier keeps
+the host tables, the tick packing, the config errors and one small loss/gradient case."""
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from distca_jax import config as config_lib
+from distca_jax import pipeline
+from distca_jax import sharding as shard_lib
+from distca_jax import trainer
+from distca_jax.data import make_source
+from distca_jax.errors import UserError
+from test_train import _with_heads, tiny_config
+
+
+@pytest.mark.parametrize("stages,microbatches", [(1, 1), (2, 4), (4, 8), (8, 8), (4, 3)])
+def test_schedule_table(stages, microbatches):
+  table = pipeline.schedule_table(stages, microbatches)
+  assert table.shape == (microbatches + stages - 1, stages)
+  for mb in range(microbatches):  # each microbatch visits stage s at tick mb + s, once
+    ticks, where = np.nonzero(table == mb)
+    np.testing.assert_array_equal(where, np.arange(stages))
+    np.testing.assert_array_equal(ticks, mb + np.arange(stages))
+  assert pipeline.bubble_fraction(table) == pytest.approx(
+      (stages - 1) / (microbatches + stages - 1))
+
+
+# CAD options of the tests: balance every batch (no gate), a tolerance tiny batches can meet.
+DISTCA = {"attention.distca.tolerance": 0.05, "attention.distca.min_gain": 0.0}
+
+
+def loss_and_grads(c, batch_np, doclens):
+  backend = trainer.make_backend(c)
+  batch_np = trainer.add_host_plan(batch_np, backend, doclens, c.tokens_per_rank)
+  mesh = shard_lib.make_mesh(data=c.mesh.data, tensor=c.mesh.tensor, pipe=c.mesh.pipe,
+                             devices=jax.devices()[:c.mesh.pipe * c.mesh.data * c.mesh.tensor])
+  model, tx = trainer.make_model(c, backend), trainer.make_optimizer(c)
+  state = trainer.create_train_state(c, model, tx, mesh)
+
+  def f(params, batch):
+    total, count = model.apply({"params": params}, batch["inputs"], batch["targets"],
+                               batch["loss_mask"], trainer.layout_of(batch), method=model.loss)
+    return total / count
+
+  with trainer.mesh_context(mesh):
+    loss, grads = jax.jit(jax.value_and_grad(f))(state.params, trainer.device_batch(batch_np, mesh))
+  return float(loss), jax.tree.map(np.asarray, jax.device_get(grads))
+
+
+@pytest.mark.parametrize("pipe,data,tensor,microbatches,remat,backend", [
+    (2, 2, 2, 2, "none", "local"),
+    pytest.param(2, 4, 1, 4, "full", "local", marks=pytest.mark.slow),
+    pytest.param(2, 2, 2, 4, "save_attention", "packed_dp", marks=pytest.mark.slow),
+    pytest.param(4, 2, 1, 0, "save_attention", "local", marks=pytest.mark.slow),
+    pytest.param(2, 2, 2, 4, "full", "distca", marks=pytest.mark.slow),
+])
+def test_pipelined_loss_and_grads_equal_pipe_1(pipe, data, tensor, microbatches, remat, backend):
+  """One step's loss and every gradient (layers, embedding, LM head) of the pipelined model
+  equal those of the unpipelined `local` model on the same batch and parameters."""
+  seed = int(np.random.default_rng().integers(1 << 30))
+  print(f"seed={seed}")
+  rows_per_rank = pipeline.resolve_microbatches(microbatches, pipe)
+  over = {"seed": seed, "model.n_layers": 4, "model.remat": remat, "rows_per_rank": rows_per_rank,
+          "mesh.data": data, "mesh.tensor": tensor}
+  flat = _with_heads(tiny_config(**over))
+  piped = _with_heads(tiny_config(**over, **DISTCA, **{"mesh.pipe": pipe,
+                                                       "attention.backend": backend,
+                                                       "pipeline.microbatches": microbatches}))
+  config_lib.validate(piped)
+  src = make_source(flat.data, rows=data * rows_per_rank, tokens_per_row=flat.tokens_per_rank,
+                    vocab_size=flat.model.vocab_size, seed=seed)
+  step = int(np.random.default_rng(seed).integers(1000))
+  batch, doclens = src.batch(step), src.doclens(step)
+  loss_1, g_1 = loss_and_grads(flat, batch, doclens)
+  loss_p, g_p = loss_and_grads(piped, batch, doclens)
+  assert np.isfinite(loss_1) and loss_1 > 1.0
+  np.testing.assert_allclose(loss_p, loss_1, rtol=1e-5)
+  paths_1 = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(g_1)]
+  assert paths_1 == [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(g_p)]
+  for path, a, b in zip(paths_1, jax.tree.leaves(g_1), jax.tree.leaves(g_p)):
+    assert np.abs(a).max() > 0, path
+    np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-6, err_msg=path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipe,data,tensor,ref_tensor,backend", [
+    (2, 4, 1, 2, "local"), (2, 2, 2, 4, "local"), (2, 4, 1, 2, "distca")])
+def test_pipelined_training_matches_pipe_1_and_traces_once(pipe, data, tensor, ref_tensor,
+                                                          backend, tmp_path, monkeypatch):
+  """The real job on 8 devices: pipe x data x tensor against pipe=1 with the same data ranks
+  (so the same global batch), the rest of the devices on tensor: the logged losses agree within
+  1e-3 relative, and the pipelined step is traced once over batches of different layouts (with
+  `distca`: different plans for every tick)."""
+  base = {"mesh.data": data, "num_steps": 4, "log_every": 1, "checkpoint_every": 0,
+          "tensorboard": False, "optim.warmup_steps": 1, "rows_per_rank": 4,
+          "model.n_layers": 4}
+  ref = _with_heads(tiny_config(**base, **{"mesh.tensor": ref_tensor}))
+  losses_ref = [r["loss"] for r in trainer.train_and_evaluate(ref, str(tmp_path / "flat"))]
+  make_step = trainer.make_train_step
+  chex.clear_trace_counter()  # the counter is per function across the parametrized cases
+  monkeypatch.setattr(trainer, "make_train_step",
+                      lambda *a: chex.assert_max_traces(make_step(*a), n=1))
+  c = _with_heads(tiny_config(**base, **DISTCA, **{"mesh.tensor": tensor, "mesh.pipe": pipe,
+                                                   "pipeline.microbatches": 4,
+                                                   "attention.backend": backend}))
+  records = trainer.train_and_evaluate(c, str(tmp_path / "piped"))
+  losses = [r["loss"] for r in records]
+  assert len(losses) == len(losses_ref) == 4
+  assert losses_ref[-1] < losses_ref[0]  # it trained
+  np.testing.assert_allclose(losses, losses_ref, rtol=1e-3)
+
+
+def test_pipeline_config_errors():
+  c = tiny_config(**{"mesh.pipe": 2, "rows_per_rank": 6})  # default M = 4
+  with pytest.raises(UserError, match="multiple of pipeline.microbatches=4"):
+    config_lib.validate(c)
+  c = tiny_config(**{"mesh.pipe": 4, "model.n_layers": 2, "rows_per_rank": 8})
+  with pytest.raises(UserError, match="n_layers=2 must be a multiple of mesh.pipe=4"):
+    config_lib.validate(c)
+  c = tiny_config(**{"mesh.pipe": 2, "rows_per_rank": 4, "attention.nano_batches": 2})
+  with pytest.raises(UserError, match="nano_batches=1"):
+    config_lib.validate(c)
+  with pytest.raises(UserError, match="pipeline.microbatches=-1"):
+    pipeline.resolve_microbatches(-1, 2)
+
+
+def test_tick_arrays_round_trip():
+  """per_tick_backend packs each tick's [S D r, W] host array into the batch's row layout, and
+  unpack_tick_array gives every tick's array back on the device, rows over (pipe, data)."""
+  import dataclasses
+  from distca_jax import attention as attn_lib
+  stages, data, rows_per_rank, m, w = 2, 4, 4, 2, 3
+  seen, made = [], []
+
+  def host_prepare(rows, tokens_per_row):  # each entry encodes (call, row, column)
+    del tokens_per_row
+    seen.append(rows)
+    made.append(np.asarray([[1000 * len(made) + 10 * i + j for j in range(w)]
+                            for i in range(len(rows))], np.int32))
+    return {"plan": made[-1]}
+
+  backend = pipeline.per_tick_backend(
+      attn_lib.Backend(fn=None, host_prepare=host_prepare), stages=stages,
+      rows_per_rank=rows_per_rank, microbatches=m)
+  doclens = [[i + 1] for i in range(data * rows_per_rank)]
+  packed = backend.host_prepare(doclens, 64)[pipeline.TICK_PREFIX + "plan"]
+  assert packed.shape[0] == data * rows_per_rank
+  # The rows each tick's call saw: stage s holds microbatch t - s, bubbles are empty rows.
+  r = rows_per_rank // m
+  for t, rows in enumerate(seen):
+    for s in range(stages):
+      mb = t - s
+      for rank in range(data):
+        for j in range(r):
+          got = rows[(s * data + rank) * r + j]
+          assert got == ([rank * rows_per_rank + mb * r + j + 1] if 0 <= mb < m else [])
+  mesh = shard_lib.make_mesh(data=data, pipe=stages)
+  with trainer.mesh_context(mesh):
+    out = jax.jit(lambda a: pipeline.unpack_tick_array(a, stages, m))(
+        jax.device_put(packed, trainer.rows_sharding(mesh)))
+  assert len(made) == pipeline.num_ticks(stages, m)
+  np.testing.assert_array_equal(np.asarray(out), np.stack(made))
+  assert out.sharding.spec[1] == ("pipe", "data")
+
+
+def test_distca_plans_pool_ticks_over_every_stage():
+  """CAD under the pipeline plans each tick over all pipe x data ranks: rows move between
+  stages, and in warm-up ticks the idle stage's ranks serve the busy stage's attention."""
+  c = _with_heads(tiny_config(**DISTCA, **{"mesh.pipe": 2, "mesh.data": 4, "rows_per_rank": 4,
+                                           "pipeline.microbatches": 2,
+                                           "attention.backend": "distca",
+                                           "tokens_per_rank": 256}))
+  config_lib.validate(c)
+  backend = trainer.make_backend(c)
+  src = make_source(c.data, rows=16, tokens_per_row=256, vocab_size=c.model.vocab_size,
+                    seed=c.seed)
+  ticks = [pipeline.tick_rows(src.doclens(step), stages=2, rows_per_rank=4, microbatches=2)
+           for step in range(6)]
+  plans = [backend.host_plans(rows, 256)[0].plan for per_step in ticks for rows in per_step]
+  assert all(p.num_servers == 8 for p in plans)
+  cross = sum(int(p.pair_q_rows[:4, 4:].sum() + p.pair_q_rows[4:, :4].sum()) for p in plans)
+  assert cross > 0
+  warmups = [backend.host_plans(per_step[0], 256)[0].plan for per_step in ticks]
+  assert all(p.loads_before[4:].sum() == 0 for p in warmups)  # stage 1 holds nothing at tick 0
+  assert any(p.loads_after[4:].sum() > 0 for p in warmups)    # ... and serves stage 0
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_under_another_pipe_layout(tmp_path):
+  """A checkpoint of a pipe=1 run resumes under pipe=2 (same parameter tree, other shardings)
+  and continues with the losses of the uninterrupted pipe=1 run."""
+  base = {"mesh.data": 4, "log_every": 1, "checkpoint_every": 2, "tensorboard": False,
+          "optim.warmup_steps": 1, "rows_per_rank": 4, "model.n_layers": 4,
+          "async_checkpoint": False}
+  flat = lambda steps: _with_heads(tiny_config(**base, **{"mesh.tensor": 2, "num_steps": steps}))
+  want = {r["step"]: r["loss"] for r in trainer.train_and_evaluate(flat(4), str(tmp_path / "a"))}
+  trainer.train_and_evaluate(flat(2), str(tmp_path / "b"))
+  piped = _with_heads(tiny_config(**base, **{"num_steps": 4, "mesh.pipe": 2,
+                                             "pipeline.microbatches": 2}))
+  got = {r["step"]: r["loss"] for r in trainer.train_and_evaluate(piped, str(tmp_path / "b"))}
+  assert sorted(got) == [3, 4]
+  np.testing.assert_allclose([got[3], got[4]], [want[3], want[4]], rtol=1e-3)

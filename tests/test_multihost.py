@@ -173,8 +173,8 @@ def _restore_params(workdir, c):
 @pytest.mark.slow
 def test_two_processes_train_like_one_and_checkpoint(tmp_path):
   """2 processes x 4 devices reach the per-step losses of 1 process x 8 (local attention); the
-  checkpoint the 2 processes write restores in 1 process with the 1-process run's parameters,
-  and 1 process resumes from it with the 1-process run's next loss."""
+  checkpoint the 2 processes write restores in 1 process with the 1-process run's parameters;
+  runs resumed with another process count (1, 2, 4 x 2 devices) keep matching losses."""
   args = ["--config.attention.backend=local", "--config.num_steps=3",
           "--config.checkpoint_every=3", "--config.async_checkpoint=False"]
   two, one = tmp_path / "two", tmp_path / "one"
@@ -191,12 +191,14 @@ def test_two_processes_train_like_one_and_checkpoint(tmp_path):
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(s2.params),
                           jax.tree.leaves(s1.params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
-  # 1 process resumes the 2 processes' checkpoint; 2 processes resume the 1 process's.
-  more = [a for a in args if "num_steps" not in a] + ["--config.num_steps=4"]
-  _run(1, 8, more, two, tmp_path)
-  _run(2, 4, more, one, tmp_path)
-  l2, l1 = _losses(two), _losses(one)
-  assert abs(l2[4] - l1[4]) <= 1e-4 * abs(l1[4]), (l2[4], l1[4])
+  # 1 process resumes the 2 processes' checkpoint and 2 processes the 1 process's; then 4
+  # processes x 2 devices resume the first and 1 process the second.
+  for steps, (pa, da), (pb, db) in ((4, (1, 8), (2, 4)), (5, (4, 2), (1, 8))):
+    more = [a for a in args if "num_steps" not in a] + [f"--config.num_steps={steps}"]
+    _run(pa, da, more, two, tmp_path)
+    _run(pb, db, more, one, tmp_path)
+    l2, l1 = _losses(two), _losses(one)
+    assert abs(l2[steps] - l1[steps]) <= 1e-4 * abs(l1[steps]), (steps, l2[steps], l1[steps])
 
 
 @pytest.mark.slow

@@ -210,6 +210,8 @@ def test_two_processes_with_distca_match_one(tmp_path):
           "--config.checkpoint_every=0"]
   two, one = tmp_path / "two", tmp_path / "one"
   _run(2, 4, args, two, tmp_path)
+  for i, rows in enumerate(["[(0, 4)]", "[(4, 8)]"]):  # each process built its 4 rows only
+    assert f"batch rows {rows} of 8" in (tmp_path / f"two_{i}.log").read_text()
   _run(1, 8, args, one, tmp_path)
   l2, l1 = _losses(two), _losses(one)
   assert sorted(l2) == sorted(l1) == [1, 2]

@@ -6,9 +6,13 @@ touches devices. Settings already present in the environment are kept (the user'
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 
 import ml_collections
+
+from distca_jax.errors import UserError
 
 # NVLink multicast (NVLS) is kept off: see the device notes; it destabilized shared GPU hosts.
 # No XLA overlap flags are set, by measurement: CAD's all-to-alls are async collectives that XLA
@@ -50,22 +54,82 @@ def configure_environment() -> None:
   os.environ["XLA_FLAGS"] = xla_flags_with_defaults(os.environ.get("XLA_FLAGS", ""))
 
 
+@dataclasses.dataclass(frozen=True)
+class Distributed:
+  """How this process joins a multi-process job (``jax.distributed.initialize`` arguments).
+
+  ``coordinator_address``, ``num_processes`` and ``process_id`` name the job explicitly (all
+  three, or none: then the cluster is detected, SLURM / Open MPI / Kubernetes). A process that
+  misses heartbeats for ``heartbeat_timeout_s`` seconds is declared dead and the others stop with
+  an error; ``initialization_timeout_s`` bounds the wait for every process to join.
+  """
+
+  coordinator_address: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+  heartbeat_timeout_s: int = 100
+  initialization_timeout_s: int = 300
+
+  @property
+  def explicit(self) -> bool:
+    return self.coordinator_address is not None
+
+  def check(self) -> None:
+    given = {k: getattr(self, k) for k in ("coordinator_address", "num_processes", "process_id")}
+    if any(v is not None for v in given.values()) and any(v is None for v in given.values()):
+      raise UserError(f"multi-process flags {given}: pass all three of --coordinator_address, "
+                       "--num_processes and --process_id, or none (cluster auto-detection "
+                       "with --multihost)")
+    if self.explicit:
+      if ":" not in self.coordinator_address:
+        raise UserError(f"--coordinator_address={self.coordinator_address!r} must be HOST:PORT")
+      if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
+        raise UserError(f"--process_id={self.process_id} must be in [0, --num_processes="
+                         f"{self.num_processes})")
+    for name in ("heartbeat_timeout_s", "initialization_timeout_s"):
+      if getattr(self, name) < 1:
+        raise UserError(f"--{name}={getattr(self, name)} must be >= 1 (seconds)")
+
+  def initialize(self) -> None:
+    import jax
+    kwargs = dict(initialization_timeout=self.initialization_timeout_s,
+                  heartbeat_timeout_seconds=self.heartbeat_timeout_s)
+    if self.explicit:
+      kwargs.update(coordinator_address=self.coordinator_address,
+                    num_processes=self.num_processes, process_id=self.process_id)
+    jax.distributed.initialize(**kwargs)
+
+
 def run(config: ml_collections.ConfigDict, workdir: str, *, multihost: bool = False,
-        verbose: bool = False):
-  """Sets up the process and trains; `verbose` keeps library INFO logs (orbax is chatty)."""
+        verbose: bool = False, distributed: Distributed | None = None):
+  """Sets up the process and trains; `verbose` keeps library INFO logs (orbax is chatty).
+
+  ``multihost`` (or an explicit ``distributed.coordinator_address``) joins a multi-process job
+  first. Every process logs its own errors (with its process index) to stderr before raising.
+  """
   configure_environment()
+  distributed = distributed or Distributed()
+  distributed.check()
   if not verbose:
     from absl import logging
     logging.set_verbosity(logging.WARNING)
   import jax
-  if multihost:
-    jax.distributed.initialize()
+  if multihost or distributed.explicit:
+    distributed.initialize()
   from distca_jax import memory, trainer
   try:
-    return trainer.train_and_evaluate(config, workdir, device_memory_bytes=_injected_capacity())
-  except memory.DoesNotFit as e:  # add what each knob would need (compiles variants: slow path)
-    from distca_jax import aot
-    raise aot.explain_does_not_fit(config, e) from e.__cause__
+    try:
+      return trainer.train_and_evaluate(config, workdir, device_memory_bytes=_injected_capacity())
+    except memory.DoesNotFit as e:  # add what each knob would need (compiles variants: slow path)
+      from distca_jax import aot
+      raise aot.explain_does_not_fit(config, e) from e.__cause__
+  except BaseException as e:
+    # Every process names itself in its own error line (user errors: train.py prints the one
+    # line; internal errors: their traceback follows when the exception leaves the process).
+    if not isinstance(e, (SystemExit, KeyboardInterrupt, UserError)):
+      print(f"process {jax.process_index()}/{jax.process_count()} failed: "
+            f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    raise
 
 
 # Test hook: pretend each device has this many bytes (the memory pre-flight on CPUs).

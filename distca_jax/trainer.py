@@ -17,6 +17,7 @@ import os
 import queue
 import threading
 import time
+import zlib
 from typing import Any, Callable
 
 import flax.struct
@@ -233,34 +234,144 @@ def rows_sharding(mesh):
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
 
 
-def device_batch(np_batch: dict, mesh) -> dict:
-  """Host numpy batch -> global arrays, rows sharded over `data` (each process fills its own)."""
+def local_row_ranges(mesh, rows: int) -> list[tuple[int, int]]:
+  """The row ranges [a, b) of a [rows, ...] batch that this process's devices hold (rows over
+  `data`), contiguous ranges merged, in order; one process owning every device gets [(0, rows)]."""
+  index = rows_sharding(mesh).addressable_devices_indices_map((rows,))
+  spans = sorted({(s.start or 0, rows if s.stop is None else s.stop) for (s,) in index.values()})
+  merged: list[tuple[int, int]] = []
+  for a, b in spans:
+    if merged and a <= merged[-1][1]:
+      merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+    else:
+      merged.append((a, b))
+  return merged
+
+
+# A process's part of a batch: blocks (a, b, {key: array [b - a, ...]}) holding rows [a, b).
+LocalBatch = list[tuple[int, int, dict]]
+
+
+def local_batch(source, step: int, row_ranges, backend: attn_lib.Backend | None, doclens,
+                plan_seconds: list | None = None) -> tuple[LocalBatch, int]:
+  """Rows ``row_ranges`` of step ``step``'s batch with the backend's host plan rows.
+
+  Only those rows' tokens are built. A host plan (``host_prepare``) is computed from the GLOBAL
+  document lengths ``doclens`` (the same deterministic plan in every process) and cut to the same
+  rows. Backends that move tokens between rows on the host (``host_arrange``: cp, wlb) need the
+  whole batch, so they take a single range covering every row. ``plan_seconds`` gets the host
+  planning time appended.
+
+  Returns:
+    (the blocks, ``plan_digest`` of the document lengths and the whole plan).
+  """
+  rows = source.rows
+  if backend is not None and backend.host_arrange is not None:
+    if list(row_ranges) != [(0, rows)]:
+      raise ValueError("this attention backend rearranges tokens across data ranks on the host "
+                       "(host_arrange: cp, wlb) and needs the whole batch in every process; with "
+                       f"several processes (this one holds rows {list(row_ranges)} of {rows}) use "
+                       "config.attention.backend=distca, packed_dp or local")
+    batch = source.batch(step)
+    t0 = time.perf_counter()
+    batch = add_host_plan(batch, backend, doclens, source.tokens_per_row)
+    if plan_seconds is not None:
+      plan_seconds.append(time.perf_counter() - t0)
+    return [(0, rows, batch)], plan_digest(doclens, {})
+  extra = {}
+  if backend is not None and backend.host_prepare is not None:
+    t0 = time.perf_counter()
+    extra = {EXTRA_PREFIX + k: v
+             for k, v in backend.host_prepare(doclens, source.tokens_per_row).items()}
+    if plan_seconds is not None:
+      plan_seconds.append(time.perf_counter() - t0)
+  out = []
+  for a, b in row_ranges:
+    block = source.batch(step) if (a, b) == (0, rows) else source.batch(step, rows=(a, b))
+    out.append((a, b, {**block, **{k: v[a:b] for k, v in extra.items()}}))
+  return out, plan_digest(doclens, extra)
+
+
+def plan_digest(doclens, plan: dict) -> int:
+  """uint32 CRC of a step's plan metadata: its document lengths and the host plan arrays (every
+  process must compute the same; ``check_plans_agree`` compares them)."""
+  crc = zlib.crc32(np.asarray([len(r) for r in doclens] + [x for r in doclens for x in r],
+                              np.int64).tobytes())
+  for k in sorted(plan):
+    crc = zlib.crc32(k.encode() + np.ascontiguousarray(plan[k]).tobytes(), crc)
+  return crc
+
+
+def check_plans_agree(step: int, digest: int) -> None:
+  """All processes compare their ``plan_digest`` of step ``step`` (one small all-gather); raises
+  a RuntimeError naming the step and the processes that differ. A no-op with one process."""
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils
+  got = np.asarray(multihost_utils.process_allgather(np.uint32(digest))).reshape(-1)
+  if (got != got[0]).any():
+    raise RuntimeError(
+        f"step {step}: the processes computed different host plans (plan digests by process: "
+        f"{[f'{int(x):08x}' for x in got]}). Every process must run the same code, config and "
+        "data files; compare their config.json, data paths and package versions.")
+
+
+def device_batch(np_batch: dict | LocalBatch, mesh, rows: int | None = None) -> dict:
+  """Host batch -> global arrays, rows sharded over `data`; each process fills its own devices.
+
+  ``np_batch`` is the whole batch (a dict of [B, ...] arrays) or a process's ``LocalBatch`` with
+  ``rows`` = B; a device's rows must lie inside one block.
+  """
+  if isinstance(np_batch, dict):
+    rows = len(next(iter(np_batch.values())))
+    np_batch = [(0, rows, np_batch)]
   sh = rows_sharding(mesh)
-  return {k: jax.make_array_from_callback(a.shape, sh, lambda idx, a=a: a[idx])
-          for k, a in np_batch.items()}
+
+  def rows_of(key, idx):
+    lo, hi, _ = idx[0].indices(rows)
+    for a, b, block in np_batch:
+      if a <= lo and hi <= b:
+        return block[key][(slice(lo - a, hi - a),) + tuple(idx[1:])]
+    raise ValueError(f"rows [{lo}, {hi}) of {key!r} are not in this process's blocks "
+                     f"{[(a, b) for a, b, _ in np_batch]}")
+
+  first = np_batch[0][2]
+  return {k: jax.make_array_from_callback((rows,) + first[k].shape[1:], sh,
+                                          lambda idx, k=k: rows_of(k, idx))
+          for k in first}
 
 
 class Prefetcher:
-  """Builds host batches (and their FLOP counts) for upcoming steps on a background thread."""
+  """Builds host batches (and their FLOP counts) for upcoming steps on a background thread.
+
+  With ``row_ranges`` (``local_row_ranges``) each item's batch is a ``LocalBatch`` of those rows
+  only (multi-process feeding); without, it is the whole batch dict.
+  """
 
   def __init__(self, source, model_cfg, start: int, stop: int, depth: int = 2,
-               backend: attn_lib.Backend | None = None):
+               backend: attn_lib.Backend | None = None, row_ranges=None):
     self._q: queue.Queue = queue.Queue(maxsize=depth)
     self._stop = stop
     # Host seconds per batch spent in the backend's planning (`add_host_plan`), in step order:
     # benchmarks compare it with the main thread's wait in `next` (planning off the critical
     # path shows up as planning time > 0 with ~0 wait).
     self.host_plan_s: list[float] = []
+    # Step -> plan_digest, with row_ranges; the train loop pops the steps it checks.
+    self.plan_digests: dict[int, int] = {}
 
     def work():
       for step in range(start, stop):
         try:
           doclens = source.doclens(step)
-          batch = source.batch(step)
-          if backend is not None:
-            t0 = time.perf_counter()
-            batch = add_host_plan(batch, backend, doclens, source.tokens_per_row)
-            self.host_plan_s.append(time.perf_counter() - t0)
+          if row_ranges is not None:
+            batch, self.plan_digests[step] = local_batch(source, step, row_ranges, backend,
+                                                         doclens, self.host_plan_s)
+          else:
+            batch = source.batch(step)
+            if backend is not None:
+              t0 = time.perf_counter()
+              batch = add_host_plan(batch, backend, doclens, source.tokens_per_row)
+              self.host_plan_s.append(time.perf_counter() - t0)
           item = (step, batch, doclens)
         except Exception as e:  # surfaced in the main thread, never swallowed
           self._q.put(e)
@@ -370,7 +481,12 @@ def _train(c, workdir, log, closers, device_memory_bytes) -> list[dict]:
   if start >= c.num_steps:
     log.info(f"nothing to do: the checkpoint is at step {start} >= num_steps={c.num_steps}")
     return records
-  prefetch = Prefetcher(source, model_cfg, start, c.num_steps, backend=backend)
+  row_ranges = local_row_ranges(mesh, rows)
+  if jax.process_count() > 1:
+    print(f"process {jax.process_index()}/{jax.process_count()}: {jax.local_device_count()} "
+          f"devices, batch rows {row_ranges} of {rows}", flush=True)
+  prefetch = Prefetcher(source, model_cfg, start, c.num_steps, backend=backend,
+                        row_ranges=row_ranges)
   step_fn = None
   log.info(f"compiling the train step (first step includes compilation) ...")
   window_t0, window_flops, window_tokens, window_steps = None, 0.0, 0, 0
@@ -386,19 +502,24 @@ def _train(c, workdir, log, closers, device_memory_bytes) -> list[dict]:
   memory_need = None
   for _ in range(start, c.num_steps):
     step, np_batch, flops, tokens = prefetch.next()
+    digest = prefetch.plan_digests.pop(step)
+    if step == start or (c.checkpoint_every > 0 and step % c.checkpoint_every == 0):
+      check_plans_agree(step, digest)
     if step_fn is None:  # batch keys (a backend's plan arrays included) are known now
       with mesh_context(mesh):
-        step_fn = jit_train_step(c, model, tx, mesh, state_sh, tuple(np_batch))
+        keys = np_batch[0][2]
+        step_fn = jit_train_step(c, model, tx, mesh, state_sh, tuple(keys))
         # Pre-flight: compile once ahead of the call and stop if the step cannot fit.
-        batch_shapes = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rows_sharding(mesh))
-                        for k, a in np_batch.items()}
+        batch_shapes = {k: jax.ShapeDtypeStruct((rows,) + a.shape[1:], a.dtype,
+                                                sharding=rows_sharding(mesh))
+                        for k, a in keys.items()}
         step_fn = step_fn.lower(state, batch_shapes).compile()
       memory_need = memory_lib.check_fits(step_fn, mesh.devices.flat[0], device_memory_bytes)
     profiled = step == c.profile_step
     with mesh_context(mesh):
       if profiled:  # idle time against the last unprofiled step time when there is one
         state, m, report = profiling.profile_train_step(
-            step_fn, state, device_batch(np_batch, mesh), profile_dir,
+            step_fn, state, device_batch(np_batch, mesh, rows), profile_dir,
             step_time_s=last_step_time_s)
         basis = ("the profiled call's wall time" if last_step_time_s is None
                  else "the last logged step_time_s")
@@ -406,7 +527,7 @@ def _train(c, workdir, log, closers, device_memory_bytes) -> list[dict]:
                  f"report in {profile_dir}/report.md\n" + profiling.format_report(report))
       else:
         try:
-          state, m = step_fn(state, device_batch(np_batch, mesh))
+          state, m = step_fn(state, device_batch(np_batch, mesh, rows))
         except jax.errors.JaxRuntimeError as e:
           memory_lib.raise_if_out_of_memory(e, memory_need, mesh.devices.flat[0],
                                             device_memory_bytes)

@@ -64,8 +64,9 @@ class Source(Protocol):
   tokens_per_row: int
   vocab_size: int
 
-  def batch(self, step: int) -> dict[str, np.ndarray]:
-    """The batch of step ``step``: arrays [B, T] keyed by ``BATCH_KEYS``."""
+  def batch(self, step: int, rows: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+    """The batch of step ``step``: arrays [B, T] keyed by ``BATCH_KEYS``; ``rows=(a, b)`` builds
+    only rows [a, b) (arrays [b - a, T], equal to the whole batch's rows a..b-1)."""
     ...
 
   def doclens(self, step: int) -> list[list[int]]:
@@ -233,6 +234,26 @@ def cut_rows(pieces: Pieces, tokens_per_row: int, rows: int) -> Pieces:
   return Pieces(pieces.epoch_N[which], pieces.doc_N[which],
                 pieces.offset_N[which] + (cuts - starts[which]), length,
                 pieces.doc_len_N[which], cuts // tokens_per_row)
+
+
+def select_rows(pieces: Pieces, rows: int, row_range: tuple[int, int] | None) -> tuple[Pieces, int]:
+  """(the pieces of rows [a, b) renumbered from 0, b - a); ``None`` keeps all ``rows``.
+
+  Pieces are in row order, so rows [a, b) hold a contiguous run of them; building a batch from
+  that run gives exactly rows a..b-1 of the whole batch (token content depends only on each
+  piece's document and offset).
+  """
+  if row_range is None:
+    return pieces, rows
+  a, b = (int(x) for x in row_range)
+  if not 0 <= a < b <= rows:
+    raise DataError(f"rows={row_range} must be a range [a, b) with 0 <= a < b <= {rows}")
+  if pieces.row_N is None:
+    raise ValueError("select_rows needs pieces cut into rows (call cut_rows first)")
+  i0, i1 = np.searchsorted(pieces.row_N, [a, b], side="left")
+  sub = Pieces(pieces.epoch_N[i0:i1], pieces.doc_N[i0:i1], pieces.offset_N[i0:i1],
+               pieces.length_N[i0:i1], pieces.doc_len_N[i0:i1], pieces.row_N[i0:i1] - a)
+  return sub, b - a
 
 
 TokenFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]

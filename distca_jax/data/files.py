@@ -19,7 +19,7 @@ import os
 import numpy as np
 
 from distca_jax.data.batch import (DataError, DocumentStream, Pieces, batch_from_pieces, check_step,
-                                   cut_rows)
+                                   cut_rows, select_rows)
 
 TOKENS_SUFFIX = ".tokens.npy"
 OFFSETS_SUFFIX = ".offsets.npy"
@@ -156,9 +156,11 @@ class FileSource:
     del epoch_M  # a document's tokens are the same in every epoch
     return self.tokens[self.offsets[doc_M] + offset_M]
 
-  def batch(self, step: int) -> dict[str, np.ndarray]:
-    """Step ``step``'s batch: arrays [B, T] (see ``distca_jax.data.batch``)."""
-    return batch_from_pieces(self._pieces(step), self.rows, self.tokens_per_row, self._tokens)
+  def batch(self, step: int, rows: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+    """Step ``step``'s batch: arrays [B, T], or rows [a, b) of it for ``rows=(a, b)`` (see
+    ``distca_jax.data.batch``)."""
+    pieces, n = select_rows(self._pieces(step), self.rows, rows)
+    return batch_from_pieces(pieces, n, self.tokens_per_row, self._tokens)
 
   def doclens(self, step: int) -> list[list[int]]:
     """Step ``step``'s piece lengths per row."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from distca_jax.data.batch import DataError, Pieces, batch_from_pieces, check_step
+from distca_jax.data.batch import DataError, Pieces, batch_from_pieces, check_step, select_rows
 from distca_jax.data.workloads import WORKLOADS, WorkloadSampler
 
 DEFAULT_MAX_STRIDE = 4
@@ -78,9 +78,11 @@ class SyntheticSource:
     stride = 1 + ((key >> np.uint64(32)) % np.uint64(self.strides)).astype(np.int64)
     return (start + stride * offset_M) % self.vocab_size
 
-  def batch(self, step: int) -> dict[str, np.ndarray]:
-    """Step ``step``'s batch: arrays [B, T] (see ``distca_jax.data.batch``)."""
-    return batch_from_pieces(self._pieces(step), self.rows, self.tokens_per_row, self.tokens)
+  def batch(self, step: int, rows: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+    """Step ``step``'s batch: arrays [B, T], or rows [a, b) of it for ``rows=(a, b)`` (see
+    ``distca_jax.data.batch``)."""
+    pieces, n = select_rows(self._pieces(step), self.rows, rows)
+    return batch_from_pieces(pieces, n, self.tokens_per_row, self.tokens)
 
   def doclens(self, step: int) -> list[list[int]]:
     """Step ``step``'s piece lengths per row."""

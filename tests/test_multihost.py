@@ -1,0 +1,273 @@
+"""Multi-process training on one machine: feeding, plans, checkpoints and failures.
+
+The subprocess tests (marked ``slow``) launch `python -m distca_jax.train` as 2 processes x 4 CPU
+devices (``JAX_NUM_CPU_DEVICES=4``, a coordinator on 127.0.0.1, gloo collectives) and compare them
+with 1 process x 8 devices on the tiny config (float32). The other tests check the pieces in this
+process (8 fake devices).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from distca_jax import config as config_lib
+from distca_jax import launch
+from distca_jax import trainer
+from distca_jax.data import make_source
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Small enough that a step takes seconds on a shared 2-core CPU: 8 rows (1 per device) x 256.
+TINY = ["--config", os.path.join(ROOT, "configs", "tiny_cpu.py"), "--config.mesh.data=8",
+        "--config.rows_per_rank=1", "--config.model.n_layers=2", "--config.model.dtype=float32",
+        "--config.optim.warmup_steps=1", "--config.log_every=1", "--config.tensorboard=False"]
+
+
+def _tiny_config(backend: str, seed: int):
+  from configs import tiny_cpu
+  c = tiny_cpu.get_config()
+  c.attention.backend = backend
+  c.mesh.data, c.rows_per_rank, c.model.n_layers, c.seed = 8, 1, 2, seed
+  return c
+
+
+# ------------------------------------------------------------------------------------------------
+# In-process pieces
+# ------------------------------------------------------------------------------------------------
+def test_rows_of_a_batch_equal_the_whole_batch_rows():
+  seed = int(np.random.default_rng().integers(1 << 30))
+  rng = np.random.default_rng(seed)
+  src = make_source(_tiny_config("local", seed).data, rows=16, tokens_per_row=256,
+                    vocab_size=256, seed=seed)
+  for step in rng.integers(0, 1000, size=3):
+    whole = src.batch(int(step))
+    a = int(rng.integers(0, 15))
+    b = int(rng.integers(a + 1, 17))
+    part = src.batch(int(step), rows=(a, b))
+    for k, v in whole.items():
+      np.testing.assert_array_equal(part[k], v[a:b], err_msg=f"{seed=} {step=} rows {a}:{b} {k}")
+
+
+def test_local_batch_blocks_build_the_same_global_arrays_and_digest():
+  """A batch fed as row blocks (as several processes would) equals the whole batch on device,
+  the distca plan rows included, and its plan digest is the whole plan's."""
+  seed = int(np.random.default_rng().integers(1 << 30))
+  c = _tiny_config("distca", seed)
+  mesh = jax.make_mesh((1, 8, 1), ("pipe", "data", "tensor"))
+  backend = trainer.make_backend(c)
+  src = make_source(c.data, rows=8, tokens_per_row=c.tokens_per_rank, vocab_size=256, seed=seed)
+  step = int(np.random.default_rng(seed).integers(1000))
+  doclens = src.doclens(step)
+  blocks, digest = trainer.local_batch(src, step, [(0, 3), (3, 8)], backend, doclens)
+  whole = trainer.add_host_plan(src.batch(step), backend, doclens, c.tokens_per_rank)
+  plan = {k[len(trainer.EXTRA_PREFIX):]: v for k, v in whole.items()
+          if k.startswith(trainer.EXTRA_PREFIX)}
+  assert plan and digest == trainer.plan_digest(doclens, {trainer.EXTRA_PREFIX + k: v
+                                                          for k, v in plan.items()})
+  got = trainer.device_batch(blocks, mesh, 8)
+  want = trainer.device_batch(whole, mesh)
+  assert sorted(got) == sorted(want)
+  for k in want:
+    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=f"{seed=} {k}")
+  assert trainer.local_row_ranges(mesh, 8) == [(0, 8)]
+  other = trainer.plan_digest(src.doclens(step + 1), {})
+  assert other != trainer.plan_digest(doclens, {})
+
+
+def test_host_arrange_backends_refuse_partial_rows():
+  c = _tiny_config("cp", 0)
+  c.attention.baselines.cp_size = 2
+  src = make_source(c.data, rows=8, tokens_per_row=c.tokens_per_rank, vocab_size=256, seed=0)
+  with pytest.raises(ValueError, match=r"needs the whole batch in every process"):
+    trainer.local_batch(src, 0, [(0, 4)], trainer.make_backend(c), src.doclens(0))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(coordinator_address="127.0.0.1:1234"), "pass all three"),
+    (dict(coordinator_address="localhost", num_processes=2, process_id=0), "must be HOST:PORT"),
+    (dict(coordinator_address="h:1", num_processes=2, process_id=2), r"--process_id=2 must be"),
+    (dict(heartbeat_timeout_s=0), r"--heartbeat_timeout_s=0 must be >= 1"),
+])
+def test_distributed_flags_are_checked(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    launch.Distributed(**kwargs).check()
+
+
+# ------------------------------------------------------------------------------------------------
+# Several processes (subprocesses)
+# ------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _env(devices: int) -> dict:
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # the children's device count comes from JAX_NUM_CPU_DEVICES
+  env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices), PYTHONUNBUFFERED="1",
+             PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+  return env
+
+
+def _start(procs: int, devices: int, args: list[str], workdir, logdir, *, heartbeat_s: int = 100,
+           module: list[str] | None = None) -> list[subprocess.Popen]:
+  """`procs` processes of the trainer (`module` replaces `-m distca_jax.train`)."""
+  cmd = [sys.executable] + (module or ["-m", "distca_jax.train"]) + TINY + args + [
+      f"--workdir={workdir}"]
+  if procs > 1:
+    cmd += [f"--coordinator_address=127.0.0.1:{_free_port()}", f"--num_processes={procs}",
+            f"--heartbeat_timeout_s={heartbeat_s}"]
+  out = []
+  for i in range(procs):
+    log = open(os.path.join(logdir, f"{os.path.basename(str(workdir))}_{i}.log"), "w")
+    extra = [f"--process_id={i}"] if procs > 1 else []
+    out.append(subprocess.Popen(cmd + extra, cwd=ROOT, env=_env(devices), stdout=log,
+                                stderr=subprocess.STDOUT))
+  return out
+
+
+def _run(procs: int, devices: int, args: list[str], workdir, logdir, timeout=600) -> None:
+  ps = _start(procs, devices, args, workdir, logdir)
+  for i, p in enumerate(ps):
+    try:
+      rc = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      for q in ps:
+        q.kill()
+      rc = "timeout"
+    if rc != 0:
+      for q in ps:
+        q.kill()
+      name = os.path.join(logdir, f"{os.path.basename(str(workdir))}_{i}.log")
+      raise AssertionError(f"process {i} of {procs} exited with {rc}:\n" + open(name).read()[-4000:])
+
+
+def _losses(workdir) -> dict[int, float]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+def _restore_params(workdir, c):
+  from distca_jax import checkpoint as ckpt_lib
+  from distca_jax import sharding as shard_lib
+  mesh = shard_lib.make_mesh(data=8)
+  model = trainer.make_model(c, trainer.make_backend(c))
+  abstract, _ = trainer.state_shardings(c, model, trainer.make_optimizer(c), mesh)
+  manager = ckpt_lib.CheckpointManager(str(workdir), c)
+  try:
+    return jax.device_get(manager.restore(abstract))
+  finally:
+    manager.close()
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one_and_checkpoint(tmp_path):
+  """2 processes x 4 devices reach the per-step losses of 1 process x 8 (local attention); the
+  checkpoint the 2 processes write restores in 1 process with the 1-process run's parameters;
+  runs resumed with another process count (1, 2, 4 x 2 devices) keep matching losses."""
+  args = ["--config.attention.backend=local", "--config.num_steps=3",
+          "--config.checkpoint_every=3", "--config.async_checkpoint=False"]
+  two, one = tmp_path / "two", tmp_path / "one"
+  _run(2, 4, args, two, tmp_path)
+  _run(1, 8, args, one, tmp_path)
+  l2, l1 = _losses(two), _losses(one)
+  assert sorted(l2) == sorted(l1) == [1, 2, 3]
+  for s in l1:
+    assert abs(l2[s] - l1[s]) <= 1e-4 * abs(l1[s]), (s, l2[s], l1[s])
+  c = _tiny_config("local", 0)
+  c.num_steps, c.optim.warmup_steps = 3, 1
+  s2, s1 = _restore_params(two, c), _restore_params(one, c)
+  assert int(s2.step) == int(s1.step) == 3
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(s2.params),
+                          jax.tree.leaves(s1.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+  # 1 process resumes the 2 processes' checkpoint and 2 processes the 1 process's; then 4
+  # processes x 2 devices resume the first and 1 process the second.
+  for steps, (pa, da), (pb, db) in ((4, (1, 8), (2, 4)), (5, (4, 2), (1, 8))):
+    more = [a for a in args if "num_steps" not in a] + [f"--config.num_steps={steps}"]
+    _run(pa, da, more, two, tmp_path)
+    _run(pb, db, more, one, tmp_path)
+    l2, l1 = _losses(two), _losses(one)
+    assert abs(l2[steps] - l1[steps]) <= 1e-4 * abs(l1[steps]), (steps, l2[steps], l1[steps])
+
+
+@pytest.mark.slow
+def test_two_processes_with_distca_match_one(tmp_path):
+  """The distca backend (host plans from the global document lengths, each process keeping its
+  rows) gives the per-step losses of 1 process x 8 devices."""
+  args = ["--config.attention.backend=distca", "--config.num_steps=2",
+          "--config.checkpoint_every=0"]
+  two, one = tmp_path / "two", tmp_path / "one"
+  _run(2, 4, args, two, tmp_path)
+  for i, rows in enumerate(["[(0, 4)]", "[(4, 8)]"]):  # each process built its 4 rows only
+    assert f"batch rows {rows} of 8" in (tmp_path / f"two_{i}.log").read_text()
+  _run(1, 8, args, one, tmp_path)
+  l2, l1 = _losses(two), _losses(one)
+  assert sorted(l2) == sorted(l1) == [1, 2]
+  for s in l1:
+    assert abs(l2[s] - l1[s]) <= 1e-4 * abs(l1[s]), (s, l2[s], l1[s])
+
+
+# Process 1 computes another plan digest from step 0 on: the startup check must stop both.
+_SKEWED_PLAN = """
+import sys, jax
+from distca_jax import trainer
+real = trainer.plan_digest
+trainer.plan_digest = lambda doclens, plan: real(doclens, plan) + jax.process_index()
+from absl import app
+from distca_jax import train
+app.run(train.main, argv=[sys.argv[0]] + sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_different_plans_stop_every_process_naming_the_step(tmp_path):
+  script = tmp_path / "skewed.py"
+  script.write_text(_SKEWED_PLAN)
+  ps = _start(2, 4, ["--config.attention.backend=local", "--config.num_steps=2",
+                     "--config.checkpoint_every=0"], tmp_path / "w", tmp_path,
+              module=[str(script)])
+  rcs = [p.wait(timeout=300) for p in ps]
+  assert all(rc != 0 for rc in rcs), rcs
+  for i in range(2):
+    text = (tmp_path / f"w_{i}.log").read_text()
+    assert "step 0: the processes computed different host plans" in text, text[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0])  # 0 hosts the coordinator service
+def test_killing_one_process_stops_the_other_within_60s(tmp_path, victim):
+  ps = _start(2, 4, ["--config.attention.backend=local", "--config.num_steps=100000",
+                     "--config.checkpoint_every=0"], tmp_path / "w", tmp_path, heartbeat_s=10)
+  metrics = tmp_path / "w" / "metrics.jsonl"
+  deadline = time.time() + 400
+  try:
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+      assert time.time() < deadline, "no 2 training steps in 400 s"
+      assert all(p.poll() is None for p in ps), [p.poll() for p in ps]
+      time.sleep(0.5)
+    ps[victim].send_signal(signal.SIGKILL)
+    t0 = time.time()
+    rc = ps[1 - victim].wait(timeout=60)
+    took = time.time() - t0
+  finally:
+    for p in ps:
+      if p.poll() is None:
+        p.kill()
+  assert rc != 0 and took < 60, (rc, took)
+  # JAX names the lost task ("Task 1 heartbeat timeout", "stopped sending heartbeats): 1") or
+  # the survivor's failed collective reaches launch.run, which names the survivor.
+  text = (tmp_path / f"w_{1 - victim}.log").read_text()
+  named = rf"Task {victim}\b|stopped sending heartbeats\):\s*{victim}\b|process {1 - victim}/2 failed"
+  assert re.search(named, text), text[-3000:]

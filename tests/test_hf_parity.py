@@ -336,7 +336,8 @@ def test_mesh_placement(tmp_path):
   placed = hf_import.load_hf_params(path, cfg, mesh=mesh)
   want = hf_import.param_shardings(cfg, mesh)
   wq = placed["params"]["layers"]["layer"]["pre_ca"]["wq"]
-  assert wq.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor", None)
+  # Layers on `pipe` (one stage here), heads on `tensor`: the rules table's placement.
+  assert wq.sharding.spec == jax.sharding.PartitionSpec("pipe", None, "tensor", None)
   assert wq.addressable_shards[0].data.shape == (2, 32, 1, 8)  # a quarter of the heads
   for a, s, h in zip(jax.tree.leaves(placed), jax.tree.leaves(want), jax.tree.leaves(host)):
     assert a.sharding == s

@@ -331,15 +331,7 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
   p_srv = srv[pt]
   p_len = p_e - p_s
   p_attn = q_off[pt] + (p_s - gs[pt])
-  p_cross = p_own != p_srv
-  p_pos = np.zeros_like(p_s)
-  p_pos[p_cross] = _slot_positions(p_srv[p_cross], p_own[p_cross], p_len[p_cross], s)
-  q_send_len = np.zeros((s, s), np.int64)
-  np.add.at(q_send_len, (p_own[p_cross], p_srv[p_cross]), p_len[p_cross])
-  if q_send_len.max(initial=0) > cq:
-    o, d = np.unravel_index(np.argmax(q_send_len), q_send_len.shape)
-    raise ValueError(f"server {d} receives {int(q_send_len[o, d])} query rows from sender {o} "
-                     f"> capacity.q_slot={cq}")
+  p_cross, p_pos, q_send_len = _route_slots(p_own, p_srv, p_len, s, cq, "query", "q_slot")
   # KV: per (server, document) the rows [0, max end) are sent once; cut at rank boundaries.
   if tasks.shape[0]:
     grp = np.flatnonzero(np.r_[True, (srv[1:] != srv[:-1]) | (doc[1:] != doc[:-1])])
@@ -351,15 +343,8 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
   ut, u_own, u_s, u_e = split_at(g_doc[u_doc], g_doc[u_doc] + u_end, t)
   u_psrv = u_srv[ut]
   u_len = u_e - u_s
-  u_cross = u_own != u_psrv
-  u_pos = np.zeros_like(u_s)
-  u_pos[u_cross] = _slot_positions(u_psrv[u_cross], u_own[u_cross], u_len[u_cross], s)
-  kv_send_len = np.zeros((s, s), np.int64)
-  np.add.at(kv_send_len, (u_own[u_cross], u_psrv[u_cross]), u_len[u_cross])
-  if kv_send_len.max(initial=0) > ckv:
-    o, d = np.unravel_index(np.argmax(kv_send_len), kv_send_len.shape)
-    raise ValueError(f"server {d} receives {int(kv_send_len[o, d])} key/value rows from sender "
-                     f"{o} > capacity.kv_slot={ckv}")
+  u_cross, u_pos, kv_send_len = _route_slots(u_own, u_psrv, u_len, s, ckv, "key/value",
+                                             "kv_slot")
 
   # Server side (devices in ``ranks``): attention gathers, task tables, output return slots.
   sel = row_of[p_srv] >= 0
@@ -434,6 +419,22 @@ def split_at(g0: np.ndarray, g1: np.ndarray, width: int):
   block = r0[idx] + (np.arange(idx.size) - np.repeat(np.cumsum(cnt) - cnt, cnt))
   return (src[idx], block, np.maximum(g0[idx], block * width),
           np.minimum(g1[idx], (block + 1) * width))
+
+
+def _route_slots(owner: np.ndarray, server: np.ndarray, lengths: np.ndarray, s: int, cap: int,
+                 what: str, cap_name: str):
+  """Pieces (owner rank, server, rows) -> (crosses, slot positions, [S, S] rows sent); rows that
+  stay on their owner take no slot. Raises when a (sender, server) slot exceeds ``cap``."""
+  cross = owner != server
+  pos = np.zeros_like(lengths)
+  pos[cross] = _slot_positions(server[cross], owner[cross], lengths[cross], s)
+  send_len = np.zeros((s, s), np.int64)
+  np.add.at(send_len, (owner[cross], server[cross]), lengths[cross])
+  if send_len.max(initial=0) > cap:
+    o, d = np.unravel_index(np.argmax(send_len), send_len.shape)
+    raise ValueError(f"server {d} receives {int(send_len[o, d])} {what} rows from sender {o} "
+                     f"> capacity.{cap_name}={cap}")
+  return cross, pos, send_len
 
 
 def _slot_positions(server: np.ndarray, owner: np.ndarray, lengths: np.ndarray,

@@ -53,7 +53,7 @@ HELD_OUT_RUNS = {
 MEMORY_RUNS = [("e2e_1gpu_64k_v7", None), ("e2e_1gpu_pingpong_v6_final", "packed_dp"),
                ("e2e_1gpu_pingpong_v6_final", "distca"), ("e2e_1gpu_pingpong_v6_4l", "packed_dp"),
                ("e2e_1gpu_pingpong_v6_fixed_4l", "distca")]
-# The planner's gate (min_gain) came with the cross-layer ping-pong, after the v5 runs.
+# The planner's gate (min_gain) each code era ran with: 0 = no gate.
 _ERA_MIN_GAIN = {"current": 0.02, "v5": 0.0}
 
 

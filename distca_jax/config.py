@@ -23,7 +23,7 @@ def base_config() -> ml_collections.ConfigDict:
   # rope_theta, rope_scaling_factor (0 = off; Llama-3.1 uses 8), rope_low_freq_factor,
   # rope_high_freq_factor, rope_original_max_position, norm_eps, tie_embeddings, dtype (compute),
   # param_dtype (master weights), remat ('none' | 'full' | 'save_dots' | 'save_qkv_out' |
-  # 'save_attention'; model.ModelConfig.remat says what each keeps),
+  # 'save_attention' | 'offload_mlp'; model.ModelConfig.remat says what each keeps),
   # scan_layers, init_std, loss_chunk (tokens per LM-head chunk).
   c.model = ml_collections.ConfigDict(vars(ModelConfig()).copy())
 

@@ -5,6 +5,9 @@
   step_report(events)          per device: busy time, time per category, exposed communication;
                                across devices: max / mean of attention, matmul, compute, busy
   format_report(report)        the same as a markdown table, one row per device
+  step_breakdown(events, op_names)  per device: time per kernel class of a train step (attention,
+                               collective, LM head + loss, optimizer, matmul, copy, elementwise)
+                               and host gaps; `hlo_op_names(compiled.as_text())` gives op_names
   profile_train_step(...)      all of the above for one train step, report.json + report.md written
 
 All times are unions of intervals (a device running two kernels at once on two streams is busy
@@ -52,6 +55,8 @@ import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
+
+from distca_jax.model import LM_HEAD_SCOPE
 
 # ------------------------------------------------------------------------------------------------
 # Kernel categories
@@ -425,6 +430,99 @@ def step_report(events: Sequence[DeviceEvent], *, step_time_s: float | None = No
   return out
 
 
+# ------------------------------------------------------------------------------------------------
+# Kernel classes of a train step (the step-time breakdown)
+# ------------------------------------------------------------------------------------------------
+# Name scopes around the LM head + loss (`Transformer.loss`) and the optimizer update
+# (`trainer.make_train_step`); XLA keeps them in each instruction's `op_name` metadata, forward
+# and backward (`transpose(jvp(<scope>))`) alike.
+OPTIMIZER_SCOPE = "optimizer_update"
+# The classes in priority order: a device interval belongs to the first class running then, so
+# the classes' times add up to the busy time; 'host gaps' is the step time less the busy time.
+STEP_CLASSES = ("attention", "collective", "lm_head_loss", "optimizer", "matmul", "copy",
+                "elementwise")
+_COPY_RE = re.compile(r"memcpy|(?<![a-z])copy|dynamic[-_](?:update[-_])?slice|"
+                      r"(?<![a-z])(?:transpose|concatenate)(?:[._]\d+)?$")
+_HLO_LINE_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?"
+                          r"op_name=\"([^\"]*)\"")
+
+
+def hlo_op_names(hlo_text: str) -> dict[str, str]:
+  """Instruction name -> its `op_name` metadata (the JAX name stack) for every instruction of a
+  compiled module's text (`compiled.as_text()`) that has one."""
+  out = {}
+  for line in hlo_text.splitlines():
+    m = _HLO_LINE_RE.match(line)
+    if m:
+      out.setdefault(m.group(1), m.group(2))
+  return out
+
+
+def instruction_of_kernel(name: str) -> str:
+  """The HLO instruction an XLA GPU kernel is named after ('loop_add_fusion_3' ->
+  'loop_add_fusion.3'): kernels run inside a command buffer carry the buffer as their HLO op."""
+  return re.sub(r"_(\d+)$", r".\1", name)
+
+
+def step_class(ev: DeviceEvent, op_names: dict[str, str]) -> str:
+  """The STEP_CLASSES entry of one event: attention and collective kernels by name; then the
+  train step's LM-head/loss and optimizer scopes by the event's HLO op metadata; then matmuls;
+  copies (memcpys, copy / dynamic-update-slice / transpose instructions); the rest (fusions,
+  reductions, elementwise kernels) is 'elementwise'."""
+  category = event_category(ev)
+  if category in ("attention", "collective"):
+    return category
+  op_name = op_names.get(ev.hlo_op) or op_names.get(instruction_of_kernel(ev.name), "")
+  if LM_HEAD_SCOPE in op_name:
+    return "lm_head_loss"
+  if OPTIMIZER_SCOPE in op_name:
+    return "optimizer"
+  if category == "matmul":
+    return "matmul"
+  if ev.bytes or any(_COPY_RE.search(n.lower()) for n in (ev.name, ev.hlo_op) if n):
+    return "copy"
+  return "elementwise"
+
+
+def step_breakdown(events: Sequence[DeviceEvent], op_names: dict[str, str], *,
+                   step_time_s: float | None = None) -> list[dict]:
+  """Per device: milliseconds per STEP_CLASSES entry (exclusive: overlapping intervals go to the
+  earlier class), 'busy', and with `step_time_s` 'host gaps' (step - busy) and 'step'."""
+  by_device: dict[int, list[DeviceEvent]] = collections.defaultdict(list)
+  for ev in events:
+    by_device[ev.device].append(ev)
+  rows = []
+  for device in sorted(by_device):
+    spans = {c: [] for c in STEP_CLASSES}
+    for ev in by_device[device]:
+      spans[step_class(ev, op_names)].append((ev.start_us, ev.end_us))
+    row, covered = {"device": device}, []
+    for c in STEP_CLASSES:
+      mine = subtract_intervals(merge_intervals(spans[c]), covered)
+      row[c] = total_length(mine) / 1e3
+      covered = merge_intervals(covered + mine)
+    row["busy"] = total_length(covered) / 1e3
+    if step_time_s is not None:
+      row["step"] = float(step_time_s) * 1e3
+      row["host gaps"] = row["step"] - row["busy"]
+    rows.append(row)
+  return rows
+
+
+def format_breakdown(rows: Sequence[dict]) -> str:
+  """Markdown: one row per device, ms and % of the step (of busy time without a step time)."""
+  if not rows:
+    return "_no device events_"
+  cols = list(STEP_CLASSES) + (["host gaps"] if "host gaps" in rows[0] else [])
+  lines = ["| device | " + " | ".join(cols) + " | step ms |", "|---:|" + "---:|" * (len(cols) + 1)]
+  for r in rows:
+    total = r.get("step", r["busy"])
+    cells = [f"{r[c]:.1f} ({100 * r[c] / total:.1f}%)" if total > 0 else f"{r[c]:.1f}"
+             for c in cols]
+    lines.append(f"| {r['device']} | " + " | ".join(cells) + f" | {total:.1f} |")
+  return "\n".join(lines)
+
+
 def _spread(rows: list[dict], key: str) -> dict:
   if not rows:
     return {"max": None, "mean": None, "max_over_mean": None, "argmax": None}
@@ -467,6 +565,11 @@ def format_report(report: dict) -> str:
     ratio = "n/a" if v["max_over_mean"] is None else f"{v['max_over_mean']:.3f}"
     lines.append(f"- {label}: max {v['max'] / 1e3:.3f} ms (device {v['argmax']}), mean "
                  f"{v['mean'] / 1e3:.3f} ms, max/mean {ratio}")
+  if report.get("breakdown"):
+    scoped = ("" if report.get("breakdown_scoped") else
+              " (no HLO text: LM head/loss and optimizer counted in the other classes)")
+    lines += ["", f"Step time by kernel class, ms (% of the step){scoped}:", "",
+              format_breakdown(report["breakdown"])]
   if report.get("attention_top"):
     lines += ["", "Attention kernels by summed time:", "", "| name | total ms | count | devices |",
               "|---|---:|---:|---:|"]
@@ -501,8 +604,10 @@ def profile_train_step(step_fn: Callable, state, batch, logdir: str, *,
   an unprofiled step time to measure idle time against that instead.
 
   Returns:
-    (new state, metrics, report): report as `step_report` plus 'trace_path', 'profiled_call_s'
-    (wall time of the profiled call) and 'step_time_from' ('profiled call' or 'argument').
+    (new state, metrics, report): report as `step_report` plus 'breakdown' (`step_breakdown`;
+    the LM-head/loss and optimizer classes need a compiled `step_fn`, whose HLO text maps kernels
+    to the train step's name scopes: 'breakdown_scoped'), 'trace_path', 'profiled_call_s' (wall
+    time of the profiled call) and 'step_time_from' ('profiled call' or 'argument').
   """
   (state, metrics), path, wall_s = _capture_timed(step_fn, (state, batch), logdir)
   events = load_events(path)
@@ -510,7 +615,12 @@ def profile_train_step(step_fn: Callable, state, batch, logdir: str, *,
     raise RuntimeError(f"no device events found in {path}: expected '/device:GPU:N' processes "
                        "with stream threads, or XLA:CPU thunk events; open the trace in "
                        "https://ui.perfetto.dev and update profiling.load_events")
-  report = step_report(events, step_time_s=wall_s if step_time_s is None else step_time_s)
+  step_s = wall_s if step_time_s is None else step_time_s
+  report = step_report(events, step_time_s=step_s)
+  as_text = getattr(step_fn, "as_text", None)  # a compiled step: its HLO names the scopes
+  op_names = hlo_op_names(as_text()) if callable(as_text) else {}
+  report["breakdown"] = step_breakdown(events, op_names, step_time_s=step_s)
+  report["breakdown_scoped"] = bool(op_names)
   report["step_time_from"] = "profiled call" if step_time_s is None else "argument"
   report["profiled_call_s"] = wall_s
   report["trace_path"] = path

@@ -204,15 +204,17 @@ def make_train_step(c, model, tx) -> Callable:
 
   def train_step(state: TrainState, batch):
     (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
-    grad_norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    with jax.named_scope(profiling.OPTIMIZER_SCOPE):  # the step breakdown's 'optimizer' class
+      grad_norm = optax.tree.norm(grads)
+      ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+      keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+      params, opt_state = keep_if_bad(params, state.params), keep_if_bad(opt_state,
+                                                                         state.opt_state)
     bad_steps = jnp.where(ok, 0, state.bad_steps + 1)
     skipped_steps = state.skipped_steps + (~ok).astype(jnp.int32)
-    new_state = state.replace(step=state.step + 1, params=keep_if_bad(params, state.params),
-                              opt_state=keep_if_bad(opt_state, state.opt_state),
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               bad_steps=bad_steps, skipped_steps=skipped_steps)
     metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": count,
                "lr": learning_rate(c, state.step), "skipped": (~ok).astype(jnp.float32),

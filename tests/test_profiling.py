@@ -330,11 +330,56 @@ def test_training_with_profile_step_writes_reports(tmp_path, capsys):
   assert report["step_time_from"] == "argument"  # step 1's time, not the profiled call's
   assert report["step_us"] == pytest.approx(records[1]["step_time_s"] * 1e6)
   rows = [line for line in md.splitlines() if line.startswith("| ") and line[2].isdigit()]
-  assert len(rows) == len(trace_devices)
+  assert len(rows) == 2 * len(trace_devices)  # the per-device table and the class breakdown
   for r in report["devices"]:
     assert 0 < r["busy_us"] <= r["span_us"] + 1e-9
     assert r["compute_us"] > 0 and r["collective_us"] > 0  # tensor=2: all-reduces in every layer
+  # The class breakdown: the compiled step's HLO names the LM-head and optimizer scopes.
+  assert report["breakdown_scoped"]
+  for r, d in zip(report["breakdown"], report["devices"]):
+    assert sum(r[k] for k in profiling.STEP_CLASSES) == pytest.approx(r["busy"], rel=1e-6)
+    assert r["busy"] == pytest.approx(d["busy_us"] / 1e3, rel=1e-6)
+    assert r["host gaps"] == pytest.approx(r["step"] - r["busy"])
+    assert r["lm_head_loss"] > 0 and r["optimizer"] > 0 and r["collective"] > 0, r
+  assert "Step time by kernel class" in md
   assert "slowest device:" in capsys.readouterr().out
+
+
+def test_step_class_and_breakdown_by_hand():
+  op_names = {"fusion.1": "jit(step)/transpose(jvp(lm_head_loss))/dot_general",
+              "fusion.2": "jit(step)/optimizer_update/mul", "fusion.3": "jit(step)/layers/add",
+              "copy.4": "jit(step)/while/body/copy"}
+  evs = [_ev(0, "s", "flash_fwd_kernel", 0, 10),              # attention
+         _ev(0, "s", "gemm_fusion_dot", 10, 20),                # matmul
+         DeviceEvent(0, "s", "loop_fusion", 20.0, 5.0, hlo_op="fusion.1"),      # LM head
+         DeviceEvent(0, "s", "loop_fusion", 25.0, 2.0, hlo_op="fusion.2"),      # optimizer
+         DeviceEvent(0, "s", "loop_add_fusion", 27.0, 3.0, hlo_op="fusion.3"),  # elementwise
+         DeviceEvent(0, "s", "copy", 30.0, 4.0, hlo_op="copy.4"),                # copy
+         _ev(0, "t", "ncclDevKernel_AllReduce", 5, 15)]          # collective, 5 us under others
+  # In a command buffer the HLO op is the buffer; the kernel's name gives the instruction.
+  evs.append(DeviceEvent(0, "s", "fusion_2", 34.0, 1.0, hlo_op="command_buffer_7"))
+  assert profiling.step_class(evs.pop(), op_names) == "optimizer"
+  classes = [profiling.step_class(ev, op_names) for ev in evs]
+  assert classes == ["attention", "matmul", "lm_head_loss", "optimizer", "elementwise", "copy",
+                     "collective"]
+  (row,) = profiling.step_breakdown(evs, op_names, step_time_s=40e-6)
+  # Priority order: attention [0,10) then collective [10,15) (its first half is under attention),
+  # matmul keeps [15,20) only.
+  assert row["attention"] == pytest.approx(0.010) and row["collective"] == pytest.approx(0.005)
+  assert row["matmul"] == pytest.approx(0.005) and row["lm_head_loss"] == pytest.approx(0.005)
+  assert row["optimizer"] == pytest.approx(0.002) and row["elementwise"] == pytest.approx(0.003)
+  assert row["copy"] == pytest.approx(0.004) and row["busy"] == pytest.approx(0.034)
+  assert row["host gaps"] == pytest.approx(0.006)
+  assert "| 0 |" in profiling.format_breakdown([row])
+
+
+def test_hlo_op_names_reads_compiled_text():
+  def f(x):
+    with jax.named_scope("optimizer_update"):
+      return jnp.sin(x) * 2.0
+  text = jax.jit(f).lower(jnp.ones((8,))).compile().as_text()
+  names = profiling.hlo_op_names(text)
+  assert names and any("optimizer_update" in v for v in names.values()), text
 
 
 def test_profile_step_out_of_range_is_an_error(tmp_path):

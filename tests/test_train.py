@@ -229,6 +229,35 @@ def test_ping_pong_schedule_variants_equal_single_stream(seed, scan_layers, n_la
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("remat", ["full", "save_attention", "offload_mlp"])
+def test_remat_policies_keep_loss_and_gradients(seed, remat):
+  """Every remat policy (what the backward keeps, reruns or fetches from host memory) gives the
+  loss and gradients of no remat."""
+  over = {"mesh.data": 2, "mesh.tensor": 1, "seed": seed, "model.n_layers": 2}
+  base = tiny_config(**over, **{"model.remat": "none"})
+  other = tiny_config(**over, **{"model.remat": remat})
+  src = make_source(base.data, rows=2, tokens_per_row=base.tokens_per_rank,
+                    vocab_size=base.model.vocab_size, seed=seed)
+  batch = src.batch(int(np.random.default_rng(seed).integers(1000)))
+  loss_1, g_1 = loss_and_grads(base, jax.devices()[:2], batch)
+  loss_2, g_2 = loss_and_grads(other, jax.devices()[:2], batch)
+  np.testing.assert_allclose(loss_2, loss_1, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g_1), jax.tree.leaves(g_2)):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_offload_mlp_policy_offloads_the_mlp_names_and_saves_attention():
+  from distca_jax import model as model_lib
+  from jax.ad_checkpoint import checkpoint_name
+
+  def f(x):
+    return jnp.sum(jnp.sin(checkpoint_name(jnp.sin(x), "mlp_gate")) *
+                   jnp.cos(checkpoint_name(jnp.cos(x), "ca_out")))
+  policy = model_lib.REMAT_POLICIES["offload_mlp"]
+  text = str(jax.make_jaxpr(jax.grad(jax.checkpoint(f, policy=policy)))(jnp.ones(4)))
+  assert "MemorySpace.Host" in text, text  # mlp_gate goes to host memory and comes back
+
+
 def test_ping_pong_saves_activations_not_weights():
   """Under remat, what the ping-pong stack keeps for the backward is activations only (per
   unit: both residual streams, A's core-attention output, B's q/k/v): no layer's weights,

@@ -13,7 +13,8 @@ and loss, optimizer update, matmul, copy, elementwise/fusions, host gaps = step 
 `--variant NAME:KEY=VALUE[,...]` adds config variants (e2e_bench's), run in every flags process.
 The table puts every run beside the baseline of its (workload, tokens): step time, MFU, the ratio
 of step times (measured in the same device call) and the breakdown of its profiled step.
-Writes OUT.json and OUT.md (the command at the top).
+Writes OUT.json and OUT.md (the command at the top); `--merge A.json,B.json` writes one table
+of earlier outputs (e.g. runs that need different `--flags`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def parse_args(argv=None):
   p.add_argument("--extra", action="append", default=[], help="KEY=VALUE for every run")
   p.add_argument("--child-timeout-s", type=int, default=900)
   p.add_argument("--tiny", action="store_true", help="CPU smoke test sizes (e2e_bench --tiny)")
+  p.add_argument("--merge", default="",
+                 help="A.json,B.json,...: write one table of these runs' rows (no runs)")
   p.add_argument("--out", default=os.path.join(ROOT, "results", "step_breakdown"))
   return p.parse_args(argv)
 
@@ -171,6 +174,12 @@ def main(argv=None):
   a = parse_args(argv)
   log = lambda m: print(m, flush=True)
   cmd = experiments.command_line(__file__, argv)
+  if a.merge:
+    parts = [json.load(open(path)) for path in a.merge.split(",")]
+    write(a, "; ".join(p["command"] for p in parts), [r for p in parts for r in p["rows"]],
+          commit=",".join(sorted({p["commit"] for p in parts})))
+    log(open(a.out + ".md").read())
+    return
   remat = remat_by_tokens(a)
   rows, scratch = [], a.out + "_runs"
   os.makedirs(scratch, exist_ok=True)
@@ -188,13 +197,11 @@ def main(argv=None):
   log(open(a.out + ".md").read())
 
 
-def write(a, cmd: str, rows: list[dict]) -> None:
+def write(a, cmd: str, rows: list[dict], commit: str | None = None) -> None:
   stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-  try:
+  if commit is None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
                             capture_output=True).stdout.strip() or "n/a"
-  except OSError:
-    commit = "n/a"
   os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
   with open(a.out + ".json", "w") as f:
     json.dump({"command": cmd, "date": stamp, "commit": commit, "rows": rows}, f, indent=1)

@@ -446,6 +446,7 @@ def forward_aligned(meta, edges, q_p, k, v, k_edge, v_edge, *, bs: BlockSizes, s
       grid_names=("heads", "tiles"),
       num_threads=NUM_COMPUTE_WGS + 1,
       thread_name="wg",
+      kernel_name="mosaic_attention_fwd",  # the name profiles show
       compiler_params=_compiler_params(),
   )
   return kernel(meta, edges, q_p, k, v, k_edge, v_edge)
@@ -476,6 +477,7 @@ def dq_aligned(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
       grid_names=("heads", "tiles"),
       num_threads=NUM_COMPUTE_WGS + 1,
       thread_name="wg",
+      kernel_name="mosaic_attention_dq",  # the name profiles show
       compiler_params=_compiler_params(),
   )
   return kernel(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p)
@@ -511,6 +513,7 @@ def dkv_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
       grid_names=("heads", "tiles"),
       num_threads=NUM_COMPUTE_WGS + 1,
       thread_name="wg",
+      kernel_name="mosaic_attention_dkv",  # the name profiles show
       compiler_params=_compiler_params(),
   )
   return kernel(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p)

@@ -80,7 +80,7 @@ from experiments.kernel_profile_trace import (kernel_breakdown, kernel_details_f
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-BACKENDS = ("pallas", "flash3", "reference")
+BACKENDS = ("pallas", "flash3", "mosaic", "reference")
 FULL = dict(heads=kb.NUM_HEADS, kv_heads=kb.NUM_KV_HEADS, head_dim=kb.HEAD_DIM, dtype="bfloat16",
             tokens=16384, max_doc=16384, sched_tokens=16384, sched_servers=8, trials=5,
             min_trial_s=0.05, interpret=False, backends="pallas,flash3",
@@ -119,9 +119,8 @@ def _attention_fn(backend: str, wl, bs, interpret: bool):
   if backend == "flash3":
     return lambda q, k, v, cu_q, cu_k: ops.core_attention(
         q, k, v, cu_q, cu_k, backend="flash3", max_seqlen_q=wl.max_q, max_seqlen_k=wl.max_k)
-  if backend == "reference":
-    return lambda q, k, v, cu_q, cu_k: ops.core_attention(q, k, v, cu_q, cu_k,
-                                                          backend="reference")
+  if backend in ("reference", "mosaic"):
+    return lambda q, k, v, cu_q, cu_k: ops.core_attention(q, k, v, cu_q, cu_k, backend=backend)
   raise ValueError(f"unknown {backend=}; choose from {BACKENDS}")
 
 

@@ -22,6 +22,10 @@ ROLE_PATTERNS: tuple[tuple[str, str | None, str], ...] = (
     ("fwd", "forward", r"varlen_attention_fwd"),
     ("dq", "backward", r"varlen_attention_dq"),
     ("dkdv", "backward", r"varlen_attention_dkv"),
+    # Our Mosaic GPU kernels (custom_ops/mosaic_kernels.py, `kernel_name`).
+    ("fwd", "forward", r"mosaic_attention_fwd"),
+    ("dq", "backward", r"mosaic_attention_dq"),
+    ("dkdv", "backward", r"mosaic_attention_dkv"),
     # FlashAttention-3 (cutlass::device_kernel<flash::...>): pre/post-processing and the
     # split-KV combine first, since their names also contain FlashAttnBwd / FlashAttnFwd.
     ("bwd-pre", "backward", r"bwdpreprocess|bwd_preprocess|dot_do_o"),
@@ -34,7 +38,8 @@ ROLE_PATTERNS: tuple[tuple[str, str | None, str], ...] = (
 ATTENTION_ROLES = frozenset({"fwd", "dq", "dkdv", "bwd"})
 _ROLE_RES = tuple((role, phase, re.compile(p)) for role, phase, p in ROLE_PATTERNS)
 _SHORT_RES = tuple(re.compile(p) for p in (
-    r"varlen_attention_\w+", r"FlashAttn\w+", r"flash_\w+", r"prepare_varlen\w*"))
+    r"varlen_attention_\w+", r"FlashAttn\w+", r"flash_\w+", r"prepare_varlen\w*",
+    r"mosaic_attention_\w+"))
 
 
 def kernel_role(name: str, long_name: str = "") -> tuple[str, str | None]:

@@ -80,8 +80,11 @@ def test_local_batch_blocks_build_the_same_global_arrays_and_digest():
   for k in want:
     np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=f"{seed=} {k}")
   assert trainer.local_row_ranges(mesh, 8) == [(0, 8)]
-  other = trainer.plan_digest(src.doclens(step + 1), {})
-  assert other != trainer.plan_digest(doclens, {})
+  # Other document lengths (the first row's first document split in two) give another digest.
+  first = list(doclens[0])
+  split = [[1, first[0] - 1] + first[1:] if first[0] > 1 else [first[0] + first[1]] + first[2:]]
+  other = trainer.plan_digest(split + [list(r) for r in doclens[1:]], {})
+  assert other != trainer.plan_digest(doclens, {}), f"{seed=} {doclens[0]}"
 
 
 def test_host_arrange_backends_refuse_partial_rows():

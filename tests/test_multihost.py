@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -25,6 +27,7 @@ from distca_jax import config as config_lib
 from distca_jax import launch
 from distca_jax import trainer
 from distca_jax.data import make_source
+from test_train import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Small enough that a step takes seconds on a shared 2-core CPU: 8 rows (1 per device) x 256.
@@ -90,6 +93,100 @@ def test_host_arrange_backends_refuse_partial_rows():
   src = make_source(c.data, rows=8, tokens_per_row=c.tokens_per_rank, vocab_size=256, seed=0)
   with pytest.raises(ValueError, match=r"needs the whole batch in every process"):
     trainer.local_batch(src, 0, [(0, 4)], trainer.make_backend(c), src.doclens(0))
+
+
+# Layouts of the 8 fake devices a checkpoint moves between: (data, tensor, pipe, rows_per_rank),
+# every one with 8 rows per batch (mesh.data x rows_per_rank).
+LAYOUTS = [(8, 1, 1, 1), (4, 2, 1, 2), (4, 1, 2, 2), (2, 2, 2, 4)]
+
+
+def _layout_config(layout, **over):
+  data, tensor, pipe, rows = layout
+  return tiny_config(**{"mesh.data": data, "mesh.tensor": tensor, "mesh.pipe": pipe,
+                        "rows_per_rank": rows, "pipeline.microbatches": 2, "log_every": 1,
+                        "tensorboard": False, "optim.warmup_steps": 1,
+                        "async_checkpoint": False, **over})
+
+
+def _state_leaves(state) -> dict:
+  return {jax.tree_util.keystr(p): np.asarray(x)
+          for p, x in jax.tree_util.tree_leaves_with_path(jax.device_get(state))}
+
+
+def _restore(workdir, c):
+  """(restored state, its abstract state) of the newest checkpoint in ``workdir`` in c's layout."""
+  from distca_jax import checkpoint as ckpt_lib
+  run = trainer.setup_run(c)
+  manager = ckpt_lib.CheckpointManager(str(workdir), c)
+  try:
+    return manager.restore(run.abstract_state), run.abstract_state
+  finally:
+    manager.close()
+
+
+def _layout_id(layout) -> str:
+  return "data%d_tensor%d_pipe%d" % layout[:3]
+
+
+# The fast tier moves every axis at once (data2_tensor2_pipe2); the single-axis moves are slow.
+@pytest.mark.parametrize("target", [pytest.param(l, id=_layout_id(l), marks=(
+    () if l == LAYOUTS[-1] else pytest.mark.slow)) for l in LAYOUTS[1:]])
+def test_checkpoint_restores_into_another_layout_bit_for_bit(tmp_path, seed, target):
+  """A state saved on data=8 (random parameters and optimizer moments) restores on another
+  (data, tensor, pipe) layout with every array identical and placed as that layout shards it."""
+  from distca_jax import checkpoint as ckpt_lib
+  c = _layout_config(LAYOUTS[0])
+  run = trainer.setup_run(c)
+  state = trainer.create_train_state(c, run.model, run.tx, run.mesh)
+  keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(state))))
+  state = jax.tree.map(
+      lambda x: (x + jax.random.normal(next(keys), x.shape, x.dtype)
+                 if jnp.issubdtype(x.dtype, jnp.floating) else x), state)
+  state = state.replace(step=state.step + 7)
+  manager = ckpt_lib.CheckpointManager(str(tmp_path), c)
+  manager.save(7, state)
+  manager.close()
+  want = _state_leaves(state)
+  got_state, abstract = _restore(tmp_path, _layout_config(target))
+  got = _state_leaves(got_state)
+  assert sorted(got) == sorted(want)
+  for name in want:
+    np.testing.assert_array_equal(got[name], want[name], err_msg=f"{seed=} {name}")
+  for (path, x), a in zip(jax.tree_util.tree_leaves_with_path(got_state),
+                          jax.tree.leaves(abstract)):
+    assert x.sharding.is_equivalent_to(a.sharding, x.ndim), jax.tree_util.keystr(path)
+  assert any(a.sharding.spec != jax.sharding.PartitionSpec() for a in jax.tree.leaves(abstract))
+
+
+def test_resume_with_another_batch_size_is_refused(tmp_path):
+  from distca_jax import checkpoint as ckpt_lib
+  c = _layout_config(LAYOUTS[0])
+  run = trainer.setup_run(c)
+  manager = ckpt_lib.CheckpointManager(str(tmp_path), c)
+  manager.save(1, trainer.create_train_state(c, run.model, run.tx, run.mesh))
+  manager.close()
+  with pytest.raises(ValueError, match=r"'batch_rows': \(8, 4\).*keep the product"):
+    _restore(tmp_path, _layout_config((4, 2, 1, 1)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["local", "distca"])
+def test_training_resumes_in_other_layouts_with_the_same_losses(tmp_path, backend):
+  """Steps 1-2 on data=8, then step 3 on each other layout from that checkpoint: the loss of
+  step 3 is the uninterrupted data=8 run's (float32)."""
+  def config(layout, steps):
+    return _layout_config(layout, **{"attention.backend": backend, "num_steps": steps,
+                                     "checkpoint_every": 2})
+  want = {r["step"]: r["loss"]
+          for r in trainer.train_and_evaluate(config(LAYOUTS[0], 3), str(tmp_path / "ref"))}
+  trainer.train_and_evaluate(config(LAYOUTS[0], 2), str(tmp_path / "src"))
+  layouts = LAYOUTS[1:] if backend == "local" else LAYOUTS[1:2]
+  for layout in layouts:
+    work = tmp_path / _layout_id(layout)
+    shutil.copytree(tmp_path / "src", work)
+    got = {r["step"]: r["loss"] for r in trainer.train_and_evaluate(config(layout, 3), str(work))}
+    assert sorted(got) == [3], (layout, got)
+    assert abs(got[3] - want[3]) <= 1e-4 * abs(want[3]), (layout, got[3], want[3])
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -175,7 +272,8 @@ def _restore_params(workdir, c):
 def test_two_processes_train_like_one_and_checkpoint(tmp_path):
   """2 processes x 4 devices reach the per-step losses of 1 process x 8 (local attention); the
   checkpoint the 2 processes write restores in 1 process with the 1-process run's parameters;
-  runs resumed with another process count (1, 2, 4 x 2 devices) keep matching losses."""
+  runs resumed with another process count (1, 2, 4 x 2 devices; the last on data=4 x tensor=2)
+  keep matching losses."""
   args = ["--config.attention.backend=local", "--config.num_steps=3",
           "--config.checkpoint_every=3", "--config.async_checkpoint=False"]
   two, one = tmp_path / "two", tmp_path / "one"
@@ -193,10 +291,13 @@ def test_two_processes_train_like_one_and_checkpoint(tmp_path):
                           jax.tree.leaves(s1.params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
   # 1 process resumes the 2 processes' checkpoint and 2 processes the 1 process's; then 4
-  # processes x 2 devices resume the first and 1 process the second.
-  for steps, (pa, da), (pb, db) in ((4, (1, 8), (2, 4)), (5, (4, 2), (1, 8))):
+  # processes x 2 devices resume the first on another layout (data=4 x tensor=2, 2 rows per
+  # rank: the same 8 rows) and 1 process the second.
+  other_layout = ["--config.mesh.data=4", "--config.mesh.tensor=2", "--config.rows_per_rank=2"]
+  for steps, (pa, da, layout), (pb, db) in ((4, (1, 8, []), (2, 4)),
+                                            (5, (4, 2, other_layout), (1, 8))):
     more = [a for a in args if "num_steps" not in a] + [f"--config.num_steps={steps}"]
-    _run(pa, da, more, two, tmp_path)
+    _run(pa, da, more + layout, two, tmp_path)
     _run(pb, db, more, one, tmp_path)
     l2, l1 = _losses(two), _losses(one)
     assert abs(l2[steps] - l1[steps]) <= 1e-4 * abs(l1[steps]), (steps, l2[steps], l1[steps])

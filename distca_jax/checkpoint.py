@@ -52,14 +52,13 @@ class CheckpointError(UserError):
   """No checkpoint in the workdir verifies, or a state is not fit to be saved."""
 
 
-def batch_rows(c: ml_collections.ConfigDict, device_count: int | None = None) -> int:
-  """Rows of one step's global batch: data ranks (``mesh.data``; -1 resolved over
-  ``device_count``, default every device of the job) x ``rows_per_rank``. The batches of a run
-  depend on it, not on how the rows are spread over data ranks, devices or processes."""
+def batch_rows(c: ml_collections.ConfigDict) -> int:
+  """Rows of one step's global batch: data ranks (``mesh.data``; -1 resolved over every device
+  of the job, as ``sharding.make_mesh`` does) x ``rows_per_rank``. The batches of a run depend on
+  it, not on how the rows are spread over data ranks, devices or processes."""
   data = c.mesh.data
   if data == -1:
-    n = jax.device_count() if device_count is None else device_count
-    data = n // (c.mesh.tensor * c.mesh.pipe)
+    data = jax.device_count() // (c.mesh.tensor * c.mesh.pipe)
   return data * c.rows_per_rank
 
 

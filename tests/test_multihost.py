@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from distca_jax import checkpoint as ckpt_lib
 from distca_jax import config as config_lib
 from distca_jax import launch
 from distca_jax import trainer
@@ -115,7 +116,6 @@ def _state_leaves(state) -> dict:
 
 def _restore(workdir, c):
   """(restored state, its abstract state) of the newest checkpoint in ``workdir`` in c's layout."""
-  from distca_jax import checkpoint as ckpt_lib
   run = trainer.setup_run(c)
   manager = ckpt_lib.CheckpointManager(str(workdir), c)
   try:
@@ -134,7 +134,6 @@ def _layout_id(layout) -> str:
 def test_checkpoint_restores_into_another_layout_bit_for_bit(tmp_path, seed, target):
   """A state saved on data=8 (random parameters and optimizer moments) restores on another
   (data, tensor, pipe) layout with every array identical and placed as that layout shards it."""
-  from distca_jax import checkpoint as ckpt_lib
   c = _layout_config(LAYOUTS[0])
   run = trainer.setup_run(c)
   state = trainer.create_train_state(c, run.model, run.tx, run.mesh)
@@ -159,7 +158,6 @@ def test_checkpoint_restores_into_another_layout_bit_for_bit(tmp_path, seed, tar
 
 
 def test_resume_with_another_batch_size_is_refused(tmp_path):
-  from distca_jax import checkpoint as ckpt_lib
   c = _layout_config(LAYOUTS[0])
   run = trainer.setup_run(c)
   manager = ckpt_lib.CheckpointManager(str(tmp_path), c)
@@ -256,7 +254,6 @@ def _losses(workdir) -> dict[int, float]:
 
 
 def _restore_params(workdir, c):
-  from distca_jax import checkpoint as ckpt_lib
   from distca_jax import sharding as shard_lib
   mesh = shard_lib.make_mesh(data=8)
   model = trainer.make_model(c, trainer.make_backend(c))
@@ -412,7 +409,7 @@ def test_killing_one_process_stops_the_other_within_60s(tmp_path, victim):
   named = (rf"Task {victim}\b|stopped sending heartbeats\):\s*{victim}\b|lost process \[{victim}\]"
            + (r"|lost process 0 \(the coordinator|leader task was preempted/died" if victim == 0
               else ""))
-  gloo_abort = r"gloo::EnforceNotMet|gloo/transport/tcp"
+  gloo_abort = r"terminate called after throwing an instance of 'gloo::"
   print(f"victim {victim}: survivor exit {rc} after {took:.1f} s; named: "
         f"{bool(re.search(named, text))}; gloo abort: {bool(re.search(gloo_abort, text))}")
   assert re.search(named, text) or re.search(gloo_abort, text), text[-3000:]

@@ -167,6 +167,12 @@ def test_resume_with_another_batch_size_is_refused(tmp_path):
     _restore(tmp_path, _layout_config((4, 2, 1, 1)))
 
 
+def test_batch_rows_resolve_every_data_size():
+  assert [ckpt_lib.batch_rows(_layout_config(l)) for l in LAYOUTS] == [8] * len(LAYOUTS)
+  # mesh.data=-1 takes every device the other axes leave: 8 / (2 x 2) = 2 data ranks here.
+  assert ckpt_lib.batch_rows(_layout_config((-1, 2, 2, 3))) == 2 * 3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["local", "distca"])
 def test_training_resumes_in_other_layouts_with_the_same_losses(tmp_path, backend):

@@ -6,6 +6,13 @@ and seed). Data needs no cursor of its own: every source is a pure function of (
 step), so the restored step is the data position. Resuming with different data settings or seed is
 refused, because it would silently change the batches.
 
+Layouts. A checkpoint restores into any mesh layout and number of processes: the arrays have one
+global shape in every (pipe, data, tensor) layout, and orbax reads each into the shardings of the
+abstract state it is given (each process reads the pieces its devices hold). The data record
+holds the global batch's rows (`batch_rows`), not `mesh.data`, so a run may resume on other
+`data` sizes when `mesh.data x rows_per_rank` stays the same (e.g. data=8 x 1 row -> data=4 x 2
+rows, tensor=2).
+
 Integrity. Every checkpoint also holds an `integrity` item: two 32-bit hashes of every array's
 bytes, computed on the devices from the state being saved (one extra read of the state, no host
 copy, so saves stay asynchronous), committed atomically with the arrays by orbax. A state with a
@@ -34,8 +41,9 @@ import orbax.checkpoint as ocp
 
 from distca_jax.errors import UserError
 
-# Config keys whose change would make a resumed run see other data than the original one.
-_DATA_KEYS = ("seed", "tokens_per_rank", "rows_per_rank")
+# Config keys whose change would make a resumed run see other data than the original one (with
+# the batch's rows, `batch_rows`).
+_DATA_KEYS = ("seed", "tokens_per_rank")
 HASH_FORMAT = "distca-u32x2-v1"  # names the hash below; a record in another format fails to verify
 SLOW_COMMIT_ENV = "DISTCA_TEST_SLOW_COMMIT"
 
@@ -44,10 +52,20 @@ class CheckpointError(UserError):
   """No checkpoint in the workdir verifies, or a state is not fit to be saved."""
 
 
+def batch_rows(c: ml_collections.ConfigDict) -> int:
+  """Rows of one step's global batch: data ranks (``mesh.data``; -1 resolved over every device
+  of the job, as ``sharding.make_mesh`` does) x ``rows_per_rank``. The batches of a run depend on
+  it, not on how the rows are spread over data ranks, devices or processes."""
+  data = c.mesh.data
+  if data == -1:
+    data = jax.device_count() // (c.mesh.tensor * c.mesh.pipe)
+  return data * c.rows_per_rank
+
+
 def _data_record(c: ml_collections.ConfigDict) -> dict:
   rec = {k: c[k] for k in _DATA_KEYS}
+  rec["batch_rows"] = batch_rows(c)
   rec["data"] = c.data.to_dict()
-  rec["mesh_data"] = c.mesh.data
   return rec
 
 
@@ -198,7 +216,8 @@ class CheckpointManager:
       raise UserError(
           f"checkpoint at step {step} in {self.directory} was written with other data settings "
           f"(saved vs now: {diff}); resuming would change the batches. Use a new --workdir or the "
-          "original settings.")
+          "original settings (batch_rows = mesh.data x rows_per_rank: another mesh.data resumes "
+          "with rows_per_rank scaled to keep the product).")
     state = restored["state"]
     return state, verify(state, restored["integrity"] or {})
 

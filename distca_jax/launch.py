@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import threading
 
 import ml_collections
 
@@ -126,10 +127,56 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, multihost: bool = Fa
   except BaseException as e:
     # Every process names itself in its own error line (user errors: train.py prints the one
     # line; internal errors: their traceback follows when the exception leaves the process).
+    # A runtime error of a multi-process job (a collective whose peer is gone) also names the
+    # processes the coordination service no longer counts as live.
     if not isinstance(e, (SystemExit, KeyboardInterrupt, UserError)):
-      print(f"process {jax.process_index()}/{jax.process_count()} failed: "
-            f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+      me = f"process {jax.process_index()}/{jax.process_count()}"
+      print(f"{me} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+      if jax.process_count() > 1 and isinstance(e, jax.errors.JaxRuntimeError):
+        print(f"{me}: {lost_processes(1.5 * distributed.heartbeat_timeout_s + 5)}",
+              file=sys.stderr, flush=True)
     raise
+
+
+def lost_processes(timeout_s: float) -> str:
+  """Which processes of the job the coordination service no longer counts as live, asked after
+  a runtime error: 'lost process [1] (...)', 'lost process 0 (the coordinator ... does not
+  answer ...)', 'every process is live' or 'no process was declared lost within N s'.
+
+  The service declares a process dead when its heartbeats stop for the heartbeat timeout, so the
+  answer takes up to that long (``timeout_s`` bounds the wait; live processes that ask answer
+  at once). The same declaration makes JAX stop every live process with a fatal error of its own
+  that names the task ("stopped sending heartbeats): 1", or "the leader task was preempted/died"
+  for the coordinator), which races with this answer and often stops the process first: either
+  way the wait keeps this process alive until the lost one is named, where exiting at once would
+  name only this one.
+  """
+  import jax
+  from jax._src import distributed as jax_distributed  # the client has no public accessor
+  client = jax_distributed.global_state.client
+  everyone = list(range(jax.process_count()))
+  answer: dict = {}
+
+  def ask():
+    try:
+      answer["live"] = client.get_live_nodes(everyone)
+    except Exception as e:  # pylint: disable=broad-except  # the coordinator's RPC failed
+      answer["error"] = e
+
+  asker = threading.Thread(target=ask, daemon=True)
+  asker.start()
+  asker.join(timeout_s)
+  if "error" in answer:
+    address = jax_distributed.global_state.coordinator_address
+    why = str(answer["error"]).strip().splitlines()[0][:200]
+    return f"lost process 0 (the coordinator at {address} does not answer: {why})"
+  if "live" not in answer:
+    return f"no process was declared lost within {timeout_s:.0f} s"
+  lost = sorted(set(everyone) - set(answer["live"]))
+  if not lost:
+    return "every process is live"
+  return (f"lost process{'es' if len(lost) > 1 else ''} {lost} (stopped sending heartbeats to "
+          "the coordination service)")
 
 
 # Test hook: pretend each device has this many bytes (the memory pre-flight on CPUs).

@@ -228,6 +228,7 @@ def _losses(workdir):
 
 
 def _every_checkpoint_verifies(workdir, c):
+  c.mesh.data = 1  # the runs' one device (`_env`): their batches had 1 x rows_per_rank rows
   _, _, _, abstract, _ = one_device_setup(c)
   m = ckpt_lib.CheckpointManager(workdir, c)
   steps = m.all_steps()

@@ -231,3 +231,49 @@ def test_results_path_follows_archived_moves(tmp_path):
   assert validate.results_path("old_v2", str(root)) == str(root / "cur.json")
   with pytest.raises(FileNotFoundError, match="nope"):
     validate.results_path("nope", str(root))
+
+
+def test_wlb_kernel_check_rows_and_imbalance(tmp_path):
+  """experiments/wlb_kernel_check: per-rank rows of the backend's real packing, positive
+  predictions equal to the simulator's own packing, imbalance from the rows (tiny, CPU)."""
+  from experiments import wlb_kernel_check as wkc
+  res = wkc.main(["--tiny", "--workloads", "prolong", "--steps", "1",
+                  "--out", str(tmp_path / "w")])
+  (w,) = res["workloads"]
+  assert (tmp_path / "w.json").exists() and (tmp_path / "w.md").exists()
+  assert [r["rank"] for r in w["rows"]] == list(range(res["ranks"]))
+  for r in w["rows"]:
+    assert r["predicted_ms"] > 0 and r["measured_call_ms"] > 0
+    assert r["sim_step_ms"] == pytest.approx(r["predicted_ms"], rel=1e-9)
+    assert r["error_call"] == pytest.approx(r["predicted_ms"] / r["measured_call_ms"] - 1)
+  # WLB moves documents between ranks; every token of the batch's full rows is placed once.
+  assert sum(r["tokens"] for r in w["rows"]) == res["ranks"] * res["tokens"]
+  (b,) = w["batches"]
+  meas = [r["measured_call_ms"] for r in w["rows"]]
+  pred = [r["predicted_ms"] for r in w["rows"]]
+  assert b["measured_call_imbalance"] == pytest.approx(max(meas) / np.mean(meas))
+  assert b["predicted_imbalance"] == pytest.approx(max(pred) / np.mean(pred))
+  assert res["summary"]["prolong"]["max_abs_error_call"] == pytest.approx(
+      max(abs(r["error_call"]) for r in w["rows"]))
+
+
+def test_wlb_kernel_check_times_both_flash3_launch_shapes():
+  """With kernel 'flash3' every rank is timed as the backend calls it and with tight bounds
+  (here a stand-in timer: seconds = pairs x 1 ns, 2x that for the backend's call)."""
+  from experiments import wlb_kernel_check as wkc
+  from distca_jax import ops
+  a = wkc.parse_args(["--tiny"])
+  a.kernel = "flash3"
+  calls = []
+
+  def fake(cq, ck, nq, nkv, model_cfg, kernel, iters, tight):
+    calls.append(tight)
+    assert kernel == "flash3" and cq[-1] <= nq and ck[-1] <= nkv
+    return (1 if tight else 2) * ops.attention_pairs(cq, ck) * 1e-9 + 1e-6
+
+  w = wkc.check_workload(a, "pretrain", _flat_table(), measure=fake)
+  assert calls.count(True) == calls.count(False) == a.ranks * a.steps
+  for r in w["rows"]:
+    assert r["measured_call_ms"] > r["measured_tight_ms"] > 0
+    assert r["error_tight"] == pytest.approx(r["predicted_ms"] / r["measured_tight_ms"] - 1)
+  assert wkc.tight_bounds(np.array([0, 100, 700]), np.array([0, 100, 1500])) == (1024, 2048)

@@ -78,7 +78,11 @@ def model_spec(name: str, n_layers: int | None = None) -> ModelSpec:
   kw = dict(shapes[name])
   if n_layers is not None:
     kw["n_layers"] = check_int("n_layers", n_layers, 1)
-  cfg = ModelConfig(**kw)
+  return spec_of_model(name, ModelConfig(**kw))
+
+
+def spec_of_model(name: str, cfg) -> ModelSpec:
+  """The ``ModelSpec`` of a ``distca_jax.model.ModelConfig`` (a run config's model)."""
   dims = ModelDims.from_model(cfg)
   total = dims.matmul_params + cfg.dim * cfg.vocab_size + (2 * cfg.n_layers + 1) * cfg.dim
   return ModelSpec(name, dims, cfg.dim, cfg.vocab_size, total)

@@ -112,8 +112,9 @@ class MicroResult:
   plan: plan_lib.Plan | None = None
 
 
-def _placement_attn(pl: packing.Placement, spec: costs.ModelSpec, km: costs.KernelModel
-                    ) -> np.ndarray:
+def placement_attn_s(pl: packing.Placement, spec: costs.ModelSpec, km: costs.KernelModel
+                     ) -> np.ndarray:
+  """[S] kernel-model seconds (one layer, forward + backward) of each rank's pieces."""
   sec = km.task_seconds(pl.end_P - pl.start_P, pl.end_P, spec.dims)
   by_row = np.bincount(pl.row_P, weights=sec, minlength=pl.num_rows)
   return by_row.reshape(-1, pl.rows_per_rank).sum(1)
@@ -122,13 +123,13 @@ def _placement_attn(pl: packing.Placement, spec: costs.ModelSpec, km: costs.Kern
 def run_packed_dp(rows, tokens, spec, km) -> MicroResult:
   pl = packing.natural_placement(rows, tokens)
   return MicroResult(bm.placement_metrics(pl, spec.dims, "packed_dp"),
-                     _placement_attn(pl, spec, km), 1)
+                     placement_attn_s(pl, spec, km), 1)
 
 
 def run_cp(rows, tokens, spec, km, cp_size: int) -> MicroResult:
   lanes = bm.lanes_from_rows(rows, cp_size)
   pl = packing.cp_placement(lanes, cp_size, tokens)
-  return MicroResult(bm.placement_metrics(pl, spec.dims, "cp"), _placement_attn(pl, spec, km),
+  return MicroResult(bm.placement_metrics(pl, spec.dims, "cp"), placement_attn_s(pl, spec, km),
                      cp_size)
 
 
@@ -138,7 +139,7 @@ def run_wlb(rows, tokens, spec, km, cp_size: int, alpha: float) -> MicroResult:
                         spec.dims.balance_len)
   pl = packing.wlb_placement(pk)
   m = bm.wlb_metrics(pk, spec.dims, alpha=alpha)
-  return MicroResult(m, _placement_attn(pl, spec, km), cp_size)
+  return MicroResult(m, placement_attn_s(pl, spec, km), cp_size)
 
 
 def run_distca(rows, tokens, spec, km, opts: Options) -> MicroResult:

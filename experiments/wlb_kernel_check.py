@@ -16,7 +16,8 @@ Next to each rank: the simulator's kernel model on the same tasks (``sim.validat
 the FA3 cost table plus the fitted time of tasks below its grid; one layer, forward + backward),
 and ``sim.step.run_wlb``'s per-rank seconds (the simulator's own packing of the same documents,
 which must give the same tasks). Per batch: the imbalance (max / mean over ranks) measured and
-predicted. Writes OUT.json and OUT.md.
+predicted. Writes OUT.json (with every rank's task lengths, so ``sim.validate`` can replay the tables with
+the current kernel model) and OUT.md.
 
 ``--tiny``: a tiny model on short rows with the 'auto' kernel (a CPU smoke test).
 """
@@ -169,10 +170,12 @@ def check_workload(a, workload: str, km, measure=measure_s) -> dict:
       row_tokens = nq
       p = predicted_s(cq, ck, spec.dims, km)
       lq = np.diff(cq)
-      row = dict(workload=workload, step=s, rank=r, tasks=int((lq > 0).sum()),
+      keep = lq > 0
+      row = dict(workload=workload, step=s, rank=r, tasks=int(keep.sum()),
                  tokens=int(lq.sum()), q_rows=nq, kv_rows=nkv,
                  pairs=int(ops.attention_pairs(cq, ck)), predicted_ms=p * 1e3,
-                 sim_step_ms=float(sim.attn_s[r]) * 1e3)
+                 sim_step_ms=float(sim.attn_s[r]) * 1e3, q_lens=lq[keep].tolist(),
+                 kv_lens=np.diff(ck)[keep].tolist())
       for v in variants:
         ms = measure(cq, ck, nq, nkv, model_cfg, a.kernel, a.iters, v == "tight")
         row[f"measured_{v}_ms"] = ms * 1e3
@@ -188,7 +191,8 @@ def check_workload(a, workload: str, km, measure=measure_s) -> dict:
       b[key.replace("_ms", "_imbalance")] = imbalance(x)
     batches.append(b)
   return dict(workload=workload, cp_size=opts.cp_size, alpha=opts.alpha, row_tokens=row_tokens,
-              variants=list(variants), rows=rows, batches=batches)
+              q_heads=model_cfg.n_heads, head_dim=model_cfg.head_dim, variants=list(variants),
+              rows=rows, batches=batches)
 
 
 def summarize(workloads: list[dict]) -> dict:

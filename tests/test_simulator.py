@@ -2,6 +2,7 @@
 the shared work model, WLB-ideal's choice and the replays of committed measurements."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -257,7 +258,7 @@ def test_wlb_kernel_check_rows_and_imbalance(tmp_path):
       max(abs(r["error_call"]) for r in w["rows"]))
 
 
-def test_wlb_kernel_check_times_both_flash3_launch_shapes():
+def test_wlb_kernel_check_times_both_flash3_launch_shapes(tmp_path):
   """With kernel 'flash3' every rank is timed as the backend calls it and with tight bounds
   (here a stand-in timer: seconds = pairs x 1 ns, 2x that for the backend's call)."""
   from experiments import wlb_kernel_check as wkc
@@ -271,12 +272,22 @@ def test_wlb_kernel_check_times_both_flash3_launch_shapes():
     assert kernel == "flash3" and cq[-1] <= nq and ck[-1] <= nkv
     return (1 if tight else 2) * ops.attention_pairs(cq, ck) * 1e-9 + 1e-6
 
-  w = wkc.check_workload(a, "pretrain", _flat_table(), measure=fake)
+  km = _flat_table()
+  w = wkc.check_workload(a, "pretrain", km, measure=fake)
   assert calls.count(True) == calls.count(False) == a.ranks * a.steps
   for r in w["rows"]:
     assert r["measured_call_ms"] > r["measured_tight_ms"] > 0
     assert r["error_tight"] == pytest.approx(r["predicted_ms"] / r["measured_tight_ms"] - 1)
   assert wkc.tight_bounds(np.array([0, 100, 700]), np.array([0, 100, 1500])) == (1024, 2048)
+  # --validate replays a committed result: per batch, the busiest rank predicted vs measured.
+  path = tmp_path / "wlb_kernel_check.json"
+  path.write_text(json.dumps({"workloads": [w]}))
+  cases = validate.wlb_kernel_cases(km, str(path))
+  assert len(cases) == a.steps and all(c["role"] == "held-out" for c in cases)
+  for c, b in zip(cases, w["batches"]):
+    assert c["predicted_s"] == pytest.approx(b["predicted_max_ms"] / 1e3)
+    assert c["measured_s"] == pytest.approx(b["measured_call_max_ms"] / 1e3)
+  assert validate.wlb_kernel_cases(km, str(tmp_path / "absent.json")) == []
 
 
 def test_remat_full_reruns_the_attention_forward_and_keeps_layer_inputs():

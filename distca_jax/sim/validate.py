@@ -8,7 +8,8 @@ Cases (files under results/):
   timed steps);
 * kernel: the FA3 fwd+bwd of real task tables (``micro/flash3_grid_bench.json``, launch buckets) vs the
   cost table on the same tasks (the own-documents tables fit the time of tasks below the table's
-  grid, the CAD tables are held out);
+  grid, the CAD tables are held out), and the wlb backend's calls on WLB-ideal packings
+  (``micro/wlb_kernel_check.json``, held out, once committed);
 * exchange: all_to_all times of ``collective_bench*.json`` vs the fitted latency + bandwidth;
 * memory: the compiled step's per-device bytes (XLA's plan) vs the memory model, single-stream
   runs (activations fitted on one-GPU runs at 2, 4 and 16 layers, ``MEMORY_RUNS``);
@@ -71,6 +72,8 @@ MISS_NOTES = {
         "they agree"),
 }
 UNEXPLAINED = "not explained"
+# experiments/wlb_kernel_check.py's result under results/ (replayed once committed).
+WLB_KERNEL_CHECK = os.path.join("micro", "wlb_kernel_check")
 # The planner's gate (min_gain) each code era ran with: 0 = no gate.
 _ERA_MIN_GAIN = {"current": 0.02, "v5": 0.0}
 
@@ -316,6 +319,30 @@ def kernel_model() -> tuple[costs.KernelModel, list[dict[str, Any]]]:
   return costs.KernelModel(km.table, fit_small_task_seconds(tables, km)), tables
 
 
+def wlb_kernel_cases(km: costs.KernelModel, path: str | None = None) -> list[dict[str, Any]]:
+  """The wlb backend's FA3 call on WLB-ideal packings (``experiments/wlb_kernel_check.py``, one
+  GPU, every rank's real task table timed in turn), when its result is committed
+  (``WLB_KERNEL_CHECK``; none before): per sampled batch, the busiest rank's forward + backward
+  as the backend calls it vs the kernel model on the same tables (held out)."""
+  path = path or os.path.join(RESULTS, WLB_KERNEL_CHECK + ".json")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    blob = json.load(f)
+  base = costs.model_spec("llama3_8b").dims
+  out = []
+  for w in blob["workloads"]:
+    dims = dataclasses.replace(base, q_heads=w["q_heads"], head_dim=w["head_dim"])
+    for s in sorted({r["step"] for r in w["rows"]}):
+      rows = [r for r in w["rows"] if r["step"] == s]
+      pred = max(float(km.task_seconds(r["q_lens"], r["kv_lens"], dims).sum()) for r in rows)
+      meas = max(r["measured_call_ms"] for r in rows) / 1e3
+      out.append(_case("kernel", f"fa3 wlb-ideal {w['workload']} step {s}: busiest of "
+                       f"{len(rows)} ranks (cp {w['cp_size']}, alpha {w['alpha']:g})", pred, meas,
+                       "held-out"))
+  return out
+
+
 def exchange_cases(cal: costs.Calibration) -> list[dict[str, Any]]:
   """all_to_all of N MB per device on 2 H200s: fitted rows (default flags) and held-out rows
   (latency-hiding scheduler flag)."""
@@ -374,7 +401,8 @@ def validate() -> dict[str, Any]:
   km, tables = kernel_model()
   cals = calibrations(km)
   e2e = e2e_cases(cals, km)
-  cases = e2e + speedup_cases(e2e) + kernel_cases(km, tables) + exchange_cases(cals["current"])
+  cases = (e2e + speedup_cases(e2e) + kernel_cases(km, tables) + wlb_kernel_cases(km)
+           + exchange_cases(cals["current"]))
   for c in cases:
     if not c["within_10pct"]:
       c["note"] = next((v for (kind, text), v in MISS_NOTES.items()

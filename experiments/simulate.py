@@ -150,15 +150,17 @@ def format_validation(v) -> str:
 # ----------------------------------------------------------------------------------------------
 # --paper
 # ----------------------------------------------------------------------------------------------
-def fitting_tokens(model, context, layout_kw, cal) -> int:
-  """The largest power-of-two tokens per rank <= context whose packed_dp activations fit."""
+def fitting_tokens(model, context, layout_kw, cal, remat: str = "save_attention") -> int:
+  """The largest power-of-two tokens per rank <= context whose packed_dp activations fit
+  (``remat``: the model's policy)."""
   spec = costs.model_spec(model)
   t = context
   while t > 8192:
     lay = step.Layout(gpus=layout_kw.get("tensor", 1) * layout_kw.get("pipe", 1), **layout_kw)
     mem = costs.memory_bytes(spec, cal, tokens=t, layers=costs.ceil_div(
         spec.dims.n_layers, lay.pipe), tp=lay.tensor, pp=lay.pipe,
-        in_flight=min(lay.pipe, lay.micro_batches), extra_bytes=0.1 * cal.hbm_bytes)
+        in_flight=min(lay.pipe, lay.micro_batches), extra_bytes=0.1 * cal.hbm_bytes,
+        remat=remat)
     if mem["fits"]:
       return t
     t //= 2
@@ -172,7 +174,7 @@ def paper(a, cal, km) -> dict:
                           ("4d", dict(tensor=tp4, pipe=pp4, micro_batches=mb4))):
       for gpus in gpu_list:
         for context in CONTEXTS:
-          tokens = fitting_tokens(model, context, lay, cal)
+          tokens = fitting_tokens(model, context, lay, cal, a.remat)
           for wl in ("pretrain", "prolong"):
             r = run_config(model, wl, gpus, tokens, lay, a, cal, km, context=context)
             r["dims"] = dim_name

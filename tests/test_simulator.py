@@ -2,6 +2,7 @@
 the shared work model, WLB-ideal's choice and the replays of committed measurements."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -231,3 +232,90 @@ def test_results_path_follows_archived_moves(tmp_path):
   assert validate.results_path("old_v2", str(root)) == str(root / "cur.json")
   with pytest.raises(FileNotFoundError, match="nope"):
     validate.results_path("nope", str(root))
+
+
+def test_wlb_kernel_check_rows_and_imbalance(tmp_path):
+  """experiments/wlb_kernel_check: per-rank rows of the backend's real packing, positive
+  predictions equal to the simulator's own packing, imbalance from the rows (tiny, CPU)."""
+  from experiments import wlb_kernel_check as wkc
+  res = wkc.main(["--tiny", "--workloads", "prolong", "--steps", "1",
+                  "--out", str(tmp_path / "w")])
+  (w,) = res["workloads"]
+  assert (tmp_path / "w.json").exists() and (tmp_path / "w.md").exists()
+  assert [r["rank"] for r in w["rows"]] == list(range(res["ranks"]))
+  for r in w["rows"]:
+    assert r["predicted_ms"] > 0 and r["measured_call_ms"] > 0
+    assert r["sim_step_ms"] == pytest.approx(r["predicted_ms"], rel=1e-9)
+    assert r["error_call"] == pytest.approx(r["predicted_ms"] / r["measured_call_ms"] - 1)
+  # WLB moves documents between ranks; every token of the batch's full rows is placed once.
+  assert sum(r["tokens"] for r in w["rows"]) == res["ranks"] * res["tokens"]
+  (b,) = w["batches"]
+  meas = [r["measured_call_ms"] for r in w["rows"]]
+  pred = [r["predicted_ms"] for r in w["rows"]]
+  assert b["measured_call_imbalance"] == pytest.approx(max(meas) / np.mean(meas))
+  assert b["predicted_imbalance"] == pytest.approx(max(pred) / np.mean(pred))
+  assert res["summary"]["prolong"]["max_abs_error_call"] == pytest.approx(
+      max(abs(r["error_call"]) for r in w["rows"]))
+
+
+def test_wlb_kernel_check_times_both_flash3_launch_shapes(tmp_path):
+  """With kernel 'flash3' every rank is timed as the backend calls it and with tight bounds
+  (here a stand-in timer: seconds = pairs x 1 ns, 2x that for the backend's call)."""
+  from experiments import wlb_kernel_check as wkc
+  from distca_jax import ops
+  a = wkc.parse_args(["--tiny"])
+  a.kernel = "flash3"
+  calls = []
+
+  def fake(cq, ck, nq, nkv, model_cfg, kernel, iters, tight):
+    calls.append(tight)
+    assert kernel == "flash3" and cq[-1] <= nq and ck[-1] <= nkv
+    return (1 if tight else 2) * ops.attention_pairs(cq, ck) * 1e-9 + 1e-6
+
+  km = _flat_table()
+  w = wkc.check_workload(a, "pretrain", km, measure=fake)
+  assert calls.count(True) == calls.count(False) == a.ranks * a.steps
+  for r in w["rows"]:
+    assert r["measured_call_ms"] > r["measured_tight_ms"] > 0
+    assert r["error_tight"] == pytest.approx(r["predicted_ms"] / r["measured_tight_ms"] - 1)
+  assert wkc.tight_bounds(np.array([0, 100, 700]), np.array([0, 100, 1500])) == (1024, 2048)
+  # --validate replays a committed result: per batch, the busiest rank predicted vs measured.
+  path = tmp_path / "wlb_kernel_check.json"
+  path.write_text(json.dumps({"workloads": [w]}))
+  cases = validate.wlb_kernel_cases(km, str(path))
+  assert len(cases) == a.steps and all(c["role"] == "held-out" for c in cases)
+  for c, b in zip(cases, w["batches"]):
+    assert c["predicted_s"] == pytest.approx(b["predicted_max_ms"] / 1e3)
+    assert c["measured_s"] == pytest.approx(b["measured_call_max_ms"] / 1e3)
+  assert validate.wlb_kernel_cases(km, str(tmp_path / "absent.json")) == []
+
+
+def test_remat_full_reruns_the_attention_forward_and_keeps_layer_inputs():
+  spec = costs.model_spec("llama3_8b", n_layers=16)
+  km, cal, t = _flat_table(), _cal(), 8192
+  docs = [[[[2000, 6192]]]]
+  run = lambda remat: step.simulate(docs, spec, step.Layout(gpus=1), t, cal=cal, km=km,
+                                    strategies=("packed_dp",),
+                                    opts=step.Options(remat=remat))["packed_dp"]
+  sa, full = run("save_attention"), run("full")
+  attn = 16 * sum(l * (l + 1) / 2 * 1e-9 for l in (2000, 6192))
+  # One more forward of the kernel: forward = (forward + backward) / (1 + BWD_FWD_RATIO).
+  assert full["step_s"] - sa["step_s"] == pytest.approx(attn / (1 + plan_lib.BWD_FWD_RATIO))
+  assert full["per_rank_s"]["linear"] == sa["per_rank_s"]["linear"]
+  # 'full' keeps each layer's input (E bf16 values per token) and one layer's activations.
+  act = lambda r: r["memory_gb"]["activations"] * 1e9
+  assert act(full) == pytest.approx(
+      t * (16 * 4096 * 2 + cal.act_bytes_per_token_layer + cal.act_bytes_per_token_fixed))
+  assert act(sa) == pytest.approx(
+      t * (16 * cal.act_bytes_per_token_layer + cal.act_bytes_per_token_fixed))
+  with pytest.raises(ValueError, match="not modelled"):
+    step.Options(remat="save_dots")
+
+
+def test_validation_explains_every_miss(validation):
+  misses = [c for c in validation["cases"] if not c["within_10pct"]]
+  assert all(c["note"] != validate.UNEXPLAINED for c in misses), [c["name"] for c in misses]
+  # The 16-layer one-GPU steps (remat 'save_attention' at 64K, 'full' at 128K) are held out.
+  sixteen = [c for c in validation["cases"] if c["kind"] == "e2e" and "16 layers" in c["name"]]
+  assert len(sixteen) == 4
+  assert all(c["role"] == "held-out" and c["within_10pct"] for c in sixteen)

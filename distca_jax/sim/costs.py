@@ -78,7 +78,11 @@ def model_spec(name: str, n_layers: int | None = None) -> ModelSpec:
   kw = dict(shapes[name])
   if n_layers is not None:
     kw["n_layers"] = check_int("n_layers", n_layers, 1)
-  cfg = ModelConfig(**kw)
+  return spec_of_model(name, ModelConfig(**kw))
+
+
+def spec_of_model(name: str, cfg) -> ModelSpec:
+  """The ``ModelSpec`` of a ``distca_jax.model.ModelConfig`` (a run config's model)."""
   dims = ModelDims.from_model(cfg)
   total = dims.matmul_params + cfg.dim * cfg.vocab_size + (2 * cfg.n_layers + 1) * cfg.dim
   return ModelSpec(name, dims, cfg.dim, cfg.vocab_size, total)
@@ -121,7 +125,7 @@ class Calibration:
     hbm_bytes: memory a GPU gives the step (H200 141 GB x 0.92, the launcher's fraction).
     act_bytes_per_token_layer: activation bytes a layer keeps per token at E = 4096
       ('save_attention'), fitted on the compiled steps' memory (``sim.validate.fit_memory``,
-      one-GPU runs at 2 and 4 layers; scales with E).
+      one-GPU runs at 2, 4 and 16 layers; scales with E).
     act_bytes_per_token_fixed: per-token bytes outside the layers at E = 4096 (embedding,
       LM-head chunks, loss), fitted likewise.
     state_bytes_per_param: f32 parameters + Adam moments (12) + f32 gradients (4).
@@ -137,8 +141,8 @@ class Calibration:
   inter_node_bw: float = 50e9
   gpus_per_node: int = 8
   hbm_bytes: float = 141e9 * 0.92
-  act_bytes_per_token_layer: float = 58e3
-  act_bytes_per_token_fixed: float = 156e3
+  act_bytes_per_token_layer: float = 38e3
+  act_bytes_per_token_fixed: float = 211e3
   state_bytes_per_param: float = 16.0
   single_stream_hidden: float = 0.5
 
@@ -198,16 +202,50 @@ class KernelModel:
 
 
 # ----------------------------------------------------------------------------------------------
+# Rematerialization (``model.remat``).
+# ----------------------------------------------------------------------------------------------
+REMAT_POLICIES = ("save_attention", "full")
+
+
+def check_remat(remat: str) -> str:
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"remat={remat!r} is not modelled by the simulator; use one of "
+                     f"{REMAT_POLICIES} (model.remat)")
+  return remat
+
+
+def attention_remat_factor(remat: str) -> float:
+  """Kernel time of a layer over the table's forward + backward: 'full' reruns the kernel's
+  forward in the backward (one more forward: ``1 / (1 + BWD_FWD_RATIO)`` of forward + backward);
+  'save_attention' keeps its inputs and outputs. Both rerun the forward linears
+  (``Calibration.remat_factor``)."""
+  if check_remat(remat) == "full":
+    return 1.0 + 1.0 / (1.0 + plan_lib.BWD_FWD_RATIO)
+  return 1.0
+
+
+# ----------------------------------------------------------------------------------------------
 # Memory.
 # ----------------------------------------------------------------------------------------------
 def memory_bytes(spec: ModelSpec, cal: Calibration, *, tokens: float, layers: int, tp: int,
-                 pp: int, in_flight: int = 1, extra_bytes: float = 0.0) -> dict[str, float]:
+                 pp: int, in_flight: int = 1, extra_bytes: float = 0.0,
+                 remat: str = "save_attention") -> dict[str, float]:
   """Per-GPU bytes of one rank: state, activations (``tokens`` held, ``layers`` of its stage,
-  ``in_flight`` micro-batches kept by the pipeline schedule) and strategy buffers."""
+  ``in_flight`` micro-batches kept by the pipeline schedule) and strategy buffers.
+
+  Activations per token: ``act_bytes_per_token_fixed`` plus, per layer, what ``remat`` keeps:
+  'save_attention' ``act_bytes_per_token_layer`` (fitted); 'full' the layer's input (E values
+  of the compute dtype), with one layer's ``act_bytes_per_token_layer`` live at a time while the
+  backward recomputes it.
+  """
   width = spec.dim / 4096.0
   state = spec.total_params / (tp * pp) * cal.state_bytes_per_param
-  act = tokens * in_flight * (layers * cal.act_bytes_per_token_layer
-                              + cal.act_bytes_per_token_fixed) * width / tp
+  if check_remat(remat) == "full":
+    per_token = (layers * spec.dim * spec.dims.dtype_bytes
+                 + (cal.act_bytes_per_token_layer + cal.act_bytes_per_token_fixed) * width)
+  else:
+    per_token = (layers * cal.act_bytes_per_token_layer + cal.act_bytes_per_token_fixed) * width
+  act = tokens * in_flight * per_token / tp
   total = state + act + extra_bytes
   return {"state": state, "activations": act, "buffers": float(extra_bytes), "total": total,
           "fits": bool(total <= cal.hbm_bytes)}

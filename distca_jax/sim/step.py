@@ -7,7 +7,7 @@ Their per-rank tasks, tokens and bytes become seconds through ``costs`` (measure
 fitted matmul rate, fitted collectives, stated inter-node bandwidth):
 
   layer_r  = linear (6 N_layer x remat x tokens / rate) + attention (kernel table on the rank's
-             tasks) + tensor-parallel traffic + the exposed part of the strategy's exchange
+             tasks, plus one forward under remat 'full') + tensor-parallel traffic + the exposed part of the strategy's exchange
   stage_r  = layers of the stage x layer_r (+ LM head on the last stage)
 
 Ranks that synchronize inside a layer (a CP group; every server of a CAD plan) wait for their
@@ -80,6 +80,8 @@ class Options:
       baselines); False = exposed, as this project's all-gather implementation runs it.
     wlb_padded: wlb rows padded to ``Lmax = alpha T`` token slots (this project's backend: the
       linear layers run on the padding too); False = variable-length rows (the paper's WLB).
+    remat: the model's rematerialization policy (``costs.REMAT_POLICIES``): what the backward
+      reruns (time) and what the layers keep (memory).
   """
   tolerance: float = plan_lib.DEFAULT_TOLERANCE
   min_gain: float = 0.0
@@ -88,6 +90,10 @@ class Options:
   cp_sizes: Sequence[int] | None = None
   cp_overlap: bool = True
   wlb_padded: bool = False
+  remat: str = "save_attention"
+
+  def __post_init__(self):
+    costs.check_remat(self.remat)
 
 
 def sample_batches(workload: str, tokens: int, layout: Layout, batches: int, *, seed: int = 0,
@@ -112,8 +118,9 @@ class MicroResult:
   plan: plan_lib.Plan | None = None
 
 
-def _placement_attn(pl: packing.Placement, spec: costs.ModelSpec, km: costs.KernelModel
-                    ) -> np.ndarray:
+def placement_attn_s(pl: packing.Placement, spec: costs.ModelSpec, km: costs.KernelModel
+                     ) -> np.ndarray:
+  """[S] kernel-model seconds (one layer, forward + backward) of each rank's pieces."""
   sec = km.task_seconds(pl.end_P - pl.start_P, pl.end_P, spec.dims)
   by_row = np.bincount(pl.row_P, weights=sec, minlength=pl.num_rows)
   return by_row.reshape(-1, pl.rows_per_rank).sum(1)
@@ -122,13 +129,13 @@ def _placement_attn(pl: packing.Placement, spec: costs.ModelSpec, km: costs.Kern
 def run_packed_dp(rows, tokens, spec, km) -> MicroResult:
   pl = packing.natural_placement(rows, tokens)
   return MicroResult(bm.placement_metrics(pl, spec.dims, "packed_dp"),
-                     _placement_attn(pl, spec, km), 1)
+                     placement_attn_s(pl, spec, km), 1)
 
 
 def run_cp(rows, tokens, spec, km, cp_size: int) -> MicroResult:
   lanes = bm.lanes_from_rows(rows, cp_size)
   pl = packing.cp_placement(lanes, cp_size, tokens)
-  return MicroResult(bm.placement_metrics(pl, spec.dims, "cp"), _placement_attn(pl, spec, km),
+  return MicroResult(bm.placement_metrics(pl, spec.dims, "cp"), placement_attn_s(pl, spec, km),
                      cp_size)
 
 
@@ -138,7 +145,7 @@ def run_wlb(rows, tokens, spec, km, cp_size: int, alpha: float) -> MicroResult:
                         spec.dims.balance_len)
   pl = packing.wlb_placement(pk)
   m = bm.wlb_metrics(pk, spec.dims, alpha=alpha)
-  return MicroResult(m, _placement_attn(pl, spec, km), cp_size)
+  return MicroResult(m, placement_attn_s(pl, spec, km), cp_size)
 
 
 def run_distca(rows, tokens, spec, km, opts: Options) -> MicroResult:
@@ -170,7 +177,7 @@ def rank_seconds(mr: MicroResult, spec: costs.ModelSpec, cal: costs.Calibration,
     tokens = (np.full_like(tokens, float(m.info["row_tokens"])) if opts.wlb_padded
               else m.tokens_S.astype(np.float64))
   linear = 6.0 * d.layer_matmul_params * cal.remat_factor * tokens / rate
-  attn = mr.attn_s * cal.attention_scale / tp
+  attn = mr.attn_s * cal.attention_scale * costs.attention_remat_factor(opts.remat) / tp
   tp_bytes = 8.0 * (tp - 1) / tp * tokens * spec.dim * d.dtype_bytes
   tp_comm = cal.collective_s(tp_bytes, tp, calls=8)
   comm = cal.collective_s(2.0 * m.bytes_S / tp, m.comm_span * tp, calls=4 if
@@ -203,7 +210,7 @@ def step_seconds(stage_s_MxS: np.ndarray, group: int, stages: int) -> float:
 
 def strategy_memory(mr_list: Sequence[MicroResult], spec: costs.ModelSpec,
                     cal: costs.Calibration, layout: Layout, tokens: int,
-                    alpha: float = 1.0) -> dict[str, Any]:
+                    alpha: float = 1.0, remat: str = "save_attention") -> dict[str, Any]:
   """Per-GPU memory of the busiest rank: activations of the tokens it holds, strategy buffers."""
   m0 = mr_list[0].metrics
   d = spec.dims
@@ -222,7 +229,8 @@ def strategy_memory(mr_list: Sequence[MicroResult], spec: costs.ModelSpec,
   layers = costs.ceil_div(d.n_layers, layout.pipe)
   in_flight = min(layout.pipe, layout.micro_batches)
   return costs.memory_bytes(spec, cal, tokens=held, layers=layers, tp=layout.tensor,
-                            pp=layout.pipe, in_flight=in_flight, extra_bytes=extra)
+                            pp=layout.pipe, in_flight=in_flight, extra_bytes=extra,
+                            remat=remat)
 
 
 def evaluate(results: Sequence[Sequence[MicroResult]], spec, cal, layout, opts, tokens,
@@ -239,7 +247,7 @@ def evaluate(results: Sequence[Sequence[MicroResult]], spec, cal, layout, opts, 
   flat = [mr for b in results for mr in b]
   mets = [mr.metrics for mr in flat]
   work = [costs.step_work(spec.dims, m.tokens_S, m.pairs_S) for m in mets]
-  mem = strategy_memory(flat, spec, cal, layout, tokens, alpha)
+  mem = strategy_memory(flat, spec, cal, layout, tokens, alpha, opts.remat)
   m0 = mets[0]
   out = {
       "step_s": float(np.mean(steps)), "step_s_per_batch": [float(x) for x in steps],

@@ -3,14 +3,16 @@
 Cases (files under results/):
 
 * end-to-end steps (``experiments/e2e_bench.py`` JSONs): the very batches the run timed are
-  re-sampled (same workload, seed 0, rows, steps) and simulated with the run's strategy, layers
-  and GPU count; the measured value is the mean step (tokens / tokens/s over the timed steps);
+  re-sampled (same workload, seed 0, rows, steps) and simulated with the run's strategy, layers,
+  remat policy and GPU count; the measured value is the mean step (tokens / tokens/s over the
+  timed steps);
 * kernel: the FA3 fwd+bwd of real task tables (``micro/flash3_grid_bench.json``, launch buckets) vs the
   cost table on the same tasks (the own-documents tables fit the time of tasks below the table's
-  grid, the CAD tables are held out);
+  grid, the CAD tables are held out), and the wlb backend's calls on WLB-ideal packings
+  (``micro/wlb_kernel_check.json``, held out, once committed);
 * exchange: all_to_all times of ``collective_bench*.json`` vs the fitted latency + bandwidth;
 * memory: the compiled step's per-device bytes (XLA's plan) vs the memory model, single-stream
-  runs (activations fitted on one-GPU runs at 2 and 4 layers, ``MEMORY_RUNS``);
+  runs (activations fitted on one-GPU runs at 2, 4 and 16 layers, ``MEMORY_RUNS``);
 * speedup: distca's measured speedup over packed_dp / wlb in the same multi-GPU run vs the
   predicted one (ratios in place of seconds).
 
@@ -43,16 +45,35 @@ HELD_OUT_RUNS = {
     "current": [("e2e_1gpu_pingpong_v6_fixed_4l", None), ("e2e_1gpu_64k_nodsf", None),
                 ("e2e_1gpu_2x64k_nodsf", None),
                 ("e2e_1gpu_pingpong_v6_final", "packed_dp+pingpong"),
-                ("e2e_1gpu_pingpong_v6_final", "distca+pingpong")],
+                ("e2e_1gpu_pingpong_v6_final", "distca+pingpong"),
+                ("one_gpu/e2e_16l_64k", None), ("one_gpu/e2e_16l_128k", None)],
     "v5": [("e2e_2gpu_64k_v5c", None), ("e2e_2gpu_128k_v5b", None),
            ("e2e_2gpu_prolong_128k_v5b", None), ("e2e_2gpu_128k_v5_sa", None),
            ("e2e_2gpu_pingpong_2x64k_v5", None)],
 }
-# Memory is fitted on the current code's one-GPU compiled steps at 2 and 4 layers; the 2-GPU
-# runs' memory is held out.
+# Memory is fitted on the current code's one-GPU compiled steps at 2, 4 and 16 layers (remat
+# 'save_attention'; the 16-layer run sets the per-layer slope that 32-layer models extrapolate);
+# the 2-GPU runs' memory and the 16-layer remat 'full' run are held out.
 MEMORY_RUNS = [("e2e_1gpu_64k_v7", None), ("e2e_1gpu_pingpong_v6_final", "packed_dp"),
                ("e2e_1gpu_pingpong_v6_final", "distca"), ("e2e_1gpu_pingpong_v6_4l", "packed_dp"),
-               ("e2e_1gpu_pingpong_v6_fixed_4l", "distca")]
+               ("e2e_1gpu_pingpong_v6_fixed_4l", "distca"), ("one_gpu/e2e_16l_64k", None)]
+# Why the cases above 10% miss: (kind, text in the case name) -> explanation. ``validate`` puts
+# the first match on every miss, or says that none explains it.
+MISS_NOTES = {
+    ("memory", " wlb, "): (
+        "the model charges wlb its Lmax = alpha T token slots (plus one layer's gathered K/V when "
+        "cp > 1) but not its per-layer key buffers ((c + 1) Lmax K/V rows, kept as kernel inputs "
+        "for the backward: about 1.3 GB here) nor the gathers' backward temporaries; the rest of "
+        "XLA's plan is not broken down"),
+    ("exchange", "(collective_bench_lhs)"): (
+        "another XLA setting (latency-hiding scheduler) in another session: at equal bytes it "
+        "measured 0.48 vs 0.56 ms (64 MB) and 0.96 vs 0.86 ms (150 MB) against the default-flag "
+        "run the line is fitted on, so no one latency + bandwidth line holds both; at 300 MB "
+        "they agree"),
+}
+UNEXPLAINED = "not explained"
+# experiments/wlb_kernel_check.py's result under results/ (replayed once committed).
+WLB_KERNEL_CHECK = os.path.join("micro", "wlb_kernel_check")
 # The planner's gate (min_gain) each code era ran with: 0 = no gate.
 _ERA_MIN_GAIN = {"current": 0.02, "v5": 0.0}
 
@@ -76,6 +97,11 @@ class E2eRun:
   @property
   def strategy(self) -> str:
     return self.backend.split("+")[0]
+
+  @property
+  def remat(self) -> str:
+    """The run's ``model.remat``: an override, else configs/gpu_bench.py's 'save_attention'."""
+    return self.override("model.remat", "save_attention")
 
   @property
   def nano_batches(self) -> int:
@@ -148,7 +174,7 @@ def _options(run: E2eRun, era: str) -> step.Options:
       min_gain=_ERA_MIN_GAIN[era], nano_batches=2 if run.backend.endswith("+pingpong") else 1,
       wlb_alphas=(float(run.override("attention.baselines.wlb_alpha", "1.0")),),
       cp_sizes=(int(run.override("attention.baselines.cp_size", "1")),),
-      cp_overlap=False, wlb_padded=True)
+      cp_overlap=False, wlb_padded=True, remat=run.remat)
 
 
 def predict_run(run: E2eRun, cal: costs.Calibration, km: costs.KernelModel, era: str
@@ -176,7 +202,8 @@ def features(run: E2eRun, km: costs.KernelModel) -> np.ndarray:
   slots = run.tokens * run.rows_per_rank
   lin = 6.0 * slots * (d.n_layers * d.layer_matmul_params * costs.Calibration.remat_factor
                        + spec.head_params)
-  att = [d.n_layers * sum(km.docs_seconds(r, d) for r in batch[0]) for batch in run_batches(run)]
+  att = [d.n_layers * costs.attention_remat_factor(run.remat)
+         * sum(km.docs_seconds(r, d) for r in batch[0]) for batch in run_batches(run)]
   return np.array([1.0, lin, np.mean(att)])
 
 
@@ -192,11 +219,12 @@ def fit_calibration(runs: list[E2eRun], km: costs.KernelModel,
 
 
 def fit_memory(runs: list[E2eRun], base: costs.Calibration) -> costs.Calibration:
-  """Activation bytes per token outside the layers and per layer (E = 4096) by least squares on
-  the compiled steps' per-device totals less the state (``state_bytes_per_param`` x params)."""
+  """Activation bytes per token outside the layers and per layer (E = 4096, remat
+  'save_attention') by least squares on the compiled steps' per-device totals less the state
+  (``state_bytes_per_param`` x params)."""
   rows, y = [], []
   for r in runs:
-    if r.memory_gb is None or r.devices != 1:
+    if r.memory_gb is None or r.devices != 1 or r.remat != "save_attention":
       continue
     spec = costs.model_spec("llama3_8b", n_layers=r.layers)
     slots = r.tokens * r.rows_per_rank
@@ -291,6 +319,30 @@ def kernel_model() -> tuple[costs.KernelModel, list[dict[str, Any]]]:
   return costs.KernelModel(km.table, fit_small_task_seconds(tables, km)), tables
 
 
+def wlb_kernel_cases(km: costs.KernelModel, path: str | None = None) -> list[dict[str, Any]]:
+  """The wlb backend's FA3 call on WLB-ideal packings (``experiments/wlb_kernel_check.py``, one
+  GPU, every rank's real task table timed in turn), when its result is committed
+  (``WLB_KERNEL_CHECK``; none before): per sampled batch, the busiest rank's forward + backward
+  as the backend calls it vs the kernel model on the same tables (held out)."""
+  path = path or os.path.join(RESULTS, WLB_KERNEL_CHECK + ".json")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    blob = json.load(f)
+  base = costs.model_spec("llama3_8b").dims
+  out = []
+  for w in blob["workloads"]:
+    dims = dataclasses.replace(base, q_heads=w["q_heads"], head_dim=w["head_dim"])
+    for s in sorted({r["step"] for r in w["rows"]}):
+      rows = [r for r in w["rows"] if r["step"] == s]
+      pred = max(float(km.task_seconds(r["q_lens"], r["kv_lens"], dims).sum()) for r in rows)
+      meas = max(r["measured_call_ms"] for r in rows) / 1e3
+      out.append(_case("kernel", f"fa3 wlb-ideal {w['workload']} step {s}: busiest of "
+                       f"{len(rows)} ranks (cp {w['cp_size']}, alpha {w['alpha']:g})", pred, meas,
+                       "held-out"))
+  return out
+
+
 def exchange_cases(cal: costs.Calibration) -> list[dict[str, Any]]:
   """all_to_all of N MB per device on 2 H200s: fitted rows (default flags) and held-out rows
   (latency-hiding scheduler flag)."""
@@ -344,11 +396,17 @@ def speedup_cases(e2e: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def validate() -> dict[str, Any]:
-  """Every case; ``max_abs_error`` over all, and over held-out cases apart."""
+  """Every case; ``max_abs_error`` over all, and over held-out cases apart; every case above 10%
+  carries a ``note`` (``MISS_NOTES``)."""
   km, tables = kernel_model()
   cals = calibrations(km)
   e2e = e2e_cases(cals, km)
-  cases = e2e + speedup_cases(e2e) + kernel_cases(km, tables) + exchange_cases(cals["current"])
+  cases = (e2e + speedup_cases(e2e) + kernel_cases(km, tables) + wlb_kernel_cases(km)
+           + exchange_cases(cals["current"]))
+  for c in cases:
+    if not c["within_10pct"]:
+      c["note"] = next((v for (kind, text), v in MISS_NOTES.items()
+                        if c["kind"] == kind and text in c["name"]), UNEXPLAINED)
   held = [c for c in cases if c["role"] == "held-out"]
   return {
       "cases": cases,

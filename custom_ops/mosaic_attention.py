@@ -36,13 +36,17 @@ Layout (why it looks like this):
 * Kernels are warp-specialized: two compute warpgroups and one producer warpgroup that streams
   tiles through ``max_concurrent_steps`` shared-memory slots with TMA (``mbarrier`` handshakes
   per slot). Forward: FlashAttention-3 style online softmax, optional ping-pong scheduling of the
-  two compute warpgroups (softmax of one overlaps the matrix products of the other). Backward:
-  FlashAttention-2 style without atomics: a dQ kernel over query tiles and a dK/dV kernel over
-  key tiles that loops over its GQA group's heads and its task's visible query tiles.
+  two compute warpgroups (softmax of one overlaps the matrix products of the other). Backward,
+  by default FlashAttention-2 style without atomics: a dQ kernel over query tiles and a dK/dV
+  kernel over key tiles that loops over its GQA group's heads and its task's visible query
+  tiles. With ``BlockSizes(fused_bwd=True)``, one kernel over key tiles (FlashAttention-3
+  style): the dK/dV kernel's loop also computes dQ of each query step (each warpgroup half of
+  its columns, over both warpgroups' keys) and adds it to an f32 buffer with TMA reduce-add
+  stores; dQ is scaled and cast while it is gathered back.
 
 Modules: this one (input checks, custom_vjp over the packed buffers, public entry point),
 ``custom_ops/mosaic_worklists.py`` (``BlockSizes``, aligned layout, work lists) and
-``custom_ops/mosaic_kernels.py`` (the three Pallas kernels and their calls).
+``custom_ops/mosaic_kernels.py`` (the Pallas kernels and their calls).
 
 Measured against FlashAttention-3 on one H200: custom_ops/MOSAIC_NOTES.md and
 results/kernel_bench.md.
@@ -57,7 +61,7 @@ import jax
 import jax.numpy as jnp
 
 from custom_ops import varlen_attention as va
-from custom_ops.mosaic_kernels import LN2, dkv_call, dq_aligned, forward_aligned
+from custom_ops.mosaic_kernels import LN2, bwd_fused_call, dkv_call, dq_aligned, forward_aligned
 from custom_ops.mosaic_worklists import (KV_ROW_MULTIPLE, BlockSizes, aligned_layout,
                                          gather_rows, kv_edges, kv_tile_table,
                                          kv_tile_table_in_place, q_tile_table)
@@ -139,6 +143,12 @@ def _attention_bwd(scale, bs, residuals, cotangents):
   # Rows that see no key (LSE -inf) get +inf: their P, hence dS, is exactly 0.
   lse2_b = jnp.where(jnp.isneginf(lse2_p), jnp.inf, lse2_p)
   edges, k_edge, v_edge = _key_edges(k, v, cu_k, bs)
+  if bs.fused_bwd:
+    meta_k = kv_tile_table_in_place(cu_q, cu_k, lay_q, num_k_rows, bs)
+    dq_p, dk, dv = bwd_fused_call(meta_k, edges, q_p, k, v, k_edge, v_edge, do_p, lse2_b,
+                                  delta_p, bs=bs, scale=scale, num_k_rows=num_k_rows)
+    dq = (gather_rows(dq_p, lay_q.dst_T) * scale).astype(q_p.dtype)
+    return dq, dk, dv, None, None
   meta_q = q_tile_table(cu_q, cu_k, lay_q, num_q_rows, bs, bs.block_kv_dq)
   dq_p = dq_aligned(meta_q, edges, q_p, k, v, k_edge, v_edge, do_p, lse2_b, delta_p, bs=bs,
                      scale=scale)

@@ -1,7 +1,8 @@
 """Pallas Mosaic GPU kernels of ``custom_ops/mosaic_attention.py`` and their calls (Hopper).
 
-The forward kernel (O and log2-domain LSE), the dQ kernel and the dK/dV kernel, each over the
-work lists of ``custom_ops/mosaic_worklists.py``, plus the shared in-kernel pieces: the producer
+The forward kernel (O and log2-domain LSE), the dQ kernel, the dK/dV kernel and the fused
+backward kernel (dQ, dK, dV over key tiles), each over the work lists of
+``custom_ops/mosaic_worklists.py``, plus the shared in-kernel pieces: the producer
 warpgroup's TMA streaming, key-tile loops and causal masks. The layout and scheduling are
 described in ``custom_ops/mosaic_attention.py``.
 """
@@ -37,9 +38,8 @@ _COMPUTE_REGISTERS, _PRODUCER_REGISTERS = 232, 40
 # ------------------------------------------------------------------------------------------------
 
 
-def _smem_tile(shape, dtype):
-  """A bf16/fp16 tile in the swizzled layout warpgroup MMA reads."""
-  swizzle = 128
+def _smem_tile(shape, dtype, swizzle: int = 128):
+  """A tile in the swizzled layout warpgroup MMA reads (rows of ``swizzle`` bytes per tile)."""
   tiling = plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize))
   return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
 
@@ -279,6 +279,106 @@ def _dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref,
                       edge_block=bs.edge_block, slots=slots)
 
 
+def _dkv_products(ks, vs, q_s, do_s, lse_s, delta_s, carry, vis, *, scale2: float):
+  """One query step of a key block (dK/dV and fused kernels): S^T = K Q^T, P^T, dV += P^T dO,
+  dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.
+
+  ``vis(key, row)`` (iota tiles of the block's keys and the step's query rows) masks P^T; None:
+  every pair is visible. Returns dK, dV and dS^T in the input dtype (unscaled).
+  """
+  dk, dv = carry
+  dtype = q_s.dtype
+  shape = (ks.shape[0], q_s.shape[0])
+  st = _wgmma_result(ks, q_s.transpose((1, 0)), shape)
+  lse = plgpu.load(lse_s, layout=plgpu.Layout.WGMMA.reduce(0))
+  pt = jnp.exp2(st * scale2 - lax.broadcast_in_dim(lse, shape, [1]))
+  if vis is not None:
+    key = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+    row = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+    pt = jnp.where(vis(key, row), pt, 0.0)
+
+  def dv_dp_body(refs):
+    dv_ref, dpt_ref = refs
+    plgpu.wgmma(dv_ref, pt.astype(dtype), do_s)
+    plgpu.wgmma(dpt_ref, vs, do_s.transpose((1, 0)))
+  zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+  dv, dpt = pl.run_state(dv_dp_body)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+  delta = plgpu.load(delta_s, layout=plgpu.Layout.WGMMA.reduce(0))
+  dst = (pt * (dpt - lax.broadcast_in_dim(delta, shape, [1]))).astype(dtype)
+
+  def dk_body(acc_ref):
+    plgpu.wgmma(acc_ref, dst, q_s)
+  dk = pl.run_state(dk_body)(plgpu.ACC.init(dk))
+  return dk, dv, dst
+
+
+def _store_key_rows(dk, dv, dk_st, dv_st, dk_ref, dv_ref, meta_ref, tile, wg, kvh, *,
+                    scale: float):
+  """Stores rows [va, va + vn) of a warpgroup's dK/dV block (``kv_tile_table_in_place``) from
+  untiled staging buffers, in power-of-two row pieces; the caller commits and waits."""
+  dtype = dk_st.dtype
+  bkd = dk_st.shape[0]
+  dk_st[...] = (dk * scale).astype(dtype)
+  dv_st[...] = dv.astype(dtype)
+  plgpu.commit_smem()
+  row0 = meta_ref[KT_K_ROW, tile] * KV_ROW_MULTIPLE + wg * bkd
+  first = meta_ref[KT_VA_W + wg, tile]
+  count = meta_ref[KT_VN_W + wg, tile]
+  piece = bkd
+  while piece >= 1:  # rows [first, first + count) as pieces of 64, 32, ..., 1 rows
+    def store(first=first, piece=piece):
+      for src, dst in ((dk_st, dk_ref), (dv_st, dv_ref)):
+        plgpu.copy_smem_to_gmem(src.at[pl.ds(first, piece)],
+                                dst.at[pl.ds(row0 + first, piece), kvh], commit_group=False)
+    pl.when((count & piece) != 0)(store)
+    first = first + (count & piece)
+    piece //= 2
+
+
+def _key_tile_steps(meta_ref, tile, bs: BlockSizes, group: int):
+  """A key tile's ``kv_tile_table_in_place`` / ``kv_tile_table`` entries: its first row / 8,
+  its task's first aligned query row, query tiles ``n_q``, first streamed tile ``qa``, steps
+  per head and in all (over the GQA group)."""
+  k_row, q_row, n_q, qa = (meta_ref[f, tile] for f in (KT_K_ROW, KT_Q_ROW, KT_NQ, KT_QA))
+  per_head = n_q - qa
+  return k_row, q_row * bs.align_q, n_q, qa, per_head, group * per_head
+
+
+def _wait_query_tile(bars, slot):
+  for bar in bars:
+    plgpu.barrier_wait(bar.at[slot])
+
+
+def _stream_query_tiles(q_ref, do_ref, lse_ref, delta_ref, q_smem, do_smem, lse_smem, delta_smem,
+                        bars, free, *, kvh, group: int, per_head, q_row, qa, block: int,
+                        num_steps, slots: int):
+  """Producer warpgroup of the dK/dV and fused kernels: step s streams query tile
+  ``qa + s % per_head`` of head ``kvh * group + s // per_head`` (Q, dO, LSE, delta)."""
+  plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+  def load(s, slot):
+    h = kvh * group + lax.div(s, per_head)
+    rows = pl.ds(q_row + (qa + lax.rem(s, per_head)) * block, block)
+    for src, dst, bar in ((q_ref.at[rows, h], q_smem, bars[0]), (do_ref.at[rows, h], do_smem, bars[1]),
+                          (lse_ref.at[h, rows], lse_smem, bars[2]),
+                          (delta_ref.at[h, rows], delta_smem, bars[3])):
+      plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
+
+  _stream(num_steps, slots, load, lambda slot: plgpu.barrier_wait(free.at[slot]))
+
+
+def _load_key_block(edges_ref, k_ref, v_ref, ke_ref, ve_ref, ks, vs, bar, kvh, start8,
+                    edge_block: int):
+  """A compute warpgroup's own K/V block, rows [start8 * 8, + block), in place or from the edge
+  copies (``_read_key_rows``); waits for it."""
+  def copy(src_k, src_v, rows):
+    plgpu.copy_gmem_to_smem(src_k.at[rows, kvh], ks, bar)
+    plgpu.barrier_wait(bar)
+    plgpu.copy_gmem_to_smem(src_v.at[rows, kvh], vs, bar)
+    plgpu.barrier_wait(bar)
+  _read_key_rows(edges_ref, k_ref, v_ref, ke_ref, ve_ref, start8, ks.shape[0], edge_block, copy)
+
+
 def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref, lse_ref,
                 delta_ref, dk_ref, dv_ref, *scratch, bs: BlockSizes, scale: float, group: int):
   """One CTA key tile of one KV head: dK, dV over its GQA group's heads and visible queries.
@@ -299,61 +399,37 @@ def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref
   scale2 = scale * _LOG2E
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
-  k_row, q_row, n_q, qa = (meta_ref[f, tile] for f in (KT_K_ROW, KT_Q_ROW, KT_NQ, KT_QA))
-  q_row = q_row * bs.align_q
-  per_head = n_q - qa
-  num_steps = group * per_head
+  k_row, q_row, n_q, qa, per_head, num_steps = _key_tile_steps(meta_ref, tile, bs, group)
 
   @pl.when(wg < NUM_COMPUTE_WGS)
   def _compute():
     plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
     ks, vs = k_smem.at[wg], v_smem.at[wg]
 
-    def copy(src_k, src_v, rows):
-      plgpu.copy_gmem_to_smem(src_k.at[rows, kvh], ks, kv_bar.at[wg])
-      plgpu.barrier_wait(kv_bar.at[wg])
-      plgpu.copy_gmem_to_smem(src_v.at[rows, kvh], vs, kv_bar.at[wg])
-      plgpu.barrier_wait(kv_bar.at[wg])
-
     @pl.when(num_steps > 0)
     def _load_keys():
       if bs.dkv_in_place:
-        _read_key_rows(edges_ref, k_ref, v_ref, ke_ref, ve_ref, k_row + wg * (bkd // m), bkd,
-                       bs.edge_block, copy)
+        _load_key_block(edges_ref, k_ref, v_ref, ke_ref, ve_ref, ks, vs, kv_bar.at[wg], kvh,
+                        k_row + wg * (bkd // m), bs.edge_block)
       else:
-        copy(k_ref, v_ref, pl.ds(k_row * bs.align_k + wg * bkd, bkd))
+        rows = pl.ds(k_row * bs.align_k + wg * bkd, bkd)
+        for src, dst in ((k_ref, ks), (v_ref, vs)):
+          plgpu.copy_gmem_to_smem(src.at[rows, kvh], dst, kv_bar.at[wg])
+          plgpu.barrier_wait(kv_bar.at[wg])
     qa_w = meta_ref[KT_QA_W + wg, tile]
     qf_w = meta_ref[KT_QF_W + wg, tile]
     moff = meta_ref[KT_MOFF_W + wg, tile]
 
-    def wait_loaded(slot):
-      for bar in (q_bar, do_bar, lse_bar, delta_bar):
-        plgpu.barrier_wait(bar.at[slot])
+    wait_loaded = functools.partial(_wait_query_tile, (q_bar, do_bar, lse_bar, delta_bar))
 
     def step(qt, carry, base, masked: bool):
-      dk, dv = carry
       slot = lax.rem(base + qt, slots)
       wait_loaded(slot)
-      st = _wgmma_result(ks, q_smem.at[slot].transpose((1, 0)), (bkd, bqd))
-      lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-      pt = jnp.exp2(st * scale2 - lax.broadcast_in_dim(lse, st.shape, [1]))
+      vis = None
       if masked:
-        key = plgpu.broadcasted_iota(jnp.int32, (bkd, bqd), 0, layout=plgpu.Layout.WGMMA)
-        row = plgpu.broadcasted_iota(jnp.int32, (bkd, bqd), 1, layout=plgpu.Layout.WGMMA)
-        pt = jnp.where(key + moff <= row + qt * bqd, pt, 0.0)
-
-      def dv_dp_body(refs):
-        dv_ref, dpt_ref = refs
-        plgpu.wgmma(dv_ref, pt.astype(dtype), do_smem.at[slot])
-        plgpu.wgmma(dpt_ref, vs, do_smem.at[slot].transpose((1, 0)))
-      zeros = plgpu.layout_cast(jnp.zeros((bkd, bqd), jnp.float32), plgpu.Layout.WGMMA)
-      dv, dpt = pl.run_state(dv_dp_body)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
-      delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-      dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
-
-      def dk_body(acc_ref):
-        plgpu.wgmma(acc_ref, dst.astype(dtype), q_smem.at[slot])
-      dk = pl.run_state(dk_body)(plgpu.ACC.init(dk))
+        vis = lambda key, row: key + moff <= row + qt * bqd
+      dk, dv, _ = _dkv_products(ks, vs, q_smem.at[slot], do_smem.at[slot], lse_smem.at[slot],
+                                delta_smem.at[slot], carry, vis, scale2=scale2)
       plgpu.barrier_arrive(free.at[slot])
       return dk, dv
 
@@ -371,22 +447,8 @@ def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref
     zeros = plgpu.layout_cast(jnp.zeros((bkd, head_dim), jnp.float32), plgpu.Layout.WGMMA)
     dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
     if bs.dkv_in_place:
-      dk_st, dv_st = dk_stage.at[wg], dv_stage.at[wg]
-      dk_st[...] = (dk * scale).astype(dtype)
-      dv_st[...] = dv.astype(dtype)
-      plgpu.commit_smem()
-      row0 = k_row * m + wg * bkd
-      first = meta_ref[KT_VA_W + wg, tile]
-      count = meta_ref[KT_VN_W + wg, tile]
-      piece = bkd
-      while piece >= 1:  # rows [first, first + count) as pieces of 64, 32, ..., 1 rows
-        def store(first=first, piece=piece):
-          for src, dst in ((dk_st, dk_ref), (dv_st, dv_ref)):
-            plgpu.copy_smem_to_gmem(src.at[pl.ds(first, piece)],
-                                    dst.at[pl.ds(row0 + first, piece), kvh], commit_group=False)
-        pl.when((count & piece) != 0)(store)
-        first = first + (count & piece)
-        piece //= 2
+      _store_key_rows(dk, dv, dk_stage.at[wg], dv_stage.at[wg], dk_ref, dv_ref, meta_ref, tile,
+                      wg, kvh, scale=scale)
     else:
       ks[...] = (dk * scale).astype(dtype)
       vs[...] = dv.astype(dtype)
@@ -397,19 +459,110 @@ def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == NUM_COMPUTE_WGS)
-  def _producer():
-    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+  pl.when(wg == NUM_COMPUTE_WGS)(functools.partial(
+      _stream_query_tiles, q_ref, do_ref, lse_ref, delta_ref, q_smem, do_smem, lse_smem,
+      delta_smem, (q_bar, do_bar, lse_bar, delta_bar), free, kvh=kvh, group=group,
+      per_head=per_head, q_row=q_row, qa=qa, block=bqd, num_steps=num_steps, slots=slots))
 
-    def load(s, slot):
-      h = kvh * group + lax.div(s, per_head)
-      rows = pl.ds(q_row + (qa + lax.rem(s, per_head)) * bqd, bqd)
-      plgpu.copy_gmem_to_smem(q_ref.at[rows, h], q_smem.at[slot], q_bar.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[rows, h], do_smem.at[slot], do_bar.at[slot])
-      plgpu.copy_gmem_to_smem(lse_ref.at[h, rows], lse_smem.at[slot], lse_bar.at[slot])
-      plgpu.copy_gmem_to_smem(delta_ref.at[h, rows], delta_smem.at[slot], delta_bar.at[slot])
 
-    _stream(num_steps, slots, load, lambda slot: plgpu.barrier_wait(free.at[slot]))
+def _bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref, lse_ref,
+                      delta_ref, dq_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem,
+                      lse_smem, delta_smem, union, kv_bar, q_bar, do_bar, lse_bar, delta_bar,
+                      free, ds_bar, *, bs: BlockSizes, scale: float, group: int):
+  """One CTA key tile of one KV head: dK, dV as the dK/dV kernel, plus dQ of every query step.
+
+  Per step, each warpgroup writes its dS^T block [block_kv_dkv, block_q_dkv] to shared memory;
+  after both have (``ds_bar``), warpgroup ``w`` computes columns ``[w * D/2, (w + 1) * D/2)`` of
+  the step's dQ over both key blocks (dS K, two products) and adds them to the f32 ``dq_ref``
+  (unscaled) with a TMA reduce-add store. Both warpgroups run every step of the CTA: a warpgroup
+  whose keys no row of the step sees contributes zeros. A key block that reaches outside its
+  task's keys (rows of a neighbouring task or padding) is masked on every step, since its dS
+  feeds dQ.
+  """
+  (ds_smem, dq_stage), (dk_stage, dv_stage) = union
+  kvh, tile, wg = lax.axis_index("heads"), lax.axis_index("tiles"), lax.axis_index("wg")
+  bkd, bqd, slots = bs.block_kv_dkv, bs.block_q_dkv, bs.max_concurrent_steps
+  scale2 = scale * _LOG2E
+  head_dim = q_ref.shape[-1]
+  half = head_dim // NUM_COMPUTE_WGS
+  dtype = q_ref.dtype
+  k_row, q_row, n_q, qa, per_head, num_steps = _key_tile_steps(meta_ref, tile, bs, group)
+
+  @pl.when(wg < NUM_COMPUTE_WGS)
+  def _compute():
+    plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+    ks, vs = k_smem.at[wg], v_smem.at[wg]
+    pl.when(num_steps > 0)(lambda: _load_key_block(
+        edges_ref, k_ref, v_ref, ke_ref, ve_ref, ks, vs, kv_bar.at[wg], kvh,
+        k_row + wg * (bkd // KV_ROW_MULTIPLE), bs.edge_block))
+    qa_w, qf_w, moff, va, vn = (meta_ref[f + wg, tile]
+                                for f in (KT_QA_W, KT_QF_W, KT_MOFF_W, KT_VA_W, KT_VN_W))
+    # A block holding rows outside its task's keys is masked on every step it visits.
+    qf = jnp.where((va == 0) & (vn == bkd), qf_w, n_q)
+    cols = pl.ds(wg * half, half)
+
+    wait_loaded = functools.partial(_wait_query_tile, (q_bar, do_bar, lse_bar, delta_bar))
+
+    def add_dq(dst, s, qt, g):
+      """dQ columns of this warpgroup for step s over both key blocks, reduce-added to dq_ref."""
+      par = lax.rem(s, 2)  # two dS buffers: a warpgroup writes one while the other may read one
+      ds_smem.at[par, wg][...] = dst
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(ds_bar)
+      plgpu.barrier_wait(ds_bar)
+
+      def dq_body(acc_ref):
+        for w in range(NUM_COMPUTE_WGS):
+          plgpu.wgmma(acc_ref, ds_smem.at[par, w].transpose((1, 0)), k_smem.at[w].at[:, cols])
+        return acc_ref[...]
+      dq = pl.run_scoped(dq_body, plgpu.ACC((bqd, half), jnp.float32))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous step's store read its stage
+      dq_stage.at[wg][...] = dq
+      plgpu.commit_smem()
+      rows = pl.ds(q_row + qt * bqd, bqd)
+      plgpu.copy_smem_to_gmem(dq_stage.at[wg], dq_ref.at[rows, kvh * group + g, cols],
+                              reduction_op="add")
+
+    def step(qt, carry, base, g, mode: str):
+      s = base + qt
+      slot = lax.rem(s, slots)
+      wait_loaded(slot)
+      if mode == "zero":
+        dst = plgpu.layout_cast(jnp.zeros((bkd, bqd), dtype), plgpu.Layout.WGMMA)
+      else:
+        vis = None
+        if mode == "masked":
+          vis = lambda key, row: (key >= va) & (key < va + vn) & (key + moff <= row + qt * bqd)
+        *carry, dst = _dkv_products(ks, vs, q_smem.at[slot], do_smem.at[slot],
+                                    lse_smem.at[slot], delta_smem.at[slot], carry, vis,
+                                    scale2=scale2)
+        carry = tuple(carry)
+      plgpu.barrier_arrive(free.at[slot])
+      add_dq(dst, s, qt, g)
+      return carry
+
+    def head(g, carry):
+      base = g * per_head - qa  # step index of query tile qt of head g is base + qt
+      for lo, hi, mode in ((qa, qa_w, "zero"), (qa_w, qf, "masked"), (qf, n_q, "full")):
+        carry = lax.fori_loop(lo, hi, functools.partial(step, base=base, g=g, mode=mode), carry)
+      return carry
+
+    zeros = plgpu.layout_cast(jnp.zeros((bkd, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+    # The dK/dV staging buffers share memory with the dS and dQ buffers: wait for this
+    # warpgroup's dQ stores to read theirs and for the other warpgroup's last dQ products.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.barrier_arrive(ds_bar)
+    plgpu.barrier_wait(ds_bar)
+    _store_key_rows(dk, dv, dk_stage.at[wg], dv_stage.at[wg], dk_ref, dv_ref, meta_ref, tile, wg,
+                    kvh, scale=scale)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0)
+
+  pl.when(wg == NUM_COMPUTE_WGS)(functools.partial(
+      _stream_query_tiles, q_ref, do_ref, lse_ref, delta_ref, q_smem, do_smem, lse_smem,
+      delta_smem, (q_bar, do_bar, lse_bar, delta_bar), free, kvh=kvh, group=group,
+      per_head=per_head, q_row=q_row, qa=qa, block=bqd, num_steps=num_steps, slots=slots))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -417,8 +570,13 @@ def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref
 # ------------------------------------------------------------------------------------------------
 
 
-def _compiler_params():
-  return plgpu.CompilerParams(approx_math=True)
+def _kernel(body, *, out_type, scratch_types, grid, name: str):
+  """A warp-specialized kernel over (heads, tiles): compute warpgroups and one producer."""
+  return plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch_types, grid=grid,
+      grid_names=("heads", "tiles"), num_threads=NUM_COMPUTE_WGS + 1, thread_name="wg",
+      kernel_name=name,  # the name profiles show
+      compiler_params=plgpu.CompilerParams(approx_math=True))
 
 
 def forward_aligned(meta, edges, q_p, k, v, k_edge, v_edge, *, bs: BlockSizes, scale: float):
@@ -426,7 +584,7 @@ def forward_aligned(meta, edges, q_p, k, v, k_edge, v_edge, *, bs: BlockSizes, s
   num_p, num_heads, head_dim = q_p.shape
   group = num_heads // k.shape[1]
   dtype, slots = q_p.dtype, bs.max_concurrent_steps
-  kernel = plgpu.kernel(
+  kernel = _kernel(
       functools.partial(_fwd_kernel, bs=bs, scale2=scale * _LOG2E, group=group),
       out_type=[jax.ShapeDtypeStruct(q_p.shape, dtype),
                 jax.ShapeDtypeStruct((num_heads, num_p), jnp.float32)],
@@ -443,11 +601,7 @@ def forward_aligned(meta, edges, q_p, k, v, k_edge, v_edge, *, bs: BlockSizes, s
           plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
       ],
       grid=(num_heads, meta.shape[1]),
-      grid_names=("heads", "tiles"),
-      num_threads=NUM_COMPUTE_WGS + 1,
-      thread_name="wg",
-      kernel_name="mosaic_attention_fwd",  # the name profiles show
-      compiler_params=_compiler_params(),
+      name="mosaic_attention_fwd",
   )
   return kernel(meta, edges, q_p, k, v, k_edge, v_edge)
 
@@ -457,7 +611,7 @@ def dq_aligned(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
   num_p, num_heads, head_dim = q_p.shape
   group = num_heads // k.shape[1]
   dtype, slots = q_p.dtype, bs.max_concurrent_steps
-  kernel = plgpu.kernel(
+  kernel = _kernel(
       functools.partial(_dq_kernel, bs=bs, scale=scale, group=group),
       out_type=jax.ShapeDtypeStruct(q_p.shape, dtype),
       scratch_types=[
@@ -474,11 +628,7 @@ def dq_aligned(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
           plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
       ],
       grid=(num_heads, meta.shape[1]),
-      grid_names=("heads", "tiles"),
-      num_threads=NUM_COMPUTE_WGS + 1,
-      thread_name="wg",
-      kernel_name="mosaic_attention_dq",  # the name profiles show
-      compiler_params=_compiler_params(),
+      name="mosaic_attention_dq",
   )
   return kernel(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p)
 
@@ -491,7 +641,7 @@ def dkv_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
   num_kv_heads = k.shape[1]
   dtype, slots = q_p.dtype, bs.max_concurrent_steps
   stage = [plgpu.SMEM((NUM_COMPUTE_WGS, bs.block_kv_dkv, head_dim), dtype)] * 2
-  kernel = plgpu.kernel(
+  kernel = _kernel(
       functools.partial(_dkv_kernel, bs=bs, scale=scale, group=num_heads // num_kv_heads),
       out_type=[jax.ShapeDtypeStruct((num_k_rows, *k.shape[1:]), dtype)] * 2,
       scratch_types=[
@@ -510,10 +660,49 @@ def dkv_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
           plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
       ],
       grid=(num_kv_heads, meta.shape[1]),
-      grid_names=("heads", "tiles"),
-      num_threads=NUM_COMPUTE_WGS + 1,
-      thread_name="wg",
-      kernel_name="mosaic_attention_dkv",  # the name profiles show
-      compiler_params=_compiler_params(),
+      name="mosaic_attention_dkv",
   )
   return kernel(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p)
+
+
+def bwd_fused_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
+                   bs: BlockSizes, scale: float, num_k_rows: int):
+  """dQ [P, H, D] (f32, unscaled: the caller multiplies by ``scale``) of the aligned query buffer
+  and dK, dV [num_k_rows, K, D] in the packed buffers, from one kernel over key tiles
+  (``kv_tile_table_in_place``)."""
+  num_heads, head_dim = q_p.shape[1], q_p.shape[2]
+  num_kv_heads = k.shape[1]
+  dtype, slots = q_p.dtype, bs.max_concurrent_steps
+  bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
+  # Each warpgroup's dQ product reads half of K's columns: one swizzle row of half a row's bytes.
+  swizzle = min(128, head_dim // NUM_COMPUTE_WGS * jnp.dtype(dtype).itemsize)
+  tile = functools.partial(_smem_tile, swizzle=swizzle)
+  union = plgpu.RefUnion(
+      (tile((2, NUM_COMPUTE_WGS, bkd, bqd), dtype),
+       _smem_tile((NUM_COMPUTE_WGS, bqd, head_dim // NUM_COMPUTE_WGS), jnp.float32)),
+      [plgpu.SMEM((NUM_COMPUTE_WGS, bkd, head_dim), dtype)] * 2)
+  kernel = _kernel(
+      functools.partial(_bwd_fused_kernel, bs=bs, scale=scale, group=num_heads // num_kv_heads),
+      out_type=[jax.ShapeDtypeStruct((num_k_rows, *k.shape[1:]), dtype)] * 2,
+      scratch_types=[
+          tile((NUM_COMPUTE_WGS, bkd, head_dim), dtype),
+          tile((NUM_COMPUTE_WGS, bkd, head_dim), dtype),
+          tile((slots, bqd, head_dim), dtype),
+          tile((slots, bqd, head_dim), dtype),
+          plgpu.SMEM((slots, bqd), jnp.float32),
+          plgpu.SMEM((slots, bqd), jnp.float32),
+          union,
+          plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
+          plgpu.Barrier(num_barriers=slots),
+          plgpu.Barrier(num_barriers=slots),
+          plgpu.Barrier(num_barriers=slots),
+          plgpu.Barrier(num_barriers=slots),
+          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
+          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
+      ],
+      grid=(num_kv_heads, meta.shape[1]),
+      name="mosaic_attention_bwd",
+  )
+  dq_ref = jax.new_ref(jnp.zeros(q_p.shape, jnp.float32))
+  dk, dv = kernel(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, dq_ref)
+  return dq_ref[...], dk, dv

@@ -21,7 +21,7 @@ NUM_COMPUTE_WGS = 2
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tiles of the three kernels (all static).
+  """Tiles and options of the kernels (all static).
 
   Attributes:
     block_q: query rows per compute warpgroup in the forward and dQ kernels (a CTA takes two).
@@ -34,6 +34,9 @@ class BlockSizes:
     dkv_in_place: the dK/dV kernel reads K/V and writes dK/dV in the packed buffers (8-row
       aligned tile starts, partial tiles stored in power-of-two row pieces); False: on an aligned
       copy of K/V, gathered before and after the kernel (two more passes over K/V and dK/dV).
+    fused_bwd: one backward kernel over key tiles (dK/dV in place as above, and dQ accumulated
+      in f32 through TMA reduce-add stores: 5 matrix products per tile pair); False: a dQ kernel
+      over query tiles beside the dK/dV kernel (7 products). Needs ``dkv_in_place``.
   """
   block_q: int = 64
   block_kv: int = 128
@@ -43,11 +46,12 @@ class BlockSizes:
   max_concurrent_steps: int = 2
   pingpong: bool = True
   dkv_in_place: bool = True
+  fused_bwd: bool = False
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if field.name in ("pingpong", "dkv_in_place"):
+      if field.name in ("pingpong", "dkv_in_place", "fused_bwd"):
         if not isinstance(value, bool):
           raise ValueError(f"BlockSizes.{field.name}={value!r} must be a bool")
         continue
@@ -56,6 +60,9 @@ class BlockSizes:
       if field.name.startswith("block_") and value % 64:
         raise ValueError(
             f"BlockSizes.{field.name}={value} must be a multiple of 64 (warpgroup MMA tiles)")
+    if self.fused_bwd and not self.dkv_in_place:
+      raise ValueError("BlockSizes(fused_bwd=True) needs dkv_in_place=True (the fused backward "
+                       "reads K/V and writes dK/dV in the packed buffers)")
     if self.max_concurrent_steps < 2:
       raise ValueError(
           f"BlockSizes.max_concurrent_steps={self.max_concurrent_steps} must be >= 2")

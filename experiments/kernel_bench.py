@@ -114,6 +114,8 @@ MOSAIC_PRESETS = {
     "dq128": dict(block_kv_dq=128),  # dQ kernel: 128-key steps (64 by default)
     # dK/dV on an aligned copy of K/V, gathered before and after the kernel
     "dkv-gather": dict(dkv_in_place=False),
+    # one backward kernel over key tiles, dQ through TMA reduce-add (5 products per tile pair)
+    "fused": dict(fused_bwd=True),
 }
 _SCHED_NAME = re.compile(r"sched-([a-z]+)-m(\d+)")
 
@@ -437,6 +439,17 @@ def run_backend(backend: str, workloads: list[Workload], args, save) -> list[dic
       entry["out_mean_abs"] = float(jnp.mean(jnp.abs(o_task)))
       entry["out_finite"] = bool(jnp.isfinite(o_task).all())
       del o, o_task
+      # The same for dQ, dK, dV, summed over heads (KV repeated to every query head agrees) and
+      # weighted per row too (dK sums to zero over a task's keys): backward variants of one
+      # kernel must agree with each other and with flash3.
+      grads = jax.block_until_ready(fwd_bwd(*inputs, do))[1]
+      fps = []
+      for g, cu in zip(grads, (wl.cu_q, wl.cu_k, wl.cu_k)):
+        g = g[cu[0]:cu[-1]].astype(jnp.float32).sum(axis=1)
+        w_row = jnp.cos(0.37 * jnp.arange(g.shape[0], dtype=jnp.float32))[:, None]
+        fps.append(float(jnp.mean(g * w[0] * w_row)))
+      entry["grad_fingerprints"] = fps
+      del grads, g
       tm = profiling.time_call(fwd, *inputs, iters=args.trials, min_trial_s=args.min_trial_s)
       t_fwd = tm["median_s"]
       entry.update(fwd_ms=t_fwd * 1e3, fwd_trials_ms=[t * 1e3 for t in tm["trials_s"]],
@@ -534,15 +547,21 @@ def write_markdown(path: str, result: dict) -> None:
       ok = e is not None and e["status"] == "ok"
       cells.append(f"{_fmt(e.get('fwd_ms'), 3)} / {_fmt(e.get('fwd_bwd_ms'), 3)}" if ok else "-")
     lines.append(f"| {wl} | " + " | ".join(cells) + " |")
-  lines += ["", "Output fingerprints (mean(o * w) over task rows, same inputs across backends; "
-            "should agree):", "",
-            "| workload | " + " | ".join(backends) + " |", "|---|" + "---|" * len(backends)]
-  for wl in result["workloads"]:
-    cells = []
-    for b in backends:
-      e = entries.get((wl, b))
-      cells.append(f"{e['out_fingerprint']:.3e}" if e and "out_fingerprint" in e else "-")
-    lines.append(f"| {wl} | " + " | ".join(cells) + " |")
+  def fingerprint_table(title, cell):
+    rows = ["", title, "", "| workload | " + " | ".join(backends) + " |",
+            "|---|" + "---|" * len(backends)]
+    for wl in result["workloads"]:
+      cells = [cell(entries.get((wl, b)) or {}) for b in backends]
+      rows.append(f"| {wl} | " + " | ".join(cells) + " |")
+    return rows
+  lines += fingerprint_table(
+      "Output fingerprints (mean(o * w) over task rows, same inputs across backends; should "
+      "agree):", lambda e: f"{e['out_fingerprint']:.3e}" if "out_fingerprint" in e else "-")
+  lines += fingerprint_table(
+      "Gradient fingerprints dQ / dK / dV (mean(sum over heads of g * w * w_row) over task rows; "
+      "should agree):",
+      lambda e: " / ".join(f"{x:.3e}" for x in e["grad_fingerprints"])
+      if e.get("grad_fingerprints") else "-")
   sched_rows = []
   for wl in result["workloads"]:
     info = next((e["sched"] for e in result["entries"] if e["workload"] == wl and "sched" in e),

@@ -2,7 +2,8 @@
 
 On CPU: the aligned layout round-trips rows, and the work lists cover exactly the visible (query,
 key) pairs of random task tables (every visible pair in a visited tile, every unmasked tile fully
-visible), in NumPy. On a Hopper GPU (JAX_PLATFORMS=cuda): outputs, LSE and gradients of the
+visible; the fused backward's steps count no pair outside its task), in NumPy; forward and both
+backward paths cross-lower for CUDA. On a Hopper GPU (JAX_PLATFORMS=cuda): outputs, LSE and gradients of the
 kernels against the plain-jnp reference on random task tables (empty tasks, length-1 tasks, more
 queries than keys, tasks ending at their key end, padding rows holding NaN, GQA ratios 1/2/4,
 head dims 64/128).
@@ -175,16 +176,23 @@ def test_kv_tile_table_covers_exactly_the_visible_pairs(seed):
     assert (cov[vis] == 1).all() and (cov[~vis] == 0).all(), f"{seed=} task {task}"
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_kv_tile_table_in_place_covers_pairs_and_stores_every_row_once(seed):
-  rng = np.random.default_rng(seed)
-  bs = ma.BlockSizes()
-  bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
+def _in_place_table(rng, bs):
+  """A random task table of 7 tasks, its buffer sizes, aligned query layout and in-place dK/dV
+  work list."""
   cu_q, cu_k = random_table(rng, 7, 300)
   total_q, total_k = int(cu_q[-1]) + 2, int(cu_k[-1]) + int(rng.integers(0, 200))
   lay_q = mw.aligned_layout(jnp.asarray(cu_q), total_q, bs.align_q)
   table = np.asarray(mw.kv_tile_table_in_place(jnp.asarray(cu_q), jnp.asarray(cu_k), lay_q,
                                                total_k, bs))
+  return cu_q, cu_k, total_q, total_k, lay_q, table
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kv_tile_table_in_place_covers_pairs_and_stores_every_row_once(seed):
+  rng = np.random.default_rng(seed)
+  bs = ma.BlockSizes()
+  bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
+  cu_q, cu_k, total_q, total_k, lay_q, table = _in_place_table(rng, bs)
   edges, edge_rows = (np.asarray(x) for x in mw.kv_edges(jnp.asarray(cu_k), total_k,
                                                          bs.edge_block))
   lo, hi, hb8, tb8 = edges
@@ -230,11 +238,53 @@ def test_kv_tile_table_in_place_covers_pairs_and_stores_every_row_once(seed):
     assert (cov[vis] == 1).all() and (cov[~vis] == 0).all(), f"{seed=} task {task}"
 
 
-@pytest.mark.parametrize("num_k_rows,head_dim,in_place", [(2045, 128, True), (2048, 64, False)])
-def test_kernels_lower_for_cuda(num_k_rows, head_dim, in_place):
+@pytest.mark.parametrize("seed", range(6))
+def test_fused_bwd_steps_cover_exactly_the_visible_pairs(seed):
+  """The fused backward's per-warpgroup steps over ``kv_tile_table_in_place``: zero steps before
+  ``qa_w``, masked steps (keys in [va, va + vn) and the causal offset) up to ``qf_w`` (to
+  ``n_q`` for a block that holds rows outside its task), unmasked steps after. Its dS feeds dQ,
+  so every (query, key) pair it counts must be a visible pair of its own task, once."""
+  rng = np.random.default_rng(seed)
+  bs = ma.BlockSizes(fused_bwd=True)
+  bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
+  cu_q, cu_k, total_q, total_k, lay_q, table = _in_place_table(rng, bs)
+  start_q = np.asarray(lay_q.start_N)
+  # counts[aligned query row, key row]: visits of a pair with a non-zero mask
+  counts = np.zeros((mw.padded_rows(total_q, 7, bs.align_q), total_k), int)
+  for col in table.T:
+    n_q, qa, q_row = col[mw.KT_NQ], col[mw.KT_QA], col[mw.KT_Q_ROW] * bs.align_q
+    for w in range(2):
+      row0 = col[mw.KT_K_ROW] * 8 + w * bkd
+      qa_w, qf_w, moff = col[mw.KT_QA_W + w], col[mw.KT_QF_W + w], col[mw.KT_MOFF_W + w]
+      va, vn = col[mw.KT_VA_W + w], col[mw.KT_VN_W + w]
+      qf = qf_w if (va == 0 and vn == bkd) else n_q
+      assert qa <= qa_w <= qf <= n_q, f"{seed=} {col=}"
+      key = np.arange(bkd)[None, :]
+      for qt in range(qa_w, n_q):
+        row = np.arange(bqd)[:, None] + qt * bqd
+        if qt < qf:
+          mask = (key >= va) & (key < va + vn) & (key + moff <= row)
+        else:
+          mask = np.ones((bqd, bkd), bool)
+        rows = q_row + row[:, 0]
+        np.add.at(counts, (rows[:, None], row0 + key), mask.astype(int))
+  want = np.zeros_like(counts)
+  for i in range(7):
+    lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+    want[start_q[i]:start_q[i] + lq, cu_k[i]:cu_k[i + 1]] = _visible(lq, lk)
+  real_rows = np.zeros(counts.shape[0], bool)  # aligned rows holding a task's query
+  for i in range(7):
+    real_rows[start_q[i]:start_q[i] + cu_q[i + 1] - cu_q[i]] = True
+  np.testing.assert_array_equal(counts[real_rows], want[real_rows], err_msg=f"{seed=}")
+
+
+@pytest.mark.parametrize("num_k_rows,head_dim,in_place,fused", [
+    (2045, 128, True, False), (2048, 64, False, False), (2045, 128, True, True),
+    (2048, 64, True, True)])
+def test_kernels_lower_for_cuda(num_k_rows, head_dim, in_place, fused):
   """Forward and backward lower to Mosaic GPU modules without a GPU (cross-platform lowering):
   catches layout-inference and TMA-shape errors (e.g. K/V row counts off a multiple of 8)."""
-  bs = ma.BlockSizes(dkv_in_place=in_place)
+  bs = ma.BlockSizes(dkv_in_place=in_place, fused_bwd=fused)
   q = jax.ShapeDtypeStruct((1000, 4, head_dim), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((num_k_rows, 2, head_dim), jnp.bfloat16)
   cu = jax.ShapeDtypeStruct((5,), jnp.int32)
@@ -242,9 +292,12 @@ def test_kernels_lower_for_cuda(num_k_rows, head_dim, in_place):
   def loss(q, k, v, cu_q, cu_k):
     o, lse = ma.mosaic_attention(q, k, v, cu_q, cu_k, block_sizes=bs)
     return jnp.sum(o.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
-  lowered = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, k, cu, cu).lower(
-      lowering_platforms=("cuda",))
-  assert "mosaic_gpu" in lowered.as_text()
+  text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, k, cu, cu).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_attention_fwd" in text
+  kernels = ["mosaic_attention_bwd"] if fused else ["mosaic_attention_dq", "mosaic_attention_dkv"]
+  for name in ("mosaic_attention_bwd", "mosaic_attention_dq", "mosaic_attention_dkv"):
+    assert (name in text) == (name in kernels), f"{name=} {fused=}"
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU-only error")
@@ -281,23 +334,28 @@ def _rel(x, ref):
   return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-GPU_CASES = [  # (seed, tasks, max task length, H, K, D, dK/dV in place)
-    (0, 6, 300, 4, 1, 128, True),
-    (1, 9, 200, 8, 2, 128, True),
-    (2, 5, 700, 4, 4, 128, True),
-    (3, 12, 100, 8, 2, 64, True),
-    (4, 3, 1000, 2, 1, 128, True),
-    (5, 8, 300, 4, 1, 128, False),
-    (6, 5, 500, 8, 2, 64, False),
+_CASES = [  # (seed, tasks, max task length, H, K, D)
+    (0, 6, 300, 4, 1, 128),
+    (1, 9, 200, 8, 2, 128),
+    (2, 5, 700, 4, 4, 128),
+    (3, 12, 100, 8, 2, 64),
+    (4, 3, 1000, 2, 1, 128),
 ]
+# ... and the backward: "inplace" (dQ kernel + in-place dK/dV kernel), "gather" (dK/dV on an
+# aligned copy) or "fused" (one kernel, dQ through reduce-add stores).
+GPU_CASES = ([c + ("inplace",) for c in _CASES] + [c + ("fused",) for c in _CASES]
+             + [(5, 8, 300, 4, 1, 128, "gather"), (6, 5, 500, 8, 2, 64, "gather"),
+                (7, 4, 2000, 8, 1, 128, "fused")])
+_BACKWARD_OPTIONS = {"inplace": {}, "gather": dict(dkv_in_place=False),
+                     "fused": dict(fused_bwd=True)}
 
 
 @needs_hopper
 @pytest.mark.parametrize("case", GPU_CASES,
-                         ids=lambda c: f"seed{c[0]}-H{c[3]}K{c[4]}D{c[5]}-inplace{int(c[6])}")
+                         ids=lambda c: f"seed{c[0]}-H{c[3]}K{c[4]}D{c[5]}-{c[6]}")
 def test_kernels_match_reference(case):
-  seed, num_tasks, max_len, num_heads, num_kv_heads, head_dim, in_place = case
-  bs = ma.BlockSizes(dkv_in_place=in_place)
+  seed, num_tasks, max_len, num_heads, num_kv_heads, head_dim, backward = case
+  bs = ma.BlockSizes(**_BACKWARD_OPTIONS[backward])
   rng = np.random.default_rng(seed)
   cu_q, cu_k = random_table(rng, num_tasks, max_len)
   total_q, total_k = int(cu_q[-1]) + 37, int(cu_k[-1]) + 11

@@ -146,11 +146,6 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
-# Core-attention backends that run under the pipeline (mesh.pipe > 1): a tick's call sees the
-# rows of every stage as one batch over pipe x data ('distca' plans each tick over all of them).
-PIPELINE_BACKENDS = ("local", "reference", "packed_dp", "distca")
-
-
 def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
   """The typed, validated model config of a run config."""
   try:
@@ -191,9 +186,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if c.model.n_layers % c.mesh.pipe:
       raise UserError(f"model.n_layers={c.model.n_layers} must be a multiple of mesh.pipe="
                       f"{c.mesh.pipe} (each stage holds n_layers / pipe layers)")
-    if c.attention.backend not in PIPELINE_BACKENDS:
-      raise UserError(f"attention.backend={c.attention.backend!r} does not run under mesh.pipe="
-                      f"{c.mesh.pipe} yet; use one of {PIPELINE_BACKENDS} or mesh.pipe=1")
     if c.attention.nano_batches != 1 or not c.model.scan_layers:
       raise UserError(f"mesh.pipe={c.mesh.pipe} runs the single stream over scanned layers; set "
                       "attention.nano_batches=1 and model.scan_layers=True")

@@ -28,8 +28,10 @@ def test_schedule_table(stages, microbatches):
       (stages - 1) / (microbatches + stages - 1))
 
 
-# CAD options of the tests: balance every batch (no gate), a tolerance tiny batches can meet.
-DISTCA = {"attention.distca.tolerance": 0.05, "attention.distca.min_gain": 0.0}
+# CAD options of the tests: balance every batch (no gate), a tolerance tiny batches can meet;
+# the baselines' CP groups of 2 data ranks (wlb: rows of 1.25 x tokens_per_rank).
+DISTCA = {"attention.distca.tolerance": 0.05, "attention.distca.min_gain": 0.0,
+          "attention.baselines.cp_size": 2, "attention.baselines.wlb_alpha": 1.25}
 
 
 def loss_and_grads(c, batch_np, doclens):
@@ -56,6 +58,10 @@ def loss_and_grads(c, batch_np, doclens):
     pytest.param(2, 2, 2, 4, "save_attention", "packed_dp", marks=pytest.mark.slow),
     pytest.param(4, 2, 1, 0, "save_attention", "local", marks=pytest.mark.slow),
     pytest.param(2, 2, 2, 4, "full", "distca", marks=pytest.mark.slow),
+    (2, 4, 1, 2, "none", "wlb"),
+    pytest.param(2, 4, 1, 2, "none", "cp", marks=pytest.mark.slow),
+    pytest.param(2, 2, 2, 4, "save_attention", "cp", marks=pytest.mark.slow),
+    pytest.param(2, 2, 2, 2, "full", "wlb", marks=pytest.mark.slow),
 ])
 def test_pipelined_loss_and_grads_equal_pipe_1(pipe, data, tensor, microbatches, remat, backend):
   """One step's loss and every gradient (layers, embedding, LM head) of the pipelined model
@@ -87,13 +93,15 @@ def test_pipelined_loss_and_grads_equal_pipe_1(pipe, data, tensor, microbatches,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pipe,data,tensor,ref_tensor,backend", [
-    (2, 4, 1, 2, "local"), (2, 2, 2, 4, "local"), (2, 4, 1, 2, "distca")])
+    (2, 4, 1, 2, "local"), (2, 2, 2, 4, "local"), (2, 4, 1, 2, "distca"), (2, 4, 1, 2, "cp"),
+    (2, 2, 2, 4, "wlb")])
 def test_pipelined_training_matches_pipe_1_and_traces_once(pipe, data, tensor, ref_tensor,
                                                           backend, tmp_path, monkeypatch):
   """The real job on 8 devices: pipe x data x tensor against pipe=1 with the same data ranks
   (so the same global batch), the rest of the devices on tensor: the logged losses agree within
   1e-3 relative, and the pipelined step is traced once over batches of different layouts (with
-  `distca`: different plans for every tick)."""
+  `distca`: different plans for every tick; with `cp` and `wlb`: differently arranged rows and
+  task tables)."""
   base = {"mesh.data": data, "num_steps": 4, "log_every": 1, "checkpoint_every": 0,
           "tensorboard": False, "optim.warmup_steps": 1, "rows_per_rank": 4,
           "model.n_layers": 4}

@@ -63,9 +63,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.attention.distca.kv_tokens = 0        # key/value rows in a server's attention input
   c.attention.distca.tasks = 0            # CA-tasks (varlen segments) per server
   c.attention.distca.caps_from_batches = 32  # row caps left at 0: the envelope of this many of
-                                          # the run's batches planned at startup; 0 = fixed
-                                          # fractions (plan.default_capacity;
-                                          # always under mesh.pipe > 1: one call is a tick)
+                                          # the run's batches planned at startup (per call:
+                                          # nano-batch, or pipeline tick under mesh.pipe > 1);
+                                          # 0 = fixed fractions (plan.default_capacity)
   c.attention.distca.caps_headroom = 1.1  # >= 1: margin over the sampled batches' envelope
   c.attention.distca.memory_mode = "keep" # 'keep': servers keep received Q/K/V for the
                                           # backward; 'resend': they are re-sent (recomputed)

@@ -9,7 +9,7 @@ after the first (compile) step, the wall time and the peak resident memory (the 
 `ru_maxrss`, compilation included).
 
 Run:
-  python -m experiments.pipeline_losses   # writes results/pipeline_losses.{json,md}
+  python -m experiments.pipeline_losses   # writes results/pipeline/pipeline_losses.{json,md}
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main():
   p.add_argument("--backends", default="local,distca", help="comma-separated attention backends")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                  help="a config override for every run, e.g. attention.baselines.cp_size=2")
-  p.add_argument("--out", default=os.path.join(ROOT, "results", "pipeline_losses"),
+  p.add_argument("--out", default=os.path.join(ROOT, "results", "pipeline", "pipeline_losses"),
                  help="output prefix (.json and .md)")
   args = p.parse_args()
   command = experiments.command_line(__file__)
@@ -129,6 +129,11 @@ def main():
                  + (f"{r['max_rel_diff_vs_pipe1_local']:.1e}"
                     if "max_rel_diff_vs_pipe1_local" in r else "-")
                  + f" | {r['step_time_s']:.2f} | {r['peak_rss_gib']:.2f} |")
+  if any(r["backend"] == "wlb" for r in runs):
+    lines += ["", "wlb differs from local at either layout by its packing: a document that fits "
+              "in no lane whole is cut into pieces attended separately (`baselines.wlb_pack`); "
+              "the pipeline arranges the step's batch as pipe=1 does, so the cuts and the "
+              "losses are the same at pipe=2."]
   with open(args.out + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
   print(f"wrote {args.out}.json and {args.out}.md")

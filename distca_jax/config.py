@@ -98,8 +98,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.microbatches = 0     # M: each data rank's rows split into M microbatches (rows_per_rank
                                   # must be a multiple); 0 = 2 x mesh.pipe. The bubble is
-                                  # (pipe - 1) / (M + pipe - 1) of each stage's ticks; more
-                                  # microbatches shrink it but hold more activations in flight
+                                  # (pipe - 1) / (M + pipe - 1) of each stage's ticks; GPipe
+                                  # keeps all M in flight: activation memory per step is
+                                  # smallest near M = 2 x pipe (results/pipeline/
+                                  # aot_memory_pipeline.md)
 
   # --- batch: every data-parallel rank gets `rows_per_rank` rows of `tokens_per_rank` tokens.
   c.tokens_per_rank = 256         # the per-rank token budget (the context window that is packed)

@@ -63,9 +63,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.attention.distca.kv_tokens = 0        # key/value rows in a server's attention input
   c.attention.distca.tasks = 0            # CA-tasks (varlen segments) per server
   c.attention.distca.caps_from_batches = 32  # row caps left at 0: the envelope of this many of
-                                          # the run's batches planned at startup; 0 = fixed
-                                          # fractions (plan.default_capacity;
-                                          # always under mesh.pipe > 1: one call is a tick)
+                                          # the run's batches planned at startup (per call:
+                                          # nano-batch, or pipeline tick under mesh.pipe > 1);
+                                          # 0 = fixed fractions (plan.default_capacity)
   c.attention.distca.caps_headroom = 1.1  # >= 1: margin over the sampled batches' envelope
   c.attention.distca.memory_mode = "keep" # 'keep': servers keep received Q/K/V for the
                                           # backward; 'resend': they are re-sent (recomputed)
@@ -98,8 +98,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.pipeline = ml_collections.ConfigDict()
   c.pipeline.microbatches = 0     # M: each data rank's rows split into M microbatches (rows_per_rank
                                   # must be a multiple); 0 = 2 x mesh.pipe. The bubble is
-                                  # (pipe - 1) / (M + pipe - 1) of each stage's ticks; more
-                                  # microbatches shrink it but hold more activations in flight
+                                  # (pipe - 1) / (M + pipe - 1) of each stage's ticks; GPipe
+                                  # keeps all M in flight: activation memory per step is
+                                  # smallest near M = 2 x pipe (results/pipeline/
+                                  # aot_memory_pipeline.md)
 
   # --- batch: every data-parallel rank gets `rows_per_rank` rows of `tokens_per_rank` tokens.
   c.tokens_per_rank = 256         # the per-rank token budget (the context window that is packed)
@@ -146,11 +148,6 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
-# Core-attention backends that run under the pipeline (mesh.pipe > 1): a tick's call sees the
-# rows of every stage as one batch over pipe x data ('distca' plans each tick over all of them).
-PIPELINE_BACKENDS = ("local", "reference", "packed_dp", "distca")
-
-
 def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
   """The typed, validated model config of a run config."""
   try:
@@ -191,9 +188,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if c.model.n_layers % c.mesh.pipe:
       raise UserError(f"model.n_layers={c.model.n_layers} must be a multiple of mesh.pipe="
                       f"{c.mesh.pipe} (each stage holds n_layers / pipe layers)")
-    if c.attention.backend not in PIPELINE_BACKENDS:
-      raise UserError(f"attention.backend={c.attention.backend!r} does not run under mesh.pipe="
-                      f"{c.mesh.pipe} yet; use one of {PIPELINE_BACKENDS} or mesh.pipe=1")
     if c.attention.nano_batches != 1 or not c.model.scan_layers:
       raise UserError(f"mesh.pipe={c.mesh.pipe} runs the single stream over scanned layers; set "
                       "attention.nano_batches=1 and model.scan_layers=True")

@@ -40,7 +40,12 @@ documents of all microbatches the stages hold in that tick over ALL pipe x data 
 attention servers (`data_axis=('pipe', 'data')`), and ranks of a bubble slot, which hold no
 documents, serve the others. Every tick is one phase (the forward ticks, then the backward's
 transposed ticks), the plans of a whole step are made on the host ahead of it, and their shapes
-are fixed (the caps; one compiled step). `packed_dp` computes each rank's own rows.
+are fixed (the caps; one compiled step). `packed_dp` computes each rank's own rows. `cp` and
+`wlb` arrange the step's whole batch on the host as without a pipeline (`Backend.host_arrange`;
+WLB-LLM's packing deals the documents over every lane, so it balances the microbatches against
+each other too); their task tables are per row and go with their microbatch, and each stage's CP
+groups (data ranks of that stage) gather the K/V of the microbatch the stage holds. The
+arrangement only moves tokens between rows, so the losses are those of pipe = 1.
 
 Microbatches vs nano-batches: microbatches (this module) split a rank's rows over pipeline
 ticks; nano-batches (`attention.nano_batches`, ping-pong) split them inside one layer to overlap

@@ -454,7 +454,7 @@ def _train(c, workdir, log, closers, device_memory_bytes) -> list[dict]:
   if getattr(backend, "caps", None):
     auto = (f" (row caps from the first {c.attention.distca.caps_from_batches} batches x "
             f"{c.attention.distca.caps_headroom})"
-            if c.attention.distca.caps_from_batches and c.mesh.pipe == 1 else "")
+            if c.attention.distca.caps_from_batches else "")
     log.info("distca caps per device and call (0 = plan.default_capacity): "
              + ", ".join(f"{k}={v}" for k, v in backend.caps.items()) + auto)
   model_cfg = model.cfg

@@ -20,7 +20,7 @@ Two parts:
      it), divided by the ideal sum of pairs / (S x D).
 
 Run:
-  python -m experiments.pipeline_schedule   # writes results/pipeline_schedule.{json,md}
+  python -m experiments.pipeline_schedule   # writes results/pipeline/pipeline_schedule.{json,md}
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def main() -> None:
   p.add_argument("--workloads", default="pretrain,prolong")
   p.add_argument("--steps", type=int, default=2, help="batches per configuration")
   p.add_argument("--tolerance", type=float, default=plan_lib.DEFAULT_TOLERANCE)
-  p.add_argument("--out", default="results/pipeline_schedule")
+  p.add_argument("--out", default="results/pipeline/pipeline_schedule")
   args = p.parse_args()
   command = experiments.command_line(__file__)
   meshes = [tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",")]

@@ -28,8 +28,10 @@ def test_schedule_table(stages, microbatches):
       (stages - 1) / (microbatches + stages - 1))
 
 
-# CAD options of the tests: balance every batch (no gate), a tolerance tiny batches can meet.
-DISTCA = {"attention.distca.tolerance": 0.05, "attention.distca.min_gain": 0.0}
+# CAD options of the tests: balance every batch (no gate), a tolerance tiny batches can meet;
+# the baselines' CP groups of 2 data ranks (wlb: rows of 1.25 x tokens_per_rank).
+DISTCA = {"attention.distca.tolerance": 0.05, "attention.distca.min_gain": 0.0,
+          "attention.baselines.cp_size": 2, "attention.baselines.wlb_alpha": 1.25}
 
 
 def loss_and_grads(c, batch_np, doclens):
@@ -56,6 +58,10 @@ def loss_and_grads(c, batch_np, doclens):
     pytest.param(2, 2, 2, 4, "save_attention", "packed_dp", marks=pytest.mark.slow),
     pytest.param(4, 2, 1, 0, "save_attention", "local", marks=pytest.mark.slow),
     pytest.param(2, 2, 2, 4, "full", "distca", marks=pytest.mark.slow),
+    (2, 4, 1, 2, "none", "wlb"),
+    pytest.param(2, 4, 1, 2, "none", "cp", marks=pytest.mark.slow),
+    pytest.param(2, 2, 2, 4, "save_attention", "cp", marks=pytest.mark.slow),
+    pytest.param(2, 2, 2, 2, "full", "wlb", marks=pytest.mark.slow),
 ])
 def test_pipelined_loss_and_grads_equal_pipe_1(pipe, data, tensor, microbatches, remat, backend):
   """One step's loss and every gradient (layers, embedding, LM head) of the pipelined model
@@ -87,13 +93,15 @@ def test_pipelined_loss_and_grads_equal_pipe_1(pipe, data, tensor, microbatches,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pipe,data,tensor,ref_tensor,backend", [
-    (2, 4, 1, 2, "local"), (2, 2, 2, 4, "local"), (2, 4, 1, 2, "distca")])
+    (2, 4, 1, 2, "local"), (2, 2, 2, 4, "local"), (2, 4, 1, 2, "distca"), (2, 4, 1, 2, "cp"),
+    (2, 2, 2, 4, "wlb")])
 def test_pipelined_training_matches_pipe_1_and_traces_once(pipe, data, tensor, ref_tensor,
                                                           backend, tmp_path, monkeypatch):
   """The real job on 8 devices: pipe x data x tensor against pipe=1 with the same data ranks
   (so the same global batch), the rest of the devices on tensor: the logged losses agree within
   1e-3 relative, and the pipelined step is traced once over batches of different layouts (with
-  `distca`: different plans for every tick)."""
+  `distca`: different plans for every tick; with `cp` and `wlb`: differently arranged rows and
+  task tables)."""
   base = {"mesh.data": data, "num_steps": 4, "log_every": 1, "checkpoint_every": 0,
           "tensorboard": False, "optim.warmup_steps": 1, "rows_per_rank": 4,
           "model.n_layers": 4}
@@ -203,3 +211,52 @@ def test_checkpoint_resumes_under_another_pipe_layout(tmp_path):
   got = {r["step"]: r["loss"] for r in trainer.train_and_evaluate(piped, str(tmp_path / "b"))}
   assert sorted(got) == [3, 4]
   np.testing.assert_allclose([got[3], got[4]], [want[3], want[4]], rtol=1e-3)
+
+
+def test_startup_caps_are_sized_for_the_pooled_ticks():
+  """Under the pipeline the startup caps come from the run's first batches planned per tick
+  (every stage's rows, R / M per device, on pipe x data servers): at least what those tick plans
+  need without caps and at most that x caps_headroom (rounded to row multiples), so neither a
+  pipe=1 sizing (R rows on data servers) nor the fixed fractions pass; later ticks plan within
+  them, with a fixed plan width."""
+  import dataclasses
+  from distca_jax import backends
+  from distca_jax.plan import capacity as cap_lib, sizing
+  stages, data, rows_per_rank, m, t, sampled = 2, 4, 4, 2, 256, 6
+  c = _with_heads(tiny_config(**DISTCA, **{
+      "mesh.pipe": stages, "mesh.data": data, "rows_per_rank": rows_per_rank,
+      "pipeline.microbatches": m, "attention.backend": "distca", "tokens_per_rank": t,
+      "attention.distca.caps_from_batches": sampled}))
+  config_lib.validate(c)
+  got = sizing.startup_capacity(c)
+  rows = t * rows_per_rank // m  # a device's rows in one tick's call
+  assert set(got) == {"q_slot", "kv_slot", "q_tokens", "kv_tokens"}
+  src = make_source(c.data, rows=data * rows_per_rank, tokens_per_row=t,
+                    vocab_size=c.model.vocab_size, seed=c.seed)
+  # The same ticks planned with caps no tick can reach: what each really needs.
+  roomy = trainer.make_backend(c, **{f: 8 * rows for f in got})
+  need = [cap_lib.required_capacity(roomy.host_plans(ticked, t)[0].plan)
+          for step in range(sampled)
+          for ticked in pipeline.tick_rows(src.doclens(step), stages=stages,
+                                           rows_per_rank=rows_per_rank, microbatches=m)]
+  mult = cap_lib.row_multiple(rows)
+  for name, v in got.items():
+    most = max(getattr(n, name) for n in need)
+    enveloped = -(-most // mult) * mult  # the envelope rounds up before the headroom
+    floor = mult if name.endswith("slot") else rows
+    high = -(-max(floor, enveloped * c.attention.distca.caps_headroom) // mult) * mult
+    assert most <= v <= high, (name, v, most, high)
+  backend = trainer.make_backend(c)
+  assert {k: backend.caps[k] for k in got} == got
+  assert backends.module("distca").Options.from_config(c).data_axis == ("pipe", "data")
+  widths = set()
+  for step in range(sampled, sampled + 10):  # batches the caps never saw
+    doclens = src.doclens(step)
+    for ticked in pipeline.tick_rows(doclens, stages=stages, rows_per_rank=rows_per_rank,
+                                     microbatches=m):
+      plan = backend.host_plans(ticked, t)[0].plan
+      used = dataclasses.asdict(cap_lib.required_capacity(plan))
+      assert all(used[k] <= v for k, v in got.items()), (step, used, got)
+    packed = backend.host_prepare(doclens, t)
+    widths.add(tuple(a.shape for a in packed.values()))
+  assert len(widths) == 1

@@ -79,12 +79,10 @@ class Options:
     """The run's options; caps left at 0 come from its first batches (``sizing``)."""
     d = c.attention.distca
     m = config_lib.model_config(c)
-    caps = {f: d[f] for f in CAP_FIELDS}
     # Under a pipeline (mesh.pipe > 1) one call is one tick: rows_per_rank / M rows of every
-    # pipe x data rank, all of them servers; caps there are set ones or default_capacity's.
+    # pipe x data rank, all of them servers; startup caps are sampled from the ticks' calls.
+    caps = {**{f: d[f] for f in CAP_FIELDS}, **sizing.startup_capacity(c)}
     pipe = c.mesh.pipe > 1
-    if not pipe:
-      caps.update(sizing.startup_capacity(c))
     rows = c.rows_per_rank // (pipeline.resolve_microbatches(c.pipeline.microbatches, c.mesh.pipe)
                                if pipe else 1)
     return cls(tolerance=d.tolerance, min_shard=d.min_shard, min_gain=d.min_gain, **caps,

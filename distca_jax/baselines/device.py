@@ -11,6 +11,10 @@ over `tensor` when the mesh has that axis), host-planned tables in `layout.extra
   transpose, a grouped reduce-scatter, sums dK/dV in the backward), every task's key prefix is
   gathered from them into a per-row key buffer (`kv_index`), and the row's tasks run in one call.
   The rows must already hold the CP arrangement (`packing.cp_placement` / `wlb_placement`).
+
+Under a pipeline (mesh.pipe > 1) a call's rows are the slots of every stage, sharded over
+(pipe, data) (`pipeline.pipeline_layers`): each rank still computes the rows it holds, and a CP
+group's all-gather runs over `data` only, so it gathers the K/V of its own stage's microbatch.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ TENSOR_AXIS = "tensor"
 
 
 def _mesh_and_specs(name: str):
+  """(mesh, spec of q/k/v [B, T, H, D]): rows over `data`, or over (pipe, data) under a pipeline
+  (mesh.pipe > 1: a call's rows are every stage's slot, `pipeline.pipeline_layers`), heads over
+  `tensor` when the mesh has it."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or DATA_AXIS not in mesh.axis_names:
     raise ValueError(
@@ -36,7 +43,8 @@ def _mesh_and_specs(name: str):
         f"but no mesh with that axis is set (got axes {mesh.axis_names}); call it under "
         "`with jax.set_mesh(mesh)` (the trainer's `mesh_context` does this)")
   heads = TENSOR_AXIS if TENSOR_AXIS in mesh.axis_names else None
-  return mesh, P(DATA_AXIS, None, heads, None)
+  rows = (PIPE_AXIS, DATA_AXIS) if dict(mesh.shape).get(PIPE_AXIS, 1) > 1 else DATA_AXIS
+  return mesh, P(rows, None, heads, None)
 
 
 def _extra(layout: attn_lib.Layout, name: str, keys: tuple[str, ...], how: str):
@@ -81,11 +89,7 @@ def packed_dp_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout
   attn_lib.check_shapes(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout)
   (doc_lens_BxN,) = _extra(layout, "packed_dp", ("doc_lens",),
                            "the trainer adds them through Backend.host_prepare")
-  mesh, spec = _mesh_and_specs("packed_dp")
-  # Under a pipeline (mesh.pipe > 1) the rows are every stage's slot, sharded over (pipe, data):
-  # each rank still computes the rows it holds.
-  rows = (PIPE_AXIS, DATA_AXIS) if dict(mesh.shape).get(PIPE_AXIS, 1) > 1 else DATA_AXIS
-  spec = P(rows, *spec[1:])
+  _, spec = _mesh_and_specs("packed_dp")  # under a pipeline each rank computes its own rows too
 
   def per_rank(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, doc_lens_RxN):
     r, t, h, d = q_RxTxHxD.shape
@@ -100,7 +104,7 @@ def packed_dp_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout
 
   # check_vma=False: kernel primitives (pallas_call, flash3's FFI custom_vjp) carry no
   # varying-manual-axes types; with checking on, flash3's backward fails type matching on GPUs.
-  return jax.shard_map(per_rank, in_specs=(spec, spec, spec, P(rows, None)),
+  return jax.shard_map(per_rank, in_specs=(spec, spec, spec, P(spec[0], None)),
                        out_specs=spec, check_vma=False)(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, doc_lens_BxN)
 
 
@@ -146,7 +150,7 @@ def group_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *,
                                      softmax_scale=softmax_scale))
     return jnp.stack(outs)
 
-  table = P(DATA_AXIS, None)
+  table = P(spec[0], None)
   # check_vma=False: see packed_dp_attention.
   return jax.shard_map(per_rank, in_specs=(spec, spec, spec, table, table, table),
                        out_specs=spec, check_vma=False)(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, kv_index_BxU, cu_q_BxN1,

@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 
+from distca_jax import pipeline
 from distca_jax.checks import check_int
 from distca_jax.data import make_source
 from distca_jax.plan.capacity import caps_with_headroom, default_capacity, row_multiple
@@ -40,8 +41,29 @@ def startup_capacity(c, *, data: int | None = None) -> dict[str, int]:
   if n == 0 or not auto:
     return {}
   sugg = suggest_config_capacity(c, num_batches=n, data=data)
-  rows = int(c.tokens_per_rank) * int(c.rows_per_rank) // int(c.attention.nano_batches)
+  rows = int(c.tokens_per_rank) * call_rows_per_device(c)
   return caps_with_headroom(sugg, rows, headroom, auto)
+
+
+def call_rows_per_device(c) -> int:
+  """Rows a device holds in one core-attention call: ``rows_per_rank / nano_batches``, or
+  ``rows_per_rank / M`` under a pipeline of M microbatches (``mesh.pipe > 1``)."""
+  if c.mesh.pipe > 1:
+    return int(c.rows_per_rank) // pipeline.resolve_microbatches(c.pipeline.microbatches,
+                                                                  c.mesh.pipe)
+  return int(c.rows_per_rank) // int(c.attention.nano_batches)
+
+
+def _calls(c, doclens, data: int) -> list[list]:
+  """The rows of each core-attention call of one batch, as ``host_prepare`` plans them: one per
+  nano-batch, or under a pipeline one per tick (``pipeline.tick_rows``: every stage's rows, on
+  ``pipe x data`` servers)."""
+  r = int(c.rows_per_rank)
+  if c.mesh.pipe > 1:
+    return pipeline.tick_rows(doclens, stages=c.mesh.pipe, rows_per_rank=r,
+                              microbatches=c.pipeline.microbatches)
+  n = int(c.attention.nano_batches)
+  return [[doclens[x] for x in nano_batch_rows(data, r, n, i)] for i in range(n)]
 
 
 def suggest_config_capacity(c, *, num_batches: int = 32, quantile: float = 1.0,
@@ -49,7 +71,8 @@ def suggest_config_capacity(c, *, num_batches: int = 32, quantile: float = 1.0,
   """Caps for a run config from its own data source: ``config.attention.distca`` overrides.
 
   Plans ``num_batches`` batches of ``c.data`` (the steps a run starts with) the way
-  ``host_prepare`` will (per nano-batch), without caps, and returns ``suggest_capacity``'s
+  ``host_prepare`` will (per nano-batch; under a pipeline per tick, over ``pipe x data``
+  servers), without caps, and returns ``suggest_capacity``'s
   envelope as a dict of ``q_slot, kv_slot, q_tokens, kv_tokens, tasks`` (e.g. print them as
   ``--config.attention.distca.<name>=<value>`` flags).
 
@@ -62,20 +85,16 @@ def suggest_config_capacity(c, *, num_batches: int = 32, quantile: float = 1.0,
   """
   if data is None:
     data = c.mesh.data if c.mesh.data > 0 else jax.device_count() // (c.mesh.tensor * c.mesh.pipe)
-  r, t, n = int(c.rows_per_rank), int(c.tokens_per_rank), int(c.attention.nano_batches)
-  rn = r // n
+  r, t, rn = int(c.rows_per_rank), int(c.tokens_per_rank), call_rows_per_device(c)
+  servers = data * max(int(c.mesh.pipe), 1)
   src = make_source(c.data, rows=data * r, tokens_per_row=t, vocab_size=c.model.vocab_size,
                     seed=c.seed)
-  spec = PlanSpec(num_servers=data, tokens_per_row=t, rows_per_device=rn,
+  spec = PlanSpec(num_servers=servers, tokens_per_row=t, rows_per_device=rn,
                   capacity=default_capacity(rn * t, rn))
-  layouts = []
-  for step in range(num_batches):
-    doclens = src.doclens(step)
-    for i in range(n):
-      rows = [doclens[x] for x in nano_batch_rows(data, r, n, i)]
-      layouts.append(device_layout(rows, spec)[0])
+  layouts = [device_layout(rows, spec)[0]
+             for step in range(num_batches) for rows in _calls(c, src.doclens(step), data)]
   d = c.attention.distca
-  cap = suggest_capacity(layouts, data, rn * t, quantile=quantile,
+  cap = suggest_capacity(layouts, servers, rn * t, quantile=quantile,
                          multiple=row_multiple(rn * t), tolerance=d.tolerance,
                          min_shard=d.min_shard or auto_min_shard(t), q_heads=c.model.n_heads,
                          kv_heads=c.model.n_kv_heads, head_dim=c.model.head_dim)

@@ -127,11 +127,31 @@ def _key_mask(meta_ref, tile, wg, j, shape, block_kv: int):
   return (kpos >= 0) & (kpos <= rows + diag) & (kpos < lk)
 
 
+def _head_at(bs: BlockSizes, group: int, heads_index, group_index):
+  """The query head of the forward / dQ CTA at grid indices ``heads`` and ``group``."""
+  return heads_index * group + group_index if bs.group_adjacent else heads_index
+
+
+def _query_head(bs: BlockSizes, group: int):
+  """The query head of this CTA of a forward or dQ kernel (see ``_query_grid``)."""
+  return _head_at(bs, group, lax.axis_index("heads"),
+                  lax.axis_index("group") if bs.group_adjacent else 0)
+
+
+def _query_grid(bs: BlockSizes, num_heads: int, group: int, num_tiles: int):
+  """(grid, grid_names) of a forward or dQ kernel. The last grid axis varies fastest in launch
+  order: with ``group_adjacent`` the ``group`` query heads of one KV head are neighbours, then
+  the query tiles, then the KV heads (``heads`` counts KV heads there)."""
+  if bs.group_adjacent:
+    return (num_heads // group, num_tiles, group), ("heads", "tiles", "group")
+  return (num_heads, num_tiles), ("heads", "tiles")
+
+
 def _fwd_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, o_ref, lse_ref,
                 q_smem, k_smem, v_smem, lse_smem, q_bar, k_bar, v_bar, k_free, v_free,
                 sched_bar, *, bs: BlockSizes, scale2: float, group: int):
   """One CTA query tile of one head: O and the log2-domain LSE of its two warpgroup blocks."""
-  h, tile, wg = lax.axis_index("heads"), lax.axis_index("tiles"), lax.axis_index("wg")
+  h, tile, wg = _query_head(bs, group), lax.axis_index("tiles"), lax.axis_index("wg")
   bq, bkv, slots = bs.block_q, bs.block_kv, bs.max_concurrent_steps
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
@@ -220,7 +240,7 @@ def _dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref,
                delta_ref, dq_ref, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, in_bar,
                k_bar, v_bar, k_free, v_free, *, bs: BlockSizes, scale: float, group: int):
   """One CTA query tile of one head: dQ = scale * sum over visible key tiles of dS K."""
-  h, tile, wg = lax.axis_index("heads"), lax.axis_index("tiles"), lax.axis_index("wg")
+  h, tile, wg = _query_head(bs, group), lax.axis_index("tiles"), lax.axis_index("wg")
   bq, bkv, slots = bs.block_q, bs.block_kv_dq, bs.max_concurrent_steps
   scale2 = scale * _LOG2E
   head_dim = q_ref.shape[-1]
@@ -570,11 +590,13 @@ def _bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, 
 # ------------------------------------------------------------------------------------------------
 
 
-def _kernel(body, *, out_type, scratch_types, grid, name: str):
-  """A warp-specialized kernel over (heads, tiles): compute warpgroups and one producer."""
+def _kernel(body, *, out_type, scratch_types, grid, name: str,
+            grid_names: tuple[str, ...] = ("heads", "tiles")):
+  """A warp-specialized kernel over (heads, tiles[, group]): compute warpgroups and one
+  producer."""
   return plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch_types, grid=grid,
-      grid_names=("heads", "tiles"), num_threads=NUM_COMPUTE_WGS + 1, thread_name="wg",
+      grid_names=grid_names, num_threads=NUM_COMPUTE_WGS + 1, thread_name="wg",
       kernel_name=name,  # the name profiles show
       compiler_params=plgpu.CompilerParams(approx_math=True))
 
@@ -584,6 +606,7 @@ def forward_aligned(meta, edges, q_p, k, v, k_edge, v_edge, *, bs: BlockSizes, s
   num_p, num_heads, head_dim = q_p.shape
   group = num_heads // k.shape[1]
   dtype, slots = q_p.dtype, bs.max_concurrent_steps
+  grid, grid_names = _query_grid(bs, num_heads, group, meta.shape[1])
   kernel = _kernel(
       functools.partial(_fwd_kernel, bs=bs, scale2=scale * _LOG2E, group=group),
       out_type=[jax.ShapeDtypeStruct(q_p.shape, dtype),
@@ -600,7 +623,7 @@ def forward_aligned(meta, edges, q_p, k, v, k_edge, v_edge, *, bs: BlockSizes, s
           plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
           plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
       ],
-      grid=(num_heads, meta.shape[1]),
+      grid=grid, grid_names=grid_names,
       name="mosaic_attention_fwd",
   )
   return kernel(meta, edges, q_p, k, v, k_edge, v_edge)
@@ -611,6 +634,7 @@ def dq_aligned(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
   num_p, num_heads, head_dim = q_p.shape
   group = num_heads // k.shape[1]
   dtype, slots = q_p.dtype, bs.max_concurrent_steps
+  grid, grid_names = _query_grid(bs, num_heads, group, meta.shape[1])
   kernel = _kernel(
       functools.partial(_dq_kernel, bs=bs, scale=scale, group=group),
       out_type=jax.ShapeDtypeStruct(q_p.shape, dtype),
@@ -627,7 +651,7 @@ def dq_aligned(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
           plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
           plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
       ],
-      grid=(num_heads, meta.shape[1]),
+      grid=grid, grid_names=grid_names,
       name="mosaic_attention_dq",
   )
   return kernel(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p)

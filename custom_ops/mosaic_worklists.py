@@ -37,6 +37,10 @@ class BlockSizes:
     fused_bwd: one backward kernel over key tiles (dK/dV in place as above, and dQ accumulated
       in f32 through TMA reduce-add stores: 5 matrix products per tile pair); False: a dQ kernel
       over query tiles beside the dK/dV kernel (7 products). Needs ``dkv_in_place``.
+    group_adjacent: the forward and dQ kernels launch the query heads of one KV head in
+      adjacent CTAs (grid order: KV head, query tile, head of the group), so the CTAs reading a
+      K/V tile run together and share it through L2; False: head-major order (every tile of
+      one query head, then the next head).
   """
   block_q: int = 64
   block_kv: int = 128
@@ -47,11 +51,12 @@ class BlockSizes:
   pingpong: bool = True
   dkv_in_place: bool = True
   fused_bwd: bool = False
+  group_adjacent: bool = True
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if field.name in ("pingpong", "dkv_in_place", "fused_bwd"):
+      if field.name in ("pingpong", "dkv_in_place", "fused_bwd", "group_adjacent"):
         if not isinstance(value, bool):
           raise ValueError(f"BlockSizes.{field.name}={value!r} must be a bool")
         continue

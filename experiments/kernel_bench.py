@@ -116,6 +116,8 @@ MOSAIC_PRESETS = {
     "dkv-gather": dict(dkv_in_place=False),
     # one backward kernel over key tiles, dQ through TMA reduce-add (5 products per tile pair)
     "fused": dict(fused_bwd=True),
+    # forward and dQ CTAs in head-major order (the heads of one KV group far apart in time)
+    "head-major": dict(group_adjacent=False),
 }
 _SCHED_NAME = re.compile(r"sched-([a-z]+)-m(\d+)")
 

@@ -80,7 +80,8 @@ from experiments.kernel_profile_trace import (kernel_breakdown, kernel_details_f
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-BACKENDS = ("pallas", "flash3", "mosaic", "reference")
+BACKENDS = ("pallas", "flash3", "mosaic", "mosaic:fused", "reference")
+# mosaic:fused: the Mosaic kernels with the one-kernel backward (BlockSizes(fused_bwd=True)).
 FULL = dict(heads=kb.NUM_HEADS, kv_heads=kb.NUM_KV_HEADS, head_dim=kb.HEAD_DIM, dtype="bfloat16",
             tokens=16384, max_doc=16384, sched_tokens=16384, sched_servers=8, trials=5,
             min_trial_s=0.05, interpret=False, backends="pallas,flash3",
@@ -121,6 +122,11 @@ def _attention_fn(backend: str, wl, bs, interpret: bool):
         q, k, v, cu_q, cu_k, backend="flash3", max_seqlen_q=wl.max_q, max_seqlen_k=wl.max_k)
   if backend in ("reference", "mosaic"):
     return lambda q, k, v, cu_q, cu_k: ops.core_attention(q, k, v, cu_q, cu_k, backend=backend)
+  if backend == "mosaic:fused":
+    from custom_ops import mosaic_attention  # pylint: disable=import-outside-toplevel
+    fused = mosaic_attention.BlockSizes(fused_bwd=True)
+    return lambda q, k, v, cu_q, cu_k: mosaic_attention.mosaic_attention(
+        q, k, v, cu_q, cu_k, block_sizes=fused)[0]
   raise ValueError(f"unknown {backend=}; choose from {BACKENDS}")
 
 
@@ -401,7 +407,7 @@ def main(argv=None) -> int:
             "--trace-calls", str(args.trace_calls), "--trace-gap-s", str(args.trace_gap_s),
             "--trace-dir", trace_dir]
   for backend in backends:
-    part = f"{stem}.{backend}.part.json"
+    part = f"{stem}.{backend.replace(':', '-')}.part.json"
     cmd = [*experiments.module_argv(__file__), "--child", "--backends", backend,
            *shared, "--out", part]
     env = dict(os.environ)

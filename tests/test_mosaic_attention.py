@@ -278,13 +278,13 @@ def test_fused_bwd_steps_cover_exactly_the_visible_pairs(seed):
   np.testing.assert_array_equal(counts[real_rows], want[real_rows], err_msg=f"{seed=}")
 
 
-@pytest.mark.parametrize("num_k_rows,head_dim,in_place,fused", [
-    (2045, 128, True, False), (2048, 64, False, False), (2045, 128, True, True),
-    (2048, 64, True, True)])
-def test_kernels_lower_for_cuda(num_k_rows, head_dim, in_place, fused):
+@pytest.mark.parametrize("num_k_rows,head_dim,in_place,fused,adjacent", [
+    (2045, 128, True, False, True), (2048, 64, False, False, True), (2045, 128, True, True, True),
+    (2048, 64, True, True, True), (2045, 128, True, False, False)])
+def test_kernels_lower_for_cuda(num_k_rows, head_dim, in_place, fused, adjacent):
   """Forward and backward lower to Mosaic GPU modules without a GPU (cross-platform lowering):
   catches layout-inference and TMA-shape errors (e.g. K/V row counts off a multiple of 8)."""
-  bs = ma.BlockSizes(dkv_in_place=in_place, fused_bwd=fused)
+  bs = ma.BlockSizes(dkv_in_place=in_place, fused_bwd=fused, group_adjacent=adjacent)
   q = jax.ShapeDtypeStruct((1000, 4, head_dim), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((num_k_rows, 2, head_dim), jnp.bfloat16)
   cu = jax.ShapeDtypeStruct((5,), jnp.int32)
@@ -298,6 +298,28 @@ def test_kernels_lower_for_cuda(num_k_rows, head_dim, in_place, fused):
   kernels = ["mosaic_attention_bwd"] if fused else ["mosaic_attention_dq", "mosaic_attention_dkv"]
   for name in ("mosaic_attention_bwd", "mosaic_attention_dq", "mosaic_attention_dkv"):
     assert (name in text) == (name in kernels), f"{name=} {fused=}"
+
+
+@pytest.mark.parametrize("num_heads,group", [(32, 4), (8, 1), (6, 6), (16, 2)])
+def test_query_grid_visits_every_head_and_tile_once(num_heads, group):
+  """Both launch orders of the forward / dQ grid cover every (query head, tile) exactly once, and
+  the group-adjacent order puts the query heads of one KV head in consecutive CTAs."""
+  from custom_ops import mosaic_kernels  # pylint: disable=import-outside-toplevel
+  num_tiles = 5
+  for adjacent in (True, False):
+    bs = ma.BlockSizes(group_adjacent=adjacent)
+    grid, names = mosaic_kernels._query_grid(bs, num_heads, group, num_tiles)  # pylint: disable=protected-access
+    seen = []
+    for idx in np.ndindex(*grid):  # last axis fastest: the launch order
+      at = dict(zip(names, idx))
+      h = mosaic_kernels._head_at(bs, group, at["heads"], at.get("group", 0))  # pylint: disable=protected-access
+      seen.append((h, at["tiles"]))
+    assert sorted(seen) == [(h, t) for h in range(num_heads) for t in range(num_tiles)], (
+        f"{adjacent=} {num_heads=} {group=}")
+    if adjacent:  # consecutive CTAs: the group's heads on one tile, then the next tile
+      for start in range(0, len(seen), group):
+        chunk = seen[start:start + group]
+        assert len({h // group for h, _ in chunk}) == 1 and len({t for _, t in chunk}) == 1
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU-only error")

@@ -9,9 +9,10 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mosaic_out}
 mkdir -p "$OUT"
-if ls ../.whl/*.whl >/dev/null 2>&1; then  # wheels the GPU image lacks (flash-attn3-jax)
+WHL=.whl; [ -d "$WHL" ] || WHL=../.whl  # wheels the GPU image lacks (flash-attn3-jax)
+if ls "$WHL"/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site ../.whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+    --target /tmp/site "$WHL"/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
 BACKENDS=${BACKENDS:-mosaic,mosaic:dkv-gather,mosaic:dq128,flash3,pallas}

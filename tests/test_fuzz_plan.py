@@ -67,7 +67,8 @@ def _describe(doc_lens) -> str:
   return f"{len(flat)} docs, {sum(flat)} tokens, max {max(flat, default=0)}"
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", [
+    *range(4), *(pytest.param(s, marks=pytest.mark.slow) for s in range(4, 8))])
 def test_planner_fuzz_coverage_work_and_caps(seed):
   rng = np.random.default_rng(seed)
   trials = 0

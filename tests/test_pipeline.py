@@ -58,7 +58,7 @@ def loss_and_grads(c, batch_np, doclens):
     pytest.param(2, 2, 2, 4, "save_attention", "packed_dp", marks=pytest.mark.slow),
     pytest.param(4, 2, 1, 0, "save_attention", "local", marks=pytest.mark.slow),
     pytest.param(2, 2, 2, 4, "full", "distca", marks=pytest.mark.slow),
-    (2, 4, 1, 2, "none", "wlb"),
+    pytest.param(2, 4, 1, 2, "none", "wlb", marks=pytest.mark.slow),
     pytest.param(2, 4, 1, 2, "none", "cp", marks=pytest.mark.slow),
     pytest.param(2, 2, 2, 4, "save_attention", "cp", marks=pytest.mark.slow),
     pytest.param(2, 2, 2, 2, "full", "wlb", marks=pytest.mark.slow),

@@ -229,7 +229,9 @@ def test_ping_pong_schedule_variants_equal_single_stream(seed, scan_layers, n_la
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("remat", ["full", "save_attention", "offload_mlp"])
+@pytest.mark.parametrize("remat", [
+    pytest.param("full", marks=pytest.mark.slow), "save_attention",
+    pytest.param("offload_mlp", marks=pytest.mark.slow)])
 def test_remat_policies_keep_loss_and_gradients(seed, remat):
   """Every remat policy (what the backward keeps, reruns or fetches from host memory) gives the
   loss and gradients of no remat."""

@@ -6,9 +6,15 @@ the package does not re-export that function, because its name would shadow the 
 ``custom_ops.blockwise_attention``: the same contract in blockwise jnp (the CPU kernel).
 """
 
-from custom_ops import blockwise_attention
+# ``checkpoint_name`` of a kernel's forward outputs that its backward takes (O, LSE), for kernels
+# whose forward is not a ``pallas_call`` (FA3's FFI call, the Mosaic GPU kernels): remat policies
+# that keep attention save values of this name instead of rerunning the kernel
+# (``distca_jax.ops.saves_kernel_outputs``).
+KERNEL_OUTPUTS_NAME = "ca_kernel_out"
+
+from custom_ops import blockwise_attention  # noqa: E402  (after the constant the kernels import)
 from custom_ops import varlen_attention
 from custom_ops.varlen_attention import BlockSizes
 from custom_ops.varlen_attention import varlen_attention_reference
 
-__all__ = ["BlockSizes", "blockwise_attention", "varlen_attention", "varlen_attention_reference"]
+__all__ = ["KERNEL_OUTPUTS_NAME", "BlockSizes", "blockwise_attention", "varlen_attention", "varlen_attention_reference"]

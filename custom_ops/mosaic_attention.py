@@ -60,6 +60,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jax.ad_checkpoint import checkpoint_name
+
+from custom_ops import KERNEL_OUTPUTS_NAME
 from custom_ops import varlen_attention as va
 from custom_ops.mosaic_kernels import LN2, bwd_fused_call, dkv_call, dq_aligned, forward_aligned
 from custom_ops.mosaic_worklists import (KV_ROW_MULTIPLE, BlockSizes, aligned_layout,
@@ -116,6 +119,9 @@ def _forward(q, k, v, cu_q, cu_k, scale, bs):
   k, v = _rows_to_multiple(k, KV_ROW_MULTIPLE), _rows_to_multiple(v, KV_ROW_MULTIPLE)
   meta = q_tile_table(cu_q, cu_k, lay_q, q.shape[0], bs, bs.block_kv)
   o_p, lse2_p = forward_aligned(meta, edges, q_p, k, v, k_edge, v_edge, bs=bs, scale=scale)
+  # The backward's residuals from the kernel: remat policies that keep attention save them by
+  # this name (the kernel's primitive is not a pallas_call), so the backward never reruns it.
+  o_p, lse2_p = (checkpoint_name(x, KERNEL_OUTPUTS_NAME) for x in (o_p, lse2_p))
   o = gather_rows(o_p, lay_q.dst_T)
   lse_TxH = gather_rows(lse2_p, lay_q.dst_T, fill=-jnp.inf, axis=1).T * LN2
   return (o, lse_TxH), (q_p, k, v, o_p, lse2_p, cu_q, cu_k)

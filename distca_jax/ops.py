@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+import custom_ops
 from custom_ops import blockwise_attention as bw
 from custom_ops import varlen_attention as va
 from distca_jax.checks import check_int
@@ -60,7 +61,7 @@ KERNEL_PRIMITIVES = frozenset({"pallas_call"})
 # per layer and copied it into the layer scan's stacked residuals (MemcpyD2D, 117-188 ms of a
 # 1.8 s step on an H200, results/archive/4b6459c/pingpong_v6_summary.md). The flash3 path
 # names O and the [H, T] LSE it cuts out of the buffer.
-KERNEL_OUTPUTS_NAME = "ca_kernel_out"
+KERNEL_OUTPUTS_NAME = custom_ops.KERNEL_OUTPUTS_NAME
 # ``checkpoint_name`` of the kernel's query/key/value inputs (the backward's residuals).
 KERNEL_INPUTS_NAME = "ca_in"
 

@@ -138,6 +138,20 @@ def _query_head(bs: BlockSizes, group: int):
                   lax.axis_index("group") if bs.group_adjacent else 0)
 
 
+def _pingpong(bar, on: bool):
+  """(sync, arrive, wait) on the compute warpgroups' ping-pong barrier ``bar``, or None when off.
+
+  Every step of a warpgroup (computed or skipped) passes the barrier twice, and warpgroup 1
+  passes it once more before its first step (warpgroup 0 after its last), so while one
+  warpgroup's matrix products run the other computes its elementwise part."""
+  if not on:
+    return None
+  def sync():
+    plgpu.barrier_arrive(bar)
+    plgpu.barrier_wait(bar)
+  return (sync, lambda: plgpu.barrier_arrive(bar), lambda: plgpu.barrier_wait(bar))
+
+
 def _query_grid(bs: BlockSizes, num_heads: int, group: int, num_tiles: int):
   """(grid, grid_names) of a forward or dQ kernel. The last grid axis varies fastest in launch
   order: with ``group_adjacent`` the ``group`` query heads of one KV head are neighbours, then
@@ -238,8 +252,12 @@ def _fwd_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, o_ref,
 
 def _dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref, lse_ref,
                delta_ref, dq_ref, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, in_bar,
-               k_bar, v_bar, k_free, v_free, *, bs: BlockSizes, scale: float, group: int):
-  """One CTA query tile of one head: dQ = scale * sum over visible key tiles of dS K."""
+               k_bar, v_bar, k_free, v_free, sched_bar, *, bs: BlockSizes, scale: float,
+               group: int):
+  """One CTA query tile of one head: dQ = scale * sum over visible key tiles of dS K.
+
+  ``bs.bwd_pairs``: S and dP are issued together (one wait); ``bs.bwd_pingpong``: the two
+  compute warpgroups alternate (``_pingpong``)."""
   h, tile, wg = _query_head(bs, group), lax.axis_index("tiles"), lax.axis_index("wg")
   bq, bkv, slots = bs.block_q, bs.block_kv_dq, bs.max_concurrent_steps
   scale2 = scale * _LOG2E
@@ -259,17 +277,34 @@ def _dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref,
     lse = plgpu.load(lses, layout=plgpu.Layout.WGMMA.reduce(1))
     delta = plgpu.load(deltas, layout=plgpu.Layout.WGMMA.reduce(1))
 
+    sched = _pingpong(sched_bar, bs.bwd_pingpong)
+
     def step(j, dq, masked: bool):
       slot = lax.rem(j, slots)
       plgpu.barrier_wait(k_bar.at[slot])
-      s = _wgmma_result(qs, k_smem.at[slot].transpose((1, 0)), (bq, bkv))
-      plgpu.barrier_wait(v_bar.at[slot])
-      dp = _wgmma_result(dos, v_smem.at[slot].transpose((1, 0)), (bq, bkv))
+      if bs.bwd_pairs:
+        plgpu.barrier_wait(v_bar.at[slot])
+
+        def sdp_body(s_ref, dp_ref):
+          plgpu.wgmma(s_ref, qs, k_smem.at[slot].transpose((1, 0)))
+          plgpu.wgmma(dp_ref, dos, v_smem.at[slot].transpose((1, 0)))
+          if sched is not None:
+            sched[0]()
+          return s_ref[...], dp_ref[...]
+        s, dp = pl.run_scoped(sdp_body, plgpu.ACC((bq, bkv), jnp.float32),
+                              plgpu.ACC((bq, bkv), jnp.float32))
+      else:
+        s = _wgmma_result(qs, k_smem.at[slot].transpose((1, 0)), (bq, bkv))
+        plgpu.barrier_wait(v_bar.at[slot])
+        dp = _wgmma_result(dos, v_smem.at[slot].transpose((1, 0)), (bq, bkv))
       plgpu.barrier_arrive(v_free.at[slot])
       p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(lse, s.shape, [0]))
       if masked:
         p = jnp.where(_key_mask(meta_ref, tile, wg, j, s.shape, bkv), p, 0.0)
       ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+      if sched is not None:
+        sched[1]()
+        sched[2]()
 
       def dq_body(acc_ref):
         plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
@@ -283,9 +318,16 @@ def _dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref,
       plgpu.barrier_wait(v_bar.at[slot])
       plgpu.barrier_arrive(v_free.at[slot])
       plgpu.barrier_arrive(k_free.at[slot])
+      if sched is not None:
+        sched[0]()
+        sched[0]()
 
     dq = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    if sched is not None:
+      pl.when(wg == 1)(sched[0])
     dq = _key_tile_loops(step, skip, meta_ref, tile, wg, dq)
+    if sched is not None:
+      pl.when(wg == 0)(sched[0])
     qs[...] = (dq * scale).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(qs, dq_ref.at[rows, h])
@@ -299,23 +341,57 @@ def _dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref,
                       edge_block=bs.edge_block, slots=slots)
 
 
-def _dkv_products(ks, vs, q_s, do_s, lse_s, delta_s, carry, vis, *, scale2: float):
+def _dkv_products(ks, vs, q_s, do_s, lse_s, delta_s, carry, vis, *, scale2: float,
+                  paired: bool = False, sched=None):
   """One query step of a key block (dK/dV and fused kernels): S^T = K Q^T, P^T, dV += P^T dO,
   dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.
 
   ``vis(key, row)`` (iota tiles of the block's keys and the step's query rows) masks P^T; None:
-  every pair is visible. Returns dK, dV and dS^T in the input dtype (unscaled).
+  every pair is visible. ``paired``: issue S^T with dP^T, then dV with dK (two waits per step);
+  else S^T, then dV with dP^T, then dK (three). ``sched``: (sync, arrive, wait) of the two
+  compute warpgroups' ping-pong barrier (paired only), or None. Returns dK, dV and dS^T in the
+  input dtype (unscaled).
   """
   dk, dv = carry
   dtype = q_s.dtype
   shape = (ks.shape[0], q_s.shape[0])
-  st = _wgmma_result(ks, q_s.transpose((1, 0)), shape)
-  lse = plgpu.load(lse_s, layout=plgpu.Layout.WGMMA.reduce(0))
-  pt = jnp.exp2(st * scale2 - lax.broadcast_in_dim(lse, shape, [1]))
-  if vis is not None:
-    key = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-    row = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-    pt = jnp.where(vis(key, row), pt, 0.0)
+
+  def probabilities(st):
+    lse = plgpu.load(lse_s, layout=plgpu.Layout.WGMMA.reduce(0))
+    pt = jnp.exp2(st * scale2 - lax.broadcast_in_dim(lse, shape, [1]))
+    if vis is not None:
+      key = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+      row = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+      pt = jnp.where(vis(key, row), pt, 0.0)
+    return pt
+
+  def ds_transposed(pt, dpt):
+    delta = plgpu.load(delta_s, layout=plgpu.Layout.WGMMA.reduce(0))
+    return (pt * (dpt - lax.broadcast_in_dim(delta, shape, [1]))).astype(dtype)
+
+  if paired:
+    def sdp_body(st_ref, dpt_ref):
+      plgpu.wgmma(st_ref, ks, q_s.transpose((1, 0)))
+      plgpu.wgmma(dpt_ref, vs, do_s.transpose((1, 0)))
+      if sched is not None:
+        sched[0]()
+      return st_ref[...], dpt_ref[...]
+    st, dpt = pl.run_scoped(sdp_body, plgpu.ACC(shape, jnp.float32),
+                            plgpu.ACC(shape, jnp.float32))
+    pt = probabilities(st)
+    dst = ds_transposed(pt, dpt)
+    if sched is not None:
+      sched[1]()
+      sched[2]()
+
+    def dv_dk_body(refs):
+      dv_ref, dk_ref = refs
+      plgpu.wgmma(dv_ref, pt.astype(dtype), do_s)
+      plgpu.wgmma(dk_ref, dst, q_s)
+    dv, dk = pl.run_state(dv_dk_body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+    return dk, dv, dst
+
+  pt = probabilities(_wgmma_result(ks, q_s.transpose((1, 0)), shape))
 
   def dv_dp_body(refs):
     dv_ref, dpt_ref = refs
@@ -323,8 +399,7 @@ def _dkv_products(ks, vs, q_s, do_s, lse_s, delta_s, carry, vis, *, scale2: floa
     plgpu.wgmma(dpt_ref, vs, do_s.transpose((1, 0)))
   zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
   dv, dpt = pl.run_state(dv_dp_body)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
-  delta = plgpu.load(delta_s, layout=plgpu.Layout.WGMMA.reduce(0))
-  dst = (pt * (dpt - lax.broadcast_in_dim(delta, shape, [1]))).astype(dtype)
+  dst = ds_transposed(pt, dpt)
 
   def dk_body(acc_ref):
     plgpu.wgmma(acc_ref, dst, q_s)
@@ -406,13 +481,14 @@ def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref
   In place (``bs.dkv_in_place``): K/V rows come from the packed buffers (``_read_key_rows``) and
   each warpgroup stores only its segment's rows of dK/dV, from untiled staging buffers in
   power-of-two row pieces (TMA stores of whole tiles would overwrite the neighbours' rows).
+  ``bs.bwd_pairs`` / ``bs.bwd_pingpong``: see ``_dkv_products`` and ``_pingpong``.
   """
   if bs.dkv_in_place:
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dk_stage, dv_stage, kv_bar, q_bar,
-     do_bar, lse_bar, delta_bar, free) = scratch
+     do_bar, lse_bar, delta_bar, free, sched_bar) = scratch
   else:
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, q_bar, do_bar, lse_bar,
-     delta_bar, free) = scratch
+     delta_bar, free, sched_bar) = scratch
   kvh, tile, wg = lax.axis_index("heads"), lax.axis_index("tiles"), lax.axis_index("wg")
   bkd, bqd, slots = bs.block_kv_dkv, bs.block_q_dkv, bs.max_concurrent_steps
   m = KV_ROW_MULTIPLE
@@ -441,6 +517,7 @@ def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref
     moff = meta_ref[KT_MOFF_W + wg, tile]
 
     wait_loaded = functools.partial(_wait_query_tile, (q_bar, do_bar, lse_bar, delta_bar))
+    sched = _pingpong(sched_bar, bs.bwd_pingpong)
 
     def step(qt, carry, base, masked: bool):
       slot = lax.rem(base + qt, slots)
@@ -449,7 +526,8 @@ def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref
       if masked:
         vis = lambda key, row: key + moff <= row + qt * bqd
       dk, dv, _ = _dkv_products(ks, vs, q_smem.at[slot], do_smem.at[slot], lse_smem.at[slot],
-                                delta_smem.at[slot], carry, vis, scale2=scale2)
+                                delta_smem.at[slot], carry, vis, scale2=scale2,
+                                paired=bs.bwd_pairs, sched=sched)
       plgpu.barrier_arrive(free.at[slot])
       return dk, dv
 
@@ -457,6 +535,9 @@ def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref
       slot = lax.rem(base + qt, slots)
       wait_loaded(slot)
       plgpu.barrier_arrive(free.at[slot])
+      if sched is not None:
+        sched[0]()
+        sched[0]()
 
     def head(g, carry):
       base = g * per_head - qa  # step index of query tile qt of head g is base + qt
@@ -465,7 +546,11 @@ def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref
       return lax.fori_loop(qf_w, n_q, functools.partial(step, base=base, masked=False), carry)
 
     zeros = plgpu.layout_cast(jnp.zeros((bkd, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    if sched is not None:
+      pl.when(wg == 1)(sched[0])
     dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+    if sched is not None:
+      pl.when(wg == 0)(sched[0])
     if bs.dkv_in_place:
       _store_key_rows(dk, dv, dk_stage.at[wg], dv_stage.at[wg], dk_ref, dv_ref, meta_ref, tile,
                       wg, kvh, scale=scale)
@@ -555,7 +640,7 @@ def _bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, 
           vis = lambda key, row: (key >= va) & (key < va + vn) & (key + moff <= row + qt * bqd)
         *carry, dst = _dkv_products(ks, vs, q_smem.at[slot], do_smem.at[slot],
                                     lse_smem.at[slot], delta_smem.at[slot], carry, vis,
-                                    scale2=scale2)
+                                    scale2=scale2, paired=bs.bwd_pairs)
         carry = tuple(carry)
       plgpu.barrier_arrive(free.at[slot])
       add_dq(dst, s, qt, g)
@@ -650,6 +735,7 @@ def dq_aligned(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
           plgpu.Barrier(num_barriers=slots),
           plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
           plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
+          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
       ],
       grid=grid, grid_names=grid_names,
       name="mosaic_attention_dq",
@@ -682,6 +768,7 @@ def dkv_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
           plgpu.Barrier(num_barriers=slots),
           plgpu.Barrier(num_barriers=slots),
           plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
+          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
       ],
       grid=(num_kv_heads, meta.shape[1]),
       name="mosaic_attention_dkv",

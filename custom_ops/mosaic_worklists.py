@@ -41,6 +41,12 @@ class BlockSizes:
       adjacent CTAs (grid order: KV head, query tile, head of the group), so the CTAs reading a
       K/V tile run together and share it through L2; False: head-major order (every tile of
       one query head, then the next head).
+    bwd_pairs: the backward kernels issue their matrix products two at a time: S with dP
+      (dQ kernel), S^T with dP^T, then dV with dK (dK/dV and fused kernels); False: the dQ
+      kernel waits for each product, the dK/dV kernel issues S^T, dV with dP^T, then dK.
+    bwd_pingpong: the dQ and dK/dV kernels' two compute warpgroups alternate between matrix
+      products and elementwise work, as the forward's ``pingpong``. Needs ``bwd_pairs``; not
+      with ``fused_bwd`` (its warpgroups already meet at every step).
   """
   block_q: int = 64
   block_kv: int = 128
@@ -52,11 +58,14 @@ class BlockSizes:
   dkv_in_place: bool = True
   fused_bwd: bool = False
   group_adjacent: bool = True
+  bwd_pairs: bool = False
+  bwd_pingpong: bool = False
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if field.name in ("pingpong", "dkv_in_place", "fused_bwd", "group_adjacent"):
+      if field.name in ("pingpong", "dkv_in_place", "fused_bwd", "group_adjacent", "bwd_pairs",
+                        "bwd_pingpong"):
         if not isinstance(value, bool):
           raise ValueError(f"BlockSizes.{field.name}={value!r} must be a bool")
         continue
@@ -68,6 +77,10 @@ class BlockSizes:
     if self.fused_bwd and not self.dkv_in_place:
       raise ValueError("BlockSizes(fused_bwd=True) needs dkv_in_place=True (the fused backward "
                        "reads K/V and writes dK/dV in the packed buffers)")
+    if self.bwd_pingpong and (self.fused_bwd or not self.bwd_pairs):
+      raise ValueError(
+          f"BlockSizes(bwd_pingpong=True) needs bwd_pairs=True and fused_bwd=False (got "
+          f"bwd_pairs={self.bwd_pairs}, fused_bwd={self.fused_bwd})")
     if self.max_concurrent_steps < 2:
       raise ValueError(
           f"BlockSizes.max_concurrent_steps={self.max_concurrent_steps} must be >= 2")

@@ -118,6 +118,12 @@ MOSAIC_PRESETS = {
     "fused": dict(fused_bwd=True),
     # forward and dQ CTAs in head-major order (the heads of one KV group far apart in time)
     "head-major": dict(group_adjacent=False),
+    # backward products issued two at a time (S with dP; S^T with dP^T, dV with dK)
+    "pairs": dict(bwd_pairs=True),
+    # ... and the backward kernels' two compute warpgroups in ping-pong
+    "pairs-pp": dict(bwd_pairs=True, bwd_pingpong=True),
+    "fused-pairs": dict(fused_bwd=True, bwd_pairs=True),
+    "pairs-pp-dq128": dict(bwd_pairs=True, bwd_pingpong=True, block_kv_dq=128),
 }
 _SCHED_NAME = re.compile(r"sched-([a-z]+)-m(\d+)")
 

@@ -278,13 +278,17 @@ def test_fused_bwd_steps_cover_exactly_the_visible_pairs(seed):
   np.testing.assert_array_equal(counts[real_rows], want[real_rows], err_msg=f"{seed=}")
 
 
-@pytest.mark.parametrize("num_k_rows,head_dim,in_place,fused,adjacent", [
-    (2045, 128, True, False, True), (2048, 64, False, False, True), (2045, 128, True, True, True),
-    (2048, 64, True, True, True), (2045, 128, True, False, False)])
-def test_kernels_lower_for_cuda(num_k_rows, head_dim, in_place, fused, adjacent):
+@pytest.mark.parametrize("num_k_rows,head_dim,in_place,fused,adjacent,pairs,pp", [
+    (2045, 128, True, False, True, False, False), (2048, 64, False, False, True, False, False),
+    (2045, 128, True, True, True, False, False), (2048, 64, True, True, True, False, False),
+    (2045, 128, True, False, False, False, False), (2045, 128, True, False, True, True, False),
+    (2045, 128, True, False, True, True, True), (2048, 64, False, False, True, True, True),
+    (2045, 128, True, True, True, True, False)])
+def test_kernels_lower_for_cuda(num_k_rows, head_dim, in_place, fused, adjacent, pairs, pp):
   """Forward and backward lower to Mosaic GPU modules without a GPU (cross-platform lowering):
   catches layout-inference and TMA-shape errors (e.g. K/V row counts off a multiple of 8)."""
-  bs = ma.BlockSizes(dkv_in_place=in_place, fused_bwd=fused, group_adjacent=adjacent)
+  bs = ma.BlockSizes(dkv_in_place=in_place, fused_bwd=fused, group_adjacent=adjacent,
+                     bwd_pairs=pairs, bwd_pingpong=pp)
   q = jax.ShapeDtypeStruct((1000, 4, head_dim), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((num_k_rows, 2, head_dim), jnp.bfloat16)
   cu = jax.ShapeDtypeStruct((5,), jnp.int32)
@@ -344,6 +348,10 @@ def test_validation_messages():
     ma.BlockSizes(block_q=32)
   with pytest.raises(ValueError, match="max_concurrent_steps"):
     ma.BlockSizes(max_concurrent_steps=1)
+  with pytest.raises(ValueError, match="bwd_pingpong=True.*bwd_pairs=False"):
+    ma.BlockSizes(bwd_pingpong=True)
+  with pytest.raises(ValueError, match="fused_bwd=True"):
+    ma.BlockSizes(bwd_pairs=True, bwd_pingpong=True, fused_bwd=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -366,10 +374,16 @@ _CASES = [  # (seed, tasks, max task length, H, K, D)
 # ... and the backward: "inplace" (dQ kernel + in-place dK/dV kernel), "gather" (dK/dV on an
 # aligned copy) or "fused" (one kernel, dQ through reduce-add stores).
 GPU_CASES = ([c + ("inplace",) for c in _CASES] + [c + ("fused",) for c in _CASES]
+             + [c + ("pairs-pp",) for c in _CASES]
              + [(5, 8, 300, 4, 1, 128, "gather"), (6, 5, 500, 8, 2, 64, "gather"),
-                (7, 4, 2000, 8, 1, 128, "fused")])
+                (7, 4, 2000, 8, 1, 128, "fused"), (8, 7, 900, 8, 2, 128, "pairs"),
+                (9, 6, 400, 4, 1, 64, "gather-pairs-pp"), (10, 5, 800, 8, 2, 128, "fused-pairs")])
 _BACKWARD_OPTIONS = {"inplace": {}, "gather": dict(dkv_in_place=False),
-                     "fused": dict(fused_bwd=True)}
+                     "fused": dict(fused_bwd=True), "pairs": dict(bwd_pairs=True),
+                     "pairs-pp": dict(bwd_pairs=True, bwd_pingpong=True),
+                     "gather-pairs-pp": dict(dkv_in_place=False, bwd_pairs=True,
+                                             bwd_pingpong=True),
+                     "fused-pairs": dict(fused_bwd=True, bwd_pairs=True)}
 
 
 @needs_hopper

@@ -341,6 +341,38 @@ def _dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref,
                       edge_block=bs.edge_block, slots=slots)
 
 
+def _dkv_probabilities(st, lse_s, vis, *, scale2: float):
+  """P^T of a [keys, rows] score tile S^T (log2-domain LSE of the rows), masked by ``vis``."""
+  shape = st.shape
+  lse = plgpu.load(lse_s, layout=plgpu.Layout.WGMMA.reduce(0))
+  pt = jnp.exp2(st * scale2 - lax.broadcast_in_dim(lse, shape, [1]))
+  if vis is not None:
+    key = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+    row = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+    pt = jnp.where(vis(key, row), pt, 0.0)
+  return pt
+
+
+def _dkv_ds_transposed(pt, dpt, delta_s, dtype):
+  """dS^T = P^T (dP^T - delta) in ``dtype`` (unscaled)."""
+  delta = plgpu.load(delta_s, layout=plgpu.Layout.WGMMA.reduce(0))
+  return (pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))).astype(dtype)
+
+
+def _dkv_score_products(ks, vs, q_s, do_s, sched=None):
+  """S^T = K Q^T and dP^T = V dO^T, issued together; ``sched[0]`` (a ping-pong sync) runs
+  while they do."""
+  shape = (ks.shape[0], q_s.shape[0])
+
+  def body(st_ref, dpt_ref):
+    plgpu.wgmma(st_ref, ks, q_s.transpose((1, 0)))
+    plgpu.wgmma(dpt_ref, vs, do_s.transpose((1, 0)))
+    if sched is not None:
+      sched[0]()
+    return st_ref[...], dpt_ref[...]
+  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+
+
 def _dkv_products(ks, vs, q_s, do_s, lse_s, delta_s, carry, vis, *, scale2: float,
                   paired: bool = False, sched=None):
   """One query step of a key block (dK/dV and fused kernels): S^T = K Q^T, P^T, dV += P^T dO,
@@ -355,31 +387,10 @@ def _dkv_products(ks, vs, q_s, do_s, lse_s, delta_s, carry, vis, *, scale2: floa
   dk, dv = carry
   dtype = q_s.dtype
   shape = (ks.shape[0], q_s.shape[0])
-
-  def probabilities(st):
-    lse = plgpu.load(lse_s, layout=plgpu.Layout.WGMMA.reduce(0))
-    pt = jnp.exp2(st * scale2 - lax.broadcast_in_dim(lse, shape, [1]))
-    if vis is not None:
-      key = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-      row = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-      pt = jnp.where(vis(key, row), pt, 0.0)
-    return pt
-
-  def ds_transposed(pt, dpt):
-    delta = plgpu.load(delta_s, layout=plgpu.Layout.WGMMA.reduce(0))
-    return (pt * (dpt - lax.broadcast_in_dim(delta, shape, [1]))).astype(dtype)
-
   if paired:
-    def sdp_body(st_ref, dpt_ref):
-      plgpu.wgmma(st_ref, ks, q_s.transpose((1, 0)))
-      plgpu.wgmma(dpt_ref, vs, do_s.transpose((1, 0)))
-      if sched is not None:
-        sched[0]()
-      return st_ref[...], dpt_ref[...]
-    st, dpt = pl.run_scoped(sdp_body, plgpu.ACC(shape, jnp.float32),
-                            plgpu.ACC(shape, jnp.float32))
-    pt = probabilities(st)
-    dst = ds_transposed(pt, dpt)
+    st, dpt = _dkv_score_products(ks, vs, q_s, do_s, sched)
+    pt = _dkv_probabilities(st, lse_s, vis, scale2=scale2)
+    dst = _dkv_ds_transposed(pt, dpt, delta_s, dtype)
     if sched is not None:
       sched[1]()
       sched[2]()
@@ -391,7 +402,8 @@ def _dkv_products(ks, vs, q_s, do_s, lse_s, delta_s, carry, vis, *, scale2: floa
     dv, dk = pl.run_state(dv_dk_body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
     return dk, dv, dst
 
-  pt = probabilities(_wgmma_result(ks, q_s.transpose((1, 0)), shape))
+  pt = _dkv_probabilities(_wgmma_result(ks, q_s.transpose((1, 0)), shape), lse_s, vis,
+                          scale2=scale2)
 
   def dv_dp_body(refs):
     dv_ref, dpt_ref = refs
@@ -399,7 +411,7 @@ def _dkv_products(ks, vs, q_s, do_s, lse_s, delta_s, carry, vis, *, scale2: floa
     plgpu.wgmma(dpt_ref, vs, do_s.transpose((1, 0)))
   zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
   dv, dpt = pl.run_state(dv_dp_body)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
-  dst = ds_transposed(pt, dpt)
+  dst = _dkv_ds_transposed(pt, dpt, delta_s, dtype)
 
   def dk_body(acc_ref):
     plgpu.wgmma(acc_ref, dst, q_s)
@@ -582,7 +594,8 @@ def _bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, 
   (unscaled) with a TMA reduce-add store. Both warpgroups run every step of the CTA: a warpgroup
   whose keys no row of the step sees contributes zeros. A key block that reaches outside its
   task's keys (rows of a neighbouring task or padding) is masked on every step, since its dS
-  feeds dQ.
+  feeds dQ. ``bs.dq_with_dkv``: the dQ products are issued behind the step's dV and dK products
+  and awaited with them.
   """
   (ds_smem, dq_stage), (dk_stage, dv_stage) = union
   kvh, tile, wg = lax.axis_index("heads"), lax.axis_index("tiles"), lax.axis_index("wg")
@@ -620,7 +633,9 @@ def _bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, 
         for w in range(NUM_COMPUTE_WGS):
           plgpu.wgmma(acc_ref, ds_smem.at[par, w].transpose((1, 0)), k_smem.at[w].at[:, cols])
         return acc_ref[...]
-      dq = pl.run_scoped(dq_body, plgpu.ACC((bqd, half), jnp.float32))
+      store_dq(pl.run_scoped(dq_body, plgpu.ACC((bqd, half), jnp.float32)), qt, g)
+
+    def store_dq(dq, qt, g):
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous step's store read its stage
       dq_stage.at[wg][...] = dq
       plgpu.commit_smem()
@@ -628,7 +643,42 @@ def _bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, 
       plgpu.copy_smem_to_gmem(dq_stage.at[wg], dq_ref.at[rows, kvh * group + g, cols],
                               reduction_op="add")
 
+    def step_overlapped(qt, carry, base, g, masked: bool):
+      """A step whose dQ products are issued right after its dV and dK products, with one wait
+      for all of them (``bs.dq_with_dkv``)."""
+      s = base + qt
+      slot = lax.rem(s, slots)
+      wait_loaded(slot)
+      par = lax.rem(s, 2)
+      q_s, do_s = q_smem.at[slot], do_smem.at[slot]
+      vis = None
+      if masked:
+        vis = lambda key, row: (key >= va) & (key < va + vn) & (key + moff <= row + qt * bqd)
+      st, dpt = _dkv_score_products(ks, vs, q_s, do_s)
+      pt = _dkv_probabilities(st, lse_smem.at[slot], vis, scale2=scale2)
+      dst = _dkv_ds_transposed(pt, dpt, delta_smem.at[slot], dtype)
+
+      def body(refs):
+        dv_ref, dk_ref, dq_acc = refs
+        plgpu.wgmma(dv_ref, pt.astype(dtype), do_s)
+        plgpu.wgmma(dk_ref, dst, q_s)
+        ds_smem.at[par, wg][...] = dst
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ds_bar)
+        plgpu.barrier_wait(ds_bar)
+        for w in range(NUM_COMPUTE_WGS):
+          plgpu.wgmma(dq_acc, ds_smem.at[par, w].transpose((1, 0)), k_smem.at[w].at[:, cols])
+      dk, dv = carry
+      zeros_dq = plgpu.layout_cast(jnp.zeros((bqd, half), jnp.float32), plgpu.Layout.WGMMA)
+      dv, dk, dq = pl.run_state(body)(
+          (plgpu.ACC.init(dv), plgpu.ACC.init(dk), plgpu.ACC.init(zeros_dq)))
+      plgpu.barrier_arrive(free.at[slot])
+      store_dq(dq, qt, g)
+      return dk, dv
+
     def step(qt, carry, base, g, mode: str):
+      if bs.dq_with_dkv and mode != "zero":
+        return step_overlapped(qt, carry, base, g, masked=mode == "masked")
       s = base + qt
       slot = lax.rem(s, slots)
       wait_loaded(slot)

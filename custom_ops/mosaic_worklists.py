@@ -47,6 +47,9 @@ class BlockSizes:
     bwd_pingpong: the dQ and dK/dV kernels' two compute warpgroups alternate between matrix
       products and elementwise work, as the forward's ``pingpong``. Needs ``bwd_pairs``; not
       with ``fused_bwd`` (its warpgroups already meet at every step).
+    dq_with_dkv: fused backward: each step issues S^T with dP^T, then its dV and dK products
+      and right after them its dQ products, awaited together (two waits per step instead of
+      three or four). Needs ``fused_bwd``.
   """
   block_q: int = 64
   block_kv: int = 128
@@ -60,12 +63,13 @@ class BlockSizes:
   group_adjacent: bool = True
   bwd_pairs: bool = False
   bwd_pingpong: bool = False
+  dq_with_dkv: bool = False
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
       if field.name in ("pingpong", "dkv_in_place", "fused_bwd", "group_adjacent", "bwd_pairs",
-                        "bwd_pingpong"):
+                        "bwd_pingpong", "dq_with_dkv"):
         if not isinstance(value, bool):
           raise ValueError(f"BlockSizes.{field.name}={value!r} must be a bool")
         continue
@@ -81,6 +85,9 @@ class BlockSizes:
       raise ValueError(
           f"BlockSizes(bwd_pingpong=True) needs bwd_pairs=True and fused_bwd=False (got "
           f"bwd_pairs={self.bwd_pairs}, fused_bwd={self.fused_bwd})")
+    if self.dq_with_dkv and not self.fused_bwd:
+      raise ValueError("BlockSizes(dq_with_dkv=True) needs fused_bwd=True (it overlaps the fused "
+                       "backward's dQ products with its dK/dV products)")
     if self.max_concurrent_steps < 2:
       raise ValueError(
           f"BlockSizes.max_concurrent_steps={self.max_concurrent_steps} must be >= 2")

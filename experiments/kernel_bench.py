@@ -123,6 +123,8 @@ MOSAIC_PRESETS = {
     # ... and the backward kernels' two compute warpgroups in ping-pong
     "pairs-pp": dict(bwd_pairs=True, bwd_pingpong=True),
     "fused-pairs": dict(fused_bwd=True, bwd_pairs=True),
+    # fused, each step's dQ products issued behind its dV / dK products (one wait for all)
+    "fused-overlap": dict(fused_bwd=True, bwd_pairs=True, dq_with_dkv=True),
     "pairs-pp-dq128": dict(bwd_pairs=True, bwd_pingpong=True, block_kv_dq=128),
 }
 _SCHED_NAME = re.compile(r"sched-([a-z]+)-m(\d+)")

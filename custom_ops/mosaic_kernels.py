@@ -599,7 +599,7 @@ def _bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, 
   """
   (ds_smem, dq_stage), (dk_stage, dv_stage) = union
   kvh, tile, wg = lax.axis_index("heads"), lax.axis_index("tiles"), lax.axis_index("wg")
-  bkd, bqd, slots = bs.block_kv_dkv, bs.block_q_dkv, bs.max_concurrent_steps
+  bkd, bqd, slots = bs.block_kv_dkv, bs.block_q_dkv, bs.fused_slots
   scale2 = scale * _LOG2E
   head_dim = q_ref.shape[-1]
   half = head_dim // NUM_COMPUTE_WGS
@@ -833,7 +833,7 @@ def bwd_fused_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p,
   (``kv_tile_table_in_place``)."""
   num_heads, head_dim = q_p.shape[1], q_p.shape[2]
   num_kv_heads = k.shape[1]
-  dtype, slots = q_p.dtype, bs.max_concurrent_steps
+  dtype, slots = q_p.dtype, bs.fused_slots
   bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
   # Each warpgroup's dQ product reads half of K's columns: one swizzle row of half a row's bytes.
   swizzle = min(128, head_dim // NUM_COMPUTE_WGS * jnp.dtype(dtype).itemsize)

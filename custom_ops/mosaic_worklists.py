@@ -50,6 +50,9 @@ class BlockSizes:
     dq_with_dkv: fused backward: each step issues S^T with dP^T, then its dV and dK products
       and right after them its dQ products, awaited together (two waits per step instead of
       three or four). Needs ``fused_bwd``.
+    fused_slots: shared-memory slots for the fused backward's streamed query tiles (its own
+      count: 3 fit beside its other buffers at head dim 128, where the forward's 128-key tiles
+      fit only 2).
   """
   block_q: int = 64
   block_kv: int = 128
@@ -64,6 +67,7 @@ class BlockSizes:
   bwd_pairs: bool = False
   bwd_pingpong: bool = False
   dq_with_dkv: bool = False
+  fused_slots: int = 2
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -88,6 +92,8 @@ class BlockSizes:
     if self.dq_with_dkv and not self.fused_bwd:
       raise ValueError("BlockSizes(dq_with_dkv=True) needs fused_bwd=True (it overlaps the fused "
                        "backward's dQ products with its dK/dV products)")
+    if self.fused_slots < 2:
+      raise ValueError(f"BlockSizes.fused_slots={self.fused_slots} must be >= 2")
     if self.max_concurrent_steps < 2:
       raise ValueError(
           f"BlockSizes.max_concurrent_steps={self.max_concurrent_steps} must be >= 2")

@@ -125,6 +125,7 @@ MOSAIC_PRESETS = {
     "fused-pairs": dict(fused_bwd=True, bwd_pairs=True),
     # fused, each step's dQ products issued behind its dV / dK products (one wait for all)
     "fused-overlap": dict(fused_bwd=True, bwd_pairs=True, dq_with_dkv=True),
+    "fused-overlap-s3": dict(fused_bwd=True, bwd_pairs=True, dq_with_dkv=True, fused_slots=3),
     "pairs-pp-dq128": dict(bwd_pairs=True, bwd_pingpong=True, block_kv_dq=128),
 }
 _SCHED_NAME = re.compile(r"sched-([a-z]+)-m(\d+)")

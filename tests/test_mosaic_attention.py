@@ -284,13 +284,15 @@ def test_fused_bwd_steps_cover_exactly_the_visible_pairs(seed):
     (2045, 128, True, False, False, False, False), (2045, 128, True, False, True, True, False),
     (2045, 128, True, False, True, True, True), (2048, 64, False, False, True, True, True),
     (2045, 128, True, True, True, True, False), (2045, 128, True, True, True, True, "overlap"),
-    (2048, 64, True, True, True, False, "overlap")])
+    (2048, 64, True, True, True, False, "overlap"), (2045, 128, True, True, True, True, "s3")])
 def test_kernels_lower_for_cuda(num_k_rows, head_dim, in_place, fused, adjacent, pairs, pp):
   """Forward and backward lower to Mosaic GPU modules without a GPU (cross-platform lowering):
   catches layout-inference and TMA-shape errors (e.g. K/V row counts off a multiple of 8).
-  ``pp``: the backward ping-pong, or "overlap" (the fused kernel's dq_with_dkv)."""
+  ``pp``: the backward ping-pong, or "overlap" (the fused kernel's dq_with_dkv; "s3": with 3
+  query-tile slots)."""
   bs = ma.BlockSizes(dkv_in_place=in_place, fused_bwd=fused, group_adjacent=adjacent,
-                     bwd_pairs=pairs, bwd_pingpong=pp is True, dq_with_dkv=pp == "overlap")
+                     bwd_pairs=pairs, bwd_pingpong=pp is True,
+                     dq_with_dkv=pp in ("overlap", "s3"), fused_slots=3 if pp == "s3" else 2)
   q = jax.ShapeDtypeStruct((1000, 4, head_dim), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((num_k_rows, 2, head_dim), jnp.bfloat16)
   cu = jax.ShapeDtypeStruct((5,), jnp.int32)
@@ -382,14 +384,17 @@ GPU_CASES = ([c + ("inplace",) for c in _CASES] + [c + ("fused",) for c in _CASE
              + [(5, 8, 300, 4, 1, 128, "gather"), (6, 5, 500, 8, 2, 64, "gather"),
                 (7, 4, 2000, 8, 1, 128, "fused"), (8, 7, 900, 8, 2, 128, "pairs"),
                 (9, 6, 400, 4, 1, 64, "gather-pairs-pp"), (10, 5, 800, 8, 2, 128, "fused-pairs")]
-             + [c + ("fused-overlap",) for c in _CASES])
+             + [c + ("fused-overlap",) for c in _CASES]
+             + [c + ("fused-overlap-s3",) for c in _CASES])
 _BACKWARD_OPTIONS = {"inplace": {}, "gather": dict(dkv_in_place=False),
                      "fused": dict(fused_bwd=True), "pairs": dict(bwd_pairs=True),
                      "pairs-pp": dict(bwd_pairs=True, bwd_pingpong=True),
                      "gather-pairs-pp": dict(dkv_in_place=False, bwd_pairs=True,
                                              bwd_pingpong=True),
                      "fused-pairs": dict(fused_bwd=True, bwd_pairs=True),
-                     "fused-overlap": dict(fused_bwd=True, bwd_pairs=True, dq_with_dkv=True)}
+                     "fused-overlap": dict(fused_bwd=True, bwd_pairs=True, dq_with_dkv=True),
+                     "fused-overlap-s3": dict(fused_bwd=True, bwd_pairs=True, dq_with_dkv=True,
+                                              fused_slots=3)}
 
 
 @needs_hopper

@@ -37,12 +37,12 @@ Layout (why it looks like this):
   tiles through ``max_concurrent_steps`` shared-memory slots with TMA (``mbarrier`` handshakes
   per slot). Forward: FlashAttention-3 style online softmax, optional ping-pong scheduling of the
   two compute warpgroups (softmax of one overlaps the matrix products of the other). Backward,
-  by default FlashAttention-2 style without atomics: a dQ kernel over query tiles and a dK/dV
-  kernel over key tiles that loops over its GQA group's heads and its task's visible query
-  tiles. With ``BlockSizes(fused_bwd=True)``, one kernel over key tiles (FlashAttention-3
-  style): the dK/dV kernel's loop also computes dQ of each query step (each warpgroup half of
-  its columns, over both warpgroups' keys) and adds it to an f32 buffer with TMA reduce-add
-  stores; dQ is scaled and cast while it is gathered back.
+  by default one kernel over key tiles (FlashAttention-3 style): each CTA loops over its GQA
+  group's heads and its task's visible query tiles, accumulates dK/dV in registers and computes
+  dQ of each query step (each warpgroup half of its columns, over both warpgroups' keys), added
+  to an f32 buffer with TMA reduce-add stores; dQ is scaled and cast while it is gathered back.
+  With ``BlockSizes(fused_bwd=False)``, FlashAttention-2 style without atomics: a dQ kernel over
+  query tiles beside the dK/dV kernel (two more matrix products per tile pair).
 
 Modules: this one (input checks, custom_vjp over the packed buffers, public entry point),
 ``custom_ops/mosaic_worklists.py`` (``BlockSizes``, aligned layout, work lists) and

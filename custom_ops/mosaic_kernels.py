@@ -138,20 +138,6 @@ def _query_head(bs: BlockSizes, group: int):
                   lax.axis_index("group") if bs.group_adjacent else 0)
 
 
-def _pingpong(bar, on: bool):
-  """(sync, arrive, wait) on the compute warpgroups' ping-pong barrier ``bar``, or None when off.
-
-  Every step of a warpgroup (computed or skipped) passes the barrier twice, and warpgroup 1
-  passes it once more before its first step (warpgroup 0 after its last), so while one
-  warpgroup's matrix products run the other computes its elementwise part."""
-  if not on:
-    return None
-  def sync():
-    plgpu.barrier_arrive(bar)
-    plgpu.barrier_wait(bar)
-  return (sync, lambda: plgpu.barrier_arrive(bar), lambda: plgpu.barrier_wait(bar))
-
-
 def _query_grid(bs: BlockSizes, num_heads: int, group: int, num_tiles: int):
   """(grid, grid_names) of a forward or dQ kernel. The last grid axis varies fastest in launch
   order: with ``group_adjacent`` the ``group`` query heads of one KV head are neighbours, then
@@ -252,12 +238,10 @@ def _fwd_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, o_ref,
 
 def _dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref, lse_ref,
                delta_ref, dq_ref, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, in_bar,
-               k_bar, v_bar, k_free, v_free, sched_bar, *, bs: BlockSizes, scale: float,
-               group: int):
+               k_bar, v_bar, k_free, v_free, *, bs: BlockSizes, scale: float, group: int):
   """One CTA query tile of one head: dQ = scale * sum over visible key tiles of dS K.
 
-  ``bs.bwd_pairs``: S and dP are issued together (one wait); ``bs.bwd_pingpong``: the two
-  compute warpgroups alternate (``_pingpong``)."""
+  ``bs.bwd_pairs``: S and dP are issued together (one wait)."""
   h, tile, wg = _query_head(bs, group), lax.axis_index("tiles"), lax.axis_index("wg")
   bq, bkv, slots = bs.block_q, bs.block_kv_dq, bs.max_concurrent_steps
   scale2 = scale * _LOG2E
@@ -277,8 +261,6 @@ def _dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref,
     lse = plgpu.load(lses, layout=plgpu.Layout.WGMMA.reduce(1))
     delta = plgpu.load(deltas, layout=plgpu.Layout.WGMMA.reduce(1))
 
-    sched = _pingpong(sched_bar, bs.bwd_pingpong)
-
     def step(j, dq, masked: bool):
       slot = lax.rem(j, slots)
       plgpu.barrier_wait(k_bar.at[slot])
@@ -288,8 +270,6 @@ def _dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref,
         def sdp_body(s_ref, dp_ref):
           plgpu.wgmma(s_ref, qs, k_smem.at[slot].transpose((1, 0)))
           plgpu.wgmma(dp_ref, dos, v_smem.at[slot].transpose((1, 0)))
-          if sched is not None:
-            sched[0]()
           return s_ref[...], dp_ref[...]
         s, dp = pl.run_scoped(sdp_body, plgpu.ACC((bq, bkv), jnp.float32),
                               plgpu.ACC((bq, bkv), jnp.float32))
@@ -302,9 +282,6 @@ def _dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref,
       if masked:
         p = jnp.where(_key_mask(meta_ref, tile, wg, j, s.shape, bkv), p, 0.0)
       ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
-      if sched is not None:
-        sched[1]()
-        sched[2]()
 
       def dq_body(acc_ref):
         plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
@@ -318,16 +295,9 @@ def _dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref,
       plgpu.barrier_wait(v_bar.at[slot])
       plgpu.barrier_arrive(v_free.at[slot])
       plgpu.barrier_arrive(k_free.at[slot])
-      if sched is not None:
-        sched[0]()
-        sched[0]()
 
     dq = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-    if sched is not None:
-      pl.when(wg == 1)(sched[0])
     dq = _key_tile_loops(step, skip, meta_ref, tile, wg, dq)
-    if sched is not None:
-      pl.when(wg == 0)(sched[0])
     qs[...] = (dq * scale).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(qs, dq_ref.at[rows, h])
@@ -359,41 +329,34 @@ def _dkv_ds_transposed(pt, dpt, delta_s, dtype):
   return (pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))).astype(dtype)
 
 
-def _dkv_score_products(ks, vs, q_s, do_s, sched=None):
-  """S^T = K Q^T and dP^T = V dO^T, issued together; ``sched[0]`` (a ping-pong sync) runs
-  while they do."""
+def _dkv_score_products(ks, vs, q_s, do_s):
+  """S^T = K Q^T and dP^T = V dO^T, issued together."""
   shape = (ks.shape[0], q_s.shape[0])
 
   def body(st_ref, dpt_ref):
     plgpu.wgmma(st_ref, ks, q_s.transpose((1, 0)))
     plgpu.wgmma(dpt_ref, vs, do_s.transpose((1, 0)))
-    if sched is not None:
-      sched[0]()
     return st_ref[...], dpt_ref[...]
   return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
 
 
 def _dkv_products(ks, vs, q_s, do_s, lse_s, delta_s, carry, vis, *, scale2: float,
-                  paired: bool = False, sched=None):
+                  paired: bool):
   """One query step of a key block (dK/dV and fused kernels): S^T = K Q^T, P^T, dV += P^T dO,
   dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.
 
   ``vis(key, row)`` (iota tiles of the block's keys and the step's query rows) masks P^T; None:
   every pair is visible. ``paired``: issue S^T with dP^T, then dV with dK (two waits per step);
-  else S^T, then dV with dP^T, then dK (three). ``sched``: (sync, arrive, wait) of the two
-  compute warpgroups' ping-pong barrier (paired only), or None. Returns dK, dV and dS^T in the
-  input dtype (unscaled).
+  else S^T, then dV with dP^T, then dK (three). Returns dK, dV and dS^T in the input dtype
+  (unscaled).
   """
   dk, dv = carry
   dtype = q_s.dtype
   shape = (ks.shape[0], q_s.shape[0])
   if paired:
-    st, dpt = _dkv_score_products(ks, vs, q_s, do_s, sched)
+    st, dpt = _dkv_score_products(ks, vs, q_s, do_s)
     pt = _dkv_probabilities(st, lse_s, vis, scale2=scale2)
     dst = _dkv_ds_transposed(pt, dpt, delta_s, dtype)
-    if sched is not None:
-      sched[1]()
-      sched[2]()
 
     def dv_dk_body(refs):
       dv_ref, dk_ref = refs
@@ -493,14 +456,14 @@ def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref
   In place (``bs.dkv_in_place``): K/V rows come from the packed buffers (``_read_key_rows``) and
   each warpgroup stores only its segment's rows of dK/dV, from untiled staging buffers in
   power-of-two row pieces (TMA stores of whole tiles would overwrite the neighbours' rows).
-  ``bs.bwd_pairs`` / ``bs.bwd_pingpong``: see ``_dkv_products`` and ``_pingpong``.
+  ``bs.bwd_pairs``: see ``_dkv_products``.
   """
   if bs.dkv_in_place:
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, dk_stage, dv_stage, kv_bar, q_bar,
-     do_bar, lse_bar, delta_bar, free, sched_bar) = scratch
+     do_bar, lse_bar, delta_bar, free) = scratch
   else:
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, q_bar, do_bar, lse_bar,
-     delta_bar, free, sched_bar) = scratch
+     delta_bar, free) = scratch
   kvh, tile, wg = lax.axis_index("heads"), lax.axis_index("tiles"), lax.axis_index("wg")
   bkd, bqd, slots = bs.block_kv_dkv, bs.block_q_dkv, bs.max_concurrent_steps
   m = KV_ROW_MULTIPLE
@@ -529,8 +492,6 @@ def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref
     moff = meta_ref[KT_MOFF_W + wg, tile]
 
     wait_loaded = functools.partial(_wait_query_tile, (q_bar, do_bar, lse_bar, delta_bar))
-    sched = _pingpong(sched_bar, bs.bwd_pingpong)
-
     def step(qt, carry, base, masked: bool):
       slot = lax.rem(base + qt, slots)
       wait_loaded(slot)
@@ -539,7 +500,7 @@ def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref
         vis = lambda key, row: key + moff <= row + qt * bqd
       dk, dv, _ = _dkv_products(ks, vs, q_smem.at[slot], do_smem.at[slot], lse_smem.at[slot],
                                 delta_smem.at[slot], carry, vis, scale2=scale2,
-                                paired=bs.bwd_pairs, sched=sched)
+                                paired=bs.bwd_pairs)
       plgpu.barrier_arrive(free.at[slot])
       return dk, dv
 
@@ -547,9 +508,6 @@ def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref
       slot = lax.rem(base + qt, slots)
       wait_loaded(slot)
       plgpu.barrier_arrive(free.at[slot])
-      if sched is not None:
-        sched[0]()
-        sched[0]()
 
     def head(g, carry):
       base = g * per_head - qa  # step index of query tile qt of head g is base + qt
@@ -558,11 +516,7 @@ def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref
       return lax.fori_loop(qf_w, n_q, functools.partial(step, base=base, masked=False), carry)
 
     zeros = plgpu.layout_cast(jnp.zeros((bkd, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-    if sched is not None:
-      pl.when(wg == 1)(sched[0])
     dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
-    if sched is not None:
-      pl.when(wg == 0)(sched[0])
     if bs.dkv_in_place:
       _store_key_rows(dk, dv, dk_stage.at[wg], dv_stage.at[wg], dk_ref, dv_ref, meta_ref, tile,
                       wg, kvh, scale=scale)
@@ -594,12 +548,12 @@ def _bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, 
   (unscaled) with a TMA reduce-add store. Both warpgroups run every step of the CTA: a warpgroup
   whose keys no row of the step sees contributes zeros. A key block that reaches outside its
   task's keys (rows of a neighbouring task or padding) is masked on every step, since its dS
-  feeds dQ. ``bs.dq_with_dkv``: the dQ products are issued behind the step's dV and dK products
-  and awaited with them.
+  feeds dQ. A step issues S^T with dP^T (one wait), then its dV and dK products, shares dS^T and
+  issues its dQ products behind them, and waits once for all three.
   """
   (ds_smem, dq_stage), (dk_stage, dv_stage) = union
   kvh, tile, wg = lax.axis_index("heads"), lax.axis_index("tiles"), lax.axis_index("wg")
-  bkd, bqd, slots = bs.block_kv_dkv, bs.block_q_dkv, bs.fused_slots
+  bkd, bqd, slots = bs.block_kv_dkv, bs.block_q_dkv, bs.max_concurrent_steps
   scale2 = scale * _LOG2E
   head_dim = q_ref.shape[-1]
   half = head_dim // NUM_COMPUTE_WGS
@@ -621,21 +575,8 @@ def _bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, 
 
     wait_loaded = functools.partial(_wait_query_tile, (q_bar, do_bar, lse_bar, delta_bar))
 
-    def add_dq(dst, s, qt, g):
-      """dQ columns of this warpgroup for step s over both key blocks, reduce-added to dq_ref."""
-      par = lax.rem(s, 2)  # two dS buffers: a warpgroup writes one while the other may read one
-      ds_smem.at[par, wg][...] = dst
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(ds_bar)
-      plgpu.barrier_wait(ds_bar)
-
-      def dq_body(acc_ref):
-        for w in range(NUM_COMPUTE_WGS):
-          plgpu.wgmma(acc_ref, ds_smem.at[par, w].transpose((1, 0)), k_smem.at[w].at[:, cols])
-        return acc_ref[...]
-      store_dq(pl.run_scoped(dq_body, plgpu.ACC((bqd, half), jnp.float32)), qt, g)
-
     def store_dq(dq, qt, g):
+      """Reduce-adds this warpgroup's dQ columns of query tile qt of head g to dq_ref."""
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous step's store read its stage
       dq_stage.at[wg][...] = dq
       plgpu.commit_smem()
@@ -643,16 +584,35 @@ def _bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, 
       plgpu.copy_smem_to_gmem(dq_stage.at[wg], dq_ref.at[rows, kvh * group + g, cols],
                               reduction_op="add")
 
-    def step_overlapped(qt, carry, base, g, masked: bool):
-      """A step whose dQ products are issued right after its dV and dK products, with one wait
-      for all of them (``bs.dq_with_dkv``)."""
+    def share_ds_and_issue_dq(dst, par, dq_acc):
+      """Writes this warpgroup's dS^T to dS buffer ``par``, waits for the other's, and issues
+      this warpgroup's dQ columns over both key blocks (dS K) into ``dq_acc``."""
+      ds_smem.at[par, wg][...] = dst
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(ds_bar)
+      plgpu.barrier_wait(ds_bar)
+      for w in range(NUM_COMPUTE_WGS):
+        plgpu.wgmma(dq_acc, ds_smem.at[par, w].transpose((1, 0)), k_smem.at[w].at[:, cols])
+
+    zeros_dq = lambda: plgpu.layout_cast(jnp.zeros((bqd, half), jnp.float32), plgpu.Layout.WGMMA)
+
+    def step(qt, carry, base, g, mode: str):
+      """Query step ``base + qt``: S^T with dP^T; then dV, dK and the dQ products, awaited
+      together. ``mode`` "zero": none of this warpgroup's keys is visible (its dS^T is zero)."""
       s = base + qt
       slot = lax.rem(s, slots)
+      par = lax.rem(s, 2)  # two dS buffers: a warpgroup writes one while the other may read one
       wait_loaded(slot)
-      par = lax.rem(s, 2)
+      if mode == "zero":
+        plgpu.barrier_arrive(free.at[slot])
+        dst = plgpu.layout_cast(jnp.zeros((bkd, bqd), dtype), plgpu.Layout.WGMMA)
+        dq = pl.run_state(lambda acc: share_ds_and_issue_dq(dst, par, acc))(
+            plgpu.ACC.init(zeros_dq()))
+        store_dq(dq, qt, g)
+        return carry
       q_s, do_s = q_smem.at[slot], do_smem.at[slot]
       vis = None
-      if masked:
+      if mode == "masked":
         vis = lambda key, row: (key >= va) & (key < va + vn) & (key + moff <= row + qt * bqd)
       st, dpt = _dkv_score_products(ks, vs, q_s, do_s)
       pt = _dkv_probabilities(st, lse_smem.at[slot], vis, scale2=scale2)
@@ -662,39 +622,13 @@ def _bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, 
         dv_ref, dk_ref, dq_acc = refs
         plgpu.wgmma(dv_ref, pt.astype(dtype), do_s)
         plgpu.wgmma(dk_ref, dst, q_s)
-        ds_smem.at[par, wg][...] = dst
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(ds_bar)
-        plgpu.barrier_wait(ds_bar)
-        for w in range(NUM_COMPUTE_WGS):
-          plgpu.wgmma(dq_acc, ds_smem.at[par, w].transpose((1, 0)), k_smem.at[w].at[:, cols])
+        share_ds_and_issue_dq(dst, par, dq_acc)
       dk, dv = carry
-      zeros_dq = plgpu.layout_cast(jnp.zeros((bqd, half), jnp.float32), plgpu.Layout.WGMMA)
       dv, dk, dq = pl.run_state(body)(
-          (plgpu.ACC.init(dv), plgpu.ACC.init(dk), plgpu.ACC.init(zeros_dq)))
+          (plgpu.ACC.init(dv), plgpu.ACC.init(dk), plgpu.ACC.init(zeros_dq())))
       plgpu.barrier_arrive(free.at[slot])
       store_dq(dq, qt, g)
       return dk, dv
-
-    def step(qt, carry, base, g, mode: str):
-      if bs.dq_with_dkv and mode != "zero":
-        return step_overlapped(qt, carry, base, g, masked=mode == "masked")
-      s = base + qt
-      slot = lax.rem(s, slots)
-      wait_loaded(slot)
-      if mode == "zero":
-        dst = plgpu.layout_cast(jnp.zeros((bkd, bqd), dtype), plgpu.Layout.WGMMA)
-      else:
-        vis = None
-        if mode == "masked":
-          vis = lambda key, row: (key >= va) & (key < va + vn) & (key + moff <= row + qt * bqd)
-        *carry, dst = _dkv_products(ks, vs, q_smem.at[slot], do_smem.at[slot],
-                                    lse_smem.at[slot], delta_smem.at[slot], carry, vis,
-                                    scale2=scale2, paired=bs.bwd_pairs)
-        carry = tuple(carry)
-      plgpu.barrier_arrive(free.at[slot])
-      add_dq(dst, s, qt, g)
-      return carry
 
     def head(g, carry):
       base = g * per_head - qa  # step index of query tile qt of head g is base + qt
@@ -785,7 +719,6 @@ def dq_aligned(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
           plgpu.Barrier(num_barriers=slots),
           plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
           plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
-          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
       ],
       grid=grid, grid_names=grid_names,
       name="mosaic_attention_dq",
@@ -818,7 +751,6 @@ def dkv_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
           plgpu.Barrier(num_barriers=slots),
           plgpu.Barrier(num_barriers=slots),
           plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
-          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
       ],
       grid=(num_kv_heads, meta.shape[1]),
       name="mosaic_attention_dkv",
@@ -833,7 +765,7 @@ def bwd_fused_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p,
   (``kv_tile_table_in_place``)."""
   num_heads, head_dim = q_p.shape[1], q_p.shape[2]
   num_kv_heads = k.shape[1]
-  dtype, slots = q_p.dtype, bs.fused_slots
+  dtype, slots = q_p.dtype, bs.max_concurrent_steps
   bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
   # Each warpgroup's dQ product reads half of K's columns: one swizzle row of half a row's bytes.
   swizzle = min(128, head_dim // NUM_COMPUTE_WGS * jnp.dtype(dtype).itemsize)

@@ -35,24 +35,16 @@ class BlockSizes:
       aligned tile starts, partial tiles stored in power-of-two row pieces); False: on an aligned
       copy of K/V, gathered before and after the kernel (two more passes over K/V and dK/dV).
     fused_bwd: one backward kernel over key tiles (dK/dV in place as above, and dQ accumulated
-      in f32 through TMA reduce-add stores: 5 matrix products per tile pair); False: a dQ kernel
-      over query tiles beside the dK/dV kernel (7 products). Needs ``dkv_in_place``.
+      in f32 through TMA reduce-add stores: 5 matrix products per tile pair; each step issues
+      S^T with dP^T, then dV, dK and the step's dQ products, awaited together); False: a dQ
+      kernel over query tiles beside the dK/dV kernel (7 products). Needs ``dkv_in_place``.
     group_adjacent: the forward and dQ kernels launch the query heads of one KV head in
       adjacent CTAs (grid order: KV head, query tile, head of the group), so the CTAs reading a
       K/V tile run together and share it through L2; False: head-major order (every tile of
       one query head, then the next head).
-    bwd_pairs: the backward kernels issue their matrix products two at a time: S with dP
-      (dQ kernel), S^T with dP^T, then dV with dK (dK/dV and fused kernels); False: the dQ
-      kernel waits for each product, the dK/dV kernel issues S^T, dV with dP^T, then dK.
-    bwd_pingpong: the dQ and dK/dV kernels' two compute warpgroups alternate between matrix
-      products and elementwise work, as the forward's ``pingpong``. Needs ``bwd_pairs``; not
-      with ``fused_bwd`` (its warpgroups already meet at every step).
-    dq_with_dkv: fused backward: each step issues S^T with dP^T, then its dV and dK products
-      and right after them its dQ products, awaited together (two waits per step instead of
-      three or four). Needs ``fused_bwd``.
-    fused_slots: shared-memory slots for the fused backward's streamed query tiles (its own
-      count: 3 fit beside its other buffers at head dim 128, where the forward's 128-key tiles
-      fit only 2).
+    bwd_pairs: the two-kernel backward (``fused_bwd=False``) issues its matrix products two at
+      a time: S with dP (dQ kernel); S^T with dP^T, then dV with dK (dK/dV kernel); False: the
+      dQ kernel waits for each product, the dK/dV kernel issues S^T, dV with dP^T, then dK.
   """
   block_q: int = 64
   block_kv: int = 128
@@ -62,18 +54,14 @@ class BlockSizes:
   max_concurrent_steps: int = 2
   pingpong: bool = True
   dkv_in_place: bool = True
-  fused_bwd: bool = False
+  fused_bwd: bool = True
   group_adjacent: bool = True
-  bwd_pairs: bool = False
-  bwd_pingpong: bool = False
-  dq_with_dkv: bool = False
-  fused_slots: int = 2
+  bwd_pairs: bool = True
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if field.name in ("pingpong", "dkv_in_place", "fused_bwd", "group_adjacent", "bwd_pairs",
-                        "bwd_pingpong", "dq_with_dkv"):
+      if field.name in ("pingpong", "dkv_in_place", "fused_bwd", "group_adjacent", "bwd_pairs"):
         if not isinstance(value, bool):
           raise ValueError(f"BlockSizes.{field.name}={value!r} must be a bool")
         continue
@@ -85,15 +73,6 @@ class BlockSizes:
     if self.fused_bwd and not self.dkv_in_place:
       raise ValueError("BlockSizes(fused_bwd=True) needs dkv_in_place=True (the fused backward "
                        "reads K/V and writes dK/dV in the packed buffers)")
-    if self.bwd_pingpong and (self.fused_bwd or not self.bwd_pairs):
-      raise ValueError(
-          f"BlockSizes(bwd_pingpong=True) needs bwd_pairs=True and fused_bwd=False (got "
-          f"bwd_pairs={self.bwd_pairs}, fused_bwd={self.fused_bwd})")
-    if self.dq_with_dkv and not self.fused_bwd:
-      raise ValueError("BlockSizes(dq_with_dkv=True) needs fused_bwd=True (it overlaps the fused "
-                       "backward's dQ products with its dK/dV products)")
-    if self.fused_slots < 2:
-      raise ValueError(f"BlockSizes.fused_slots={self.fused_slots} must be >= 2")
     if self.max_concurrent_steps < 2:
       raise ValueError(
           f"BlockSizes.max_concurrent_steps={self.max_concurrent_steps} must be >= 2")

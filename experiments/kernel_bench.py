@@ -111,22 +111,15 @@ PALLAS_PRESETS = {
 MOSAIC_PRESETS = {
     "default": {},
     "nopp": dict(pingpong=False),  # forward without ping-pong scheduling of the two warpgroups
-    "dq128": dict(block_kv_dq=128),  # dQ kernel: 128-key steps (64 by default)
-    # dK/dV on an aligned copy of K/V, gathered before and after the kernel
-    "dkv-gather": dict(dkv_in_place=False),
-    # one backward kernel over key tiles, dQ through TMA reduce-add (5 products per tile pair)
-    "fused": dict(fused_bwd=True),
+    # the two-kernel backward: a dQ kernel over query tiles and a dK/dV kernel over key tiles
+    # (7 products per tile pair; the default is one kernel with dQ through TMA reduce-add, 5)
+    "two-kernel": dict(fused_bwd=False),
+    "two-kernel-unpaired": dict(fused_bwd=False, bwd_pairs=False),  # one product per wait
+    "dq128": dict(fused_bwd=False, block_kv_dq=128),  # two-kernel, dQ kernel's steps 128 keys
+    # two-kernel, dK/dV on an aligned copy of K/V, gathered before and after the kernel
+    "dkv-gather": dict(fused_bwd=False, dkv_in_place=False),
     # forward and dQ CTAs in head-major order (the heads of one KV group far apart in time)
     "head-major": dict(group_adjacent=False),
-    # backward products issued two at a time (S with dP; S^T with dP^T, dV with dK)
-    "pairs": dict(bwd_pairs=True),
-    # ... and the backward kernels' two compute warpgroups in ping-pong
-    "pairs-pp": dict(bwd_pairs=True, bwd_pingpong=True),
-    "fused-pairs": dict(fused_bwd=True, bwd_pairs=True),
-    # fused, each step's dQ products issued behind its dV / dK products (one wait for all)
-    "fused-overlap": dict(fused_bwd=True, bwd_pairs=True, dq_with_dkv=True),
-    "fused-overlap-s3": dict(fused_bwd=True, bwd_pairs=True, dq_with_dkv=True, fused_slots=3),
-    "pairs-pp-dq128": dict(bwd_pairs=True, bwd_pingpong=True, block_kv_dq=128),
 }
 _SCHED_NAME = re.compile(r"sched-([a-z]+)-m(\d+)")
 

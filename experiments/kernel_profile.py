@@ -80,8 +80,9 @@ from experiments.kernel_profile_trace import (kernel_breakdown, kernel_details_f
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-BACKENDS = ("pallas", "flash3", "mosaic", "mosaic:fused", "reference")
-# mosaic:fused: the Mosaic kernels with the one-kernel backward (BlockSizes(fused_bwd=True)).
+BACKENDS = ("pallas", "flash3", "mosaic", "mosaic:two-kernel", "reference")
+# mosaic:two-kernel: the Mosaic kernels with a dQ kernel beside the dK/dV kernel
+# (BlockSizes(fused_bwd=False)); mosaic: the default one-kernel backward.
 FULL = dict(heads=kb.NUM_HEADS, kv_heads=kb.NUM_KV_HEADS, head_dim=kb.HEAD_DIM, dtype="bfloat16",
             tokens=16384, max_doc=16384, sched_tokens=16384, sched_servers=8, trials=5,
             min_trial_s=0.05, interpret=False, backends="pallas,flash3",
@@ -122,11 +123,11 @@ def _attention_fn(backend: str, wl, bs, interpret: bool):
         q, k, v, cu_q, cu_k, backend="flash3", max_seqlen_q=wl.max_q, max_seqlen_k=wl.max_k)
   if backend in ("reference", "mosaic"):
     return lambda q, k, v, cu_q, cu_k: ops.core_attention(q, k, v, cu_q, cu_k, backend=backend)
-  if backend == "mosaic:fused":
+  if backend == "mosaic:two-kernel":
     from custom_ops import mosaic_attention  # pylint: disable=import-outside-toplevel
-    fused = mosaic_attention.BlockSizes(fused_bwd=True)
+    two = mosaic_attention.BlockSizes(fused_bwd=False)
     return lambda q, k, v, cu_q, cu_k: mosaic_attention.mosaic_attention(
-        q, k, v, cu_q, cu_k, block_sizes=fused)[0]
+        q, k, v, cu_q, cu_k, block_sizes=two)[0]
   raise ValueError(f"unknown {backend=}; choose from {BACKENDS}")
 
 

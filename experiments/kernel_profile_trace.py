@@ -26,7 +26,7 @@ ROLE_PATTERNS: tuple[tuple[str, str | None, str], ...] = (
     ("fwd", "forward", r"mosaic_attention_fwd"),
     ("dq", "backward", r"mosaic_attention_dq"),
     ("dkdv", "backward", r"mosaic_attention_dkv"),
-    ("bwd", "backward", r"mosaic_attention_bwd"),  # BlockSizes(fused_bwd=True)
+    ("bwd", "backward", r"mosaic_attention_bwd"),  # the default one-kernel backward
     # FlashAttention-3 (cutlass::device_kernel<flash::...>): pre/post-processing and the
     # split-KV combine first, since their names also contain FlashAttnBwd / FlashAttnFwd.
     ("bwd-pre", "backward", r"bwdpreprocess|bwd_preprocess|dot_do_o"),

@@ -15,7 +15,7 @@ if ls "$WHL"/*.whl >/dev/null 2>&1; then
     --target /tmp/site "$WHL"/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
-BACKENDS=${BACKENDS:-mosaic,mosaic:dkv-gather,mosaic:dq128,flash3,pallas}
+BACKENDS=${BACKENDS:-mosaic,mosaic:two-kernel,flash3,pallas}
 WORKLOADS=${WORKLOADS:-dense-4096,dense-16384,ca-s128,ca-s512,ca-s4096}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 echo "commit: $(cat COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)"
@@ -32,8 +32,9 @@ def grad(bs):
   return jax.grad(lambda q, k, v: jnp.sum(ma.mosaic_attention(
       q, k, v, cu, cu, block_sizes=bs)[0].astype(jnp.float32)), (0, 1, 2))
 for name, fn in [("fwd", lambda q, k, v: ma.mosaic_attention(q, k, v, cu, cu)),
-                 ("fwd+bwd in place", grad(ma.BlockSizes())),
-                 ("fwd+bwd gather", grad(ma.BlockSizes(dkv_in_place=False)))]:
+                 ("fwd+bwd one kernel", grad(ma.BlockSizes())),
+                 ("fwd+bwd two kernels", grad(ma.BlockSizes(fused_bwd=False))),
+                 ("fwd+bwd gather", grad(ma.BlockSizes(fused_bwd=False, dkv_in_place=False)))]:
   t = time.time()
   out = jax.block_until_ready(jax.jit(fn)(q, k, k))
   print(f"smoke {name}: ran in {time.time() - t:.1f} s", flush=True)

@@ -278,21 +278,15 @@ def test_fused_bwd_steps_cover_exactly_the_visible_pairs(seed):
   np.testing.assert_array_equal(counts[real_rows], want[real_rows], err_msg=f"{seed=}")
 
 
-@pytest.mark.parametrize("num_k_rows,head_dim,in_place,fused,adjacent,pairs,pp", [
-    (2045, 128, True, False, True, False, False), (2048, 64, False, False, True, False, False),
-    (2045, 128, True, True, True, False, False), (2048, 64, True, True, True, False, False),
-    (2045, 128, True, False, False, False, False), (2045, 128, True, False, True, True, False),
-    (2045, 128, True, False, True, True, True), (2048, 64, False, False, True, True, True),
-    (2045, 128, True, True, True, True, False), (2045, 128, True, True, True, True, "overlap"),
-    (2048, 64, True, True, True, False, "overlap"), (2045, 128, True, True, True, True, "s3")])
-def test_kernels_lower_for_cuda(num_k_rows, head_dim, in_place, fused, adjacent, pairs, pp):
+@pytest.mark.parametrize("num_k_rows,head_dim,in_place,fused,adjacent,pairs", [
+    (2045, 128, True, True, True, True), (2048, 64, True, True, True, True),
+    (2045, 128, True, False, True, True), (2048, 64, False, False, True, True),
+    (2045, 128, True, False, True, False), (2045, 128, True, True, False, True)])
+def test_kernels_lower_for_cuda(num_k_rows, head_dim, in_place, fused, adjacent, pairs):
   """Forward and backward lower to Mosaic GPU modules without a GPU (cross-platform lowering):
-  catches layout-inference and TMA-shape errors (e.g. K/V row counts off a multiple of 8).
-  ``pp``: the backward ping-pong, or "overlap" (the fused kernel's dq_with_dkv; "s3": with 3
-  query-tile slots)."""
+  catches layout-inference and TMA-shape errors (e.g. K/V row counts off a multiple of 8)."""
   bs = ma.BlockSizes(dkv_in_place=in_place, fused_bwd=fused, group_adjacent=adjacent,
-                     bwd_pairs=pairs, bwd_pingpong=pp is True,
-                     dq_with_dkv=pp in ("overlap", "s3"), fused_slots=3 if pp == "s3" else 2)
+                     bwd_pairs=pairs)
   q = jax.ShapeDtypeStruct((1000, 4, head_dim), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((num_k_rows, 2, head_dim), jnp.bfloat16)
   cu = jax.ShapeDtypeStruct((5,), jnp.int32)
@@ -352,12 +346,8 @@ def test_validation_messages():
     ma.BlockSizes(block_q=32)
   with pytest.raises(ValueError, match="max_concurrent_steps"):
     ma.BlockSizes(max_concurrent_steps=1)
-  with pytest.raises(ValueError, match="bwd_pingpong=True.*bwd_pairs=False"):
-    ma.BlockSizes(bwd_pingpong=True)
-  with pytest.raises(ValueError, match="fused_bwd=True"):
-    ma.BlockSizes(bwd_pairs=True, bwd_pingpong=True, fused_bwd=True)
-  with pytest.raises(ValueError, match="dq_with_dkv=True.*fused_bwd=True"):
-    ma.BlockSizes(dq_with_dkv=True)
+  with pytest.raises(ValueError, match="fused_bwd=True.*dkv_in_place=True"):
+    ma.BlockSizes(dkv_in_place=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -377,24 +367,16 @@ _CASES = [  # (seed, tasks, max task length, H, K, D)
     (3, 12, 100, 8, 2, 64),
     (4, 3, 1000, 2, 1, 128),
 ]
-# ... and the backward: "inplace" (dQ kernel + in-place dK/dV kernel), "gather" (dK/dV on an
-# aligned copy) or "fused" (one kernel, dQ through reduce-add stores).
-GPU_CASES = ([c + ("inplace",) for c in _CASES] + [c + ("fused",) for c in _CASES]
-             + [c + ("pairs-pp",) for c in _CASES]
+# ... and the backward: "fused" (the default: one kernel, dQ through reduce-add stores),
+# "two" (dQ kernel + in-place dK/dV kernel, products in pairs), "unpaired" (the same, one product
+# per wait) or "gather" (two kernels, dK/dV on an aligned copy).
+GPU_CASES = ([c + ("fused",) for c in _CASES] + [c + ("two",) for c in _CASES]
              + [(5, 8, 300, 4, 1, 128, "gather"), (6, 5, 500, 8, 2, 64, "gather"),
-                (7, 4, 2000, 8, 1, 128, "fused"), (8, 7, 900, 8, 2, 128, "pairs"),
-                (9, 6, 400, 4, 1, 64, "gather-pairs-pp"), (10, 5, 800, 8, 2, 128, "fused-pairs")]
-             + [c + ("fused-overlap",) for c in _CASES]
-             + [c + ("fused-overlap-s3",) for c in _CASES])
-_BACKWARD_OPTIONS = {"inplace": {}, "gather": dict(dkv_in_place=False),
-                     "fused": dict(fused_bwd=True), "pairs": dict(bwd_pairs=True),
-                     "pairs-pp": dict(bwd_pairs=True, bwd_pingpong=True),
-                     "gather-pairs-pp": dict(dkv_in_place=False, bwd_pairs=True,
-                                             bwd_pingpong=True),
-                     "fused-pairs": dict(fused_bwd=True, bwd_pairs=True),
-                     "fused-overlap": dict(fused_bwd=True, bwd_pairs=True, dq_with_dkv=True),
-                     "fused-overlap-s3": dict(fused_bwd=True, bwd_pairs=True, dq_with_dkv=True,
-                                              fused_slots=3)}
+                (7, 4, 2000, 8, 1, 128, "fused"), (8, 7, 900, 8, 2, 128, "unpaired"),
+                (9, 6, 400, 4, 1, 64, "unpaired")])
+_BACKWARD_OPTIONS = {"fused": {}, "two": dict(fused_bwd=False),
+                     "unpaired": dict(fused_bwd=False, bwd_pairs=False),
+                     "gather": dict(fused_bwd=False, dkv_in_place=False)}
 
 
 @needs_hopper

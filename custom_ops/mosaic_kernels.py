@@ -614,47 +614,20 @@ def _bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, 
       vis = None
       if mode == "masked":
         vis = lambda key, row: (key >= va) & (key < va + vn) & (key + moff <= row + qt * bqd)
-      if not bs.bwd_overlap:
-        st, dpt = _dkv_score_products(ks, vs, q_s, do_s)
-        pt = _dkv_probabilities(st, lse_smem.at[slot], vis, scale2=scale2)
-        dst = _dkv_ds_transposed(pt, dpt, delta_smem.at[slot], dtype)
+      st, dpt = _dkv_score_products(ks, vs, q_s, do_s)
+      pt = _dkv_probabilities(st, lse_smem.at[slot], vis, scale2=scale2)
+      dst = _dkv_ds_transposed(pt, dpt, delta_smem.at[slot], dtype)
 
-        def body(refs):
-          dv_ref, dk_ref, dq_acc = refs
-          plgpu.wgmma(dv_ref, pt.astype(dtype), do_s)
-          plgpu.wgmma(dk_ref, dst, q_s)
-          share_ds_and_issue_dq(dst, par, dq_acc)
-        dk, dv = carry
-        dv, dk, dq = pl.run_state(body)(
-            (plgpu.ACC.init(dv), plgpu.ACC.init(dk), plgpu.ACC.init(zeros_dq())))
-        plgpu.barrier_arrive(free.at[slot])
-        store_dq(dq, qt, g)
-        return dk, dv
-
-      def overlapped(refs):
-        # P^T is computed while dP^T runs, dS^T while dV runs (each plgpu.wgmma is one group).
-        dv_ref, dk_ref = refs
-        shape = (bkd, bqd)
-
-        def scores(st_ref, dpt_ref):
-          plgpu.wgmma(st_ref, ks, q_s.transpose((1, 0)))
-          plgpu.wgmma(dpt_ref, vs, do_s.transpose((1, 0)))
-          pt = _dkv_probabilities(plgpu.wgmma_accumulator_load(st_ref, wait_n=1),
-                                  lse_smem.at[slot], vis, scale2=scale2)
-          plgpu.wgmma(dv_ref, pt.astype(dtype), do_s)
-          return _dkv_ds_transposed(pt, plgpu.wgmma_accumulator_load(dpt_ref, wait_n=1),
-                                    delta_smem.at[slot], dtype)
-        dst = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+      def body(refs):
+        dv_ref, dk_ref, dq_acc = refs
+        plgpu.wgmma(dv_ref, pt.astype(dtype), do_s)
         plgpu.wgmma(dk_ref, dst, q_s)
-
-        def dq_part(dq_acc):
-          share_ds_and_issue_dq(dst, par, dq_acc)
-          return dq_acc[...]  # waits for dV, dK and dQ
-        dq = pl.run_scoped(dq_part, plgpu.ACC((bqd, half), jnp.float32))
-        plgpu.barrier_arrive(free.at[slot])
-        store_dq(dq, qt, g)
+        share_ds_and_issue_dq(dst, par, dq_acc)
       dk, dv = carry
-      dv, dk = pl.run_state(overlapped)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
+      dv, dk, dq = pl.run_state(body)(
+          (plgpu.ACC.init(dv), plgpu.ACC.init(dk), plgpu.ACC.init(zeros_dq())))
+      plgpu.barrier_arrive(free.at[slot])
+      store_dq(dq, qt, g)
       return dk, dv
 
     def head(g, carry):

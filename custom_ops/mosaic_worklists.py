@@ -42,9 +42,6 @@ class BlockSizes:
       adjacent CTAs (grid order: KV head, query tile, head of the group), so the CTAs reading a
       K/V tile run together and share it through L2; False: head-major order (every tile of
       one query head, then the next head).
-    bwd_overlap: fused backward: a step waits for S^T alone, computes P^T while dP^T runs,
-      issues dV, then computes dS^T while dV runs (FlashAttention-3's order); False: it waits
-      for S^T and dP^T together, then issues dV and dK.
     bwd_pairs: the two-kernel backward (``fused_bwd=False``) issues its matrix products two at
       a time: S with dP (dQ kernel); S^T with dP^T, then dV with dK (dK/dV kernel); False: the
       dQ kernel waits for each product, the dK/dV kernel issues S^T, dV with dP^T, then dK.
@@ -60,13 +57,11 @@ class BlockSizes:
   fused_bwd: bool = True
   group_adjacent: bool = True
   bwd_pairs: bool = True
-  bwd_overlap: bool = False
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if field.name in ("pingpong", "dkv_in_place", "fused_bwd", "group_adjacent", "bwd_pairs",
-                        "bwd_overlap"):
+      if field.name in ("pingpong", "dkv_in_place", "fused_bwd", "group_adjacent", "bwd_pairs"):
         if not isinstance(value, bool):
           raise ValueError(f"BlockSizes.{field.name}={value!r} must be a bool")
         continue

@@ -113,7 +113,6 @@ MOSAIC_PRESETS = {
     "nopp": dict(pingpong=False),  # forward without ping-pong scheduling of the two warpgroups
     # the two-kernel backward: a dQ kernel over query tiles and a dK/dV kernel over key tiles
     # (7 products per tile pair; the default is one kernel with dQ through TMA reduce-add, 5)
-    "overlap": dict(bwd_overlap=True),  # fused: P^T while dP^T runs, dS^T while dV runs
     "two-kernel": dict(fused_bwd=False),
     "two-kernel-unpaired": dict(fused_bwd=False, bwd_pairs=False),  # one product per wait
     "dq128": dict(fused_bwd=False, block_kv_dq=128),  # two-kernel, dQ kernel's steps 128 keys

@@ -281,13 +281,12 @@ def test_fused_bwd_steps_cover_exactly_the_visible_pairs(seed):
 @pytest.mark.parametrize("num_k_rows,head_dim,in_place,fused,adjacent,pairs", [
     (2045, 128, True, True, True, True), (2048, 64, True, True, True, True),
     (2045, 128, True, False, True, True), (2048, 64, False, False, True, True),
-    (2045, 128, True, False, True, False), (2045, 128, True, True, False, True),
-    (2045, 128, True, True, True, "overlap"), (2048, 64, True, True, True, "overlap")])
+    (2045, 128, True, False, True, False), (2045, 128, True, True, False, True)])
 def test_kernels_lower_for_cuda(num_k_rows, head_dim, in_place, fused, adjacent, pairs):
   """Forward and backward lower to Mosaic GPU modules without a GPU (cross-platform lowering):
   catches layout-inference and TMA-shape errors (e.g. K/V row counts off a multiple of 8)."""
   bs = ma.BlockSizes(dkv_in_place=in_place, fused_bwd=fused, group_adjacent=adjacent,
-                     bwd_pairs=bool(pairs), bwd_overlap=pairs == "overlap")
+                     bwd_pairs=pairs)
   q = jax.ShapeDtypeStruct((1000, 4, head_dim), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((num_k_rows, 2, head_dim), jnp.bfloat16)
   cu = jax.ShapeDtypeStruct((5,), jnp.int32)
@@ -374,12 +373,10 @@ _CASES = [  # (seed, tasks, max task length, H, K, D)
 GPU_CASES = ([c + ("fused",) for c in _CASES] + [c + ("two",) for c in _CASES]
              + [(5, 8, 300, 4, 1, 128, "gather"), (6, 5, 500, 8, 2, 64, "gather"),
                 (7, 4, 2000, 8, 1, 128, "fused"), (8, 7, 900, 8, 2, 128, "unpaired"),
-                (9, 6, 400, 4, 1, 64, "unpaired")]
-             + [c + ("overlap",) for c in _CASES])
+                (9, 6, 400, 4, 1, 64, "unpaired")])
 _BACKWARD_OPTIONS = {"fused": {}, "two": dict(fused_bwd=False),
                      "unpaired": dict(fused_bwd=False, bwd_pairs=False),
-                     "gather": dict(fused_bwd=False, dkv_in_place=False),
-                     "overlap": dict(bwd_overlap=True)}
+                     "gather": dict(fused_bwd=False, dkv_in_place=False)}
 
 
 @needs_hopper

@@ -266,7 +266,6 @@ def _dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref,
       plgpu.barrier_wait(k_bar.at[slot])
       if bs.bwd_pairs:
         plgpu.barrier_wait(v_bar.at[slot])
-
         def sdp_body(s_ref, dp_ref):
           plgpu.wgmma(s_ref, qs, k_smem.at[slot].transpose((1, 0)))
           plgpu.wgmma(dp_ref, dos, v_smem.at[slot].transpose((1, 0)))
@@ -611,9 +610,8 @@ def _bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, 
         store_dq(dq, qt, g)
         return carry
       q_s, do_s = q_smem.at[slot], do_smem.at[slot]
-      vis = None
-      if mode == "masked":
-        vis = lambda key, row: (key >= va) & (key < va + vn) & (key + moff <= row + qt * bqd)
+      vis = ((lambda key, row: (key >= va) & (key < va + vn) & (key + moff <= row + qt * bqd))
+             if mode == "masked" else None)
       st, dpt = _dkv_score_products(ks, vs, q_s, do_s)
       pt = _dkv_probabilities(st, lse_smem.at[slot], vis, scale2=scale2)
       dst = _dkv_ds_transposed(pt, dpt, delta_smem.at[slot], dtype)
@@ -624,8 +622,8 @@ def _bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, 
         plgpu.wgmma(dk_ref, dst, q_s)
         share_ds_and_issue_dq(dst, par, dq_acc)
       dk, dv = carry
-      dv, dk, dq = pl.run_state(body)(
-          (plgpu.ACC.init(dv), plgpu.ACC.init(dk), plgpu.ACC.init(zeros_dq())))
+      dv, dk, dq = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
+                                       plgpu.ACC.init(zeros_dq())))
       plgpu.barrier_arrive(free.at[slot])
       store_dq(dq, qt, g)
       return dk, dv

@@ -71,8 +71,9 @@ class BlockSizes:
         raise ValueError(
             f"BlockSizes.{field.name}={value} must be a multiple of 64 (warpgroup MMA tiles)")
     if self.fused_bwd and not self.dkv_in_place:
-      raise ValueError("BlockSizes(fused_bwd=True) needs dkv_in_place=True (the fused backward "
-                       "reads K/V and writes dK/dV in the packed buffers)")
+      raise ValueError("BlockSizes(fused_bwd=True) (the default) needs dkv_in_place=True: the "
+                       "fused backward reads K/V and writes dK/dV in the packed buffers; pass "
+                       "fused_bwd=False with dkv_in_place=False")
     if self.max_concurrent_steps < 2:
       raise ValueError(
           f"BlockSizes.max_concurrent_steps={self.max_concurrent_steps} must be >= 2")

@@ -52,6 +52,15 @@ def _wgmma_result(a, b, shape):
   return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
+def _wgmma_pair(a1, b1, a2, b2, shape):
+  """(a1 @ b1, a2 @ b2) into fresh f32 accumulators, both issued before either is awaited."""
+  def body(acc1, acc2):
+    plgpu.wgmma(acc1, a1, b1)
+    plgpu.wgmma(acc2, a2, b2)
+    return acc1[...], acc2[...]
+  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+
+
 def _row_vector(value, n: int, dim: int):
   """A length-n f32 vector laid out as rows (dim=1 reduced) or columns of a WGMMA tile."""
   return plgpu.layout_cast(jnp.full((n,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(dim))
@@ -266,12 +275,8 @@ def _dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref,
       plgpu.barrier_wait(k_bar.at[slot])
       if bs.bwd_pairs:
         plgpu.barrier_wait(v_bar.at[slot])
-        def sdp_body(s_ref, dp_ref):
-          plgpu.wgmma(s_ref, qs, k_smem.at[slot].transpose((1, 0)))
-          plgpu.wgmma(dp_ref, dos, v_smem.at[slot].transpose((1, 0)))
-          return s_ref[...], dp_ref[...]
-        s, dp = pl.run_scoped(sdp_body, plgpu.ACC((bq, bkv), jnp.float32),
-                              plgpu.ACC((bq, bkv), jnp.float32))
+        s, dp = _wgmma_pair(qs, k_smem.at[slot].transpose((1, 0)),
+                            dos, v_smem.at[slot].transpose((1, 0)), (bq, bkv))
       else:
         s = _wgmma_result(qs, k_smem.at[slot].transpose((1, 0)), (bq, bkv))
         plgpu.barrier_wait(v_bar.at[slot])
@@ -328,41 +333,34 @@ def _dkv_ds_transposed(pt, dpt, delta_s, dtype):
   return (pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))).astype(dtype)
 
 
-def _dkv_score_products(ks, vs, q_s, do_s):
-  """S^T = K Q^T and dP^T = V dO^T, issued together."""
-  shape = (ks.shape[0], q_s.shape[0])
-
-  def body(st_ref, dpt_ref):
-    plgpu.wgmma(st_ref, ks, q_s.transpose((1, 0)))
-    plgpu.wgmma(dpt_ref, vs, do_s.transpose((1, 0)))
-    return st_ref[...], dpt_ref[...]
-  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
-
-
 def _dkv_products(ks, vs, q_s, do_s, lse_s, delta_s, carry, vis, *, scale2: float,
-                  paired: bool):
+                  paired: bool, then=None):
   """One query step of a key block (dK/dV and fused kernels): S^T = K Q^T, P^T, dV += P^T dO,
   dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q.
 
   ``vis(key, row)`` (iota tiles of the block's keys and the step's query rows) masks P^T; None:
   every pair is visible. ``paired``: issue S^T with dP^T, then dV with dK (two waits per step);
-  else S^T, then dV with dP^T, then dK (three). Returns dK, dV and dS^T in the input dtype
-  (unscaled).
+  else S^T, then dV with dP^T, then dK (three). ``then`` (paired only): ``(init, issue)``, an
+  extra f32 accumulator and ``issue(dst, acc_ref)``, called right after dV and dK are issued and
+  awaited with them. Returns dK, dV and the extra accumulator (None without ``then``).
   """
   dk, dv = carry
   dtype = q_s.dtype
   shape = (ks.shape[0], q_s.shape[0])
   if paired:
-    st, dpt = _dkv_score_products(ks, vs, q_s, do_s)
+    st, dpt = _wgmma_pair(ks, q_s.transpose((1, 0)), vs, do_s.transpose((1, 0)), shape)
     pt = _dkv_probabilities(st, lse_s, vis, scale2=scale2)
     dst = _dkv_ds_transposed(pt, dpt, delta_s, dtype)
 
     def dv_dk_body(refs):
-      dv_ref, dk_ref = refs
+      dv_ref, dk_ref, *extra_ref = refs
       plgpu.wgmma(dv_ref, pt.astype(dtype), do_s)
       plgpu.wgmma(dk_ref, dst, q_s)
-    dv, dk = pl.run_state(dv_dk_body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
-    return dk, dv, dst
+      if then is not None:
+        then[1](dst, *extra_ref)
+    accs = (dv, dk) + ((then[0],) if then is not None else ())
+    dv, dk, *extra = pl.run_state(dv_dk_body)(tuple(plgpu.ACC.init(a) for a in accs))
+    return dk, dv, (extra[0] if extra else None)
 
   pt = _dkv_probabilities(_wgmma_result(ks, q_s.transpose((1, 0)), shape), lse_s, vis,
                           scale2=scale2)
@@ -378,7 +376,7 @@ def _dkv_products(ks, vs, q_s, do_s, lse_s, delta_s, carry, vis, *, scale2: floa
   def dk_body(acc_ref):
     plgpu.wgmma(acc_ref, dst, q_s)
   dk = pl.run_state(dk_body)(plgpu.ACC.init(dk))
-  return dk, dv, dst
+  return dk, dv, None
 
 
 def _store_key_rows(dk, dv, dk_st, dv_st, dk_ref, dv_ref, meta_ref, tile, wg, kvh, *,
@@ -491,6 +489,7 @@ def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref
     moff = meta_ref[KT_MOFF_W + wg, tile]
 
     wait_loaded = functools.partial(_wait_query_tile, (q_bar, do_bar, lse_bar, delta_bar))
+
     def step(qt, carry, base, masked: bool):
       slot = lax.rem(base + qt, slots)
       wait_loaded(slot)
@@ -609,21 +608,12 @@ def _bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, 
             plgpu.ACC.init(zeros_dq()))
         store_dq(dq, qt, g)
         return carry
-      q_s, do_s = q_smem.at[slot], do_smem.at[slot]
       vis = ((lambda key, row: (key >= va) & (key < va + vn) & (key + moff <= row + qt * bqd))
              if mode == "masked" else None)
-      st, dpt = _dkv_score_products(ks, vs, q_s, do_s)
-      pt = _dkv_probabilities(st, lse_smem.at[slot], vis, scale2=scale2)
-      dst = _dkv_ds_transposed(pt, dpt, delta_smem.at[slot], dtype)
-
-      def body(refs):
-        dv_ref, dk_ref, dq_acc = refs
-        plgpu.wgmma(dv_ref, pt.astype(dtype), do_s)
-        plgpu.wgmma(dk_ref, dst, q_s)
-        share_ds_and_issue_dq(dst, par, dq_acc)
-      dk, dv = carry
-      dv, dk, dq = pl.run_state(body)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
-                                       plgpu.ACC.init(zeros_dq())))
+      dk, dv, dq = _dkv_products(
+          ks, vs, q_smem.at[slot], do_smem.at[slot], lse_smem.at[slot], delta_smem.at[slot],
+          carry, vis, scale2=scale2, paired=True,
+          then=(zeros_dq(), lambda dst, acc: share_ds_and_issue_dq(dst, par, acc)))
       plgpu.barrier_arrive(free.at[slot])
       store_dq(dq, qt, g)
       return dk, dv

@@ -80,9 +80,10 @@ from experiments.kernel_profile_trace import (kernel_breakdown, kernel_details_f
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-BACKENDS = ("pallas", "flash3", "mosaic", "mosaic:two-kernel", "reference")
-# mosaic:two-kernel: the Mosaic kernels with a dQ kernel beside the dK/dV kernel
-# (BlockSizes(fused_bwd=False)); mosaic: the default one-kernel backward.
+# mosaic:<preset>: the Mosaic kernels with a named tiling of kernel_bench.MOSAIC_PRESETS (e.g.
+# mosaic:two-kernel, a dQ kernel beside the dK/dV kernel); mosaic: the default.
+BACKENDS = ("pallas", "flash3", "mosaic", *(f"mosaic:{p}" for p in kb.MOSAIC_PRESETS
+                                            if p != "default"), "reference")
 FULL = dict(heads=kb.NUM_HEADS, kv_heads=kb.NUM_KV_HEADS, head_dim=kb.HEAD_DIM, dtype="bfloat16",
             tokens=16384, max_doc=16384, sched_tokens=16384, sched_servers=8, trials=5,
             min_trial_s=0.05, interpret=False, backends="pallas,flash3",
@@ -123,11 +124,11 @@ def _attention_fn(backend: str, wl, bs, interpret: bool):
         q, k, v, cu_q, cu_k, backend="flash3", max_seqlen_q=wl.max_q, max_seqlen_k=wl.max_k)
   if backend in ("reference", "mosaic"):
     return lambda q, k, v, cu_q, cu_k: ops.core_attention(q, k, v, cu_q, cu_k, backend=backend)
-  if backend == "mosaic:two-kernel":
+  if backend.startswith("mosaic:") and backend in BACKENDS:
     from custom_ops import mosaic_attention  # pylint: disable=import-outside-toplevel
-    two = mosaic_attention.BlockSizes(fused_bwd=False)
+    mbs = mosaic_attention.BlockSizes(**kb.MOSAIC_PRESETS[backend.partition(":")[2]])
     return lambda q, k, v, cu_q, cu_k: mosaic_attention.mosaic_attention(
-        q, k, v, cu_q, cu_k, block_sizes=two)[0]
+        q, k, v, cu_q, cu_k, block_sizes=mbs)[0]
   raise ValueError(f"unknown {backend=}; choose from {BACKENDS}")
 
 

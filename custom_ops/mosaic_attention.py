@@ -11,12 +11,23 @@ Letters in names: T query tokens, U key/value tokens, H query heads, K key/value
 N tasks (``N1`` = N + 1), P padded rows, F table fields, B tiles.
 
 Layout (why it looks like this):
-* Queries go to an aligned copy. TMA copies whole tiles, and a query tile that straddles two
-  tasks would write the neighbour's output rows. So each task's query rows are gathered (inside
+* Queries are read and O written in place by the forward. A CTA tile (``BlockSizes.align_q``
+  rows) of task ``i`` starts at ``cu_q[i]`` rounded down to 8 rows (the granularity at which
+  Mosaic GPU issues tiled TMA copies), plus multiples of the tile; rows of the tile outside the
+  task are computed but not stored: a warpgroup block wholly inside its task stores O with one
+  TMA copy, a block holding another task's rows stores its own rows from an untiled staging
+  buffer in power-of-two row pieces. The padding rows before the first task and after the last
+  are two key-less segments whose tiles write O = 0, so every row is written once. Blocks
+  reaching past the buffer's last row read a zero-padded copy of its tail rows. LSE goes to a
+  slot per tile, in the order of the aligned layout below with each task shifted by
+  ``cu_q[i] % 8`` rows (``aligned_layout(..., front=True)``), and is gathered back ([H, T] f32,
+  small). Query buffers whose row count is not a multiple of 8 are padded first (one copy).
+* The backward reads an aligned copy of Q and dO. TMA copies whole tiles, and a query tile
+  that straddles two tasks would mix their rows: each task's query rows are gathered (inside
   jit, plain jnp on ``cu_seqlens``) into a buffer where every task starts at a multiple of the
-  CTA tile (``BlockSizes.align_q`` rows; rows between tasks are zeros), and O, LSE and dQ are
-  gathered back. The padded length is static (``padded_rows``: each task adds at most
-  ``align - 1`` rows), so one compiled kernel serves every task table of the same shapes.
+  CTA tile (rows between tasks are zeros, LSE -inf), and dQ is gathered back. The padded length
+  is static (``padded_rows``: each task adds at most ``align - 1`` rows), so one compiled kernel
+  serves every task table of the same shapes.
 * Keys and values are read in place. Key tiles start at multiples of ``KV_ROW_MULTIPLE`` (8)
   rows, the granularity at which Mosaic GPU issues tiled TMA copies; a task's first tile may
   start up to 7 rows early and its last runs past its end, both masked. Tiles that would reach
@@ -26,11 +37,12 @@ Layout (why it looks like this):
   segments included, which get zeros) and stores each warpgroup's rows of its own segment from
   untiled staging buffers in power-of-two row pieces. K/V buffers whose row count is not a
   multiple of 8 are padded first (one copy; Mosaic GPU tiles the whole buffer).
-* Work lists. ``q_tile_table`` lists, for every CTA query tile (two warpgroups of ``block_q``
-  rows each), its task's key rows and, per warpgroup, how many key tiles it visits and which of
-  them need no causal mask. ``kv_tile_table_in_place`` lists, for every CTA key tile of the dK/dV
-  kernel, the query tiles of its own task that see it: per warpgroup the first one that sees any
-  of its keys and the first that sees all of them. No (query tile, key tile) pair outside a
+* Work lists. ``q_tile_table_in_place`` (forward) and ``q_tile_table`` (dQ kernel) list, for
+  every CTA query tile (two warpgroups of ``block_q`` rows each), its task's key rows and, per
+  warpgroup, how many key tiles it visits and which of them need no causal mask.
+  ``kv_tile_table_in_place`` lists, for every CTA key tile of the dK/dV kernel, the query tiles
+  of its own task that see it: per warpgroup the first one that sees any of its keys and the
+  first that sees all of them. No (query tile, key tile) pair outside a
   task's key range or above its causal diagonal is visited; tiles are ordered by descending work
   (longest-processing-time first).
 * Kernels are warp-specialized: two compute warpgroups and one producer warpgroup that streams
@@ -45,8 +57,9 @@ Layout (why it looks like this):
   query tiles beside the dK/dV kernel (two more matrix products per tile pair).
 
 Modules: this one (input checks, custom_vjp over the packed buffers, public entry point),
-``custom_ops/mosaic_worklists.py`` (``BlockSizes``, aligned layout, work lists) and
-``custom_ops/mosaic_kernels.py`` (the Pallas kernels and their calls).
+``custom_ops/mosaic_worklists.py`` (``BlockSizes``, aligned layout, work lists),
+``custom_ops/mosaic_kernels.py`` (the Pallas kernels) and ``custom_ops/mosaic_calls.py`` (their
+calls).
 
 Measured against FlashAttention-3 on one H200: custom_ops/MOSAIC_NOTES.md and
 results/kernel_bench.md.
@@ -64,10 +77,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from custom_ops import KERNEL_OUTPUTS_NAME
 from custom_ops import varlen_attention as va
-from custom_ops.mosaic_kernels import LN2, bwd_fused_call, dkv_call, dq_aligned, forward_aligned
+from custom_ops.mosaic_calls import bwd_fused_call, dkv_call, dq_aligned, forward_in_place
+from custom_ops.mosaic_kernels import LN2
 from custom_ops.mosaic_worklists import (KV_ROW_MULTIPLE, BlockSizes, aligned_layout,
                                          gather_rows, kv_edges, kv_tile_table,
-                                         kv_tile_table_in_place, q_tile_table)
+                                         kv_tile_table_in_place, padded_rows, q_tail_rows,
+                                         q_tile_table, q_tile_table_in_place)
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -113,18 +128,22 @@ def _rows_to_multiple(x, multiple: int):
 
 
 def _forward(q, k, v, cu_q, cu_k, scale, bs):
-  lay_q = aligned_layout(cu_q, q.shape[0], bs.align_q)
-  q_p = gather_rows(q, lay_q.src_P)
+  num_q_rows = q.shape[0]
+  q8 = _rows_to_multiple(q, KV_ROW_MULTIPLE)
+  q_tail = gather_rows(q8, q_tail_rows(num_q_rows, q8.shape[0], bs.block_q))
   edges, k_edge, v_edge = _key_edges(k, v, cu_k, bs)
   k, v = _rows_to_multiple(k, KV_ROW_MULTIPLE), _rows_to_multiple(v, KV_ROW_MULTIPLE)
-  meta = q_tile_table(cu_q, cu_k, lay_q, q.shape[0], bs, bs.block_kv)
-  o_p, lse2_p = forward_aligned(meta, edges, q_p, k, v, k_edge, v_edge, bs=bs, scale=scale)
+  meta = q_tile_table_in_place(cu_q, cu_k, q8.shape[0], bs, bs.block_kv)
+  num_slots = padded_rows(num_q_rows, cu_q.shape[0] - 1, bs.align_q, front=True)
+  o, lse2_f = forward_in_place(meta, edges, q8, q_tail, k, v, k_edge, v_edge, bs=bs,
+                               scale=scale, num_slots=num_slots)
   # The backward's residuals from the kernel: remat policies that keep attention save them by
   # this name (the kernel's primitive is not a pallas_call), so the backward never reruns it.
-  o_p, lse2_p = (checkpoint_name(x, KERNEL_OUTPUTS_NAME) for x in (o_p, lse2_p))
-  o = gather_rows(o_p, lay_q.dst_T)
-  lse_TxH = gather_rows(lse2_p, lay_q.dst_T, fill=-jnp.inf, axis=1).T * LN2
-  return (o, lse_TxH), (q_p, k, v, o_p, lse2_p, cu_q, cu_k)
+  o, lse2_f = (checkpoint_name(x, KERNEL_OUTPUTS_NAME) for x in (o, lse2_f))
+  o = o[:num_q_rows]
+  lay_f = aligned_layout(cu_q, num_q_rows, bs.align_q, front=True)
+  lse_TxH = gather_rows(lse2_f, lay_f.dst_T, fill=-jnp.inf, axis=1).T * LN2
+  return (o, lse_TxH), (q, k, v, o, lse2_f, cu_q, cu_k)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -139,13 +158,18 @@ def _attention_fwd(q, k, v, cu_q, cu_k, scale, bs):
 
 def _attention_bwd(scale, bs, residuals, cotangents):
   # k, v: the forward's buffers, rows padded to a multiple of 8; num_k_rows: the caller's rows.
-  (q_p, k, v, o_p, lse2_p, cu_q, cu_k), num_q_rows, num_k_rows = residuals
+  # lse2_f: the forward's LSE slots (the ``front`` aligned layout).
+  (q, k, v, o, lse2_f, cu_q, cu_k), num_q_rows, num_k_rows = residuals
   do, dlse_TxH = cotangents
   lay_q = aligned_layout(cu_q, num_q_rows, bs.align_q)
-  do_p = gather_rows(do, lay_q.src_P)
-  dlse_p = gather_rows(dlse_TxH.astype(jnp.float32).T, lay_q.src_P, axis=1)
+  q_p, do_p = gather_rows(q, lay_q.src_P), gather_rows(do, lay_q.src_P)
   # delta_i = sum_d O_id dO_id - dLSE_i: the row term of dS = P * (dP - delta).
-  delta_p = jnp.einsum("phd,phd->hp", o_p.astype(jnp.float32), do_p.astype(jnp.float32)) - dlse_p
+  delta_TxH = (jnp.einsum("thd,thd->th", o.astype(jnp.float32), do.astype(jnp.float32))
+               - dlse_TxH.astype(jnp.float32))
+  delta_p = gather_rows(delta_TxH.T, lay_q.src_P, axis=1)
+  lay_f = aligned_layout(cu_q, num_q_rows, bs.align_q, front=True)
+  slot_p = gather_rows(lay_f.dst_T, lay_q.src_P, fill=lse2_f.shape[1])
+  lse2_p = gather_rows(lse2_f, slot_p, fill=-jnp.inf, axis=1)
   # Rows that see no key (LSE -inf) get +inf: their P, hence dS, is exactly 0.
   lse2_b = jnp.where(jnp.isneginf(lse2_p), jnp.inf, lse2_p)
   edges, k_edge, v_edge = _key_edges(k, v, cu_k, bs)

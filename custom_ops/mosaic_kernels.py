@@ -1,9 +1,10 @@
-"""Pallas Mosaic GPU kernels of ``custom_ops/mosaic_attention.py`` and their calls (Hopper).
+"""Pallas Mosaic GPU kernels of ``custom_ops/mosaic_attention.py`` (Hopper).
 
 The forward kernel (O and log2-domain LSE), the dQ kernel, the dK/dV kernel and the fused
 backward kernel (dQ, dK, dV over key tiles), each over the work lists of
 ``custom_ops/mosaic_worklists.py``, plus the shared in-kernel pieces: the producer
-warpgroup's TMA streaming, key-tile loops and causal masks. The layout and scheduling are
+warpgroup's TMA streaming, key-tile loops, causal masks and row-piece stores. Their calls
+(grids, scratch, outputs): ``custom_ops/mosaic_calls.py``. The layout and scheduling are
 described in ``custom_ops/mosaic_attention.py``.
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 import functools
 import math
 
-import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -21,12 +21,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from custom_ops.mosaic_worklists import (
     KT_K_ROW, KT_MOFF_W, KT_NQ, KT_Q_ROW, KT_QA, KT_QA_W, KT_QF_W, KT_VA_W, KT_VN_W,
     KV_ROW_MULTIPLE, NUM_COMPUTE_WGS, QT_DIAG, QT_KB8, QT_LK, QT_NFULL, QT_NKV, QT_NMAX,
-    QT_Q_TILE, QT_SHIFT, BlockSizes)
+    QT_Q_ROW8, QT_Q_TILE, QT_SHIFT, QT_VA_W, QT_VN_W, BlockSizes)
 
 # Finite logit for masked keys: times the log2 scale it stays finite, so a row whose keys are all
 # masked has a finite running max (no inf - inf); its probabilities are zeroed explicitly.
 _MASK_VALUE = -1e30
-_LOG2E = math.log2(math.e)
+LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 # Registers per thread after setmaxnreg: 2 x 128 x 232 + 128 x 40 = 64512 of the SM's 65536. A
 # request the register file cannot meet blocks the warpgroup forever.
@@ -38,7 +38,7 @@ _COMPUTE_REGISTERS, _PRODUCER_REGISTERS = 232, 40
 # ------------------------------------------------------------------------------------------------
 
 
-def _smem_tile(shape, dtype, swizzle: int = 128):
+def smem_tile(shape, dtype, swizzle: int = 128):
   """A tile in the swizzled layout warpgroup MMA reads (rows of ``swizzle`` bytes per tile)."""
   tiling = plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize))
   return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
@@ -142,12 +142,12 @@ def _head_at(bs: BlockSizes, group: int, heads_index, group_index):
 
 
 def _query_head(bs: BlockSizes, group: int):
-  """The query head of this CTA of a forward or dQ kernel (see ``_query_grid``)."""
+  """The query head of this CTA of a forward or dQ kernel (see ``query_grid``)."""
   return _head_at(bs, group, lax.axis_index("heads"),
                   lax.axis_index("group") if bs.group_adjacent else 0)
 
 
-def _query_grid(bs: BlockSizes, num_heads: int, group: int, num_tiles: int):
+def query_grid(bs: BlockSizes, num_heads: int, group: int, num_tiles: int):
   """(grid, grid_names) of a forward or dQ kernel. The last grid axis varies fastest in launch
   order: with ``group_adjacent`` the ``group`` query heads of one KV head are neighbours, then
   the query tiles, then the KV heads (``heads`` counts KV heads there)."""
@@ -156,10 +156,25 @@ def _query_grid(bs: BlockSizes, num_heads: int, group: int, num_tiles: int):
   return (num_heads, num_tiles), ("heads", "tiles")
 
 
-def _fwd_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, o_ref, lse_ref,
-                q_smem, k_smem, v_smem, lse_smem, q_bar, k_bar, v_bar, k_free, v_free,
-                sched_bar, *, bs: BlockSizes, scale2: float, group: int):
-  """One CTA query tile of one head: O and the log2-domain LSE of its two warpgroup blocks."""
+def _store_row_pieces(pairs, row0, first, count, col, piece: int):
+  """Rows [first, first + count) of each (untiled staging buffer, buffer) pair, stored at
+  ``row0 + first`` of column ``col`` in power-of-two row pieces (``piece``, ``piece / 2``, ...,
+  1): TMA stores of whole tiles would overwrite the neighbours' rows. The caller commits."""
+  while piece >= 1:
+    def store(first=first, piece=piece):
+      for src, dst in pairs:
+        plgpu.copy_smem_to_gmem(src.at[pl.ds(first, piece)],
+                                dst.at[pl.ds(row0 + first, piece), col], commit_group=False)
+    pl.when((count & piece) != 0)(store)
+    first = first + (count & piece)
+    piece //= 2
+
+
+def fwd_kernel(meta_ref, edges_ref, q_ref, qe_ref, k_ref, v_ref, ke_ref, ve_ref, o_ref,
+                lse_ref, q_smem, o_st, k_smem, v_smem, lse_smem, q_bar, k_bar, v_bar, k_free,
+                v_free, sched_bar, *, bs: BlockSizes, scale2: float, group: int):
+  """One CTA query tile of one head (``q_tile_table_in_place``): O of its two warpgroup blocks
+  in place, and their log2-domain LSE in the tile's slot."""
   h, tile, wg = _query_head(bs, group), lax.axis_index("tiles"), lax.axis_index("wg")
   bq, bkv, slots = bs.block_q, bs.block_kv, bs.max_concurrent_steps
   head_dim = q_ref.shape[-1]
@@ -174,8 +189,15 @@ def _fwd_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, o_ref,
   def _compute():
     plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
     qs = q_smem.at[wg]
-    rows = pl.ds(meta_ref[QT_Q_TILE, tile] * bs.align_q + wg * bq, bq)
-    plgpu.copy_gmem_to_smem(q_ref.at[rows, h], qs, q_bar.at[wg])
+    m8 = KV_ROW_MULTIPLE
+    row8 = meta_ref[QT_Q_ROW8, tile] + wg * (bq // m8)
+    # A block reaching past the buffer's last row reads the copy of the buffer's tail rows.
+    tail8 = (q_ref.shape[0] - bq) // m8
+    past = row8 > tail8
+    pl.when(past)(lambda: plgpu.copy_gmem_to_smem(
+        qe_ref.at[pl.ds(jnp.minimum(row8 - tail8, bq // m8) * m8, bq), h], qs, q_bar.at[wg]))
+    pl.when(jnp.logical_not(past))(lambda: plgpu.copy_gmem_to_smem(
+        q_ref.at[pl.ds(row8 * m8, bq), h], qs, q_bar.at[wg]))
     plgpu.barrier_wait(q_bar.at[wg])
 
     def step(j, carry, masked: bool):
@@ -225,15 +247,31 @@ def _fwd_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, o_ref,
     carry = (plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA),
              _row_vector(-jnp.inf, bq, 1), _row_vector(0.0, bq, 1))
     pl.when(wg == 1)(sched_sync)
-    acc, m, l = _key_tile_loops(step, skip, meta_ref, tile, wg, carry)
+    acc, m_run, l = _key_tile_loops(step, skip, meta_ref, tile, wg, carry)
     pl.when(wg == 0)(sched_sync)
     seen = l > 0.0
     l_safe = jnp.where(seen, l, 1.0)
-    qs[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
-    lse_smem.at[wg][...] = jnp.where(seen, m + jnp.log(l_safe) * (1.0 / LN2), -jnp.inf)
+    o = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+    lse_smem.at[wg][...] = jnp.where(seen, m_run + jnp.log(l_safe) * (1.0 / LN2), -jnp.inf)
+    first, count = meta_ref[QT_VA_W + wg, tile], meta_ref[QT_VN_W + wg, tile]
+
+    @pl.when(count == bq)
+    def _store_block():
+      qs[...] = o
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(qs, o_ref.at[pl.ds(row8 * m8, bq), h], commit_group=False)
+
+    @pl.when((count > 0) & (count < bq))
+    def _store_pieces():  # a block holding rows of another segment
+      o_st.at[wg][...] = o
+      plgpu.commit_smem()
+      _store_row_pieces([(o_st.at[wg], o_ref)], row8 * m8, first, count, h, bq // 2)
+
+    slot = meta_ref[QT_Q_TILE, tile]
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(qs, o_ref.at[rows, h], commit_group=False)
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[h, rows], commit_group=False)
+    pl.when(slot >= 0)(lambda: plgpu.copy_smem_to_gmem(
+        lse_smem.at[wg], lse_ref.at[h, pl.ds(slot * bs.align_q + wg * bq, bq)],
+        commit_group=False))
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0)
 
@@ -245,7 +283,7 @@ def _fwd_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, o_ref,
                       edge_block=bs.edge_block, slots=slots)
 
 
-def _dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref, lse_ref,
+def dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref, lse_ref,
                delta_ref, dq_ref, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, in_bar,
                k_bar, v_bar, k_free, v_free, *, bs: BlockSizes, scale: float, group: int):
   """One CTA query tile of one head: dQ = scale * sum over visible key tiles of dS K.
@@ -253,7 +291,7 @@ def _dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref,
   ``bs.bwd_pairs``: S and dP are issued together (one wait)."""
   h, tile, wg = _query_head(bs, group), lax.axis_index("tiles"), lax.axis_index("wg")
   bq, bkv, slots = bs.block_q, bs.block_kv_dq, bs.max_concurrent_steps
-  scale2 = scale * _LOG2E
+  scale2 = scale * LOG2E
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
 
@@ -388,18 +426,9 @@ def _store_key_rows(dk, dv, dk_st, dv_st, dk_ref, dv_ref, meta_ref, tile, wg, kv
   dk_st[...] = (dk * scale).astype(dtype)
   dv_st[...] = dv.astype(dtype)
   plgpu.commit_smem()
-  row0 = meta_ref[KT_K_ROW, tile] * KV_ROW_MULTIPLE + wg * bkd
-  first = meta_ref[KT_VA_W + wg, tile]
-  count = meta_ref[KT_VN_W + wg, tile]
-  piece = bkd
-  while piece >= 1:  # rows [first, first + count) as pieces of 64, 32, ..., 1 rows
-    def store(first=first, piece=piece):
-      for src, dst in ((dk_st, dk_ref), (dv_st, dv_ref)):
-        plgpu.copy_smem_to_gmem(src.at[pl.ds(first, piece)],
-                                dst.at[pl.ds(row0 + first, piece), kvh], commit_group=False)
-    pl.when((count & piece) != 0)(store)
-    first = first + (count & piece)
-    piece //= 2
+  _store_row_pieces([(dk_st, dk_ref), (dv_st, dv_ref)],
+                    meta_ref[KT_K_ROW, tile] * KV_ROW_MULTIPLE + wg * bkd,
+                    meta_ref[KT_VA_W + wg, tile], meta_ref[KT_VN_W + wg, tile], kvh, bkd)
 
 
 def _key_tile_steps(meta_ref, tile, bs: BlockSizes, group: int):
@@ -446,7 +475,7 @@ def _load_key_block(edges_ref, k_ref, v_ref, ke_ref, ve_ref, ks, vs, bar, kvh, s
   _read_key_rows(edges_ref, k_ref, v_ref, ke_ref, ve_ref, start8, ks.shape[0], edge_block, copy)
 
 
-def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref, lse_ref,
+def dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref, lse_ref,
                 delta_ref, dk_ref, dv_ref, *scratch, bs: BlockSizes, scale: float, group: int):
   """One CTA key tile of one KV head: dK, dV over its GQA group's heads and visible queries.
 
@@ -464,7 +493,7 @@ def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref
   kvh, tile, wg = lax.axis_index("heads"), lax.axis_index("tiles"), lax.axis_index("wg")
   bkd, bqd, slots = bs.block_kv_dkv, bs.block_q_dkv, bs.max_concurrent_steps
   m = KV_ROW_MULTIPLE
-  scale2 = scale * _LOG2E
+  scale2 = scale * LOG2E
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
   k_row, q_row, n_q, qa, per_head, num_steps = _key_tile_steps(meta_ref, tile, bs, group)
@@ -534,7 +563,7 @@ def _dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref
       per_head=per_head, q_row=q_row, qa=qa, block=bqd, num_steps=num_steps, slots=slots))
 
 
-def _bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref, lse_ref,
+def bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref, lse_ref,
                       delta_ref, dq_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem,
                       lse_smem, delta_smem, union, kv_bar, q_bar, do_bar, lse_bar, delta_bar,
                       free, ds_bar, *, bs: BlockSizes, scale: float, group: int):
@@ -552,7 +581,7 @@ def _bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, 
   (ds_smem, dq_stage), (dk_stage, dv_stage) = union
   kvh, tile, wg = lax.axis_index("heads"), lax.axis_index("tiles"), lax.axis_index("wg")
   bkd, bqd, slots = bs.block_kv_dkv, bs.block_q_dkv, bs.max_concurrent_steps
-  scale2 = scale * _LOG2E
+  scale2 = scale * LOG2E
   head_dim = q_ref.shape[-1]
   half = head_dim // NUM_COMPUTE_WGS
   dtype = q_ref.dtype
@@ -640,150 +669,3 @@ def _bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, 
       _stream_query_tiles, q_ref, do_ref, lse_ref, delta_ref, q_smem, do_smem, lse_smem,
       delta_smem, (q_bar, do_bar, lse_bar, delta_bar), free, kvh=kvh, group=group,
       per_head=per_head, q_row=q_row, qa=qa, block=bqd, num_steps=num_steps, slots=slots))
-
-
-# ------------------------------------------------------------------------------------------------
-# Kernel calls on the aligned buffers
-# ------------------------------------------------------------------------------------------------
-
-
-def _kernel(body, *, out_type, scratch_types, grid, name: str,
-            grid_names: tuple[str, ...] = ("heads", "tiles")):
-  """A warp-specialized kernel over (heads, tiles[, group]): compute warpgroups and one
-  producer."""
-  return plgpu.kernel(
-      body, out_type=out_type, scratch_types=scratch_types, grid=grid,
-      grid_names=grid_names, num_threads=NUM_COMPUTE_WGS + 1, thread_name="wg",
-      kernel_name=name,  # the name profiles show
-      compiler_params=plgpu.CompilerParams(approx_math=True))
-
-
-def forward_aligned(meta, edges, q_p, k, v, k_edge, v_edge, *, bs: BlockSizes, scale: float):
-  """O [P, H, D] and log2-domain LSE [H, P] of the aligned query buffer."""
-  num_p, num_heads, head_dim = q_p.shape
-  group = num_heads // k.shape[1]
-  dtype, slots = q_p.dtype, bs.max_concurrent_steps
-  grid, grid_names = _query_grid(bs, num_heads, group, meta.shape[1])
-  kernel = _kernel(
-      functools.partial(_fwd_kernel, bs=bs, scale2=scale * _LOG2E, group=group),
-      out_type=[jax.ShapeDtypeStruct(q_p.shape, dtype),
-                jax.ShapeDtypeStruct((num_heads, num_p), jnp.float32)],
-      scratch_types=[
-          _smem_tile((NUM_COMPUTE_WGS, bs.block_q, head_dim), dtype),
-          _smem_tile((slots, bs.block_kv, head_dim), dtype),
-          _smem_tile((slots, bs.block_kv, head_dim), dtype),
-          plgpu.SMEM((NUM_COMPUTE_WGS, bs.block_q), jnp.float32),
-          plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
-          plgpu.Barrier(num_barriers=slots),
-          plgpu.Barrier(num_barriers=slots),
-          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
-          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
-          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
-      ],
-      grid=grid, grid_names=grid_names,
-      name="mosaic_attention_fwd",
-  )
-  return kernel(meta, edges, q_p, k, v, k_edge, v_edge)
-
-
-def dq_aligned(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
-                bs: BlockSizes, scale: float):
-  num_p, num_heads, head_dim = q_p.shape
-  group = num_heads // k.shape[1]
-  dtype, slots = q_p.dtype, bs.max_concurrent_steps
-  grid, grid_names = _query_grid(bs, num_heads, group, meta.shape[1])
-  kernel = _kernel(
-      functools.partial(_dq_kernel, bs=bs, scale=scale, group=group),
-      out_type=jax.ShapeDtypeStruct(q_p.shape, dtype),
-      scratch_types=[
-          _smem_tile((NUM_COMPUTE_WGS, bs.block_q, head_dim), dtype),
-          _smem_tile((NUM_COMPUTE_WGS, bs.block_q, head_dim), dtype),
-          _smem_tile((slots, bs.block_kv_dq, head_dim), dtype),
-          _smem_tile((slots, bs.block_kv_dq, head_dim), dtype),
-          plgpu.SMEM((NUM_COMPUTE_WGS, bs.block_q), jnp.float32),
-          plgpu.SMEM((NUM_COMPUTE_WGS, bs.block_q), jnp.float32),
-          plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
-          plgpu.Barrier(num_barriers=slots),
-          plgpu.Barrier(num_barriers=slots),
-          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
-          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
-      ],
-      grid=grid, grid_names=grid_names,
-      name="mosaic_attention_dq",
-  )
-  return kernel(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p)
-
-
-def dkv_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
-              bs: BlockSizes, scale: float, num_k_rows: int):
-  """dK, dV [num_k_rows, K, D]: in the packed buffers (``bs.dkv_in_place``) or in the aligned
-  copies k, v."""
-  num_heads, head_dim = q_p.shape[1], q_p.shape[2]
-  num_kv_heads = k.shape[1]
-  dtype, slots = q_p.dtype, bs.max_concurrent_steps
-  stage = [plgpu.SMEM((NUM_COMPUTE_WGS, bs.block_kv_dkv, head_dim), dtype)] * 2
-  kernel = _kernel(
-      functools.partial(_dkv_kernel, bs=bs, scale=scale, group=num_heads // num_kv_heads),
-      out_type=[jax.ShapeDtypeStruct((num_k_rows, *k.shape[1:]), dtype)] * 2,
-      scratch_types=[
-          _smem_tile((NUM_COMPUTE_WGS, bs.block_kv_dkv, head_dim), dtype),
-          _smem_tile((NUM_COMPUTE_WGS, bs.block_kv_dkv, head_dim), dtype),
-          _smem_tile((slots, bs.block_q_dkv, head_dim), dtype),
-          _smem_tile((slots, bs.block_q_dkv, head_dim), dtype),
-          plgpu.SMEM((slots, bs.block_q_dkv), jnp.float32),
-          plgpu.SMEM((slots, bs.block_q_dkv), jnp.float32),
-          *(stage if bs.dkv_in_place else []),
-          plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
-          plgpu.Barrier(num_barriers=slots),
-          plgpu.Barrier(num_barriers=slots),
-          plgpu.Barrier(num_barriers=slots),
-          plgpu.Barrier(num_barriers=slots),
-          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
-      ],
-      grid=(num_kv_heads, meta.shape[1]),
-      name="mosaic_attention_dkv",
-  )
-  return kernel(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p)
-
-
-def bwd_fused_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
-                   bs: BlockSizes, scale: float, num_k_rows: int):
-  """dQ [P, H, D] (f32, unscaled: the caller multiplies by ``scale``) of the aligned query buffer
-  and dK, dV [num_k_rows, K, D] in the packed buffers, from one kernel over key tiles
-  (``kv_tile_table_in_place``)."""
-  num_heads, head_dim = q_p.shape[1], q_p.shape[2]
-  num_kv_heads = k.shape[1]
-  dtype, slots = q_p.dtype, bs.max_concurrent_steps
-  bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
-  # Each warpgroup's dQ product reads half of K's columns: one swizzle row of half a row's bytes.
-  swizzle = min(128, head_dim // NUM_COMPUTE_WGS * jnp.dtype(dtype).itemsize)
-  tile = functools.partial(_smem_tile, swizzle=swizzle)
-  union = plgpu.RefUnion(
-      (tile((2, NUM_COMPUTE_WGS, bkd, bqd), dtype),
-       _smem_tile((NUM_COMPUTE_WGS, bqd, head_dim // NUM_COMPUTE_WGS), jnp.float32)),
-      [plgpu.SMEM((NUM_COMPUTE_WGS, bkd, head_dim), dtype)] * 2)
-  kernel = _kernel(
-      functools.partial(_bwd_fused_kernel, bs=bs, scale=scale, group=num_heads // num_kv_heads),
-      out_type=[jax.ShapeDtypeStruct((num_k_rows, *k.shape[1:]), dtype)] * 2,
-      scratch_types=[
-          tile((NUM_COMPUTE_WGS, bkd, head_dim), dtype),
-          tile((NUM_COMPUTE_WGS, bkd, head_dim), dtype),
-          tile((slots, bqd, head_dim), dtype),
-          tile((slots, bqd, head_dim), dtype),
-          plgpu.SMEM((slots, bqd), jnp.float32),
-          plgpu.SMEM((slots, bqd), jnp.float32),
-          union,
-          plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
-          plgpu.Barrier(num_barriers=slots),
-          plgpu.Barrier(num_barriers=slots),
-          plgpu.Barrier(num_barriers=slots),
-          plgpu.Barrier(num_barriers=slots),
-          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=slots),
-          plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
-      ],
-      grid=(num_kv_heads, meta.shape[1]),
-      name="mosaic_attention_bwd",
-  )
-  dq_ref = jax.new_ref(jnp.zeros(q_p.shape, jnp.float32))
-  dk, dv = kernel(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, dq_ref)
-  return dq_ref[...], dk, dv

@@ -9,6 +9,7 @@ indices of those tables. Why the layout looks like this: ``custom_ops/mosaic_att
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -107,17 +108,23 @@ class BlockSizes:
 # ------------------------------------------------------------------------------------------------
 
 
-def padded_rows(total_rows: int, num_tasks: int, align: int) -> int:
-  """Static length of the aligned buffer: each task rounded up to a multiple of ``align``."""
-  return (-(-total_rows // align) + num_tasks) * align
+def padded_rows(total_rows: int, num_tasks: int, align: int, front: bool = False) -> int:
+  """Static length of the aligned buffer: each task (after its ``front`` rows, < 8) rounded up
+  to a multiple of ``align``."""
+  extra = (KV_ROW_MULTIPLE - 1) * num_tasks if front else 0
+  return (-(-(total_rows + extra) // align) + num_tasks) * align
 
 
 @dataclasses.dataclass(frozen=True)
 class AlignedLayout:
   """Where each task's rows live in the aligned buffer.
 
+  With ``front``, task ``i``'s rows start ``cu[i] % 8`` rows after its aligned start, so that
+  row ``r`` of an aligned tile is row ``r`` of the in-place tile starting at ``cu[i]`` rounded
+  down to 8 (``q_tile_table_in_place``): the forward kernel's LSE slots.
+
   Attributes:
-    start_N: first aligned row of each task (a multiple of ``align``).
+    start_N: first aligned row of each task's tiles (a multiple of ``align``).
     src_P: for each aligned row, its row in the packed buffer, or ``total_rows`` (a zero row).
     dst_T: for each packed row, its aligned row, or ``P`` (rows outside every task).
   """
@@ -126,21 +133,23 @@ class AlignedLayout:
   dst_T: jax.Array
 
 
-def aligned_layout(cu_N1: jax.Array, total_rows: int, align: int) -> AlignedLayout:
+def aligned_layout(cu_N1: jax.Array, total_rows: int, align: int,
+                   front: bool = False) -> AlignedLayout:
   n = cu_N1.shape[0] - 1
   cu = cu_N1.astype(jnp.int32)
   len_N = jnp.maximum(cu[1:] - cu[:-1], 0)
-  plen_N = (len_N + align - 1) // align * align
+  front_N = cu[:-1] % KV_ROW_MULTIPLE if front else jnp.zeros_like(len_N)
+  plen_N = jnp.where(len_N > 0, (len_N + front_N + align - 1) // align * align, 0)
   end_N = jnp.cumsum(plen_N)
   start_N = end_N - plen_N
-  num_p = padded_rows(total_rows, n, align)
+  num_p = padded_rows(total_rows, n, align, front)
   p = jnp.arange(num_p, dtype=jnp.int32)
   task = jnp.minimum(jnp.searchsorted(end_N, p, side="right"), n - 1).astype(jnp.int32)
-  local = p - start_N[task]
-  valid = (p < end_N[-1]) & (local < len_N[task])
+  local = p - start_N[task] - front_N[task]
+  valid = (p < end_N[-1]) & (local >= 0) & (local < len_N[task])
   src_P = jnp.where(valid, cu[task] + local, total_rows)
   t_task, t_local, t_valid = va.rows_to_tasks(cu, total_rows)
-  dst_T = jnp.where(t_valid, start_N[t_task] + t_local, num_p)
+  dst_T = jnp.where(t_valid, start_N[t_task] + front_N[t_task] + t_local, num_p)
   return AlignedLayout(start_N=start_N, src_P=src_P, dst_T=dst_T)
 
 
@@ -169,9 +178,31 @@ def _task_of_tile(start_N, len_N, tile_rows: int, num_tiles: int, tile_start_mul
   return task, jnp.where(live, local, 0), live
 
 
+def _key_tile_fields(r0, lq, lk, ks, bs: BlockSizes, block_kv: int):
+  """The key-tile fields of a query tile whose first row is its task's local row ``r0`` (may be
+  negative: rows before the task): ``[kb8, shift, lk, n_max, diag_0, diag_1, n_full_0,
+  n_full_1, n_kv_0, n_kv_1]`` (see ``q_tile_table``)."""
+  shift = ks % KV_ROW_MULTIPLE
+  off = lk - lq
+  n_kv_w, n_full_w, diag_w = [], [], []
+  for w in range(NUM_COMPUTE_WGS):
+    rw = r0 + w * bs.block_q
+    diag = rw + off
+    # Keys the block's last row sees (rows past the task see every key), and its first row of
+    # the task (rows before it are not stored); a block wholly past its task's rows visits
+    # nothing.
+    hi = jnp.where(rw < lq, jnp.clip(diag + bs.block_q, 0, lk), 0)
+    lo = jnp.where(rw < lq, jnp.clip(jnp.maximum(rw, 0) + off + 1, 0, lk), 0)
+    n_kv_w.append(jnp.where(hi > 0, (hi + shift + block_kv - 1) // block_kv, 0))
+    n_full_w.append((lo + shift) // block_kv)
+    diag_w.append(diag)
+  n_max = jnp.maximum(*n_kv_w)
+  return [ks // KV_ROW_MULTIPLE, shift, lk, n_max, *diag_w, *n_full_w, *n_kv_w]
+
+
 def q_tile_table(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, num_q_rows: int, bs: BlockSizes,
                  block_kv: int) -> jax.Array:
-  """Forward / dQ work list [QT_FIELDS, B] over the CTA query tiles of the aligned query buffer.
+  """dQ work list [QT_FIELDS, B] over the CTA query tiles of the aligned query buffer.
 
   Per tile: its index (first aligned query row / ``align_q``), the task's first key row rounded
   down to ``KV_ROW_MULTIPLE`` (in those units) and the rows it was rounded by (``shift``), the
@@ -189,24 +220,98 @@ def q_tile_table(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, num_q_rows: int, bs: Bl
   lq = jnp.where(live, lq_N[task], 0)
   lk = jnp.where(live, lk_N[task], 0)
   ks = jnp.where(live, cu_k_N1[task], 0)
-  shift = ks % KV_ROW_MULTIPLE
-  off = lk - lq
-  n_kv_w, n_full_w, diag_w = [], [], []
-  for w in range(NUM_COMPUTE_WGS):
-    rw = r0 + w * bs.block_q
-    diag = rw + off
-    # Keys the block's last row sees (rows past the task see every key), and its first row; a
-    # block wholly past its task's rows visits nothing.
-    hi = jnp.where(rw < lq, jnp.clip(diag + bs.block_q, 0, lk), 0)
-    lo = jnp.where(rw < lq, jnp.clip(diag + 1, 0, lk), 0)
-    n_kv_w.append(jnp.where(hi > 0, (hi + shift + block_kv - 1) // block_kv, 0))
-    n_full_w.append((lo + shift) // block_kv)
-    diag_w.append(diag)
-  n_max = jnp.maximum(*n_kv_w)
-  fields = [jnp.arange(num_tiles, dtype=jnp.int32), ks // KV_ROW_MULTIPLE, shift, lk, n_max,
-            *diag_w, *n_full_w, *n_kv_w]
+  fields = [jnp.arange(num_tiles, dtype=jnp.int32),
+            *_key_tile_fields(r0, lq, lk, ks, bs, block_kv)]
   table = jnp.stack([f.astype(jnp.int32) for f in fields])
-  return table[:, jnp.argsort(-n_max, stable=True)]
+  return table[:, jnp.argsort(-table[QT_NMAX], stable=True)]
+
+
+class SegmentTiles(NamedTuple):
+  """Tiles over a packed buffer cut into segments (``_segment_tiles``), per tile: its segment
+  (tasks 0..N-1, then N: the tail padding, N + 1: the head padding), whether it is live, its
+  index in the segment, the segment's first row % 8 (``shift``), rows (``length``) and tiles
+  before it, and the tile's first row / 8."""
+  seg: jax.Array
+  live: jax.Array
+  lt: jax.Array
+  shift: jax.Array
+  length: jax.Array
+  before: jax.Array
+  row8: jax.Array
+
+
+def _segment_tiles(cu_N1, num_rows: int, tile: int) -> SegmentTiles:
+  """The packed buffer's tiles of ``tile`` rows: the N tasks' row ranges, then the tail padding
+  ``[cu[-1], num_rows)`` and the head padding ``[0, cu[0])``, each segment's tiles starting at
+  its first row rounded down to ``KV_ROW_MULTIPLE``. The static tile count bounds the tiles of
+  every segment (its rows and shift, rounded up); tiles past the last segment are not live."""
+  n = cu_N1.shape[0] - 1
+  m = KV_ROW_MULTIPLE
+  cu = cu_N1.astype(jnp.int32)
+  lo, hi = cu[:1], cu[-1:]
+  seg_start = jnp.concatenate([cu[:-1], hi, jnp.zeros((1,), jnp.int32)])
+  seg_len = jnp.maximum(jnp.concatenate([cu[1:] - cu[:-1], num_rows - hi, lo]), 0)
+  shift_S = seg_start % m
+  tiles_S = jnp.where(seg_len > 0, (seg_len + shift_S + tile - 1) // tile, 0)
+  end_S = jnp.cumsum(tiles_S)
+  t = jnp.arange(-(-(num_rows + (m - 1) * (n + 2)) // tile) + n + 2, dtype=jnp.int32)
+  seg = jnp.minimum(jnp.searchsorted(end_S, t, side="right"), n + 1).astype(jnp.int32)
+  live = t < end_S[-1]
+  before = end_S[seg] - tiles_S[seg]
+  lt = t - before
+  shift = shift_S[seg]
+  row8 = jnp.where(live, (seg_start[seg] - shift) // m + lt * (tile // m), 0)
+  return SegmentTiles(seg=seg, live=live, lt=lt, shift=shift,
+                      length=jnp.where(live, seg_len[seg], 0), before=before, row8=row8)
+
+
+def _stored_rows(r, block: int, st: SegmentTiles):
+  """(first row, rows) of a block of ``block`` rows starting at its segment's local row ``r``
+  that lie in the segment: the rows the block stores."""
+  first = jnp.maximum(r, 0)
+  count = jnp.where(st.live, jnp.minimum(r + block, st.length) - first, 0)
+  return jnp.where(count > 0, first - r, 0), jnp.maximum(count, 0)
+
+
+# q_tile_table_in_place fields: those of q_tile_table (``QT_Q_TILE``: the tile's LSE slot in the
+# ``front`` aligned layout, -1 for padding), then the tile's first row / 8 and, per warpgroup,
+# the first row of its block holding its segment's rows and how many.
+QT_Q_ROW8, QT_VA_W, QT_VN_W = 11, 12, 14
+QT_FIELDS_IN_PLACE = 16
+
+
+def q_tile_table_in_place(cu_q_N1, cu_k_N1, num_q_rows: int, bs: BlockSizes,
+                          block_kv: int) -> jax.Array:
+  """Forward work list [QT_FIELDS_IN_PLACE, B] over query tiles of the packed query buffer.
+
+  The buffer is cut into segments: the N tasks' query ranges, then the tail padding
+  ``[cu_q[-1], T)`` and the head padding ``[0, cu_q[0])`` (key-less: their O = 0 is written by
+  the kernel, so every row is written exactly once). A segment's tiles (``align_q`` rows) start
+  at its first row rounded down to ``KV_ROW_MULTIPLE``: the rows before it and past its end are
+  computed but not stored. Task tiles take LSE slots in the order of
+  ``aligned_layout(cu_q, T, align_q, front=True)``. Sorted by descending key tiles.
+  """
+  n = cu_q_N1.shape[0] - 1
+  st = _segment_tiles(cu_q_N1, num_q_rows, bs.align_q)
+  task = st.live & (st.seg < n)
+  zero = jnp.zeros((2,), jnp.int32)
+  lk = jnp.where(task, jnp.concatenate([cu_k_N1[1:] - cu_k_N1[:-1], zero])[st.seg], 0)
+  ks = jnp.where(task, jnp.concatenate([cu_k_N1[:-1], zero])[st.seg], 0)
+  r0 = st.lt * bs.align_q - st.shift  # the segment's local index of the tile's first row
+  slot = jnp.where(task, st.before + st.lt, -1)  # task segments come first
+  stored = [_stored_rows(r0 + w * bs.block_q, bs.block_q, st) for w in range(NUM_COMPUTE_WGS)]
+  fields = [slot, *_key_tile_fields(r0, jnp.where(task, st.length, 0), lk, ks, bs, block_kv),
+            st.row8, *(va for va, _ in stored), *(vn for _, vn in stored)]
+  table = jnp.stack([f.astype(jnp.int32) for f in fields])
+  return table[:, jnp.argsort(-table[QT_NMAX], stable=True)]
+
+
+def q_tail_rows(num_q_rows: int, num_rows8: int, block_q: int) -> jax.Array:
+  """Rows ``[num_rows8 - block_q, num_rows8 + block_q)`` of the query buffer (``num_rows8``: its
+  rows rounded up to 8), ``num_q_rows`` (a zero row) where outside ``[0, num_q_rows)``: the copy
+  a query block reaching past the buffer's end reads instead (``gather_rows``)."""
+  rows = num_rows8 - block_q + jnp.arange(2 * block_q, dtype=jnp.int32)
+  return jnp.where((rows >= 0) & (rows < num_q_rows), rows, num_q_rows)
 
 
 def kv_edges(cu_k_N1: jax.Array, num_k_rows: int, block_kv: int):
@@ -290,42 +395,28 @@ def kv_tile_table_in_place(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, num_k_rows: i
   ``moff`` counts from that row. Warpgroup ``w`` stores rows ``[va, va + vn)`` of its block.
   """
   n = cu_q_N1.shape[0] - 1
-  m, tile, bkd, bqd = KV_ROW_MULTIPLE, bs.align_k, bs.block_kv_dkv, bs.block_q_dkv
-  cu_k = cu_k_N1.astype(jnp.int32)
-  lo, hi = cu_k[:1], cu_k[-1:]
-  zero = jnp.zeros((1,), jnp.int32)
-  seg_start = jnp.concatenate([cu_k[:-1], hi, zero])
-  seg_len = jnp.maximum(jnp.concatenate([cu_k[1:] - cu_k[:-1], num_k_rows - hi, lo]), 0)
-  seg_lq = jnp.concatenate([cu_q_N1[1:] - cu_q_N1[:-1], zero, zero])
-  seg_q = jnp.concatenate([lay_q.start_N // bs.align_q, zero, zero])
-  shift_S = seg_start % m
-  tiles_S = jnp.where(seg_len > 0, (seg_len + shift_S + tile - 1) // tile, 0)
-  end_S = jnp.cumsum(tiles_S)
-  num_tiles = -(-num_k_rows // tile) + 2 * (n + 2)  # each segment adds < 2 partial tiles
-  t = jnp.arange(num_tiles, dtype=jnp.int32)
-  seg = jnp.minimum(jnp.searchsorted(end_S, t, side="right"), n + 1).astype(jnp.int32)
-  live = t < end_S[-1]
-  lt = t - (end_S[seg] - tiles_S[seg])
-  shift = shift_S[seg]
-  row8 = jnp.where(live, (seg_start[seg] - shift) // m + lt * (tile // m), 0)
-  length = jnp.where(live, seg_len[seg], 0)
-  lq = jnp.where(live, seg_lq[seg], 0)
-  lk = jnp.where(seg < n, length, 0)
+  bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
+  st = _segment_tiles(cu_k_N1, num_k_rows, bs.align_k)
+  zero = jnp.zeros((2,), jnp.int32)
+  lq = jnp.where(st.live, jnp.concatenate([cu_q_N1[1:] - cu_q_N1[:-1], zero])[st.seg], 0)
+  seg_q = jnp.where(st.live,
+                    jnp.concatenate([lay_q.start_N // bs.align_q, zero])[st.seg], 0)
+  lk = jnp.where(st.seg < n, st.length, 0)
   off = lk - lq
   n_q = (lq + bqd - 1) // bqd
   qa_w, qf_w, moff_w, va_w, vn_w = [], [], [], [], []
   for w in range(NUM_COMPUTE_WGS):
-    kw = lt * tile + w * bkd - shift  # the segment's local index of the block's first row
+    kw = st.lt * bs.align_k + w * bkd - st.shift  # the segment's local index of its first row
     first = jnp.maximum(kw, 0)
     last_key = jnp.minimum(kw + bkd, lk) - 1
     empty = (kw + bkd <= 0) | (kw >= lk)
     qa_w.append(jnp.where(empty, n_q, jnp.clip((first - off) // bqd, 0, n_q)))
     qf_w.append(jnp.where(empty, n_q, jnp.clip((last_key - off + bqd - 1) // bqd, 0, n_q)))
     moff_w.append(kw - off)
-    count = jnp.where(live, jnp.minimum(kw + bkd, length) - first, 0)
-    va_w.append(jnp.where(count > 0, first - kw, 0))
-    vn_w.append(jnp.maximum(count, 0))
+    va, vn = _stored_rows(kw, bkd, st)
+    va_w.append(va)
+    vn_w.append(vn)
   qa = jnp.minimum(*qa_w)
-  fields = [row8, jnp.where(live, seg_q[seg], 0), n_q, qa, *qa_w, *qf_w, *moff_w, *va_w, *vn_w]
+  fields = [st.row8, seg_q, n_q, qa, *qa_w, *qf_w, *moff_w, *va_w, *vn_w]
   table = jnp.stack([f.astype(jnp.int32) for f in fields])
   return table[:, jnp.argsort(-(n_q - qa), stable=True)]

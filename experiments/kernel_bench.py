@@ -76,7 +76,7 @@ FAMILIES = {
 FULL = dict(heads=NUM_HEADS, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype="bfloat16",
             tokens=16384, max_doc=16384, sched_tokens=16384, sched_servers=8, trials=5,
             min_trial_s=0.05, interpret=False, backends=",".join(BACKENDS),
-            workloads="dense,ca,sched")
+            workloads="dense,ca,sched", row_multiple=128)
 # A representative subset for one short GPU run: the dense anchor, the composability ends of the
 # synthetic sweep and three min_shard values of each scheduler workload; ours against flash3.
 QUICK = dict(backends="flash3,pallas,mosaic", workloads=",".join(
@@ -84,7 +84,7 @@ QUICK = dict(backends="flash3,pallas,mosaic", workloads=",".join(
     + [f"sched-{w}-m{m}" for w in SCHED_FAMILIES for m in (128, 512, 2048)]))
 # CPU smoke test: tiny shapes, every workload family, ours interpreted and the jnp reference.
 TINY = dict(heads=4, kv_heads=2, head_dim=32, tokens=256, max_doc=256, sched_tokens=256,
-            sched_servers=4, trials=2, min_trial_s=0.0, interpret=True,
+            sched_servers=4, trials=2, min_trial_s=0.0, interpret=True, row_multiple=16,
             backends="reference,pallas",
             workloads="dense-128,ca-s16,ca-s64,sched-pretrain-m16,sched-prolong-m64")
 # Named tilings of our kernel; "pallas" means "pallas:default".
@@ -507,15 +507,16 @@ def write_markdown(path: str, result: dict) -> None:
       + (", ours in the Pallas interpreter" if cfg.get("interpret") else "")
       + f"; CA batches: {cfg['tokens']} query tokens of tail shards [b-s, b), "
       f"b uniform in [s, {cfg['max_doc']}], seed {cfg['seed']}"
-      + (f"; Q and KV buffers rounded up to multiples of {cfg['row_multiple']} rows"
-         if cfg.get("row_multiple", 1) > 1 else ""),
+      + (f"; every workload's Q and KV buffers: its rows rounded up to a multiple of "
+         f"{cfg['row_multiple']} (the data plane's buffers)" if cfg.get("row_multiple", 1) > 1
+         else "; buffers ending at the last task"),
       f"- sched-W-mS: step {sched['step']} of workload W, {sched['servers']} ranks x "
       f"{sched['tokens_per_rank']} tokens, plan_lib.schedule(tolerance={sched['tolerance']}, "
       f"min_shard=S); server {sched['server']!r}"
       + (" (the most loaded after balancing)" if sched["server"] == "max" else "")
       + "; task slots of the capacity envelope over min_shard "
       f"{min(SCHED_MIN_SHARDS)}-{max(SCHED_MIN_SHARDS)}, buffers "
-      + ("ending at the last task" if sched["buffers"] == "used" else "of the envelope's rows")
+      + ("of the used rows" if sched["buffers"] == "used" else "of the envelope's rows")
       + " (see the table below the results)",
       "- TFLOP/s from exact task-table FLOPs: forward 4*H*D*pairs; forward+backward 3.5x "
       "forward. Median of trials of back-to-back calls.",
@@ -629,10 +630,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="sched: Q/KV buffers end at the last task ('used') or keep the "
                       "capacity envelope's padding rows ('envelope')")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--row-multiple", type=int, default=1,
+  parser.add_argument("--row-multiple", type=int,
                       help="round every workload's Q and KV buffer rows up to a multiple of this "
-                      "(padding rows, no FLOPs); 8 = what the mosaic kernel reads K/V in place "
-                      "from (other sizes it pads, one copy of K and V per call)")
+                      "(padding rows, no FLOPs). Default 128 (16 with --tiny): the training "
+                      "data plane's buffer rows (distca_jax.plan.capacity.row_multiple); 1 ends "
+                      "the buffers at the last task, and the mosaic kernel then pads buffers "
+                      "whose rows are not a multiple of 8 (one copy per call)")
   parser.add_argument("--trials", type=int)
   parser.add_argument("--min-trial-s", type=float)
   parser.add_argument("--child-timeout-s", type=float, default=1200)

@@ -3,8 +3,9 @@
 # (log: $OUT/mosaic_tests.log), then experiments.kernel_bench with the mosaic variants beside
 # flash3 (and pallas) in the same run ($OUT/kernel_bench_mosaic.{json,md}), then a summary.
 # Run from the repository root (or a copy of it):  OUT=/tmp/out bash experiments/mosaic_suite.sh
-# Environment: BACKENDS, WORKLOADS (kernel_bench lists), TESTS=0 skips the tests, TEST_ARGS (extra
-# pytest arguments, e.g. "-k kernels"), ROWS8_WORKLOADS (also run those with --row-multiple 8).
+# Environment: BACKENDS, WORKLOADS (kernel_bench lists), TESTS=0 skips the tests, TEST_K (a pytest
+# -k expression, e.g. "kernels_match and fused"), ROWS1_WORKLOADS (also run those with
+# --row-multiple 1: buffers ending at the last task instead of the data plane's 128-row multiples).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mosaic_out}
@@ -46,7 +47,7 @@ PY
 grep -q "smoke ok" "$OUT/smoke.log" || { echo "smoke failed: no tests, no benchmark"; exit 1; }
 if [ "${TESTS:-1}" != 0 ]; then
   timeout "${TEST_TIMEOUT:-200}" env JAX_PLATFORMS=cuda python3 -m pytest -q -s -rs \
-    tests/test_mosaic_attention.py ${TEST_ARGS:-} 2>&1 | tee "$OUT/mosaic_tests.log" | grep -v "^$" | tail -25
+    tests/test_mosaic_attention.py ${TEST_K:+-k "$TEST_K"} 2>&1 | tee "$OUT/mosaic_tests.log" | grep -v "^$" | tail -25
 fi
 timeout "${BENCH_TIMEOUT:-400}" python3 -m experiments.kernel_bench \
   --out "$OUT/kernel_bench_mosaic.json" --backends "$BACKENDS" --workloads "$WORKLOADS" \
@@ -54,10 +55,10 @@ timeout "${BENCH_TIMEOUT:-400}" python3 -m experiments.kernel_bench \
 echo "kernel_bench exit $?"
 grep -i "error" "$OUT/kernel_bench_mosaic.log" | cut -c1-600 | tail -6
 sed -n '/^TFLOP/,/^Output/p' "$OUT/kernel_bench_mosaic.md" 2>/dev/null
-if [ -n "${ROWS8_WORKLOADS:-}" ]; then  # the same tables in K/V buffers of 8-row multiples
-  timeout "${BENCH_TIMEOUT:-400}" python3 -m experiments.kernel_bench --row-multiple 8 \
-    --out "$OUT/kernel_bench_mosaic_rows8.json" --backends "$BACKENDS" \
-    --workloads "$ROWS8_WORKLOADS" --child-timeout-s "${CHILD_TIMEOUT:-120}" \
-    > "$OUT/kernel_bench_mosaic_rows8.log" 2>&1
-  sed -n '/^TFLOP/,/^Output/p' "$OUT/kernel_bench_mosaic_rows8.md" 2>/dev/null
+if [ -n "${ROWS1_WORKLOADS:-}" ]; then  # the same tables in buffers ending at the last task
+  timeout "${BENCH_TIMEOUT:-400}" python3 -m experiments.kernel_bench --row-multiple 1 \
+    --out "$OUT/kernel_bench_mosaic_rows1.json" --backends "$BACKENDS" \
+    --workloads "$ROWS1_WORKLOADS" --child-timeout-s "${CHILD_TIMEOUT:-120}" \
+    > "$OUT/kernel_bench_mosaic_rows1.log" 2>&1
+  sed -n '/^TFLOP/,/^Output/p' "$OUT/kernel_bench_mosaic_rows1.md" 2>/dev/null
 fi

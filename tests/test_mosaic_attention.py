@@ -75,6 +75,50 @@ def _visible(lq, lk):
   return j <= r + (lk - lq)
 
 
+def _check_key_tiles(col, w, r, task, cu_k, kv_edge, covered, block_kv, err):
+  """A query block's key tiles (``q_tile_table`` fields of ``col``; ``r``: the task-local rows
+  of the block that are checked): each read inside [cu_k[0], cu_k[-1]) or from the zero-padded
+  edge copy, unmasked tiles wholly visible; adds the visible pairs it visits to ``covered``."""
+  (lo, hi, hb8, tb8), edge_rows, edge_block, total_k = kv_edge
+  kb, shift, lk = col[mw.QT_KB8] * 8, col[mw.QT_SHIFT], col[mw.QT_LK]
+  n_full, n_kv = col[mw.QT_NFULL + w], col[mw.QT_NKV + w]
+  assert 0 <= n_kv <= col[mw.QT_NMAX], err
+  lq = cu_q_len = covered[task].shape[0]
+  assert lk == cu_k[task + 1] - cu_k[task] and kb + shift == cu_k[task], err
+  assert r.size and r[0] < cu_q_len, f"{err}: a block past its task's rows visits key tiles"
+  vis = _visible(lq, lk)
+  a = min(int(shift > 0), n_kv)
+  b = max(a, min(n_full, n_kv))
+  for j in range(n_kv):
+    start = kb + j * block_kv
+    if start < lo or start + block_kv > hi:  # read from the edge copy
+      e = (start // 8 - hb8 if start < lo else edge_block // 8 + start // 8 - tb8) * 8
+      assert 0 <= e and e + block_kv <= edge_rows.shape[0], f"{err} {start=}"
+      want = np.arange(start, start + block_kv)
+      want = np.where((want >= lo) & (want < hi), want, total_k)
+      np.testing.assert_array_equal(edge_rows[e:e + block_kv], want,
+                                    err_msg=f"{err} edge tile at {start}")
+    kpos = j * block_kv + np.arange(block_kv) - shift
+    real = kpos[(kpos >= 0) & (kpos < lk)]
+    assert real.size, f"{err}: key tile {j} holds none of the task's keys"
+    if a <= j < b:
+      assert kpos[0] >= 0 and kpos[-1] < lk and vis[np.ix_(r, kpos)].all(), (
+          f"{err}: unmasked tile {j}")
+    covered[task][np.ix_(r, real)] += vis[np.ix_(r, real)]
+
+
+def _kv_edge(cu_k, total_k, bs):
+  edges, edge_rows = (np.asarray(x) for x in mw.kv_edges(jnp.asarray(cu_k), total_k,
+                                                         bs.edge_block))
+  return edges, edge_rows, bs.edge_block, total_k
+
+
+def _assert_covered_once(covered, err):
+  for task, cov in enumerate(covered):
+    vis = _visible(*cov.shape)
+    assert (cov[vis] == 1).all(), f"{err} task {task}: visible pairs visited != once"
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("block_kv", [64, 128])
 def test_q_tile_table_covers_exactly_the_visible_pairs(seed, block_kv):
@@ -87,48 +131,77 @@ def test_q_tile_table_covers_exactly_the_visible_pairs(seed, block_kv):
   lay_q = mw.aligned_layout(jnp.asarray(cu_q), total_q, bs.align_q)
   table = np.asarray(mw.q_tile_table(jnp.asarray(cu_q), jnp.asarray(cu_k), lay_q, total_q, bs,
                                      block_kv))
-  edges, edge_rows = (np.asarray(x) for x in mw.kv_edges(jnp.asarray(cu_k), total_k,
-                                                         bs.edge_block))
-  lo, hi, hb8, tb8 = edges
+  kv_edge = _kv_edge(cu_k, total_k, bs)
   start_q = np.asarray(lay_q.start_N)
   covered = [np.zeros((b - a, d - c), int) for a, b, c, d in
              zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])]
   for col in table.T:
-    kb, shift, lk = col[mw.QT_KB8] * 8, col[mw.QT_SHIFT], col[mw.QT_LK]
     for w in range(2):
-      row0 = col[mw.QT_Q_TILE] * bs.align_q + w * bs.block_q
-      n_full, n_kv = col[mw.QT_NFULL + w], col[mw.QT_NKV + w]
-      assert 0 <= n_kv <= col[mw.QT_NMAX], f"{seed=} {col=}"
-      if n_kv == 0:
+      if col[mw.QT_NKV + w] == 0:
         continue
+      row0 = col[mw.QT_Q_TILE] * bs.align_q + w * bs.block_q
       task = int(np.searchsorted(start_q, row0, side="right") - 1)
-      lq = cu_q[task + 1] - cu_q[task]
-      assert lk == cu_k[task + 1] - cu_k[task] and kb + shift == cu_k[task], f"{seed=} {col=}"
       r = np.arange(row0, row0 + bs.block_q) - start_q[task]
-      assert r[0] < lq, f"{seed=}: a block past its task's rows visits key tiles"
-      r = r[r < lq]
-      vis = _visible(lq, lk)
-      a = min(int(shift > 0), n_kv)
-      b = max(a, min(n_full, n_kv))
-      for j in range(n_kv):
-        start = kb + j * block_kv
-        if start < lo or start + block_kv > hi:  # read from the edge copy
-          e = (start // 8 - hb8 if start < lo else bs.edge_block // 8 + start // 8 - tb8) * 8
-          assert 0 <= e and e + block_kv <= edge_rows.shape[0], f"{seed=} {start=}"
-          src = edge_rows[e:e + block_kv]
-          want = np.arange(start, start + block_kv)
-          want = np.where((want >= lo) & (want < hi), want, total_k)
-          np.testing.assert_array_equal(src, want, err_msg=f"{seed=} edge tile at {start}")
-        kpos = j * block_kv + np.arange(block_kv) - shift
-        real = kpos[(kpos >= 0) & (kpos < lk)]
-        assert real.size, f"{seed=}: key tile {j} holds none of the task's keys"
-        if a <= j < b:
-          assert kpos[0] >= 0 and kpos[-1] < lk and vis[np.ix_(r, kpos)].all(), (
-              f"{seed=}: unmasked tile {j}")
-        covered[task][np.ix_(r, real)] += vis[np.ix_(r, real)]
-  for task, cov in enumerate(covered):
-    vis = _visible(*cov.shape)
-    assert (cov[vis] == 1).all(), f"{seed=} task {task}: visible pairs visited != once"
+      r = r[r < cu_q[task + 1] - cu_q[task]]
+      _check_key_tiles(col, w, r, task, cu_k, kv_edge, covered, block_kv, f"{seed=} {col=}")
+  _assert_covered_once(covered, f"{seed=}")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_q_tile_table_in_place_stores_every_row_once_and_covers_the_visible_pairs(seed):
+  """The forward's in-place tiles: every query row of the buffer stored exactly once (task rows
+  by their task's tile, padding rows by a key-less tile), each stored task row's visible pairs
+  visited once, its LSE slot the row's place in the ``front`` aligned layout, and every query
+  block read inside the buffer or from the tail copy."""
+  rng = np.random.default_rng(seed)
+  bs = ma.BlockSizes()
+  bq = bs.block_q
+  cu_q, cu_k = random_table(rng, 7, 300)
+  total_q = int(cu_q[-1]) + int(rng.integers(0, 3)) * 8  # a multiple of 8 iff cu_q[-1] is
+  total_q += -total_q % 8
+  total_k = int(cu_k[-1]) + 5
+  table = np.asarray(mw.q_tile_table_in_place(jnp.asarray(cu_q), jnp.asarray(cu_k), total_q,
+                                              bs, bs.block_kv))
+  assert table.shape == (mw.QT_FIELDS_IN_PLACE, table.shape[1])
+  lay_f = mw.aligned_layout(jnp.asarray(cu_q), total_q, bs.align_q, front=True)
+  dst_f = np.asarray(lay_f.dst_T)
+  tail = np.asarray(mw.q_tail_rows(total_q, total_q, bq))
+  kv_edge = _kv_edge(cu_k, total_k, bs)
+  stored = np.zeros(total_q, int)
+  covered = [np.zeros((b - a, d - c), int) for a, b, c, d in
+             zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])]
+  for col in table.T:
+    err = f"{seed=} {col=}"
+    for w in range(2):
+      row0 = col[mw.QT_Q_ROW8] * 8 + w * bq
+      va, vn = col[mw.QT_VA_W + w], col[mw.QT_VN_W + w]
+      assert 0 <= va and va + vn <= bq, err
+      if row0 + bq > total_q:  # the kernel reads the tail copy at this offset
+        off = min(row0 - (total_q - bq), bq)
+        want = np.arange(row0, row0 + bq)
+        got = tail[off:off + bq]
+        keep = np.arange(bq) < va + vn
+        np.testing.assert_array_equal(got[keep], want[keep], err_msg=err)
+      else:
+        assert row0 >= 0 and row0 % 8 == 0, err
+      rows = np.arange(row0 + va, row0 + va + vn)
+      stored[rows] += 1
+      if vn == 0:
+        continue
+      task = int(np.searchsorted(cu_q, rows[0], side="right") - 1)
+      if rows[0] < cu_q[0] or rows[0] >= cu_q[-1]:  # padding: zeros, no LSE slot
+        assert col[mw.QT_NKV + w] == 0 and col[mw.QT_Q_TILE] == -1, err
+        continue
+      assert rows[-1] < cu_q[task + 1], f"{err}: a block stores rows of two tasks"
+      slots = col[mw.QT_Q_TILE] * bs.align_q + w * bq + np.arange(va, va + vn)
+      np.testing.assert_array_equal(slots, dst_f[rows], err_msg=f"{err}: LSE slots")
+      r = rows - cu_q[task]
+      if cu_k[task + 1] > cu_k[task]:
+        _check_key_tiles(col, w, r, task, cu_k, kv_edge, covered, bs.block_kv, err)
+      else:
+        assert col[mw.QT_NKV + w] == 0, err
+  np.testing.assert_array_equal(stored, 1, err_msg=f"{seed=}: query rows stored != once")
+  _assert_covered_once(covered, f"{seed=}")
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -278,16 +351,18 @@ def test_fused_bwd_steps_cover_exactly_the_visible_pairs(seed):
   np.testing.assert_array_equal(counts[real_rows], want[real_rows], err_msg=f"{seed=}")
 
 
-@pytest.mark.parametrize("num_k_rows,head_dim,in_place,fused,adjacent,pairs", [
-    (2045, 128, True, True, True, True), (2048, 64, True, True, True, True),
-    (2045, 128, True, False, True, True), (2048, 64, False, False, True, True),
-    (2045, 128, True, False, True, False), (2045, 128, True, True, False, True)])
-def test_kernels_lower_for_cuda(num_k_rows, head_dim, in_place, fused, adjacent, pairs):
+@pytest.mark.parametrize("num_q_rows,num_k_rows,head_dim,in_place,fused,adjacent,pairs", [
+    (1000, 2045, 128, True, True, True, True), (1003, 2048, 64, True, True, True, True),
+    (1000, 2045, 128, True, False, True, True), (1000, 2048, 64, False, False, True, True),
+    (1000, 2045, 128, True, False, True, False), (1000, 2045, 128, True, True, False, True)])
+def test_kernels_lower_for_cuda(num_q_rows, num_k_rows, head_dim, in_place, fused, adjacent,
+                                pairs):
   """Forward and backward lower to Mosaic GPU modules without a GPU (cross-platform lowering):
-  catches layout-inference and TMA-shape errors (e.g. K/V row counts off a multiple of 8)."""
+  catches layout-inference and TMA-shape errors (e.g. Q or K/V row counts off a multiple of
+  8)."""
   bs = ma.BlockSizes(dkv_in_place=in_place, fused_bwd=fused, group_adjacent=adjacent,
                      bwd_pairs=pairs)
-  q = jax.ShapeDtypeStruct((1000, 4, head_dim), jnp.bfloat16)
+  q = jax.ShapeDtypeStruct((num_q_rows, 4, head_dim), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((num_k_rows, 2, head_dim), jnp.bfloat16)
   cu = jax.ShapeDtypeStruct((5,), jnp.int32)
 
@@ -310,7 +385,7 @@ def test_query_grid_visits_every_head_and_tile_once(num_heads, group):
   num_tiles = 5
   for adjacent in (True, False):
     bs = ma.BlockSizes(group_adjacent=adjacent)
-    grid, names = mosaic_kernels._query_grid(bs, num_heads, group, num_tiles)  # pylint: disable=protected-access
+    grid, names = mosaic_kernels.query_grid(bs, num_heads, group, num_tiles)
     seen = []
     for idx in np.ndindex(*grid):  # last axis fastest: the launch order
       at = dict(zip(names, idx))
@@ -373,8 +448,10 @@ _CASES = [  # (seed, tasks, max task length, H, K, D)
 GPU_CASES = ([c + ("fused",) for c in _CASES] + [c + ("two",) for c in _CASES]
              + [(5, 8, 300, 4, 1, 128, "gather"), (6, 5, 500, 8, 2, 64, "gather"),
                 (7, 4, 2000, 8, 1, 128, "fused"), (8, 7, 900, 8, 2, 128, "unpaired"),
-                (9, 6, 400, 4, 1, 64, "unpaired")])
-_BACKWARD_OPTIONS = {"fused": {}, "two": dict(fused_bwd=False),
+                (9, 6, 400, 4, 1, 64, "unpaired"), (10, 7, 600, 8, 2, 128, "tight"),
+                (11, 5, 300, 4, 4, 64, "tight")])
+# "tight": the default kernels on buffers without padding rows (queries rounded up to 8 rows).
+_BACKWARD_OPTIONS = {"fused": {}, "tight": {}, "two": dict(fused_bwd=False),
                      "unpaired": dict(fused_bwd=False, bwd_pairs=False),
                      "gather": dict(fused_bwd=False, dkv_in_place=False)}
 
@@ -388,6 +465,8 @@ def test_kernels_match_reference(case):
   rng = np.random.default_rng(seed)
   cu_q, cu_k = random_table(rng, num_tasks, max_len)
   total_q, total_k = int(cu_q[-1]) + 37, int(cu_k[-1]) + 11
+  if backward == "tight":
+    total_q, total_k = -(-int(cu_q[-1]) // 8) * 8, int(cu_k[-1])
   dt = jnp.bfloat16
   q = rng.standard_normal((total_q, num_heads, head_dim)).astype(np.float32)
   k = rng.standard_normal((total_k, num_kv_heads, head_dim)).astype(np.float32)

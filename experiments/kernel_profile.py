@@ -88,12 +88,12 @@ FULL = dict(heads=kb.NUM_HEADS, kv_heads=kb.NUM_KV_HEADS, head_dim=kb.HEAD_DIM, 
             tokens=16384, max_doc=16384, sched_tokens=16384, sched_servers=8, trials=5,
             min_trial_s=0.05, interpret=False, backends="pallas,flash3",
             workloads="dense-16384,ca-s512,ca-s128,sched-prolong-m512,sched-prolong-m128",
-            trace_calls=3, trace_gap_s=0.02, triton_ir=True)
+            trace_calls=3, trace_gap_s=0.02, triton_ir=True, row_multiple=128)
 # CPU smoke test: ~256 tokens, 2 query heads / 1 KV head, head dim 16, ours interpreted.
 TINY = dict(heads=2, kv_heads=1, head_dim=16, tokens=256, max_doc=256, sched_tokens=256,
             sched_servers=4, trials=2, min_trial_s=0.0, interpret=True,
             backends="pallas,reference", workloads="dense-256,ca-s64,sched-prolong-m64",
-            trace_calls=2, trace_gap_s=0.05, triton_ir=False)
+            trace_calls=2, trace_gap_s=0.05, triton_ir=False, row_multiple=16)
 # Tiles for --tiny: bigger than BlockSizes.for_interpret() (fewer interpreted grid steps, so the
 # test stays fast) while the 64-token shards still span several tiles.
 TINY_BLOCK = 32
@@ -328,6 +328,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--sched-tokens", type=int, help="sched: tokens per rank")
   parser.add_argument("--sched-servers", type=int, help="sched: ranks = servers")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--row-multiple", type=int,
+                      help="buffer rows rounded up to a multiple of this, as kernel_bench's flag "
+                      "(default 128, 16 with --tiny: the data plane's buffers; 1 ends them at "
+                      "the last task)")
   parser.add_argument("--trials", type=int)
   parser.add_argument("--min-trial-s", type=float)
   parser.add_argument("--trace-calls", type=int, help="forward+backward calls in the trace")
@@ -377,6 +381,9 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   names = kb.expand_workload_names(args.workloads)
   workloads = kb.make_workloads(names, args.tokens, args.max_doc, args.seed, _sched_config(args))
+  for wl in workloads:
+    wl.q_rows = -(-wl.q_rows // args.row_multiple) * args.row_multiple
+    wl.kv_rows = -(-wl.kv_rows // args.row_multiple) * args.row_multiple
   stem = os.path.splitext(os.path.abspath(args.out))[0]
   if args.child:
     return kb.run_child(run_backend, workloads, args)
@@ -392,7 +399,8 @@ def main(argv=None) -> int:
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       config=dict(num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
                   dtype=args.dtype, interpret=args.interpret, tokens=args.tokens,
-                  max_doc=args.max_doc, seed=args.seed, trials=args.trials,
+                  max_doc=args.max_doc, seed=args.seed, row_multiple=args.row_multiple,
+                  trials=args.trials,
                   min_trial_s=args.min_trial_s, trace_calls=args.trace_calls,
                   trace_gap_s=args.trace_gap_s, triton_ir=args.triton_ir,
                   triton_pass_logs=args.triton_pass_logs,
@@ -401,8 +409,9 @@ def main(argv=None) -> int:
       flops_convention=__doc__[__doc__.index("FLOP convention"):__doc__.index("Phases:")].strip(),
       backends=backends, workloads=names, entries=[], backend_status={}, backend_wall_s={})
   shared = ["--workloads", ",".join(names), "--tokens", str(args.tokens), "--max-doc",
-            str(args.max_doc), "--seed", str(args.seed), "--trials", str(args.trials),
-            "--min-trial-s", str(args.min_trial_s), "--heads", str(args.heads), "--kv-heads",
+            str(args.max_doc), "--seed", str(args.seed), "--row-multiple",
+            str(args.row_multiple), "--trials", str(args.trials), "--min-trial-s",
+            str(args.min_trial_s), "--heads", str(args.heads), "--kv-heads",
             str(args.kv_heads), "--head-dim", str(args.head_dim), "--dtype", args.dtype,
             "--interpret" if args.interpret else "--no-interpret", "--sched-tokens",
             str(args.sched_tokens), "--sched-servers", str(args.sched_servers),

@@ -22,12 +22,18 @@ Layout (why it looks like this):
   slot per tile, in the order of the aligned layout below with each task shifted by
   ``cu_q[i] % 8`` rows (``aligned_layout(..., front=True)``), and is gathered back ([H, T] f32,
   small). Query buffers whose row count is not a multiple of 8 are padded first (one copy).
-* The backward reads an aligned copy of Q and dO. TMA copies whole tiles, and a query tile
-  that straddles two tasks would mix their rows: each task's query rows are gathered (inside
-  jit, plain jnp on ``cu_seqlens``) into a buffer where every task starts at a multiple of the
-  CTA tile (rows between tasks are zeros, LSE -inf), and dQ is gathered back. The padded length
-  is static (``padded_rows``: each task adds at most ``align - 1`` rows), so one compiled kernel
-  serves every task table of the same shapes.
+* The backward's key-tile kernels (the default one-kernel backward, the in-place dK/dV kernel)
+  read Q and dO in place the same way: a task's query tiles start at ``cu_q[i]`` rounded down
+  to 8, tiles reaching outside the tasks' rows ``[cu_q[0], cu_q[-1])`` read zero-padded edge
+  copies (``kv_edges`` on ``cu_q``), and LSE / delta come in the forward's slot layout, where
+  every row of no task gets LSE +inf (P, hence dS, is exactly 0 there, so those rows add
+  nothing to dK, dV or dQ). dQ is accumulated in place in f32 and scaled and cast in one pass.
+* The dQ kernel of the two-kernel backward (and the dK/dV kernel on aligned K/V) reads an
+  aligned copy of Q and dO: each task's query rows are gathered (inside jit, plain jnp on
+  ``cu_seqlens``) into a buffer where every task starts at a multiple of the CTA tile (rows
+  between tasks are zeros, LSE +inf), and dQ is gathered back. The padded length is static
+  (``padded_rows``: each task adds at most ``align - 1`` rows), so one compiled kernel serves
+  every task table of the same shapes.
 * Keys and values are read in place. Key tiles start at multiples of ``KV_ROW_MULTIPLE`` (8)
   rows, the granularity at which Mosaic GPU issues tiled TMA copies; a task's first tile may
   start up to 7 rows early and its last runs past its end, both masked. Tiles that would reach
@@ -52,7 +58,7 @@ Layout (why it looks like this):
   by default one kernel over key tiles (FlashAttention-3 style): each CTA loops over its GQA
   group's heads and its task's visible query tiles, accumulates dK/dV in registers and computes
   dQ of each query step (each warpgroup half of its columns, over both warpgroups' keys), added
-  to an f32 buffer with TMA reduce-add stores; dQ is scaled and cast while it is gathered back.
+  to an f32 buffer with TMA reduce-add stores.
   With ``BlockSizes(fused_bwd=False)``, FlashAttention-2 style without atomics: a dQ kernel over
   query tiles beside the dK/dV kernel (two more matrix products per tile pair).
 
@@ -161,39 +167,46 @@ def _attention_bwd(scale, bs, residuals, cotangents):
   # lse2_f: the forward's LSE slots (the ``front`` aligned layout).
   (q, k, v, o, lse2_f, cu_q, cu_k), num_q_rows, num_k_rows = residuals
   do, dlse_TxH = cotangents
-  lay_q = aligned_layout(cu_q, num_q_rows, bs.align_q)
-  q_p, do_p = gather_rows(q, lay_q.src_P), gather_rows(do, lay_q.src_P)
   # delta_i = sum_d O_id dO_id - dLSE_i: the row term of dS = P * (dP - delta).
   delta_TxH = (jnp.einsum("thd,thd->th", o.astype(jnp.float32), do.astype(jnp.float32))
                - dlse_TxH.astype(jnp.float32))
-  delta_p = gather_rows(delta_TxH.T, lay_q.src_P, axis=1)
-  lay_f = aligned_layout(cu_q, num_q_rows, bs.align_q, front=True)
-  slot_p = gather_rows(lay_f.dst_T, lay_q.src_P, fill=lse2_f.shape[1])
-  lse2_p = gather_rows(lse2_f, slot_p, fill=-jnp.inf, axis=1)
-  # Rows that see no key (LSE -inf) get +inf: their P, hence dS, is exactly 0.
-  lse2_b = jnp.where(jnp.isneginf(lse2_p), jnp.inf, lse2_p)
   edges, k_edge, v_edge = _key_edges(k, v, cu_k, bs)
+  # The in-place kernels read Q and dO in the packed buffers (rows outside the tasks from
+  # zero-padded edge copies) and LSE / delta in the front layout, where rows of no task (a
+  # tile's rows before or after its task) get LSE +inf, as do rows that see no key (LSE -inf):
+  # their P, hence dS, is exactly 0.
+  lay_f = aligned_layout(cu_q, num_q_rows, bs.align_q, front=True)
+  task_row = (lay_f.src_P < num_q_rows)[None, :]
+  lse2_fb = jnp.where(task_row & ~jnp.isneginf(lse2_f), lse2_f, jnp.inf)
+  delta_f = gather_rows(delta_TxH.T, lay_f.src_P, axis=1)
+  q8, do8 = (_rows_to_multiple(x, KV_ROW_MULTIPLE) for x in (q, do))
+  q_edges, q_edge_rows = kv_edges(cu_q, num_q_rows, bs.block_q_dkv)
+  q_edges = (q_edges, gather_rows(q, q_edge_rows), gather_rows(do, q_edge_rows))
+  meta_k = kv_tile_table_in_place(cu_q, cu_k, lay_f, num_k_rows, bs)
   if bs.fused_bwd:
-    meta_k = kv_tile_table_in_place(cu_q, cu_k, lay_q, num_k_rows, bs)
-    dq_p, dk, dv = bwd_fused_call(meta_k, edges, q_p, k, v, k_edge, v_edge, do_p, lse2_b,
-                                  delta_p, bs=bs, scale=scale, num_k_rows=num_k_rows)
-    dq = (gather_rows(dq_p, lay_q.dst_T) * scale).astype(q_p.dtype)
-    return dq, dk, dv, None, None
+    dq, dk, dv = bwd_fused_call(meta_k, edges, q8, k, v, k_edge, v_edge, do8, lse2_fb, delta_f,
+                                q_edges, bs=bs, scale=scale, num_k_rows=num_k_rows)
+    return (dq[:num_q_rows] * scale).astype(q.dtype), dk, dv, None, None
+  # The dQ kernel (and the dK/dV kernel on aligned K/V) read the aligned query buffer.
+  lay_q = aligned_layout(cu_q, num_q_rows, bs.align_q)
+  q_p, do_p = gather_rows(q, lay_q.src_P), gather_rows(do, lay_q.src_P)
+  delta_p = gather_rows(delta_TxH.T, lay_q.src_P, axis=1)
+  slot_p = gather_rows(lay_f.dst_T, lay_q.src_P, fill=lse2_f.shape[1])
+  lse2_b = gather_rows(lse2_fb, slot_p, fill=jnp.inf, axis=1)
   meta_q = q_tile_table(cu_q, cu_k, lay_q, num_q_rows, bs, bs.block_kv_dq)
   dq_p = dq_aligned(meta_q, edges, q_p, k, v, k_edge, v_edge, do_p, lse2_b, delta_p, bs=bs,
-                     scale=scale)
+                    scale=scale)
   if bs.dkv_in_place:
     # dK/dV are stored untiled, so they take the caller's row count.
-    meta_k = kv_tile_table_in_place(cu_q, cu_k, lay_q, num_k_rows, bs)
-    dk, dv = dkv_call(meta_k, edges, q_p, k, v, k_edge, v_edge, do_p, lse2_b, delta_p, bs=bs,
-                       scale=scale, num_k_rows=num_k_rows)
+    dk, dv = dkv_call(meta_k, edges, q8, k, v, k_edge, v_edge, do8, lse2_fb, delta_f, q_edges,
+                      bs=bs, scale=scale, num_k_rows=num_k_rows)
   else:
     k, v = k[:num_k_rows], v[:num_k_rows]
     lay_k = aligned_layout(cu_k, num_k_rows, bs.align_k)
     k_p, v_p = gather_rows(k, lay_k.src_P), gather_rows(v, lay_k.src_P)
-    meta_k = kv_tile_table(cu_q, cu_k, lay_q, lay_k, k.shape[0], bs)
-    dk_p, dv_p = dkv_call(meta_k, edges, q_p, k_p, v_p, k_p, v_p, do_p, lse2_b, delta_p, bs=bs,
-                           scale=scale, num_k_rows=k_p.shape[0])
+    meta_ka = kv_tile_table(cu_q, cu_k, lay_q, lay_k, k.shape[0], bs)
+    dk_p, dv_p = dkv_call(meta_ka, edges, q_p, k_p, v_p, k_p, v_p, do_p, lse2_b, delta_p,
+                          q_edges, bs=bs, scale=scale, num_k_rows=k_p.shape[0])
     dk, dv = gather_rows(dk_p, lay_k.dst_T), gather_rows(dv_p, lay_k.dst_T)
   dq = gather_rows(dq_p, lay_q.dst_T)
   return dq, dk, dv, None, None

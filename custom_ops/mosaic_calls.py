@@ -90,10 +90,11 @@ def dq_aligned(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
   return kernel(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p)
 
 
-def dkv_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
-              bs: BlockSizes, scale: float, num_k_rows: int):
-  """dK, dV [num_k_rows, K, D]: in the packed buffers (``bs.dkv_in_place``) or in the aligned
-  copies k, v."""
+def dkv_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, q_edges, *,
+             bs: BlockSizes, scale: float, num_k_rows: int):
+  """dK, dV [num_k_rows, K, D]: in the packed buffers (``bs.dkv_in_place``: q_p, do_p the
+  packed Q and dO, ``q_edges`` = (edges, Q edge copy, dO edge copy) as ``kv_edges``) or in the
+  aligned copies k, v (q_p, do_p aligned; ``q_edges`` unread)."""
   num_heads, head_dim = q_p.shape[1], q_p.shape[2]
   num_kv_heads = k.shape[1]
   dtype, slots = q_p.dtype, bs.max_concurrent_steps
@@ -114,17 +115,18 @@ def dkv_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
       grid=(num_kv_heads, meta.shape[1]),
       name="mosaic_attention_dkv",
   )
-  return kernel(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p)
+  return kernel(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *q_edges)
 
 
-def bwd_fused_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
+def bwd_fused_call(meta, edges, q, k, v, k_edge, v_edge, do, lse_p, delta_p, q_edges, *,
                    bs: BlockSizes, scale: float, num_k_rows: int):
-  """dQ [P, H, D] (f32, unscaled: the caller multiplies by ``scale``) of the aligned query buffer
-  and dK, dV [num_k_rows, K, D] in the packed buffers, from one kernel over key tiles
-  (``kv_tile_table_in_place``)."""
-  num_heads, head_dim = q_p.shape[1], q_p.shape[2]
+  """dQ [T + block_q_dkv, H, D] (f32, unscaled: the caller multiplies by ``scale``; rows past
+  T receive zeros) of the packed query buffer (T rows, a multiple of 8) and dK, dV
+  [num_k_rows, K, D] in the packed buffers, from one kernel over key tiles
+  (``kv_tile_table_in_place``; ``q_edges`` as ``dkv_call``'s)."""
+  num_heads, head_dim = q.shape[1], q.shape[2]
   num_kv_heads = k.shape[1]
-  dtype, slots = q_p.dtype, bs.max_concurrent_steps
+  dtype, slots = q.dtype, bs.max_concurrent_steps
   bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
   # Each warpgroup's dQ product reads half of K's columns: one swizzle row of half a row's bytes.
   swizzle = min(128, head_dim // NUM_COMPUTE_WGS * jnp.dtype(dtype).itemsize)
@@ -150,6 +152,7 @@ def bwd_fused_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p,
       grid=(num_kv_heads, meta.shape[1]),
       name="mosaic_attention_bwd",
   )
-  dq_ref = jax.new_ref(jnp.zeros(q_p.shape, jnp.float32))
-  dk, dv = kernel(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, dq_ref)
+  # Query tiles of the last task may run up to block_q_dkv rows past the buffer's end.
+  dq_ref = jax.new_ref(jnp.zeros((q.shape[0] + bqd, *q.shape[1:]), jnp.float32))
+  dk, dv = kernel(meta, edges, q, k, v, k_edge, v_edge, do, lse_p, delta_p, *q_edges, dq_ref)
   return dq_ref[...], dk, dv

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from custom_ops.mosaic_worklists import (
-    KT_K_ROW, KT_MOFF_W, KT_NQ, KT_Q_ROW, KT_QA, KT_QA_W, KT_QF_W, KT_VA_W, KT_VN_W,
+    KT_K_ROW, KT_MOFF_W, KT_NQ, KT_Q_ROW, KT_Q_ROW8, KT_QA, KT_QA_W, KT_QF_W, KT_VA_W, KT_VN_W,
     KV_ROW_MULTIPLE, NUM_COMPUTE_WGS, QT_DIAG, QT_KB8, QT_LK, QT_NFULL, QT_NKV, QT_NMAX,
     QT_Q_ROW8, QT_Q_TILE, QT_SHIFT, QT_VA_W, QT_VN_W, BlockSizes)
 
@@ -447,17 +447,30 @@ def _wait_query_tile(bars, slot):
 
 def _stream_query_tiles(q_ref, do_ref, lse_ref, delta_ref, q_smem, do_smem, lse_smem, delta_smem,
                         bars, free, *, kvh, group: int, per_head, q_row, qa, block: int,
-                        num_steps, slots: int):
+                        num_steps, slots: int, in_place=None):
   """Producer warpgroup of the dK/dV and fused kernels: step s streams query tile
-  ``qa + s % per_head`` of head ``kvh * group + s // per_head`` (Q, dO, LSE, delta)."""
+  ``qa + s % per_head`` of head ``kvh * group + s // per_head`` (Q, dO, LSE, delta). LSE and
+  delta rows start at ``q_row``; Q and dO rows too, or with ``in_place`` = (edges, Q edge copy,
+  dO edge copy, first row / 8, edge block) at that row of the packed buffers
+  (``_read_key_rows``)."""
   plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
   def load(s, slot):
     h = kvh * group + lax.div(s, per_head)
-    rows = pl.ds(q_row + (qa + lax.rem(s, per_head)) * block, block)
-    for src, dst, bar in ((q_ref.at[rows, h], q_smem, bars[0]), (do_ref.at[rows, h], do_smem, bars[1]),
-                          (lse_ref.at[h, rows], lse_smem, bars[2]),
-                          (delta_ref.at[h, rows], delta_smem, bars[3])):
+    qt = qa + lax.rem(s, per_head)
+    rows = pl.ds(q_row + qt * block, block)
+    loads = [(lse_ref.at[h, rows], lse_smem, bars[2]), (delta_ref.at[h, rows], delta_smem, bars[3])]
+    if in_place is None:
+      loads += [(q_ref.at[rows, h], q_smem, bars[0]), (do_ref.at[rows, h], do_smem, bars[1])]
+    else:
+      edges_ref, qe_ref, doe_ref, q_row8, edge_block = in_place
+
+      def copy(src_q, src_do, rows8):
+        plgpu.copy_gmem_to_smem(src_q.at[rows8, h], q_smem.at[slot], bars[0].at[slot])
+        plgpu.copy_gmem_to_smem(src_do.at[rows8, h], do_smem.at[slot], bars[1].at[slot])
+      _read_key_rows(edges_ref, q_ref, do_ref, qe_ref, doe_ref,
+                     q_row8 + qt * (block // KV_ROW_MULTIPLE), block, edge_block, copy)
+    for src, dst, bar in loads:
       plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
 
   _stream(num_steps, slots, load, lambda slot: plgpu.barrier_wait(free.at[slot]))
@@ -476,10 +489,12 @@ def _load_key_block(edges_ref, k_ref, v_ref, ke_ref, ve_ref, ks, vs, bar, kvh, s
 
 
 def dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref, lse_ref,
-                delta_ref, dk_ref, dv_ref, *scratch, bs: BlockSizes, scale: float, group: int):
+               delta_ref, qedges_ref, qe_ref, doe_ref, dk_ref, dv_ref, *scratch, bs: BlockSizes,
+               scale: float, group: int):
   """One CTA key tile of one KV head: dK, dV over its GQA group's heads and visible queries.
 
-  In place (``bs.dkv_in_place``): K/V rows come from the packed buffers (``_read_key_rows``) and
+  In place (``bs.dkv_in_place``): K/V and Q/dO rows come from the packed buffers
+  (``_read_key_rows``; ``qedges_ref``, ``qe_ref``, ``doe_ref``: the query side's edges) and
   each warpgroup stores only its segment's rows of dK/dV, from untiled staging buffers in
   power-of-two row pieces (TMA stores of whole tiles would overwrite the neighbours' rows).
   ``bs.bwd_pairs``: see ``_dkv_products``.
@@ -557,16 +572,20 @@ def dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref,
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0)
 
+  in_place = ((qedges_ref, qe_ref, doe_ref, meta_ref[KT_Q_ROW8, tile], bs.block_q_dkv)
+              if bs.dkv_in_place else None)
   pl.when(wg == NUM_COMPUTE_WGS)(functools.partial(
       _stream_query_tiles, q_ref, do_ref, lse_ref, delta_ref, q_smem, do_smem, lse_smem,
       delta_smem, (q_bar, do_bar, lse_bar, delta_bar), free, kvh=kvh, group=group,
-      per_head=per_head, q_row=q_row, qa=qa, block=bqd, num_steps=num_steps, slots=slots))
+      per_head=per_head, q_row=q_row, qa=qa, block=bqd, num_steps=num_steps, slots=slots,
+      in_place=in_place))
 
 
 def bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref, lse_ref,
-                      delta_ref, dq_ref, dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem,
-                      lse_smem, delta_smem, union, kv_bar, q_bar, do_bar, lse_bar, delta_bar,
-                      free, ds_bar, *, bs: BlockSizes, scale: float, group: int):
+                     delta_ref, qedges_ref, qe_ref, doe_ref, dq_ref, dk_ref, dv_ref, k_smem,
+                     v_smem, q_smem, do_smem, lse_smem, delta_smem, union, kv_bar, q_bar, do_bar,
+                     lse_bar, delta_bar, free, ds_bar, *, bs: BlockSizes, scale: float,
+                     group: int):
   """One CTA key tile of one KV head: dK, dV as the dK/dV kernel, plus dQ of every query step.
 
   Per step, each warpgroup writes its dS^T block [block_kv_dkv, block_q_dkv] to shared memory;
@@ -586,6 +605,7 @@ def bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, d
   half = head_dim // NUM_COMPUTE_WGS
   dtype = q_ref.dtype
   k_row, q_row, n_q, qa, per_head, num_steps = _key_tile_steps(meta_ref, tile, bs, group)
+  q_row8 = meta_ref[KT_Q_ROW8, tile]
 
   @pl.when(wg < NUM_COMPUTE_WGS)
   def _compute():
@@ -607,7 +627,7 @@ def bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, d
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous step's store read its stage
       dq_stage.at[wg][...] = dq
       plgpu.commit_smem()
-      rows = pl.ds(q_row + qt * bqd, bqd)
+      rows = pl.ds((q_row8 + qt * (bqd // KV_ROW_MULTIPLE)) * KV_ROW_MULTIPLE, bqd)
       plgpu.copy_smem_to_gmem(dq_stage.at[wg], dq_ref.at[rows, kvh * group + g, cols],
                               reduction_op="add")
 
@@ -668,4 +688,5 @@ def bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, d
   pl.when(wg == NUM_COMPUTE_WGS)(functools.partial(
       _stream_query_tiles, q_ref, do_ref, lse_ref, delta_ref, q_smem, do_smem, lse_smem,
       delta_smem, (q_bar, do_bar, lse_bar, delta_bar), free, kvh=kvh, group=group,
-      per_head=per_head, q_row=q_row, qa=qa, block=bqd, num_steps=num_steps, slots=slots))
+      per_head=per_head, q_row=q_row, qa=qa, block=bqd, num_steps=num_steps, slots=slots,
+      in_place=(qedges_ref, qe_ref, doe_ref, q_row8, bqd)))

@@ -32,9 +32,10 @@ class BlockSizes:
     block_q_dkv: query rows per dK/dV step.
     max_concurrent_steps: shared-memory slots the producer warpgroup fills ahead.
     pingpong: forward only: make the two compute warpgroups alternate (FA3 scheduling).
-    dkv_in_place: the dK/dV kernel reads K/V and writes dK/dV in the packed buffers (8-row
-      aligned tile starts, partial tiles stored in power-of-two row pieces); False: on an aligned
-      copy of K/V, gathered before and after the kernel (two more passes over K/V and dK/dV).
+    dkv_in_place: the dK/dV kernel reads K/V, Q and dO and writes dK/dV in the packed buffers
+      (8-row aligned tile starts, partial tiles stored in power-of-two row pieces); False: on
+      aligned copies of K/V and Q/dO, gathered before and after the kernel (two more passes
+      over K/V and dK/dV).
     fused_bwd: one backward kernel over key tiles (dK/dV in place as above, and dQ accumulated
       in f32 through TMA reduce-add stores: 5 matrix products per tile pair; each step issues
       S^T with dP^T, then dV, dK and the step's dQ products, awaited together); False: a dQ
@@ -379,14 +380,21 @@ def kv_tile_table(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, lay_k: AlignedLayout, 
 
 
 # kv_tile_table_in_place fields: those of kv_tile_table (the first in units of 8 rows, see
-# below), then per warpgroup the first row of its block holding its segment's rows and how many.
-KT_VA_W, KT_VN_W = 10, 12
-KT_FIELDS_IN_PLACE = 14
+# below), then per warpgroup the first row of its block holding its segment's rows and how many,
+# then the first row / 8 of the task's query tiles in the packed query buffer.
+KT_VA_W, KT_VN_W, KT_Q_ROW8 = 10, 12, 14
+KT_FIELDS_IN_PLACE = 15
 
 
-def kv_tile_table_in_place(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, num_k_rows: int,
+def kv_tile_table_in_place(cu_q_N1, cu_k_N1, lay_f: AlignedLayout, num_k_rows: int,
                            bs: BlockSizes) -> jax.Array:
   """dK/dV work list [KT_FIELDS_IN_PLACE, B] over key tiles of the packed K/V buffers.
+
+  Queries are read in place too: task ``i``'s query tiles (``block_q_dkv`` rows) start at
+  ``cu_q[i]`` rounded down to 8 (``KT_Q_ROW8``), so its local query rows count from there (the
+  first ``cu_q[i] % 8`` rows belong to no key of the task: their LSE must be +inf, which makes
+  P and dS zero), and its LSE / delta rows are those of ``lay_f`` =
+  ``aligned_layout(cu_q, T, align_q, front=True)`` (``KT_Q_ROW``: its first tile).
 
   The buffer is cut into segments: the N tasks' key ranges, then the tail padding
   ``[cu_k[-1], U)`` and the head padding ``[0, cu_k[0])`` (query-less, so their dK = dV = 0 is
@@ -395,12 +403,15 @@ def kv_tile_table_in_place(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, num_k_rows: i
   ``moff`` counts from that row. Warpgroup ``w`` stores rows ``[va, va + vn)`` of its block.
   """
   n = cu_q_N1.shape[0] - 1
-  bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
+  m, bkd, bqd = KV_ROW_MULTIPLE, bs.block_kv_dkv, bs.block_q_dkv
   st = _segment_tiles(cu_k_N1, num_k_rows, bs.align_k)
   zero = jnp.zeros((2,), jnp.int32)
-  lq = jnp.where(st.live, jnp.concatenate([cu_q_N1[1:] - cu_q_N1[:-1], zero])[st.seg], 0)
+  cu_q = cu_q_N1.astype(jnp.int32)
+  lq_N = jnp.where(cu_q[1:] > cu_q[:-1], cu_q[1:] - cu_q[:-1] + cu_q[:-1] % m, 0)
+  lq = jnp.where(st.live, jnp.concatenate([lq_N, zero])[st.seg], 0)
+  q_row8 = jnp.where(st.live, jnp.concatenate([cu_q[:-1] // m, zero])[st.seg], 0)
   seg_q = jnp.where(st.live,
-                    jnp.concatenate([lay_q.start_N // bs.align_q, zero])[st.seg], 0)
+                    jnp.concatenate([lay_f.start_N // bs.align_q, zero])[st.seg], 0)
   lk = jnp.where(st.seg < n, st.length, 0)
   off = lk - lq
   n_q = (lq + bqd - 1) // bqd
@@ -417,6 +428,6 @@ def kv_tile_table_in_place(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, num_k_rows: i
     va_w.append(va)
     vn_w.append(vn)
   qa = jnp.minimum(*qa_w)
-  fields = [st.row8, seg_q, n_q, qa, *qa_w, *qf_w, *moff_w, *va_w, *vn_w]
+  fields = [st.row8, seg_q, n_q, qa, *qa_w, *qf_w, *moff_w, *va_w, *vn_w, q_row8]
   table = jnp.stack([f.astype(jnp.int32) for f in fields])
   return table[:, jnp.argsort(-(n_q - qa), stable=True)]

@@ -250,14 +250,14 @@ def test_kv_tile_table_covers_exactly_the_visible_pairs(seed):
 
 
 def _in_place_table(rng, bs):
-  """A random task table of 7 tasks, its buffer sizes, aligned query layout and in-place dK/dV
-  work list."""
+  """A random task table of 7 tasks, its buffer sizes, the front-shifted aligned query layout
+  (LSE / delta rows) and the in-place dK/dV work list."""
   cu_q, cu_k = random_table(rng, 7, 300)
   total_q, total_k = int(cu_q[-1]) + 2, int(cu_k[-1]) + int(rng.integers(0, 200))
-  lay_q = mw.aligned_layout(jnp.asarray(cu_q), total_q, bs.align_q)
-  table = np.asarray(mw.kv_tile_table_in_place(jnp.asarray(cu_q), jnp.asarray(cu_k), lay_q,
+  lay_f = mw.aligned_layout(jnp.asarray(cu_q), total_q, bs.align_q, front=True)
+  table = np.asarray(mw.kv_tile_table_in_place(jnp.asarray(cu_q), jnp.asarray(cu_k), lay_f,
                                                total_k, bs))
-  return cu_q, cu_k, total_q, total_k, lay_q, table
+  return cu_q, cu_k, total_q, total_k, lay_f, table
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -265,11 +265,11 @@ def test_kv_tile_table_in_place_covers_pairs_and_stores_every_row_once(seed):
   rng = np.random.default_rng(seed)
   bs = ma.BlockSizes()
   bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
-  cu_q, cu_k, total_q, total_k, lay_q, table = _in_place_table(rng, bs)
+  cu_q, cu_k, total_q, total_k, lay_f, table = _in_place_table(rng, bs)
   edges, edge_rows = (np.asarray(x) for x in mw.kv_edges(jnp.asarray(cu_k), total_k,
                                                          bs.edge_block))
   lo, hi, hb8, tb8 = edges
-  start_q = np.asarray(lay_q.start_N)
+  start_q = np.asarray(lay_f.start_N)
   stored = np.zeros(total_k, int)
   covered = [np.zeros((b - a, d - c), int) for a, b, c, d in
              zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])]
@@ -293,14 +293,18 @@ def test_kv_tile_table_in_place_covers_pairs_and_stores_every_row_once(seed):
         continue
       task = int(np.searchsorted(cu_k[1:], row0 + va, side="right"))
       lq, lk = cu_q[task + 1] - cu_q[task], cu_k[task + 1] - cu_k[task]
-      assert col[mw.KT_Q_ROW] * bs.align_q == start_q[task] and n_q == -(-lq // bqd), f"{seed=}"
+      front = cu_q[task] % 8  # query tiles start at cu_q rounded down to 8
+      assert col[mw.KT_Q_ROW] * bs.align_q == start_q[task], f"{seed=}"
+      assert col[mw.KT_Q_ROW8] * 8 == cu_q[task] - front, f"{seed=}"
+      assert n_q == -(-(lq + front) // bqd), f"{seed=}"
       keys = row0 + np.arange(bkd) - cu_k[task]  # local key index of each row of the block
       ok = (keys >= 0) & (keys < lk)
       vis = _visible(lq, lk)
       for qt in range(qa_w, n_q):
-        rows = np.arange(qt * bqd, (qt + 1) * bqd)
-        rows = rows[rows < lq]
-        mask = np.arange(bkd)[None, :] + moff <= rows[:, None]
+        tile_rows = np.arange(qt * bqd, (qt + 1) * bqd)  # counted from the tiles' first row
+        real = (tile_rows >= front) & (tile_rows < front + lq)
+        rows = tile_rows[real] - front
+        mask = (np.arange(bkd)[None, :] + moff <= tile_rows[:, None])[real]
         np.testing.assert_array_equal(mask[:, ok], vis[np.ix_(rows, keys[ok])], err_msg=f"{seed=}")
         if qt >= qf_w:
           assert mask[:, ok].all(), f"{seed=}: unmasked query tile {qt} has invisible pairs"
@@ -320,10 +324,10 @@ def test_fused_bwd_steps_cover_exactly_the_visible_pairs(seed):
   rng = np.random.default_rng(seed)
   bs = ma.BlockSizes(fused_bwd=True)
   bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
-  cu_q, cu_k, total_q, total_k, lay_q, table = _in_place_table(rng, bs)
-  start_q = np.asarray(lay_q.start_N)
+  cu_q, cu_k, total_q, total_k, lay_f, table = _in_place_table(rng, bs)
+  start_q = np.asarray(lay_f.start_N) + cu_q[:-1] % 8  # aligned row of each task's first query
   # counts[aligned query row, key row]: visits of a pair with a non-zero mask
-  counts = np.zeros((mw.padded_rows(total_q, 7, bs.align_q), total_k), int)
+  counts = np.zeros((mw.padded_rows(total_q, 7, bs.align_q, front=True), total_k), int)
   for col in table.T:
     n_q, qa, q_row = col[mw.KT_NQ], col[mw.KT_QA], col[mw.KT_Q_ROW] * bs.align_q
     for w in range(2):

@@ -75,6 +75,21 @@ def _visible(lq, lk):
   return j <= r + (lk - lq)
 
 
+def _check_edge_read(edge, start, num_rows, edge_block, total, err):
+  """A read of rows [start, start + num_rows) (``_read_key_rows``): in place when inside the
+  tasks' rows [lo, hi), else from the edge copy of ``kv_edges`` at the offset the kernel
+  computes, which must hold exactly those rows (a zero row, index ``total``, outside [lo, hi))."""
+  (lo, hi, hb8, tb8), edge_rows = edge
+  assert start % 8 == 0 and start >= 0, err
+  if lo <= start and start + num_rows <= hi:
+    return
+  e = (start // 8 - hb8 if start < lo else edge_block // 8 + start // 8 - tb8) * 8
+  assert 0 <= e and e + num_rows <= edge_rows.shape[0], f"{err} {start=}"
+  want = np.arange(start, start + num_rows)
+  np.testing.assert_array_equal(edge_rows[e:e + num_rows],
+                                np.where((want >= lo) & (want < hi), want, total), err_msg=err)
+
+
 def _check_key_tiles(col, w, r, task, cu_k, kv_edge, covered, block_kv, err):
   """A query block's key tiles (``q_tile_table`` fields of ``col``; ``r``: the task-local rows
   of the block that are checked): each read inside [cu_k[0], cu_k[-1]) or from the zero-padded
@@ -90,14 +105,8 @@ def _check_key_tiles(col, w, r, task, cu_k, kv_edge, covered, block_kv, err):
   a = min(int(shift > 0), n_kv)
   b = max(a, min(n_full, n_kv))
   for j in range(n_kv):
-    start = kb + j * block_kv
-    if start < lo or start + block_kv > hi:  # read from the edge copy
-      e = (start // 8 - hb8 if start < lo else edge_block // 8 + start // 8 - tb8) * 8
-      assert 0 <= e and e + block_kv <= edge_rows.shape[0], f"{err} {start=}"
-      want = np.arange(start, start + block_kv)
-      want = np.where((want >= lo) & (want < hi), want, total_k)
-      np.testing.assert_array_equal(edge_rows[e:e + block_kv], want,
-                                    err_msg=f"{err} edge tile at {start}")
+    _check_edge_read(((lo, hi, hb8, tb8), edge_rows), kb + j * block_kv, block_kv, edge_block,
+                     total_k, err)
     kpos = j * block_kv + np.arange(block_kv) - shift
     real = kpos[(kpos >= 0) & (kpos < lk)]
     assert real.size, f"{err}: key tile {j} holds none of the task's keys"
@@ -268,7 +277,7 @@ def test_kv_tile_table_in_place_covers_pairs_and_stores_every_row_once(seed):
   cu_q, cu_k, total_q, total_k, lay_f, table = _in_place_table(rng, bs)
   edges, edge_rows = (np.asarray(x) for x in mw.kv_edges(jnp.asarray(cu_k), total_k,
                                                          bs.edge_block))
-  lo, hi, hb8, tb8 = edges
+  q_edge = tuple(np.asarray(x) for x in mw.kv_edges(jnp.asarray(cu_q), total_q, bqd))
   start_q = np.asarray(lay_f.start_N)
   stored = np.zeros(total_k, int)
   covered = [np.zeros((b - a, d - c), int) for a, b, c, d in
@@ -281,12 +290,7 @@ def test_kv_tile_table_in_place_covers_pairs_and_stores_every_row_once(seed):
       assert 0 <= va and va + vn <= bkd, f"{seed=} {col=}"
       stored[row0 + va:row0 + va + vn] += 1
       if n_q > qa:  # the kernel reads this block's K/V rows
-        if row0 < lo or row0 + bkd > hi:
-          e = (row0 // 8 - hb8 if row0 < lo else bs.edge_block // 8 + row0 // 8 - tb8) * 8
-          assert 0 <= e and e + bkd <= edge_rows.shape[0], f"{seed=} {row0=}"
-          want = np.arange(row0, row0 + bkd)
-          np.testing.assert_array_equal(
-              edge_rows[e:e + bkd], np.where((want >= lo) & (want < hi), want, total_k))
+        _check_edge_read((edges, edge_rows), row0, bkd, bs.edge_block, total_k, f"{seed=}")
       qa_w, qf_w, moff = col[mw.KT_QA_W + w], col[mw.KT_QF_W + w], col[mw.KT_MOFF_W + w]
       assert qa <= qa_w <= qf_w <= n_q, f"{seed=} {col=}"
       if qa_w == n_q:
@@ -300,6 +304,9 @@ def test_kv_tile_table_in_place_covers_pairs_and_stores_every_row_once(seed):
       keys = row0 + np.arange(bkd) - cu_k[task]  # local key index of each row of the block
       ok = (keys >= 0) & (keys < lk)
       vis = _visible(lq, lk)
+      for qt in range(qa, n_q):  # the query tiles the producer streams: Q / dO rows in place
+        start = cu_q[task] - front + qt * bqd
+        _check_edge_read(q_edge, start, bqd, bqd, total_q, f"{seed=} {task=} {qt=}")
       for qt in range(qa_w, n_q):
         tile_rows = np.arange(qt * bqd, (qt + 1) * bqd)  # counted from the tiles' first row
         real = (tile_rows >= front) & (tile_rows < front + lq)

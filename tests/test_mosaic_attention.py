@@ -1,9 +1,10 @@
 """Mosaic GPU core attention (custom_ops/mosaic_attention.py and its kernel and work-list modules).
 
-On CPU: the aligned layout round-trips rows, and the work lists cover exactly the visible (query,
+On CPU: the aligned layouts round-trip rows, and the work lists cover exactly the visible (query,
 key) pairs of random task tables (every visible pair in a visited tile, every unmasked tile fully
-visible; the fused backward's steps count no pair outside its task), in NumPy; forward and both
-backward paths cross-lower for CUDA. On a Hopper GPU (JAX_PLATFORMS=cuda): outputs, LSE and gradients of the
+visible; the fused backward's steps count no pair outside its task; every query, key and value
+row read in place or from its zero-padded edge copy; every output row stored once), in NumPy;
+forward and both backward paths cross-lower for CUDA. On a Hopper GPU (JAX_PLATFORMS=cuda): outputs, LSE and gradients of the
 kernels against the plain-jnp reference on random task tables (empty tasks, length-1 tasks, more
 queries than keys, tasks ending at their key end, padding rows holding NaN, GQA ratios 1/2/4,
 head dims 64/128).

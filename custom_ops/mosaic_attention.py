@@ -87,8 +87,8 @@ from custom_ops.mosaic_calls import bwd_fused_call, dkv_call, dq_aligned, forwar
 from custom_ops.mosaic_kernels import LN2
 from custom_ops.mosaic_worklists import (KV_ROW_MULTIPLE, BlockSizes, aligned_layout,
                                          gather_rows, kv_edges, kv_tile_table,
-                                         kv_tile_table_in_place, padded_rows, q_tail_rows,
-                                         q_tile_table, q_tile_table_in_place)
+                                         kv_tile_table_in_place, q_tail_rows, q_tile_table,
+                                         q_tile_table_in_place)
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -140,14 +140,13 @@ def _forward(q, k, v, cu_q, cu_k, scale, bs):
   edges, k_edge, v_edge = _key_edges(k, v, cu_k, bs)
   k, v = _rows_to_multiple(k, KV_ROW_MULTIPLE), _rows_to_multiple(v, KV_ROW_MULTIPLE)
   meta = q_tile_table_in_place(cu_q, cu_k, q8.shape[0], bs, bs.block_kv)
-  num_slots = padded_rows(num_q_rows, cu_q.shape[0] - 1, bs.align_q, front=True)
+  lay_f = aligned_layout(cu_q, num_q_rows, bs.align_q, front=True)  # the tiles' LSE slots
   o, lse2_f = forward_in_place(meta, edges, q8, q_tail, k, v, k_edge, v_edge, bs=bs,
-                               scale=scale, num_slots=num_slots)
+                               scale=scale, num_slots=lay_f.src_P.shape[0])
   # The backward's residuals from the kernel: remat policies that keep attention save them by
   # this name (the kernel's primitive is not a pallas_call), so the backward never reruns it.
   o, lse2_f = (checkpoint_name(x, KERNEL_OUTPUTS_NAME) for x in (o, lse2_f))
   o = o[:num_q_rows]
-  lay_f = aligned_layout(cu_q, num_q_rows, bs.align_q, front=True)
   lse_TxH = gather_rows(lse2_f, lay_f.dst_T, fill=-jnp.inf, axis=1).T * LN2
   return (o, lse_TxH), (q, k, v, o, lse2_f, cu_q, cu_k)
 
@@ -182,8 +181,8 @@ def _attention_bwd(scale, bs, residuals, cotangents):
   q8, do8 = (_rows_to_multiple(x, KV_ROW_MULTIPLE) for x in (q, do))
   q_edges, q_edge_rows = kv_edges(cu_q, num_q_rows, bs.block_q_dkv)
   q_edges = (q_edges, gather_rows(q, q_edge_rows), gather_rows(do, q_edge_rows))
-  meta_k = kv_tile_table_in_place(cu_q, cu_k, lay_f, num_k_rows, bs)
   if bs.fused_bwd:
+    meta_k = kv_tile_table_in_place(cu_q, cu_k, lay_f, num_k_rows, bs)
     dq, dk, dv = bwd_fused_call(meta_k, edges, q8, k, v, k_edge, v_edge, do8, lse2_fb, delta_f,
                                 q_edges, bs=bs, scale=scale, num_k_rows=num_k_rows)
     return (dq[:num_q_rows] * scale).astype(q.dtype), dk, dv, None, None
@@ -198,14 +197,15 @@ def _attention_bwd(scale, bs, residuals, cotangents):
                     scale=scale)
   if bs.dkv_in_place:
     # dK/dV are stored untiled, so they take the caller's row count.
+    meta_k = kv_tile_table_in_place(cu_q, cu_k, lay_f, num_k_rows, bs)
     dk, dv = dkv_call(meta_k, edges, q8, k, v, k_edge, v_edge, do8, lse2_fb, delta_f, q_edges,
                       bs=bs, scale=scale, num_k_rows=num_k_rows)
   else:
     k, v = k[:num_k_rows], v[:num_k_rows]
     lay_k = aligned_layout(cu_k, num_k_rows, bs.align_k)
     k_p, v_p = gather_rows(k, lay_k.src_P), gather_rows(v, lay_k.src_P)
-    meta_ka = kv_tile_table(cu_q, cu_k, lay_q, lay_k, k.shape[0], bs)
-    dk_p, dv_p = dkv_call(meta_ka, edges, q_p, k_p, v_p, k_p, v_p, do_p, lse2_b, delta_p,
+    meta_k = kv_tile_table(cu_q, cu_k, lay_q, lay_k, k.shape[0], bs)
+    dk_p, dv_p = dkv_call(meta_k, edges, q_p, k_p, v_p, k_p, v_p, do_p, lse2_b, delta_p,
                           q_edges, bs=bs, scale=scale, num_k_rows=k_p.shape[0])
     dk, dv = gather_rows(dk_p, lay_k.dst_T), gather_rows(dv_p, lay_k.dst_T)
   dq = gather_rows(dq_p, lay_q.dst_T)

@@ -128,10 +128,12 @@ class AlignedLayout:
     start_N: first aligned row of each task's tiles (a multiple of ``align``).
     src_P: for each aligned row, its row in the packed buffer, or ``total_rows`` (a zero row).
     dst_T: for each packed row, its aligned row, or ``P`` (rows outside every task).
+    front_N: rows each task starts after ``start_N`` (``cu[i] % 8`` with ``front``, else 0).
   """
   start_N: jax.Array
   src_P: jax.Array
   dst_T: jax.Array
+  front_N: jax.Array
 
 
 def aligned_layout(cu_N1: jax.Array, total_rows: int, align: int,
@@ -151,7 +153,7 @@ def aligned_layout(cu_N1: jax.Array, total_rows: int, align: int,
   src_P = jnp.where(valid, cu[task] + local, total_rows)
   t_task, t_local, t_valid = va.rows_to_tasks(cu, total_rows)
   dst_T = jnp.where(t_valid, start_N[t_task] + front_N[t_task] + t_local, num_p)
-  return AlignedLayout(start_N=start_N, src_P=src_P, dst_T=dst_T)
+  return AlignedLayout(start_N=start_N, src_P=src_P, dst_T=dst_T, front_N=front_N)
 
 
 def gather_rows(x, index, fill=0.0, axis=0):
@@ -407,9 +409,11 @@ def kv_tile_table_in_place(cu_q_N1, cu_k_N1, lay_f: AlignedLayout, num_k_rows: i
   st = _segment_tiles(cu_k_N1, num_k_rows, bs.align_k)
   zero = jnp.zeros((2,), jnp.int32)
   cu_q = cu_q_N1.astype(jnp.int32)
-  lq_N = jnp.where(cu_q[1:] > cu_q[:-1], cu_q[1:] - cu_q[:-1] + cu_q[:-1] % m, 0)
+  # A task's query rows counted from its first tile row: its front rows, then its own.
+  lq_N = jnp.where(cu_q[1:] > cu_q[:-1], cu_q[1:] - cu_q[:-1] + lay_f.front_N, 0)
   lq = jnp.where(st.live, jnp.concatenate([lq_N, zero])[st.seg], 0)
-  q_row8 = jnp.where(st.live, jnp.concatenate([cu_q[:-1] // m, zero])[st.seg], 0)
+  q_row8 = jnp.where(st.live, jnp.concatenate([(cu_q[:-1] - lay_f.front_N) // m,
+                                               zero])[st.seg], 0)
   seg_q = jnp.where(st.live,
                     jnp.concatenate([lay_f.start_N // bs.align_q, zero])[st.seg], 0)
   lk = jnp.where(st.seg < n, st.length, 0)

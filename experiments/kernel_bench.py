@@ -277,8 +277,10 @@ def make_sched_workload(name: str, cfg: SchedConfig, cache: dict | None = None) 
 
 
 def make_workloads(names: list[str], tokens: int, max_doc: int, seed: int,
-                   sched: SchedConfig | None = None) -> list[Workload]:
-  """Builds every named workload (see the module docstring); ``sched`` for sched-* names."""
+                   sched: SchedConfig | None = None, row_multiple: int = 1) -> list[Workload]:
+  """Builds every named workload (see the module docstring); ``sched`` for sched-* names. Each
+  workload's Q and KV buffer rows are rounded up to a multiple of ``row_multiple`` (padding
+  rows, no FLOPs)."""
   import numpy as np  # pylint: disable=import-outside-toplevel
   out = []
   cache: dict = {}
@@ -304,6 +306,9 @@ def make_workloads(names: list[str], tokens: int, max_doc: int, seed: int,
     else:
       raise ValueError(f"unknown workload {name=}; use dense-<L>, ca-s<S>, sched-<W>-m<S> or a "
                        f"family {sorted(FAMILIES)}")
+  for wl in out:
+    wl.q_rows = -(-wl.q_rows // row_multiple) * row_multiple
+    wl.kv_rows = -(-wl.kv_rows // row_multiple) * row_multiple
   return out
 
 
@@ -663,10 +668,8 @@ def main(argv=None) -> int:
   t_main = time.time()
   args = parse_args(argv)
   names = expand_workload_names(args.workloads)
-  workloads = make_workloads(names, args.tokens, args.max_doc, args.seed, sched_config(args))
-  for wl in workloads:  # --row-multiple: buffers end at a multiple of that many rows
-    wl.q_rows = -(-wl.q_rows // args.row_multiple) * args.row_multiple
-    wl.kv_rows = -(-wl.kv_rows // args.row_multiple) * args.row_multiple
+  workloads = make_workloads(names, args.tokens, args.max_doc, args.seed, sched_config(args),
+                             args.row_multiple)
   backends = args.backends.split(",")
   if args.child:
     return run_child(run_backend, workloads, args)

@@ -380,10 +380,8 @@ def main(argv=None) -> int:
   t_main = time.time()
   args = parse_args(argv)
   names = kb.expand_workload_names(args.workloads)
-  workloads = kb.make_workloads(names, args.tokens, args.max_doc, args.seed, _sched_config(args))
-  for wl in workloads:
-    wl.q_rows = -(-wl.q_rows // args.row_multiple) * args.row_multiple
-    wl.kv_rows = -(-wl.kv_rows // args.row_multiple) * args.row_multiple
+  workloads = kb.make_workloads(names, args.tokens, args.max_doc, args.seed, _sched_config(args),
+                                args.row_multiple)
   stem = os.path.splitext(os.path.abspath(args.out))[0]
   if args.child:
     return kb.run_child(run_backend, workloads, args)

@@ -24,6 +24,7 @@ def base_config() -> ml_collections.ConfigDict:
   # rope_high_freq_factor, rope_original_max_position, norm_eps, tie_embeddings, dtype (compute),
   # param_dtype (master weights), remat ('none' | 'full' | 'save_dots' | 'save_qkv_out' |
   # 'save_attention' | 'offload_mlp'; model.ModelConfig.remat says what each keeps),
+  # remat_mlp_layers (with 'save_attention': the first N layers also keep their MLP activations),
   # scan_layers, init_std, loss_chunk (tokens per LM-head chunk).
   c.model = ml_collections.ConfigDict(vars(ModelConfig()).copy())
 

@@ -67,6 +67,12 @@ class ModelConfig:
   # Measured at 128K tokens per H200, 2 layers: 'none' steps 2% faster than 'save_attention'
   # for 116-121 vs 63-66 GB per GPU (results/archive/7310cdf/e2e_v5_summary.md).
   remat: str = "full"
+  # With remat='save_attention': the first N layers also keep their MLP input and gate/up
+  # projections on the device (names 'mlp_in', 'mlp_gate', 'mlp_up'), so their backward reruns no
+  # linear layer; each such layer keeps tokens x (E + 2F) compute-dtype values more (3.75 GiB at
+  # 64K tokens of Llama-3-8B layers). The stack then runs as two scans over the same stacked
+  # parameters (single stream only: attention.nano_batches=1, mesh.pipe=1).
+  remat_mlp_layers: int = 0
   scan_layers: bool = True       # nn.scan over layers (compile time does not grow with depth)
   init_std: float = 0.02         # normal init of every weight matrix
   loss_chunk: int = 4096         # tokens per chunk of the LM head + loss (bounds logits memory;
@@ -81,6 +87,13 @@ class ModelConfig:
       raise ValueError(f"remat={self.remat!r}; choose one of {sorted(REMAT_POLICIES)}")
     for f in ("dtype", "param_dtype"):
       jnp.dtype(getattr(self, f))  # raises on an unknown dtype name
+    if not 0 <= self.remat_mlp_layers <= self.n_layers:
+      raise ValueError(f"remat_mlp_layers={self.remat_mlp_layers} must lie in [0, n_layers="
+                       f"{self.n_layers}]")
+    if self.remat_mlp_layers and (self.remat != "save_attention" or not self.scan_layers):
+      raise ValueError(f"remat_mlp_layers={self.remat_mlp_layers} needs remat='save_attention' and "
+                       f"scan_layers=True (got remat={self.remat!r}, scan_layers="
+                       f"{self.scan_layers}); set remat_mlp_layers=0 otherwise")
 
   @property
   def compute_dtype(self):
@@ -117,6 +130,11 @@ class SaveAttentionOffloadMlp:
       return decision
     return _SAVE_ATTENTION(prim, *args, **params)
 
+
+# 'save_attention' plus the MLP's input and gate/up projections: the layers of
+# ``ModelConfig.remat_mlp_layers``, whose backward then reruns no matmul.
+SAVE_ATTENTION_AND_MLP = jax.checkpoint_policies.save_from_both_policies(
+    _SAVE_ATTENTION, jax.checkpoint_policies.save_only_these_names("mlp_in", "mlp_gate", "mlp_up"))
 
 REMAT_POLICIES = {
     "none": None,
@@ -403,6 +421,10 @@ class Transformer(nn.Module):
     if self.nano_batches not in (1, 2):
       raise ValueError(f"nano_batches={self.nano_batches}; use 1 (single stream) or 2 (ping-pong)")
     stages = pipeline_lib.mesh_stages()
+    if self.cfg.remat_mlp_layers and (stages > 1 or self.nano_batches == 2):
+      raise ValueError(f"model.remat_mlp_layers={self.cfg.remat_mlp_layers} applies to the single "
+                       f"stream; got mesh.pipe={stages}, attention.nano_batches="
+                       f"{self.nano_batches}: set model.remat_mlp_layers=0")
     if stages > 1 and not self.is_initializing():
       x = self._pipeline(x, layout, stages)
       with pipeline_lib.head_rules(x.shape[0]):  # the head splits rows over (pipe, data)
@@ -416,12 +438,44 @@ class Transformer(nn.Module):
       else:
         layers = [params[f"layer_{i}"]["layer"] for i in range(self.cfg.n_layers)]
       x = ping_pong_layers(self.cfg, self.core_attention, layers, x, layout)
+    elif self.cfg.scan_layers and self.cfg.remat_mlp_layers and not self.is_initializing():
+      x = self._two_policy_scan(x, layout)
     elif self.cfg.scan_layers:
       x, _ = self.layers(x, layout)
     else:
       for layer in self.layer_list:
         x, _ = layer(x, layout)
     return self.final_norm(x)
+
+  def _two_policy_scan(self, x_BxTxE, layout: Layout):
+    """The single stream as two scans over the stacked parameters (``init`` makes them with the
+    one ``nn.scan``): layers [0, N) under ``SAVE_ATTENTION_AND_MLP``, [N, L) under
+    'save_attention', N = ``remat_mlp_layers``. Each scan takes its layers' weights as its
+    sequence input, cast to the compute dtype first (the layers cast them anyway; a bf16 slice is
+    half the copy, and their gradients then stack in bf16 before the one cast back to
+    ``param_dtype``, the same values); the norms' float32 scales stay float32."""
+    cfg = self.cfg
+    n = cfg.remat_mlp_layers
+    layers = nn.meta.unbox(self.variables["params"])["layers"]["layer"]
+    pre_mod, post_mod = PreCA(cfg, parent=None), PostCA(cfg, parent=None)
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+    dt = cfg.compute_dtype
+    weights = jax.tree_util.tree_map_with_path(
+        lambda path, a: a if path[-1].key == "scale" else a.astype(dt), layers)
+
+    def layer(p, x):
+      qkv = pre_mod.apply({"params": p["pre_ca"]}, x, layout.positions_BxT)
+      o = _attend(self.core_attention, qkv, layout, scale)
+      return post_mod.apply({"params": p["post_ca"]}, x, o)
+
+    def scan(x, ps, policy):
+      body = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+      return lax.scan(lambda x, p: (body(p, x), None), x, ps)[0]
+
+    x = scan(x_BxTxE, jax.tree.map(lambda a: a[:n], weights), SAVE_ATTENTION_AND_MLP)
+    if n < cfg.n_layers:
+      x = scan(x, jax.tree.map(lambda a: a[n:], weights), REMAT_POLICIES["save_attention"])
+    return x
 
   def _pipeline(self, x_BxTxE, layout: Layout, stages: int):
     """The stack as `stages` pipeline stages (``pipeline.pipeline_layers``) over the scanned

@@ -1,6 +1,7 @@
 """The training system: sharded == single device, exact resume, configs, AOT compile."""
 
 import collections
+import dataclasses
 import glob
 import json
 import os
@@ -236,16 +237,73 @@ def test_remat_policies_keep_loss_and_gradients(seed, remat):
   """Every remat policy (what the backward keeps, reruns or fetches from host memory) gives the
   loss and gradients of no remat."""
   over = {"mesh.data": 2, "mesh.tensor": 1, "seed": seed, "model.n_layers": 2}
-  base = tiny_config(**over, **{"model.remat": "none"})
-  other = tiny_config(**over, **{"model.remat": remat})
+  assert_same_loss_and_grads(tiny_config(**over, **{"model.remat": "none"}),
+                             tiny_config(**over, **{"model.remat": remat}), seed)
+
+
+def assert_same_loss_and_grads(base, other, seed):
+  """Both configs' loss and gradients on one seeded batch: equal trees, dtypes and values."""
   src = make_source(base.data, rows=2, tokens_per_row=base.tokens_per_rank,
                     vocab_size=base.model.vocab_size, seed=seed)
   batch = src.batch(int(np.random.default_rng(seed).integers(1000)))
   loss_1, g_1 = loss_and_grads(base, jax.devices()[:2], batch)
   loss_2, g_2 = loss_and_grads(other, jax.devices()[:2], batch)
-  np.testing.assert_allclose(loss_2, loss_1, rtol=1e-6)
+  assert jax.tree.structure(g_1) == jax.tree.structure(g_2)
+  np.testing.assert_allclose(loss_2, loss_1, rtol=1e-6, err_msg=f"seed {seed}")
   for a, b in zip(jax.tree.leaves(g_1), jax.tree.leaves(g_2)):
-    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+    assert a.dtype == b.dtype
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7, err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("kept", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_remat_mlp_layers_keep_loss_and_gradients(seed, kept):
+  """Keeping the MLP activations of the first layers (two scans over the stacked parameters, the
+  weights cast to bf16 before them) gives save_attention's loss and gradients."""
+  over = {"mesh.data": 2, "mesh.tensor": 1, "seed": seed, "model.n_layers": 3,
+          "model.remat": "save_attention"}
+  assert_same_loss_and_grads(tiny_config(**over),
+                             tiny_config(**over, **{"model.remat_mlp_layers": kept}), seed)
+
+
+def test_remat_mlp_layers_saves_the_mlp_of_those_layers_only():
+  """What the backward keeps: the gate/up projections ([rows, T, F] values) of exactly the first
+  N layers, and of the weights one bf16 copy of the stack (the two scans' inputs; none when
+  N = 0, where the one scan slices the float32 stack inside each layer)."""
+  from test_ops import saved_residuals
+  from distca_jax import model as model_lib
+  t, rows, f_dim = 16, 2, 96
+  layout = attn_lib.Layout(jnp.ones((rows, t), jnp.int32),
+                           jnp.tile(jnp.arange(t, dtype=jnp.int32)[None], (rows, 1)))
+  tokens = jnp.zeros((rows, t), jnp.int32)
+  attend = lambda q, k, v, lay, *, softmax_scale: q * softmax_scale
+  base = model_lib.ModelConfig(n_layers=4, remat="save_attention", dim=64, mlp_dim=f_dim)
+  params = model_lib.Transformer(base, attend).init(jax.random.key(0), tokens, layout)["params"]
+  for kept in (0, 1, 3):
+    cfg = dataclasses.replace(base, remat_mlp_layers=kept)
+    m = model_lib.Transformer(cfg, attend)
+    saved = saved_residuals(lambda p: m.apply({"params": p}, tokens, layout).sum(), params)
+    computed = [(dt, s) for dt, s, why in saved if "from the argument" not in why]
+    # Each kept layer: gate and up, [rows, t, F] (a scan stacks them: [kept, rows, t, F]).
+    acts = [s for _, s in computed if s[-3:] == (rows, t, f_dim)]
+    assert sum(int(np.prod(s)) for s in acts) == kept * 2 * rows * t * f_dim, (kept, acts)
+    # With two scans, their weights (bf16 slices of the stack) are kept once: gate and up of
+    # every layer, [layers, E, F]; one scan reads the float32 stack itself.
+    weights = [(dt, s) for dt, s in computed if s[-2:] == (64, f_dim)]
+    assert sum(int(np.prod(s)) for _, s in weights) == (4 * 2 * 64 * f_dim if kept else 0)
+    assert all(dt == "bf16" for dt, _ in weights), weights
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"model.remat_mlp_layers": 1, "model.remat": "full"}, "needs remat='save_attention'"),
+    ({"model.remat_mlp_layers": 3, "model.remat": "save_attention"}, r"must lie in \[0, n_layers=2\]"),
+    ({"model.remat_mlp_layers": 1, "model.remat": "save_attention",
+      "attention.nano_batches": 2, "rows_per_rank": 2}, "applies to the single stream")])
+def test_remat_mlp_layers_rejects_what_it_cannot_do(over, match):
+  c = tiny_config(**{"mesh.data": 2, "mesh.tensor": 1, **over})
+  src = make_source(c.data, rows=4, tokens_per_row=c.tokens_per_rank,
+                    vocab_size=c.model.vocab_size, seed=0)
+  with pytest.raises(ValueError, match=match):
+    loss_and_grads(c, jax.devices()[:2], src.batch(0))
 
 
 def test_offload_mlp_policy_offloads_the_mlp_names_and_saves_attention():

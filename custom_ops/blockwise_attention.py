@@ -3,13 +3,12 @@
 Same contract as ``custom_ops/varlen_attention.py`` (task ``i`` owns query rows ``[cu_q[i],
 cu_q[i+1])`` and key rows ``[cu_k[i], cu_k[i+1])``; causal mask aligned bottom-right inside each
 task; GQA; O in the input dtype with 0 on rows that see no key, LSE f32 natural-log with -inf
-there; differentiable in q, k, v and through the LSE), written with ``lax`` loops instead of a
-Pallas kernel, so that XLA:CPU compiles it natively. The dense ``varlen_attention_reference``
-materialises [H, T, U] logits, all of them masked but the tasks' own (query, key) pairs; this
-kernel visits only tiles that hold some of those pairs, so its work follows the task table, not
-the buffer sizes.
+there; differentiable in q, k, v and through the LSE), written with ``lax`` loops, so that
+XLA:CPU compiles it natively. The dense ``varlen_attention_reference`` materialises [H, T, U]
+logits, all of them masked but the tasks' own (query, key) pairs; this kernel visits only tiles
+that hold some of those pairs, so its work follows the task table, not the buffer sizes.
 
-How (one query block = rows of one task, as in the Pallas kernel's block table):
+How (one query block = rows of one task):
 * Every task's query rows are cut into blocks of ``block_q`` rows starting at the task's first
   row; the table of blocks (task, first row, valid rows, key range, causal offset) is computed
   with jnp inside jit, in row order, live blocks first. Its length is static (``ceil(T /
@@ -22,6 +21,10 @@ How (one query block = rows of one task, as in the Pallas kernel's block table):
 * Forward: online softmax over the key blocks. Backward (own ``custom_vjp``, FlashAttention-2
   style on one core): the same loops recompute P from the saved LSE, accumulate dQ of the block
   and add dK / dV into the key window (sequential loops need no atomics).
+* The forward's O and LSE are named ``KERNEL_OUTPUTS_NAME``: remat policies that keep attention
+  ('save_attention', CAD's 'resend') save them instead of rerunning the forward. Each pass is one
+  ``while`` loop over the query blocks holding one over the key blocks, so a program's jaxpr
+  counts its passes in ``while`` loops.
 
 Letters: T query rows, U key rows, H query heads, K kv heads, G = H // K, D head dim, N tasks,
 Q / S rows of a query / key tile.
@@ -35,8 +38,10 @@ import math
 
 import jax
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
+from custom_ops import KERNEL_OUTPUTS_NAME
 from custom_ops import varlen_attention as va
 
 _NEG = -1e30  # finite "minus infinity" for masked logits (exp underflows to 0, no NaN)
@@ -234,14 +239,20 @@ def _lse_TxH(lse_TxKxG):
   return lse_TxKxG.reshape(lse_TxKxG.shape[0], -1)
 
 
+def _named_forward(q, k, v, cu_q, cu_k, scale, bs):
+  """The forward's O and LSE, named for the remat policies that keep them."""
+  o, lse = _forward(q, k, v, cu_q, cu_k, scale, bs)
+  return checkpoint_name(o, KERNEL_OUTPUTS_NAME), checkpoint_name(lse, KERNEL_OUTPUTS_NAME)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _attention(q, k, v, cu_q, cu_k, scale, bs):
-  o, lse = _forward(q, k, v, cu_q, cu_k, scale, bs)
+  o, lse = _named_forward(q, k, v, cu_q, cu_k, scale, bs)
   return o, _lse_TxH(lse)
 
 
 def _attention_fwd(q, k, v, cu_q, cu_k, scale, bs):
-  o, lse = _forward(q, k, v, cu_q, cu_k, scale, bs)
+  o, lse = _named_forward(q, k, v, cu_q, cu_k, scale, bs)
   return (o, _lse_TxH(lse)), (q, k, v, cu_q, cu_k, o, lse)
 
 

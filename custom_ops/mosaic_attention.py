@@ -105,12 +105,12 @@ def validate_inputs(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1)
   dtype, head_dim = q_TxHxD.dtype, q_TxHxD.shape[2]
   if dtype not in SUPPORTED_DTYPES:
     raise ValueError(
-        f"mosaic attention takes bf16 or fp16 inputs; got {dtype=} (cast, or use the 'pallas' "
-        "kernel for f32)")
+        f"mosaic attention takes bf16 or fp16 inputs; got {dtype=} (cast, or use backend="
+        "'blockwise' for f32)")
   if head_dim not in SUPPORTED_HEAD_DIMS:
     raise ValueError(
-        f"mosaic attention supports head dims {SUPPORTED_HEAD_DIMS}; got {head_dim=} (use the "
-        "'pallas' kernel for others)")
+        f"mosaic attention supports head dims {SUPPORTED_HEAD_DIMS}; got {head_dim=} (use "
+        "backend='blockwise' for others)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -144,7 +144,7 @@ def _forward(q, k, v, cu_q, cu_k, scale, bs):
   o, lse2_f = forward_in_place(meta, edges, q8, q_tail, k, v, k_edge, v_edge, bs=bs,
                                scale=scale, num_slots=lay_f.src_P.shape[0])
   # The backward's residuals from the kernel: remat policies that keep attention save them by
-  # this name (the kernel's primitive is not a pallas_call), so the backward never reruns it.
+  # this name, so the backward never reruns it.
   o, lse2_f = (checkpoint_name(x, KERNEL_OUTPUTS_NAME) for x in (o, lse2_f))
   o = o[:num_q_rows]
   lse_TxH = gather_rows(lse2_f, lay_f.dst_T, fill=-jnp.inf, axis=1).T * LN2

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from distca_jax import pipeline
+from distca_jax import ops, pipeline
 from distca_jax.plan import cost
 from distca_jax.errors import UserError
 from distca_jax.model import ModelConfig
@@ -44,7 +44,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.attention.kernel = "auto"     # ops.core_attention kernel of the fused backends (distca,
                                   # packed_dp, cp, wlb): 'auto' ('blockwise' on CPU, 'reference'
                                   # elsewhere: ops.default_kernel), 'blockwise' (jnp tiles),
-                                  # 'reference' (dense jnp), 'pallas', 'mosaic', 'flash3'
+                                  # 'reference' (dense jnp), 'mosaic' (ours, Hopper), 'flash3'
   # `distca`: core attention disaggregation (distca_jax/plan, distca_jax/dataplane,
   # distca_jax/backends/distca.py). Caps are rows per device and call; 0 = auto: the row caps from
   # the run's first batches (caps_from_batches), else plan.default_capacity; tasks 64 per row.
@@ -168,6 +168,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.optim.warmup_steps < 0 or c.optim.warmup_steps > c.num_steps:
     raise UserError(f"optim.warmup_steps={c.optim.warmup_steps} must be in [0, num_steps="
                     f"{c.num_steps}]")
+  ops.check_backend(c.attention.kernel, "attention.kernel")
   if c.attention.nano_batches not in (1, 2):
     raise UserError(f"attention.nano_batches={c.attention.nano_batches}; use 1 (single stream) "
                     "or 2 (ping-pong)")

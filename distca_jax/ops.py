@@ -9,17 +9,17 @@ Backends:
   'blockwise'  plain jnp, tile by tile over the task table with its own VJP
                (``custom_ops/blockwise_attention.py``): work follows the tasks' (query, key)
                pairs, not the buffer sizes. The CPU kernel.
-  'pallas'     our Pallas kernel (Triton backend); interpret mode on CPU.
-  'mosaic'     our Pallas Mosaic GPU kernels (Hopper GPUs, bf16/fp16, head dim 64/128).
+  'mosaic'     our Pallas Mosaic GPU kernels (``custom_ops/mosaic_attention.py``; Hopper GPUs,
+               bf16/fp16, head dim 64/128).
   'flash3'     FlashAttention-3 through the ``flash-attn3-jax`` package (Hopper GPUs, bf16/fp16,
                head dim 128 in the published wheel). Each call runs the cheapest of several
                compiled launch shapes that holds its task table (``flash3_grid_buckets``);
                rows outside the tasks are masked, not computed.
 
 'auto' picks ``default_kernel()`` when traced: 'blockwise' on CPU, 'reference' elsewhere (GPU
-configs name 'flash3' or 'pallas'). It is the configs' default; an explicit name is always run
+configs name 'flash3' or 'mosaic'). It is the configs' default; an explicit name is always run
 as named. An unavailable backend raises ``BackendUnavailableError`` saying how to get it;
-nothing falls back.
+nothing falls back. ``check_backend`` names a bad backend and the fix.
 """
 
 from __future__ import annotations
@@ -38,9 +38,13 @@ import custom_ops
 from custom_ops import blockwise_attention as bw
 from custom_ops import varlen_attention as va
 from distca_jax.checks import check_int
+from distca_jax.errors import UserError
 from distca_jax.plan.cost import BWD_FWD_RATIO
 
-BACKENDS = ("reference", "pallas", "flash3", "mosaic", "blockwise", "auto")
+BACKENDS = ("reference", "blockwise", "mosaic", "flash3", "auto")
+# Names that are not backends any more, each with what to use instead (``check_backend``).
+REMOVED_BACKENDS = {"pallas": "(the Triton kernel) was removed; use 'mosaic' (GPU) or "
+                              "'blockwise' / 'reference' (CPU)"}
 FLASH3_PIP_SPEC = "flash-attn3-jax==0.2.3"
 FLASH3_HEAD_DIMS = (128,)  # the head dims the published wheel was built for
 # Kernel backward cost over forward cost (the backward recomputes QK^T): fwd+bwd = 3.5x forward.
@@ -50,47 +54,51 @@ BACKWARD_FLOPS_RATIO = BWD_FWD_RATIO  # one place holds it: the cost model (plan
 FLASH3_GRID_LEVELS = 4
 
 
-# Primitives that are a kernel's forward call and whose outputs are the kernel's O and LSE as
-# the backward takes them: our Pallas kernel. Remat policies that keep attention
-# ('save_attention' in model.py, the 'resend' memory mode in dataplane/body.py) save them instead of
-# rerunning the kernel.
-KERNEL_PRIMITIVES = frozenset({"pallas_call"})
-# ``checkpoint_name`` of kernel outputs saved by name instead: FlashAttention-3's FFI call returns
-# its LSE in a [slots, H, max_seqlen_q] buffer (8.7 GB for 260 slots of a 64K row, 32 heads) of
-# which only the first H x T entries are written; saving that call's outputs kept the whole buffer
-# per layer and copied it into the layer scan's stacked residuals (MemcpyD2D, 117-188 ms of a
-# 1.8 s step on an H200, results/archive/4b6459c/pingpong_v6_summary.md). The flash3 path
-# names O and the [H, T] LSE it cuts out of the buffer.
+# ``checkpoint_name`` of a kernel's forward outputs as its backward takes them (O, LSE): remat
+# policies that keep attention ('save_attention' in model.py, the 'resend' memory mode in
+# dataplane/body.py) save them instead of rerunning the kernel. Every kernel but 'reference'
+# names them. By name, not by primitive: FlashAttention-3's FFI call returns its LSE in a
+# [slots, H, max_seqlen_q] buffer (8.7 GB for 260 slots of a 64K row, 32 heads) of which only
+# the first H x T entries are written; saving that call's outputs kept the whole buffer per layer
+# and copied it into the layer scan's stacked residuals (MemcpyD2D, 117-188 ms of a 1.8 s step on
+# an H200, results/archive/4b6459c/pingpong_v6_summary.md). The flash3 path names O and the
+# [H, T] LSE it cuts out of the buffer.
 KERNEL_OUTPUTS_NAME = custom_ops.KERNEL_OUTPUTS_NAME
 # ``checkpoint_name`` of the kernel's query/key/value inputs (the backward's residuals).
 KERNEL_INPUTS_NAME = "ca_in"
 
 
 def saves_kernel_outputs(prim, *_, **params) -> bool:
-  """Remat policy: save what a kernel's forward call produced (``KERNEL_PRIMITIVES``, and the
-  values named ``KERNEL_OUTPUTS_NAME``)."""
-  if prim.name == "name":
-    return params.get("name") == KERNEL_OUTPUTS_NAME
-  return prim.name in KERNEL_PRIMITIVES
+  """Remat policy: save a kernel's forward outputs (the values named ``KERNEL_OUTPUTS_NAME``)."""
+  return prim.name == "name" and params.get("name") == KERNEL_OUTPUTS_NAME
 
 
 class BackendUnavailableError(RuntimeError):
   """The requested attention backend cannot run here; the message says how to get it."""
 
 
+def check_backend(backend: str, name: str = "backend") -> str:
+  """``backend`` if it is a ``core_attention`` backend, else a ``UserError`` (a ValueError) naming
+  it and the fix; ``name`` is the setting in the message (e.g. 'attention.kernel')."""
+  if backend in REMOVED_BACKENDS:
+    raise UserError(f"{name}={backend!r} {REMOVED_BACKENDS[backend]}")
+  if backend not in BACKENDS:
+    raise UserError(f"unknown attention {name}={backend!r}; choose one of {BACKENDS}")
+  return backend
+
+
 def default_kernel() -> str:
   """The kernel 'auto' runs: 'blockwise' when JAX's default backend is the CPU, else 'reference'
-  (GPU runs name their kernel: 'flash3' or 'pallas')."""
+  (GPU runs name their kernel: 'flash3' or 'mosaic')."""
   return "blockwise" if jax.default_backend() == "cpu" else "reference"
 
 
 def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
                    cu_seqlens_q_N1: jax.Array, cu_seqlens_k_N1: jax.Array, *,
                    backend: str = "reference", softmax_scale: float | None = None,
-                   return_lse: bool = False, interpret: bool | None = None,
-                   block_sizes: va.BlockSizes | bw.BlockSizes | None = None, max_seqlen_q: int | None = None,
-                   max_seqlen_k: int | None = None, grid_levels: int = FLASH3_GRID_LEVELS,
-                   name_inputs: bool = True):
+                   return_lse: bool = False, block_sizes: bw.BlockSizes | None = None,
+                   max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+                   grid_levels: int = FLASH3_GRID_LEVELS, name_inputs: bool = True):
   """Causal (bottom-right) GQA attention of every CA-task in a fused batch.
 
   Args:
@@ -99,13 +107,10 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
     v_UxKxD: packed values [U, K, D].
     cu_seqlens_q_N1: int32 [N + 1], non-decreasing, within [0, T].
     cu_seqlens_k_N1: int32 [N + 1], non-decreasing, within [0, U].
-    backend: 'reference', 'blockwise', 'pallas', 'flash3', 'mosaic' or 'auto' (``default_kernel()``).
+    backend: 'reference', 'blockwise', 'mosaic', 'flash3' or 'auto' (``default_kernel()``).
     softmax_scale: logit scale; default 1 / sqrt(D).
     return_lse: also return the natural-log log-sum-exp [T, H] (f32; -inf on rows seeing no key).
-    interpret: 'pallas' only; run in the Pallas interpreter. Default: True iff the default
-      backend is CPU.
-    block_sizes: 'pallas': kernel tiles (``custom_ops.BlockSizes``); 'blockwise': its tiles
-      (``custom_ops.blockwise_attention.BlockSizes``).
+    block_sizes: 'blockwise' only: its tiles (``custom_ops.blockwise_attention.BlockSizes``).
     max_seqlen_q: 'flash3' only (ignored elsewhere): static upper bound on the query rows of any
       task (padding rows outside the tasks do not count). Default T (always safe). A task
       longer than the bound makes the output NaN.
@@ -120,17 +125,12 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
   Returns:
     o_TxHxD (q dtype; 0 on rows that see no key), or (o_TxHxD, lse_TxH) if ``return_lse``.
   """
-  if backend not in BACKENDS:
-    raise ValueError(f"unknown attention {backend=}; choose one of {BACKENDS}")
-  if backend == "auto":
+  if check_backend(backend) == "auto":
     backend = default_kernel()
   va.validate_inputs(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1)
-  if backend != "pallas" and interpret is not None:
-    raise ValueError(f"interpret={interpret!r} applies to backend='pallas' only; drop it for "
-                     f"{backend=}")
-  if backend not in ("pallas", "blockwise") and block_sizes is not None:
-    raise ValueError(f"block_sizes={block_sizes!r} applies to backend='pallas' or 'blockwise' "
-                     f"only; drop it for {backend=}")
+  if backend != "blockwise" and block_sizes is not None:
+    raise ValueError(f"block_sizes={block_sizes!r} applies to backend='blockwise' only; drop it "
+                     f"for {backend=}")
   if name_inputs:  # for remat policies that keep the kernel's residuals ('save_attention')
     q_TxHxD, k_UxKxD, v_UxKxD = (checkpoint_name(x, KERNEL_INPUTS_NAME)
                                  for x in (q_TxHxD, k_UxKxD, v_UxKxD))
@@ -141,16 +141,6 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
   elif backend == "blockwise":
     o, lse = bw.blockwise_attention(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1,
                                     softmax_scale=softmax_scale, block_sizes=block_sizes)
-  elif backend == "pallas":
-    if interpret is None:
-      interpret = jax.default_backend() == "cpu"
-    if not interpret and jax.default_backend() != "gpu":
-      raise BackendUnavailableError(
-          f"backend='pallas' compiles only for CUDA GPUs (default backend is "
-          f"{jax.default_backend()!r}); pass interpret=True to run it in the Pallas interpreter")
-    o, lse = va.varlen_attention(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1,
-                                 softmax_scale=softmax_scale, block_sizes=block_sizes,
-                                 interpret=interpret)
   elif backend == "mosaic":
     o, lse = _mosaic(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1, softmax_scale)
   else:
@@ -164,7 +154,7 @@ def _mosaic(q, k, v, cu_q, cu_k, softmax_scale):
   if jax.default_backend() != "gpu":
     raise BackendUnavailableError(
         f"backend='mosaic' (custom_ops/mosaic_attention.py) runs only on Hopper GPUs; the default "
-        f"backend is {jax.default_backend()!r}. Use backend='pallas' or 'reference'")
+        f"backend is {jax.default_backend()!r}. Use backend='blockwise' or 'reference' there")
   from custom_ops import mosaic_attention  # noqa: PLC0415  (imports Mosaic GPU)
   return mosaic_attention.mosaic_attention(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale)
 
@@ -239,7 +229,7 @@ def _flash3(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k,
   if jax.default_backend() != "gpu":
     raise BackendUnavailableError(
         f"backend='flash3' runs only on CUDA GPUs (Hopper); the default backend is "
-        f"{jax.default_backend()!r}. Use backend='pallas' (interpret mode on CPU) or 'reference'")
+        f"{jax.default_backend()!r}. Use backend='blockwise' or 'reference' there")
   if q.dtype not in (jnp.bfloat16, jnp.float16):
     raise ValueError(f"backend='flash3' takes bf16 or fp16 inputs; got {q.dtype=}")
   head_dim = q.shape[2]
@@ -324,7 +314,7 @@ def _flash3_attention_bwd(config, res, cts):
   if not isinstance(dlse, jax.custom_derivatives.SymbolicZero):
     raise NotImplementedError(
         "backend='flash3' cannot differentiate through the log-sum-exp (FA3's backward takes no "
-        "dLSE); use backend='pallas' or 'reference' when the loss depends on lse")
+        "dLSE); use backend='mosaic' (or 'blockwise' / 'reference') when the loss depends on lse")
   if isinstance(do, jax.custom_derivatives.SymbolicZero):
     do = jnp.zeros(o.shape, o.dtype)
 

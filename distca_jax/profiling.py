@@ -73,8 +73,8 @@ CATEGORY_PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
                               # targets of flash-attn3-jax: flash_mha_{,varlen_}{fwd,bwd}
         r"fmha",              # fused MHA kernels (cuDNN, CK's FmhaFwd / FmhaBwd, xformers)
         r"sdpa",              # cuDNN fused scaled-dot-product attention graphs
-        r"varlen_attention",  # our Pallas kernels: varlen_attention_{fwd,dq,dkv}
-        r"attention|attn",    # attention kernels named as such (Pallas, Mosaic GPU, tokamax)
+        r"attention|attn",    # attention kernels named as such (ours: mosaic_attention_*;
+                              # tokamax)
     )),
     ("collective", (
         r"nccl",              # every NCCL kernel: ncclDevKernel_AllGather_RING_LL, ..._SendRecv

@@ -40,7 +40,7 @@ _TINY_KV = [16, 32, 64, 128]
 def _parse() -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--backend", required=True, choices=("reference", "pallas", "flash3"))
+  p.add_argument("--backend", required=True, choices=("reference", "blockwise", "mosaic", "flash3"))
   p.add_argument("--tiny", action="store_true",
                  help="tiny grid and shapes for a CPU smoke test (reference backend)")
   p.add_argument("--q-lens", type=str, default=None, help="comma-separated query lengths")

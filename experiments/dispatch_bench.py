@@ -64,8 +64,9 @@ def _args():
   p.add_argument("--head-dim", type=int, default=None, help="default 128 (tiny: 16)")
   p.add_argument("--dtype", default=None, help="default bfloat16 (tiny: float32)")
   p.add_argument("--kernel", default="auto",
-                 choices=("auto", "reference", "pallas", "flash3"),
-                 help="auto: flash3 if installed on a GPU, else pallas on GPU, reference on CPU")
+                 choices=("auto", "reference", "blockwise", "mosaic", "flash3"),
+                 help="auto: flash3 if installed on a GPU and the shapes fit it, else mosaic on "
+                 "GPU, reference on CPU")
   p.add_argument("--tolerance", type=float, default=0.1)
   p.add_argument("--caps", default="suggest", choices=("suggest", "default"),
                  help="suggest: the envelope of the planned batches (the tightest caps); default: "
@@ -122,6 +123,9 @@ from distca_jax.data.workloads import WorkloadSampler
 import experiments
 
 AXIS = "data"
+# The kernels' forward calls as dataplane.count_primitives counts them (the plain-jnp kernels,
+# 'reference' and 'blockwise', make no kernel call: 0).
+KERNEL_FORWARDS = ("mosaic_attention_fwd", "flash_mha_varlen_fwd")
 
 
 def _pick_kernel(a, dtype) -> str:
@@ -129,10 +133,9 @@ def _pick_kernel(a, dtype) -> str:
     return a.kernel
   if jax.default_backend() != "gpu":
     return "reference"
-  if importlib.util.find_spec("flash_attn3_jax") is None:
-    return "pallas"
-  ok = a.head_dim in ops.FLASH3_HEAD_DIMS and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-  return "flash3" if ok else "pallas"
+  ok = (importlib.util.find_spec("flash_attn3_jax") is not None
+        and a.head_dim in ops.FLASH3_HEAD_DIMS and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
+  return "flash3" if ok else "mosaic"
 
 
 _time = profiling.time_call  # median / min seconds after one compiling call
@@ -325,10 +328,10 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
   for mode, (_, fwd_bwd_f) in modes.items():
     traced = fwd_bwd_f.trace(q, k, v, plan0, ct)  # one trace: structure and compiled memory
     out[f"cad_{mode}_memory"] = aot.memory_fields(traced.lower().compile())
-    c = dataplane.count_primitives(traced.jaxpr.jaxpr, {"all_to_all", "flash_mha_varlen_fwd"})
+    c = dataplane.count_primitives(traced.jaxpr.jaxpr, {"all_to_all", *KERNEL_FORWARDS})
     out[f"cad_{mode}_structure"] = {
         "all_to_all": c["all_to_all"],
-        "kernel_forward_calls": c["varlen_attention_fwd"] + c["flash_mha_varlen_fwd"]}
+        "kernel_forward_calls": sum(c[name] for name in KERNEL_FORWARDS)}
   out["capacity_memory_bytes"] = cap.memory_bytes(s, q_heads=h, kv_heads=kh, head_dim=d,
                                                   dtype_bytes=dbytes)
   return out

@@ -1,4 +1,4 @@
-"""Core-attention kernel benchmark: ours (Pallas), FlashAttention-3, cuDNN and Pallas-Triton `mha`.
+"""Core-attention kernel benchmark: ours (Mosaic GPU), FlashAttention-3, cuDNN, Pallas-Triton `mha`.
 
 Workloads (32 query heads, 8 KV heads, head dim 128, bf16, one GPU):
   dense-L            one causal sequence of L tokens (L = 4K, 16K, 64K);
@@ -23,7 +23,7 @@ Workloads (32 query heads, 8 KV heads, head dim 128, bf16, one GPU):
                      Buffers (``--sched-buffers``): 'used' (default) ends the Q/KV buffers at the
                      server's last task, so the row measures the kernel on the scheduler's task
                      mix, comparable with ca-s; 'envelope' keeps the capacity's padding rows, as
-                     the data plane allocates them (one buffer shape per W, so our kernel
+                     the data plane allocates them (one buffer shape per W, so a kernel
                      compiles once per W); padding rows count no FLOPs but the kernels pay
                      for them (flash3 masks its padding rows; its launch shape follows the tasks).
 ``--workloads`` takes names and the families 'dense', 'ca', 'sched' (all sizes of that family).
@@ -33,11 +33,12 @@ the task table (distca_jax.ops.core_attention_flops: forward 4*H*D*pairs, forwar
 forward); padding rows add none.
 
 Each backend runs in its own subprocess, so a crash or a missing package costs only its own
-entries, which are recorded with the error. Backends: pallas[:preset] (ours), flash3, cudnn, mha
-and reference (plain jnp, small sizes only). Run (on a GPU machine):
+entries, which are recorded with the error. Backends: mosaic[:preset] (ours), flash3, cudnn,
+mha (JAX's Pallas-Triton example, jax.experimental.pallas.ops.gpu.attention), blockwise (the CPU
+kernel) and reference (plain jnp, small sizes only). Run (on a GPU machine):
   python -m experiments.kernel_bench --quick   # the table in results/kernel_bench.md
   python -m experiments.kernel_bench           # every backend and workload (slower)
-CPU smoke test (tiny shapes; ours in the Pallas interpreter, and the jnp reference):
+CPU smoke test (tiny shapes; the blockwise kernel and the jnp reference):
   python -m experiments.kernel_bench --tiny --out /tmp/kernel_bench_tiny.json
 Writes <out>.json and <out>.md (same stem) with the command, device, wall times and every entry.
 """
@@ -65,8 +66,8 @@ DENSE_LENGTHS = (4096, 16384, 65536)
 SHARD_LENGTHS = (4096, 2048, 1024, 512, 256, 128, 64)
 SCHED_FAMILIES = ("pretrain", "prolong")
 SCHED_MIN_SHARDS = (64, 128, 256, 512, 1024, 2048, 4096)
-BACKENDS = ("pallas", "mosaic", "flash3", "cudnn", "mha")
-ALL_BACKENDS = BACKENDS + ("reference",)
+BACKENDS = ("mosaic", "flash3", "cudnn", "mha")
+ALL_BACKENDS = BACKENDS + ("blockwise", "reference")
 FAMILIES = {
     "dense": [f"dense-{n}" for n in DENSE_LENGTHS],
     "ca": [f"ca-s{s}" for s in SHARD_LENGTHS],
@@ -75,37 +76,18 @@ FAMILIES = {
 # Full-size settings; --tiny and --quick override some of them, explicit flags override both.
 FULL = dict(heads=NUM_HEADS, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype="bfloat16",
             tokens=16384, max_doc=16384, sched_tokens=16384, sched_servers=8, trials=5,
-            min_trial_s=0.05, interpret=False, backends=",".join(BACKENDS),
+            min_trial_s=0.05, backends=",".join(BACKENDS),
             workloads="dense,ca,sched", row_multiple=128)
 # A representative subset for one short GPU run: the dense anchor, the composability ends of the
 # synthetic sweep and three min_shard values of each scheduler workload; ours against flash3.
-QUICK = dict(backends="flash3,pallas,mosaic", workloads=",".join(
+QUICK = dict(backends="flash3,mosaic", workloads=",".join(
     ["dense-16384", "ca-s128", "ca-s512", "ca-s4096"]
     + [f"sched-{w}-m{m}" for w in SCHED_FAMILIES for m in (128, 512, 2048)]))
-# CPU smoke test: tiny shapes, every workload family, ours interpreted and the jnp reference.
+# CPU smoke test: tiny shapes, every workload family, the blockwise kernel and the jnp reference.
 TINY = dict(heads=4, kv_heads=2, head_dim=32, tokens=256, max_doc=256, sched_tokens=256,
-            sched_servers=4, trials=2, min_trial_s=0.0, interpret=True, row_multiple=16,
-            backends="reference,pallas",
+            sched_servers=4, trials=2, min_trial_s=0.0, row_multiple=16,
+            backends="reference,blockwise",
             workloads="dense-128,ca-s16,ca-s64,sched-pretrain-m16,sched-prolong-m64")
-# Named tilings of our kernel; "pallas" means "pallas:default".
-PALLAS_PRESETS = {
-    "default": {},  # BlockSizes.default_for(bf16, 128): forward 128 x 128 / 8 warps, bwd 64 x 64
-    # A smaller forward tile (64 x 64, 4 warps), better for 64-token shards.
-    "q64": dict(block_q=64, block_k=64, num_warps=4, num_stages=3),
-    # Alternatives for sweeps, each one forward tiling (f<q>x<k>w<warps>s<stages>) paired with
-    # one backward change, so one run measures both.
-    "f128x64w8s3-bs3": dict(block_q=128, block_k=64, num_warps=8, num_stages=3,
-                            num_stages_dq=3, num_stages_dkv=3),
-    "f128x128w8s3-dq128": dict(block_q=128, block_k=128, num_warps=8, num_stages=3,
-                               block_q_dq=128, block_k_dq=64, num_warps_dq=8),
-    "f64x128w4s3-dkv128": dict(block_k=128, block_k_dkv=128, num_warps_dkv=8),
-    "f64x64w4s4-b32s3": dict(num_stages=4, block_k_dq=32, block_q_dkv=32, num_stages_dq=3,
-                             num_stages_dkv=3),
-    "f128x64w8s2-b128w8": dict(block_q=128, block_k=64, num_warps=8, num_stages=2,
-                               block_k_dq=128, num_warps_dq=8, block_q_dkv=128,
-                               num_warps_dkv=8),
-    "f64x64w8s3-bw8": dict(num_warps=8, num_warps_dq=8, num_warps_dkv=8),
-}
 # Named tilings of the Mosaic GPU kernels (custom_ops/mosaic_attention.BlockSizes); "mosaic" means
 # "mosaic:default".
 MOSAIC_PRESETS = {
@@ -322,7 +304,6 @@ def run_backend(backend: str, workloads: list[Workload], args, save) -> list[dic
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from distca_jax import ops, profiling  # pylint: disable=import-outside-toplevel
-  from custom_ops import BlockSizes  # pylint: disable=import-outside-toplevel
 
   base, _, preset = backend.partition(":")
   num_heads, num_kv_heads, head_dim = args.heads, args.kv_heads, args.head_dim
@@ -364,24 +345,7 @@ def run_backend(backend: str, workloads: list[Workload], args, save) -> list[dic
       cu_q = jnp.asarray(wl.cu_q, jnp.int32)
       cu_k = jnp.asarray(wl.cu_k, jnp.int32)
 
-      if base == "pallas":
-        preset = preset or "default"
-        if preset not in PALLAS_PRESETS:
-          raise ValueError(f"unknown pallas {preset=}; choose one of {sorted(PALLAS_PRESETS)}")
-        if preset != "default":
-          bs = BlockSizes(**PALLAS_PRESETS[preset])
-        elif args.interpret:  # the tests' small tiles: tiny tasks still span several blocks
-          bs = BlockSizes.for_interpret()
-        else:
-          bs = BlockSizes.default_for(dt, head_dim)
-        entry["block_sizes"] = dataclasses.asdict(bs)
-        static = ("pallas", bs)
-
-        def attn(q, k, v, cu_q, cu_k, bs=bs):
-          return ops.core_attention(q, k, v, cu_q, cu_k, backend="pallas", block_sizes=bs,
-                                    interpret=args.interpret)
-        inputs = (q, k, v, cu_q, cu_k)
-      elif base == "mosaic":
+      if base == "mosaic":
         from custom_ops import mosaic_attention  # pylint: disable=import-outside-toplevel
         preset = preset or "default"
         if preset not in MOSAIC_PRESETS:
@@ -393,11 +357,11 @@ def run_backend(backend: str, workloads: list[Workload], args, save) -> list[dic
         def attn(q, k, v, cu_q, cu_k, mbs=mbs):
           return mosaic_attention.mosaic_attention(q, k, v, cu_q, cu_k, block_sizes=mbs)[0]
         inputs = (q, k, v, cu_q, cu_k)
-      elif base == "reference":
-        static = ("reference",)
+      elif base in ("blockwise", "reference"):
+        static = (base,)
 
-        def attn(q, k, v, cu_q, cu_k):
-          return ops.core_attention(q, k, v, cu_q, cu_k, backend="reference")
+        def attn(q, k, v, cu_q, cu_k, base=base):
+          return ops.core_attention(q, k, v, cu_q, cu_k, backend=base)
         inputs = (q, k, v, cu_q, cu_k)
       elif base == "flash3":
         static = ("flash3", wl.max_q, wl.max_k)
@@ -509,7 +473,6 @@ def write_markdown(path: str, result: dict) -> None:
       + ", ".join(f"{b} {_fmt(s)} s" for b, s in result.get("backend_wall_s", {}).items()) + ")",
       f"- {cfg['num_heads']} query heads, {cfg['num_kv_heads']} KV heads, head dim "
       f"{cfg['head_dim']}, {cfg['dtype']}"
-      + (", ours in the Pallas interpreter" if cfg.get("interpret") else "")
       + f"; CA batches: {cfg['tokens']} query tokens of tail shards [b-s, b), "
       f"b uniform in [s, {cfg['max_doc']}], seed {cfg['seed']}"
       + (f"; every workload's Q and KV buffers: its rows rounded up to a multiple of "
@@ -607,10 +570,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   preset.add_argument("--quick", action="store_true",
                       help="representative subset, flash3 + ours: " + QUICK["workloads"])
   preset.add_argument("--tiny", action="store_true",
-                      help="CPU smoke test: tiny shapes, reference + ours interpreted")
-  parser.add_argument("--backends", help="comma list of pallas[:preset], mosaic[:preset], flash3, cudnn, "
-                      "mha, reference; pallas presets: " + ", ".join(PALLAS_PRESETS)
-                      + "; mosaic presets: " + ", ".join(MOSAIC_PRESETS)
+                      help="CPU smoke test: tiny shapes, reference + the blockwise kernel")
+  parser.add_argument("--backends", help="comma list of mosaic[:preset], flash3, cudnn, mha, "
+                      "blockwise, reference; mosaic presets: " + ", ".join(MOSAIC_PRESETS)
                       + f"; default {FULL['backends']}")
   parser.add_argument("--workloads", help="comma list of dense-<L>, ca-s<S>, sched-<W>-m<S> or "
                       f"the families {sorted(FAMILIES)}; default {FULL['workloads']}")
@@ -618,9 +580,6 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--kv-heads", type=int, help=f"KV heads (default {NUM_KV_HEADS})")
   parser.add_argument("--head-dim", type=int, help=f"head dim (default {HEAD_DIM})")
   parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
-  parser.add_argument("--interpret", action=argparse.BooleanOptionalAction, default=None,
-                      help="run ours (pallas) in the Pallas interpreter (CPU); default off, "
-                      "on with --tiny")
   parser.add_argument("--tokens", type=int, help="query tokens per ca-s batch (default 16384)")
   parser.add_argument("--max-doc", type=int, help="ca-s: largest document length b")
   parser.add_argument("--sched-tokens", type=int, help="sched: tokens per rank (default 16384)")
@@ -651,9 +610,22 @@ def parse_args(argv=None) -> argparse.Namespace:
   for name, value in fill.items():
     if getattr(args, name) is None:
       setattr(args, name, value)
+  check_backends(parser, args.backends, ALL_BACKENDS + tuple(
+      f"mosaic:{p}" for p in MOSAIC_PRESETS))
   if args.sched_server not in ("max", "all") and not args.sched_server.isdigit():
     parser.error(f"--sched-server {args.sched_server!r}: use 'max', 'all' or a server index")
   return args
+
+
+def check_backends(parser, backends: str, names) -> None:
+  """``parser.error`` naming the first backend of the comma list ``backends`` not in ``names``
+  (and, for a removed kernel, what to run instead)."""
+  from distca_jax.ops import REMOVED_BACKENDS  # pylint: disable=import-outside-toplevel
+  for b in backends.split(","):
+    if b.partition(":")[0] in REMOVED_BACKENDS:
+      parser.error(f"--backends: {b!r} {REMOVED_BACKENDS[b.partition(':')[0]]}")
+    if b not in names:
+      parser.error(f"--backends: unknown backend {b!r}; choose from {tuple(names)}")
 
 
 def sched_config(args) -> SchedConfig:
@@ -683,10 +655,10 @@ def main(argv=None) -> int:
                 config=dict(tokens=args.tokens, max_doc=args.max_doc, seed=args.seed,
                             trials=args.trials, min_trial_s=args.min_trial_s,
                             num_heads=args.heads, num_kv_heads=args.kv_heads,
-                            head_dim=args.head_dim, dtype=args.dtype, interpret=args.interpret,
+                            head_dim=args.head_dim, dtype=args.dtype,
                             quick=args.quick, tiny=args.tiny, row_multiple=args.row_multiple,
                             sched=dataclasses.asdict(sched_config(args)),
-                            pallas_presets=PALLAS_PRESETS),
+                            mosaic_presets=MOSAIC_PRESETS),
                 backends=backends, workloads=[w.name for w in workloads], entries=[],
                 backend_wall_s={})
   stem = os.path.splitext(args.out)[0]
@@ -696,7 +668,6 @@ def main(argv=None) -> int:
             str(args.max_doc), "--seed", str(args.seed), "--trials", str(args.trials),
             "--min-trial-s", str(args.min_trial_s), "--heads", str(args.heads), "--kv-heads",
             str(args.kv_heads), "--head-dim", str(args.head_dim), "--dtype", args.dtype,
-            "--interpret" if args.interpret else "--no-interpret",
             "--sched-tokens", str(args.sched_tokens), "--sched-servers", str(args.sched_servers),
             "--sched-step", str(args.sched_step), "--sched-tolerance", str(args.sched_tolerance),
             "--sched-server", args.sched_server, "--sched-buffers", args.sched_buffers,

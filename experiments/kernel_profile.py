@@ -1,17 +1,15 @@
-"""Where our Pallas core-attention kernel loses to FlashAttention-3: a per-kernel profile.
+"""Our core-attention kernel (Mosaic GPU) against FlashAttention-3: a per-kernel profile.
 
-For each workload and backend (one GPU, bf16, 32 query heads, 8 KV heads, head dim 128):
+For each workload and backend (one GPU, bf16, 32 query heads, 8 KV heads, head dim 128; "ours"
+is the first of ``--backends``, ``mosaic`` by default):
   1. times forward and forward+backward (``profiling.time_call``: median of trials of back-to-back
      calls; backward = forward+backward - forward);
   2. captures one jax.profiler trace (``distca_jax.profiling.capture``) of ``--trace-calls``
      forward+backward calls, each synced and followed by ``--trace-gap-s`` of idle time so the calls
      separate on the device timeline, and breaks one call's device time down per kernel (name,
-     count, microseconds, share) with each kernel's role and phase and its achieved TFLOP/s;
-  3. ours: records the launch configuration of the three kernels (BlockSizes, warps, stages, grid,
-     programs with work), a tile model of the work they execute (tiles visited x matmuls per tile,
-     including masked and padded tiles and the backward's recomputation), and where obtainable the
-     compiled kernels' registers / shared memory / occupancy (see "Resources" below);
-  4. writes OUT.json and OUT.md (same stem; command and device at the top) with a "where the gap
+     count, microseconds, share) with each kernel's role and phase, its achieved TFLOP/s and
+     where obtainable its registers / shared memory / occupancy (see "Resources" below);
+  3. writes OUT.json and OUT.md (same stem; command and device at the top) with a "where the gap
      is" table: per phase, our time against flash3's and the ratio.
 
 Workloads (names as in kernel_bench.py, whose builders are imported, not copied): dense-16384 (one
@@ -22,14 +20,12 @@ server's task table under the real scheduler, min_shard 512 / 128, 8 ranks x 16K
 FLOP convention (exact, from the task table; padding rows count none):
   forward F = 4 * H * D * pairs (``ops.core_attention_flops``); backward B = 2.5 F
   (``ops.BACKWARD_FLOPS_RATIO``: the 5 useful matmuls S, dP, dV, dK, dQ against the forward's 2).
-  A phase's FLOPs are split among that phase's attention kernels (ours: fwd; dq and dkdv; flash3:
+  A phase's FLOPs are split among that phase's attention kernels (ours: mosaic_attention_fwd;
+  mosaic_attention_bwd, or mosaic_attention_dq and _dkv with the two-kernel backward; flash3:
   FlashAttnFwd; FlashAttnBwd) in proportion to their device time, so every attention kernel of a
-  phase shows the phase's achieved rate over attention kernels. Other kernels (XLA glue: block
-  tables, delta, padding; flash3's bwd pre/post-processing and scheduler) get no FLOPs; a phase's
+  phase shows the phase's achieved rate over attention kernels. Other kernels (XLA glue: work
+  lists, delta, padding; flash3's bwd pre/post-processing and scheduler) get no FLOPs; a phase's
   "TFLOP/s incl. glue" divides its FLOPs by all its kernels' time.
-  Ours also gets "executed TFLOP/s" from the tile model: tiles x matmuls x 2 * tile_q * tile_k *
-  D_pad over the kernel's time (forward 2 matmuls per tile, dq 3, dkdv 4: our backward recomputes
-  S and dP in both kernels, 7 matmuls where FlashAttention's has 5).
 
 Phases: a kernel's phase comes from its name (attention kernels, FA3 pre/post-processing); other
 kernels of a call are 'forward' if they start before the call's last forward attention kernel
@@ -37,22 +33,14 @@ ends, else 'backward' ('unknown' when a call has no forward attention kernel, as
 
 Resources (registers, shared memory, occupancy): CUPTI's per-launch "kernel_details" in the
 trace's xplane.pb (read with ``jax.profiler.ProfileData``; ``profiling.load_events`` reads the
-trace JSON, where the profiler leaves this stat out), for both backends' kernels. Jax's Pallas
-Triton lowering does not expose them: it hands the Triton IR to XLA, which compiles it and keeps
-the shared-memory size in its launch thunk. For ours, ``--triton-ir`` (default on a GPU) also
-compiles the forward+backward once more as module ``jit_kprof_ir_probe`` with XLA's dump enabled
-for that module only (``--xla_dump_to``, ``--xla_dump_hlo_module_re``) and counts in its PTX which
-matrix instructions and copies each kernel uses (``wgmma.mma_async`` = Hopper warpgroup MMA,
-``mma.sync`` = Ampere MMA, ``cp.async.bulk.tensor`` = TMA, ``cp.async`` = Ampere async copy);
-``--triton-pass-logs`` adds Triton's pass logs (shared memory Triton allocated, MMA layout
-versions, dots left as ``tt.dot``). The dump is deleted afterwards unless ``--keep-xla-dump``.
+trace JSON, where the profiler leaves this stat out), for every backend's kernels.
 
 Each backend runs in its own subprocess (a crash or a missing package costs only its entries).
 flash3 runs only if ``flash_attn3_jax`` imports; otherwise its entries say why.
 Run (on a GPU machine):
   python -m experiments.kernel_profile --out results/kernel_profile.json
-CPU smoke test (tiny shapes, ours in the Pallas interpreter against the jnp reference; rows are
-XLA:CPU thunks, not kernels):
+CPU smoke test (tiny shapes, the blockwise jnp kernel as ours against the jnp reference; rows
+are XLA:CPU thunks, not kernels):
   python -m experiments.kernel_profile --tiny --out /tmp/kernel_profile_tiny.json
 """
 
@@ -63,18 +51,14 @@ import dataclasses
 import datetime
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
 import experiments
 from experiments import kernel_bench as kb
-from experiments.kernel_profile_compiled import pallas_launch, read_xla_dump
-from experiments.kernel_profile_report import OURS, gap_table, write_markdown
+from experiments.kernel_profile_report import gap_table, write_markdown
 from experiments.kernel_profile_trace import (kernel_breakdown, kernel_details_from_xplane,
                                               match_details, split_calls)
 
@@ -82,22 +66,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # mosaic:<preset>: the Mosaic kernels with a named tiling of kernel_bench.MOSAIC_PRESETS (e.g.
 # mosaic:two-kernel, a dQ kernel beside the dK/dV kernel); mosaic: the default.
-BACKENDS = ("pallas", "flash3", "mosaic", *(f"mosaic:{p}" for p in kb.MOSAIC_PRESETS
-                                            if p != "default"), "reference")
+BACKENDS = ("mosaic", *(f"mosaic:{p}" for p in kb.MOSAIC_PRESETS if p != "default"), "flash3",
+            "blockwise", "reference")
 FULL = dict(heads=kb.NUM_HEADS, kv_heads=kb.NUM_KV_HEADS, head_dim=kb.HEAD_DIM, dtype="bfloat16",
             tokens=16384, max_doc=16384, sched_tokens=16384, sched_servers=8, trials=5,
-            min_trial_s=0.05, interpret=False, backends="pallas,flash3",
+            min_trial_s=0.05, backends="mosaic,flash3",
             workloads="dense-16384,ca-s512,ca-s128,sched-prolong-m512,sched-prolong-m128",
-            trace_calls=3, trace_gap_s=0.02, triton_ir=True, row_multiple=128)
-# CPU smoke test: ~256 tokens, 2 query heads / 1 KV head, head dim 16, ours interpreted.
+            trace_calls=3, trace_gap_s=0.02, row_multiple=128)
+# CPU smoke test: ~256 tokens, 2 query heads / 1 KV head, head dim 16; ours: the blockwise kernel.
 TINY = dict(heads=2, kv_heads=1, head_dim=16, tokens=256, max_doc=256, sched_tokens=256,
-            sched_servers=4, trials=2, min_trial_s=0.0, interpret=True,
-            backends="pallas,reference", workloads="dense-256,ca-s64,sched-prolong-m64",
-            trace_calls=2, trace_gap_s=0.05, triton_ir=False, row_multiple=16)
-# Tiles for --tiny: bigger than BlockSizes.for_interpret() (fewer interpreted grid steps, so the
-# test stays fast) while the 64-token shards still span several tiles.
-TINY_BLOCK = 32
-TRITON_IR_MODULE = "kprof_ir_probe"  # the jitted function whose XLA module is dumped
+            sched_servers=4, trials=2, min_trial_s=0.0,
+            backends="blockwise,reference", workloads="dense-256,ca-s64,sched-prolong-m64",
+            trace_calls=2, trace_gap_s=0.05, row_multiple=16)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -105,24 +85,13 @@ TRITON_IR_MODULE = "kprof_ir_probe"  # the jitted function whose XLA module is d
 # ------------------------------------------------------------------------------------------------
 
 
-def _block_sizes(args, dtype, head_dim):
-  from custom_ops import BlockSizes  # pylint: disable=import-outside-toplevel
-  if args.interpret:
-    return BlockSizes(block_q=TINY_BLOCK, block_k=TINY_BLOCK, block_q_dq=TINY_BLOCK,
-                      block_k_dq=TINY_BLOCK, block_k_dkv=TINY_BLOCK, block_q_dkv=TINY_BLOCK)
-  return BlockSizes.default_for(dtype, head_dim)
-
-
-def _attention_fn(backend: str, wl, bs, interpret: bool):
+def _attention_fn(backend: str, wl):
   """attn(q, k, v, cu_q, cu_k) -> o for a backend, as kernel_bench calls them."""
   from distca_jax import ops  # pylint: disable=import-outside-toplevel
-  if backend == "pallas":
-    return lambda q, k, v, cu_q, cu_k: ops.core_attention(
-        q, k, v, cu_q, cu_k, backend="pallas", block_sizes=bs, interpret=interpret)
   if backend == "flash3":
     return lambda q, k, v, cu_q, cu_k: ops.core_attention(
         q, k, v, cu_q, cu_k, backend="flash3", max_seqlen_q=wl.max_q, max_seqlen_k=wl.max_k)
-  if backend in ("reference", "mosaic"):
+  if backend in ("reference", "blockwise", "mosaic"):
     return lambda q, k, v, cu_q, cu_k: ops.core_attention(q, k, v, cu_q, cu_k, backend=backend)
   if backend.startswith("mosaic:") and backend in BACKENDS:
     from custom_ops import mosaic_attention  # pylint: disable=import-outside-toplevel
@@ -142,42 +111,6 @@ def _fwd_bwd_fn(attn):
   return fwd_bwd
 
 
-def triton_ir_probe(wl, args, bs, dump_dir: str) -> dict:
-  """Compiles our forward+backward on ``wl`` as module ``jit_kprof_ir_probe`` (dumped by XLA when
-  the process was started with the dump flags, see ``_dump_flags``) and reads the dump."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  fwd_bwd = _fwd_bwd_fn(_attention_fn("pallas", wl, bs, args.interpret))
-
-  def kprof_ir_probe(q, k, v, cu_q, cu_k, do):
-    return fwd_bwd(q, k, v, cu_q, cu_k, do)
-
-  dt = jnp.dtype(args.dtype)
-  shapes = (jax.ShapeDtypeStruct((wl.q_rows, args.heads, args.head_dim), dt),
-            jax.ShapeDtypeStruct((wl.kv_rows, args.kv_heads, args.head_dim), dt),
-            jax.ShapeDtypeStruct((wl.kv_rows, args.kv_heads, args.head_dim), dt),
-            jax.ShapeDtypeStruct((len(wl.cu_q),), jnp.int32),
-            jax.ShapeDtypeStruct((len(wl.cu_k),), jnp.int32),
-            jax.ShapeDtypeStruct((wl.q_rows, args.heads, args.head_dim), dt))
-  assert kprof_ir_probe.__name__ == TRITON_IR_MODULE
-  t0 = time.perf_counter()
-  jax.jit(kprof_ir_probe).lower(*shapes).compile()
-  out = read_xla_dump(dump_dir, ["varlen_attention_fwd", "varlen_attention_dq",
-                                 "varlen_attention_dkv"])
-  out.update(workload=wl.name, compile_s=time.perf_counter() - t0)
-  return out
-
-
-def _dump_flags(dump_dir: str, pass_logs: bool) -> str:
-  """XLA flags dumping the IR probe module only: its HLO and PTX, and with ``pass_logs`` each
-  Triton kernel's pass log (the IR printed before and after every Triton pass: large)."""
-  flags = f"--xla_dump_to={dump_dir} --xla_dump_hlo_module_re=.*{TRITON_IR_MODULE}.*"
-  if pass_logs:
-    # Newer XLA checks the emitter regex, older the pass regex; both flags exist in jaxlib 0.11.
-    flags += " --xla_dump_emitter_re=triton-fusion --xla_dump_hlo_pass_re=triton-fusion-emitter"
-  return flags
-
-
 def run_backend(backend: str, workloads: list, args, save) -> list[dict]:
   """Times, traces and breaks down one backend on every workload; ``save(entries)`` after each."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -195,7 +128,6 @@ def run_backend(backend: str, workloads: list, args, save) -> list[dict]:
     except ops.BackendUnavailableError as e:
       unavailable = str(e)
   entries = []
-  bs = _block_sizes(args, dt, head_dim) if backend == OURS else None
   for wl in workloads:
     t_entry = time.perf_counter()
     flops_fwd = ops.core_attention_flops(wl.cu_q, wl.cu_k, num_q_heads=heads, head_dim=head_dim)
@@ -218,7 +150,7 @@ def run_backend(backend: str, workloads: list, args, save) -> list[dict]:
       do = jax.random.normal(kd, q.shape, dt)
       cu_q = jnp.asarray(wl.cu_q, jnp.int32)
       cu_k = jnp.asarray(wl.cu_k, jnp.int32)
-      attn = _attention_fn(backend, wl, bs, args.interpret)
+      attn = _attention_fn(backend, wl)
       fwd = jax.jit(attn)
       fwd_bwd = jax.jit(_fwd_bwd_fn(attn))
       inputs = (q, k, v, cu_q, cu_k)
@@ -259,21 +191,15 @@ def run_backend(backend: str, workloads: list, args, save) -> list[dict]:
                                     f"{args.trace_calls} calls; per-call numbers are the whole "
                                     "trace / calls and phases of glue kernels are approximate")
         split = [events]
-      executed = None
-      if backend == OURS:
-        launch = pallas_launch(wl.cu_q, wl.cu_k, wl.q_rows, wl.kv_rows, heads, kv_heads,
-                               head_dim, bs)
-        entry["launch"] = launch
-        executed = {k["role"]: k["executed_flops"] for k in launch["kernels"].values()}
-      breakdown = kernel_breakdown(split, flops_fwd, entry["flops_bwd"], executed,
+      breakdown = kernel_breakdown(split, flops_fwd, entry["flops_bwd"],
                                    num_calls=args.trace_calls)
       details, note = kernel_details_from_xplane(trace_path)
       trace["kernel_details_note"] = note
       for row in breakdown["kernels"]:
         row["details"] = match_details(details, row["name"], row["long_name"])
       trace.update(breakdown)
-      if not args.interpret and not any(r["attention"] and r["phase"] == "forward"
-                                         for r in breakdown["kernels"]):
+      if device.platform != "cpu" and not any(r["attention"] and r["phase"] == "forward"
+                                              for r in breakdown["kernels"]):
         trace["attention_note"] = (
             "no forward attention kernel recognized in the trace (see ROLE_PATTERNS): new kernel "
             "names, or kernels hidden inside CUDA graphs (rerun with --no-command-buffers)")
@@ -288,18 +214,6 @@ def run_backend(backend: str, workloads: list, args, save) -> list[dict]:
     summary.update({k: entry.get("timing", {}).get(k) for k in ("fwd_ms", "fwd_bwd_ms")})
     print(json.dumps(summary), flush=True)
     save(entries)
-
-  # 3. Ours: Triton IR / PTX facts of the compiled kernels (first workload that ran).
-  if backend == OURS and args.triton_ir_dir:
-    ok = [wl for wl, e in zip(workloads, entries) if e.get("status") == "ok"]
-    if ok:
-      try:
-        ir = triton_ir_probe(ok[0], args, bs, args.triton_ir_dir)
-      except Exception as e:  # pylint: disable=broad-except
-        ir = dict(error=f"{type(e).__name__}: {str(e)[:1500]}")
-      for e in entries:
-        e["triton_ir"] = ir
-      save(entries)
   return entries
 
 
@@ -313,16 +227,15 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--out", default=os.path.join(REPO, "results", "kernel_profile.json"))
   parser.add_argument("--tiny", action="store_true",
-                      help="CPU smoke test: tiny shapes, ours interpreted + the jnp reference")
-  parser.add_argument("--backends", help=f"comma list of {BACKENDS}; default {FULL['backends']}")
+                      help="CPU smoke test: tiny shapes, the blockwise kernel + the jnp reference")
+  parser.add_argument("--backends", help=f"comma list of {BACKENDS}, ours first; default "
+                      f"{FULL['backends']}")
   parser.add_argument("--workloads", help="comma list of kernel_bench names (dense-<L>, ca-s<S>, "
                       f"sched-<W>-m<S>); default {FULL['workloads']}")
   parser.add_argument("--heads", type=int)
   parser.add_argument("--kv-heads", type=int)
   parser.add_argument("--head-dim", type=int)
   parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
-  parser.add_argument("--interpret", action=argparse.BooleanOptionalAction, default=None,
-                      help="ours in the Pallas interpreter (CPU); default on with --tiny only")
   parser.add_argument("--tokens", type=int, help="query tokens per ca-s batch")
   parser.add_argument("--max-doc", type=int, help="ca-s: largest document length")
   parser.add_argument("--sched-tokens", type=int, help="sched: tokens per rank")
@@ -336,14 +249,6 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--min-trial-s", type=float)
   parser.add_argument("--trace-calls", type=int, help="forward+backward calls in the trace")
   parser.add_argument("--trace-gap-s", type=float, help="idle seconds after each traced call")
-  parser.add_argument("--triton-ir", action=argparse.BooleanOptionalAction, default=None,
-                      help="ours: dump one compile's PTX / Triton pass logs and read them "
-                      "(default on a GPU)")
-  parser.add_argument("--triton-pass-logs", action="store_true",
-                      help="with --triton-ir: also dump and read Triton's pass logs (shared "
-                      "memory Triton allocated, MMA layout versions; can be GBs)")
-  parser.add_argument("--keep-xla-dump", action="store_true",
-                      help="keep the XLA dump folder next to the output instead of deleting it")
   parser.add_argument("--child-timeout-s", type=float, default=1500)
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--trace-dir", help="where the traces go (default: <out stem>_traces; "
@@ -352,18 +257,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="leave XLA's CUDA-graph command buffers on (default, as in training); "
                       "--no-command-buffers turns them off in case the trace shows graphs "
                       "instead of kernels")
-  parser.add_argument("--triton-ir-dir", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   fill = dict(FULL)
   fill.update(TINY if args.tiny else {})
   for name, value in fill.items():
     if getattr(args, name) is None:
       setattr(args, name, value)
-  if args.interpret:
-    args.triton_ir = False  # nothing is compiled by Triton in the interpreter
-  for b in args.backends.split(","):
-    if b not in BACKENDS:
-      parser.error(f"--backends: unknown backend {b!r}; choose from {BACKENDS}")
+  kb.check_backends(parser, args.backends, BACKENDS)
   if args.trace_calls < 1 or args.trace_gap_s <= 0:
     parser.error(f"--trace-calls {args.trace_calls} must be >= 1 and --trace-gap-s "
                  f"{args.trace_gap_s} > 0 (the gap separates the calls on the timeline)")
@@ -396,14 +296,12 @@ def main(argv=None) -> int:
       command=command, device="unknown", jax_version=jax.__version__,
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       config=dict(num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                  dtype=args.dtype, interpret=args.interpret, tokens=args.tokens,
-                  max_doc=args.max_doc, seed=args.seed, row_multiple=args.row_multiple,
-                  trials=args.trials,
+                  dtype=args.dtype, tokens=args.tokens, max_doc=args.max_doc, seed=args.seed,
+                  row_multiple=args.row_multiple, trials=args.trials,
                   min_trial_s=args.min_trial_s, trace_calls=args.trace_calls,
-                  trace_gap_s=args.trace_gap_s, triton_ir=args.triton_ir,
-                  triton_pass_logs=args.triton_pass_logs,
-                  command_buffers=args.command_buffers, tiny=args.tiny,
-                  sched=dataclasses.asdict(_sched_config(args)), trace_dir=trace_dir),
+                  trace_gap_s=args.trace_gap_s, command_buffers=args.command_buffers,
+                  tiny=args.tiny, sched=dataclasses.asdict(_sched_config(args)),
+                  trace_dir=trace_dir),
       flops_convention=__doc__[__doc__.index("FLOP convention"):__doc__.index("Phases:")].strip(),
       backends=backends, workloads=names, entries=[], backend_status={}, backend_wall_s={})
   shared = ["--workloads", ",".join(names), "--tokens", str(args.tokens), "--max-doc",
@@ -411,7 +309,7 @@ def main(argv=None) -> int:
             str(args.row_multiple), "--trials", str(args.trials), "--min-trial-s",
             str(args.min_trial_s), "--heads", str(args.heads), "--kv-heads",
             str(args.kv_heads), "--head-dim", str(args.head_dim), "--dtype", args.dtype,
-            "--interpret" if args.interpret else "--no-interpret", "--sched-tokens",
+            "--sched-tokens",
             str(args.sched_tokens), "--sched-servers", str(args.sched_servers),
             "--trace-calls", str(args.trace_calls), "--trace-gap-s", str(args.trace_gap_s),
             "--trace-dir", trace_dir]
@@ -422,18 +320,10 @@ def main(argv=None) -> int:
     env = dict(os.environ)
     if not args.command_buffers:
       env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
-    if args.interpret:
-      # CPU smoke test: compiling the interpreted kernels dominates and their times mean nothing,
-      # so XLA:CPU skips its backend optimizations (about 40% less compile time).
+    if args.tiny:
+      # CPU smoke test: compiling dominates and the times mean nothing, so XLA:CPU skips its
+      # backend optimizations.
       env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
-    dump_dir = None
-    if backend == OURS and args.triton_ir:
-      dump_dir = (stem + "_xla_dump") if args.keep_xla_dump else tempfile.mkdtemp(
-          prefix="kprof_xla_dump_")
-      os.makedirs(dump_dir, exist_ok=True)
-      env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " "
-                          + _dump_flags(dump_dir, args.triton_pass_logs)).strip()
-      cmd += ["--triton-ir-dir", dump_dir]
     print(f"== {backend}", flush=True)
     t0 = time.time()
     try:
@@ -444,9 +334,6 @@ def main(argv=None) -> int:
           f"backend process exited with {proc.returncode}: {proc.stderr[-1500:]}")
     except subprocess.TimeoutExpired:
       failure = f"backend process timed out after {args.child_timeout_s} s"
-    finally:
-      if dump_dir and not args.keep_xla_dump:
-        shutil.rmtree(dump_dir, ignore_errors=True)
     result["backend_wall_s"][backend] = time.time() - t0
     kb.collect_entries(part, result, workloads, failure,
                        lambda wl: dict(workload=wl.name, kind=wl.kind, backend=backend))
@@ -456,10 +343,10 @@ def main(argv=None) -> int:
     result["backend_status"][backend] = (
         f"unavailable ({unavailable.split('. Import failed')[0]})" if unavailable else
         "ok" if statuses == ["ok"] else "/".join(statuses)) + (
-        " (ours)" if backend == OURS else "")
+        " (ours)" if backend == backends[0] else "")
     print(f"== {backend}: {time.time() - t0:.0f} s", flush=True)
     # Written after every backend, so a run cut short still leaves a report.
-    result["gap"] = gap_table(result["entries"], names)
+    result["gap"] = gap_table(result["entries"], names, ours=backends[0])
     kb.save_result(stem, result, t_main, write_markdown)
   with open(f"{stem}.md") as f:
     print(f.read())

@@ -1,5 +1,6 @@
 """Kernel profile, report side: where our kernel's time goes against the baseline's, per phase
-(`gap_table`), and the markdown of a whole profile (`write_markdown`)."""
+(`gap_table`), and the markdown of a whole profile (`write_markdown`). "Ours" is the backend
+the profile explains (the first one it ran)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ from typing import Sequence
 
 from experiments import kernel_bench as kb
 
-OURS = "pallas"  # the backend whose kernels the profile explains
 MD_KERNEL_ROWS = 15  # kernel rows per (workload, backend) in the markdown; the JSON has all
 
 
@@ -19,7 +19,7 @@ def _ratio(a, b):
   return a / b if a is not None and b else None
 
 
-def baseline_backend(entries: list[dict], ours: str = OURS) -> str | None:
+def baseline_backend(entries: list[dict], ours: str) -> str | None:
   """flash3 when it produced results, else the first other backend that did (the CPU test's
   reference), else None."""
   ok = [e["backend"] for e in entries if _ok(e) and e["backend"] != ours]
@@ -28,7 +28,7 @@ def baseline_backend(entries: list[dict], ours: str = OURS) -> str | None:
   return ok[0] if ok else None
 
 
-def gap_table(entries: list[dict], workloads: Sequence[str], ours: str = OURS) -> dict:
+def gap_table(entries: list[dict], workloads: Sequence[str], ours: str) -> dict:
   """Per workload and phase: our time against the baseline's, from the trace and from timing.
 
   Trace times are the phase's kernels per call (attention + glue) and its attention kernels
@@ -102,27 +102,25 @@ def _md_escape(s: str) -> str:
 
 
 def write_markdown(path: str, result: dict) -> None:
-  """The report: gap table, per-kernel rows, our launch configuration, Triton IR facts, errors."""
+  """The report: gap table, per-kernel rows (with their resources where recorded), errors."""
   cfg = result["config"]
   gap = result["gap"]
   base = gap["baseline"] or "baseline"
   lines = [
-      "# Kernel profile: our Pallas kernel against FlashAttention-3",
+      f"# Kernel profile: {gap['ours']} against {base}",
       "",
       f"- command: `{result['command']}`",
       f"- device: {result['device']}; jax {result['jax_version']}; {result['date']}; wall time "
       f"{_f(result.get('wall_s'), 0)} s",
       f"- {cfg['num_heads']} query heads, {cfg['num_kv_heads']} KV heads, head dim "
       f"{cfg['head_dim']}, {cfg['dtype']}"
-      + (", ours in the Pallas interpreter (CPU: rows are XLA:CPU thunks, not kernels)"
-         if cfg["interpret"] else "")
+      + (" (CPU: rows are XLA:CPU thunks, not kernels)" if cfg["tiny"] else "")
       + f"; trace: {cfg['trace_calls']} forward+backward calls, {cfg['trace_gap_s']} s apart; "
       f"timing: median of {cfg['trials']} trials",
       "- backends: " + "; ".join(f"{b}: {s}" for b, s in result["backend_status"].items()),
       "- FLOPs exact from the task table: forward F = 4*H*D*pairs, backward 2.5 F. A phase's "
       "FLOPs are split among its attention kernels by device time (each shows the phase's rate); "
-      "glue kernels get none. 'executed' (ours): tile model, tiles x matmuls x 2*tq*tk*Dpad "
-      "(fwd 2, dq 3, dkdv 4 matmuls per tile).",
+      "glue kernels get none.",
       "- phase of glue kernels: before the end of the call's forward attention kernel = forward, "
       "after = backward. Times are per call (mean over the traced calls).",
       "",
@@ -165,9 +163,9 @@ def write_markdown(path: str, result: dict) -> None:
         + (f"; note: {t['call_split_note']}" if "call_split_note" in t else "")
         + (f"; note: {t['attention_note']}" if "attention_note" in t else ""),
         "",
-        "| kernel | role | phase | count | us | share | TFLOP/s | executed TFLOP/s | regs | "
-        "smem KiB | grid | block | occ % |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|",
+        "| kernel | role | phase | count | us | share | TFLOP/s | regs | smem KiB | grid | "
+        "block | occ % |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|",
     ]
     rows = t["kernels"]
     for row in rows[:MD_KERNEL_ROWS]:
@@ -176,14 +174,14 @@ def write_markdown(path: str, result: dict) -> None:
       lines.append(
           f"| `{_md_escape(row['short_name'])}` | {row['role']} | {row['phase']} | "
           f"{row['count']:.3g} | {row['total_us']:.1f} | {row['share']:.3f} | "
-          f"{_tf(row['tflops'])} | {_tf(row['executed_tflops'])} | {d.get('regs', '-')} | "
+          f"{_tf(row['tflops'])} | {d.get('regs', '-')} | "
           f"{_f(smem, 1)} | {','.join(map(str, d.get('grid', []))) or '-'} | "
           f"{','.join(map(str, d.get('block', []))) or '-'} | {_f(d.get('occ_pct'), 1)} |")
     if len(rows) > MD_KERNEL_ROWS:
       rest = rows[MD_KERNEL_ROWS:]
       lines.append(f"| {len(rest)} more | | | {sum(r['count'] for r in rest):.3g} | "
                    f"{sum(r['total_us'] for r in rest):.1f} | "
-                   f"{sum(r['share'] for r in rest):.3f} | | | | | | | |")
+                   f"{sum(r['share'] for r in rest):.3f} | | | | | | |")
     lines += ["", "| phase | attention us | glue us | total us | TFLOP/s attention | "
               "TFLOP/s incl. glue |", "|---|---:|---:|---:|---:|---:|"]
     for phase, s in sorted(t["phases"].items()):
@@ -194,59 +192,5 @@ def write_markdown(path: str, result: dict) -> None:
       lines += ["", f"registers / shared memory: {t['kernel_details_note']}"]
     lines.append("")
 
-  launches = [e for e in result["entries"] if _ok(e) and "launch" in e]
-  if launches:
-    lines += ["## Our kernels: launch configuration and executed work", "",
-              "Tiles: loop steps of all programs (dkdv: per query head of the group); executed / "
-              "useful: the tile model's FLOPs over the phase's exact FLOPs (masking, partial "
-              "tiles, padding of D, and the backward's recomputation).", "",
-              "| workload | kernel | grid | programs (with work) | rows x step | warps | stages | "
-              "tiles (masked) | matmuls / tile | executed / useful |",
-              "|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
-    for e in launches:
-      kernels = e["launch"]["kernels"]
-      bwd_exec = kernels["varlen_attention_dq"]["executed_flops"] + \
-          kernels["varlen_attention_dkv"]["executed_flops"]
-      for name, k in kernels.items():
-        useful = e["flops_fwd"] if k["role"] == "fwd" else e["flops_bwd"]
-        ratio = (k["executed_flops"] / useful if k["role"] == "fwd" else bwd_exec / useful) \
-            if useful else None
-        lines.append(
-            f"| {e['workload']} | {name} | {','.join(map(str, k['grid']))} | {k['programs']} "
-            f"({k['programs_with_work']}) | {k['rows_per_program']} x {k['loop_step_rows']} | "
-            f"{k['num_warps']} | {k['num_stages']} | {k['tiles']} ({k['masked_tiles']}) | "
-            f"{k['matmuls_per_tile']} | {_f(ratio, 2)}"
-            + (" (dq + dkdv)" if k["role"] != "fwd" else "") + " |")
-    lines.append("")
-
-  ir = next((e["triton_ir"] for e in result["entries"] if "triton_ir" in e), None)
-  lines += ["## Our compiled Triton kernels (XLA dump of one forward+backward compile)", ""]
-  if ir is None:
-    lines += ["not collected (--no-triton-ir, interpret mode, or no workload ran)", ""]
-  elif "error" in ir:
-    lines += [f"failed: {_md_escape(ir['error'][:800])}", ""]
-  else:
-    lines += [f"workload {ir['workload']}; {ir['ptx_files']} PTX file(s)"
-              + (f"; {ir['note']}" if ir.get("note") else ""), "",
-              "| kernel | Triton shared KiB | MMA layout versions | warp_group_dot ops | "
-              "tt.dot left | PTX wgmma | PTX mma.sync | PTX TMA | PTX cp.async | PTX ld/st.local | "
-              "threads |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, k in ir["kernels"].items():
-      tir = k.get("triton_ir") or {}
-      ptx = {}
-      for s in (k.get("ptx") or {}).values():
-        for key, val in s.items():
-          if isinstance(val, int) and key != "threads":
-            ptx[key] = ptx.get(key, 0) + val
-          elif key == "threads":
-            ptx["threads"] = val
-      shared = tir.get("shared_bytes")
-      lines.append(
-          f"| {name} | {_f(shared / 1024 if shared is not None else None, 1)} | "
-          f"{tir.get('mma_versions', '-')} | {tir.get('warp_group_dots', '-')} | "
-          f"{tir.get('tt_dots', '-')} | {ptx.get('wgmma', '-')} | {ptx.get('mma_sync', '-')} | "
-          f"{ptx.get('tma', '-')} | {ptx.get('cp_async', '-')} | "
-          f"{ptx.get('ld_local', '-')}/{ptx.get('st_local', '-')} | {ptx.get('threads', '-')} |")
-    lines.append("")
   with open(path, "w") as f:
     f.write("\n".join(lines) + "\n")

@@ -5,7 +5,6 @@ time per kernel with achieved TFLOP/s (`kernel_breakdown`), and CUPTI's per-laun
 
 from __future__ import annotations
 
-import collections
 import glob
 import math
 import os
@@ -19,10 +18,7 @@ from typing import Any, Sequence
 # (role, phase, pattern searched in the lower-cased "name long_name"); the first match wins.
 # Attention roles (ATTENTION_ROLES) carry their phase's FLOPs; the others are auxiliary.
 ROLE_PATTERNS: tuple[tuple[str, str | None, str], ...] = (
-    ("fwd", "forward", r"varlen_attention_fwd"),
-    ("dq", "backward", r"varlen_attention_dq"),
-    ("dkdv", "backward", r"varlen_attention_dkv"),
-    # Our Mosaic GPU kernels (custom_ops/mosaic_kernels.py, `kernel_name`).
+    # Our Mosaic GPU kernels (custom_ops/mosaic_calls.py, `kernel_name`).
     ("fwd", "forward", r"mosaic_attention_fwd"),
     ("dq", "backward", r"mosaic_attention_dq"),
     ("dkdv", "backward", r"mosaic_attention_dkv"),
@@ -39,8 +35,7 @@ ROLE_PATTERNS: tuple[tuple[str, str | None, str], ...] = (
 ATTENTION_ROLES = frozenset({"fwd", "dq", "dkdv", "bwd"})
 _ROLE_RES = tuple((role, phase, re.compile(p)) for role, phase, p in ROLE_PATTERNS)
 _SHORT_RES = tuple(re.compile(p) for p in (
-    r"varlen_attention_\w+", r"FlashAttn\w+", r"flash_\w+", r"prepare_varlen\w*",
-    r"mosaic_attention_\w+"))
+    r"mosaic_attention_\w+", r"FlashAttn\w+", r"flash_\w+", r"prepare_varlen\w*"))
 
 
 def kernel_role(name: str, long_name: str = "") -> tuple[str, str | None]:
@@ -101,7 +96,6 @@ def assign_phases(call: Sequence[Any]) -> list[tuple[Any, str, str]]:
 
 
 def kernel_breakdown(calls: Sequence[Sequence[Any]], flops_fwd: float, flops_bwd: float,
-                     executed_flops: dict[str, float] | None = None,
                      num_calls: int | None = None) -> dict:
   """Per-kernel rows and per-phase sums of one call (means over ``num_calls``).
 
@@ -109,7 +103,6 @@ def kernel_breakdown(calls: Sequence[Sequence[Any]], flops_fwd: float, flops_bwd
     calls: the events of each call (``split_calls``), or one group holding all of them.
     num_calls: the calls the groups hold; default ``len(calls)``.
     flops_fwd, flops_bwd: the phases' useful FLOPs (module docstring).
-    executed_flops: role -> executed FLOPs of that kernel per call (ours' tile model), optional.
 
   Returns:
     dict(calls, kernels=[row...], phases={phase: sums}, device_us (busy time summed over
@@ -155,7 +148,6 @@ def kernel_breakdown(calls: Sequence[Sequence[Any]], flops_fwd: float, flops_bwd
     s["tflops_attention"] = (flops / s["attention_us"] / 1e6
                              if flops and s["attention_us"] > 0 else None)
     s["tflops_incl_glue"] = flops / s["total_us"] / 1e6 if flops and s["total_us"] > 0 else None
-  role_rows = collections.Counter(r["role"] for r in rows.values())
   for row in rows.values():
     flops = None
     if row["attention"] and row["phase"] in phase_flops:
@@ -163,12 +155,6 @@ def kernel_breakdown(calls: Sequence[Sequence[Any]], flops_fwd: float, flops_bwd
       flops = phase_flops[row["phase"]] * row["phases"][row["phase"]] / att if att > 0 else None
     row["flops"] = flops
     row["tflops"] = flops / row["total_us"] / 1e6 if flops and row["total_us"] > 0 else None
-    # The tile model is per kernel: it applies only where one row has the role.
-    executed = ((executed_flops or {}).get(row["role"])
-                if row["attention"] and role_rows[row["role"]] == 1 else None)
-    row["executed_flops"] = executed
-    row["executed_tflops"] = (executed / row["total_us"] / 1e6
-                              if executed and row["total_us"] > 0 else None)
   kernels = sorted(rows.values(), key=lambda r: -r["total_us"])
   return dict(calls=n, kernels=kernels, phases=phases, device_us=device_us,
               span_us=sum(spans) / n)

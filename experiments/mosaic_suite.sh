@@ -1,7 +1,7 @@
 #!/bin/bash
 # The Mosaic GPU attention kernels on one GPU, in one call of the device tool: the GPU tests
 # (log: $OUT/mosaic_tests.log), then experiments.kernel_bench with the mosaic variants beside
-# flash3 (and pallas) in the same run ($OUT/kernel_bench_mosaic.{json,md}), then a summary.
+# flash3 in the same run ($OUT/kernel_bench_mosaic.{json,md}), then a summary.
 # Run from the repository root (or a copy of it):  OUT=/tmp/out bash experiments/mosaic_suite.sh
 # Environment: BACKENDS, WORKLOADS (kernel_bench lists), TESTS=0 skips the tests, TEST_K (a pytest
 # -k expression, e.g. "kernels_match and fused"), ROWS1_WORKLOADS (also run those with
@@ -16,7 +16,7 @@ if ls "$WHL"/*.whl >/dev/null 2>&1; then
     --target /tmp/site "$WHL"/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1
-BACKENDS=${BACKENDS:-mosaic,mosaic:two-kernel,flash3,pallas}
+BACKENDS=${BACKENDS:-mosaic,mosaic:two-kernel,flash3}
 WORKLOADS=${WORKLOADS:-dense-4096,dense-16384,ca-s128,ca-s512,ca-s4096}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 echo "commit: $(cat COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)"

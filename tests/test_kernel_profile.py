@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from distca_jax.profiling import DeviceEvent
+from experiments import kernel_bench as kb
 from experiments import kernel_profile as kp
-from experiments import kernel_profile_compiled as kpc
 from experiments import kernel_profile_trace as kpt
 
 
@@ -28,9 +28,10 @@ FA3_BWD = "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashA
 
 
 @pytest.mark.parametrize("name,long_name,role,phase", [
-    ("varlen_attention_fwd", "", "fwd", "forward"),
-    ("varlen_attention_dq_1", "", "dq", "backward"),
-    ("varlen_attention_dkv", "", "dkdv", "backward"),
+    ("mosaic_attention_fwd", "", "fwd", "forward"),
+    ("mosaic_attention_dq_1", "", "dq", "backward"),
+    ("mosaic_attention_dkv", "", "dkdv", "backward"),
+    ("mosaic_attention_bwd", "", "bwd", "backward"),
     ("device_kernel", FA3_FWD, "fwd", "forward"),
     ("device_kernel", FA3_BWD, "bwd", "backward"),
     ("device_kernel", "cutlass::device_kernel<flash::FlashAttnBwdPreprocess<...>>", "bwd-pre",
@@ -48,15 +49,16 @@ def test_kernel_role(name, long_name, role, phase):
 
 def test_short_kernel_name():
   assert kpt.short_kernel_name("device_kernel", FA3_FWD) == "FlashAttnFwdSm90"
-  assert kpt.short_kernel_name("varlen_attention_dq_1") == "varlen_attention_dq_1"
+  assert kpt.short_kernel_name("mosaic_attention_dq_1") == "mosaic_attention_dq_1"
   assert kpt.short_kernel_name("x" * 100).endswith("...")
 
 
 def _synthetic_call(t0):
-  """One forward+backward call of ours: block tables, fwd, delta, dq, dkdv, a trailing copy."""
-  return [Ev("sort_fusion", t0, 10.0), Ev("varlen_attention_fwd", t0 + 10, 100.0),
-          Ev("input_reduce_fusion", t0 + 110, 5.0), Ev("varlen_attention_dq", t0 + 115, 60.0),
-          Ev("varlen_attention_dkv", t0 + 175, 140.0), Ev("copy_3", t0 + 315, 4.0)]
+  """One forward+backward call of ours (two-kernel backward): work lists, fwd, delta, dq, dkdv,
+  a trailing copy."""
+  return [Ev("sort_fusion", t0, 10.0), Ev("mosaic_attention_fwd", t0 + 10, 100.0),
+          Ev("input_reduce_fusion", t0 + 110, 5.0), Ev("mosaic_attention_dq", t0 + 115, 60.0),
+          Ev("mosaic_attention_dkv", t0 + 175, 140.0), Ev("copy_3", t0 + 315, 4.0)]
 
 
 def test_split_calls_and_breakdown():
@@ -64,25 +66,23 @@ def test_split_calls_and_breakdown():
   calls = kpt.split_calls(events[::-1], gap_us=10_000)  # order of the input does not matter
   assert [len(c) for c in calls] == [6, 6]
   flops_fwd, flops_bwd = 4e9, 10e9
-  executed = {"fwd": 5e9, "dq": 9e9, "dkdv": 13e9}
-  b = kpt.kernel_breakdown(calls, flops_fwd, flops_bwd, executed)
+  b = kpt.kernel_breakdown(calls, flops_fwd, flops_bwd)
   rows = {r["name"]: r for r in b["kernels"]}
   assert b["calls"] == 2 and b["device_us"] == pytest.approx(319.0)
   assert b["span_us"] == pytest.approx(319.0)
-  assert [r["name"] for r in b["kernels"]][:3] == ["varlen_attention_dkv", "varlen_attention_fwd",
-                                                   "varlen_attention_dq"]
+  assert [r["name"] for r in b["kernels"]][:3] == ["mosaic_attention_dkv", "mosaic_attention_fwd",
+                                                   "mosaic_attention_dq"]
   assert {n: r["phase"] for n, r in rows.items()} == {
-      "sort_fusion": "forward", "varlen_attention_fwd": "forward",
-      "input_reduce_fusion": "backward", "varlen_attention_dq": "backward",
-      "varlen_attention_dkv": "backward", "copy_3": "backward"}
+      "sort_fusion": "forward", "mosaic_attention_fwd": "forward",
+      "input_reduce_fusion": "backward", "mosaic_attention_dq": "backward",
+      "mosaic_attention_dkv": "backward", "copy_3": "backward"}
   assert all(r["count"] == 1 for r in rows.values())
   assert sum(r["share"] for r in rows.values()) == pytest.approx(1.0)
   # Forward FLOPs on the forward kernel; backward FLOPs split 60:140 between dq and dkdv.
-  assert rows["varlen_attention_fwd"]["tflops"] == pytest.approx(4e9 / 100e-6 / 1e12)
-  assert rows["varlen_attention_dq"]["flops"] == pytest.approx(10e9 * 60 / 200)
-  assert rows["varlen_attention_dkv"]["tflops"] == pytest.approx(10e9 / 200e-6 / 1e12)
-  assert rows["varlen_attention_dkv"]["executed_tflops"] == pytest.approx(13e9 / 140e-6 / 1e12)
-  assert rows["copy_3"]["flops"] is None and rows["copy_3"]["executed_flops"] is None
+  assert rows["mosaic_attention_fwd"]["tflops"] == pytest.approx(4e9 / 100e-6 / 1e12)
+  assert rows["mosaic_attention_dq"]["flops"] == pytest.approx(10e9 * 60 / 200)
+  assert rows["mosaic_attention_dkv"]["tflops"] == pytest.approx(10e9 / 200e-6 / 1e12)
+  assert rows["copy_3"]["flops"] is None and rows["copy_3"]["tflops"] is None
   fwd, bwd = b["phases"]["forward"], b["phases"]["backward"]
   assert (fwd["attention_us"], fwd["other_us"]) == (100.0, 10.0)
   assert (bwd["attention_us"], bwd["other_us"]) == (200.0, 9.0)
@@ -94,7 +94,7 @@ def test_breakdown_separates_kernels_sharing_a_display_name():
   call = [Ev("where_fusion", 0.0, 2.0), Ev("device_kernel", 2.0, 50.0, FA3_FWD),
           Ev("device_kernel", 60.0, 20.0, "flash::FlashAttnBwdPreprocess<...>"),
           Ev("device_kernel", 80.0, 120.0, FA3_BWD)]
-  b = kpt.kernel_breakdown([call], 2e9, 5e9, {"fwd": 1e12})
+  b = kpt.kernel_breakdown([call], 2e9, 5e9)
   rows = {r["short_name"]: r for r in b["kernels"]}
   assert set(rows) == {"where_fusion", "FlashAttnFwdSm90", "FlashAttnBwdPreprocess",
                        "FlashAttnBwdSm90"}
@@ -118,65 +118,29 @@ def test_parse_kernel_details_and_match():
                               "block:256,1,1 occ_pct:6.25")
   assert d == dict(regs=168, static_shared=0, dynamic_shared=147456, grid=[32, 130, 1],
                    block=[256, 1, 1], occ_pct=6.25)
-  details = {"varlen_attention_fwd": d, FA3_FWD: dict(regs=128)}
-  assert kpt.match_details(details, "varlen_attention_fwd") is d
+  details = {"mosaic_attention_fwd": d, FA3_FWD: dict(regs=128)}
+  assert kpt.match_details(details, "mosaic_attention_fwd") is d
   assert kpt.match_details(details, "FlashAttnFwdSm90", FA3_FWD) == dict(regs=128)
   assert kpt.match_details(details, "FlashAttnFwdSm90") == dict(regs=128)  # contained, unique
   assert kpt.match_details(details, "fusion") is None
 
 
-def test_ptx_and_triton_log_parsers():
-  ptx = """
-.visible .entry varlen_attention_fwd(
-.maxntid 256, 1, 1
-{
-  cp.async.cg.shared.global [%r1], [%rd2], 16;
-  wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {...};
-  wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {...};
-}
-.visible .entry varlen_attention_dq(
-.reqntid 128, 1, 1
-{
-  mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {...};
-  cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier [%r1];
-  st.local.u32 [%rd1], %r2;
-}
-"""
-  stats = kpc.ptx_entry_stats(ptx)
-  assert stats["varlen_attention_fwd"] == dict(wgmma=2, mma_sync=0, tma=0, cp_async=1,
-                                               ld_local=0, st_local=0, threads=256)
-  assert stats["varlen_attention_dq"] == dict(wgmma=0, mma_sync=1, tma=1, cp_async=0,
-                                              ld_local=0, st_local=1, threads=128)
-  log = """// -----// IR Dump Before TritonGPUAccelerateMatmul (tritongpu-accelerate-matmul) //----- //
-#blocked = #ttg.blocked<{sizePerThread = [1, 8]}>
-module attributes {"ttg.num-warps" = 8 : i32} {
-  tt.func public @k() {
-    %1 = tt.dot %a, %b, %c : tensor<128x64xbf16>
-  }
-}
-// -----// IR Dump After AllocateSharedMemory (allocate-shared-memory) //----- //
-#mma = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [8, 1]}>
-module attributes {"ttg.num-warps" = 8 : i32, ttg.shared = 98304 : i32} {
-  tt.func public @k() {
-    %1 = ttng.warp_group_dot %a, %b, %c {isAsync = true} : !ttg.memdesc<128x64xbf16>
-    %2 = ttng.warp_group_dot_wait %1 {pendings = 0 : i32}
-    %3 = ttg.async_copy_global_to_local %p, %m
-  }
-}
-// -----// IR Dump After ConvertTritonGPUToLLVM (convert-triton-gpu-to-llvm) //----- //
-module attributes {ttg.shared = 1 : i32} {
-  llvm.func @k() {
-  }
-}
-"""
-  ir = kpc.triton_pass_log_stats(log.splitlines(keepends=True))
-  assert ir["shared_bytes"] == 98304 and ir["num_warps"] == 8 and ir["mma_versions"] == [3]
-  assert (ir["warp_group_dots"], ir["tt_dots"], ir["async_copies"]) == (1, 0, 1)
-  assert "AllocateSharedMemory" in ir["pass_name"]
+def test_removed_pallas_backend_is_a_clear_error(capsys):
+  """``--backends pallas`` (the removed Triton kernel) stops both tools with one line naming what
+  to run instead; an unknown name lists the choices."""
+  for parse in (kp.parse_args, kb.parse_args):
+    with pytest.raises(SystemExit):
+      parse(["--backends", "mosaic,pallas"])
+    assert ("--backends: 'pallas' (the Triton kernel) was removed; use 'mosaic'"
+            in capsys.readouterr().err)
+    with pytest.raises(SystemExit):
+      parse(["--backends", "triton"])
+    assert "unknown backend 'triton'; choose from (" in capsys.readouterr().err
+  assert kb.parse_args(["--backends", "mosaic:two-kernel,flash3"]).backends
 
 
 # ------------------------------------------------------------------------------------------------
-# A tiny run on CPU: our kernel in the Pallas interpreter against the jnp reference
+# A tiny run on CPU: the blockwise kernel as ours against the jnp reference
 # ------------------------------------------------------------------------------------------------
 
 
@@ -192,9 +156,9 @@ def tiny(tmp_path_factory):
 def test_tiny_entries_have_kernel_rows_and_times(tiny):
   out, result = tiny
   names = kp.TINY["workloads"].split(",")
-  assert result["workloads"] == names and result["backends"] == ["pallas", "reference"]
+  assert result["workloads"] == names and result["backends"] == ["blockwise", "reference"]
   assert {(e["workload"], e["backend"]) for e in result["entries"]} == {
-      (w, b) for w in names for b in ("pallas", "reference")}
+      (w, b) for w in names for b in ("blockwise", "reference")}
   for e in result["entries"]:
     assert e["status"] == "ok", e.get("traceback_tail", e.get("error"))
     t = e["timing"]
@@ -214,43 +178,15 @@ def test_tiny_entries_have_kernel_rows_and_times(tiny):
 
 
 @pytest.mark.slow
-def test_tiny_launch_config_is_the_kernels_tiling(tiny):
-  from custom_ops import varlen_attention as va  # pylint: disable=import-outside-toplevel
-  _, result = tiny
-  h, k, d = kp.TINY["heads"], kp.TINY["kv_heads"], kp.TINY["head_dim"]
-  blk = kp.TINY_BLOCK
-  for e in result["entries"]:
-    if e["backend"] != "pallas":
-      assert "launch" not in e
-      continue
-    kernels = e["launch"]["kernels"]
-    n = e["task_slots"]
-    fwd, dq, dkv = (kernels[f"varlen_attention_{x}"] for x in ("fwd", "dq", "dkv"))
-    assert fwd["grid"] == [h, va.num_row_blocks(e["q_rows"], n, blk)]
-    assert dkv["grid"] == [k, va.num_row_blocks(e["kv_rows"], n, blk)]
-    assert fwd["tiles"] == dq["tiles"]  # same tiles in this preset
-    # Executed tile work covers the useful work: forward 2 matmuls per pair, backward 7 of the
-    # useful 5 (the recomputation of S and dP in both backward kernels).
-    assert fwd["executed_flops"] >= e["flops_fwd"]
-    assert dq["executed_flops"] + dkv["executed_flops"] >= 1.4 * e["flops_bwd"] * (1 - 1e-12)
-    if e["workload"] == "dense-256":
-      nb = 256 // blk  # causal: query block i visits i + 1 key blocks
-      assert fwd["tiles"] == h * nb * (nb + 1) // 2 and dkv["tiles"] == fwd["tiles"]
-      assert fwd["masked_tiles"] == h * nb
-      assert fwd["executed_flops"] == pytest.approx(
-          e["flops_fwd"] * (nb * (nb + 1) / 2 * blk * blk) / (256 * 257 / 2))
-
-
-@pytest.mark.slow
 def test_tiny_gap_table_and_markdown(tiny):
   out, result = tiny
   gap = result["gap"]
-  assert (gap["ours"], gap["baseline"]) == ("pallas", "reference")
+  assert (gap["ours"], gap["baseline"]) == ("blockwise", "reference")
   by = {(e["workload"], e["backend"]): e for e in result["entries"]}
   for wl in result["workloads"]:
     rows = {r["phase"]: r for r in gap["rows"] if r["workload"] == wl}
     assert {"forward", "backward", "total"} <= set(rows)
-    ours, base = by[(wl, "pallas")], by[(wl, "reference")]
+    ours, base = by[(wl, "blockwise")], by[(wl, "reference")]
     for phase, key in (("forward", "fwd_ms"), ("backward", "bwd_ms"), ("total", "fwd_bwd_ms")):
       r = rows[phase]
       assert r["ours_timed_ms"] == ours["timing"][key]
@@ -260,11 +196,11 @@ def test_tiny_gap_table_and_markdown(tiny):
     assert total["ratio"] == pytest.approx(total["ours_ms"] / total["base_ms"])
   with open(os.path.splitext(out)[0] + ".md") as f:
     md = f.read()
-  assert md.startswith("# Kernel profile")
+  assert md.startswith("# Kernel profile: blockwise against reference")
   assert f"- command: `python -m experiments.kernel_profile --tiny --out {out}`" in md
-  assert "- device: cpu" in md and "## Where the gap is (pallas vs reference)" in md
+  assert "- device: cpu" in md and "## Where the gap is (blockwise vs reference)" in md
   for wl in result["workloads"]:
-    assert f"### {wl} / pallas" in md and f"| {wl} | total |" in md
+    assert f"### {wl} / blockwise" in md and f"| {wl} | total |" in md
   assert np.isfinite([r["ours_ms"] for r in gap["rows"] if r["phase"] == "total"]).all()
 
 

@@ -1,7 +1,8 @@
-"""Core attention over fused CA-task batches: 'pallas' (interpret mode), 'blockwise' (several tile
-sizes) and 'reference' against an independent per-task float64 NumPy oracle (outputs, log-sum-exp
-and analytic gradients), padding behaviour, 'blockwise' memory (no [T, U] intermediate), 'auto',
-input validation, backend errors and the exact FLOP count.
+"""Core attention over fused CA-task batches: 'blockwise' (several tile sizes) and 'reference'
+(and on a GPU 'flash3') against an independent per-task float64 NumPy oracle (outputs,
+log-sum-exp and analytic gradients), padding behaviour, 'blockwise' memory (no [T, U]
+intermediate) and remat (its outputs saved by name), 'auto', input validation, backend errors
+and the exact FLOP count.
 
 Run: cd /work/main && .venv/bin/python -m pytest -q tests/test_ops.py
 """
@@ -18,13 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from custom_ops import BlockSizes
 from custom_ops import blockwise_attention as bw
+from custom_ops import mosaic_worklists
 from custom_ops import varlen_attention as va
-from distca_jax import ops
+from distca_jax import config as config_lib
+from distca_jax import dataplane, ops
+from distca_jax.baselines import check_kernel
 from distca_jax.dataplane import count_primitives
-
-BLOCKS = BlockSizes.for_interpret()  # 16-row tiles: tasks of up to 40 rows span several blocks
 
 
 # ------------------------------------------------------------------------------------------------
@@ -128,20 +129,15 @@ def random_inputs(rng: np.random.Generator, case: Case, pad_value: float | None 
 
 ON_GPU = jax.default_backend() == "gpu"
 HAS_FLASH3 = importlib.util.find_spec("flash_attn3_jax") is not None
-# 'pallas' and 'blockwise' run 16-row tiles (pallas interpreted on CPU, compiled on GPU); 'blockwise'
-# with other tiles: test_blockwise_tile_sizes_match_oracle. On a GPU the production tiles
-# ('pallas-default') and FlashAttention-3 ('flash3', when installed) are checked as well.
-BACKENDS = ["pallas", "reference", "blockwise"] + (["pallas-default"] if ON_GPU else []) + (
-    ["flash3"] if ON_GPU and HAS_FLASH3 else [])
+# 'blockwise' runs 16-row tiles here (tasks of up to 40 rows span several tiles); other tiles:
+# test_blockwise_tile_sizes_match_oracle. On a GPU FlashAttention-3 ('flash3', when installed) is
+# checked as well (the Mosaic GPU kernel: tests/test_mosaic_attention.py).
+BACKENDS = ["reference", "blockwise"] + (["flash3"] if ON_GPU and HAS_FLASH3 else [])
 
 
 def _backend_kwargs(backend: str) -> dict:
-  if backend == "pallas":
-    return dict(backend="pallas", interpret=not ON_GPU, block_sizes=BLOCKS)
   if backend == "blockwise":
     return dict(backend="blockwise", block_sizes=bw.BlockSizes(16, 16))
-  if backend == "pallas-default":
-    return dict(backend="pallas", interpret=False)  # BlockSizes.default_for(dtype, D)
   return dict(backend=backend)
 
 
@@ -247,8 +243,8 @@ def test_nan_padding_does_not_leak(backend):
   rng = np.random.default_rng(11)
   cu_q, cu_k = random_table(rng, case)
   # FlashAttention-3 reads whole key tiles past a task's end and multiplies P = 0 by whatever V
-  # holds there, so NaN in padding keys leaks into its outputs (seen on an H200); our kernel
-  # masks those loads. flash3 is therefore only promised finite padding.
+  # holds there, so NaN in padding keys leaks into its outputs (seen on an H200); our kernels
+  # zero padding rows first. flash3 is therefore only promised finite padding.
   pads = (3e4,) if backend == "flash3" else (np.nan, 3e4)
   for pad in pads:
     q, k, v, do, dlse = random_inputs(rng, case, pad_value=pad, cu_q=cu_q, cu_k=cu_k)
@@ -325,30 +321,37 @@ def test_auto_runs_blockwise_on_cpu():
 
 
 def test_non_power_of_two_head_dim():
-  """D = 80 runs as a masked 128-wide tile (forward and gradients)."""
+  """D = 80 (not a multiple of any tile width): 'blockwise' forward and gradients."""
   case = Case(48, 64, 3, 2, 1, 80, "float32")
   rng = np.random.default_rng(5)
   cu_q = np.array([0, 20, 21, 40], np.int32)
   cu_k = np.array([0, 30, 31, 60], np.int32)
   q, k, v, do, dlse = random_inputs(rng, case)
-  check_against_oracle("pallas", case, q, k, v, cu_q, cu_k, do, dlse)
+  check_against_oracle("blockwise", case, q, k, v, cu_q, cu_k, do, dlse)
 
 
-@pytest.mark.skipif(ON_GPU, reason="checks the CPU default")
-def test_pallas_defaults_to_interpret_on_cpu():
-  case = CASES[0]
-  rng = np.random.default_rng(3)
-  cu_q, cu_k = random_table(rng, case)
-  q, k, v, _, _ = random_inputs(rng, case)
-  o = ops.core_attention(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), backend="pallas",
-                         block_sizes=BLOCKS)
-  o_ref = ops.core_attention(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k))
-  assert o.shape == q.shape and o.dtype == q.dtype
-  assert rel_err(o, o_ref) < 1e-4
+def test_blockwise_forward_outputs_are_saved_by_name():
+  """The blockwise kernel names its O and LSE (``KERNEL_OUTPUTS_NAME``), so the remat policy that
+  keeps kernel outputs saves them (the backward does not rerun the forward); gradients unchanged."""
+  t, h, kh, d = 48, 4, 2, 16
+  q = jnp.asarray(np.random.default_rng(4).standard_normal((t, h, d)), jnp.float32)
+  k = q[:, ::h // kh]
+  cu = jnp.array([0, 20, 41], jnp.int32)
+
+  def loss(q, k, v):
+    return jnp.sum(ops.core_attention(q, k, v, cu, cu, backend="blockwise") ** 2)
+
+  remat = jax.checkpoint(loss, policy=ops.saves_kernel_outputs)
+  saved = saved_residuals(remat, q, k, k)
+  named = sorted(shape for _, shape, why in saved if ops.KERNEL_OUTPUTS_NAME in why)
+  assert named == sorted([(t, h, d), (t, kh, h // kh)]), saved  # O, and LSE as [T, K, G]
+  for g, w in zip(jax.grad(remat, argnums=(0, 1, 2))(q, k, k),
+                  jax.grad(loss, argnums=(0, 1, 2))(q, k, k)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="GPU-sized task table")
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b not in ("pallas", "reference")])
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])
 def test_gpu_ca_batch_matches_reference(backend):
   """A CA batch at production head shapes (32 q heads, 8 KV heads, D=128, bf16): tail shards
   [b - s, b) with their own key prefix, tasks much longer than a tile, against 'reference'."""
@@ -404,8 +407,10 @@ def _good():
     (lambda a: (*a[:3], jnp.array([0, 20, 16], jnp.int32), a[4]), "non-decreasing"),
     (lambda a: (*a[:3], jnp.array([0, 16, 33], jnp.int32), a[4]), "within [0, 32]"),
 ])
-@pytest.mark.parametrize("backend", ["reference", "pallas", "blockwise"])
+@pytest.mark.parametrize("backend", ["reference", "blockwise", "mosaic"])
 def test_bad_inputs_raise_clear_errors(backend, mutate, message):
+  """Every backend's inputs are checked before it runs (also where it cannot run: 'mosaic' on
+  CPU)."""
   with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
     ops.core_attention(*mutate(_good()), backend=backend)
 
@@ -415,13 +420,30 @@ def test_unknown_backend():
     ops.core_attention(*_good(), backend="cudnn")
 
 
+def test_pallas_backend_names_its_replacement():
+  """'pallas' (the removed Triton kernel) is rejected with one line naming what to run instead,
+  wherever a kernel name is given: the op, CAD's options, the baselines and the config."""
+  fix = (r"\(the Triton kernel\) was removed; use 'mosaic' \(GPU\) or 'blockwise' / 'reference' "
+         r"\(CPU\)")
+  with pytest.raises(ValueError, match=r"^backend='pallas' " + fix + "$"):
+    ops.core_attention(*_good(), backend="pallas")
+  with pytest.raises(ValueError, match=r"^kernel='pallas' " + fix + "$"):
+    dataplane.DispatchOptions(kernel="pallas")
+  with pytest.raises(ValueError, match=r"^kernel='pallas' " + fix + "$"):
+    check_kernel("pallas")
+  c = config_lib.base_config()
+  c.attention.kernel = "pallas"
+  with pytest.raises(ValueError, match=r"^attention.kernel='pallas' " + fix + "$"):
+    config_lib.validate(c)
+  assert "pallas" not in ops.BACKENDS
+
+
 def test_kernel_only_options_rejected_elsewhere():
-  with pytest.raises(ValueError, match="applies to backend='pallas' or 'blockwise' only"):
-    ops.core_attention(*_good(), backend="reference", block_sizes=BLOCKS)
-  with pytest.raises(ValueError, match="applies to backend='pallas' only"):
-    ops.core_attention(*_good(), backend="blockwise", interpret=True)
+  tiles = bw.BlockSizes(16, 16)
+  with pytest.raises(ValueError, match="applies to backend='blockwise' only"):
+    ops.core_attention(*_good(), backend="reference", block_sizes=tiles)
   with pytest.raises(ValueError, match="custom_ops.blockwise_attention.BlockSizes; got BlockSizes"):
-    ops.core_attention(*_good(), backend="blockwise", block_sizes=BLOCKS)
+    ops.core_attention(*_good(), backend="blockwise", block_sizes=mosaic_worklists.BlockSizes())
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn3_jax") is not None,
@@ -432,15 +454,9 @@ def test_flash3_unavailable_says_how_to_install():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU-only error")
-def test_pallas_compiled_mode_needs_a_gpu():
-  with pytest.raises(ops.BackendUnavailableError, match="interpret=True"):
-    ops.core_attention(*_good(), backend="pallas", interpret=False)
-
-
-@pytest.mark.parametrize("field, value", [("block_q", 48), ("block_k", 8), ("num_warps", 0)])
-def test_block_sizes_validated(field, value):
-  with pytest.raises(ValueError, match=f"BlockSizes.{field}={value}"):
-    BlockSizes(**{field: value})
+def test_mosaic_on_cpu_names_the_cpu_kernels():
+  with pytest.raises(ops.BackendUnavailableError, match="Use backend='blockwise' or 'reference'"):
+    ops.core_attention(*_good(), backend="mosaic")
 
 
 @pytest.mark.parametrize("field, value", [("block_q", 0), ("block_k", 2.0)])

@@ -61,7 +61,7 @@ KERNEL_NAMES = {
         "flash::CollectiveMainloopFwdSm90<2, cute::tuple<cute::C<1>>, cute::C<128>>>>>",
         "void flash::flash_bwd_dot_do_o_kernel<true, Flash_bwd_kernel_traits<128, 64, 128, 8>>",
         "flash_mha_varlen_fwd", "flash_mha_varlen_bwd",  # flash-attn3-jax's FFI targets
-        "varlen_attention_fwd", "varlen_attention_dq", "varlen_attention_dkv",  # our Pallas kernels
+        "mosaic_attention_fwd", "mosaic_attention_bwd", "mosaic_attention_dkv",  # ours (Mosaic GPU)
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1",
         "fmha_cutlassF_bf16_aligned_64x128_rf_sm80",
     ],
@@ -126,7 +126,7 @@ SYNTHETIC = [
     _ev(0, "Stream #7", "input_reduce_fusion_3", 26, 28),
     # device 1 (the straggler): long attention overlapping a matmul on another stream, then an
     # exposed all-gather with a nested duplicate collective.
-    _ev(1, "Stream #7", "varlen_attention_fwd", 0, 30),
+    _ev(1, "Stream #7", "mosaic_attention_fwd", 0, 30),
     _ev(1, "Stream #8", "nvjet_tst_128x256_64x4_1x2_h_bz_coopB_TNT", 10, 20),
     _ev(1, "Stream #13", "ncclDevKernel_AllGather_RING_LL", 30, 35),
     _ev(1, "Stream #14", "ncclDevKernel_AllGather_RING_LL", 32, 34),
@@ -170,7 +170,7 @@ def test_step_report_by_hand():
       ("loop_add_fusion", 5, 1), ("input_reduce_fusion", 2, 1)]
   # Attention kernels the same way, over devices (the duplicate counts: summed time).
   assert [(o["name"], o["total_us"], o["count"], o["devices"])
-          for o in report["attention_top"]] == [("varlen_attention_fwd", 30, 1, 1),
+          for o in report["attention_top"]] == [("mosaic_attention_fwd", 30, 1, 1),
                                                 ("flash_fwd_kernel", 8, 2, 1)]
 
 
@@ -182,7 +182,7 @@ def test_step_report_without_step_time_and_format():
   assert [r.split("|")[1].strip() for r in rows] == ["0", "1", "2"]
   assert "idle (step - busy) ms" in text
   assert "slowest device: 1" in text
-  assert "| `varlen_attention_fwd` | 0.030 | 1 | 1 |" in text
+  assert "| `mosaic_attention_fwd` | 0.030 | 1 | 1 |" in text
   assert "`input_reduce_fusion`" in text
   assert "| 1 | 0.035 | 0.030 | 0.010 | 0.005 | 0.005 | 0.000 | 0.030 | 0.000 | 499.965 |" in text
   assert profiling.format_report(profiling.step_report([])) == "_no device events in the trace_"

@@ -54,10 +54,7 @@ __all__ = [
 
 def check_kernel(kernel: str) -> str:
   """``kernel`` if it is an ``ops.core_attention`` backend, else a ValueError naming the fix."""
-  if kernel not in ops.BACKENDS:
-    raise ValueError(f"attention kernel {kernel=} is not one of {ops.BACKENDS}; set "
-                     "config.attention.kernel")
-  return kernel
+  return ops.check_backend(kernel, "kernel")
 
 
 def _check_cp(cp_size, name: str) -> int:

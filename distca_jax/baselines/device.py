@@ -102,7 +102,7 @@ def packed_dp_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout
                            softmax_scale=softmax_scale, max_seqlen_q=t, max_seqlen_k=t)
     return o.reshape(r, t, h, d)
 
-  # check_vma=False: kernel primitives (pallas_call, flash3's FFI custom_vjp) carry no
+  # check_vma=False: kernel primitives (Mosaic GPU's mpmd_map, flash3's FFI custom_vjp) carry no
   # varying-manual-axes types; with checking on, flash3's backward fails type matching on GPUs.
   return jax.shard_map(per_rank, in_specs=(spec, spec, spec, P(spec[0], None)),
                        out_specs=spec, check_vma=False)(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, doc_lens_BxN)

@@ -70,8 +70,8 @@ def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
     tolerance: balancing epsilon (every server within ``(1 + tolerance)`` x mean pairs).
     capacity: buffer caps (``Capacity`` or dict); None or missing fields: the plan's own
       required sizes rounded up to a row multiple (a new layout may then recompile).
-    kernel: ``ops.core_attention`` backend: 'reference', 'pallas' (interpret mode on CPU) or
-      'flash3'.
+    kernel: ``ops.core_attention`` backend: 'reference', 'blockwise' (CPU), 'mosaic' or 'flash3'
+      (GPU), or 'auto'.
     softmax_scale: default ``1 / sqrt(head_dim)``.
     memory_mode: 'keep' or 'resend' (what the backward keeps; ``dataplane.body``).
     min_shard: shortest query piece a split may create; None = ``plan.auto_min_shard``.
@@ -79,7 +79,7 @@ def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
     head_axis: mesh axis the heads are sharded over, if any.
     return_lse: also return the log-sum-exp ``[ranks, tokens_per_rank, q_heads]``.
     return_plan: also return the ``HostPlan`` (last element).
-    kernel_options: extra ``ops.core_attention`` keywords (``interpret``, ``block_sizes``, ...).
+    kernel_options: extra ``ops.core_attention`` keywords (``block_sizes``, ...).
     exchange: buckets, collective, signal-only (``exchange.ExchangeOptions``).
     **schedule_options: further ``plan.schedule`` keywords (split, cost_model, ...).
 

@@ -9,8 +9,8 @@ becomes a switch on the same bucket); the kernel has its own ``custom_vjp``. Mem
   'resend'  ``jax.checkpoint`` around the per-device body whose policy saves only the kernel's
             outputs (O, LSE): the attention buffers are rebuilt in the backward by re-running the
             gathers and the collective (the owners re-send Q/K/V), and the kernel's forward is
-            not rerun. With the plain-jnp 'reference' kernel there is no kernel primitive to
-            save, so its forward is recomputed too (it is a test kernel).
+            not rerun. The plain-jnp 'reference' kernel names no outputs to save, so its forward
+            is recomputed too (it is a test kernel).
 The layer's remat policy (``ModelConfig.remat``) wraps all of this: 'full' reruns the whole
 forward in the backward (exchange, kernel, return); 'save_attention' keeps the kernel's outputs
 and inputs ('keep'; with 'resend' the inputs are still re-sent) and the returned O.
@@ -34,6 +34,8 @@ from distca_jax.plan.spec import PlanSpec
 
 MEMORY_MODES = ("keep", "resend")
 KERNELS = ops.BACKENDS
+# Primitives of Pallas kernel calls; ``count_primitives`` counts them under their kernel's name.
+KERNEL_CALLS = ("pallas_call", "mpmd_map")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,15 +43,15 @@ class DispatchOptions:
   """Everything static about one ``dispatch_attention`` call (hashable: a jit static argument).
 
   Attributes:
-    kernel: ``ops.core_attention`` backend ('reference', 'pallas', 'flash3').
+    kernel: ``ops.core_attention`` backend (``ops.BACKENDS``).
     memory_mode: 'keep' or 'resend' (module docstring).
     softmax_scale: default ``1 / sqrt(D)``.
     data_axis: the mesh axis of the servers (a tuple of axes: their product, e.g. a pipeline's
       (pipe, data)).
     head_axis: mesh axis the heads are split over (tensor parallelism), or None.
     return_lse: also return the softmax log-sum-exp ``[B, T, H]`` (f32; -inf at padding).
-    kernel_options: extra keywords for ``ops.core_attention`` (e.g. ``interpret``); a mapping is
-      stored as sorted ``(name, value)`` pairs.
+    kernel_options: extra keywords for ``ops.core_attention`` (e.g. ``block_sizes``); a mapping
+      is stored as sorted ``(name, value)`` pairs.
     exchange: buckets, collective and signal-only (``exchange.ExchangeOptions``).
   """
   kernel: str = "auto"
@@ -62,9 +64,7 @@ class DispatchOptions:
   exchange: ExchangeOptions = ExchangeOptions()
 
   def __post_init__(self):
-    if self.kernel not in KERNELS:
-      raise ValueError(f"distca kernel={self.kernel!r} is not a core_attention backend; choose "
-                       f"one of {KERNELS}")
+    ops.check_backend(self.kernel, "kernel")
     if self.memory_mode not in MEMORY_MODES:
       raise ValueError(f"distca memory_mode={self.memory_mode!r}; choose one of {MEMORY_MODES}")
     if isinstance(self.kernel_options, Mapping):
@@ -161,7 +161,8 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
     body = jax.checkpoint(body, policy=ops.saves_kernel_outputs)
   qkv = P(data_axis, None, head_axis, None)
   out_specs = (qkv, P(data_axis, None, head_axis)) if options.return_lse else qkv
-  # check_vma=False: the Pallas kernel's pallas_call carries no varying-axes annotations.
+  # check_vma=False: kernel primitives (Mosaic GPU's mpmd_map, flash3's FFI call) carry no
+  # varying-manual-axes types.
   f = jax.shard_map(body, mesh=mesh, in_specs=(qkv, qkv, qkv, P(data_axis, None)),
                     out_specs=out_specs, check_vma=False)
   return f(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, plan_BxW)
@@ -169,13 +170,14 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
 
 def count_primitives(jaxpr, names) -> collections.Counter:
   """Primitives of ``names`` one execution of ``jaxpr`` runs (nested jaxprs included; a bucket
-  switch counts its largest branch), plus every ``pallas_call`` under its kernel's name (e.g.
-  ``varlen_attention_fwd``). Benchmarks and tests read a CAD program's structure with it."""
+  switch counts its largest branch), plus every Pallas kernel call (``pallas_call``, Mosaic GPU's
+  ``mpmd_map``) under its kernel's name (e.g. ``mosaic_attention_fwd``). Benchmarks and tests
+  read a CAD program's structure with it."""
   acc = collections.Counter()
   for e in jaxpr.eqns:
     if e.primitive.name in names:
       acc[e.primitive.name] += 1
-    if e.primitive.name == "pallas_call":
+    if e.primitive.name in KERNEL_CALLS:
       acc[str(e.params["name"])] += 1
     if e.primitive.name == "cond":
       per_branch = [count_primitives(b.jaxpr, names) for b in e.params["branches"]]

@@ -7,9 +7,9 @@ Expect: steps of the real 8B layer shapes (4 of 32 layers) on Pretrain-workload 
 CAD (`distca`, FlashAttention-3 kernel: pip install -e ".[gpu]"), with
 tokens/s and MFU (document-masked FLOPs) printed every 5 steps; loss starts near 12.6 and falls.
 Expect on one H200: about 50% MFU with `--config.model.n_layers=16` (49.7-50.7% Pretrain over
-two calls, 49.4% ProLong; results/one_gpu/step_breakdown.md), 51.5% with
+two calls, 49.4-51.3% ProLong; results/one_gpu/step_breakdown.md), 51.5% on Pretrain with
 `--config.model.remat_mlp_layers=3` added (the first 3 layers keep their MLP activations: the
-most that fit at 64K tokens; single stream only); 4 layers read higher because the LM head, fast
+most that fit at 64K tokens; single stream only; no measurable gain on ProLong); 4 layers read higher because the LM head, fast
 matmuls, is a larger share of the counted FLOPs.
 """
 

@@ -149,6 +149,7 @@ def _damage(path, offset, n=8):
     f.write(bytes(x ^ 0xA5 for x in b))
 
 
+@pytest.mark.slow
 def test_damaged_array_bytes_are_never_restored(tmp_path):
   """Every data file of the newest checkpoint, damaged at several offsets: the restored state is
   either bit-identical to what was saved at that step (the bytes were not part of any array) or
@@ -332,6 +333,7 @@ def test_unknown_key_message_names_the_nearest_keys():
 # ---------------------------------------------------------------------------------------------
 # 4. Memory pre-flight
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_memory_preflight_stops_before_the_first_step(tmp_path):
   c = small_config("num_steps=2", "optim.warmup_steps=0", "checkpoint_every=0")
   with pytest.raises(memory.DoesNotFit) as e:

@@ -255,7 +255,8 @@ def assert_same_loss_and_grads(base, other, seed):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7, err_msg=f"seed {seed}")
 
 
-@pytest.mark.parametrize("kept", [1, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("kept", [1, 3])
 def test_remat_mlp_layers_keep_loss_and_gradients(seed, kept):
   """Keeping the MLP activations of the first layers (two scans over the stacked parameters, the
   weights cast to bf16 before them) gives save_attention's loss and gradients."""

@@ -288,6 +288,27 @@ class _ScanBody(nn.Module):
 PING_PONG_SCOPE = "pingpong"
 
 
+def layer_pieces(cfg: ModelConfig, core_attention: attn_lib.CoreAttentionFn):
+  """A layer's three pieces as functions of explicit parameters, for the schedules that run the
+  stack outside ``nn.scan`` (ping-pong, the two-policy scan): ``pre(p, x, layout) -> qkv``,
+  ``ca(qkv, layout) -> o`` and ``post(p, x, o) -> x``, ``p`` one layer's ``{'pre_ca',
+  'post_ca'}`` parameters."""
+  scale = 1.0 / math.sqrt(cfg.head_dim)
+  # Unbound modules (parent=None): applied to the given parameters, not registered as children.
+  pre_mod, post_mod = PreCA(cfg, parent=None), PostCA(cfg, parent=None)
+
+  def pre(p, x, lay):
+    return pre_mod.apply({"params": p["pre_ca"]}, x, lay.positions_BxT)
+
+  def ca(qkv, lay):
+    return _attend(core_attention, qkv, lay, scale)
+
+  def post(p, x, o):
+    return post_mod.apply({"params": p["post_ca"]}, x, o)
+
+  return pre, ca, post
+
+
 def ping_pong_layers(cfg: ModelConfig, core_attention: attn_lib.CoreAttentionFn, layers,
                      x_BxTxE, layout: Layout):
   """The decoder stack as a ping-pong of two nano-batches (DistCA Sec. 4.1).
@@ -318,25 +339,14 @@ def ping_pong_layers(cfg: ModelConfig, core_attention: attn_lib.CoreAttentionFn,
   Returns:
     The residual stream after layer L-1, rows in their original order.
   """
-  scale = 1.0 / math.sqrt(cfg.head_dim)
   n_layers = cfg.n_layers
   stacked = not isinstance(layers, (list, tuple))
-  # Unbound modules (parent=None): applied to the given parameters, not registered as children.
-  pre_mod, post_mod = PreCA(cfg, parent=None), PostCA(cfg, parent=None)
+  pre, ca, post = layer_pieces(cfg, core_attention)
   (x_a, x_b), (lay_a, lay_b) = split_rows(x_BxTxE, 2), split_rows(layout, 2)
 
   def step(name, fn, *args):
     with jax.named_scope(f"{PING_PONG_SCOPE}_{name}"):
       return fn(*args)
-
-  def pre(p, x, lay):
-    return pre_mod.apply({"params": p["pre_ca"]}, x, lay.positions_BxT)
-
-  def post(p, x, o):
-    return post_mod.apply({"params": p["post_ca"]}, x, o)
-
-  def ca(qkv, lay):
-    return _attend(core_attention, qkv, lay, scale)
 
   def remat(f, in_scan=False):
     if cfg.remat == "none":
@@ -457,16 +467,12 @@ class Transformer(nn.Module):
     cfg = self.cfg
     n = cfg.remat_mlp_layers
     layers = nn.meta.unbox(self.variables["params"])["layers"]["layer"]
-    pre_mod, post_mod = PreCA(cfg, parent=None), PostCA(cfg, parent=None)
-    scale = 1.0 / math.sqrt(cfg.head_dim)
-    dt = cfg.compute_dtype
+    pre, ca, post = layer_pieces(cfg, self.core_attention)
     weights = jax.tree_util.tree_map_with_path(
-        lambda path, a: a if path[-1].key == "scale" else a.astype(dt), layers)
+        lambda path, a: a if path[-1].key == "scale" else a.astype(cfg.compute_dtype), layers)
 
     def layer(p, x):
-      qkv = pre_mod.apply({"params": p["pre_ca"]}, x, layout.positions_BxT)
-      o = _attend(self.core_attention, qkv, layout, scale)
-      return post_mod.apply({"params": p["post_ca"]}, x, o)
+      return post(p, x, ca(pre(p, x, layout), layout))
 
     def scan(x, ps, policy):
       body = jax.checkpoint(layer, policy=policy, prevent_cse=False)

@@ -622,8 +622,9 @@ def check_backends(parser, backends: str, names) -> None:
   (and, for a removed kernel, what to run instead)."""
   from distca_jax.ops import REMOVED_BACKENDS  # pylint: disable=import-outside-toplevel
   for b in backends.split(","):
-    if b.partition(":")[0] in REMOVED_BACKENDS:
-      parser.error(f"--backends: {b!r} {REMOVED_BACKENDS[b.partition(':')[0]]}")
+    base = b.partition(":")[0]
+    if base in REMOVED_BACKENDS:
+      parser.error(f"--backends: {b!r} {REMOVED_BACKENDS[base]}")
     if b not in names:
       parser.error(f"--backends: unknown backend {b!r}; choose from {tuple(names)}")
 

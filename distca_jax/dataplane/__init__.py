@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from distca_jax.dataplane.body import (KERNELS, MEMORY_MODES, DispatchOptions, count_primitives,
+from distca_jax.dataplane.body import (MEMORY_MODES, DispatchOptions, count_primitives,
                                        dispatch_attention, mesh_and_servers)
 from distca_jax.dataplane.copies import gather_two, place_unique, recv_rows, take_rows
 from distca_jax.dataplane.exchange import (COLLECTIVES, ExchangeOptions, resolve_collective,
@@ -37,7 +37,7 @@ from distca_jax.plan.capacity import Capacity
 from distca_jax.plan.spec import fit_host_plan
 
 __all__ = [
-    "COLLECTIVES", "DispatchOptions", "ExchangeOptions", "KERNELS", "MEMORY_MODES",
+    "COLLECTIVES", "DispatchOptions", "ExchangeOptions", "MEMORY_MODES",
     "core_attention", "count_primitives", "dispatch_attention", "gather_two", "mesh_and_servers",
     "place_unique", "recv_rows", "resolve_collective", "return_to_owners", "send_to_servers",
     "take_rows",

@@ -33,7 +33,6 @@ from distca_jax.dataplane.exchange import ExchangeOptions, return_to_owners, sen
 from distca_jax.plan.spec import PlanSpec
 
 MEMORY_MODES = ("keep", "resend")
-KERNELS = ops.BACKENDS
 # Primitives of Pallas kernel calls; ``count_primitives`` counts them under their kernel's name.
 KERNEL_CALLS = ("pallas_call", "mpmd_map")
 

@@ -58,8 +58,10 @@ def base_config() -> ml_collections.ConfigDict:
                                           # per-batch bound's gain (results/per_batch_bound.md)
   c.attention.distca.min_shard = 0        # shortest query piece a split may create; 0 = auto
                                           # (512, or tokens_per_rank / 16 for short rows)
-  c.attention.distca.q_slot = 0           # query rows one rank sends one server
-  c.attention.distca.kv_slot = 0          # key/value rows one rank sends one server
+  c.attention.distca.q_send = 0           # query rows a rank sends to all other servers
+  c.attention.distca.kv_send = 0          # key/value rows a rank sends to all other servers
+  c.attention.distca.q_recv = 0           # query rows a server receives from all other ranks
+  c.attention.distca.kv_recv = 0          # key/value rows a server receives from all other ranks
   c.attention.distca.q_tokens = 0         # query rows in a server's attention input
   c.attention.distca.kv_tokens = 0        # key/value rows in a server's attention input
   c.attention.distca.tasks = 0            # CA-tasks (varlen segments) per server
@@ -70,9 +72,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.attention.distca.caps_headroom = 1.1  # >= 1: margin over the sampled batches' envelope
   c.attention.distca.memory_mode = "keep" # 'keep': servers keep received Q/K/V for the
                                           # backward; 'resend': they are re-sent (recomputed)
-  c.attention.distca.exchange_buckets = 8  # per batch the exchange moves only the smallest of
-                                          # 1/n, ..., 1 of each slot that holds the batch; 1 = full
-                                          # slots (results/archive/5fecf88/dispatch_bench_buckets.md)
+  c.attention.distca.collective = "auto"  # how rows cross the wire: 'ragged' (ragged
+                                          # all-to-all, each row once; GPU), 'ring' (ppermute
+                                          # rounds; any platform), 'dense' (padded all-to-all);
+                                          # 'auto': dense on GPU (fastest measured), ring
+                                          # elsewhere
   # Baselines (distca_jax/baselines): 'packed_dp' (each rank its own documents, one fused varlen
   # call), 'cp' (per-sequence context parallelism: groups of cp_size consecutive data ranks, head-
   # tail chunks, K/V all-gathered) and 'wlb' (WLB-LLM packing over DP groups + per-document CP).

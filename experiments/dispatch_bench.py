@@ -1,4 +1,4 @@
-"""CAD data plane: exchange bandwidth on real plans, and memory/time of 'keep' vs 'resend'.
+"""CAD data plane: the ragged exchange's implementations on real plans, and 'keep' vs 'resend'.
 
 For each workload, a few batches are planned on the host (``plan_lib.host_plan``, per-rank
 document lists as the trainer makes them, caps = ``plan_lib.suggest_capacity`` of those batches,
@@ -6,32 +6,38 @@ or with ``--caps default`` the caps of a run that leaves them at 0, ``plan_lib.d
 one compiled program serves them all) and every device-side piece is timed on every visible
 device (one server per device, the mesh's ``data`` axis):
 
-  exchange   sender gather + the Q/K/V collective (``--collective``: one ``lax.all_to_all``, or
-             S - 1 ``lax.ppermute`` rounds) + server gather (``dataplane.send_to_servers``,
-             ``--exchange-buckets``: the bucket the batch needs);
-  signal     the same exchange with ``signal_only=True`` (one row per slot on the wire): the
+  exchange   sender gather + ``dataplane.ragged_exchange`` of Q and of K/V + server gather
+             (``dataplane.send_to_servers``), once per collective of ``--collectives``:
+             'ragged' (``lax.ragged_all_to_all``, GPU only), 'ring' (S - 1 ``lax.ppermute``
+             rounds of the whole send buffer), 'dense' (one ``lax.all_to_all`` of every group
+             padded to ``min(send cap, recv cap)`` rows); 'auto' names the step's default;
+  signal     the same exchange with ``signal_only=True`` (one row per group on the wire): the
              stage's cost without the wire;
-  return     O gather + the same collective + owner gather (``dataplane.return_to_owners``);
-  raw a2a    a bare dense ``lax.all_to_all`` moving (a) the same useful bytes per device with no
-             padding, (b) the busiest sender's useful bytes from every device, and (c) the
-             exchange's full padded slot buffer;
-  CAD attention a chain of ``--layers`` ``dataplane.dispatch_attention`` calls (each layer's O
-             is the next one's Q, so every layer's residuals are alive before the backward, as
-             in a model), memory mode 'keep' and 'resend': forward and forward+backward time per
-             layer, XLA's compiled temp memory, and the jaxpr's all-to-all and kernel-forward
-             counts (resend adds one all-to-all per layer and no kernel forward);
+  return     O gather + the same collective backwards + owner placement
+             (``dataplane.return_to_owners``);
+  raw a2a    a bare ``lax.all_to_all`` moving (a) the mean useful bytes per device, evenly
+             spread over the peers, and (b) the busiest sender's useful bytes from every device;
+  CAD attention a chain of ``--layers`` ``dataplane.dispatch_attention`` calls with the 'auto'
+             collective (each layer's O is the next one's Q, so every layer's residuals are
+             alive before the backward, as in a model), memory mode 'keep' and 'resend': forward
+             and forward+backward time per layer, XLA's compiled temp memory, and the jaxpr's
+             collective and kernel-forward counts (resend adds one exchange per layer and no
+             kernel forward);
   no CAD     each device's own documents through the same kernel, no exchange (forward+backward).
 ``--exchange-only`` times the first four alone.
 
-Bandwidth is per device: useful bytes = mean over devices of the Q+K+V (or O) bytes the plan
-sends to other devices; effective bandwidth = useful bytes / time of the whole stage. Two
-fractions per stage: (a) ``fraction_of_raw`` = mean useful bandwidth / raw all-to-all bandwidth
-for the same bytes (the target is >= 80%); (b) ``busiest_fraction_of_raw`` = the busiest
-sender's useful bytes / stage time, over the raw all-to-all bandwidth per device when every device
-sends that many bytes. No exchange can finish before its busiest sender has sent, and with 2
-servers the traffic is often one-directional, which caps (a) near 50% for any dense collective;
-(b) is the fair measure then. ``moved`` bytes are what the chosen bucket puts on the wire
-(``plan_lib.exchange_bytes``). Times are medians over ``--iters`` runs after a warm-up.
+Bytes per device (``plan_lib.exchange_bytes``): useful = mean over devices of the Q+K+V (or O)
+rows the plan sends to other devices, which is what the ragged exchange puts on the wire;
+buffer = the send and receive buffers the caps allocate, whatever the batch; wire = what each
+collective moves off a device (``wire_bytes``: 'ragged' the useful bytes, 'ring' S - 1 whole send
+buffers, 'dense' S - 1 padded groups). Effective bandwidth = useful bytes / time of the whole
+stage. Two fractions per stage and collective: (a) ``fraction_of_raw`` = mean useful bandwidth /
+raw all-to-all bandwidth for the same bytes (the target is >= 80%); (b)
+``busiest_fraction_of_raw`` = the busiest sender's useful bytes / stage time, over the raw
+all-to-all bandwidth per device when every device sends that many bytes. No exchange can finish
+before its busiest sender has sent, and with 2 servers the traffic is often one-directional,
+which caps (a) near 50%; (b) is the fair measure then. Times are medians over ``--iters`` runs
+after a warm-up.
 
 Run:
   python -m experiments.dispatch_bench          # every visible GPU on `data` (e.g. 2 H200s):
@@ -51,6 +57,8 @@ import json
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The implementations of the ragged exchange (dataplane.COLLECTIVES less 'auto').
+IMPLEMENTATIONS = ("ragged", "ring", "dense")
 
 
 def _args():
@@ -73,13 +81,12 @@ def _args():
                  "plan_lib.default_capacity, what a run with caps left at 0 and "
                  "caps_from_batches = 0 uses (training derives tight caps like 'suggest' from its "
                  "first batches by default)")
-  p.add_argument("--exchange-buckets", type=int, default=8,
-                 help="slot fractions the exchange chooses from per batch (1 = full slots)")
-  p.add_argument("--collective", default="auto", choices=("auto", "all_to_all", "ppermute"),
-                 help="how the exchange moves rows (dataplane.COLLECTIVES; auto: ppermute with 2 "
-                 "devices, else all_to_all)")
+  p.add_argument("--collectives", default=None,
+                 help="comma-separated exchange implementations to compare, of 'auto', "
+                 f"{', '.join(repr(c) for c in IMPLEMENTATIONS)} (default: ragged,ring,dense on "
+                 "GPU; ring,dense elsewhere: XLA:CPU has no ragged all-to-all)")
   p.add_argument("--exchange-only", action="store_true",
-                 help="time only the exchange, its signal-only twin and the return (no CAD "
+                 help="time only the exchanges, their signal-only twins and the returns (no CAD "
                  "chains, no no-CAD baseline, no memory report)")
   p.add_argument("--batches", type=int, default=None, help="planned batches (default 3; tiny: 2)")
   p.add_argument("--iters", type=int, default=None, help="timed runs (default 10; tiny: 2)")
@@ -99,8 +106,13 @@ def _args():
       setattr(a, name, small if tiny else big)
   if a.out is None:
     a.out = os.path.join(REPO, "results", "dispatch_bench_tiny" if tiny else "dispatch_bench")
-  if a.exchange_buckets < 1:
-    p.error(f"--exchange-buckets={a.exchange_buckets} must be >= 1 (1 = full slots)")
+  if a.collectives is not None:
+    names = [c.strip() for c in a.collectives.split(",") if c.strip()]
+    bad = [c for c in names if c not in ("auto",) + IMPLEMENTATIONS]
+    if not names or bad:
+      p.error(f"--collectives={a.collectives!r}: choose from 'auto', "
+              f"{', '.join(repr(c) for c in IMPLEMENTATIONS)}")
+    a.collectives = names
   return a
 
 
@@ -126,6 +138,43 @@ AXIS = "data"
 # The kernels' forward calls as dataplane.count_primitives counts them (the plain-jnp kernels,
 # 'reference' and 'blockwise', make no kernel call: 0).
 KERNEL_FORWARDS = ("mosaic_attention_fwd", "flash_mha_varlen_fwd")
+# The collectives' primitives (a ring's loop body counts once).
+COLLECTIVE_PRIMITIVES = ("ragged_all_to_all", "ppermute", "all_to_all")
+
+
+def resolve_collectives(names: list[str] | None, platform: str) -> list[str]:
+  """The implementations to time: ``names`` with 'auto' resolved for ``platform``, or the default
+  (every implementation ``platform`` runs). Raises on a name given twice (after resolving) and
+  on 'ragged' off GPU."""
+  gpu = platform in ("gpu", "cuda", "rocm")
+  if names is None:
+    return list(IMPLEMENTATIONS) if gpu else ["ring", "dense"]
+  out = [dataplane.resolve_collective(c, platform) for c in names]
+  if len(set(out)) != len(out):
+    raise ValueError(f"--collectives={','.join(names)} names one implementation twice on "
+                     f"{platform} (resolved: {out})")
+  if "ragged" in out and not gpu:
+    raise ValueError(f"--collectives: 'ragged' (lax.ragged_all_to_all) needs a GPU; this backend "
+                     f"is {platform}: use ring,dense")
+  return out
+
+
+def wire_bytes(collective: str, cap: plan_lib.Capacity, s: int, by: dict, bq: int,
+               bkv: int) -> dict[str, float]:
+  """Bytes one device puts on the wire in one forward exchange (dispatch: Q + K/V) and its
+  output return, per implementation (``dataplane.exchange``): 'ragged' the routed rows (mean over
+  devices: ``by``, from ``plan_lib.exchange_bytes``), 'ring' S - 1 whole send buffers, 'dense'
+  S - 1 groups of ``min(send cap, recv cap)`` rows. ``bq`` / ``bkv``: bytes of a Q row and of a
+  K plus V row."""
+  if collective == "ragged":
+    return {"dispatch": by["dispatch_useful"], "return": by["return_useful"]}
+  if collective == "ring":
+    return {"dispatch": (s - 1) * (cap.q_send * bq + cap.kv_send * bkv),
+            "return": (s - 1) * cap.q_recv * bq}
+  if collective == "dense":
+    b_q, b_kv = min(cap.q_send, cap.q_recv), min(cap.kv_send, cap.kv_recv)
+    return {"dispatch": (s - 1) * (b_q * bq + b_kv * bkv), "return": (s - 1) * b_q * bq}
+  raise ValueError(f"collective={collective!r}; choose one of {IMPLEMENTATIONS}")
 
 
 def _pick_kernel(a, dtype) -> str:
@@ -161,10 +210,11 @@ def _profile_ops(fn, args, logdir: str, top: int = 15) -> dict:
           for dev, d in sorted(per_dev.items())}
 
 
-def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
+def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype, collectives: list[str]) -> dict:
   s = mesh.shape[AXIS]
   t, h, kh, d = a.tokens_per_rank, a.heads, a.kv_heads, a.head_dim
   dbytes = jnp.dtype(dtype).itemsize
+  bq, bkv = h * d * dbytes, 2 * kh * d * dbytes
   byte_model = dict(q_heads=h, kv_heads=kh, head_dim=d, dtype_bytes=dbytes)
   sampler = WorkloadSampler(name, t, seed=a.seed)
   layouts = [sampler.step_doclens(step, s) for step in range(a.batches)]
@@ -176,7 +226,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
                                     multiple=plan_lib.row_multiple(t), **byte_model)
   spec = plan_lib.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1, capacity=cap)
   print(f"[{name}] {s} servers x {t} tokens, heads {h}/{kh}x{d} {jnp.dtype(dtype).name}, "
-        f"kernel {kernel}, caps {cap}", flush=True)
+        f"kernel {kernel}, collectives {collectives}, caps {cap}", flush=True)
   row_sh = NamedSharding(mesh, P(AXIS))
   plan_sh = NamedSharding(mesh, P(AXIS, None))
 
@@ -198,30 +248,31 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS),
                                  check_vma=False))
 
-  nb = a.exchange_buckets
-  wire = dataplane.ExchangeOptions(buckets=nb, collective=a.collective)
   # Per-rank layouts: no document (so no task) is longer than a rank's tokens; flash3's grid is
   # tasks x ceil(max_seqlen / 128) blocks, so pass the bound as the trainer's backend does.
   kopts = {"max_seqlen_q": t, "max_seqlen_k": t}  # flash3's bound; other kernels ignore it
 
-  def exchange(q, k, v, plan, signal_only=False):
-    m = spec.unpack_local(plan)
-    qa, ka, va = dataplane.send_to_servers(
-        q[0], k[0], v[0], m, spec, AXIS, dataclasses.replace(wire, signal_only=signal_only))
-    return qa[None], ka[None], va[None]
+  def stages(collective):
+    """(exchange, signal-only exchange, return) programs with ``collective``."""
+    wire = dataplane.ExchangeOptions(collective=collective)
+    signal_wire = dataclasses.replace(wire, signal_only=True)
 
-  def signal(q, k, v, plan):
-    return exchange(q, k, v, plan, signal_only=True)
+    def exchange(q, k, v, plan, opts=wire):
+      qa, ka, va = dataplane.send_to_servers(q[0], k[0], v[0], spec.unpack_local(plan), spec,
+                                             AXIS, opts)
+      return qa[None], ka[None], va[None]
 
-  def ret(o_attn, plan):
-    return dataplane.return_to_owners(o_attn[0], spec.unpack_local(plan), spec, AXIS, 0,
-                                      wire)[None]
+    def signal(q, k, v, plan):
+      return exchange(q, k, v, plan, signal_wire)
 
-  def raw_a2a(x):
-    return lax.all_to_all(x, AXIS, 1, 1, tiled=True)
+    def ret(o_attn, plan):
+      return dataplane.return_to_owners(o_attn[0], spec.unpack_local(plan), spec, AXIS, 0,
+                                        wire)[None]
 
-  exchange_f, signal_f = local(exchange), local(signal)
-  return_f, raw_f = local(ret), local(raw_a2a)
+    return local(exchange), local(signal), local(ret)
+
+  programs = {c: stages(c) for c in collectives}
+  raw_f = local(lambda x: lax.all_to_all(x, AXIS, 1, 1, tiled=True))
 
   def raw_bytes(nbytes: float) -> dict:
     """A bare all_to_all moving ``nbytes`` off-device per device (at least one element a peer)."""
@@ -235,8 +286,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
     # A chain of `layers` CAD attentions (each layer's O is the next layer's Q), like a model's
     # stack: the residuals of every layer are alive together before the backward, which is where
     # 'keep' and 'resend' differ.
-    options = dataplane.DispatchOptions(kernel=kernel, memory_mode=mode, kernel_options=kopts,
-                                        exchange=wire)
+    options = dataplane.DispatchOptions(kernel=kernel, memory_mode=mode, kernel_options=kopts)
 
     def fwd(q, k, v, plan):
       x = q
@@ -269,27 +319,34 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
                             **byte_model)
     plan = jax.device_put(hp.packed, plan_sh)
     plan0 = plan if i == 0 else plan0
-    by = plan_lib.exchange_bytes(hp.meta, exchange_buckets=nb, **byte_model)
+    by = plan_lib.exchange_bytes(hp.meta, **byte_model)
     rec = {"batch": i, "docs": int(hp.plan.doc_lens.size), "tasks": int(len(hp.plan.tasks)),
            "imbalance_before": hp.plan.imbalance_before,
            "imbalance_after": hp.plan.imbalance_after, "degraded": hp.plan.degraded,
-           "moves": hp.plan.num_moves, **{f"bytes_{k}": v for k, v in by.items()}}
-    rec["exchange"] = _time(exchange_f, q, k, v, plan, iters=a.iters)
-    rec["exchange_signal_only"] = _time(signal_f, q, k, v, plan, iters=a.iters)
-    rec["return"] = _time(return_f, o_attn, plan, iters=a.iters)
-    for stage, key in (("exchange", "dispatch"), ("return", "return")):
-      rec[stage]["useful_GBps"] = by[f"{key}_useful"] / rec[stage]["median_s"] / 1e9
-      rec[stage]["busiest_useful_GBps"] = (by[f"{key}_useful_busiest_device"]
-                                           / rec[stage]["median_s"] / 1e9)
-      if s > 1:
-        # (a) raw all_to_all of the same mean useful bytes per device, no padding;
-        raw = raw_bytes(by[f"{key}_useful"])
-        rec[f"raw_a2a_{stage}_same_bytes"] = raw
-        rec[stage]["fraction_of_raw"] = rec[stage]["useful_GBps"] / raw["GBps"]
+           "moves": hp.plan.num_moves, **{f"bytes_{k}": v for k, v in by.items()},
+           "collectives": {}}
+    if s > 1:
+      for stage, key in (("exchange", "dispatch"), ("return", "return")):
+        # (a) raw all_to_all of the same mean useful bytes per device, evenly spread;
+        rec[f"raw_a2a_{stage}_same_bytes"] = raw_bytes(by[f"{key}_useful"])
         # (b) every device sending what the busiest sender must send.
-        raw = raw_bytes(by[f"{key}_useful_busiest_device"])
-        rec[f"raw_a2a_{stage}_busiest_bytes"] = raw
-        rec[stage]["busiest_fraction_of_raw"] = rec[stage]["busiest_useful_GBps"] / raw["GBps"]
+        rec[f"raw_a2a_{stage}_busiest_bytes"] = raw_bytes(by[f"{key}_useful_busiest_device"])
+    for c, (exchange_f, signal_f, return_f) in programs.items():
+      wb = wire_bytes(c, cap, s, by, bq, bkv)
+      r = {"exchange": _time(exchange_f, q, k, v, plan, iters=a.iters),
+           "exchange_signal_only": _time(signal_f, q, k, v, plan, iters=a.iters),
+           "return": _time(return_f, o_attn, plan, iters=a.iters)}
+      for stage, key in (("exchange", "dispatch"), ("return", "return")):
+        st = r[stage]
+        st["wire_bytes"] = wb[key]
+        st["useful_GBps"] = by[f"{key}_useful"] / st["median_s"] / 1e9
+        st["busiest_useful_GBps"] = by[f"{key}_useful_busiest_device"] / st["median_s"] / 1e9
+        if s > 1:
+          st["fraction_of_raw"] = (st["useful_GBps"]
+                                   / rec[f"raw_a2a_{stage}_same_bytes"]["GBps"])
+          st["busiest_fraction_of_raw"] = (st["busiest_useful_GBps"]
+                                           / rec[f"raw_a2a_{stage}_busiest_bytes"]["GBps"])
+      rec["collectives"][c] = r
     for mode, (fwd_f, fwd_bwd_f) in modes.items():
       for key, f, args in (("fwd", fwd_f, (q, k, v, plan)),
                            ("fwd_bwd", fwd_bwd_f, (q, k, v, plan, ct))):
@@ -302,25 +359,27 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
       rec["no_cad_fwd_bwd"] = _time(no_cad_f, q, k, v, cu, iters=a.iters)
     rows.append(rec)
     nan = {"median_s": float("nan")}
+    raw = rec.get("raw_a2a_exchange_same_bytes", nan)["median_s"]
+    per = "; ".join(
+        f"{c} {r['exchange']['median_s'] * 1e3:.2f} ms (signal "
+        f"{r['exchange_signal_only']['median_s'] * 1e3:.2f}, return "
+        f"{r['return']['median_s'] * 1e3:.2f}, fractions "
+        f"{r['exchange'].get('fraction_of_raw', float('nan')):.2f} / "
+        f"{r['exchange'].get('busiest_fraction_of_raw', float('nan')):.2f})"
+        for c, r in rec["collectives"].items())
     print(f"  batch {i}: imbalance {rec['imbalance_before']:.2f} -> "
-          f"{rec['imbalance_after']:.2f}; bucket {by['bucket'] + 1}/{by['num_buckets']} "
-          f"(moves {by['dispatch_moved'] / 2**20:.3g} of {by['dispatch_padded'] / 2**20:.3g} MB); "
-          f"exchange {rec['exchange']['median_s'] * 1e3:.2f} ms "
-          f"({rec['exchange']['useful_GBps']:.1f} GB/s useful, fractions "
-          f"{rec['exchange'].get('fraction_of_raw', float('nan')):.2f} / "
-          f"{rec['exchange'].get('busiest_fraction_of_raw', float('nan')):.2f}); signal "
-          f"{rec['exchange_signal_only']['median_s'] * 1e3:.2f} ms; return "
-          f"{rec['return']['median_s'] * 1e3:.2f} ms; CAD fwd+bwd keep "
+          f"{rec['imbalance_after']:.2f}; useful {by['dispatch_useful'] / 2**20:.3g} of "
+          f"{by['dispatch_buffer'] / 2**20:.3g} MB buffers per device; raw a2a of the useful "
+          f"bytes {raw * 1e3:.2f} ms; exchange {per}; CAD fwd+bwd keep "
           f"{rec.get('cad_keep_fwd_bwd', nan)['median_s'] * 1e3:.1f} ms, resend "
           f"{rec.get('cad_resend_fwd_bwd', nan)['median_s'] * 1e3:.1f} ms, no CAD "
           f"{rec.get('no_cad_fwd_bwd', nan)['median_s'] * 1e3:.1f} ms", flush=True)
 
-  # Raw all_to_all of the exchange's padded slot buffer (same for every batch).
-  out = {"workload": name, "capacity": dataclasses.asdict(cap), "exchange_buckets": nb,
-         "bucket_rows": plan_lib.exchange_bucket_rows(cap, nb), "batches": rows}
-  if s > 1:
-    out["raw_a2a_padded_exchange_buffer"] = raw_bytes(rows[-1]["bytes_dispatch_padded"])
+  out = {"workload": name, "capacity": dataclasses.asdict(cap), "collectives": collectives,
+         "batches": rows}
   if a.profile:
+    if not modes:
+      raise ValueError("--profile traces the CAD chain; drop --exchange-only")
     out["profile_cad_keep_fwd_bwd"] = _profile_ops(modes["keep"][1], (q, k, v, plan0, ct),
                                                    a.out + f"_trace_{name}")
 
@@ -328,9 +387,10 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype) -> dict:
   for mode, (_, fwd_bwd_f) in modes.items():
     traced = fwd_bwd_f.trace(q, k, v, plan0, ct)  # one trace: structure and compiled memory
     out[f"cad_{mode}_memory"] = aot.memory_fields(traced.lower().compile())
-    c = dataplane.count_primitives(traced.jaxpr.jaxpr, {"all_to_all", *KERNEL_FORWARDS})
+    c = dataplane.count_primitives(traced.jaxpr.jaxpr,
+                                   {*COLLECTIVE_PRIMITIVES, *KERNEL_FORWARDS})
     out[f"cad_{mode}_structure"] = {
-        "all_to_all": c["all_to_all"],
+        "collectives": sum(c[p] for p in COLLECTIVE_PRIMITIVES),
         "kernel_forward_calls": sum(c[name] for name in KERNEL_FORWARDS)}
   out["capacity_memory_bytes"] = cap.memory_bytes(s, q_heads=h, kv_heads=kh, head_dim=d,
                                                   dtype_bytes=dbytes)
@@ -349,6 +409,7 @@ def _profile_markdown(prof: dict) -> list[str]:
 
 def _markdown(res: dict) -> str:
   mb = 2**20
+  nan = float("nan")
 
   def fmt(x):
     return f"{x:.3g}"
@@ -358,44 +419,38 @@ def _markdown(res: dict) -> str:
            f"Device: {res['devices']} x {res['device_kind']} ({res['backend']}); mesh data="
            f"{res['servers']}; tokens per device {res['tokens_per_rank']}; heads "
            f"{res['heads']}/{res['kv_heads']} x {res['head_dim']} {res['dtype']}; kernel "
-           f"`{res['kernel']}`; tolerance {res['tolerance']}; caps {res['caps']}; exchange "
-           f"buckets {res['exchange_buckets']}; collective "
-           f"{res.get('collective', 'all_to_all')}. "
+           f"`{res['kernel']}`; tolerance {res['tolerance']}; caps {res['caps']}; collectives "
+           f"{', '.join(res['collectives'])} (CAD chains: {res['cad_collective']}). "
            f"Times: median of {res['iters']}.",
            ""]
   for w in res["workloads"]:
-    nan = float("nan")
-    lines += [f"## {w['workload']}", "", f"Capacity: `{w['capacity']}`; exchange buckets "
-              f"{w['exchange_buckets']}, "
-              + (f"Q rows per slot: {[b for (b,) in w['bucket_rows']['q']]}, K/V rows per slot: "
-                 f"{[b for (b,) in w['bucket_rows']['kv']]}" if isinstance(w["bucket_rows"], dict)
-                 else f"(Q, KV) rows per slot: {list(w['bucket_rows'])}"), "",
-              "Fractions: (a) mean useful GB/s over raw all_to_all GB/s of the same bytes; (b) "
-              "busiest sender's useful GB/s over raw all_to_all GB/s with every device sending "
-              "that many bytes. Signal = the exchange with one row per slot on the wire.", "",
-              "| batch | imbalance | bucket | useful Q+K+V MB/dev | busiest MB | moved MB/dev | "
-              "padded MB/dev | exchange ms | signal ms | useful GB/s | raw a2a GB/s (same bytes) | "
-              "(a) | (b) | return ms | return GB/s | return (a) | return (b) |",
+    lines += [f"## {w['workload']}", "", f"Capacity: `{w['capacity']}`", "",
+              "Bytes per device per forward dispatch (Q + K + V): useful = the plan's rows sent "
+              "to other devices, mean over devices (what 'ragged' puts on the wire); buffer = "
+              "the send and receive buffers the caps allocate; wire = what the collective moves "
+              "off a device. Raw a2a: a bare all_to_all of the useful bytes. Fractions: (a) "
+              "useful GB/s over raw all_to_all GB/s of the same bytes; (b) busiest sender's "
+              "useful GB/s over raw all_to_all GB/s with every device sending that many bytes. "
+              "Signal = the exchange with one row per group on the wire.", "",
+              "| batch | imbalance | useful MB/dev | busiest MB | buffer MB/dev | raw a2a ms | "
+              "collective | wire MB/dev | exchange ms | signal ms | useful GB/s | (a) | (b) | "
+              "return ms | return GB/s | return (a) | return (b) |",
               "|" + "---|" * 17]
     for r in w["batches"]:
-      ex, rt = r["exchange"], r["return"]
-      raw = r.get("raw_a2a_exchange_same_bytes", {}).get("GBps", nan)
-      lines.append(
-          f"| {r['batch']} | {r['imbalance_before']:.2f} -> {r['imbalance_after']:.2f} | "
-          f"{r['bytes_bucket'] + 1}/{r['bytes_num_buckets']} | "
-          f"{fmt(r['bytes_dispatch_useful'] / mb)} | "
-          f"{fmt(r['bytes_dispatch_useful_busiest_device'] / mb)} | "
-          f"{fmt(r['bytes_dispatch_moved'] / mb)} | {fmt(r['bytes_dispatch_padded'] / mb)} | "
-          f"{fmt(ex['median_s'] * 1e3)} | {fmt(r['exchange_signal_only']['median_s'] * 1e3)} | "
-          f"{fmt(ex['useful_GBps'])} | {fmt(raw)} | "
-          f"{ex.get('fraction_of_raw', nan):.2f} | {ex.get('busiest_fraction_of_raw', nan):.2f} | "
-          f"{fmt(rt['median_s'] * 1e3)} | {fmt(rt['useful_GBps'])} | "
-          f"{rt.get('fraction_of_raw', nan):.2f} | {rt.get('busiest_fraction_of_raw', nan):.2f} |")
-    if "raw_a2a_padded_exchange_buffer" in w:
-      raw = w["raw_a2a_padded_exchange_buffer"]
-      lines += ["", f"Raw all_to_all of the padded exchange buffer ({fmt(raw['bytes'] / mb)} MB "
-                f"off-device per device): {fmt(raw['median_s'] * 1e3)} ms, "
-                f"{fmt(raw['GBps'])} GB/s."]
+      raw = r.get("raw_a2a_exchange_same_bytes", {}).get("median_s", nan)
+      for c, cr in r["collectives"].items():
+        ex, rt = cr["exchange"], cr["return"]
+        lines.append(
+            f"| {r['batch']} | {r['imbalance_before']:.2f} -> {r['imbalance_after']:.2f} | "
+            f"{fmt(r['bytes_dispatch_useful'] / mb)} | "
+            f"{fmt(r['bytes_dispatch_useful_busiest_device'] / mb)} | "
+            f"{fmt(r['bytes_dispatch_buffer'] / mb)} | {fmt(raw * 1e3)} | {c} | "
+            f"{fmt(ex['wire_bytes'] / mb)} | {fmt(ex['median_s'] * 1e3)} | "
+            f"{fmt(cr['exchange_signal_only']['median_s'] * 1e3)} | {fmt(ex['useful_GBps'])} | "
+            f"{ex.get('fraction_of_raw', nan):.2f} | "
+            f"{ex.get('busiest_fraction_of_raw', nan):.2f} | {fmt(rt['median_s'] * 1e3)} | "
+            f"{fmt(rt['useful_GBps'])} | {rt.get('fraction_of_raw', nan):.2f} | "
+            f"{rt.get('busiest_fraction_of_raw', nan):.2f} |")
     if res.get("exchange_only"):
       lines.append("")
       continue
@@ -412,12 +467,13 @@ def _markdown(res: dict) -> str:
           f"{fmt(r['cad_resend_fwd_bwd']['median_s'] * 1e3)} | "
           f"{fmt(r['no_cad_fwd_bwd']['median_s'] * 1e3)} |")
     lines += ["", f"Memory of the {res['layers']}-layer CAD chain's forward+backward program "
-              "(XLA buffer assignment, per device):", "",
-              "| memory mode | temp MB | all_to_alls | kernel forwards |", "|---|---|---|---|"]
+              "(XLA buffer assignment, per device; collectives: the program's collective "
+              "primitives, a ring's loop counted once):", "",
+              "| memory mode | temp MB | collectives | kernel forwards |", "|---|---|---|---|"]
     for mode in ("keep", "resend"):
       m, st = w[f"cad_{mode}_memory"], w[f"cad_{mode}_structure"]
-      lines.append(f"| {mode} | {fmt(m.get('temp_size_in_bytes', float('nan')) / mb)} | "
-                   f"{st['all_to_all']} | {st['kernel_forward_calls']} |")
+      lines.append(f"| {mode} | {fmt(m.get('temp_size_in_bytes', nan) / mb)} | "
+                   f"{st['collectives']} | {st['kernel_forward_calls']} |")
     if "profile_cad_keep_fwd_bwd" in w:
       lines += _profile_markdown(w["profile_cad_keep_fwd_bwd"])
     lines.append("")
@@ -429,20 +485,22 @@ def main(a) -> None:
   mesh = Mesh(np.asarray(devices), (AXIS,), axis_types=(AxisType.Auto,))
   dtype = jnp.dtype(a.dtype)
   kernel = _pick_kernel(a, dtype)
+  backend = jax.default_backend()
+  collectives = resolve_collectives(a.collectives, backend)
   res = {"command": experiments.command_line(__file__),
          "date": datetime.datetime.now().isoformat(timespec="seconds"),
-         "backend": jax.default_backend(), "devices": len(devices),
+         "backend": backend, "devices": len(devices),
          "device_kind": devices[0].device_kind, "servers": len(devices),
          "tokens_per_rank": a.tokens_per_rank, "heads": a.heads, "kv_heads": a.kv_heads,
          "head_dim": a.head_dim, "dtype": dtype.name, "kernel": kernel,
-         "tolerance": a.tolerance, "caps": a.caps, "exchange_buckets": a.exchange_buckets,
-         "collective": dataplane.resolve_collective(a.collective, len(devices)),
+         "tolerance": a.tolerance, "caps": a.caps, "collectives": collectives,
+         "cad_collective": dataplane.resolve_collective("auto", backend),
          "exchange_only": a.exchange_only,
          "iters": a.iters,
          "layers": a.layers, "tiny": a.tiny,
          "workloads": []}
   for name in a.workloads.split(","):
-    res["workloads"].append(run_workload(name, a, mesh, kernel, dtype))
+    res["workloads"].append(run_workload(name, a, mesh, kernel, dtype, collectives))
   os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
   with open(a.out + ".json", "w") as f:
     json.dump(res, f, indent=1, default=str)

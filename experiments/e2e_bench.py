@@ -169,13 +169,27 @@ def run_one(c, steps, warmup, log, profile_dir=None, backend_options=None):
     with gzip.open(os.path.join(profile_dir, "step_hlo.txt.gz"), "wt") as f:
       f.write(step_fn.as_text())
   mem = step_memory_gb(step_fn)
+  peak_gb = allocator_peak_gb()
+  if peak_gb is not None:
+    mem["allocator_peak"] = peak_gb
   if mem:
-    log("    memory per device (XLA's plan of the step): " +
+    log("    memory per device (XLA's plan of the step; allocator_peak: the most any device's "
+        "allocator held so far in this process): " +
         ", ".join(f"{k} {v:.1f} GB" for k, v in mem.items()))
   return dict(times=times, flops=flops, tokens=tokens, losses=losses, doclens=doclens,
               input_wait_s=waits, host_plan_s=plan_s, devices=jax.device_count(), peak=peak,
               device_kind=jax.devices()[0].device_kind, model_cfg=model.cfg, profile=report,
               backend=backend, memory_gb=mem)
+
+
+def allocator_peak_gb() -> float | None:
+  """The largest ``peak_bytes_in_use`` of this process's devices (GB): what the allocator really
+  handed out, kernel workspaces outside XLA's plan included, since the process started (run one
+  configuration per process to read it per configuration); None where devices report none."""
+  import jax
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+  peaks = [p for p in peaks if p]
+  return max(peaks) * 1e-9 if peaks else None
 
 
 def step_memory_gb(compiled) -> dict[str, float]:
@@ -219,10 +233,11 @@ def summarize(r):
 
 def plan_stats(c, backend, doclens_per_step):
   """The timed batches planned again by the run's own `distca` backend (`host_plans`, one plan
-  per nano-batch): imbalance (pairs) before/after, dispatch bytes per device (useful and what the
-  bucketed exchange moves), degraded plans."""
+  per nano-batch): imbalance (pairs) before/after, dispatch bytes per device (useful: what the
+  ragged exchange moves; buffer: the send and receive buffers the caps allocate), degraded
+  plans."""
   from distca_jax import plan as plan_lib
-  out = dict(imbalance_before=[], imbalance_after=[], dispatch_useful_mb=[], dispatch_moved_mb=[],
+  out = dict(imbalance_before=[], imbalance_after=[], dispatch_useful_mb=[], dispatch_buffer_mb=[],
              degraded=0)
   for per_rank in doclens_per_step:
     rows = [row for rank_rows in per_rank for row in rank_rows]
@@ -231,10 +246,9 @@ def plan_stats(c, backend, doclens_per_step):
       out["imbalance_before"].append(p.imbalance_before)
       out["imbalance_after"].append(p.imbalance_after)
       eb = plan_lib.exchange_bytes(hp.meta, q_heads=p.q_heads, kv_heads=p.kv_heads,
-                                   head_dim=p.head_dim, dtype_bytes=p.dtype_bytes,
-                                   exchange_buckets=int(c.attention.distca.exchange_buckets))
+                                   head_dim=p.head_dim, dtype_bytes=p.dtype_bytes)
       out["dispatch_useful_mb"].append(eb["dispatch_useful"] / 1e6)
-      out["dispatch_moved_mb"].append(eb["dispatch_moved"] / 1e6)
+      out["dispatch_buffer_mb"].append(eb["dispatch_buffer"] / 1e6)
       out["degraded"] += int(p.degraded)
   out["tolerance"] = float(c.attention.distca.tolerance)
   return {"plan_" + k: (statistics.median(v) if isinstance(v, list) else v)
@@ -406,23 +420,25 @@ def write(a, results, quiet: bool = False):
   if planned:
     lines += ["\n## distca plans of the timed batches (host replan; medians over batches)\n",
               "| workload | tokens/GPU | backend | tolerance | imbalance before | after | "
-              "dispatch MB/device useful | moved | degraded plans | step ms |",
+              "dispatch MB/device useful (= wire) | buffers | degraded plans | step ms |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in planned:
       lines.append(f"| {r['workload']} | {r['tokens']} | {r['backend']} | {r['plan_tolerance']} | "
                    f"{r['plan_imbalance_before']:.3f} | {r['plan_imbalance_after']:.3f} | "
-                   f"{r['plan_dispatch_useful_mb']:.1f} | {r['plan_dispatch_moved_mb']:.1f} | "
+                   f"{r['plan_dispatch_useful_mb']:.1f} | {r['plan_dispatch_buffer_mb']:.1f} | "
                    f"{r['plan_degraded']} | "
                    f"{r['step_ms_median']:.1f} |")
   mem = [r for r in results if r.get("memory_gb")]
   if mem:
-    lines += ["\n## Memory per device (XLA's plan of the compiled step, GB)\n",
-              "| workload | tokens/GPU | backend | arguments | temporaries | total |",
-              "|---|---|---|---|---|---|"]
+    lines += ["\n## Memory per device (XLA's plan of the compiled step; allocator peak since "
+              "the process started, kernel workspaces included; GB)\n",
+              "| workload | tokens/GPU | backend | arguments | temporaries | total | "
+              "allocator peak |", "|---|---|---|---|---|---|---|"]
     for r in mem:
       m = r["memory_gb"]
       lines.append(f"| {r['workload']} | {r['tokens']} | {r['backend']} | {m['arguments']:.1f} | "
-                   f"{m['temporaries']:.1f} | {m['total']:.1f} |")
+                   f"{m['temporaries']:.1f} | {m['total']:.1f} | "
+                   f"{_fmt(m.get('allocator_peak'))} |")
   profiled = [r for r in results if r.get("profile")]
   if profiled:
     from distca_jax import profiling

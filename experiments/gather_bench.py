@@ -1,9 +1,12 @@
 """Backward of the data plane's row gathers: XLA's scatter-add against the alternatives (one GPU).
 
 Every data-plane step is a row gather ``y = x[idx]`` (out-of-range index -> 0), so its backward
-is ``dx = zeros.at[idx].add(dy)``. Shapes of a 64K-token server, bf16: Q rows [T + S Cq, 32, 128]
-gathered into [Nq, 32, 128] (injective: every source row is used at most once), K/V rows
-[T + S Ckv, 8, 128] into [Nkv, 8, 128] (a row used by up to ``--uses`` tasks). Variants of dx:
+is ``dx = zeros.at[idx].add(dy)``. Shapes of a ``--tokens`` server under
+``plan.default_capacity``, bf16: the sources are the server's own rows and its flat receive
+buffer, Q rows [T + Cqr, 32, 128] (``Cqr`` = q_recv) gathered into [Nq, 32, 128] (injective:
+every source row is used at most once), K/V rows [T + Ckvr, 8, 128] (``Ckvr`` = kv_recv) into
+[Nkv, 8, 128] (a row used by up to ``--uses`` tasks). 70% of the output rows are real, the rest
+the sentinel. Variants of dx:
 
   scatter_bf16   ``jax.vjp`` of ``jnp.take`` (XLA scatter-add in bf16; what autodiff emits)
   scatter_f32    scatter-add of ``dy`` cast to f32, then cast back
@@ -56,8 +59,8 @@ def main(a):
   t = a.tokens
   cap = plan_lib.default_capacity(t)
   rng = np.random.default_rng(0)
-  cases = {"q": (t + 2 * cap.q_slot, cap.q_tokens, 32, 1),
-           "kv": (t + 2 * cap.kv_slot, cap.kv_tokens, 8, a.uses)}
+  cases = {"q": (t + cap.q_recv, cap.q_tokens, 32, 1),
+           "kv": (t + cap.kv_recv, cap.kv_tokens, 8, a.uses)}
   res = {"command": experiments.command_line(__file__), "device": jax.devices()[0].device_kind,
          "date": datetime.datetime.now().isoformat(timespec="seconds"), "rows": []}
   for name, (n_src, n_out, heads, uses) in cases.items():

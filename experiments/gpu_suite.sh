@@ -3,6 +3,7 @@
 # on a 2-GPU H200 host (run from the repository root):
 #   bash experiments/gpu_suite.sh OUTDIR                 # every stage
 #   SUITE=one bash experiments/gpu_suite.sh OUTDIR       # one group: one | two | derived | tests
+#   SUITE=four-a bash experiments/gpu_suite.sh OUTDIR    # 4-GPU host: four-a | four-b (not in 'all')
 # 'one': single-GPU tables (CUDA_VISIBLE_DEVICES=0); 'two': the 2-GPU tables; 'derived': tables
 # computed from the e2e JSONs of 'two' (plot, per-batch bound); 'tests': the GPU-only tests.
 # Needs the wheels the GPU image lacks in .whl/ (flash-attn3-jax, ml_collections, tensorboardX).
@@ -20,6 +21,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 stage() {  # stage NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   echo "=== $name (limit ${secs}s): $*"
@@ -57,6 +59,20 @@ stage e2e_2gpu_128k 350 python3 -m experiments.e2e_bench --backends packed_dp,di
 stage e2e_2gpu_128k_wlb 200 python3 -m experiments.e2e_bench --backends wlb --workloads pretrain --tokens 131072 $E2E20 $WLB --out "$OUT/e2e_2gpu_128k_wlb"
 stage e2e_2gpu_prolong_128k 200 python3 -m experiments.e2e_bench --backends packed_dp,distca,wlb --workloads prolong --tokens 131072 $E2E20 $WLB --plan-stats --out "$OUT/e2e_2gpu_prolong_128k"
 stage e2e_2gpu_64k 340 python3 -m experiments.e2e_bench --backends packed_dp,distca,wlb --workloads pretrain,prolong --tokens 65536 $E2E20 $WLB --plan-stats --out "$OUT/e2e_2gpu_64k"
+;;& four-a)
+# The exchange alone on real 4-server plans (ragged vs dense, XLA's default ragged path vs its
+# one-shot peer kernel), then Pretrain 128K with each backend in its own process (the allocator
+# peak is per process).
+ONESHOT="--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=true"
+stage exchange_bench 300 python3 -m experiments.exchange_bench --workloads pretrain,prolong --tokens 131072 --batches 2 --iters 10 --collectives ragged,dense --xla-flags ";$ONESHOT" --out "$OUT/exchange_bench"
+for b in packed_dp distca; do
+  stage "e2e_4gpu_pretrain_128k_$b" 200 python3 -m experiments.e2e_bench --backends $b --workloads pretrain --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_pretrain_128k_$b"
+done
+stage e2e_4gpu_pretrain_128k_distca_oneshot 200 env XLA_FLAGS="$ONESHOT" python3 -m experiments.e2e_bench --backends distca --workloads pretrain --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_pretrain_128k_distca_oneshot"
+;;& four-b)
+for b in packed_dp distca; do
+  stage "e2e_4gpu_prolong_128k_$b" 200 env XLA_FLAGS="${FOUR_XLA_FLAGS:-}" python3 -m experiments.e2e_bench --backends $b --workloads prolong --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_prolong_128k_$b"
+done
 ;;& derived|all)
 E2E_JSON="$OUT/e2e_2gpu_64k.json $OUT/e2e_2gpu_128k.json $OUT/e2e_2gpu_128k_wlb.json $OUT/e2e_2gpu_prolong_128k.json"
 stage e2e_2gpu_plot 60 python3 -m experiments.plot_e2e $E2E_JSON --out "$OUT/e2e_2gpu.png"

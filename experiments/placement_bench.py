@@ -1,29 +1,31 @@
 """Where the key/value attention buffers are built: all after the wire, or own rows before it.
 
 The exchange's step 3 (``distca_jax.dataplane``) fills a server's key/value attention buffers
-``[kv_tokens, K, D]`` from its own rows and the rows it received. Today that is one fused gather
-from both sources (``dataplane.gather_two``), and it can start only when the collective is done,
-so all of it sits on the exchange's critical path. The query buffer is already built in two
-steps (``dataplane.place_unique``): own rows first, while the rows are on the wire, then only
-the received rows. This benchmark times, on ONE device and without any collective, the candidate
-ways to build the key/value buffer from a real plan's routing (the busiest receiving server of a
-``--servers``-server plan, its received blocks filled with random rows):
+``[kv_tokens, K, D]`` from its own rows ``[T]`` and its flat receive buffer ``[kv_recv]`` (the
+rows of every sender, grouped by sender), through ``kv_attn_idx`` into ``concat(own,
+received)``, whose entries may repeat (a key prefix several tasks read). The data plane does it
+with one fused gather from both sources (``dataplane.gather_two``), which can start only when
+the exchange is done, so all of it sits on the exchange's critical path. The query buffer is
+built in two steps (``dataplane.place_unique``): own rows first, while the rows are on the wire,
+then only the received rows. This benchmark times, on ONE device and without any collective,
+the candidate ways to build the key/value buffer from a real plan's routing (the busiest
+receiving server of a ``--servers``-server plan, its receive buffer filled with random rows):
 
   gather_two   ``dataplane.gather_two``: one gather from both sources, all after the wire;
   own_first    the own rows' gather (before the wire), then a select pass over every row that
                takes the received row where there is one (after the wire);
   scatter      the own rows' gather (before the wire), then a scatter of the received rows into
                their places, every attention row an index (those not fed by the wire dropped);
-  scatter_compact  the same scatter over only the rows fed by the wire (the host would pass
-               their positions; the count is a static bucket of the plan's need here, so this
-               is the floor of what a compacted list can do).
+  scatter_compact  the same scatter over only the attention rows fed by the wire (positions and
+               sources compacted on the host, padded to a multiple of 8: the floor of what a
+               compacted list in the metadata could do).
 
 For each own-first variant the whole forward is timed as one program (a separately compiled
 ``post`` would first copy its argument ``pre``), and its part after the wire (what the
-collective's end waits for) is reported as whole - pre; medians of ``--iters`` calls. Then the
+exchange's end waits for) is reported as whole - pre; medians of ``--iters`` calls. Then the
 forward+backward of each whole variant. Every variant's output is checked equal to
-``gather_two``'s, and its gradients close to it. The query buffer's own-first placement is timed too
-(``dataplane.place_unique``) for scale.
+``gather_two``'s, and its gradients close to it. The query buffer's own-first placement is timed
+too (``dataplane.place_unique`` from the ``[q_recv]`` receive buffer) for scale.
 
 Run (one GPU; the numbers are per server):
   python -m experiments.placement_bench                 # Pretrain and ProLong, 64K tokens
@@ -80,25 +82,29 @@ def own_first_pre(own, idx):
   return dataplane.take_rows(own, idx)  # received rows' places stay 0
 
 
-def own_first_post(pre, recv, idx, slot, blk, t):
-  nb, b = recv.shape[:2]
-  ridx, in_recv = dataplane.recv_rows(idx - t, slot, b, nb, blk)
-  got = dataplane.take_rows(recv.reshape((nb * b,) + recv.shape[2:]), ridx)
-  return jnp.where(in_recv[:, None, None], got, pre)
+def _recv_index(idx, t, c):
+  """(index into the receive buffer ``[c]`` (``c`` where the row is not received), fed by it)."""
+  r = idx - t
+  fed = (r >= 0) & (r < c)
+  return jnp.where(fed, r, c), fed
 
 
-def scatter_post(pre, recv, idx, slot, blk, t):
-  nb, b = recv.shape[:2]
+def own_first_post(pre, recv, idx, t):
+  ridx, fed = _recv_index(idx, t, recv.shape[0])
+  got = dataplane.take_rows(recv, ridx)
+  return jnp.where(fed[:, None, None], got, pre)
+
+
+def scatter_post(pre, recv, idx, t):
   n = idx.shape[0]
-  ridx, in_recv = dataplane.recv_rows(idx - t, slot, b, nb, blk)
-  dst = jnp.where(in_recv, jnp.arange(n, dtype=jnp.int32), n)
-  got = dataplane.take_rows(recv.reshape((nb * b,) + recv.shape[2:]), ridx)
+  ridx, fed = _recv_index(idx, t, recv.shape[0])
+  dst = jnp.where(fed, jnp.arange(n, dtype=jnp.int32), n)
+  got = dataplane.take_rows(recv, ridx)
   return pre.at[dst].set(got, mode="drop", unique_indices=True)
 
 
 def compact_post(pre, recv, pos, ridx_at_pos):
-  nb, b = recv.shape[:2]
-  got = dataplane.take_rows(recv.reshape((nb * b,) + recv.shape[2:]), ridx_at_pos)
+  got = dataplane.take_rows(recv, ridx_at_pos)
   return pre.at[pos].set(got, mode="drop", unique_indices=True)
 
 
@@ -115,56 +121,55 @@ def run_workload(name: str, a) -> list[dict]:
   rng = np.random.default_rng(a.seed)
   k_own = jnp.asarray(rng.standard_normal((t, kh, d), np.float32), dtype)
   q_own = jnp.asarray(rng.standard_normal((t, h, d), np.float32), dtype)
-  blk = jnp.arange(s, dtype=jnp.int32)  # all_to_all block order: sender p's rows in block p
-  j = {k: jax.jit(f, static_argnums=st) for k, f, st in (
-      ("gather_two", dataplane.gather_two, (3,)), ("pre", own_first_pre, ()),
-      ("q_place", dataplane.place_unique, (3,)))}
+  j = {"gather_two": jax.jit(dataplane.gather_two), "pre": jax.jit(own_first_pre),
+       "q_place": jax.jit(dataplane.place_unique)}
   out = []
   for i, doc_lens in enumerate(layouts):
     hp = plan_lib.host_plan(doc_lens, spec, tolerance=a.tolerance, min_shard=min_shard,
                             **byte_model)
     meta = hp.meta
-    recv_rows = meta.kv_send_len.sum(axis=0) - np.diag(meta.kv_send_len)
-    server = int(np.argmax(recv_rows))
-    if recv_rows[server] == 0:
+    kv_received = meta.kv_send_len.sum(axis=0)  # the self pair is 0: nothing of its own arrives
+    server = int(np.argmax(kv_received))
+    if kv_received[server] == 0:
       print(f"[{name}] batch {i}: nothing moves; skipped", flush=True)
       continue
-    bq, bkv = plan_lib.exchange_rows(meta).tolist()
-    b = -(-bkv // 8) * 8  # the received blocks' rows (a bucket just holding the fullest slot)
-    bqr = -(-bq // 8) * 8
-    kv_idx = jnp.asarray(meta.kv_attn_idx[server])
+    kv_idx_np = meta.kv_attn_idx[server]
+    kv_idx = jnp.asarray(kv_idx_np)
     q_idx = jnp.asarray(meta.q_attn_idx[server])
-    k_recv = jnp.asarray(rng.standard_normal((s, b, kh, d), np.float32), dtype)
-    q_recv = jnp.asarray(rng.standard_normal((s, bqr, h, d), np.float32), dtype)
+    # The flat receive buffers the exchange fills (their capped sizes, whatever the batch).
+    k_recv = jnp.asarray(rng.standard_normal((cap.kv_recv, kh, d), np.float32), dtype)
+    q_recv = jnp.asarray(rng.standard_normal((cap.q_recv, h, d), np.float32), dtype)
     # Rows of the attention buffer fed by the wire, and where they read (host-side compaction
-    # of the device's own mapping).
-    ridx, fed = (np.asarray(x) for x in dataplane.recv_rows(kv_idx - t, cap.kv_slot, b, s, blk))
-    pos_np = np.flatnonzero(fed)
+    # of the server's own mapping).
+    r = kv_idx_np.astype(np.int64) - t
+    pos_np = np.flatnonzero((r >= 0) & (r < cap.kv_recv))
     count = -(-max(1, pos_np.size) // 8) * 8
-    pos = np.full(count, kv_idx.shape[0], np.int32)
+    pos = np.full(count, kv_idx_np.shape[0], np.int32)
     pos[:pos_np.size] = pos_np
-    src = np.full(count, s * b, np.int32)
-    src[:pos_np.size] = ridx[pos_np]
+    src = np.full(count, cap.kv_recv, np.int32)
+    src[:pos_np.size] = r[pos_np]
     pos, src = jnp.asarray(pos), jnp.asarray(src)
 
-    want = j["gather_two"](k_own, k_recv, kv_idx, cap.kv_slot, blk)
-    # pre and post in one program (a separate post would copy its argument ``pre`` before
-    # writing into it); post = whole - pre.
-    whole_fwd = {
-        "own_first": jax.jit(lambda own, recv: own_first_post(
-            own_first_pre(own, kv_idx), recv, kv_idx, cap.kv_slot, blk, t)),
-        "scatter": jax.jit(lambda own, recv: scatter_post(
-            own_first_pre(own, kv_idx), recv, kv_idx, cap.kv_slot, blk, t)),
-        "scatter_compact": jax.jit(lambda own, recv: compact_post(
-            own_first_pre(own, kv_idx), recv, pos, src))}
+    want = j["gather_two"](k_own, k_recv, kv_idx)
+    # The whole placement of each variant (pre and post in one program: a separate post would
+    # copy its argument ``pre`` before writing into it); post = whole - pre.
+    whole = {
+        "gather_two": lambda own, recv: dataplane.gather_two(own, recv, kv_idx),
+        "own_first": lambda own, recv: own_first_post(own_first_pre(own, kv_idx), recv, kv_idx,
+                                                      t),
+        "scatter": lambda own, recv: scatter_post(own_first_pre(own, kv_idx), recv, kv_idx, t),
+        "scatter_compact": lambda own, recv: compact_post(own_first_pre(own, kv_idx), recv, pos,
+                                                          src)}
     calls = {
-        "gather_two": (j["gather_two"], (k_own, k_recv, kv_idx, cap.kv_slot, blk)),
+        "gather_two": (j["gather_two"], (k_own, k_recv, kv_idx)),
         "pre": (j["pre"], (k_own, kv_idx)),
-        **{key: (f, (k_own, k_recv)) for key, f in whole_fwd.items()},
-        "q_place": (j["q_place"], (q_own, q_recv, q_idx, cap.q_slot, blk)),
+        **{key: (jax.jit(whole[key]), (k_own, k_recv))
+           for key in ("own_first", "scatter", "scatter_compact")},
+        "q_place": (j["q_place"], (q_own, q_recv, q_idx)),
     }
     rec = {"batch": i, "server": server, "kv_tokens": cap.kv_tokens, "q_tokens": cap.q_tokens,
-           "kv_rows_received": int(recv_rows[server]), "kv_block_rows": b,
+           "kv_recv": cap.kv_recv, "q_recv": cap.q_recv,
+           "kv_rows_received": int(kv_received[server]),
            "kv_attention_rows_fed_by_wire": int(pos_np.size),
            "kv_buffer_MB_per_array": cap.kv_tokens * kh * d * jnp.dtype(dtype).itemsize / 2**20}
     for key, (f, args) in calls.items():
@@ -176,16 +181,8 @@ def run_workload(name: str, a) -> list[dict]:
       rec[f"{key}_post_s"] = rec[key]["median_s"] - rec["pre"]["median_s"]
       rec[f"{key}_post_over_gather_two"] = rec[f"{key}_post_s"] / rec["gather_two"]["median_s"]
     # Forward + backward of the whole placement (pre and post), cotangent random: the backward
-    # sums each row's contributions into the own rows and the received blocks.
+    # sums each row's contributions into the own rows and the receive buffer.
     ct = jnp.asarray(rng.standard_normal(want.shape, np.float32), dtype)
-    whole = {
-        "gather_two": lambda own, recv: dataplane.gather_two(own, recv, kv_idx, cap.kv_slot, blk),
-        "own_first": lambda own, recv: own_first_post(own_first_pre(own, kv_idx), recv, kv_idx,
-                                                      cap.kv_slot, blk, t),
-        "scatter": lambda own, recv: scatter_post(own_first_pre(own, kv_idx), recv, kv_idx,
-                                                  cap.kv_slot, blk, t),
-        "scatter_compact": lambda own, recv: compact_post(own_first_pre(own, kv_idx), recv, pos,
-                                                          src)}
     grads = {}
     for key, f in whole.items():
       fb = jax.jit(lambda own, recv, ct, f=f: jax.vjp(f, own, recv)[1](ct))
@@ -198,8 +195,9 @@ def run_workload(name: str, a) -> list[dict]:
     out.append(rec)
     ms = lambda k: rec[k]["median_s"] * 1e3
     post = lambda k: rec[f"{k}_post_s"] * 1e3
-    print(f"[{name}] batch {i} server {server}: {rec['kv_rows_received']} K/V rows received, "
-          f"{pos_np.size} of {cap.kv_tokens} attention rows fed by them; one K buffer: "
+    print(f"[{name}] batch {i} server {server}: {rec['kv_rows_received']} K/V rows received "
+          f"(a {cap.kv_recv}-row receive buffer), {pos_np.size} of {cap.kv_tokens} "
+          f"attention rows fed by them; one K buffer: "
           f"gather_two {ms('gather_two'):.3f} ms | own rows (pre) {ms('pre'):.3f} ms; whole "
           f"(post = whole - pre): select {ms('own_first'):.3f} ({post('own_first'):.3f}), "
           f"scatter {ms('scatter'):.3f} ({post('scatter'):.3f}), compact "
@@ -220,7 +218,7 @@ def _markdown(res: dict) -> str:
            f"Times in ms for ONE of the K and V buffers (the exchange builds both), forward, "
            f"median of {res['iters']}. Own-first variants: the whole forward (own rows' gather, "
            "then the received rows), and in brackets its part after the wire (whole - pre).", "",
-           "| workload | batch | K/V rows received | rows fed by the wire / kv_tokens | gather_two "
+           "| workload | batch | K/V rows received / kv_recv | rows fed by the wire / kv_tokens | gather_two "
            "(all after the wire) | own rows (pre) | select | scatter | compact scatter | "
            "Q buffer, own-first | fwd+bwd: gather_two / select / scatter / compact |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -228,7 +226,7 @@ def _markdown(res: dict) -> str:
     for r in w["batches"]:
       ms = lambda k: f"{r[k]['median_s'] * 1e3:.3f}"
       both = lambda k: f"{ms(k)} ({r[k + '_post_s'] * 1e3:.3f})"
-      lines.append(f"| {w['workload']} | {r['batch']} | {r['kv_rows_received']} | "
+      lines.append(f"| {w['workload']} | {r['batch']} | {r['kv_rows_received']} / {r['kv_recv']} | "
                    f"{r['kv_attention_rows_fed_by_wire']} / {r['kv_tokens']} | "
                    f"{ms('gather_two')} | {ms('pre')} | {both('own_first')} | {both('scatter')} | "
                    f"{both('scatter_compact')} | {ms('q_place')} | "

@@ -85,7 +85,7 @@ def main() -> None:
               "plan_ms_mean": float(np.mean([r["plan_ms"] for r in per])),
               "required_capacity_max": {
                   f: int(np.max([r["required_capacity"][f] for r in per]))
-                  for f in ("q_slot", "kv_slot", "q_tokens", "kv_tokens", "tasks")},
+                  for f in plan_lib.CAP_FIELDS},
               "per_batch": per,
           }
           rows.append(agg)

@@ -31,8 +31,8 @@ S, T, H, KH, D = 8, 128, 4, 2, 16
 # Fixed buffers for every layout below (flat layouts whose documents span all ranks need
 # kv_tokens >= S * T on the server computing a document's last rows; twice that lets mirrored
 # pieces of one all-rank document balance).
-CAP = plan_lib.Capacity(q_slot=T // 2, kv_slot=T, q_tokens=3 * T // 2, kv_tokens=2 * S * T,
-                        tasks=48)
+CAP = plan_lib.Capacity(q_send=T, kv_send=S * T, q_recv=2 * T, kv_recv=S * T,
+                        q_tokens=3 * T // 2, kv_tokens=2 * S * T, tasks=48)
 SPEC = plan_lib.PlanSpec(num_servers=S, tokens_per_row=T, rows_per_device=1, capacity=CAP)
 ATOL, RTOL = 2e-5, 2e-4
 
@@ -74,10 +74,9 @@ def _inputs(rng, rows=S, t=T):
   return q, k, v, ct
 
 
-def _options(exchange_buckets=8, collective="auto", signal_only=False, **dispatch):
-  """``DispatchOptions`` from flat keywords (the exchange's three, then the rest)."""
-  wire = dataplane.ExchangeOptions(buckets=exchange_buckets, collective=collective,
-                                   signal_only=signal_only)
+def _options(collective="auto", signal_only=False, **dispatch):
+  """``DispatchOptions`` from flat keywords (the exchange's two, then the rest)."""
+  wire = dataplane.ExchangeOptions(collective=collective, signal_only=signal_only)
   return dataplane.DispatchOptions(exchange=wire, **dispatch)
 
 
@@ -131,7 +130,7 @@ def _check(got, want, what):
 def test_outputs_and_grads_equal_per_document_attention_single_trace(seed):
   mesh = _mesh()
   traces = []
-  run = _make_run(mesh, SPEC, trace_counter=traces, exchange_buckets=8)  # memory_mode 'keep'
+  run = _make_run(mesh, SPEC, trace_counter=traces)  # memory_mode 'keep', the ring exchange
   rng = np.random.default_rng(seed)
   moves = split_docs = 0
   packed = []
@@ -191,7 +190,7 @@ def _blockwise_forwards(jaxpr, in_loop=False) -> int:
   """Forward passes of the blockwise kernel one execution of a forward+backward ``jaxpr`` runs.
 
   Its tile products are the programs' only matmuls inside ``while`` loops: 2 per key step in a
-  forward pass, 5 in the backward pass (one per call). A bucket switch counts its largest branch.
+  forward pass, 5 in the backward pass (one per call). A switch counts its largest branch.
   """
   def products(jaxpr, in_loop):
     n = 0
@@ -225,17 +224,18 @@ def test_resend_equals_keep_and_resends_in_the_backward(seed, kernel):
   _check(keep(q, k, v, hp.packed, ct), want, f"{kernel} keep {name} seed={seed}")
   _check(resend(q, k, v, hp.packed, ct), want, f"{kernel} resend {name} seed={seed}")
 
-  # Keep: 2 all-to-alls forward (Q/K/V out, O back) + their 2 transposes. Resend also re-sends
-  # Q/K/V in the backward (one more), and never reruns the blockwise kernel's forward (it saves
-  # the kernel's named outputs; 'reference' names none, so its forward is recomputed).
+  # Keep: 3 exchanges forward (Q out, K/V out, O back; each one ppermute in its ring loop) +
+  # their 3 transposes. Resend also re-sends Q and K/V in the backward (two more), and never
+  # reruns the blockwise kernel's forward (it saves the kernel's named outputs; 'reference'
+  # names none, so its forward is recomputed).
   counts = {}
   for mode, fn in (("keep", keep), ("resend", resend)):
     jaxpr = jax.make_jaxpr(fn)(q, k, v, hp.packed, ct).jaxpr
-    counts[mode] = _count_prims(jaxpr, {"all_to_all"})
+    counts[mode] = _count_prims(jaxpr, {"ppermute"})
     if kernel == "blockwise":
       counts[mode]["forwards"] = _blockwise_forwards(jaxpr)
-  assert counts["keep"]["all_to_all"] == 4, counts
-  assert counts["resend"]["all_to_all"] == 5, counts
+  assert counts["keep"]["ppermute"] == 6, counts
+  assert counts["resend"]["ppermute"] == 8, counts
   if kernel == "blockwise":
     assert counts["keep"]["forwards"] == counts["resend"]["forwards"] == 1, counts
 
@@ -280,17 +280,17 @@ def test_startup_caps_come_from_the_runs_batches_and_plan_every_later_batch(seed
   batches of the same run still plan (a tighter need only degrades balance, never fails)."""
   c = _tiny_config("distca", 4, 1, seed, rows_per_rank=4, nano_batches=2)
   c.attention.distca.caps_from_batches = 6
-  c.attention.distca.kv_slot = 96  # set by the user: kept
+  c.attention.distca.kv_recv = 96  # set by the user: kept
   rows = c.tokens_per_rank * 2  # rows per device and call (4 rows / 2 nano-batches)
   got = sizing.startup_capacity(c)
   sugg = sizing.suggest_config_capacity(c, num_batches=6)
-  assert set(got) == {"q_slot", "q_tokens", "kv_tokens"}, got  # not kv_slot, never tasks
+  assert set(got) == {"q_send", "kv_send", "q_recv", "q_tokens", "kv_tokens"}, got  # never tasks
   mult = plan_lib.row_multiple(rows)
   for name, v in got.items():
     assert v % mult == 0 and v >= sugg[name] * 1.1 - 1e-9, (name, v, sugg, seed)
   assert got["q_tokens"] >= rows and got["kv_tokens"] >= rows
   backend = trainer.make_backend(c)
-  assert backend.caps["kv_slot"] == 96 and backend.caps["tasks"] == 0
+  assert backend.caps["kv_recv"] == 96 and backend.caps["tasks"] == 0
   assert all(backend.caps[k] == v for k, v in got.items())
   src = make_source(c.data, rows=16, tokens_per_row=c.tokens_per_rank,
                     vocab_size=c.model.vocab_size, seed=c.seed)
@@ -299,7 +299,7 @@ def test_startup_caps_come_from_the_runs_batches_and_plan_every_later_batch(seed
     assert all(hp.plan.imbalance_after <= hp.plan.imbalance_before + 1e-9 for hp in plans)
   # Caps too tight for a batch: the plan still runs, and the backend says so once.
   c.attention.distca.caps_from_batches = 0
-  c.attention.distca.q_slot = c.attention.distca.kv_slot = 16
+  c.attention.distca.q_recv = c.attention.distca.kv_recv = 16
   tight = trainer.make_backend(c)
   with pytest.warns(UserWarning, match=r"stopped short.*capacity blocked moves.*raise them"):
     for step in range(30):
@@ -308,7 +308,7 @@ def test_startup_caps_come_from_the_runs_batches_and_plan_every_later_batch(seed
   c.attention.distca.caps_from_batches = 0
   assert sizing.startup_capacity(c) == {}
   c.attention.distca.caps_from_batches = 6
-  for name in ("q_slot", "q_tokens", "kv_tokens"):
+  for name in plan_lib.EXCHANGE_FIELDS + ("q_tokens", "kv_tokens"):
     c.attention.distca[name] = 512
   assert sizing.startup_capacity(c) == {}
   c.attention.distca.caps_headroom = 0.9
@@ -324,8 +324,9 @@ def test_errors_name_the_fix():
   with pytest.raises(ValueError, match="q_tokens"):
     backends.get("distca", q_tokens=-1)
   tight = plan_lib.PlanSpec(num_servers=2, tokens_per_row=64, rows_per_device=1,
-                            capacity=plan_lib.Capacity(q_slot=8, kv_slot=8, q_tokens=64,
-                                                       kv_tokens=64, tasks=2))
+                            capacity=plan_lib.Capacity(q_send=8, kv_send=8, q_recv=8,
+                                                       kv_recv=8, q_tokens=64, kv_tokens=64,
+                                                       tasks=2))
   with pytest.raises(ValueError, match=r"capacity\.tasks >= 3"):
     plan_lib.host_plan([[10, 10, 10], [5]], tight)
   backend = backends.get("distca", rows_per_rank=2)
@@ -381,8 +382,8 @@ def _grad_fn(c, mesh, backend, traces=None):
 def test_train_loss_and_grads_distca_equal_local(seed, data, tensor, rows_per_rank, nano_batches):
   """Two batches per mesh: equal loss and gradients, and one trace of the distca step.
 
-  data=8 exchanges with one all_to_all; data=2 x tensor=2 with one ppermute round (the 'auto'
-  collective) and runs ping-pong (two nano-batches of two rows per rank, each planned apart).
+  data=8 exchanges by 7 ring rounds (the 'auto' collective on CPU); data=2 x tensor=2 by one
+  and runs ping-pong (two nano-batches of two rows per rank, each planned apart).
   """
   c_local = _tiny_config("local", data, tensor, seed, rows_per_rank, nano_batches)
   c_cad = _tiny_config("distca", data, tensor, seed, rows_per_rank, nano_batches)
@@ -474,9 +475,9 @@ def test_config_cost_table_reaches_the_planner(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# Bucketed exchange and signal-only mode.
+# The ragged exchange and signal-only mode.
 # ---------------------------------------------------------------------------------------------
-def _bucket_layouts(seed):
+def _exchange_layouts(seed):
   """(name, doc_lens, tolerance): no exchange at all, a heavy one, and both workloads at random."""
   rng = np.random.default_rng(seed)
   light = [[64, 64]] * S  # identical ranks: balanced as they are, nothing moves
@@ -490,213 +491,184 @@ def _bucket_layouts(seed):
   return out
 
 
-def _a2a_widths(jaxpr, out=None, prim="all_to_all"):
-  """Element counts of every ``prim`` operand, in program order (every switch branch)."""
+def _operand_rows(jaxpr, prim, out=None):
+  """Leading dimension of every ``prim`` operand, in program order (nested jaxprs included)."""
   out = [] if out is None else out
   for e in jaxpr.eqns:
     if e.primitive.name == prim:
-      out.append(int(np.prod(e.invars[0].aval.shape)))
-    subs = e.params.get("branches", ()) if e.primitive.name == "cond" else [
-        sub for p in e.params.values() for sub in (p if isinstance(p, (list, tuple)) else [p])]
-    for sub in subs:
-      inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
-      if inner is not None and hasattr(inner, "eqns"):
-        _a2a_widths(inner, out, prim)
+      out.append(int(e.invars[0].aval.shape[0]))
+    for p in e.params.values():
+      for sub in p if isinstance(p, (list, tuple)) else [p]:
+        inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)
+        if inner is not None and hasattr(inner, "eqns"):
+          _operand_rows(inner, prim, out)
   return out
 
 
-@pytest.mark.parametrize("buckets,modes,collective", [
-    (1, ("keep", "resend"), "all_to_all"),
-    pytest.param(4, ("keep", "resend"), "all_to_all", marks=pytest.mark.slow),
-    pytest.param(8, ("resend",), "all_to_all", marks=pytest.mark.slow),
-    pytest.param(8, ("keep",), "ppermute", marks=pytest.mark.slow),
-    pytest.param(1, ("resend",), "ppermute", marks=pytest.mark.slow),
-    pytest.param(4, ("keep",), "ppermute", marks=pytest.mark.slow)])
-def test_bucketed_exchange_equals_reference_both_memory_modes_single_trace(seed, buckets, modes,
-                                                                            collective):
-  """Outputs and grads per bucket count, memory mode and collective; one trace across buckets.
-
-  (8 joint buckets with 'keep' and all_to_all is the default: the first test of this file runs
-  it on 8 layouts.)
-  """
+@pytest.mark.parametrize("collective,modes", [
+    ("ring", ("keep", "resend")),
+    pytest.param("dense", ("keep", "resend"), marks=pytest.mark.slow)])
+def test_exchange_equals_reference_both_memory_modes_single_trace(seed, collective, modes):
+  """Outputs and grads per collective and memory mode on layouts that move nothing, a lot and
+  something; one trace across them."""
   mesh = _mesh()
   rng = np.random.default_rng(seed)
   traces = {m: [] for m in modes}
-  runs = {m: _make_run(mesh, SPEC, trace_counter=traces[m], memory_mode=m,
-                       exchange_buckets=buckets, collective=collective)
+  runs = {m: _make_run(mesh, SPEC, trace_counter=traces[m], memory_mode=m, collective=collective)
           for m in modes}
-  chosen = []
-  for name, doc_lens, eps in _bucket_layouts(seed):
+  for name, doc_lens, eps in _exchange_layouts(seed):
     hp = plan_lib.host_plan(doc_lens, SPEC, tolerance=eps, q_heads=H, kv_heads=KH, head_dim=D,
                             dtype_bytes=4)
-    by = plan_lib.exchange_bytes(hp.meta, q_heads=H, kv_heads=KH, head_dim=D, dtype_bytes=4,
-                                 exchange_buckets=buckets)
-    chosen.append(by["bucket"])
+    by = plan_lib.exchange_bytes(hp.meta, q_heads=H, kv_heads=KH, head_dim=D, dtype_bytes=4)
     q, k, v, ct = _inputs(rng)
     want = _reference(q, k, v, _segments(doc_lens, S, T), ct)
     for mode, run in runs.items():
       _check(run(q, k, v, hp.packed, ct), want,
-             f"{name} buckets={buckets} {mode} {collective} seed={seed} "
-             f"bucket={by['bucket']} "
-             f"rows={by['exchange_q_rows'], by['exchange_kv_rows']}")
+             f"{name} {mode} {collective} seed={seed} useful={by['dispatch_useful']}")
     if name == "light":
-      assert (by["exchange_q_rows"], by["exchange_kv_rows"]) == (0, 0), by
-      assert by["bucket"] == 0 and by["return_bucket"] == 0
+      assert by["dispatch_useful"] == 0 and by["return_useful"] == 0, by
     if name == "huge-rank":
-      assert by["exchange_kv_rows"] > 0, by
-  # Different batches took different branches of one compiled step.
+      assert by["dispatch_useful"] > 0, by
   assert all(len(t) == 1 for t in traces.values()), traces
-  if buckets > 1:
-    assert len(set(chosen)) >= 2, (chosen, seed)
-  else:
-    assert set(chosen) == {0}
 
 
-def test_bucket_sizes_shrink_the_all_to_all_and_moved_bytes(seed):
-  buckets = plan_lib.exchange_bucket_rows(CAP, 8)
-  # An empty bucket first (a plan that moves nothing), then fractions of q_slot 64, kv_slot 128.
-  assert buckets == ((0, 0),) + tuple((8 * i, 16 * i) for i in range(1, 9))
-  assert plan_lib.exchange_bucket_rows(CAP, 1) == ((CAP.q_slot, CAP.kv_slot),)
-  # Rounding to 8 rows merges fractions of small slots; the last bucket is always the full slot.
-  small = plan_lib.Capacity(q_slot=12, kv_slot=20, q_tokens=64, kv_tokens=64, tasks=4)
-  assert plan_lib.exchange_bucket_rows(small, 8) == ((0, 0), (8, 8), (8, 16), (12, 16), (12, 20))
-  assert plan_lib.choose_bucket((0, 0), buckets) == 0
-  assert plan_lib.choose_bucket((0, 1), buckets) == 1  # key/value rows alone move too
-  assert plan_lib.choose_bucket((9, 16), buckets) == 2
-  assert plan_lib.choose_bucket((8, 17), buckets) == 2
-  assert plan_lib.choose_bucket((64, 1), buckets) == 8
+def _random_routes(rng, s, send_cap, recv_cap):
+  """[S, 6, S] routes of a random [S, S] send-length matrix within the totals (self pair 0)."""
+  ln = np.zeros((s, s), np.int64)
+  for _ in range(4 * s * s):
+    p, d = rng.integers(s, size=2)
+    add = int(rng.integers(0, 7))
+    if p != d and ln[p].sum() + add <= send_cap and ln[:, d].sum() + add <= recv_cap:
+      ln[p, d] += add
+  send_off = np.cumsum(ln, axis=1) - ln
+  recv_off = (np.cumsum(ln, axis=0) - ln).T
+  return plan_lib.metadata.routes(ln, send_off, recv_off, np.arange(s)), ln
 
-  # The compiled program: each switch branch's all_to_all moves only its bucket of every slot
-  # (forward: Q/K/V out, then O back with the Q buckets), never an empty buffer; the empty
-  # bucket's branch has no all_to_all.
+
+@pytest.mark.parametrize("collective", ["ring", "dense"])
+def test_ragged_exchange_moves_each_group_and_its_vjp_sends_it_back(seed, collective):
+  """Random routes on 8 devices: every group lands where its routes say (NumPy oracle), rows no
+  group fills are zero, and the VJP is the exchange of the cotangents with the routes reversed."""
   mesh = _mesh()
-  hp = plan_lib.host_plan(_bucket_layouts(0)[1][1], SPEC, tolerance=0.0)
-  q = jax.ShapeDtypeStruct((S, T, H, D), jnp.float32)
-  k = jax.ShapeDtypeStruct((S, T, KH, D), jnp.float32)
-  fwd = lambda q, k, plan, nb: dataplane.dispatch_attention(
-      q, k, k, plan, SPEC, _options(exchange_buckets=nb), mesh=mesh)
-  widths = _a2a_widths(jax.make_jaxpr(functools.partial(fwd, nb=8))(q, k, hp.packed).jaxpr)
-  want_out = [S * (bq * H * D + 2 * bkv * KH * D) for bq, bkv in buckets[1:]]
-  want_back = [S * bq * H * D for bq, _ in buckets[1:]]
-  assert widths == want_out + want_back, widths
-  assert min(widths) > 0
-  full = _a2a_widths(jax.make_jaxpr(functools.partial(fwd, nb=1))(q, k, hp.packed).jaxpr)
-  assert full == [want_out[-1], want_back[-1]], full
-  # ppermute: S - 1 rounds per exchange, each moving one peer's bucket of a slot (no own slot).
-  perm = lambda q, k, plan: dataplane.dispatch_attention(
-      q, k, k, plan, SPEC, _options(exchange_buckets=8, collective="ppermute"), mesh=mesh)
-  widths = _a2a_widths(jax.make_jaxpr(perm)(q, k, hp.packed).jaxpr, prim="ppermute")
-  want = [w // S for w in want_out for _ in range(S - 1)] + [
-      w // S for w in want_back for _ in range(S - 1)]
-  assert widths == want, widths
-  assert not _a2a_widths(jax.make_jaxpr(perm)(q, k, hp.packed).jaxpr)  # no all_to_all left
+  rng = np.random.default_rng(seed)
+  cs, cr = 40, 56
+  routes, ln = _random_routes(rng, S, cs, cr)
+  assert ln.sum() > 0, seed
+  x = rng.standard_normal((S, cs, 3, 2)).astype(np.float32)
+  dy = rng.standard_normal((S, cr, 3, 2)).astype(np.float32)
 
-  # Host accounting: a light batch moves nothing (the empty bucket), a batch that fills its
-  # slots (capacity = the plan's exact need) moves exactly the padded bytes.
-  bm = dict(q_heads=H, kv_heads=KH, head_dim=D, dtype_bytes=4)
-  light = plan_lib.host_plan(_bucket_layouts(0)[0][1], SPEC, tolerance=0.0)
-  by = plan_lib.exchange_bytes(light.meta, exchange_buckets=8, **bm)
-  assert by["dispatch_useful"] == 0 and by["dispatch_moved"] == 0 and by["return_moved"] == 0
-  by1 = plan_lib.exchange_bytes(light.meta, exchange_buckets=1, **bm)
-  assert by1["dispatch_moved"] == by1["dispatch_padded"]
-  heavy = _bucket_layouts(seed)[1][1]
-  plan = plan_lib.schedule(heavy, S, tokens_per_rank=T, tolerance=0.0,
-                           min_shard=plan_lib.auto_min_shard(T))
-  exact = plan_lib.required_capacity(plan)
-  by = plan_lib.exchange_bytes(plan_lib.plan_to_metadata(plan, exact), exchange_buckets=8, **bm)
-  assert (by["exchange_q_rows"], by["exchange_kv_rows"]) == (exact.q_slot, exact.kv_slot), by
-  assert by["bucket"] == by["num_buckets"] - 1
-  assert by["dispatch_moved"] == by["dispatch_padded"] and by["return_moved"] == by["return_padded"]
-  # The same batch in the bigger SPEC: the chosen bucket covers every device's useful rows.
-  hp = plan_lib.host_plan(heavy, SPEC, tolerance=0.0)
-  by = plan_lib.exchange_bytes(hp.meta, exchange_buckets=8, **bm)
-  assert by["dispatch_useful_busiest_device"] <= by["dispatch_moved"] <= by["dispatch_padded"]
-  assert by["bucket_q_rows"] >= by["exchange_q_rows"] and by["bucket_kv_rows"] >= by[
-      "exchange_kv_rows"], by
+  def body(x, r, dy):
+    y, vjp = jax.vjp(lambda x: dataplane.ragged_exchange(x[0], r[0], cr, "data", collective)[None],
+                     x)
+    return y, vjp(dy)[0]
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"),) * 3,
+                            out_specs=(P("data"), P("data"))))
+  y, dx = (np.asarray(a) for a in f(x, jnp.asarray(routes), dy))
+  want = plan_lib.executor._exchange(list(x), routes, cr)
+  want_dx = plan_lib.executor._exchange(list(dy), plan_lib.reverse_routes(routes), cs)
+  for d in range(S):
+    np.testing.assert_array_equal(y[d], want[d], err_msg=f"{collective} device {d} seed={seed}")
+    np.testing.assert_array_equal(dx[d], want_dx[d], err_msg=f"{collective} grad {d} seed={seed}")
+    assert not y[d, ln[:, d].sum():].any()  # past the received groups: zeros
 
 
-def test_part_bucket_rows_size_the_return_buckets():
-  assert plan_lib.part_bucket_rows(CAP.q_slot, 8) == ((0,),) + tuple((8 * i,) for i in range(1, 9))
-  assert plan_lib.part_bucket_rows(CAP.kv_slot, 8) == ((0,),) + tuple((16 * i,)
-                                                                     for i in range(1, 9))
-  assert plan_lib.part_bucket_rows(CAP.kv_slot, 1) == ((CAP.kv_slot,),)
-  assert plan_lib.part_bucket_rows(20, 8) == ((0,), (8,), (16,), (20,))
-  assert plan_lib.return_bucket_rows(CAP, 8) == plan_lib.part_bucket_rows(CAP.q_slot, 8)
+def test_exchange_buffers_do_not_grow_with_the_number_of_servers():
+  """Same tokens and caps per device on 2, 4 and 8 servers: every buffer the ring passes on and
+  every attention buffer has the same rows (only the [6, S] routes grow); the dense baseline's
+  all_to_all grows with S. On the host, the capacity's bytes do not depend on S but for routes."""
+  q = jax.ShapeDtypeStruct((0, T, H, D), jnp.float32)
+  per = {}
+  for s in (2, 4, 8):
+    spec = plan_lib.PlanSpec(num_servers=s, tokens_per_row=T, rows_per_device=1, capacity=CAP)
+    mesh = _mesh(data=s)
+    qs = jax.ShapeDtypeStruct((s, T, H, D), jnp.float32)
+    ks = jax.ShapeDtypeStruct((s, T, KH, D), jnp.float32)
+    plan = jax.ShapeDtypeStruct((s, spec.width), jnp.int32)
+    fwd = lambda q, k, plan, col: dataplane.dispatch_attention(
+        q, k, k, plan, spec, _options(collective=col), mesh=mesh)
+    ring = jax.make_jaxpr(functools.partial(fwd, col="ring"))(qs, ks, plan).jaxpr
+    dense = jax.make_jaxpr(functools.partial(fwd, col="dense"))(qs, ks, plan).jaxpr
+    per[s] = (_operand_rows(ring, "ppermute"), _operand_rows(dense, "all_to_all"))
+    mem = CAP.memory_bytes(s, q_heads=H, kv_heads=KH, head_dim=D, dtype_bytes=4)
+    per[s] += ({k: v for k, v in mem.items() if k not in ("metadata", "total")},)
+  del q
+  # Ring: Q out, K/V out, O back; each passes on one whole send buffer per round.
+  assert per[2][0] == per[4][0] == per[8][0] == [CAP.q_send, CAP.kv_send, CAP.q_recv], per
+  assert per[2][2] == per[4][2] == per[8][2]
+  assert [len(per[s][1]) for s in (2, 4, 8)] == [3, 3, 3]
+  assert [per[s][1][0] for s in (2, 4, 8)] == [2, 4, 8], per  # dense: S padded blocks
 
 
-def test_plan_packs_exchange_rows_and_rejects_slots_not_packed_at_the_front(seed):
-  hp = plan_lib.host_plan(_bucket_layouts(seed)[1][1], SPEC, tolerance=0.0)
-  rows = [SPEC.unpack_local(jnp.asarray(hp.packed[p:p + 1]))["exchange_rows"] for p in range(S)]
-  want = plan_lib.exchange_rows(hp.meta)
-  assert all(np.array_equal(np.asarray(r), want) for r in rows)  # the same on every device
-  off = ~np.eye(S, dtype=bool)
-  assert want.tolist() == [hp.meta.q_send_len[off].max(), hp.meta.kv_send_len[off].max()]
-  # Move the last used entry of a partly filled slot to the slot's back: packing must refuse it.
-  for name, lens, cap in (("q_send_idx", hp.meta.q_send_len, CAP.q_slot),
-                          ("kv_send_idx", hp.meta.kv_send_len, CAP.kv_slot)):
-    p, d = np.argwhere((lens > 0) & (lens < cap))[0]
-    idx = getattr(hp.meta, name).copy()
-    n = int(lens[p, d])
-    idx[p, d, cap - 1], idx[p, d, n - 1] = idx[p, d, n - 1], T
-    with pytest.raises(ValueError, match=rf"{name}\[{p}, {d}\].*front"):
-      SPEC.pack(dataclasses.replace(hp.meta, **{name: idx}))
+def test_pack_checks_routes_groups_and_rows_read_once(seed):
+  hp = plan_lib.host_plan(_exchange_layouts(seed)[1][1], SPEC, tolerance=0.0)
+  meta = hp.meta
+  # The routes on each device are its own rows of the [S, S] tables.
+  for p in range(S):
+    r = np.asarray(SPEC.unpack_local(jnp.asarray(hp.packed[p:p + 1]))["q_routes"])
+    np.testing.assert_array_equal(r, meta.q_routes[p])
+    assert r[1].tolist() == meta.q_send_len[p].tolist()
+    assert r[3].tolist() == meta.q_send_len[:, p].tolist()
+    assert r[1, p] == 0 and r[3, p] == 0  # own rows never cross the wire
+  # A used entry moved past the routed rows, or offsets that do not tile the groups: refused.
+  for name, lens in (("q_send_idx", meta.q_send_len.sum(1)),
+                     ("kv_send_idx", meta.kv_send_len.sum(1))):
+    p = int(np.argmax(lens))
+    n = int(lens[p])
+    idx = getattr(meta, name).copy()
+    idx[p, -1], idx[p, n - 1] = idx[p, n - 1], T
+    with pytest.raises(ValueError, match=rf"{name}\[{p}\].*packed from row 0"):
+      SPEC.pack(dataclasses.replace(meta, **{name: idx}))
+  bad = meta.kv_routes.copy()
+  p = int(np.argmax((bad[:, 1] > 0).sum(1)))
+  bad[p, 0] = bad[p, 0][::-1]
+  with pytest.raises(ValueError, match=rf"kv_send_idx\[{p}\].*offsets"):
+    SPEC.pack(dataclasses.replace(meta, kv_routes=bad))
   # Query / output rows read twice would make the inverse-map backward drop a contribution.
-  bounds = {"q_send_idx": T, "q_attn_idx": T + S * CAP.q_slot, "o_send_idx": CAP.q_tokens,
-            "o_local_idx": CAP.q_tokens + S * CAP.q_slot}
+  bounds = {"q_send_idx": T, "q_attn_idx": T + CAP.q_recv, "o_send_idx": CAP.q_tokens,
+            "o_local_idx": CAP.q_tokens + CAP.q_send}
   for name, bound in bounds.items():
-    idx = getattr(hp.meta, name).copy()
+    idx = getattr(meta, name).copy()
     flat = idx.reshape(S, -1)
     p = int(np.argmax((flat < bound).sum(axis=1)))
     used = np.flatnonzero(flat[p] < bound)
     flat[p, used[1]] = flat[p, used[0]]
     idx = flat.reshape(idx.shape)
     with pytest.raises(ValueError, match=rf"{name}\[{p}\] reads source row"):
-      SPEC.pack(dataclasses.replace(hp.meta, **{name: idx}))
+      SPEC.pack(dataclasses.replace(meta, **{name: idx}))
 
 
 @pytest.mark.slow
 def test_signal_only_keeps_shapes_moves_one_row_and_is_wrong_by_design(seed):
   mesh = _mesh()
   rng = np.random.default_rng(seed)
-  _, doc_lens, _ = _bucket_layouts(seed)[1]
+  _, doc_lens, _ = _exchange_layouts(seed)[1]
   hp = plan_lib.host_plan(doc_lens, SPEC, tolerance=0.0)
   q, k, v, ct = _inputs(rng)
-  sig = _make_run(mesh, SPEC, exchange_buckets=4, signal_only=True, return_lse=False)
-  got = sig(q, k, v, hp.packed, ct)
   want = _reference(q, k, v, _segments(doc_lens, S, T), ct)
-  for g, w in zip(got, want):
-    assert g.shape == w.shape and g.dtype == w.dtype and np.isfinite(np.asarray(g)).all()
-  # Rows computed on another server came back wrong (their queries never arrived).
-  assert np.abs(np.asarray(got[0]) - np.asarray(want[0])).max() > 1e-2, seed
-  # Every all_to_all (forward and backward, every branch) carries one row per slot.
-  jaxpr = jax.make_jaxpr(sig)(q, k, v, hp.packed, ct).jaxpr
-  assert set(_a2a_widths(jaxpr)) == {S * H * D}, _a2a_widths(jaxpr)
-  assert _count_prims(jaxpr, {"all_to_all"})["all_to_all"] == 4
-  # The same with ppermute rounds: every round carries one row.
-  sig = _make_run(mesh, SPEC, exchange_buckets=4, signal_only=True, return_lse=False,
-                  collective="ppermute")
-  got = sig(q, k, v, hp.packed, ct)
-  assert all(np.isfinite(np.asarray(g)).all() for g in got)
-  assert np.abs(np.asarray(got[0]) - np.asarray(want[0])).max() > 1e-2, seed
-  jaxpr = jax.make_jaxpr(sig)(q, k, v, hp.packed, ct).jaxpr
-  assert set(_a2a_widths(jaxpr, prim="ppermute")) == {H * D}
+  for collective in ("ring", "dense"):
+    sig = _make_run(mesh, SPEC, signal_only=True, return_lse=False, collective=collective)
+    got = sig(q, k, v, hp.packed, ct)
+    for g, w in zip(got, want):
+      assert g.shape == w.shape and g.dtype == w.dtype and np.isfinite(np.asarray(g)).all()
+    # Rows computed on another server came back wrong (their queries never arrived).
+    assert np.abs(np.asarray(got[0]) - np.asarray(want[0])).max() > 1e-2, (collective, seed)
 
 
 def test_exchange_options_reach_dispatch_and_bad_values_name_the_fix(monkeypatch):
   c = _tiny_config("distca", 8, 1, 0)
-  assert c.attention.distca.exchange_buckets == 8
+  assert c.attention.distca.collective == "auto"
   # Benchmark switches are backend options, not config keys.
-  for name in ("signal_only", "collective", "split_exchange", "cost_table", "kernel"):
+  for name in ("signal_only", "split_exchange", "cost_table", "kernel"):
     assert name not in c.attention.distca, name
-  c.attention.distca.exchange_buckets = 0
-  with pytest.raises(ValueError, match=r"exchange_buckets=0.*int >= 1.*config.attention.distca"):
+  c.attention.distca.collective = "nccl"
+  with pytest.raises(ValueError, match=r"collective='nccl'.*ragged.*ring.*dense.*"
+                                       r"config.attention.distca"):
     trainer.make_backend(c)
   with pytest.raises(ValueError, match=r"signal_only='yes'.*True or False"):
     backends.get("distca", signal_only="yes")
-  c.attention.distca.exchange_buckets = 3
-  with pytest.raises(ValueError, match=r"collective='nccl'.*all_to_all.*ppermute"):
-    trainer.make_backend(c, collective="nccl")
-  backend = trainer.make_backend(c, collective="ppermute", signal_only=True)
+  c.attention.distca.collective = "dense"
+  backend = trainer.make_backend(c, signal_only=True)
   seen = {}
 
   def spy(*args, **kwargs):
@@ -709,17 +681,15 @@ def test_exchange_options_reach_dispatch_and_bad_values_name_the_fix(monkeypatch
                            extra={distca_backend.PLAN_KEY: jnp.zeros((8, 1), jnp.int32)})
   with trainer.mesh_context(shard_lib.make_mesh(data=8, tensor=1, devices=jax.devices())):
     backend.fn(q, q, q, layout, softmax_scale=1.0)
-  assert seen["options"].exchange == dataplane.ExchangeOptions(buckets=3, collective="ppermute",
+  assert seen["options"].exchange == dataplane.ExchangeOptions(collective="dense",
                                                                signal_only=True)
-  # 'auto' (the default): one ppermute round between 2 servers, one all_to_all among more.
+  # 'auto' (the default): the dense exchange on GPUs (measured fastest), the ring elsewhere.
   assert dataplane.ExchangeOptions().collective == "auto"
   assert distca_backend.Options.from_config(_tiny_config("distca", 8, 1, 0)).collective == "auto"
-  assert [dataplane.resolve_collective("auto", s) for s in (2, 3, 8)] == ["ppermute"] + [
-      "all_to_all"] * 2
-  assert dataplane.resolve_collective("all_to_all", 2) == "all_to_all"
-  assert dataplane.resolve_collective("ppermute", 1) == "all_to_all"  # no peer to send to
-  with pytest.raises(ValueError, match="exchange_buckets"):
-    plan_lib.exchange_bucket_rows(CAP, 0)
+  assert dataplane.resolve_collective("auto", "gpu") == "dense"
+  assert dataplane.resolve_collective("auto", "cpu") == "ring"
+  assert dataplane.resolve_collective("auto") == "ring"  # the tests' platform
+  assert dataplane.resolve_collective("dense", "gpu") == "dense"
 
 
 @pytest.mark.slow
@@ -741,7 +711,6 @@ def test_remat_policies_equal_and_save_attention_never_reruns_the_kernel_or_exch
     c = _tiny_config("distca", data, 1, seed)
     c.attention.kernel, c.attention.distca.memory_mode = kernel, mode
     c.attention.distca.caps_from_batches = 0
-    c.attention.distca.exchange_buckets = 1  # one exchange branch: a smaller program to compile
     c.model.n_layers = 1
     cad = trainer.make_backend(c)
     src = make_source(c.data, rows=data * c.rows_per_rank, tokens_per_row=c.tokens_per_rank,
@@ -770,11 +739,11 @@ def test_remat_policies_equal_and_save_attention_never_reruns_the_kernel_or_exch
   assert fwd["keep", "none"] == fwd["keep", "save_attention"] == 1, fwd
   assert fwd["resend", "none"] == fwd["resend", "save_attention"] == 1, fwd
   assert fwd["keep", "full"] == fwd["keep", "save_qkv_out"] == fwd["resend", "full"] == 2, fwd
-  # keep: the send and return of the forward and their two transposes, nothing recomputed;
-  # full reruns the forward's send and return.
-  assert perm["keep", "save_attention"] == perm["keep", "none"] == 4, perm
-  assert perm["keep", "full"] == 6, perm
-  assert perm["resend", "save_attention"] == perm["resend", "none"] == 5, perm
+  # keep: the forward's three exchanges (Q, K/V, O) and their three transposes, nothing
+  # recomputed; full reruns the forward's three; resend re-sends Q and K/V.
+  assert perm["keep", "save_attention"] == perm["keep", "none"] == 6, perm
+  assert perm["keep", "full"] == 9, perm
+  assert perm["resend", "save_attention"] == perm["resend", "none"] == 8, perm
 
 
 def test_row_copies_as_words_are_bit_exact_and_differentiate_like_take(seed):
@@ -793,22 +762,21 @@ def test_row_copies_as_words_are_bit_exact_and_differentiate_like_take(seed):
         np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
                                       np.asarray(want).view(np.uint8),
                                       err_msg=f"{dtype} {shape} fill={fill} seed={seed}")
-  # The two-source gather of the key/value buffers, and its VJP, against jnp.take + where.
-  t, s, slot, b = 40, 3, 16, 8
+  # The two-source gather of the key/value buffers, and its VJP, against concat + take; and
+  # the query placement (every source row read once).
+  t, c = 40, 24
   own = jnp.asarray(rng.standard_normal((t, 2, 4)), jnp.float32)
-  recv = jnp.asarray(rng.standard_normal((s, b, 2, 4)), jnp.float32)
-  idx = jnp.asarray(rng.integers(0, t + s * slot + 5, size=70), jnp.int32)
-  blk = jnp.asarray(rng.permutation(s), jnp.int32)
-
-  def plain(own, recv):
-    ridx, in_recv = dataplane.recv_rows(idx - t, slot, b, s, blk)
-    from_recv = jnp.take(recv.reshape(s * b, 2, 4), ridx, axis=0, mode="fill", fill_value=0)
-    return jnp.where(in_recv[:, None, None], from_recv,
-                     jnp.take(own, idx, axis=0, mode="fill", fill_value=0))
-
-  words = lambda own, recv: dataplane.gather_two(own, recv, idx, slot, blk)
+  recv = jnp.asarray(rng.standard_normal((c, 2, 4)), jnp.float32)
+  idx = jnp.asarray(rng.integers(0, t + c + 5, size=70), jnp.int32)
+  plain = lambda own, recv: jnp.take(jnp.concatenate([own, recv]), idx, axis=0, mode="fill",
+                                     fill_value=0)
+  words = lambda own, recv: dataplane.gather_two(own, recv, idx)
   np.testing.assert_array_equal(np.asarray(words(own, recv)), np.asarray(plain(own, recv)))
   ct = jnp.asarray(rng.standard_normal((70, 2, 4)), jnp.float32)
   for g, w in zip(jax.vjp(words, own, recv)[1](ct), jax.vjp(plain, own, recv)[1](ct)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6,
                                err_msg=f"seed={seed}")
+  uidx = jnp.asarray(np.r_[rng.permutation(t + c)[:50], [t + c + 3] * 6], jnp.int32)
+  placed = dataplane.place_unique(own, recv, uidx, fill=-1.0)
+  want = jnp.take(jnp.concatenate([own, recv]), uidx, axis=0, mode="fill", fill_value=-1.0)
+  np.testing.assert_array_equal(np.asarray(placed), np.asarray(want))

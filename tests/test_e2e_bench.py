@@ -128,7 +128,7 @@ def test_backend_overrides_are_options_not_config_keys():
   """``backend.KEY=VALUE`` items (a variant's signal-only twin) become backend options with
   parsed values; config overrides are left to the config."""
   got = e2e_bench.backend_overrides(["attention.distca.tolerance=0", "backend.signal_only=true",
-                                     "backend.exchange_buckets=3", "backend.tolerance=0.5",
+                                     "backend.collective=dense", "backend.tolerance=0.5",
                                      "backend.cost_table=results/x.json"])
-  assert got == {"signal_only": True, "exchange_buckets": 3, "tolerance": 0.5,
+  assert got == {"signal_only": True, "collective": "dense", "tolerance": 0.5,
                  "cost_table": "results/x.json"}

@@ -131,7 +131,7 @@ def test_planner_fuzz_extremes_by_hand():
 @pytest.mark.parametrize("seed", [11, 12])
 def test_cad_outputs_and_grads_on_fuzzed_layouts(seed):
   rng = np.random.default_rng(seed)
-  run = _make_run(_mesh(), SPEC, exchange_buckets=4)
+  run = _make_run(_mesh(), SPEC, collective="dense")
   ran = []
   for kind in KINDS:
     doc_lens = random_layout(rng, kind, S, T)

@@ -230,7 +230,7 @@ def test_startup_caps_are_sized_for_the_pooled_ticks():
   config_lib.validate(c)
   got = sizing.startup_capacity(c)
   rows = t * rows_per_rank // m  # a device's rows in one tick's call
-  assert set(got) == {"q_slot", "kv_slot", "q_tokens", "kv_tokens"}
+  assert set(got) == set(cap_lib.EXCHANGE_FIELDS) | {"q_tokens", "kv_tokens"}
   src = make_source(c.data, rows=data * rows_per_rank, tokens_per_row=t,
                     vocab_size=c.model.vocab_size, seed=c.seed)
   # The same ticks planned with caps no tick can reach: what each really needs.
@@ -243,7 +243,7 @@ def test_startup_caps_are_sized_for_the_pooled_ticks():
   for name, v in got.items():
     most = max(getattr(n, name) for n in need)
     enveloped = -(-most // mult) * mult  # the envelope rounds up before the headroom
-    floor = mult if name.endswith("slot") else rows
+    floor = mult if name in cap_lib.EXCHANGE_FIELDS else rows
     high = -(-max(floor, enveloped * c.attention.distca.caps_headroom) // mult) * mult
     assert most <= v <= high, (name, v, most, high)
   backend = trainer.make_backend(c)

@@ -124,7 +124,7 @@ def test_caps_never_exceeded(seed):
   free = plan_lib.required_capacity(
       plan_lib.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol))
   need = _initial_needs(doc_lens, s, t)
-  frac = rng.uniform(0.2, 1.0, size=5)
+  frac = rng.uniform(0.2, 1.0, size=len(plan_lib.CAP_FIELDS))
   cap = plan_lib.Capacity(**{f: max(getattr(need, f), int(getattr(free, f) * x))
                              for f, x in zip(plan_lib.CAP_FIELDS, frac)})
   plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol, capacity=cap)
@@ -138,7 +138,9 @@ def test_caps_never_exceeded(seed):
   # The metadata builds in exactly the configured shapes.
   if s <= 8 and t <= 16 * K:
     meta = plan_lib.plan_to_metadata(plan, cap)
-    assert meta.q_send_idx.shape == (s, s, cap.q_slot)
+    assert meta.q_send_idx.shape == (s, cap.q_send)
+    assert meta.o_send_idx.shape == (s, cap.q_recv)
+    assert meta.kv_routes.shape == (s, 6, s)
     assert meta.kv_attn_idx.shape == (s, cap.kv_tokens)
     assert meta.cu_seqlens_q.shape == (s, cap.tasks + 1)
 
@@ -178,9 +180,14 @@ def test_caps_never_exceeded_small_layouts():
 def test_caps_degrade_with_reason():
   # One 1000-token document on rank 0 of 2: the other rank may take at most 10 query rows.
   plan = plan_lib.schedule([[1000], []], 2, tokens_per_rank=1000, min_shard=8,
-                           capacity=plan_lib.Capacity(q_tokens=1000, q_slot=10))
-  assert plan.degraded and "q_slot" in plan.degraded_reason
-  assert plan_lib.required_capacity(plan).q_slot <= 10
+                           capacity=plan_lib.Capacity(q_tokens=1000, q_recv=10))
+  assert plan.degraded and "q_recv" in plan.degraded_reason
+  assert plan_lib.required_capacity(plan).q_recv <= 10
+  # A sender's total is capped too: rank 0 may send at most 10 query rows to all servers.
+  plan = plan_lib.schedule([[1000], [], [], []], 4, tokens_per_rank=1000, min_shard=4,
+                           capacity=plan_lib.Capacity(q_send=10))
+  assert plan.degraded and "q_send" in plan.degraded_reason
+  assert plan_lib.required_capacity(plan).q_send <= 10 and plan.num_moves > 0
   free = plan_lib.schedule([[1000], []], 2, tokens_per_rank=1000, min_shard=8)
   assert not free.degraded and free.imbalance_after <= 1.1 + 1e-9
 
@@ -265,19 +272,26 @@ def _global_tokens(meta: plan_lib.PlanMetadata, d: int):
   s, t = meta.num_servers, meta.tokens_per_rank
   cap = meta.capacity
 
-  def resolve(idx, slot, send):
+  def resolve(idx, recv_rows, send, routes):
+    # Received row r came from sender p (the group holding r) at p's send row
+    # peer_send_off[p] + (r - recv_off[p]).
     out = np.full(idx.shape, -1, np.int64)
     own = idx < t
     out[own] = d * t + idx[own]
-    rec = (idx >= t) & (idx < t + s * slot)
-    p, j = np.divmod(idx[rec] - t, slot)
-    row = send[p, d, j]
-    assert (row < t).all(), "an attention row points at a padding slot"
+    rec = (idx >= t) & (idx < t + recv_rows)
+    r = idx[rec] - t
+    off, ln, src = routes[d, 2], routes[d, 3], routes[d, 5]
+    p = np.searchsorted(off, r, side="right") - 1
+    while (r >= off[p] + ln[p]).any():  # skip empty groups that share an offset
+      p = np.where(r >= off[p] + ln[p], p + 1, p)
+    assert (r < off[p] + ln[p]).all(), "an attention row points past the received groups"
+    row = send[p, src[p] + r - off[p]]
+    assert (row < t).all(), "an attention row points at a padding row"
     out[rec] = p * t + row
     return out
 
-  return (resolve(meta.q_attn_idx[d], cap.q_slot, meta.q_send_idx),
-          resolve(meta.kv_attn_idx[d], cap.kv_slot, meta.kv_send_idx))
+  return (resolve(meta.q_attn_idx[d], cap.q_recv, meta.q_send_idx, meta.q_routes),
+          resolve(meta.kv_attn_idx[d], cap.kv_recv, meta.kv_send_idx, meta.kv_routes))
 
 
 def _check_metadata_structure(plan: plan_lib.Plan, meta: plan_lib.PlanMetadata) -> None:
@@ -285,8 +299,8 @@ def _check_metadata_structure(plan: plan_lib.Plan, meta: plan_lib.PlanMetadata) 
   for f in plan_lib.PlanMetadata.DEVICE_FIELDS:
     assert getattr(meta, f).dtype == np.int32, f
   cap = meta.capacity
-  for p in range(s):
-    assert (meta.q_send_idx[p, p] == t).all() and (meta.kv_send_idx[p, p] == t).all()
+  for p in range(s):  # own rows never cross the wire
+    assert meta.q_routes[p, 1, p] == 0 and meta.kv_routes[p, 1, p] == 0
   # Every task's queries are rows [a, b) of its document and its keys rows [0, b), aligned.
   for d in range(s):
     gq, gk = _global_tokens(meta, d)
@@ -304,15 +318,15 @@ def _check_metadata_structure(plan: plan_lib.Plan, meta: plan_lib.PlanMetadata) 
       np.testing.assert_array_equal(gk[cu_k[i]:cu_k[i + 1]], g + np.arange(0, b))
     # Each KV row is sent at most once per (sender, server) pair.
     for p in range(s):
-      rows = meta.kv_send_idx[p, d]
-      rows = rows[rows < t]
-      assert np.unique(rows).size == rows.size
+      off, n = meta.kv_routes[p, 0, d], meta.kv_routes[p, 1, d]
+      rows = meta.kv_send_idx[p, off:off + n]
+      assert (rows < t).all() and np.unique(rows).size == rows.size
   # Every non-padding local query row gets exactly one output row back.
   lens, starts = plan.doc_lens, plan.doc_starts
   real = np.zeros(s * t, bool)
   for g, n in zip(starts, lens):
     real[g:g + n] = True
-  assert ((meta.o_local_idx.reshape(-1) < cap.q_tokens + s * cap.q_slot) == real).all()
+  assert ((meta.o_local_idx.reshape(-1) < cap.q_tokens + cap.q_send) == real).all()
 
 
 @pytest.mark.parametrize("seed", range(24))
@@ -402,7 +416,8 @@ def test_metadata_capacity_too_small():
     (([10], 2), {"tokens_per_rank": 16, "capacity": {"slots": 3}}, "unknown capacity"),
     (([10], 2), {"tokens_per_rank": 16, "capacity": {"tasks": 0}}, "tasks"),
     (([10], 2), {"tokens_per_rank": 16, "q_heads": 6, "kv_heads": 4}, "multiple"),
-    (([20, 12], 2), {"tokens_per_rank": 16, "capacity": {"kv_slot": 8}}, "kv_slot >= 16"),
+    (([20, 12], 2), {"tokens_per_rank": 16, "capacity": {"kv_recv": 8}}, "kv_recv >= 16"),
+    (([20, 12], 2), {"tokens_per_rank": 16, "capacity": {"kv_send": 8}}, "kv_send >= 16"),
     (([[3, 3, 3], [4]], 2), {"tokens_per_rank": 16, "capacity": {"tasks": 2}}, "tasks >= 3"),
     (([10], 2), {"tokens_per_rank": 16, "min_gain": -0.01}, "min_gain"),
     (([10], 2), {"tokens_per_rank": 16, "min_gain": True}, "min_gain"),
@@ -467,7 +482,7 @@ def test_empty_layout():
   plan = plan_lib.schedule([], 4, tokens_per_rank=64)
   assert plan.tasks.shape == (0, 4) and plan.imbalance_after == 1.0 and not plan.degraded
   meta = plan_lib.plan_to_metadata(plan)
-  assert (meta.o_local_idx == meta.capacity.q_tokens + 4 * meta.capacity.q_slot).all()
+  assert (meta.o_local_idx == meta.capacity.q_tokens + meta.capacity.q_send).all()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -541,19 +556,25 @@ def test_cost_table_missing_file(tmp_path):
 
 
 def test_capacity_memory_and_envelope():
-  cap = plan_lib.Capacity(q_slot=1024, kv_slot=2048, q_tokens=8192, kv_tokens=16384, tasks=64)
+  cap = plan_lib.Capacity(q_send=1024, kv_send=4096, q_recv=1536, kv_recv=2048, q_tokens=8192,
+                          kv_tokens=16384, tasks=64)
   mem = cap.memory_bytes(8, q_heads=32, kv_heads=8, head_dim=128, dtype_bytes=2)
   bq, bkv = 32 * 128 * 2, 8 * 128 * 2
-  assert mem["q_exchange"] == 2 * 8 * 1024 * bq
-  assert mem["kv_exchange"] == 4 * 8 * 2048 * bkv
+  assert mem["q_exchange"] == (1024 + 1536) * bq
+  assert mem["kv_exchange"] == 2 * (4096 + 2048) * bkv
   assert mem["attention_kv"] == 2 * 16384 * bkv
   assert mem["total"] == sum(v for k, v in mem.items() if k != "total")
-  env = plan_lib.Capacity.envelope([cap, dataclasses.replace(cap, q_slot=1500, tasks=70)])
-  assert env.q_slot == 1536 and env.tasks == 72 and env.kv_slot == 2048
+  # No buffer depends on the number of servers; only the routes' int32 [6, S] do.
+  big = cap.memory_bytes(512, q_heads=32, kv_heads=8, head_dim=128, dtype_bytes=2)
+  assert {k: v for k, v in big.items() if k not in ("metadata", "total")} == {
+      k: v for k, v in mem.items() if k not in ("metadata", "total")}
+  assert big["metadata"] - mem["metadata"] == 4 * 12 * (512 - 8)
+  env = plan_lib.Capacity.envelope([cap, dataclasses.replace(cap, q_send=1500, tasks=70)])
+  assert env.q_send == 1536 and env.tasks == 72 and env.kv_recv == 2048
   with pytest.raises(ValueError, match="every cap"):
-    plan_lib.Capacity(q_slot=4).memory_bytes(8)
-  with pytest.raises(ValueError, match="q_slot"):
-    plan_lib.Capacity(q_slot=-3)
+    plan_lib.Capacity(q_send=4).memory_bytes(8)
+  with pytest.raises(ValueError, match="q_recv"):
+    plan_lib.Capacity(q_recv=-3)
 
 
 def test_diagnostics_and_plot():

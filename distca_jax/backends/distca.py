@@ -20,7 +20,7 @@ from distca_jax.dataplane import (DispatchOptions, ExchangeOptions, dispatch_att
                                   mesh_and_servers)
 from distca_jax.plan import cost, sizing
 from distca_jax.plan.capacity import CAP_FIELDS, resolve_capacity
-from distca_jax.plan.spec import (DEFAULT_EXCHANGE_BUCKETS, HostPlan, PlanSpec, host_plan,
+from distca_jax.plan.spec import (HostPlan, PlanSpec, host_plan,
                                   nano_batch_rows)
 
 PLAN_KEY = "distca_plan"  # the one key of ``layout.extra`` this backend reads
@@ -34,8 +34,8 @@ class Options:
   Attributes:
     tolerance, min_shard, min_gain: the balancer's (``plan.schedule``); ``min_shard`` 0 takes
       ``plan.auto_min_shard``.
-    q_slot, kv_slot, q_tokens, kv_tokens, tasks: caps per device for one call (``R/n`` rows of
-      ``tokens_per_row``); 0 takes ``plan.default_capacity``'s value.
+    q_send, kv_send, q_recv, kv_recv, q_tokens, kv_tokens, tasks: caps per device for one call
+      (``R/n`` rows of ``tokens_per_row``); 0 takes ``plan.default_capacity``'s value.
     kernel, memory_mode: ``dataplane.DispatchOptions``.
     rows_per_rank, nano_batches: the rows of one call per device (the trainer's ``R``; ``R / M``
       under a pipeline of M microbatches) and ``n``.
@@ -44,8 +44,8 @@ class Options:
       (``metrics.linear_pairs_per_token`` of the model).
     data_axis, head_axis: the mesh axes of the servers (a tuple: their product; a pipeline's
       ``('pipe', 'data')``) and of the heads.
-    exchange_buckets, collective, signal_only: ``dataplane.ExchangeOptions``. Training takes
-      ``collective='auto'`` and ``signal_only=False``; benchmarks pass others to
+    collective, signal_only: ``dataplane.ExchangeOptions``. Training takes the config's
+      ``collective`` (default 'auto') and ``signal_only=False``; benchmarks pass others to
       ``backends.build(c, ...)``.
     cost_table: a measured ``plan.CostTable`` JSON: plans then also predict per-server kernel
       time (benchmarks pass it to ``backends.build``; balancing stays in pairs).
@@ -53,8 +53,10 @@ class Options:
   tolerance: float = cost.DEFAULT_TOLERANCE
   min_shard: int = 0
   min_gain: float = 0.0
-  q_slot: int = 0
-  kv_slot: int = 0
+  q_send: int = 0
+  kv_send: int = 0
+  q_recv: int = 0
+  kv_recv: int = 0
   q_tokens: int = 0
   kv_tokens: int = 0
   tasks: int = 0
@@ -69,7 +71,6 @@ class Options:
   linear_pairs_per_token: float = 0.0
   data_axis: str | tuple[str, ...] = "data"
   head_axis: str | None = "tensor"
-  exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS
   collective: str = "auto"
   signal_only: bool = False
   cost_table: str = ""
@@ -92,7 +93,7 @@ class Options:
                q_heads=m.n_heads, kv_heads=m.n_kv_heads, head_dim=m.head_dim,
                dtype_bytes=jnp.dtype(m.dtype).itemsize,
                linear_pairs_per_token=metrics_lib.linear_pairs_per_token(m),
-               exchange_buckets=d.exchange_buckets)
+               collective=d.collective)
 
   @property
   def caps(self) -> dict[str, int]:
@@ -114,8 +115,7 @@ def make(options: Options) -> "DistcaBackend":
   """
   o = options
   try:
-    exchange = ExchangeOptions(buckets=o.exchange_buckets, collective=o.collective,
-                               signal_only=o.signal_only)
+    exchange = ExchangeOptions(collective=o.collective, signal_only=o.signal_only)
     dispatch = DispatchOptions(kernel=o.kernel, memory_mode=o.memory_mode,
                                data_axis=o.data_axis, exchange=exchange)
   except ValueError as e:

@@ -5,7 +5,8 @@ packs that decision into one int32 array per batch (``plan.HostPlan.packed``). T
 executes it on devices inside one compiled step:
 
 * ``copies``: row copies (gathers, placements) and their custom VJPs;
-* ``exchange``: ``send_to_servers`` / ``return_to_owners`` (slots, buckets, collectives);
+* ``exchange``: ``send_to_servers`` / ``return_to_owners`` and ``ragged_exchange`` (send and
+  receive buffers of capped totals, per-peer routes; ragged all-to-all on GPU);
 * ``body``: the per-device body (send, ONE fused ``ops.core_attention`` call over all of the
   server's tasks, return) and ``dispatch_attention``, its ``shard_map`` given a packed plan;
 * here: ``core_attention(q, k, v, doc_lens, mesh, ...)``, the notebook entry that plans on the
@@ -29,9 +30,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distca_jax.dataplane.body import (MEMORY_MODES, DispatchOptions, count_primitives,
                                        dispatch_attention, mesh_and_servers)
-from distca_jax.dataplane.copies import gather_two, place_unique, recv_rows, take_rows
-from distca_jax.dataplane.exchange import (COLLECTIVES, ExchangeOptions, resolve_collective,
-                                           return_to_owners, send_to_servers)
+from distca_jax.dataplane.copies import gather_two, place_unique, take_rows
+from distca_jax.dataplane.exchange import (COLLECTIVES, ExchangeOptions, ragged_exchange,
+                                           resolve_collective, return_to_owners, send_to_servers)
 from distca_jax.plan import cost
 from distca_jax.plan.capacity import Capacity
 from distca_jax.plan.spec import fit_host_plan
@@ -39,8 +40,8 @@ from distca_jax.plan.spec import fit_host_plan
 __all__ = [
     "COLLECTIVES", "DispatchOptions", "ExchangeOptions", "MEMORY_MODES",
     "core_attention", "count_primitives", "dispatch_attention", "gather_two", "mesh_and_servers",
-    "place_unique", "recv_rows", "resolve_collective", "return_to_owners", "send_to_servers",
-    "take_rows",
+    "place_unique", "ragged_exchange", "resolve_collective", "return_to_owners",
+    "send_to_servers", "take_rows",
 ]
 
 
@@ -80,7 +81,7 @@ def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, doc_lens, mesh, *,
     return_lse: also return the log-sum-exp ``[ranks, tokens_per_rank, q_heads]``.
     return_plan: also return the ``HostPlan`` (last element).
     kernel_options: extra ``ops.core_attention`` keywords (``block_sizes``, ...).
-    exchange: buckets, collective, signal-only (``exchange.ExchangeOptions``).
+    exchange: collective, signal-only (``exchange.ExchangeOptions``).
     **schedule_options: further ``plan.schedule`` keywords (split, cost_model, ...).
 
   Returns:

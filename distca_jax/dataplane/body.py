@@ -1,9 +1,9 @@
 """The per-device body (send, one fused kernel call over all of a server's tasks, return) and
 its ``shard_map`` over the mesh: ``dispatch_attention``, the device function of CAD.
 
-Backward: the gathers and collectives of ``exchange`` transpose to scatters and collectives
-(dK/dV of a key/value row used by several tasks or servers are summed; the bucket switch
-becomes a switch on the same bucket); the kernel has its own ``custom_vjp``. Memory modes:
+Backward: the gathers of ``exchange`` transpose to scatters (dK/dV of a key/value row used by
+several tasks or servers are summed) and the ragged exchange to the same exchange with its
+routes reversed; the kernel has its own ``custom_vjp``. Memory modes:
   'keep'    default autodiff: the kernel's residuals (the server's received Q/K/V attention
             buffers, O and LSE) stay alive until the backward.
   'resend'  ``jax.checkpoint`` around the per-device body whose policy saves only the kernel's
@@ -51,7 +51,7 @@ class DispatchOptions:
     return_lse: also return the softmax log-sum-exp ``[B, T, H]`` (f32; -inf at padding).
     kernel_options: extra keywords for ``ops.core_attention`` (e.g. ``block_sizes``); a mapping
       is stored as sorted ``(name, value)`` pairs.
-    exchange: buckets, collective and signal-only (``exchange.ExchangeOptions``).
+    exchange: collective and signal-only (``exchange.ExchangeOptions``).
   """
   kernel: str = "auto"
   memory_mode: str = "keep"

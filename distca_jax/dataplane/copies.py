@@ -5,11 +5,10 @@ entry (the metadata's sentinel) gives ``fill``. Rows travel as 32-bit words (``_
 the backward avoids XLA's bf16 scatter-add (results/micro/row_copy_bench.md, results/micro/gather_bench.md):
 
 * ``take_rows``: ``x[idx]``; the sender gathers and the query/output paths.
-* ``gather_two``: ``concat(own rows, received rows)[idx]`` without building either buffer (key
-  and value rows, which several tasks may read).
+* ``gather_two``: ``concat(own rows, received rows)[idx]`` without building the concatenation
+  (key and value rows, which several tasks may read).
 * ``place_unique``: the same for routes that read every source row once (query rows to the
   server, output rows back): own rows first, received rows written in place afterwards.
-* ``recv_rows``: where a metadata source index lands in the received (bucketed) buffer.
 """
 
 from __future__ import annotations
@@ -102,23 +101,18 @@ def _take_rows_bwd(fill, unique, res, dy):
 _copy_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
-def gather_two(own_TxF: jax.Array, recv_NxBxF: jax.Array, idx: jax.Array, slot: int,
-               block_of_sender: jax.Array, fill=0) -> jax.Array:
-  """``concat(own, received padded to full slots)[idx]`` without building either buffer.
+def gather_two(own_TxF: jax.Array, recv_CxF: jax.Array, idx: jax.Array, fill=0) -> jax.Array:
+  """``concat(own, received)[idx]`` without building the concatenation.
 
-  ``idx`` addresses the metadata's source order: own rows ``[0, T)``, then sender ``p``'s slot
-  ``[T + p * slot, T + (p + 1) * slot)``; anything at or past ``T + S * slot`` (the sentinel)
-  gives ``fill``. ``recv_NxBxF`` holds, in block ``block_of_sender[p]`` (``exchange``), the
-  first ``B <= slot`` rows of sender p's slot (the bucket), and every used row of a slot is among
-  them (slots are packed at the front). Each output row reads one source: one gather from each
-  buffer, joined by a select, which XLA fuses into one pass (no zero-padded copy of the received
-  rows, no concatenated copy of own rows).
+  ``idx`` addresses the metadata's source order: own rows ``[0, T)``, then the receive buffer
+  ``[T, T + C)``; anything at or past ``T + C`` (the sentinel) gives ``fill``. Each output row
+  reads one source: one gather from each buffer, joined by a select, which XLA fuses into one
+  pass (no concatenated copy of own and received rows).
   """
-  t = own_TxF.shape[0]
-  nb, b = recv_NxBxF.shape[:2]
-  ridx, in_recv = recv_rows(idx - t, slot, b, nb, block_of_sender)
-  return _take_two(own_TxF, recv_NxBxF.reshape((nb * b,) + recv_NxBxF.shape[2:]), idx, ridx,
-                   in_recv, fill)
+  t, c = own_TxF.shape[0], recv_CxF.shape[0]
+  r = idx - t
+  in_recv = (r >= 0) & (r < c)
+  return _take_two(own_TxF, recv_CxF, idx, jnp.where(in_recv, r, c), in_recv, fill)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -153,40 +147,25 @@ def _take_two_bwd(fill, res, dy):
 _take_two.defvjp(_take_two_fwd, _take_two_bwd)
 
 
-def recv_rows(r: jax.Array, slot: int, b: int, nb: int, block_of_sender: jax.Array):
-  """(row of the flat received buffer or ``nb * b`` = none, whether ``r`` addresses a slot).
-
-  ``r``: the metadata's index past the own rows (sender p's slot is ``[p * slot, (p+1) * slot)``).
-  Rows of a slot past the bucket were not sent (the plan never uses them): none, never the next
-  sender's rows.
-  """
-  s = block_of_sender.shape[0]
-  in_recv = (r >= 0) & (r < s * slot)
-  blk = jnp.take(block_of_sender, jnp.clip(r // slot, 0, s - 1))
-  ok = in_recv & (r % slot < b) & (blk < nb)
-  return jnp.where(ok, blk * b + r % slot, nb * b), in_recv
-
-
-def place_unique(own_TxF: jax.Array, recv_NxBxF: jax.Array, idx: jax.Array, slot: int,
-                 block_of_sender: jax.Array, fill=0) -> jax.Array:
-  """``gather_two(..., unique=True)`` built as own rows first, received rows written in place.
+def place_unique(own_TxF: jax.Array, recv_CxF: jax.Array, idx: jax.Array, fill=0) -> jax.Array:
+  """``gather_two`` built as own rows first, received rows written in place.
 
   For routes that read every source row at most once (query rows to the server, output rows
-  back to the owner). The gather of the own rows does not depend on the all-to-all, so XLA may
-  run it while the rows are on the wire; after the all-to-all only the received rows are
-  touched: one scatter (unique destinations, no atomics) of ``N * B`` rows into that buffer.
-  ``gather_two`` instead reads both sources for every output row after the all-to-all.
+  back to the owner). The gather of the own rows does not depend on the exchange, so XLA may
+  run it while the rows are on the wire; after the exchange only the received rows are
+  touched: one scatter (unique destinations, no atomics) of the ``C`` received rows.
+  ``gather_two`` instead reads both sources for every output row after the exchange.
   Output rows that no source fills are ``fill``.
   """
-  t = own_TxF.shape[0]
-  nb, b = recv_NxBxF.shape[:2]
+  t, c = own_TxF.shape[0], recv_CxF.shape[0]
   n = idx.shape[0]
   out = take_rows(own_TxF, idx, fill, unique=True)  # rows routed to received rows: fill, for now
-  src, _ = recv_rows(idx - t, slot, b, nb, block_of_sender)
+  r = idx - t
+  src = jnp.where((r >= 0) & (r < c), r, c)
   # The inverse map: received row -> its output row (n = not placed, dropped by the scatter).
-  dst = jnp.full((nb * b,), n, jnp.int32).at[src].set(jnp.arange(n, dtype=jnp.int32),
-                                                      mode="drop", unique_indices=True)
+  dst = jnp.full((c,), n, jnp.int32).at[src].set(jnp.arange(n, dtype=jnp.int32), mode="drop",
+                                                 unique_indices=True)
   # Flat rows: XLA's scatter, like its gather, is faster over [rows, features] than over
   # [rows, heads, dim] (results/micro/row_copy_bench.md).
-  return out.reshape(n, -1).at[dst].set(recv_NxBxF.reshape(nb * b, -1), mode="drop",
+  return out.reshape(n, -1).at[dst].set(recv_CxF.reshape(c, -1), mode="drop",
                                         unique_indices=True).reshape(out.shape)

@@ -11,8 +11,9 @@ Nothing here runs on a device.
 """
 
 from distca_jax.plan.balancer import SPLITS, Balancer, schedule
-from distca_jax.plan.capacity import (CAP_FIELDS, Capacity, caps_with_headroom, default_capacity,
-                                      required_capacity, resolve_capacity, row_multiple)
+from distca_jax.plan.capacity import (CAP_FIELDS, EXCHANGE_FIELDS, Capacity, caps_with_headroom,
+                                      default_capacity, required_capacity, resolve_capacity,
+                                      row_multiple)
 from distca_jax.plan.cost import (BWD_FWD_RATIO, DEFAULT_DTYPE_BYTES, DEFAULT_HEAD_DIM,
                                   DEFAULT_KV_HEADS, DEFAULT_MIN_SHARD, DEFAULT_Q_HEADS,
                                   DEFAULT_TOLERANCE, FWD_FLOPS_PER_PAIR, MFU_FWD_BWD_FACTOR,
@@ -21,23 +22,20 @@ from distca_jax.plan.cost import (BWD_FWD_RATIO, DEFAULT_DTYPE_BYTES, DEFAULT_HE
 from distca_jax.plan.diagnostics import (diagnostics, exchange_bytes, pair_bytes, plot_loads,
                                          server_loads, traffic_rows)
 from distca_jax.plan.executor import reference_document_attention, reference_execute
-from distca_jax.plan.metadata import (Plan, PlanMetadata, parse_layout, plan_to_metadata, ranges,
-                                      split_at)
-from distca_jax.plan.spec import (DEFAULT_EXCHANGE_BUCKETS, HostPlan, PlanSpec, auto_min_shard,
-                                  choose_bucket, device_layout, exchange_bucket_rows,
-                                  exchange_rows, fit_host_plan, host_plan, nano_batch_rows,
-                                  part_bucket_rows, return_bucket_rows, suggest_capacity)
+from distca_jax.plan.metadata import (ROUTE_ROWS, Plan, PlanMetadata, parse_layout,
+                                      plan_to_metadata, ranges, reverse_routes, split_at)
+from distca_jax.plan.spec import (HostPlan, PlanSpec, auto_min_shard, device_layout, fit_host_plan,
+                                  host_plan, nano_batch_rows, suggest_capacity)
 
 __all__ = [
     "BWD_FWD_RATIO", "Balancer", "CAP_FIELDS", "Capacity", "CostTable", "DEFAULT_DTYPE_BYTES",
-    "DEFAULT_EXCHANGE_BUCKETS", "DEFAULT_HEAD_DIM", "DEFAULT_KV_HEADS", "DEFAULT_MIN_SHARD",
-    "DEFAULT_Q_HEADS", "DEFAULT_TOLERANCE", "FWD_FLOPS_PER_PAIR", "HostPlan", "MFU_FWD_BWD_FACTOR",
-    "Plan", "PlanMetadata", "PlanSpec", "SPLITS", "as_cost_table", "auto_min_shard",
-    "caps_with_headroom", "choose_bucket", "default_capacity", "device_layout", "diagnostics",
-    "exchange_bucket_rows", "exchange_bytes", "exchange_rows", "fit_host_plan", "host_plan",
-    "imbalance", "nano_batch_rows", "pair_bytes", "pairs", "parse_layout", "part_bucket_rows",
-    "plan_to_metadata", "plot_loads", "predicted_step_gain", "ranges",
+    "DEFAULT_HEAD_DIM", "DEFAULT_KV_HEADS", "DEFAULT_MIN_SHARD", "DEFAULT_Q_HEADS",
+    "DEFAULT_TOLERANCE", "EXCHANGE_FIELDS", "FWD_FLOPS_PER_PAIR", "HostPlan", "MFU_FWD_BWD_FACTOR",
+    "Plan", "PlanMetadata", "PlanSpec", "ROUTE_ROWS", "SPLITS", "as_cost_table", "auto_min_shard",
+    "caps_with_headroom", "default_capacity", "device_layout", "diagnostics", "exchange_bytes",
+    "fit_host_plan", "host_plan", "imbalance", "nano_batch_rows", "pair_bytes", "pairs",
+    "parse_layout", "plan_to_metadata", "plot_loads", "predicted_step_gain", "ranges",
     "reference_document_attention", "reference_execute", "required_capacity", "resolve_capacity",
-    "return_bucket_rows", "row_multiple", "schedule", "server_loads", "split_at",
+    "reverse_routes", "row_multiple", "schedule", "server_loads", "split_at",
     "suggest_capacity", "task_flops", "traffic_rows",
 ]

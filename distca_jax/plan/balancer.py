@@ -117,7 +117,8 @@ class Balancer:
   ``head_hi == tail_lo``). Item arrays (``item_doc``, ``head_lo`` ... ``item_server``) hold
   ``num_items`` live rows. ``intervals[(doc, server)]`` is the truth for tasks and traffic;
   ``loads``, ``q_rows``, ``kv_attn_rows`` and ``num_tasks`` are per server, ``pair_q_rows`` and
-  ``pair_kv_rows`` per (sender, server).
+  ``pair_kv_rows`` per (sender, server), and their totals ``send_q`` / ``send_kv`` (row sums: per
+  sender) and ``recv_q`` / ``recv_kv`` (column sums: per server) are what the caps bound.
   """
 
   def __init__(self, lens: np.ndarray, starts: np.ndarray, num_servers: int,
@@ -180,6 +181,8 @@ class Balancer:
           for o, cnt in self._owner_rows(j, 0, a):
             if o != r:
               self.pair_kv_rows[o, r] += cnt
+    self.send_q, self.recv_q = np.zeros(s), np.zeros(s)
+    self.send_kv, self.recv_kv = self.pair_kv_rows.sum(1), self.pair_kv_rows.sum(0)
     self.num_moves = 0
 
   # -- ownership ------------------------------------------------------------------------------
@@ -324,14 +327,13 @@ class Balancer:
         return "tasks"
       if cap.kv_tokens is not None and dkva > 0 and self.kv_attn_rows[srv_] + dkva > cap.kv_tokens:
         return "kv_tokens"
-      if cap.q_slot is not None:
-        for o, c in dpq.items():
-          if c > 0 and self.pair_q_rows[o, srv_] + c > cap.q_slot:
-            return "q_slot"
-      if cap.kv_slot is not None:
-        for o, c in dpkv.items():
-          if c > 0 and self.pair_kv_rows[o, srv_] + c > cap.kv_slot:
-            return "kv_slot"
+    totals = (("q_send", self.send_q), ("q_recv", self.recv_q), ("kv_send", self.send_kv),
+              ("kv_recv", self.recv_kv))
+    if any(getattr(cap, name) is not None for name, _ in totals):
+      for (name, have), delta in zip(totals, _traffic_deltas(eff)):
+        c = getattr(cap, name)
+        if c is not None and any(dr > 0 and have[r] + dr > c for r, dr in delta.items()):
+          return name
     work = eff[1][1]
     return moved, kept, new, work, (s, new_s, new_d), eff
 
@@ -345,8 +347,12 @@ class Balancer:
       self.kv_attn_rows[srv_] += dkva
       for o, c in dpq.items():
         self.pair_q_rows[o, srv_] += c
+        self.send_q[o] += c
+        self.recv_q[srv_] += c
       for o, c in dpkv.items():
         self.pair_kv_rows[o, srv_] += c
+        self.send_kv[o] += c
+        self.recv_kv[srv_] += c
     if new_s:
       self.intervals[(j, s)] = new_s
     else:
@@ -452,10 +458,17 @@ class Balancer:
       free_t = inf if cap.tasks is None else cap.tasks - self.num_tasks[d]
       free_kva = inf if cap.kv_tokens is None else cap.kv_tokens - self.kv_attn_rows[d]
       home = pc["own"] == d
-      free_qs = (np.full(c.size, inf) if cap.q_slot is None
-                 else np.where(home, inf, cap.q_slot - self.pair_q_rows[pc["own"], d]))
-      free_kvs = (np.full(c.size, inf) if cap.kv_slot is None
-                  else np.where(home, inf, cap.kv_slot - self.pair_kv_rows[pc["own"], d]))
+      # Rows the owner may still send and the destination may still receive (the exact
+      # check, ``_effects``, also counts the owners of spanning documents' other segments).
+      def room_of(send_cap, recv_cap, sent, got):
+        room = np.full(c.size, inf)
+        if send_cap is not None:
+          room = np.minimum(room, send_cap - sent[pc["own"]])
+        if recv_cap is not None:
+          room = np.minimum(room, recv_cap - got[d])
+        return np.where(home, inf, room)
+      free_qs = room_of(cap.q_send, cap.q_recv, self.send_q, self.recv_q)
+      free_kvs = room_of(cap.kv_send, cap.kv_recv, self.send_kv, self.recv_kv)
       free_rows = np.minimum(free_qs, free_q)
     # Option 0: the whole item.
     np.divide(np.minimum(w, tu), pc["bytes_w"], out=prio[0])
@@ -772,15 +785,28 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
               num_moves=bal.num_moves, predicted_gain=gain, gated=gated)
 
 
+def _traffic_deltas(eff) -> tuple[dict[int, int], ...]:
+  """Per-rank changes of (query rows sent, query rows received, key/value rows sent, key/value
+  rows received) of a move's per-server effects (``Balancer._effects``)."""
+  out: tuple[dict[int, int], ...] = ({}, {}, {}, {})
+  for srv_, _, _, _, _, dpq, dpkv in eff:
+    for (send, recv), pair in (((out[0], out[1]), dpq), ((out[2], out[3]), dpkv)):
+      for o, c in pair.items():
+        send[o] = send.get(o, 0) + c
+        recv[srv_] = recv.get(srv_, 0) + c
+  return out
+
+
 def _check_initial_caps(bal: Balancer, cap: Capacity) -> None:
   """Raises when the layout, computed where it lives, already overflows a cap."""
   need = {"q_tokens": bal.q_rows.max(initial=0), "kv_tokens": bal.kv_attn_rows.max(initial=0),
-          "tasks": bal.num_tasks.max(initial=0), "q_slot": bal.pair_q_rows.max(initial=0),
-          "kv_slot": bal.pair_kv_rows.max(initial=0)}
+          "tasks": bal.num_tasks.max(initial=0), "q_send": bal.send_q.max(initial=0),
+          "q_recv": bal.recv_q.max(initial=0), "kv_send": bal.send_kv.max(initial=0),
+          "kv_recv": bal.recv_kv.max(initial=0)}
   for name, v in need.items():
     c = getattr(cap, name)
     if c is not None and v > c:
       raise ValueError(
           f"the layout itself (every row computed where it lives) needs capacity.{name} >= "
-          f"{int(v)} but {name}={c}; raise it (documents spanning ranks need kv_slot up to "
-          "tokens_per_rank, many short documents need more tasks)")
+          f"{int(v)} but {name}={c}; raise it (documents spanning ranks need kv_send and "
+          "kv_recv up to tokens_per_rank, many short documents need more tasks)")

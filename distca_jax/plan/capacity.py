@@ -1,17 +1,22 @@
 """Capacities: the fixed buffer sizes (rows) a plan must fit, and their defaults.
 
-The compiled step has fixed buffers, so a plan respects per-server and per-pair caps; ``None``
-means unbounded (for analysis; metadata then takes the plan's own tight sizes, which changes
-shapes from batch to batch and recompiles). Per device, with ``bq = q_heads * head_dim * bytes``
-and ``bkv = kv_heads * head_dim * bytes`` (one of K or V) and ``S`` servers:
+The compiled step has fixed buffers, so a plan respects per-device caps; ``None`` means
+unbounded (for analysis; metadata then takes the plan's own tight sizes, which changes shapes from
+batch to batch and recompiles). Caps bound totals per device, never per (sender, server) pair, so
+no buffer grows with the number of servers ``S``. Per device, with ``bq = q_heads * head_dim *
+bytes`` and ``bkv = kv_heads * head_dim * bytes`` (one of K or V):
 
 =============  =========================================  ======================================
 field          what it bounds                             buffers it sizes (bytes per device)
 =============  =========================================  ======================================
-``q_slot``     query rows one sender sends one server     Q send + recv: ``2 S q_slot bq``;
-               (``Cq``)                                   O return send + recv: ``2 S q_slot bq``
-``kv_slot``    key/value rows one sender sends one        K,V send + recv: ``4 S kv_slot bkv``
-               server (``Ckv``)
+``q_send``     query rows a device sends to all other     Q send: ``q_send bq``; O return recv:
+               servers together (``Cqs``)                 ``q_send bq``
+``kv_send``    key/value rows a device sends to all       K,V send: ``2 kv_send bkv``
+               other servers together (``Ckvs``)
+``q_recv``     query rows a server receives from all      Q recv: ``q_recv bq``; O return send:
+               other devices together (``Cqr``)           ``q_recv bq``
+``kv_recv``    key/value rows a server receives from      K,V recv: ``2 kv_recv bkv``
+               all other devices together (``Ckvr``)
 ``q_tokens``   query rows in a server's attention input   Q and O: ``2 q_tokens bq`` (+ LSE)
                (its own rows plus received; ``Nq``)
 ``kv_tokens``  key/value rows in a server's attention     K and V: ``2 kv_tokens bkv``
@@ -20,14 +25,14 @@ field          what it bounds                             buffers it sizes (byte
 =============  =========================================  ======================================
 
 ``Capacity.memory_bytes`` evaluates this. The self pair never goes through the exchange (a
-server reads its own rows directly), so slot caps bound cross-rank traffic only; a flat layout
-whose documents span whole ranks needs ``kv_slot >= tokens_per_rank`` (the server computing the
-last rows of a document needs every earlier row, a rank's worth from each earlier rank); a layout
-that does not fit the caps even before balancing raises ``ValueError`` naming the needed value.
-To choose caps: plan a few hundred sampled batches without caps, take ``required_capacity`` of
-each, and set every cap to a high quantile of those (``Capacity.envelope``), rounded up to a
-multiple of 128 (``sizing.suggest_capacity``); tighter caps cost imbalance (the plan reports it),
-looser ones cost memory.
+server reads its own rows directly), so the send/recv caps bound cross-rank traffic only; a
+flat layout whose documents span whole ranks needs ``kv_send`` and ``kv_recv`` of up to
+``tokens_per_rank`` already before balancing (the server computing the last rows of a document
+needs every earlier row); a layout that does not fit the caps even before balancing raises
+``ValueError`` naming the needed value. To choose caps: plan a few hundred sampled batches
+without caps, take ``required_capacity`` of each, and set every cap to a high quantile of those
+(``Capacity.envelope``), rounded up to a multiple of 128 (``sizing.suggest_capacity``); tighter
+caps cost imbalance (the plan reports it), looser ones cost memory.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ import numpy as np
 
 from distca_jax.plan import cost
 
-CAP_FIELDS = ("q_slot", "kv_slot", "q_tokens", "kv_tokens", "tasks")
+CAP_FIELDS = ("q_send", "kv_send", "q_recv", "kv_recv", "q_tokens", "kv_tokens", "tasks")
+# The row caps of the exchange (totals per device, cross-rank rows only).
+EXCHANGE_FIELDS = ("q_send", "kv_send", "q_recv", "kv_recv")
 
 # Default tasks per row when the config leaves ``tasks`` at 0: sampled plans of both workloads
 # needed at most 43 (experiments/scheduler_table.py); a task costs only table entries.
@@ -57,15 +64,20 @@ class Capacity:
   """Fixed buffer sizes a plan must fit (rows, not bytes); ``None`` = unbounded.
 
   Attributes:
-    q_slot: query rows per (sender, server) pair, self pair excluded (``Cq``).
-    kv_slot: key/value rows per (sender, server) pair, self pair excluded (``Ckv``).
+    q_send: query rows one device sends to all other servers together (``Cqs``).
+    kv_send: key/value rows one device sends to all other servers together (``Ckvs``; a row
+      sent to two servers counts twice).
+    q_recv: query rows one server receives from all other devices together (``Cqr``).
+    kv_recv: key/value rows one server receives from all other devices together (``Ckvr``).
     q_tokens: query rows in one server's attention input, own rows included (``Nq``).
     kv_tokens: key/value rows in one server's attention input, per-task duplicates included
       (``Nkv``).
     tasks: tasks per server (``Nt``).
   """
-  q_slot: int | None = None
-  kv_slot: int | None = None
+  q_send: int | None = None
+  kv_send: int | None = None
+  q_recv: int | None = None
+  kv_recv: int | None = None
   q_tokens: int | None = None
   kv_tokens: int | None = None
   tasks: int | None = None
@@ -118,7 +130,8 @@ class Capacity:
 
     Keys: ``q_exchange`` (Q send + recv), ``o_exchange`` (O send + recv), ``kv_exchange`` (K and V
     send + recv), ``attention_q_o`` (Q input and O output), ``attention_kv`` (K and V inputs),
-    ``lse`` (float32 softmax statistics), ``metadata`` (int32 index arrays) and ``total``.
+    ``lse`` (float32 softmax statistics), ``metadata`` (int32 index arrays and the exchange's
+    per-peer routes) and ``total``. Only ``metadata``'s routes depend on ``num_servers``.
     """
     if not self.bounded:
       raise ValueError(f"memory_bytes needs every cap set; got {self}")
@@ -126,14 +139,14 @@ class Capacity:
     bq = q_heads * head_dim * dtype_bytes
     bkv = kv_heads * head_dim * dtype_bytes
     out = {
-        "q_exchange": 2 * s * self.q_slot * bq,
-        "o_exchange": 2 * s * self.q_slot * bq,
-        "kv_exchange": 4 * s * self.kv_slot * bkv,
+        "q_exchange": (self.q_send + self.q_recv) * bq,
+        "o_exchange": (self.q_send + self.q_recv) * bq,
+        "kv_exchange": 2 * (self.kv_send + self.kv_recv) * bkv,
         "attention_q_o": 2 * self.q_tokens * bq,
         "attention_kv": 2 * self.kv_tokens * bkv,
         "lse": self.q_tokens * q_heads * 4,
-        "metadata": 4 * (2 * s * self.q_slot + s * self.kv_slot + self.q_tokens + self.kv_tokens
-                         + 2 * (self.tasks + 1) + self.tasks),
+        "metadata": 4 * (self.q_send + self.kv_send + self.q_recv + self.q_tokens
+                         + self.kv_tokens + 2 * (self.tasks + 1) + self.tasks + 12 * s),
     }
     out["total"] = sum(out.values())
     return out
@@ -148,21 +161,22 @@ def required_capacity(plan) -> Capacity:
   qlen = np.bincount(srv, weights=(t[:, 2] - t[:, 1]).astype(np.float64), minlength=s)
   kvlen = np.bincount(srv, weights=t[:, 2].astype(np.float64), minlength=s)
   ntask = np.bincount(srv, minlength=s)
-  return Capacity(q_slot=max(1, int(q_rows.max(initial=0))),
-                  kv_slot=max(1, int(kv_rows.max(initial=0))),
-                  q_tokens=max(1, int(qlen.max(initial=0))),
-                  kv_tokens=max(1, int(kvlen.max(initial=0))),
-                  tasks=max(1, int(ntask.max(initial=0))))
+  most = lambda x: max(1, int(x.max(initial=0)))
+  return Capacity(q_send=most(q_rows.sum(1)), kv_send=most(kv_rows.sum(1)),
+                  q_recv=most(q_rows.sum(0)), kv_recv=most(kv_rows.sum(0)),
+                  q_tokens=most(qlen), kv_tokens=most(kvlen), tasks=most(ntask))
 
 
 def default_capacity(tokens_per_device: int, rows_per_device: int = 1) -> Capacity:
   """The capacity used for config fields left at 0 (rows; ``Td`` = tokens per device).
 
-  ``q_slot = Td/2``, ``kv_slot = Td``, ``q_tokens = 3 Td/2``, ``kv_tokens = 3 Td``,
-  ``tasks = 64 * rows``; row fields are rounded up to a multiple of 128 (16 below 1024 tokens).
-  These cover the sampled plans of both workloads (experiments/scheduler_table.py). The planner
-  never exceeds a cap: a tighter cap only costs balance (``Plan.degraded``), a looser one memory
-  (``Capacity.memory_bytes``). Derive caps for a run with ``sizing.suggest_config_capacity``.
+  ``q_send = q_recv = Td``, ``kv_send = 3 Td``, ``kv_recv = 2 Td``, ``q_tokens = 3 Td/2``,
+  ``kv_tokens = 3 Td``, ``tasks = 64 * rows``; row fields are rounded up to a multiple of 128
+  (16 below 1024 tokens). A device never sends more query rows than it owns, so ``q_send = Td``
+  never binds; the others cover the sampled plans of both workloads at 2-64 servers
+  (experiments/scheduler_table.py). The planner never exceeds a cap: a tighter cap only costs
+  balance (``Plan.degraded``), a looser one memory (``Capacity.memory_bytes``). Derive caps for a
+  run with ``sizing.suggest_config_capacity``.
   """
   td = int(tokens_per_device)
   mult = row_multiple(td)
@@ -170,7 +184,8 @@ def default_capacity(tokens_per_device: int, rows_per_device: int = 1) -> Capaci
   def up(x: float) -> int:
     return max(mult, int(math.ceil(x / mult) * mult))
 
-  return Capacity(q_slot=up(td / 2), kv_slot=up(td), q_tokens=up(1.5 * td), kv_tokens=up(3 * td),
+  return Capacity(q_send=up(td), kv_send=up(3 * td), q_recv=up(td), kv_recv=up(2 * td),
+                  q_tokens=up(1.5 * td), kv_tokens=up(3 * td),
                   tasks=_TASKS_PER_ROW * int(rows_per_device))
 
 
@@ -189,12 +204,12 @@ def resolve_capacity(capacity: Capacity | Mapping[str, int | None] | None, token
 
 
 def caps_with_headroom(envelope: Mapping[str, int], rows: int, headroom: float,
-                       fields: Sequence[str] = ("q_slot", "kv_slot", "q_tokens",
-                                                "kv_tokens")) -> dict[str, int]:
+                       fields: Sequence[str] = EXCHANGE_FIELDS + ("q_tokens", "kv_tokens")
+                       ) -> dict[str, int]:
   """Row caps ``fields`` from sampled batches' ``envelope``: x ``headroom``, rounded up to
   whole row multiples of ``rows`` (a device's rows in one call), and never below what the
-  no-move layout needs (a slot of one multiple; attention buffers of ``rows``)."""
+  no-move layout needs (exchange buffers of one multiple; attention buffers of ``rows``)."""
   mult = row_multiple(rows)
-  floor = {"q_slot": mult, "kv_slot": mult, "q_tokens": rows, "kv_tokens": rows}
+  floor = dict({f: mult for f in EXCHANGE_FIELDS}, q_tokens=rows, kv_tokens=rows)
   return {f: -(-max(floor[f], math.ceil(envelope[f] * headroom)) // mult) * mult
           for f in fields}

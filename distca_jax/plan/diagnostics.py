@@ -1,5 +1,5 @@
-"""Numbers about a plan: loads, traffic, headline diagnostics, a load plot, and the bytes one
-forward exchange moves under a bucket choice (benchmarks)."""
+"""Numbers about a plan: loads, traffic, headline diagnostics, a load plot, and the bytes of one
+forward exchange (benchmarks)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from distca_jax.plan import spec as spec_lib
 from distca_jax.plan.capacity import required_capacity
 from distca_jax.plan.cost import imbalance, pairs
 from distca_jax.plan.metadata import Plan, PlanMetadata
@@ -123,21 +122,18 @@ def plot_loads(plan: Plan, ax=None, *, use_time: bool = False):
   return fig
 
 
-def exchange_bytes(meta: PlanMetadata, *, q_heads: int, kv_heads: int, head_dim: int,
-                   dtype_bytes: int,
-                   exchange_buckets: int = spec_lib.DEFAULT_EXCHANGE_BUCKETS) -> dict[str, float]:
-  """Per-device bytes of one forward exchange: useful (plan rows), moved (bucket), padded (slots).
+def exchange_bytes(meta: PlanMetadata, *, q_heads: int, kv_heads: int,
+                   head_dim: int, dtype_bytes: int) -> dict[str, float]:
+  """Per-device bytes of one forward exchange: useful (plan rows) and buffers (capacity).
 
   ``dispatch_*`` counts Q + K + V rows sent to other devices; ``return_*`` the O rows coming back
-  (same count as the query rows). ``*_padded`` is what the full-slot dense all-to-all moves
-  off-device: every slot of every peer, the self slot excluded (``exchange_buckets = 1``).
-  ``*_moved``: what the bucketed exchange moves off-device for this batch (the chosen bucket's
-  slot prefix to every peer). ``dispatch_useful_busiest_device`` / ``return_useful_busiest_device``:
-  the most any one device sends; ``max_pair_dispatch_useful``: the largest (sender, server) pair.
-  ``exchange_q_rows`` / ``exchange_kv_rows``: the plan's fullest slots (``exchange_rows``);
-  ``bucket`` / ``return_bucket``: the chosen bucket's index among ``num_buckets`` /
-  ``num_return_buckets`` distinct ones; ``bucket_q_rows``, ``bucket_kv_rows``,
-  ``return_bucket_q_rows``: their rows per slot.
+  (same count as the query rows). ``*_useful``: the routed rows, the mean over devices; the ragged
+  exchange moves exactly these (each row once), so they are also its wire bytes.
+  ``*_buffer``: the bytes of a device's send and receive buffers (the caps), what the step
+  allocates whatever the batch. ``dispatch_useful_busiest_device`` /
+  ``return_useful_busiest_device``: the most any one device sends;
+  ``dispatch_recv_busiest_device``: the most any one server receives;
+  ``max_pair_dispatch_useful``: the largest (sender, server) pair.
   """
   s = meta.num_servers
   c = meta.capacity
@@ -146,31 +142,16 @@ def exchange_bytes(meta: PlanMetadata, *, q_heads: int, kv_heads: int, head_dim:
   useful_q = float(meta.q_send_len.sum()) / s * bq
   useful_kv = float(meta.kv_send_len.sum()) / s * bkv
   sent = meta.q_send_len.sum(axis=1) * bq + meta.kv_send_len.sum(axis=1) * bkv
+  got = meta.q_send_len.sum(axis=0) * bq + meta.kv_send_len.sum(axis=0) * bkv
   returned = meta.q_send_len.sum(axis=0) * bq  # a server returns the O rows it received
-  rows = spec_lib.exchange_rows(meta).tolist()
-  ret_buckets = spec_lib.return_bucket_rows(c, exchange_buckets)
-  j = spec_lib.choose_bucket(rows[:1], ret_buckets)
-  (rr,) = ret_buckets[j]
-  buckets = spec_lib.exchange_bucket_rows(c, exchange_buckets)
-  i, num = spec_lib.choose_bucket(rows, buckets), len(buckets)
-  rq, rkv = buckets[i]
   return {
       "dispatch_useful": useful_q + useful_kv,
       "dispatch_useful_busiest_device": float(sent.max()),
-      "dispatch_padded": float((s - 1) * (c.q_slot * bq + c.kv_slot * bkv)),
-      "dispatch_moved": float((s - 1) * (rq * bq + rkv * bkv)),
+      "dispatch_recv_busiest_device": float(got.max()),
+      "dispatch_buffer": float(c.q_send * bq + c.kv_send * bkv + c.q_recv * bq
+                               + c.kv_recv * bkv),
       "return_useful": useful_q,
       "return_useful_busiest_device": float(returned.max()),
-      "return_padded": float((s - 1) * c.q_slot * bq),
-      "return_moved": float((s - 1) * rr * bq),
+      "return_buffer": float((c.q_send + c.q_recv) * bq),
       "max_pair_dispatch_useful": float((meta.q_send_len * bq + meta.kv_send_len * bkv).max()),
-      "exchange_q_rows": rows[0],
-      "exchange_kv_rows": rows[1],
-      "bucket": i,
-      "num_buckets": num,
-      "bucket_q_rows": rq,
-      "bucket_kv_rows": rkv,
-      "return_bucket": j,
-      "num_return_buckets": len(ret_buckets),
-      "return_bucket_q_rows": rr,
   }

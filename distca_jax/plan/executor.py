@@ -1,4 +1,4 @@
-"""NumPy reference executor: runs ``PlanMetadata`` step by step (gather, all-to-all, per-task
+"""NumPy reference executor: runs ``PlanMetadata`` step by step (gather, exchange, per-task
 attention, return) as the test oracle of the plan contract, and each document's attention
 computed alone as the oracle of the whole data plane."""
 
@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from distca_jax.plan.metadata import PlanMetadata, parse_layout
+from distca_jax.plan.metadata import PlanMetadata, parse_layout, reverse_routes
 
 
 def _take(x: np.ndarray, idx: np.ndarray) -> np.ndarray:
@@ -39,7 +39,7 @@ def _causal_attention(q_NxHxD, k_MxKxD, v_MxKxD, scale: float):
 
 def reference_execute(meta: PlanMetadata, q_STHD: np.ndarray, k_STKD: np.ndarray,
                       v_STKD: np.ndarray, *, scale: float | None = None):
-  """Runs the metadata with NumPy: gather, all_to_all, per-task attention, return.
+  """Runs the metadata with NumPy: gather, ragged exchange, per-task attention, return.
 
   Args:
     meta: metadata built for every rank (``ranks`` = all, in order).
@@ -58,20 +58,20 @@ def reference_execute(meta: PlanMetadata, q_STHD: np.ndarray, k_STKD: np.ndarray
   h, dim = q_STHD.shape[2:]
   scale = 1.0 / math.sqrt(dim) if scale is None else scale
   cap = meta.capacity
-  # 1-2. Sender gather and dense all_to_all: recv[s][p] = send[p][s].
-  q_send = np.stack([_take(q_STHD[p], meta.q_send_idx[p]) for p in range(s)])  # [S,S,Cq,H,D]
-  k_send = np.stack([_take(k_STKD[p], meta.kv_send_idx[p]) for p in range(s)])
-  v_send = np.stack([_take(v_STKD[p], meta.kv_send_idx[p]) for p in range(s)])
-  q_recv, k_recv, v_recv = (x.swapaxes(0, 1) for x in (q_send, k_send, v_send))
+  rev = reverse_routes(meta.q_routes)
+  # 1-2. Sender gather and ragged exchange.
+  q_recv = _exchange([_take(q_STHD[p], meta.q_send_idx[p]) for p in range(s)], meta.q_routes,
+                     cap.q_recv)
+  k_recv = _exchange([_take(k_STKD[p], meta.kv_send_idx[p]) for p in range(s)], meta.kv_routes,
+                     cap.kv_recv)
+  v_recv = _exchange([_take(v_STKD[p], meta.kv_send_idx[p]) for p in range(s)], meta.kv_routes,
+                     cap.kv_recv)
   o_attn, lse_attn = [], []
   for d in range(s):
     # 3. Server gather into attention inputs.
-    q_src = np.concatenate([q_STHD[d], q_recv[d].reshape((s * cap.q_slot,) + q_STHD.shape[2:])])
-    k_src = np.concatenate([k_STKD[d], k_recv[d].reshape((s * cap.kv_slot,) + k_STKD.shape[2:])])
-    v_src = np.concatenate([v_STKD[d], v_recv[d].reshape((s * cap.kv_slot,) + v_STKD.shape[2:])])
-    qa = _take(q_src, meta.q_attn_idx[d])
-    ka = _take(k_src, meta.kv_attn_idx[d])
-    va = _take(v_src, meta.kv_attn_idx[d])
+    qa = _take(np.concatenate([q_STHD[d], q_recv[d]]), meta.q_attn_idx[d])
+    ka = _take(np.concatenate([k_STKD[d], k_recv[d]]), meta.kv_attn_idx[d])
+    va = _take(np.concatenate([v_STKD[d], v_recv[d]]), meta.kv_attn_idx[d])
     # 4. One varlen call: every task [cu_q[i], cu_q[i+1]) x [cu_k[i], cu_k[i+1]).
     o = np.zeros(qa.shape, dtype=np.float64)
     lse = np.zeros(qa.shape[:2], dtype=np.float64)
@@ -85,18 +85,28 @@ def reference_execute(meta: PlanMetadata, q_STHD: np.ndarray, k_STKD: np.ndarray
       o[q0:q1], lse[q0:q1] = _causal_attention(qa[q0:q1], ka[k0:k1], va[k0:k1], scale)
     o_attn.append(o)
     lse_attn.append(lse)
-  # 5. Return to owners.
-  o_send = np.stack([_take(o_attn[d], meta.o_send_idx[d]) for d in range(s)])  # [S,S,Cq,H,D]
-  l_send = np.stack([_take(lse_attn[d], meta.o_send_idx[d]) for d in range(s)])
-  o_recv, l_recv = o_send.swapaxes(0, 1), l_send.swapaxes(0, 1)
+  # 5. Return to owners: the query exchange's routes backwards.
+  o_recv = _exchange([_take(o_attn[d], meta.o_send_idx[d]) for d in range(s)], rev, cap.q_send)
+  l_recv = _exchange([_take(lse_attn[d], meta.o_send_idx[d]) for d in range(s)], rev, cap.q_send)
   out_o = np.zeros(q_STHD.shape, dtype=np.float64)
   out_l = np.zeros(q_STHD.shape[:3], dtype=np.float64)
   for p in range(s):
-    o_src = np.concatenate([o_attn[p], o_recv[p].reshape((s * cap.q_slot, h, dim))])
-    l_src = np.concatenate([lse_attn[p], l_recv[p].reshape((s * cap.q_slot, h))])
-    out_o[p] = _take(o_src, meta.o_local_idx[p])
-    out_l[p] = _take(l_src, meta.o_local_idx[p])
+    out_o[p] = _take(np.concatenate([o_attn[p], o_recv[p]]), meta.o_local_idx[p])
+    out_l[p] = _take(np.concatenate([lse_attn[p], l_recv[p]]), meta.o_local_idx[p])
   return out_o, out_l
+
+
+def _exchange(sends: list[np.ndarray], routes_Sx6xS: np.ndarray, recv_rows: int):
+  """The ragged exchange in NumPy: group ``d`` of sender ``p``'s send buffer (``send_off``,
+  ``send_len``) lands at ``peer_recv_off[d]`` of server ``d``'s receive buffer."""
+  s = len(sends)
+  out = [np.zeros((recv_rows,) + x.shape[1:], dtype=x.dtype) for x in sends]
+  for p in range(s):
+    off, ln, dst = routes_Sx6xS[p, 0], routes_Sx6xS[p, 1], routes_Sx6xS[p, 4]
+    for d in range(s):
+      n = int(ln[d])
+      out[d][int(dst[d]):int(dst[d]) + n] = sends[p][int(off[d]):int(off[d]) + n]
+  return out
 
 
 def reference_document_attention(doc_lens, q_STHD: np.ndarray, k_STKD: np.ndarray,

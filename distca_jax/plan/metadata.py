@@ -29,34 +29,46 @@ prefix; the ``core_attention`` signature does not.)
 
 PlanMetadata: the contract with the data plane
 ----------------------------------------------
+Every device array has a leading axis of devices (``PlanMetadata.DEVICE_FIELDS``), so the data
+plane shards every array over its data axis and each device reads its own row. ``T =
+tokens_per_rank``; ``Cqs, Ckvs, Cqr, Ckvr, Nq, Nkv, Nt`` are the capacity's ``q_send, kv_send,
+q_recv, kv_recv, q_tokens, kv_tokens, tasks``. No shape depends on the number of servers ``S``
+but the routes (``[6, S]`` per part). Padding entries hold a sentinel one past the end of the
+indexed array: gather with ``jnp.take(..., mode='fill', fill_value=0)`` and scatter with
+``mode='drop'`` (this also makes the autodiff transposes correct).
 
-so the data plane shards every array over its data axis and each device reads its own row.
-``T = tokens_per_rank``, ``Cq, Ckv, Nq, Nkv, Nt`` are the capacity's ``q_slot, kv_slot, q_tokens,
-kv_tokens, tasks``. Padding entries hold a sentinel one past the end of the indexed array:
-gather with ``jnp.take(..., mode='fill', fill_value=0)`` and scatter with ``mode='drop'`` (this
-also makes the autodiff transposes correct).
+Ragged buffers. A device's send buffer holds the rows it sends, grouped by destination server
+(ascending), each group at ``send_off[d]`` with ``send_len[d]`` rows; a server's receive buffer
+holds the rows it receives, grouped by sender (ascending), at ``recv_off[p]`` with
+``recv_len[p]`` rows. Groups are packed from row 0 without gaps; rows past the last group are
+unused. The routes of one part (``q_routes`` or ``kv_routes``, int32 ``[6, S]`` per device) are
+the rows ``ROUTE_ROWS``: ``send_off``, ``send_len``, ``recv_off``, ``recv_len``,
+``peer_recv_off`` (where this device's group lands in server d's receive buffer: d's
+``recv_off[me]``) and ``peer_send_off`` (where sender p's group for this device starts in p's
+send buffer: p's ``send_off[me]``). The self entries are empty: a server reads its own rows
+directly.
 
-1. Sender gather (device ``p``): ``q_send_idx[p, s, j]`` in ``[0, T]`` is the local row of
-   ``q[p]`` placed in slot ``j`` of the buffer bound for server ``s`` (sentinel ``T``);
-   ``kv_send_idx[p, s, j]`` likewise for K and V (both use the same rows). The self pair
-   ``[p, p, :]`` is all sentinel. Build ``q_send[S, Cq, H, D]``, ``k_send/v_send[S, Ckv, K, D]``.
-2. Exchange: dense ``lax.all_to_all`` (split axis 0, concat axis 0): server ``s`` receives
-   ``q_recv[p] = q_send_of_p[s]``, i.e. ``q_recv[S, Cq, H, D]``, ``k_recv/v_recv[S, Ckv, K, D]``.
+1. Sender gather (device ``p``): ``q_send = q[p][q_send_idx[p]]`` with ``q_send_idx[p, Cqs]`` in
+   ``[0, T]`` (sentinel ``T``); ``kv_send_idx[p, Ckvs]`` likewise for K and V.
+2. Exchange (``q_routes``, ``kv_routes``): every group ``send_off[d] .. + send_len[d]`` of the
+   send buffer lands at ``peer_recv_off[d]`` of server d's receive buffer ``q_recv[Cqr]``
+   (``k_recv``, ``v_recv`` ``[Ckvr]``); each row crosses the wire once.
 3. Server gather into attention inputs (device ``s``): sources are the server's own rows followed
-   by everything received: ``q_src = concat([q_local[T], q_recv.reshape(S * Cq)])``;
-   ``q_attn = q_src[q_attn_idx[s]]`` with ``q_attn_idx[s, Nq]`` in ``[0, T + S Cq]`` (sentinel
-   ``T + S Cq``); ``kv_src`` / ``kv_attn_idx[s, Nkv]`` likewise with ``Ckv`` (sentinel
-   ``T + S Ckv``). KV indices may repeat (duplicated prefixes, see above); query indices never do.
+   by its receive buffer: ``q_src = concat([q_local[T], q_recv[Cqr]])``;
+   ``q_attn = q_src[q_attn_idx[s]]`` with ``q_attn_idx[s, Nq]`` in ``[0, T + Cqr]`` (sentinel
+   ``T + Cqr``); ``kv_src`` / ``kv_attn_idx[s, Nkv]`` likewise with ``Ckvr``. KV indices may
+   repeat (duplicated prefixes, see above); query indices never do.
 4. Kernel: one call ``core_attention(q_attn, k_attn, v_attn, cu_seqlens_q[s], cu_seqlens_k[s])``
    with ``cu_seqlens_q[s, Nt + 1]``, ``cu_seqlens_k[s, Nt + 1]`` over the attention inputs, causal
    bottom-right; unused trailing tasks are empty (the arrays repeat their last value) and rows past
    ``cu_seqlens_*[s, Nt]`` belong to no task (their output is never read).
-5. Return: ``o_send = O_attn[o_send_idx[s]]`` with ``o_send_idx[s, p, j]`` in ``[0, Nq]`` (the
-   attention row whose output goes back to sender ``p`` in the slot ``j`` where its query came
-   from; sentinel ``Nq``), ``all_to_all`` back, then the owner ``p`` assembles its output rows:
-   ``o_src = concat([O_attn_own[Nq], o_recv.reshape(S * Cq)])`` and
-   ``o_local = o_src[o_local_idx[p]]`` with ``o_local_idx[p, T]`` in ``[0, Nq + S Cq]``
-   (sentinel for padding rows, which come back zero). The softmax LSE follows the same routing.
+5. Return: the server's return send buffer has the layout of its query receive buffer:
+   ``o_send = O_attn[o_send_idx[s]]`` with ``o_send_idx[s, Cqr]`` in ``[0, Nq]`` (sentinel
+   ``Nq``); the exchange runs ``q_routes`` backwards (``reverse_routes``), so the rows land in
+   the owner's return receive buffer ``[Cqs]`` where its query rows left its send buffer; the
+   owner ``p`` assembles ``o_src = concat([O_attn_own[Nq], o_recv[Cqs]])`` and
+   ``o_local = o_src[o_local_idx[p]]`` with ``o_local_idx[p, T]`` in ``[0, Nq + Cqs]`` (sentinel
+   for padding rows, which come back zero). The softmax LSE follows the same routing.
 
 Counts (``q_send_len``, ``kv_send_len`` [S, S] rows per (sender, server); ``q_len``, ``kv_len``,
 ``num_tasks`` [S] per server) give useful bytes for bandwidth reports and masks;
@@ -72,6 +84,9 @@ import numpy as np
 
 from distca_jax.checks import check_int
 from distca_jax.plan.capacity import Capacity, required_capacity
+
+# Rows of a part's routes (``PlanMetadata.q_routes`` / ``kv_routes``), module docstring.
+ROUTE_ROWS = ("send_off", "send_len", "recv_off", "recv_len", "peer_recv_off", "peer_send_off")
 
 # ---------------------------------------------------------------------------------------------
 # Layout parsing.
@@ -208,22 +223,27 @@ class Plan:
 class PlanMetadata:
   """Fixed-shape int32 routing tables of one plan; leading axis = the device that reads them.
 
-  Shapes use ``S`` servers (= ranks), ``T`` tokens per rank and the capacity's ``Cq`` (q_slot),
-  ``Ckv`` (kv_slot), ``Nq`` (q_tokens), ``Nkv`` (kv_tokens), ``Nt`` (tasks). With ``ranks`` given to
-  ``plan_to_metadata`` the leading axis holds only those devices, in that order (``R`` rows).
+  Shapes use ``S`` servers (= ranks), ``T`` tokens per rank and the capacity's ``Cqs``
+  (q_send), ``Ckvs`` (kv_send), ``Cqr`` (q_recv), ``Ckvr`` (kv_recv), ``Nq`` (q_tokens), ``Nkv``
+  (kv_tokens), ``Nt`` (tasks). With ``ranks`` given to ``plan_to_metadata`` the leading axis holds
+  only those devices, in that order (``R`` rows).
 
   Attributes:
-    q_send_idx: [R, S, Cq] sender-local query rows per destination slot (sentinel ``T``).
-    kv_send_idx: [R, S, Ckv] sender-local key/value rows per destination slot (sentinel ``T``).
-    q_attn_idx: [R, Nq] attention query rows from ``concat(own [T], received [S * Cq])``
-      (sentinel ``T + S * Cq``).
-    kv_attn_idx: [R, Nkv] attention key/value rows from ``concat(own [T], received [S * Ckv])``
-      (sentinel ``T + S * Ckv``); may repeat.
+    q_send_idx: [R, Cqs] sender-local query rows of the send buffer (sentinel ``T``).
+    kv_send_idx: [R, Ckvs] sender-local key/value rows of the send buffer (sentinel ``T``).
+    q_attn_idx: [R, Nq] attention query rows from ``concat(own [T], received [Cqr])``
+      (sentinel ``T + Cqr``).
+    kv_attn_idx: [R, Nkv] attention key/value rows from ``concat(own [T], received [Ckvr])``
+      (sentinel ``T + Ckvr``); may repeat.
     cu_seqlens_q: [R, Nt + 1] task boundaries over the attention query rows.
     cu_seqlens_k: [R, Nt + 1] task boundaries over the attention key/value rows.
-    o_send_idx: [R, S, Cq] attention output row returned to each sender slot (sentinel ``Nq``).
+    o_send_idx: [R, Cqr] attention output row of each return send row (the query receive
+      buffer's layout; sentinel ``Nq``).
     o_local_idx: [R, T] output row of each local token from ``concat(own O [Nq], returned
-      [S * Cq])`` (sentinel ``Nq + S * Cq`` for padding).
+      [Cqs])`` (sentinel ``Nq + Cqs`` for padding).
+    q_routes: [R, 6, S] the query exchange's routes (``ROUTE_ROWS``); the output return runs
+      them backwards.
+    kv_routes: [R, 6, S] the key/value exchange's routes.
     q_send_len: [S, S] query rows per (sender, server), self pair 0.
     kv_send_len: [S, S] key/value rows per (sender, server), self pair 0.
     q_len: [S] attention query rows per server.
@@ -243,6 +263,8 @@ class PlanMetadata:
   cu_seqlens_k: np.ndarray
   o_send_idx: np.ndarray
   o_local_idx: np.ndarray
+  q_routes: np.ndarray
+  kv_routes: np.ndarray
   q_send_len: np.ndarray
   kv_send_len: np.ndarray
   q_len: np.ndarray
@@ -255,7 +277,7 @@ class PlanMetadata:
   capacity: Capacity
 
   DEVICE_FIELDS = ("q_send_idx", "kv_send_idx", "q_attn_idx", "kv_attn_idx", "cu_seqlens_q",
-                   "cu_seqlens_k", "o_send_idx", "o_local_idx")
+                   "cu_seqlens_k", "o_send_idx", "o_local_idx", "q_routes", "kv_routes")
 
   def device_arrays(self) -> dict[str, np.ndarray]:
     """The arrays the compiled step consumes (all int32, leading axis = device)."""
@@ -278,7 +300,8 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
   s, t = plan.num_servers, plan.tokens_per_rank
   cap = (capacity or Capacity()).replace_none(plan.capacity).replace_none(
       required_capacity(plan))
-  cq, ckv, nq, nkv, nt = cap.q_slot, cap.kv_slot, cap.q_tokens, cap.kv_tokens, cap.tasks
+  cqs, ckvs, cqr, ckvr = cap.q_send, cap.kv_send, cap.q_recv, cap.kv_recv
+  nq, nkv, nt = cap.q_tokens, cap.kv_tokens, cap.tasks
   if ranks is None:
     ranks_arr = np.arange(s)
   else:
@@ -290,14 +313,14 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
   row_of[ranks_arr] = np.arange(ranks_arr.size)
   nr = ranks_arr.size
   i32 = np.int32
-  q_send_idx = np.full((nr, s, cq), t, i32)
-  kv_send_idx = np.full((nr, s, ckv), t, i32)
-  q_attn_idx = np.full((nr, nq), t + s * cq, i32)
-  kv_attn_idx = np.full((nr, nkv), t + s * ckv, i32)
+  q_send_idx = np.full((nr, cqs), t, i32)
+  kv_send_idx = np.full((nr, ckvs), t, i32)
+  q_attn_idx = np.full((nr, nq), t + cqr, i32)
+  kv_attn_idx = np.full((nr, nkv), t + ckvr, i32)
   cu_q = np.zeros((nr, nt + 1), i32)
   cu_k = np.zeros((nr, nt + 1), i32)
-  o_send_idx = np.full((nr, s, cq), nq, i32)
-  o_local_idx = np.full((nr, t), nq + s * cq, i32)
+  o_send_idx = np.full((nr, cqr), nq, i32)
+  o_local_idx = np.full((nr, t), nq + cqs, i32)
   task_index = np.full((nr, nt), -1, i32)
   q_send_len = np.zeros((s, s), np.int64)
   kv_send_len = np.zeros((s, s), np.int64)
@@ -326,12 +349,13 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
     k_off -= k_off[first_task[srv]]
   gs = g_doc[doc] + qa
 
-  # Query pieces: task query intervals cut at rank boundaries; slots per (owner, server) pair.
+  # Query pieces: task query intervals cut at rank boundaries; groups per (owner, server) pair.
   pt, p_own, p_s, p_e = split_at(gs, g_doc[doc] + qb_, t)
   p_srv = srv[pt]
   p_len = p_e - p_s
   p_attn = q_off[pt] + (p_s - gs[pt])
-  p_cross, p_pos, q_send_len = _route_slots(p_own, p_srv, p_len, s, cq, "query", "q_slot")
+  p_cross, p_pos, q_send_len = _route_pieces(p_own, p_srv, p_len, s)
+  q_soff, q_roff = _group_offsets(q_send_len, cqs, cqr, "query", "q")
   # KV: per (server, document) the rows [0, max end) are sent once; cut at rank boundaries.
   if tasks.shape[0]:
     grp = np.flatnonzero(np.r_[True, (srv[1:] != srv[:-1]) | (doc[1:] != doc[:-1])])
@@ -343,20 +367,21 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
   ut, u_own, u_s, u_e = split_at(g_doc[u_doc], g_doc[u_doc] + u_end, t)
   u_psrv = u_srv[ut]
   u_len = u_e - u_s
-  u_cross, u_pos, kv_send_len = _route_slots(u_own, u_psrv, u_len, s, ckv, "key/value",
-                                             "kv_slot")
+  u_cross, u_pos, kv_send_len = _route_pieces(u_own, u_psrv, u_len, s)
+  kv_soff, kv_roff = _group_offsets(kv_send_len, ckvs, ckvr, "key/value", "kv")
 
-  # Server side (devices in ``ranks``): attention gathers, task tables, output return slots.
+  # Server side (devices in ``ranks``): attention gathers, task tables, output return rows.
   sel = row_of[p_srv] >= 0
   r_ = row_of[p_srv[sel]]
-  val0 = np.where(p_cross[sel], t + p_own[sel] * cq + p_pos[sel], p_s[sel] % t)
+  val0 = np.where(p_cross[sel], t + q_roff[p_srv[sel], p_own[sel]] + p_pos[sel], p_s[sel] % t)
   q_attn_idx.reshape(-1)[ranges(r_ * nq + p_attn[sel], p_len[sel])] = ranges(val0, p_len[sel])
   selc = sel & p_cross
   r_ = row_of[p_srv[selc]]
-  o_send_idx.reshape(-1)[ranges((r_ * s + p_own[selc]) * cq + p_pos[selc], p_len[selc])] = (
+  o_send_idx.reshape(-1)[ranges(r_ * cqr + q_roff[p_srv[selc], p_own[selc]] + p_pos[selc],
+                                p_len[selc])] = (
       ranges(p_attn[selc], p_len[selc]))
   # Each task's keys [0, b) of its document, cut at rank boundaries; a cross-rank piece starts
-  # where the (server, document, owner) KV slot piece starts, so it inherits that slot position.
+  # where the (server, document, owner) KV piece starts, so it inherits that piece's position.
   tsel = np.flatnonzero(row_of[srv] >= 0)
   kt, k_own, k_s, k_e = split_at(g_doc[doc[tsel]], g_doc[doc[tsel]] + qb_[tsel], t)
   kt = tsel[kt]
@@ -367,7 +392,7 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
   k_key = (k_srv * nd + doc[kt]) * s + k_own
   u_order = np.argsort(u_key, kind="stable")
   k_upos = u_pos[u_order[np.searchsorted(u_key[u_order], k_key)]] if kt.size else k_key
-  val0 = np.where(k_cross, t + k_own * ckv + k_upos, k_s % t)
+  val0 = np.where(k_cross, t + kv_roff[k_srv, k_own] + k_upos, k_s % t)
   dst0 = row_of[k_srv] * nkv + k_off[kt] + (k_s - g_doc[doc[kt]])
   kv_attn_idx.reshape(-1)[ranges(dst0, k_e - k_s)] = ranges(val0, k_e - k_s)
   for d in ranks_arr.tolist():
@@ -378,23 +403,29 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
     cu_k[r, 1:] = np.concatenate([np.cumsum(kl), np.full(nt - n_task, kl.sum())])
     task_index[r, :n_task] = np.arange(lo_t, lo_t + n_task)
 
-  # Sender side (devices in ``ranks`` as owners): send slots and where outputs come back.
+  # Sender side (devices in ``ranks`` as owners): send buffers and where outputs come back.
   osel = row_of[p_own] >= 0
   ro = row_of[p_own[osel]]
-  val0 = np.where(p_cross[osel], nq + p_srv[osel] * cq + p_pos[osel], p_attn[osel])
+  val0 = np.where(p_cross[osel], nq + q_soff[p_own[osel], p_srv[osel]] + p_pos[osel],
+                  p_attn[osel])
   o_local_idx.reshape(-1)[ranges(ro * t + p_s[osel] % t, p_len[osel])] = (
       ranges(val0, p_len[osel]))
   osel &= p_cross
   ro = row_of[p_own[osel]]
-  q_send_idx.reshape(-1)[ranges((ro * s + p_srv[osel]) * cq + p_pos[osel], p_len[osel])] = (
+  q_send_idx.reshape(-1)[ranges(ro * cqs + q_soff[p_own[osel], p_srv[osel]] + p_pos[osel],
+                                p_len[osel])] = (
       ranges(p_s[osel] % t, p_len[osel]))
   usel = (row_of[u_own] >= 0) & u_cross
   ro = row_of[u_own[usel]]
-  kv_send_idx.reshape(-1)[ranges((ro * s + u_psrv[usel]) * ckv + u_pos[usel], u_len[usel])] = (
+  kv_send_idx.reshape(-1)[ranges(ro * ckvs + kv_soff[u_own[usel], u_psrv[usel]] + u_pos[usel],
+                                 u_len[usel])] = (
       ranges(u_s[usel] % t, u_len[usel]))
   return PlanMetadata(q_send_idx=q_send_idx, kv_send_idx=kv_send_idx, q_attn_idx=q_attn_idx,
                       kv_attn_idx=kv_attn_idx, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                      o_send_idx=o_send_idx, o_local_idx=o_local_idx, q_send_len=q_send_len,
+                      o_send_idx=o_send_idx, o_local_idx=o_local_idx,
+                      q_routes=routes(q_send_len, q_soff, q_roff, ranks_arr),
+                      kv_routes=routes(kv_send_len, kv_soff, kv_roff, ranks_arr),
+                      q_send_len=q_send_len,
                       kv_send_len=kv_send_len, q_len=q_len, kv_len=kv_len, num_tasks=num_tasks,
                       task_index=task_index, ranks=ranks_arr, num_servers=s, tokens_per_rank=t,
                       capacity=cap)
@@ -421,25 +452,48 @@ def split_at(g0: np.ndarray, g1: np.ndarray, width: int):
           np.minimum(g1[idx], (block + 1) * width))
 
 
-def _route_slots(owner: np.ndarray, server: np.ndarray, lengths: np.ndarray, s: int, cap: int,
-                 what: str, cap_name: str):
-  """Pieces (owner rank, server, rows) -> (crosses, slot positions, [S, S] rows sent); rows that
-  stay on their owner take no slot. Raises when a (sender, server) slot exceeds ``cap``."""
+def _route_pieces(owner: np.ndarray, server: np.ndarray, lengths: np.ndarray, s: int):
+  """Pieces (owner rank, server, rows) -> (crosses, position inside the (owner, server) group,
+  [S, S] rows sent); rows that stay on their owner take no place in the exchange."""
   cross = owner != server
   pos = np.zeros_like(lengths)
   pos[cross] = _slot_positions(server[cross], owner[cross], lengths[cross], s)
   send_len = np.zeros((s, s), np.int64)
   np.add.at(send_len, (owner[cross], server[cross]), lengths[cross])
-  if send_len.max(initial=0) > cap:
-    o, d = np.unravel_index(np.argmax(send_len), send_len.shape)
-    raise ValueError(f"server {d} receives {int(send_len[o, d])} {what} rows from sender {o} "
-                     f"> capacity.{cap_name}={cap}")
   return cross, pos, send_len
+
+
+def _group_offsets(send_len: np.ndarray, send_cap: int, recv_cap: int, what: str, part: str):
+  """(send_off [S, S]: where sender p's group for server d starts in p's send buffer, recv_off
+  [S, S]: where server d's group from sender p starts in d's receive buffer, indexed [d, p]).
+  Raises when a device sends more than ``send_cap`` or receives more than ``recv_cap`` rows."""
+  sent, got = send_len.sum(1), send_len.sum(0)
+  for name, have, cap, verb in ((f"{part}_send", sent, send_cap, "sends"),
+                                (f"{part}_recv", got, recv_cap, "receives")):
+    if have.max(initial=0) > cap:
+      d = int(np.argmax(have))
+      raise ValueError(f"device {d} {verb} {int(have[d])} {what} rows > capacity.{name}={cap}")
+  send_off = np.cumsum(send_len, axis=1) - send_len
+  recv_off = (np.cumsum(send_len, axis=0) - send_len).T
+  return send_off, recv_off
+
+
+def routes(send_len: np.ndarray, send_off: np.ndarray, recv_off: np.ndarray,
+           ranks: np.ndarray) -> np.ndarray:
+  """int32 [R, 6, S]: each device's routes of one part (``ROUTE_ROWS``, module docstring)."""
+  out = np.stack([send_off, send_len, recv_off, send_len.T, recv_off.T, send_off.T], axis=1)
+  return out[ranks].astype(np.int32)
+
+
+def reverse_routes(routes_6xS):
+  """The routes of the opposite direction (the output return of the query exchange, or a
+  cotangent going back): sends become receives. Works on NumPy and jax arrays, ``[..., 6, S]``."""
+  return routes_6xS[..., (2, 3, 0, 1, 5, 4), :]
 
 
 def _slot_positions(server: np.ndarray, owner: np.ndarray, lengths: np.ndarray,
                     s: int) -> np.ndarray:
-  """Start of each piece inside its (owner, server) slot: pieces keep their given order."""
+  """Start of each piece inside its (owner, server) group: pieces keep their given order."""
   if server.size == 0:
     return np.zeros(0, np.int64)
   key = server * s + owner

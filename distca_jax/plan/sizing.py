@@ -14,7 +14,8 @@ import jax
 from distca_jax import pipeline
 from distca_jax.checks import check_int
 from distca_jax.data import make_source
-from distca_jax.plan.capacity import caps_with_headroom, default_capacity, row_multiple
+from distca_jax.plan.capacity import (EXCHANGE_FIELDS, caps_with_headroom, default_capacity,
+                                      row_multiple)
 from distca_jax.plan.spec import (PlanSpec, auto_min_shard, device_layout, nano_batch_rows,
                                   suggest_capacity)
 
@@ -37,7 +38,7 @@ def startup_capacity(c, *, data: int | None = None) -> dict[str, int]:
   if not headroom >= 1.0:
     raise ValueError(f"config.attention.distca.caps_headroom={d.caps_headroom} must be >= 1 (a "
                      "margin over the sampled batches)")
-  auto = [f for f in ("q_slot", "kv_slot", "q_tokens", "kv_tokens") if not d[f]]
+  auto = [f for f in EXCHANGE_FIELDS + ("q_tokens", "kv_tokens") if not d[f]]
   if n == 0 or not auto:
     return {}
   sugg = suggest_config_capacity(c, num_batches=n, data=data)
@@ -73,7 +74,7 @@ def suggest_config_capacity(c, *, num_batches: int = 32, quantile: float = 1.0,
   Plans ``num_batches`` batches of ``c.data`` (the steps a run starts with) the way
   ``host_prepare`` will (per nano-batch; under a pipeline per tick, over ``pipe x data``
   servers), without caps, and returns ``suggest_capacity``'s
-  envelope as a dict of ``q_slot, kv_slot, q_tokens, kv_tokens, tasks`` (e.g. print them as
+  envelope as a dict of ``plan.CAP_FIELDS`` (e.g. print them as
   ``--config.attention.distca.<name>=<value>`` flags).
 
   Args:

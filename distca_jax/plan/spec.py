@@ -1,8 +1,8 @@
 """A batch's plan as the device step reads it: static shapes (``PlanSpec``), the host planner
-(``host_plan``: schedule, routing tables, packing) and the exchange buckets' row counts.
+(``host_plan``: schedule, routing tables, packing).
 
 The contract with the data plane: a batch's plan enters the step as one int32 array
-``[S * R, W]`` (every ``PlanMetadata`` device field and ``exchange_rows`` of each device,
+``[S * R, W]`` (every ``PlanMetadata`` device field of each device,
 flattened and split over that device's rows); every shape comes from the ``PlanSpec`` (servers,
 tokens per row, rows per device, capacity), so one compiled step serves every batch.
 
@@ -14,11 +14,10 @@ permutation, so the device works on its rows in their natural ``[R, T]`` order. 
 ``attention.nano_batches = n`` the model calls core attention once per nano-batch (``R / n``
 rows of every rank; ``nano_batch_rows``), each planned and balanced on its own.
 
-Exchange buckets. A slot's used rows are packed at its front (checked by ``PlanSpec.pack``), and
-``exchange_rows`` stores in every device's plan the most rows any (sender, server != sender) slot
-uses, for Q and for K/V. With ``exchange_buckets = n`` the device picks the smallest fraction of
-``1/n, ..., 1`` of the slot that holds them (``exchange_bucket_rows``; ``choose_bucket`` is the
-host twin of that choice); ``distca_jax.dataplane.exchange`` runs it.
+Exchange. Every buffer of the exchange holds a capped total of rows per device (send and
+receive, ``Capacity``), packed from its first row; the per-peer offsets and counts travel in the
+metadata's routes (``PlanMetadata.q_routes`` / ``kv_routes``), checked by ``PlanSpec.pack``.
+``distca_jax.dataplane.exchange`` moves the rows.
 """
 
 from __future__ import annotations
@@ -34,11 +33,6 @@ from distca_jax.plan import cost
 from distca_jax.plan.balancer import schedule
 from distca_jax.plan.capacity import Capacity, required_capacity, row_multiple
 from distca_jax.plan.metadata import Plan, PlanMetadata, plan_to_metadata
-
-# Exchange buckets: the default count, and bucket slot rows are rounded up to a multiple of
-# this (whole sublanes/tiles; fewer distinct branches for small slots).
-DEFAULT_EXCHANGE_BUCKETS = 8
-_BUCKET_ROW_MULTIPLE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,18 +62,14 @@ class PlanSpec:
 
   @property
   def fields(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """(name, per-device shape) of every packed field, in packing order.
-
-    Every ``PlanMetadata.DEVICE_FIELDS`` entry, then ``exchange_rows`` (int32 [2], the same on
-    every device, from ``exchange_rows(meta)``): the most query and key/value rows any (sender,
-    server != sender) slot uses, which picks the exchange bucket on the device.
-    """
+    """(name, per-device shape) of every packed field (``PlanMetadata.DEVICE_FIELDS``), in
+    packing order."""
     s, c = self.num_servers, self.capacity
-    return (("q_send_idx", (s, c.q_slot)), ("kv_send_idx", (s, c.kv_slot)),
+    return (("q_send_idx", (c.q_send,)), ("kv_send_idx", (c.kv_send,)),
             ("q_attn_idx", (c.q_tokens,)), ("kv_attn_idx", (c.kv_tokens,)),
             ("cu_seqlens_q", (c.tasks + 1,)), ("cu_seqlens_k", (c.tasks + 1,)),
-            ("o_send_idx", (s, c.q_slot)), ("o_local_idx", (self.tokens_per_device,)),
-            ("exchange_rows", (2,)))
+            ("o_send_idx", (c.q_recv,)), ("o_local_idx", (self.tokens_per_device,)),
+            ("q_routes", (6, s)), ("kv_routes", (6, s)))
 
   @property
   def device_width(self) -> int:
@@ -94,17 +84,16 @@ class PlanSpec:
   def pack(self, meta: PlanMetadata) -> np.ndarray:
     """``PlanMetadata`` (all ranks) -> int32 ``[S * R, W]``: each device's fields, flattened.
 
-    Also checks that every send slot's used rows are at its front (the bucketed exchange sends
-    only a prefix of each slot) and appends ``exchange_rows``.
+    Also checks that every exchange buffer holds exactly its routed rows, packed from row 0
+    (``_check_groups_packed``), and that query and output rows are routed once.
     """
     s, r = self.num_servers, self.rows_per_device
     if meta.num_servers != s or meta.tokens_per_rank != self.tokens_per_device:
       raise ValueError(f"metadata for {meta.num_servers} servers x {meta.tokens_per_rank} tokens "
                        f"does not match {self}")
-    _check_slots_front_packed(meta)
+    _check_groups_packed(meta)
     _check_unique_rows(meta)
-    arrays = dict(meta.device_arrays(),
-                  exchange_rows=np.broadcast_to(exchange_rows(meta), (s, 2)))
+    arrays = meta.device_arrays()
     flat = np.concatenate([arrays[name].reshape(s, -1) for name, _ in self.fields], axis=1)
     if flat.shape[1] != self.device_width:
       raise ValueError(f"metadata shapes do not match the capacity: {flat.shape[1]=} entries per "
@@ -125,23 +114,15 @@ class PlanSpec:
     return out
 
 
-def exchange_rows(meta: PlanMetadata) -> np.ndarray:
-  """int32 [2]: the most (query, key/value) rows any (sender, server != sender) slot holds."""
-  off = ~np.eye(meta.num_servers, dtype=bool)
-  return np.array([np.where(off, meta.q_send_len, 0).max(initial=0),
-                   np.where(off, meta.kv_send_len, 0).max(initial=0)], np.int32)
-
-
 def _check_unique_rows(meta: PlanMetadata) -> None:
   """Raises unless the query/output routing reads every source row at most once per device.
 
   The backward of those gathers is a gather through the inverse map (``_take(unique=True)``),
   which is the sum of the contributions only if no source row is read twice.
   """
-  t, s = meta.tokens_per_rank, meta.num_servers
-  cq, nq = meta.capacity.q_slot, meta.capacity.q_tokens
-  for name, bound in (("q_send_idx", t), ("q_attn_idx", t + s * cq), ("o_send_idx", nq),
-                      ("o_local_idx", nq + s * cq)):
+  t, c = meta.tokens_per_rank, meta.capacity
+  for name, bound in (("q_send_idx", t), ("q_attn_idx", t + c.q_recv), ("o_send_idx", c.q_tokens),
+                      ("o_local_idx", c.q_tokens + c.q_send)):
     for p, rows in enumerate(getattr(meta, name)):
       rows = rows.reshape(-1)
       rows = rows[rows < bound]
@@ -152,80 +133,31 @@ def _check_unique_rows(meta: PlanMetadata) -> None:
                          "plan.plan_to_metadata)")
 
 
-def _check_slots_front_packed(meta: PlanMetadata) -> None:
-  """Raises unless every send slot holds exactly its plan rows, at its front.
+def _check_groups_packed(meta: PlanMetadata) -> None:
+  """Raises unless every exchange buffer holds exactly its routed rows, packed from row 0.
 
-  The bucketed exchange moves only a prefix of each slot; a used entry behind it would be lost.
-  Slots: ``q_send_idx[p, d]`` and ``kv_send_idx[p, d]`` (sender p to server d, sentinel ``T``)
-  hold ``q_send_len[p, d]`` / ``kv_send_len[p, d]`` rows; ``o_send_idx[d, p]`` (server d back to
-  owner p, sentinel ``Nq``) holds ``q_send_len[p, d]``.
+  A send buffer's used entries (``q_send_idx`` / ``kv_send_idx`` not the sentinel ``T``) must be
+  its first ``sum(send_len)`` rows, and the groups of the routes must tile them in server order
+  (``send_off`` the exclusive prefix sum of ``send_len``); likewise the return send buffer
+  (``o_send_idx``, sentinel ``Nq``) against the query receive groups. The exchange moves only
+  routed rows: a used entry outside them would be lost.
   """
   if meta.ranks.size != meta.num_servers:
     raise ValueError(f"packing needs every device's metadata; got ranks {meta.ranks.tolist()} of "
                      f"{meta.num_servers} (call plan_to_metadata without ranks=)")
   t, nq = meta.tokens_per_rank, meta.capacity.q_tokens
-  for name, sentinel, want in (("q_send_idx", t, meta.q_send_len),
-                               ("kv_send_idx", t, meta.kv_send_len),
-                               ("o_send_idx", nq, meta.q_send_len.T)):
+  for name, sentinel, rts, off_row, len_row in (
+      ("q_send_idx", t, meta.q_routes, 0, 1), ("kv_send_idx", t, meta.kv_routes, 0, 1),
+      ("o_send_idx", nq, meta.q_routes, 2, 3)):
     used = getattr(meta, name) != sentinel
-    front = np.arange(used.shape[-1]) < np.asarray(want)[..., None]
-    if not np.array_equal(used, front):
-      p, d = np.argwhere((used != front).any(-1))[0].tolist()
-      raise ValueError(f"metadata slot {name}[{p}, {d}] does not hold exactly its "
-                       f"{int(want[p, d])} plan rows at its front (used entries at "
-                       f"{np.flatnonzero(used[p, d]).tolist()[:8]}...); build metadata with "
-                       "plan.plan_to_metadata")
-
-
-def _bucket_slot_rows(i: int, n: int, slot: int) -> int:
-  """Rows of a slot bucket ``i`` of ``n`` keeps: ``ceil(i / n * slot)``, rounded up to a
-  multiple of 8, at most the slot."""
-  r = -(-i * slot // n)
-  return min(slot, -(-r // _BUCKET_ROW_MULTIPLE) * _BUCKET_ROW_MULTIPLE)
-
-
-def exchange_bucket_rows(capacity: Capacity,
-                         exchange_buckets: int) -> tuple[tuple[int, int], ...]:
-  """(query rows, key/value rows) per slot of each joint exchange bucket, ascending.
-
-  With ``exchange_buckets = n >= 2`` the first bucket is ``(0, 0)``: a plan that moves nothing
-  (every task on its owner) skips the gathers and the all-to-all. Bucket ``i`` of ``n`` keeps
-  ``ceil(i / n * slot)`` rows of a slot, rounded up to a multiple of 8 and at most the slot;
-  buckets equal to the previous one are dropped, so the last is always the full slot.
-  ``n = 1`` is the full slot alone (no switch).
-  """
-  n = check_int("exchange_buckets", exchange_buckets, 1)
-  out = [(0, 0)] if n > 1 else []
-  for i in range(1, n + 1):
-    b = (_bucket_slot_rows(i, n, capacity.q_slot), _bucket_slot_rows(i, n, capacity.kv_slot))
-    if not out or b != out[-1]:
-      out.append(b)
-  return tuple(out)
-
-
-def part_bucket_rows(slot: int, exchange_buckets: int) -> tuple[tuple[int], ...]:
-  """Rows per slot of each bucket of one part (queries or keys/values) alone, ascending.
-
-  The same fractions as ``exchange_bucket_rows`` (0 first when ``n >= 2``; distinct sizes
-  only). The return of O / LSE rows uses the query part's list (``return_bucket_rows``).
-  """
-  n = check_int("exchange_buckets", exchange_buckets, 1)
-  return tuple((r,) for r in sorted({_bucket_slot_rows(i, n, slot) for i in range(1, n + 1)}
-                                    | ({0} if n > 1 else set())))
-
-
-def return_bucket_rows(capacity: Capacity, exchange_buckets: int) -> tuple[tuple[int], ...]:
-  """Query rows per slot of each return (O / LSE) bucket: the exchange buckets' Q sizes."""
-  return part_bucket_rows(capacity.q_slot, exchange_buckets)
-
-
-def choose_bucket(rows: Sequence[int], bucket_rows: Sequence[Sequence[int]]) -> int:
-  """Host twin of the device's choice: the first bucket holding ``rows`` in every part."""
-  for i, b in enumerate(bucket_rows):
-    if all(x <= y for x, y in zip(rows, b)):
-      return i
-  raise ValueError(f"{tuple(rows)=} exceed the largest bucket {tuple(bucket_rows[-1])}: the plan "
-                   "does not fit its capacity")
+    for p in range(meta.num_servers):
+      off, ln = rts[p, off_row].astype(np.int64), rts[p, len_row].astype(np.int64)
+      want = np.arange(used.shape[1]) < ln.sum()
+      if not np.array_equal(used[p], want) or not np.array_equal(off, np.cumsum(ln) - ln):
+        raise ValueError(f"metadata {name}[{p}] does not hold exactly its {int(ln.sum())} routed "
+                         f"rows packed from row 0 (used entries at "
+                         f"{np.flatnonzero(used[p]).tolist()[:8]}..., offsets {off.tolist()[:8]}"
+                         "...); build metadata with plan.plan_to_metadata")
 
 
 # ---------------------------------------------------------------------------------------------

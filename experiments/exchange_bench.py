@@ -1,0 +1,161 @@
+"""The exchange alone on real plans: time, useful (= ragged wire) bytes, buffer bytes, and the
+fraction of a raw all-to-all's bandwidth on the same bytes, per collective.
+
+  python -m experiments.exchange_bench --workloads pretrain,prolong --tokens 131072 \\
+      --collectives ragged,dense --out results/four/exchange_bench
+
+On the visible devices (every one a server), plans ``--batches`` batches of ``configs/gpu_bench.py``
+(Llama-3-8B heads, bf16) with the run's own ``distca`` backend (startup caps sampled as in
+training), then times the forward exchange of each batch's query and key/value send buffers
+(``dataplane.ragged_exchange``, random rows) for every collective, checks that every collective
+returns the same receive buffers bit for bit, and times a raw ``lax.all_to_all`` moving the
+busiest device's useful bytes in equal blocks. ``bandwidth fraction`` = (busiest device's useful
+bytes / exchange time) / (the same bytes / raw all-to-all time). ``--xla-flags A;B`` reruns the
+whole measurement in a child process per XLA flag set (the flags are read when JAX starts), e.g.
+``--xla-flags ";--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=true"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _time(f, args, iters):
+  import jax
+  for _ in range(3):
+    jax.block_until_ready(f(*args))
+  ts = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts)
+
+
+def measure(a) -> list[dict]:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from distca_jax import configs_io, dataplane, trainer
+  from distca_jax import plan as plan_lib
+  from distca_jax.data import make_source
+
+  devs = jax.devices()
+  s = len(devs)
+  mesh = jax.sharding.Mesh(np.asarray(devs), ("data",),
+                           axis_types=(jax.sharding.AxisType.Auto,))
+  sh = NamedSharding(mesh, P("data"))
+  rows = []
+  for workload in a.workloads.split(","):
+    for tokens in [int(t) for t in a.tokens.split(",")]:
+      c = configs_io.load_config(a.config, [f"data.workload={workload}",
+                                            f"tokens_per_rank={tokens}", f"mesh.data={s}"])
+      backend = trainer.make_backend(c)
+      m = c.model
+      src = make_source(c.data, rows=s * c.rows_per_rank, tokens_per_row=tokens,
+                        vocab_size=m.vocab_size, seed=c.seed)
+      cap = None
+      for step in range(a.batches):
+        (hp,) = backend.host_plans(src.doclens(step), tokens)
+        meta, cap = hp.meta, hp.spec.capacity
+        eb = plan_lib.exchange_bytes(meta, q_heads=m.n_heads, kv_heads=m.n_kv_heads,
+                                     head_dim=m.head_dim, dtype_bytes=2)
+        rng = np.random.default_rng(step)
+        parts = {"q": (cap.q_send, cap.q_recv, m.n_heads, meta.q_routes, meta.q_send_len),
+                 "kv": (cap.kv_send, cap.kv_recv, 2 * m.n_kv_heads, meta.kv_routes,
+                        meta.kv_send_len)}
+        row = {"workload": workload, "tokens": tokens, "servers": s, "step": step,
+               "imbalance_before": hp.plan.imbalance_before,
+               "imbalance_after": hp.plan.imbalance_after,
+               "dispatch_useful_mb": eb["dispatch_useful"] / 1e6,
+               "dispatch_buffer_mb": eb["dispatch_buffer"] / 1e6, "caps": dict(vars(cap))}
+        busiest = 0.0
+        for name, (cs, cr, heads, routes, lens) in parts.items():
+          x = jax.device_put(jnp.asarray(rng.standard_normal((s * cs, heads, m.head_dim)),
+                                         jnp.bfloat16), sh)
+          r = jax.device_put(jnp.asarray(routes.reshape(s * 6, s)), sh)
+          row_bytes = heads * m.head_dim * 2
+          useful = float(max(lens.sum(1).max(), lens.sum(0).max())) * row_bytes
+          busiest += useful
+          row[f"{name}_busiest_mb"] = useful / 1e6
+          outs = {}
+          for col in a.collectives.split(","):
+            def body(x, r, col=col, cr=cr):
+              return dataplane.ragged_exchange(x, r, cr, "data", col)
+            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data")),
+                                      out_specs=P("data")))
+            try:
+              outs[col] = np.asarray(f(x, r).astype(jnp.float32))
+              row[f"{name}_{col}_ms"] = _time(f, (x, r), a.iters) * 1e3
+            except Exception as e:  # noqa: BLE001  (a collective this platform lacks: say so)
+              row[f"{name}_{col}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+          ref = next(iter(outs.values()), None)
+          row[f"{name}_collectives_equal"] = all(np.array_equal(o, ref) for o in outs.values())
+          # Raw all_to_all of the busiest device's useful bytes in S equal blocks.
+          blk = max(1, int(useful // row_bytes) // s)
+          raw_x = jax.device_put(jnp.zeros((s * s * blk, heads, m.head_dim), jnp.bfloat16)
+                                 + 1, sh)
+          raw = jax.jit(jax.shard_map(lambda x: jax.lax.all_to_all(x, "data", 0, 0, tiled=True),
+                                      mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+          row[f"{name}_raw_a2a_ms"] = _time(raw, (raw_x,), a.iters) * 1e3
+          for col in a.collectives.split(","):
+            if f"{name}_{col}_ms" in row:
+              row[f"{name}_{col}_bw_fraction"] = row[f"{name}_raw_a2a_ms"] / row[f"{name}_{col}_ms"]
+        row["busiest_useful_mb"] = busiest / 1e6
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+  return rows
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--workloads", default="pretrain,prolong")
+  p.add_argument("--tokens", default="131072")
+  p.add_argument("--batches", type=int, default=3)
+  p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--collectives", default="ragged,dense")
+  p.add_argument("--config", default=os.path.join(ROOT, "configs", "gpu_bench.py"))
+  p.add_argument("--xla-flags", default=None,
+                 help="';'-separated XLA flag sets, one child process each")
+  p.add_argument("--out", default="")
+  a = p.parse_args(argv)
+  results = {}
+  if a.xla_flags is None:
+    results[os.environ.get("XLA_FLAGS", "")] = measure(a)
+  else:
+    for flags in a.xla_flags.split(";"):
+      args = list(argv or sys.argv[1:])
+      i = args.index("--xla-flags")
+      del args[i:i + 2]
+      child_out = f"/tmp/exchange_bench_{abs(hash(flags))}"
+      if "--out" in args:
+        j = args.index("--out")
+        del args[j:j + 2]
+      env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
+      print(f"=== XLA_FLAGS={env['XLA_FLAGS']!r}", flush=True)
+      r = subprocess.run([sys.executable, "-m", "experiments.exchange_bench", *args, "--out",
+                          child_out], cwd=ROOT, env=env, timeout=900)
+      try:
+        with open(child_out + ".json") as f:
+          results[flags] = next(iter(json.load(f)["results"].values()))
+      except (OSError, KeyError):
+        results[flags] = [{"error": f"child exited {r.returncode}"}]
+  if a.out:
+    with open(a.out + ".json", "w") as f:
+      json.dump({"command": "python -m experiments.exchange_bench " + " ".join(argv or sys.argv[1:]),
+                 "results": results}, f, indent=2)
+  return results
+
+
+if __name__ == "__main__":
+  main()

@@ -144,6 +144,14 @@ def verify(state, record: dict) -> list[str]:
   return problems
 
 
+def _first_words(e: Exception) -> str:
+  """The start of an exception's message, without the reprs of bound methods and TensorStore
+  specs that orbax's and TensorStore's messages carry (everything from the first '<' or '({')."""
+  text = " ".join(str(e).split())
+  cut = min([i for i in (text.find("<"), text.find("({")) if i >= 0] + [len(text)])
+  return text[:cut].rstrip(" :,;([{") [:300] or type(e).__name__
+
+
 # ----------------------------------------------------------------------------------------------
 # The manager
 # ----------------------------------------------------------------------------------------------
@@ -154,6 +162,7 @@ class CheckpointManager:
   def __init__(self, workdir: str, c: ml_collections.ConfigDict):
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
     self.failed_directory = os.path.join(os.path.abspath(workdir), "checkpoints_failed")
+    self.diverged_directory = os.path.join(os.path.abspath(workdir), "checkpoints_diverged")
     self._record = _data_record(c)
     self._saving_step = None
     self.last_good_step: int | None = None  # newest step restored and verified, or saved here
@@ -209,7 +218,7 @@ class CheckpointManager:
           state=ocp.args.StandardRestore(abstract_state), run=ocp.args.JsonRestore(),
           integrity=ocp.args.JsonRestore()))
     except Exception as e:  # pylint: disable=broad-except  # damaged files fail in many ways
-      return None, [f"restore failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"]
+      return None, [f"restore failed: {type(e).__name__}: {_first_words(e)}"]
     saved = restored["run"]
     if saved != self._record:
       diff = {k: (saved.get(k), v) for k, v in self._record.items() if saved.get(k) != v}
@@ -254,10 +263,21 @@ class CheckpointManager:
         + " | ".join(line for _, line in failed)
         + "); restore the directory from a backup, or use a new --workdir to start fresh")
 
-  def _move_aside(self, step: int) -> None:
+  def set_aside_from(self, first_step: int) -> list[int]:
+    """Moves every checkpoint at step >= ``first_step`` to ``diverged_directory`` (a rerun then
+    resumes from the newest one before it); returns their steps. Call after `wait`."""
+    steps = [s for s in self.all_steps() if s >= first_step]
+    for step in steps:
+      self._move_aside(step, self.diverged_directory)
+    if self.last_good_step is not None and self.last_good_step >= first_step:
+      self.last_good_step = self.latest_step()
+    return steps
+
+  def _move_aside(self, step: int, directory: str | None = None) -> None:
+    directory = directory or self.failed_directory
     if jax.process_index() == 0:
-      os.makedirs(self.failed_directory, exist_ok=True)
-      dest = os.path.join(self.failed_directory, f"{step}.{int(time.time())}")
+      os.makedirs(directory, exist_ok=True)
+      dest = os.path.join(directory, f"{step}.{int(time.time())}")
       shutil.move(self.path(step), dest)
     self._manager.reload()
 

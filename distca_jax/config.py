@@ -143,8 +143,14 @@ def base_config() -> ml_collections.ConfigDict:
                                   # 989 dense bf16), unknown devices report no MFU
   c.tensorboard = True            # write TensorBoard event files under WORKDIR/tb
   c.train = ml_collections.ConfigDict()
-  c.train.max_bad_steps = 3       # stop after this many consecutive steps whose loss or gradient
-                                  # norm was not finite (each is skipped: no update is applied)
+  c.train.max_bad_steps = 3       # stop after this many consecutive skipped steps: a step is
+                                  # skipped (no update applied) when its loss or gradient norm is
+                                  # not finite or spikes (below)
+  c.train.spike_sigmas = 6.0      # a loss or gradient norm whose log is more than this many running
+                                  # standard deviations (at least 0.05 for the loss, 0.25 for the
+                                  # gradient norm) above its running mean is a spike; 0: off
+  c.train.spike_warmup_steps = 5  # good steps that build the running statistics before spikes
+                                  # are looked for
   c.profile_step = -1             # -1: off. N: profile step N (0-based; N = 0 also traces the
                                   # compilation on the host) into WORKDIR/profile, write
                                   # report.json / report.md there (distca_jax.profiling: per-rank
@@ -185,6 +191,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.train.max_bad_steps < 1:
     raise UserError(f"train.max_bad_steps={c.train.max_bad_steps} must be >= 1 (consecutive "
                     "skipped steps before the run stops)")
+  if c.train.spike_sigmas < 0 or c.train.spike_warmup_steps < 1:
+    raise UserError(f"train.spike_sigmas={c.train.spike_sigmas} must be >= 0 (0: off) and "
+                    f"train.spike_warmup_steps={c.train.spike_warmup_steps} >= 1")
   if c.mesh.pipe > 1:
     m = pipeline.resolve_microbatches(c.pipeline.microbatches, c.mesh.pipe)
     if c.rows_per_rank % m:

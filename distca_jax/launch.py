@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import signal
+import subprocess
 import sys
+import tempfile
 import threading
+import time
 
 import ml_collections
 
@@ -60,15 +65,16 @@ class Distributed:
   """How this process joins a multi-process job (``jax.distributed.initialize`` arguments).
 
   ``coordinator_address``, ``num_processes`` and ``process_id`` name the job explicitly (all
-  three, or none: then the cluster is detected, SLURM / Open MPI / Kubernetes). A process that
-  misses heartbeats for ``heartbeat_timeout_s`` seconds is declared dead and the others stop with
-  an error; ``initialization_timeout_s`` bounds the wait for every process to join.
+  three, or none: then the cluster is detected, SLURM / Open MPI / Kubernetes). A process whose
+  heartbeats stop for ``heartbeat_timeout_s`` seconds is declared lost and the others stop with
+  one line naming it (`Watchdog`); ``initialization_timeout_s`` bounds the wait for every process
+  to join.
   """
 
   coordinator_address: str | None = None
   num_processes: int | None = None
   process_id: int | None = None
-  heartbeat_timeout_s: int = 100
+  heartbeat_timeout_s: int = 30
   initialization_timeout_s: int = 300
 
   @property
@@ -92,7 +98,10 @@ class Distributed:
         raise UserError(f"--{name}={getattr(self, name)} must be >= 1 (seconds)")
 
   def initialize(self) -> None:
+    """Joins the job. Recoverability is on, so the coordination service does not abort the
+    processes left when one is lost: the `Watchdog` names it and ends this process instead."""
     import jax
+    jax.config.update("jax_enable_recoverability", True)
     kwargs = dict(initialization_timeout=self.initialization_timeout_s,
                   heartbeat_timeout_seconds=self.heartbeat_timeout_s)
     if self.explicit:
@@ -101,12 +110,122 @@ class Distributed:
     jax.distributed.initialize(**kwargs)
 
 
+class StopRequest:
+  """A signal handler that records the first signal; the train loop saves the current step and
+  stops when it is set (`stop_signal`)."""
+
+  def __init__(self):
+    self.signum: int | None = None
+
+  def __call__(self, signum, frame=None) -> None:
+    del frame
+    if self.signum is None:
+      self.signum = signum
+
+
+def _client():
+  from jax._src import distributed as jax_distributed  # the client has no public accessor
+  return jax_distributed.global_state
+
+
+def newest_checkpoint(workdir: str) -> str:
+  """'checkpoint step N at PATH' for the newest committed checkpoint in ``workdir`` (a rerun
+  resumes from the newest one that verifies), or 'no checkpoint yet'."""
+  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+  steps = sorted(int(n) for n in (os.listdir(directory) if os.path.isdir(directory) else [])
+                 if n.isdigit())
+  return (f"checkpoint step {steps[-1]} at {os.path.join(directory, str(steps[-1]))}" if steps
+          else "no checkpoint yet")
+
+
+def lost_line(me: int, count: int, lost: list[int], why: str, workdir: str) -> str:
+  """The one line a process prints when processes ``lost`` of the job are gone."""
+  names = ", ".join("the coordinator, process 0" if p == 0 else f"process {p}" for p in lost)
+  return (f"process {me}/{count}: lost {names} ({why}); rerun the job to resume from the "
+          f"newest verified checkpoint ({newest_checkpoint(workdir)})")
+
+
+class Watchdog:
+  """Asks the coordination service every ``poll_s`` seconds which processes are live; when one
+  is lost (its heartbeats stopped for the heartbeat timeout) or the coordinator stops answering,
+  prints ``lost_line`` on stderr and ends the process with exit status 2.
+
+  It ends the process with ``os._exit``: the main thread may be inside a collective that waits
+  for the lost process forever (NCCL) or that JAX aborts on, so no clean exit is possible; the
+  line is flushed first and nothing else is written after it."""
+
+  def __init__(self, workdir: str, heartbeat_timeout_s: float, poll_s: float = 1.0):
+    import jax
+    self.me, self.count = jax.process_index(), jax.process_count()
+    self._workdir, self._poll_s = workdir, poll_s
+    self._timeout_s = heartbeat_timeout_s
+    self._stop = threading.Event()
+    self.fired = threading.Event()
+    self._thread = threading.Thread(target=self._run, daemon=True, name="distca-watchdog")
+    self._thread.start()
+
+  def _run(self) -> None:
+    client = _client().client
+    everyone = list(range(self.count))
+    while not self._stop.wait(self._poll_s):
+      try:
+        live = client.get_live_nodes(everyone)
+      except Exception as e:  # pylint: disable=broad-except  # the coordinator's RPC failed
+        if self._stop.is_set():
+          return
+        why = " ".join(str(e).split())[:160]
+        self._exit([0], f"the coordinator at {_client().coordinator_address} does not answer: "
+                        f"{why}")
+        return
+      lost = sorted(set(everyone) - set(live))
+      if lost and not self._stop.is_set():
+        self._exit(lost, f"no heartbeat for {self._timeout_s:g} s")
+        return
+
+  def _exit(self, lost: list[int], why: str) -> None:
+    self.fired.set()
+    print("error: " + lost_line(self.me, self.count, lost, why, self._workdir), file=sys.stderr,
+          flush=True)
+    sys.stdout.flush()
+    os._exit(2)  # see the class docstring
+
+  def close(self) -> None:
+    self._stop.set()
+    self._thread.join()
+
+
+def stop_signal(step: int, signum: int | None) -> int | None:
+  """The signal every process of the job stops on before ``step`` (None: go on).
+
+  One process: ``signum``. Several: each publishes its ``signum`` for ``step`` in the
+  coordination service's key-value store and reads everyone's (a host-side exchange before the
+  step is dispatched: no device work waits on it), so all stop before the same step even when the
+  signal reached only some of them or reached them at different steps."""
+  import jax
+  if jax.process_count() == 1:
+    return signum
+  client, me, count = _client().client, jax.process_index(), jax.process_count()
+  client.key_value_set(f"distca/stop/{step}/{me}", str(signum or 0))
+  while True:
+    got = client.key_value_dir_get(f"distca/stop/{step}/")
+    if len(got) >= count:
+      break
+    time.sleep(0.002)
+  if step >= 2:
+    client.key_value_delete(f"distca/stop/{step - 2}/{me}")
+  signals = [int(v) for _, v in got if int(v)]
+  return signals[0] if signals else None
+
+
 def run(config: ml_collections.ConfigDict, workdir: str, *, multihost: bool = False,
-        verbose: bool = False, distributed: Distributed | None = None):
+        verbose: bool = False, distributed: Distributed | None = None, stop=None):
   """Sets up the process and trains; `verbose` keeps library INFO logs (orbax is chatty).
 
   ``multihost`` (or an explicit ``distributed.coordinator_address``) joins a multi-process job
-  first. Every process logs its own errors (with its process index) to stderr before raising.
+  first and runs a `Watchdog`; the job ends with a barrier of every process, then the client
+  shuts down. A runtime error of a multi-process job (a collective whose peer is gone) waits
+  for the watchdog to name the lost process (up to the heartbeat timeout + 15 s) and is raised
+  when none was lost. ``stop`` (`trainer.StopRequest`) is set by signal handlers.
   """
   configure_environment()
   distributed = distributed or Distributed()
@@ -115,68 +234,54 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, multihost: bool = Fa
     from absl import logging
     logging.set_verbosity(logging.WARNING)
   import jax
+  watchdog = None
   if multihost or distributed.explicit:
     distributed.initialize()
+    if os.environ.get(SUPERVISED_ENV):
+      print(f"{JOINED_MARK}{jax.process_index()}/{jax.process_count()}", file=sys.stderr,
+            flush=True)
+    watchdog = Watchdog(workdir, distributed.heartbeat_timeout_s)
   from distca_jax import memory, trainer
   try:
     try:
-      return trainer.train_and_evaluate(config, workdir, device_memory_bytes=_injected_capacity())
+      out = trainer.train_and_evaluate(config, workdir, device_memory_bytes=_injected_capacity(),
+                                       stop=stop)
     except memory.DoesNotFit as e:  # add what each knob would need (compiles variants: slow path)
       from distca_jax import aot
       raise aot.explain_does_not_fit(config, e) from e.__cause__
-  except BaseException as e:
-    # Every process names itself in its own error line (user errors: train.py prints the one
-    # line; internal errors: their traceback follows when the exception leaves the process).
-    # A runtime error of a multi-process job (a collective whose peer is gone) also names the
-    # processes the coordination service no longer counts as live.
-    if not isinstance(e, (SystemExit, KeyboardInterrupt, UserError)):
-      me = f"process {jax.process_index()}/{jax.process_count()}"
-      print(f"{me} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-      if jax.process_count() > 1 and isinstance(e, jax.errors.JaxRuntimeError):
-        print(f"{me}: {lost_processes(1.5 * distributed.heartbeat_timeout_s + 5)}",
-              file=sys.stderr, flush=True)
+    except trainer.Interrupted:
+      if watchdog is not None:
+        _finish(watchdog)
+      raise
+  except jax.errors.JaxRuntimeError:
+    if watchdog is not None:  # a lost peer: the watchdog ends the process naming it
+      watchdog.fired.wait(distributed.heartbeat_timeout_s + 15)
+      watchdog.close()
     raise
+  except BaseException:
+    if watchdog is not None:
+      watchdog.close()
+    raise
+  if watchdog is not None:
+    _finish(watchdog)
+  return out
 
 
-def lost_processes(timeout_s: float) -> str:
-  """Which processes of the job the coordination service no longer counts as live, asked after
-  a runtime error: 'lost process [1] (...)', 'lost process 0 (the coordinator ... does not
-  answer ...)', 'every process is live' or 'no process was declared lost within N s'.
-
-  The service declares a process dead when its heartbeats stop for the heartbeat timeout, so the
-  answer takes up to that long (``timeout_s`` bounds the wait; live processes that ask answer
-  at once). The same declaration makes JAX stop every live process with a fatal error of its own
-  that names the task ("stopped sending heartbeats): 1", or "the leader task was preempted/died"
-  for the coordinator), which races with this answer and often stops the process first: either
-  way the wait keeps this process alive until the lost one is named, where exiting at once would
-  name only this one.
-  """
+def _finish(watchdog: Watchdog, timeout_s: float = 600) -> None:
+  """Leaves the job: every process waits for the others at a barrier; then the others
+  disconnect, and the coordinator (process 0, which hosts the service) waits until they have
+  before it stops the service (a process still connected when the service stops is aborted by
+  JAX's runtime)."""
   import jax
-  from jax._src import distributed as jax_distributed  # the client has no public accessor
-  client = jax_distributed.global_state.client
-  everyone = list(range(jax.process_count()))
-  answer: dict = {}
-
-  def ask():
-    try:
-      answer["live"] = client.get_live_nodes(everyone)
-    except Exception as e:  # pylint: disable=broad-except  # the coordinator's RPC failed
-      answer["error"] = e
-
-  asker = threading.Thread(target=ask, daemon=True)
-  asker.start()
-  asker.join(timeout_s)
-  if "error" in answer:
-    address = jax_distributed.global_state.coordinator_address
-    why = str(answer["error"]).strip().splitlines()[0][:200]
-    return f"lost process 0 (the coordinator at {address} does not answer: {why})"
-  if "live" not in answer:
-    return f"no process was declared lost within {timeout_s:.0f} s"
-  lost = sorted(set(everyone) - set(answer["live"]))
-  if not lost:
-    return "every process is live"
-  return (f"lost process{'es' if len(lost) > 1 else ''} {lost} (stopped sending heartbeats to "
-          "the coordination service)")
+  watchdog.close()
+  client = _client().client
+  client.wait_at_barrier("distca_exit", int(timeout_s * 1000))
+  if jax.process_index() == 0:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and len(client.get_live_nodes(
+        list(range(jax.process_count())))) > 1:
+      time.sleep(0.05)
+  jax.distributed.shutdown()
 
 
 # Test hook: pretend each device has this many bytes (the memory pre-flight on CPUs).
@@ -186,3 +291,96 @@ DEVICE_MEMORY_ENV = "DISTCA_TEST_DEVICE_MEMORY_BYTES"
 def _injected_capacity() -> int | None:
   value = os.environ.get(DEVICE_MEMORY_ENV)
   return int(value) if value else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Supervision of a multi-process job's processes
+# ----------------------------------------------------------------------------------------------
+SUPERVISED_ENV = "DISTCA_SUPERVISED"  # set in the child a supervisor runs
+JOINED_MARK = "distca-joined "        # the child's stderr line 'distca-joined I/N' (not shown)
+# Lines that start what a process prints when JAX's runtime aborts it (absl FATAL / ERROR logs,
+# C++ terminate, faulthandler) or when Python dies of an internal error.
+_DUMP_START = re.compile(r"^([EF]\d{4} |\*\*\* |terminate called|Fatal Python error|"
+                         r"Traceback \(most recent call last\)|=== Source Location|"
+                         r"W\d{4} .*(preemption_sync_manager|coordination_service_agent))")
+
+
+_KNOWN_NOTICE = re.compile(r"^W\d{4} .*Using experimental recoverable task feature")
+
+
+def _die_with_parent() -> None:
+  """In the child (preexec): SIGKILL when the supervisor dies, so a killed job leaves nothing."""
+  import ctypes
+  ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def explain_abort(text: str, me: int | None, count: int | None) -> tuple[list[int] | None, str]:
+  """(lost processes, why) read from the output of a process that JAX's runtime aborted;
+  (None, '') when it names no lost peer."""
+  if re.search(r"leader task was preempted|Failed to send RPC to coordination service", text):
+    return [0], "the coordinator stopped answering"
+  m = re.search(r"stopped sending heartbeats\):\s*([\d,\s]+)", text)
+  if m:
+    return sorted({int(x) for x in re.findall(r"\d+", m.group(1))}), "no heartbeat"
+  m = re.search(r"(Connection closed by peer|Connection reset by peer|gloo::\w+)[^\n]{0,80}", text)
+  if m and me is not None and count == 2:
+    return [1 - me], f"its connection broke: {' '.join(m.group(0).split())}"
+  if m:
+    return None, f"a peer's connection broke: {' '.join(m.group(0).split())}"
+  return None, ""
+
+
+def supervise(argv: list[str], workdir: str, verbose: bool, me: int | None = None,
+              count: int | None = None) -> int:
+  """Runs this command again as a child process and returns the exit status to end with.
+
+  The child's stdout passes through. Its stderr passes through up to the first line of a dump
+  (``_DUMP_START``: an abort of JAX's runtime or an internal error's traceback); the rest is kept
+  in a log file, named in the last line, and shown with ``verbose``. When the child ends without
+  its own 'error:' or 'interrupted' line, the supervisor prints one (the lost process, read from
+  the dump) and returns 2, or 1 for an internal error. SIGINT and SIGTERM are passed on."""
+  env = dict(os.environ, **{SUPERVISED_ENV: "1"})
+  child = subprocess.Popen([sys.executable, "-m", "distca_jax.train"] + argv[1:], env=env,
+                           stderr=subprocess.PIPE, text=True, errors="replace",
+                           preexec_fn=_die_with_parent)
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda signum, _: child.send_signal(signum))
+  kept: list[str] = []
+  dumping, ours = verbose, None  # ours: the child's own last line ('error' or 'interrupted')
+  for line in child.stderr:
+    if line.startswith(JOINED_MARK):
+      me, count = (int(x) for x in line[len(JOINED_MARK):].split("/"))
+      continue
+    if line.startswith(("error: ", "interrupted")):
+      ours = line.split(":")[0].split()[0]
+    dumping = dumping or bool(_DUMP_START.match(line))
+    quiet = bool(_KNOWN_NOTICE.match(line))  # JAX's notice that recoverability is on
+    if (dumping or quiet) and not verbose and not line.startswith(("error: ", "interrupted")):
+      kept.append(line)
+    else:
+      sys.stderr.write(line)
+      sys.stderr.flush()
+  rc = child.wait()
+  if rc == 0 or ours == "error":  # exit status 2 even when the runtime aborted after the line
+    return 2 if ours else 0
+  if ours == "interrupted":
+    return rc if rc > 128 else 128 + signal.SIGTERM
+  text = "".join(kept)
+  log = ""
+  if kept:
+    fd, path = tempfile.mkstemp(prefix=f"distca-process{me if me is not None else ''}-",
+                                suffix=".log")
+    with os.fdopen(fd, "w") as f:
+      f.write(text)
+    log = f"; its output: {path}"
+  who = f"process {me}/{count}" if me is not None else "this process"
+  lost, why = explain_abort(text, me, count)
+  if lost is not None:
+    line = lost_line(me if me is not None else -1, count or 0, lost, why, workdir)
+    print("error: " + line.replace("process -1/0", who) + log, file=sys.stderr, flush=True)
+    return 2
+  last = next((l.strip() for l in reversed(kept) if l.strip()), "")
+  how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
+  print(f"error: {who} failed ({how}{'; ' + why if why else ''}): {last[:300]}{log}; rerun "
+        "with --verbose to see its output", file=sys.stderr, flush=True)
+  return 2 if why else 1

@@ -141,9 +141,9 @@ class RunLog:
     record = {"step": step, **{k: float(v) for k, v in record.items()}}
     self._jsonl.write(json.dumps(record) + "\n")
     self._jsonl.flush()
-    if self._tb is not None:
+    if self._tb is not None:  # non-finite values (a skipped step's loss) stay in the JSONL only
       for k, v in record.items():
-        if k != "step":
+        if k != "step" and np.isfinite(v):
           self._tb.add_scalar(k, v, step)
       self._tb.flush()
     self._print(step, record)

@@ -5,11 +5,18 @@ command line, e.g. `--config.num_steps=50 --config.mesh.tensor=2`. Multi-host GP
 `jax.distributed.initialize()` first: pass `--multihost` to detect the cluster (SLURM, Open MPI,
 Kubernetes), or name the job with `--coordinator_address=HOST:PORT --num_processes=N
 --process_id=I` (one command per process; process 0 alone prints progress and writes metrics).
-Bad input (`errors.UserError`: config, data, mesh, flags, checkpoints, divergence) ends the run
-with one line on stderr and exit status 2; `--verbose` shows its traceback too.
+
+Every run ends in one of three ways: success (exit 0); one line `error: ...` on stderr with exit
+status 2 (`errors.UserError`: config, data, mesh, flags, checkpoints, divergence, memory, an
+unwritable workdir, and a lost process of a multi-process job); or, on SIGINT / SIGTERM, one line
+`interrupted ...` after the current step is saved and verified, with exit status 128 + the
+signal. `--verbose` adds tracebacks and library logs. A process of a multi-process job runs
+under a supervisor (`launch.supervise`), which turns an abort of JAX's runtime into that line.
 """
 
+import os
 import re
+import signal
 import sys
 
 from absl import app, flags
@@ -28,8 +35,8 @@ flags.DEFINE_string("coordinator_address", None, "HOST:PORT of process 0's coord
                     "(with --num_processes and --process_id; implies --multihost).")
 flags.DEFINE_integer("num_processes", None, "Processes in the job (with --coordinator_address).")
 flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes).")
-flags.DEFINE_integer("heartbeat_timeout_s", 100, "A process silent this long is declared dead "
-                     "and the others stop with an error.")
+flags.DEFINE_integer("heartbeat_timeout_s", 30, "A process whose heartbeats stop this long is "
+                     "declared lost and the others stop with an error naming it.")
 flags.DEFINE_integer("initialization_timeout_s", 300, "Seconds to wait for every process to join.")
 flags.DEFINE_bool("verbose", False, "Keep INFO logs of libraries (orbax, absl) and show the "
                   "traceback of bad-input errors.")
@@ -76,9 +83,30 @@ def main(argv):
       coordinator_address=FLAGS.coordinator_address, num_processes=FLAGS.num_processes,
       process_id=FLAGS.process_id, heartbeat_timeout_s=FLAGS.heartbeat_timeout_s,
       initialization_timeout_s=FLAGS.initialization_timeout_s)
+  if ((FLAGS.multihost or distributed.explicit)
+      and not os.environ.get(launch.SUPERVISED_ENV)):
+    try:
+      distributed.check()
+    except UserError as e:
+      _exit_with(str(e))
+    sys.exit(launch.supervise(sys.argv, FLAGS.workdir, FLAGS.verbose, FLAGS.process_id,
+                              FLAGS.num_processes))
+  stop = launch.StopRequest()
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, stop)
+  from distca_jax import trainer
   try:
     launch.run(FLAGS.config, FLAGS.workdir, multihost=FLAGS.multihost, verbose=FLAGS.verbose,
-               distributed=distributed)
+               distributed=distributed, stop=stop)
+  except trainer.Interrupted as e:
+    print(f"interrupted: {e}", file=sys.stderr, flush=True)
+    sys.exit(128 + e.signum)
+  except trainer.TrainingDiverged as e:
+    if FLAGS.verbose:
+      raise
+    command = [".venv/bin/python" if os.path.realpath(sys.executable) == os.path.realpath(
+        ".venv/bin/python") else sys.executable, "-m", "distca_jax.train"] + sys.argv[1:]
+    _exit_with(f"{e}: {e.command_line(command)}")
   except UserError as e:
     if FLAGS.verbose:
       raise

@@ -15,6 +15,9 @@ import dataclasses
 import json
 import os
 import queue
+import shlex
+import signal
+import tempfile
 import threading
 import time
 import zlib
@@ -32,6 +35,7 @@ from distca_jax import attention as attn_lib
 from distca_jax import backends
 from distca_jax import checkpoint as ckpt_lib
 from distca_jax import config as config_lib
+from distca_jax import launch
 from distca_jax import memory as memory_lib
 from distca_jax import metrics as metrics_lib
 from distca_jax import profiling
@@ -49,8 +53,18 @@ class TrainState:
   params: Any            # float32 master weights
   opt_state: Any         # optax state (float32)
   rng: jax.Array         # uint32 key data; step keys are fold_in(rng, step)
-  bad_steps: jax.Array   # int32 scalar: consecutive skipped steps (non-finite loss or grads)
+  bad_steps: jax.Array   # int32 scalar: consecutive skipped steps (non-finite or spiking)
   skipped_steps: jax.Array  # int32 scalar: skipped steps in all
+  health: jax.Array      # float32 [5]: running statistics of the good steps (`HEALTH_FIELDS`)
+
+
+# The running statistics a step's loss and gradient norm are checked against (`spike_check`).
+HEALTH_FIELDS = ("good_steps", "log_loss_mean", "log_loss_rise_sq", "log_grad_norm_mean",
+                 "log_grad_norm_rise_sq")
+HEALTH_DECAY = 0.95  # exponential moving average over ~20 good steps
+# The smallest standard deviations a spike is measured in (log space): 5% for the loss, 25% for
+# the gradient norm, which varies ~3x between healthy steps of the tiny config.
+MIN_LOG_STD_LOSS, MIN_LOG_STD_GRAD_NORM = 0.05, 0.25
 
 
 # ----------------------------------------------------------------------------------------------
@@ -111,7 +125,8 @@ def _init_fn(c, model, tx, *, boxed: bool):
       params = nn.meta.unbox(params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       rng=jax.random.key_data(jax.random.fold_in(key, 2)),
-                      bad_steps=jnp.zeros((), jnp.int32), skipped_steps=jnp.zeros((), jnp.int32))
+                      bad_steps=jnp.zeros((), jnp.int32), skipped_steps=jnp.zeros((), jnp.int32),
+                      health=jnp.zeros((len(HEALTH_FIELDS),), jnp.float32))
   return init
 
 
@@ -188,14 +203,41 @@ def add_host_plan(np_batch: dict, backend: attn_lib.Backend, doclens, tokens_per
   return {**np_batch, **{EXTRA_PREFIX + k: v for k, v in extra.items()}}
 
 
+def spike_check(health, loss, grad_norm, sigmas: float, warmup: int):
+  """(spike, limits, new health) of one step against the running statistics ``health``.
+
+  A spike is a loss or gradient norm whose log lies more than ``sigmas`` running deviations
+  (the root mean square of its rises above the mean, at least ``MIN_LOG_STD_*``) above its
+  running mean, once ``warmup`` good steps have
+  built the statistics (``sigmas`` = 0: never). ``limits`` are the two thresholds (loss, gradient
+  norm; inf before the warmup). The returned statistics take in this step; the caller keeps the
+  old ones when the step is skipped."""
+  n, ml, vl, mg, vg = (health[i] for i in range(len(HEALTH_FIELDS)))
+  x = jnp.log(jnp.maximum(loss, 1e-30).astype(jnp.float32))
+  g = jnp.log(jnp.maximum(grad_norm, 1e-30).astype(jnp.float32))
+  active = (n >= warmup) & (sigmas > 0)
+  lim_x = jnp.where(active, ml + sigmas * jnp.maximum(jnp.sqrt(vl), MIN_LOG_STD_LOSS), jnp.inf)
+  lim_g = jnp.where(active, mg + sigmas * jnp.maximum(jnp.sqrt(vg), MIN_LOG_STD_GRAD_NORM),
+                    jnp.inf)
+  spike = (x > lim_x) | (g > lim_g)
+  # Moving averages (a plain average until the window fills) of the log and of its squared rise
+  # above the mean (a falling loss, the normal trend, widens nothing).
+  beta = jnp.minimum(HEALTH_DECAY, n / (n + 1.0))
+  rise = lambda v, m: jnp.square(jnp.maximum(v - m, 0.0))
+  new = jnp.stack([n + 1, beta * ml + (1 - beta) * x, beta * vl + (1 - beta) * rise(x, ml),
+                   beta * mg + (1 - beta) * g, beta * vg + (1 - beta) * rise(g, mg)])
+  return spike, (jnp.exp(lim_x), jnp.exp(lim_g)), new
+
+
 def make_train_step(c, model, tx) -> Callable:
   """Pure `train_step(state, batch) -> (state, metrics)`; jit and shardings go at the call site.
 
-  A step whose loss or gradient norm is not finite is skipped inside the step: parameters and
-  optimizer state stay as they were (a select per element, fused into the update), `step` still
-  advances (the next batch is another one), and `bad_steps` (consecutive skips) and
-  `skipped_steps` count it; the metrics carry both and `skipped` (0 or 1). The loop stops the run
-  after `train.max_bad_steps` consecutive skips."""
+  A step is skipped inside the step when its loss or gradient norm is not finite or spikes
+  (`spike_check`, `train.spike_sigmas`): parameters, optimizer state and the running statistics
+  stay as they were (a select per element, fused into the update), `step` still advances (the
+  next batch is another one), and `bad_steps` (consecutive skips) and `skipped_steps` count it;
+  the metrics carry both, `skipped` and `spiked` (0 or 1) and the spike limits. The loop stops
+  the run after `train.max_bad_steps` consecutive skips."""
 
   def loss_fn(params, batch):
     total, count = model.apply({"params": params}, batch["inputs"], batch["targets"],
@@ -206,19 +248,24 @@ def make_train_step(c, model, tx) -> Callable:
     (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
     with jax.named_scope(profiling.OPTIMIZER_SCOPE):  # the step breakdown's 'optimizer' class
       grad_norm = optax.tree.norm(grads)
-      ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      spike, (loss_limit, grad_limit), health = spike_check(
+          state.health, loss, grad_norm, c.train.spike_sigmas, c.train.spike_warmup_steps)
+      ok = finite & ~spike
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-      params, opt_state = keep_if_bad(params, state.params), keep_if_bad(opt_state,
-                                                                         state.opt_state)
+      params, opt_state, health = keep_if_bad((params, opt_state, health),
+                                              (state.params, state.opt_state, state.health))
     bad_steps = jnp.where(ok, 0, state.bad_steps + 1)
     skipped_steps = state.skipped_steps + (~ok).astype(jnp.int32)
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                              bad_steps=bad_steps, skipped_steps=skipped_steps)
+                              bad_steps=bad_steps, skipped_steps=skipped_steps, health=health)
     metrics = {"loss": loss, "grad_norm": grad_norm, "loss_tokens": count,
                "lr": learning_rate(c, state.step), "skipped": (~ok).astype(jnp.float32),
-               "bad_steps": bad_steps, "skipped_steps": skipped_steps}
+               "spiked": (finite & spike).astype(jnp.float32), "loss_limit": loss_limit,
+               "grad_norm_limit": grad_limit, "bad_steps": bad_steps,
+               "skipped_steps": skipped_steps}
     return new_state, metrics
 
   return train_step
@@ -361,8 +408,21 @@ class Prefetcher:
     # Step -> plan_digest, with row_ranges; the train loop pops the steps it checks.
     self.plan_digests: dict[int, int] = {}
 
+    self._closed = threading.Event()
+
+    def put(item) -> bool:  # False once closed (the consumer is gone)
+      while not self._closed.is_set():
+        try:
+          self._q.put(item, timeout=0.1)
+          return True
+        except queue.Full:
+          pass
+      return False
+
     def work():
       for step in range(start, stop):
+        if self._closed.is_set():
+          return
         try:
           doclens = source.doclens(step)
           if row_ranges is not None:
@@ -376,13 +436,21 @@ class Prefetcher:
               self.host_plan_s.append(time.perf_counter() - t0)
           item = (step, batch, doclens)
         except Exception as e:  # surfaced in the main thread, never swallowed
-          self._q.put(e)
+          put(e)
           return
-        self._q.put(item)
+        if not put(item):
+          return
 
     self._thread = threading.Thread(target=work, daemon=True)
     self._thread.start()
     self.model_cfg = model_cfg
+
+  def close(self) -> None:
+    """Stops the worker and waits for it (it finishes the batch in hand). A Python thread still
+    running when the interpreter exits is torn down inside C++ frames (XLA, NumPy), which
+    aborts the process ('terminate called without an active exception')."""
+    self._closed.set()
+    self._thread.join()
 
   def next(self):
     item = self._q.get()
@@ -393,59 +461,131 @@ class Prefetcher:
 
 
 class TrainingDiverged(UserError):
-  """`train.max_bad_steps` consecutive steps had a non-finite loss or gradient norm."""
+  """`train.max_bad_steps` consecutive steps were skipped (a non-finite or spiking loss or
+  gradient norm). ``first_bad`` / ``last_bad``: their 0-based indices; ``resume``: the config
+  overrides of the advised rerun (a lower learning rate), which `command_line` spells out."""
+
+  def __init__(self, message: str, first_bad: int = 0, last_bad: int = 0,
+               resume: dict | None = None):
+    super().__init__(message)
+    self.first_bad, self.last_bad, self.resume = first_bad, last_bad, resume or {}
+
+  def command_line(self, argv: list[str]) -> str:
+    """``argv`` (an entry point's command line) with the ``resume`` overrides in place of any
+    earlier value of theirs."""
+    keep = [a for a in argv if not any(a.startswith(f"--config.{k}=") for k in self.resume)]
+    return " ".join(shlex.quote(a) for a in keep + [f"--config.{k}={v:g}"
+                                                     for k, v in self.resume.items()])
+
+
+def _reason(m: dict, step: int) -> str:
+  """Why step ``step`` (0-based) was skipped, from its metrics."""
+  loss, gnorm = float(m["loss"]), float(m["grad_norm"])
+  if not (np.isfinite(loss) and np.isfinite(gnorm)):
+    return f"step {step + 1}: loss {loss:.4g}, gradient norm {gnorm:.4g}"
+  parts = [f"loss {loss:.4g} over its spike limit {float(m['loss_limit']):.4g}"
+           if loss > float(m["loss_limit"]) else "",
+           f"gradient norm {gnorm:.4g} over its spike limit {float(m['grad_norm_limit']):.4g}"
+           if gnorm > float(m["grad_norm_limit"]) else ""]
+  return f"step {step + 1}: " + " and ".join(p for p in parts if p)
 
 
 class BadStepWatch:
-  """Stops the run after `max_bad` consecutive skipped steps, reading each step's `bad_steps`
-  metric only once it has reached the host: every step starts its copy (`copy_to_host_async`)
-  and `poll` reads the ones that are ready, so the loop never waits for a step to finish."""
+  """Follows the skipped steps (`TrainState.bad_steps`) and stops the run after `max_bad` in a
+  row, reading each step's count only once it has reached the host: every step starts its copy
+  (`copy_to_host_async`) and `poll` reads the ones that are ready, so the loop never waits for a
+  step to finish. `streak` is the run of skipped steps ending at the last step read (0: that step
+  was good) and `streak_start` its first step (0-based)."""
 
-  def __init__(self, max_bad: int, describe_last_good: Callable[[], str]):
+  def __init__(self, max_bad: int):
     self.max_bad = max_bad
-    self._describe = describe_last_good
+    self.streak, self.streak_start, self.first_reason = 0, None, ""
     self._pending: collections.deque = collections.deque()
 
-  def add(self, step: int, bad_steps: jax.Array) -> None:
-    bad_steps.copy_to_host_async()
-    self._pending.append((step, bad_steps))
+  def add(self, step: int, metrics: dict) -> None:
+    metrics["bad_steps"].copy_to_host_async()
+    self._pending.append((step, metrics))
 
   def poll(self, wait: bool = False) -> None:
-    """Checks the steps whose count is on the host (`wait`: all of them)."""
-    while self._pending and (wait or self._pending[0][1].is_ready()):
-      step, bad = self._pending.popleft()
-      if int(bad) >= self.max_bad:
+    """Reads the steps whose count is on the host (`wait`: all of them); raises
+    TrainingDiverged (without advice: the loop adds it) at `max_bad` in a row."""
+    while self._pending and (wait or self._pending[0][1]["bad_steps"].is_ready()):
+      step, m = self._pending.popleft()
+      self.streak = int(m["bad_steps"])
+      if self.streak == 1:
+        self.streak_start, self.first_reason = step, _reason(m, step)
+      if self.streak >= self.max_bad:
+        first = step - self.streak + 1
         raise TrainingDiverged(
-            f"steps {step - int(bad) + 2}..{step + 1} ({int(bad)} in a row, train.max_bad_steps="
-            f"{self.max_bad}) had a non-finite loss or gradient norm and were skipped; "
-            f"{self._describe()}; lower optim.lr or raise optim.warmup_steps and resume from "
-            "it, or check the data of those steps")
+            f"steps {first + 1}..{step + 1} ({self.streak} in a row, train.max_bad_steps="
+            f"{self.max_bad}) had a non-finite or spiking loss or gradient norm and were skipped "
+            f"({self.first_reason})", first, step)
+
+
+StopRequest = launch.StopRequest
+
+
+class Interrupted(Exception):
+  """The run stopped on a signal; the message says what was saved. ``signum``: the signal."""
+
+  def __init__(self, message: str, signum: int):
+    super().__init__(message)
+    self.signum = signum
 
 
 # ----------------------------------------------------------------------------------------------
 # The job
 # ----------------------------------------------------------------------------------------------
+def check_workdir(workdir: str) -> None:
+  """Raises a UserError unless files can be created in ``workdir`` (or, when it does not exist
+  yet, in its nearest existing parent, where it will be made); probes with a temporary file."""
+  where = workdir
+  while not os.path.exists(where):
+    where = os.path.dirname(where)
+  problem = None
+  if not os.path.isdir(where):
+    problem = f"{where} is not a directory"
+  else:
+    try:
+      with tempfile.TemporaryFile(dir=where):
+        pass
+    except OSError as e:
+      problem = f"cannot create files in {where}: {e.strerror}"
+  if problem:
+    raise UserError(f"--workdir={workdir} is not writable ({problem}); pass a --workdir you can "
+                    "write to (checkpoints, metrics.jsonl and config.json go there)")
+
+
 def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str,
-                       device_memory_bytes: int | None = None) -> list[dict]:
+                       device_memory_bytes: int | None = None,
+                       stop: StopRequest | None = None) -> list[dict]:
   """Trains for `c.num_steps` steps in `workdir` (resuming if it holds a checkpoint).
 
-  Returns the log records written during this call (one per `log_every` steps). The log and the
-  checkpoint manager are closed on every exit, errors included (a pending save completes).
-  `device_memory_bytes` replaces the device's memory for the pre-flight check (tests).
+  Returns the log records written during this call (one per `log_every` steps). The workdir is
+  made only once the config and mesh are valid. On every exit, errors included, the batch
+  prefetcher stops, a pending save completes, and the checkpoint manager and the log close, in
+  that order. `device_memory_bytes` replaces the device's memory for the pre-flight check
+  (tests). When `stop` is set (by a signal handler) the loop saves the current step, verifies
+  that checkpoint and raises `Interrupted`.
   """
   config_lib.validate(c)
   workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
+  check_workdir(workdir)
+  run = setup_run(c)  # bad mesh or backend: an error before the workdir is made
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise UserError(f"--workdir={workdir} cannot be made ({e.strerror}); pass a --workdir you "
+                    "can write to") from e
   with contextlib.ExitStack() as closers:
     log = metrics_lib.RunLog(workdir, c.num_steps, tensorboard=c.tensorboard)
     closers.callback(log.close)
-    return _train(c, workdir, log, closers, device_memory_bytes)
+    return _train(c, run, workdir, log, closers, device_memory_bytes, stop or StopRequest())
 
 
-def _train(c, workdir, log, closers, device_memory_bytes) -> list[dict]:
+def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dict]:
 
-  # Set up mesh, model, optimizer, data
-  run = setup_run(c)
+  # Mesh, model, optimizer, data
   mesh, backend, model, tx, source = run.mesh, run.backend, run.model, run.tx, run.source
   rows = mesh.shape["data"] * c.rows_per_rank
   log.info(f"mesh {dict(mesh.shape)} on {jax.device_count()} x {jax.devices()[0].device_kind}; "
@@ -470,6 +610,9 @@ def _train(c, workdir, log, closers, device_memory_bytes) -> list[dict]:
     state = manager.restore_verified(abstract, report=log.info)
     if state is not None:
       log.info(f"resumed from checkpoint at step {int(state.step)} in {workdir} (verified)")
+      # A new streak of skipped steps starts here (a checkpoint written by an older version may
+      # carry one).
+      state = state.replace(bad_steps=jax.device_put(np.int32(0), state_sh.bad_steps))
   if state is None:
     state = create_train_state(c, model, tx, mesh)
   start = int(state.step)
@@ -489,6 +632,8 @@ def _train(c, workdir, log, closers, device_memory_bytes) -> list[dict]:
           f"devices, batch rows {row_ranges} of {rows}", flush=True)
   prefetch = Prefetcher(source, model_cfg, start, c.num_steps, backend=backend,
                         row_ranges=row_ranges)
+  closers.callback(prefetch.close)  # runs after the wait below, before the manager and log close
+  closers.callback(wait_for_dispatched_work)  # runs first
   step_fn = None
   log.info(f"compiling the train step (first step includes compilation) ...")
   window_t0, window_flops, window_tokens, window_steps = None, 0.0, 0, 0
@@ -499,66 +644,141 @@ def _train(c, workdir, log, closers, device_memory_bytes) -> list[dict]:
     log.info(f"profile_step={c.profile_step} was done before the checkpoint (step {start}); "
              "not profiling")
   last_step_time_s = None  # of the last logged window: the unprofiled step time for idle time
-  watch = BadStepWatch(c.train.max_bad_steps, (manager.describe_last_good if manager else
-                                               lambda: "checkpointing is off"))
+  watch = BadStepWatch(c.train.max_bad_steps)
+  weight_rms = float(np.median(jax.device_get(_leaf_rms(state.params))))
   memory_need = None
-  for _ in range(start, c.num_steps):
-    step, np_batch, flops, tokens = prefetch.next()
-    digest = prefetch.plan_digests.pop(step)
-    if step == start or (c.checkpoint_every > 0 and step % c.checkpoint_every == 0):
-      check_plans_agree(step, digest)
-    if step_fn is None:  # batch keys (a backend's plan arrays included) are known now
+  try:
+    for step in range(start, c.num_steps):
+      signum = launch.stop_signal(step, stop.signum)
+      if signum is not None:
+        _save_on_interrupt(signum, step, state, manager, watch, abstract)
+      step_, np_batch, flops, tokens = prefetch.next()
+      assert step_ == step, (step_, step)
+      digest = prefetch.plan_digests.pop(step)
+      if step == start or (c.checkpoint_every > 0 and step % c.checkpoint_every == 0):
+        check_plans_agree(step, digest)
+      if step_fn is None:  # batch keys (a backend's plan arrays included) are known now
+        with mesh_context(mesh):
+          keys = np_batch[0][2]
+          step_fn = jit_train_step(c, model, tx, mesh, state_sh, tuple(keys))
+          # Pre-flight: compile once ahead of the call and stop if the step cannot fit.
+          batch_shapes = {k: jax.ShapeDtypeStruct((rows,) + a.shape[1:], a.dtype,
+                                                  sharding=rows_sharding(mesh))
+                          for k, a in keys.items()}
+          step_fn = step_fn.lower(state, batch_shapes).compile()
+        memory_need = memory_lib.check_fits(step_fn, mesh.devices.flat[0], device_memory_bytes)
+      profiled = step == c.profile_step
       with mesh_context(mesh):
-        keys = np_batch[0][2]
-        step_fn = jit_train_step(c, model, tx, mesh, state_sh, tuple(keys))
-        # Pre-flight: compile once ahead of the call and stop if the step cannot fit.
-        batch_shapes = {k: jax.ShapeDtypeStruct((rows,) + a.shape[1:], a.dtype,
-                                                sharding=rows_sharding(mesh))
-                        for k, a in keys.items()}
-        step_fn = step_fn.lower(state, batch_shapes).compile()
-      memory_need = memory_lib.check_fits(step_fn, mesh.devices.flat[0], device_memory_bytes)
-    profiled = step == c.profile_step
-    with mesh_context(mesh):
-      if profiled:  # idle time against the last unprofiled step time when there is one
-        state, m, report = profiling.profile_train_step(
-            step_fn, state, device_batch(np_batch, mesh, rows), profile_dir,
-            step_time_s=last_step_time_s)
-        basis = ("the profiled call's wall time" if last_step_time_s is None
-                 else "the last logged step_time_s")
-        log.info(f"profiled step {step} (idle = step time - busy; step time is {basis}); "
-                 f"report in {profile_dir}/report.md\n" + profiling.format_report(report))
+        if profiled:  # idle time against the last unprofiled step time when there is one
+          state, m, report = profiling.profile_train_step(
+              step_fn, state, device_batch(np_batch, mesh, rows), profile_dir,
+              step_time_s=last_step_time_s)
+          basis = ("the profiled call's wall time" if last_step_time_s is None
+                   else "the last logged step_time_s")
+          log.info(f"profiled step {step} (idle = step time - busy; step time is {basis}); "
+                   f"report in {profile_dir}/report.md\n" + profiling.format_report(report))
+        else:
+          try:
+            state, m = step_fn(state, device_batch(np_batch, mesh, rows))
+          except jax.errors.JaxRuntimeError as e:
+            memory_lib.raise_if_out_of_memory(e, memory_need, mesh.devices.flat[0],
+                                              device_memory_bytes)
+            raise
+      watch.add(step, m)
+      watch.poll()
+      if window_t0 is None or profiled:  # time from the end of the first (compiling) or
+        jax.block_until_ready(m)         # profiled step: those are not representative
+        window_t0, window_flops, window_tokens, window_steps = time.time(), 0.0, 0, 0
       else:
-        try:
-          state, m = step_fn(state, device_batch(np_batch, mesh, rows))
-        except jax.errors.JaxRuntimeError as e:
-          memory_lib.raise_if_out_of_memory(e, memory_need, mesh.devices.flat[0],
-                                            device_memory_bytes)
-          raise
-    watch.add(step, m["bad_steps"])
-    watch.poll()
-    if window_t0 is None or profiled:  # time from the end of the first (compiling) or profiled
-      jax.block_until_ready(m)         # step: those are not representative
-      window_t0, window_flops, window_tokens, window_steps = time.time(), 0.0, 0, 0
-    else:
-      window_flops += flops
-      window_tokens += tokens
-      window_steps += 1
-    done = step + 1
-    if done % c.log_every == 0 or done == c.num_steps:
-      m = jax.device_get(m)
-      rec = {k: float(v) for k, v in m.items()}
-      elapsed = time.time() - window_t0
-      if window_steps:
-        rec["step_time_s"] = elapsed / window_steps
-        rec["tokens_per_s"] = window_tokens / elapsed
-        if peak:
-          rec["mfu"] = window_flops / elapsed / (peak * jax.device_count())
-      log.write(done, rec)
-      records.append({"step": done, **rec})
-      last_step_time_s = rec.get("step_time_s", last_step_time_s)
-      window_t0, window_flops, window_tokens, window_steps = time.time(), 0.0, 0, 0
-    if manager is not None and (done % c.checkpoint_every == 0 or done == c.num_steps):
-      watch.poll(wait=True)
-      manager.save(done, state)
-  watch.poll(wait=True)
+        window_flops += flops
+        window_tokens += tokens
+        window_steps += 1
+      done = step + 1
+      if done % c.log_every == 0 or done == c.num_steps:
+        m = jax.device_get(m)
+        rec = {k: float(v) for k, v in m.items()}
+        elapsed = time.time() - window_t0
+        if window_steps:
+          rec["step_time_s"] = elapsed / window_steps
+          rec["tokens_per_s"] = window_tokens / elapsed
+          if peak:
+            rec["mfu"] = window_flops / elapsed / (peak * jax.device_count())
+        log.write(done, rec)
+        records.append({"step": done, **rec})
+        last_step_time_s = rec.get("step_time_s", last_step_time_s)
+        window_t0, window_flops, window_tokens, window_steps = time.time(), 0.0, 0, 0
+      if manager is not None and (done % c.checkpoint_every == 0 or done == c.num_steps):
+        watch.poll(wait=True)
+        if watch.streak:  # the state may come from the update that started the streak
+          log.info(f"not saving step {done}: steps {watch.streak_start + 1}..{done} were "
+                   f"skipped ({watch.first_reason})")
+        else:
+          manager.save(done, state)
+    watch.poll(wait=True)
+  except TrainingDiverged as e:
+    raise _diverged(e, c, manager, weight_rms) from None
   return records
+
+
+def wait_for_dispatched_work() -> None:
+  """Waits for every computation still running (steps are dispatched ahead of the host): an
+  exit while XLA runs one destroys its thread pool under it, which aborts the process
+  ('terminate called without an active exception'). Errors of those computations are not this
+  wait's to report."""
+  for x in jax.live_arrays():
+    try:
+      x.block_until_ready()
+    except Exception:  # pylint: disable=broad-except  # the step's own error is already raised
+      pass
+
+
+def _save_on_interrupt(signum, step, state, manager, watch, abstract):
+  """Saves the state after ``step`` steps (unless that checkpoint exists or the state follows
+  skipped steps), reads it back to verify it, and raises `Interrupted` saying what was kept."""
+  name = signal.Signals(signum).name
+  watch.poll(wait=True)  # a diverged run reports that instead
+  if manager is None:
+    raise Interrupted(f"interrupted by {name} after step {step}; checkpointing is off "
+                      "(checkpoint_every=0): nothing was saved", signum)
+  if watch.streak:
+    raise Interrupted(
+        f"interrupted by {name} after step {step}; not saving it: steps "
+        f"{watch.streak_start + 1}..{step} were skipped ({watch.first_reason}); "
+        f"{manager.describe_last_good()}; rerun to resume from it", signum)
+  if manager.latest_step() != step:
+    manager.save(step, state)
+  manager.wait()
+  jax.tree.map(lambda x: x.delete(), state)  # room for the copy read back
+  manager.restore(abstract, step)  # raises CheckpointError unless it verifies
+  raise Interrupted(f"interrupted by {name} after step {step}: saved checkpoint step {step} at "
+                    f"{manager.path(step)} and verified it (read back, hashes and finiteness); "
+                    "rerun the same command to resume from it", signum)
+
+
+@jax.jit
+def _leaf_rms(params):
+  return jnp.stack([jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32))))
+                    for x in jax.tree.leaves(params)])
+
+
+def _diverged(e: TrainingDiverged, c, manager, weight_rms: float) -> TrainingDiverged:
+  """The divergence error with its advice: the checkpoints from the first skipped step on move to
+  WORKDIR/checkpoints_diverged/, so a rerun resumes from the newest one before it, and the rerun
+  lowers the learning rate to a tenth, and to at most a tenth of the weights' median RMS
+  ``weight_rms`` (Adam moves every weight by about the learning rate per step)."""
+  lr = float(f"{min(c.optim.lr / 10, weight_rms / 10):.2g}")
+  if manager is None:
+    where = "checkpointing is off (checkpoint_every=0): start over"
+  else:
+    manager.wait()
+    moved = manager.set_aside_from(e.first_bad)
+    good = manager.latest_step()
+    where = (f"checkpoint step {good} at {manager.path(good)} precedes them: resume from it"
+             if good is not None else f"no checkpoint precedes step {e.first_bad + 1}: start over")
+    if moved:
+      where = (f"checkpoint{'s' if len(moved) > 1 else ''} {', '.join(map(str, moved))} (from the "
+               f"skipped steps on) moved to {manager.diverged_directory}; " + where)
+  return TrainingDiverged(
+      f"{e}: the run diverged; {where} with a lower learning rate (optim.lr={lr:g}: a tenth of "
+      f"{c.optim.lr:g}, at most a tenth of the weights' median RMS {weight_rms:.2g}; lower it "
+      "again if this diverges too)", e.first_bad, e.last_bad, {"optim.lr": lr})

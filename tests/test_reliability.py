@@ -5,6 +5,7 @@ memory stops before it runs. results/reliability.md lists every fault with its c
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -81,14 +82,63 @@ def test_nonfinite_step_is_skipped_inside_the_step():
     assert float(m["skipped"]) == 0 and int(fixed.bad_steps) == 0 and int(fixed.skipped_steps) == 2
 
 
+def _step_metrics(bad, loss=1.0, grad_norm=1.0):
+  return {"bad_steps": jnp.int32(bad), "loss": jnp.float32(loss),
+          "grad_norm": jnp.float32(grad_norm), "loss_limit": jnp.float32(2.0),
+          "grad_norm_limit": jnp.float32(jnp.inf)}
+
+
 def test_bad_step_watch_stops_after_max_consecutive():
-  watch = trainer.BadStepWatch(3, lambda: "the last good checkpoint is step 4 at /x/4")
+  watch = trainer.BadStepWatch(3)
   for step, bad in enumerate([0, 1, 2, 0, 1, 2]):
-    watch.add(step, jnp.int32(bad))
+    watch.add(step, _step_metrics(bad, loss=3.0 if bad else 1.0))
   watch.poll(wait=True)  # never 3 in a row
-  watch.add(6, jnp.int32(3))
-  with pytest.raises(trainer.TrainingDiverged, match=r"steps 5\.\.7 .*step 4 at /x/4"):
+  assert watch.streak == 2 and watch.streak_start == 4
+  watch.add(6, _step_metrics(3, loss=9.0))
+  with pytest.raises(trainer.TrainingDiverged, match=r"steps 5\.\.7 .*\(step 5: loss 3 over its spike limit 2\)"):
     watch.poll(wait=True)
+
+
+def test_spikes_are_measured_against_the_running_statistics(seed):
+  """Healthy noisy steps (a falling loss, gradient norms varying 3x) are never spikes; once the
+  statistics are warm, a loss 5x the current one (the running mean lags a falling loss) or a
+  gradient norm 10x is; a spike's values do
+  not enter the statistics (the step keeps the old ones)."""
+  rng = np.random.default_rng(seed)
+  health = jnp.zeros((len(trainer.HEALTH_FIELDS),), jnp.float32)
+  check = jax.jit(lambda h, l, g: trainer.spike_check(h, l, g, 6.0, 5))
+  for i in range(60):
+    loss = 5.5 * np.exp(-i / 30) * (1 + 0.05 * rng.standard_normal())
+    spike, _, health = check(health, jnp.float32(loss), jnp.float32(rng.uniform(0.4, 1.4)))
+    assert not spike, f"{seed=} healthy step {i} taken for a spike"
+  loss_now = float(5.5 * np.exp(-59 / 30))
+  for loss, gnorm in ((5 * loss_now, 1.0), (loss_now, 10.0)):
+    spike, limits, _ = check(health, jnp.float32(loss), jnp.float32(gnorm))
+    assert spike, (seed, loss, gnorm, limits)
+  spike, _, _ = check(jnp.zeros_like(health), jnp.float32(1e6), jnp.float32(1e6))
+  assert not spike, "no spike before the warmup (non-finite values are caught apart)"
+
+
+def test_a_spiking_step_is_skipped_inside_the_step():
+  c = small_config("optim.warmup_steps=0", "train.spike_warmup_steps=1")
+  mesh, model, tx, _, state_sh = one_device_setup(c)
+  source = trainer.make_source(c.data, rows=c.rows_per_rank, tokens_per_row=c.tokens_per_rank,
+                               vocab_size=c.model.vocab_size, seed=c.seed)
+  batch = trainer.device_batch(source.batch(0), mesh)
+  start = jax.device_get(trainer.create_train_state(c, model, tx, mesh))
+  with trainer.mesh_context(mesh):
+    step = trainer.jit_train_step(c, model, tx, mesh, state_sh)
+    good, m = step(jax.device_put(start, state_sh), batch)
+    good = jax.device_get(good)
+    assert float(m["skipped"]) == 0
+    # Statistics that call this step's loss a spike: mean log-loss far below it.
+    low = good.replace(health=np.asarray([10, np.log(float(m["loss"])) - 3, 0, 0, 0],
+                                         np.float32))
+    out, m = step(jax.device_put(low, state_sh), batch)
+    out = jax.device_get(out)
+  assert float(m["spiked"]) == 1 and float(m["skipped"]) == 1 and int(m["bad_steps"]) == 1
+  assert identical(out.params, low.params) and identical(out.opt_state, low.opt_state)
+  np.testing.assert_array_equal(out.health, low.health)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,6 +189,25 @@ def test_save_refuses_a_nonfinite_state(tmp_path):
     m.save(5, bad)
   m.close()
   assert m.all_steps() == []
+
+
+def test_diverged_checkpoints_move_aside(tmp_path):
+  c = small_config()
+  mesh, model, tx, abstract, _ = one_device_setup(c)
+  _save_two(str(tmp_path), c, abstract, mesh, model, tx)
+  m = ckpt_lib.CheckpointManager(str(tmp_path), c)
+  m.last_good_step = 2
+  assert m.set_aside_from(2) == [2] and m.all_steps() == [1] and m.last_good_step == 1
+  assert [n.split(".")[0] for n in os.listdir(m.diverged_directory)] == ["2"]
+  assert int(m.restore(abstract).step) == 1
+  m.close()
+
+
+def test_restore_failures_drop_bound_method_and_spec_reprs():
+  e = ValueError("DATA_LOSS: Error reading <bound method pybind11_detail_function_record_v1."
+                 "xyz of TensorStore({'driver': 'zarr'})>")
+  assert ckpt_lib._first_words(e) == "DATA_LOSS: Error reading"
+  assert ckpt_lib._first_words(RuntimeError("a\n  b")) == "a b"
 
 
 def _damage(path, offset, n=8):
@@ -239,15 +308,124 @@ def _every_checkpoint_verifies(workdir, c):
   return steps
 
 
+def _with(**over):
+  """RUN with the keys of ``over`` (dots as in config keys) set to other values."""
+  keys = {k.replace("__", "."): v for k, v in over.items()}
+  return [o for o in RUN if o.split("=")[0] not in keys] + [f"{k}={v}" for k, v in keys.items()]
+
+
+def _one_error_line(err):
+  """The stderr of a run that must end with exactly one 'error:' line and nothing else of note."""
+  for bad in ("Traceback", "terminate called", "Fatal Python error", "Check failure"):
+    assert bad not in err, err[-3000:]
+  lines = [l for l in err.splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
+  return lines[0]
+
+
 @pytest.mark.slow
-def test_diverging_run_stops_and_saves_nothing_nonfinite(tmp_path):
-  rc, out, err = _run(str(tmp_path), RUN + ["optim.lr=1e6"])
+def test_divergence_in_the_default_tiny_config_is_one_line_and_the_advice_trains_on(tmp_path):
+  """The README's command with lr 1e6 (300 steps, TensorBoard on): exit 2 with one line that
+  names what to resume from and the command; that command (made shorter) trains finite losses."""
+  workdir = str(tmp_path / "w")
+  p = subprocess.run([sys.executable, "-m", "distca_jax.train", "--config", TINY, "--workdir",
+                      workdir, "--config.optim.lr=1e6"], cwd=ROOT, env=_env(),
+                     capture_output=True, text=True, timeout=900)
+  assert p.returncode == 2, p.stdout + p.stderr
+  line = _one_error_line(p.stderr)
+  assert "steps 3..5 (3 in a row" in line and "no checkpoint precedes step 3" in line, line
+  command = line.split("diverges too): ", 1)[1].split()
+  assert command[1:3] == ["-m", "distca_jax.train"] and "--config.optim.lr=0.002" in command
+  assert os.path.realpath(os.path.join(ROOT, command[0])) == os.path.realpath(sys.executable)
+  assert not os.path.exists(os.path.join(workdir, "checkpoints")) or not os.listdir(
+      os.path.join(workdir, "checkpoints"))
+  p = subprocess.run(command + ["--config.num_steps=30", "--config.log_every=1"], cwd=ROOT,
+                     env=_env(), capture_output=True, text=True, timeout=900)
+  assert p.returncode == 0, p.stdout + p.stderr
+  losses = [l for s, l in sorted(_losses(workdir).items()) if s > 20]
+  assert len(losses) == 30 - 20 and np.isfinite(losses).all(), losses
+
+
+@pytest.mark.slow
+def test_diverging_after_a_checkpoint_resumes_from_the_one_before(tmp_path):
+  """Steps 1-8 train (checkpoints 4 and 8), then the learning rate jumps (a resumed run with
+  lr 1e6): the checkpoints from the first skipped step on move aside, the error names checkpoint
+  8, and the advised command resumes from it with fresh bad-step counts and trains on."""
+  workdir = str(tmp_path)
+  rc, out, err = _run(workdir, _with(num_steps=8))
+  assert rc == 0, out + err
+  rc, out, err = _run(workdir, _with(**{"optim.lr": "1e6", "optim.warmup_steps": 0}))
   assert rc == 2, out + err
-  assert "Traceback" not in err and "can't create new thread" not in err, err
-  lines = [l for l in err.splitlines() if l.startswith("error:")]
-  assert len(lines) == 1 and "train.max_bad_steps=3" in lines[0], err
-  assert "the last good checkpoint is step 4 at " in lines[0], err
-  assert _every_checkpoint_verifies(str(tmp_path), small_config(*RUN)) == [4]
+  line = _one_error_line(err)
+  assert re.search(r"steps (9|10)\.\.(11|12) ", line) and "checkpoint step 8 at " in line, line
+  assert "checkpoints 12" not in line and "checkpoint 12" not in line, "12 follows skipped steps"
+  command = line.split("diverges too): ", 1)[1].split()
+  p = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+  assert p.returncode == 0, p.stdout + p.stderr
+  assert "resumed from checkpoint at step 8" in p.stdout, p.stdout
+  losses = _losses(workdir)
+  assert all(np.isfinite(losses[s]) for s in range(9, 13)), losses
+  assert _every_checkpoint_verifies(workdir, small_config(*RUN))[-1] == 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_and_verifies_the_current_step(tmp_path, sig):
+  workdir = str(tmp_path)
+  proc = subprocess.Popen(_cmd(workdir, _with(num_steps=400)), cwd=ROOT,
+                          env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.time() + 300
+  while not (os.path.exists(metrics) and len(open(metrics).read().splitlines()) >= 6):
+    assert time.time() < deadline and proc.poll() is None, proc.communicate()
+    time.sleep(0.1)
+  proc.send_signal(sig)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 128 + sig, out + err
+  lines = [l for l in err.splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith(f"interrupted: interrupted by {sig.name} after "
+                                                 "step "), err
+  step = int(lines[0].split("after step ")[1].split(":")[0])
+  assert step >= 6 and "and verified it" in lines[0], lines[0]
+  assert step in _every_checkpoint_verifies(workdir, small_config(*RUN))
+  rc, out, err = _run(workdir, _with(num_steps=step + 1))
+  assert rc == 0 and f"resumed from checkpoint at step {step}" in out, out + err
+
+
+def _read_only_dir(path):
+  """Makes ``path`` read-only (chmod, or chattr +i for root); False when neither works here."""
+  os.makedirs(path)
+  os.chmod(path, 0o555)
+  if os.geteuid() == 0:
+    subprocess.run(["chattr", "+i", path], capture_output=True)
+  try:
+    open(os.path.join(path, "probe"), "w").close()
+    return False
+  except OSError:
+    return True
+
+
+@pytest.mark.slow
+def test_an_unwritable_workdir_is_one_line(tmp_path):
+  ro = str(tmp_path / "ro")
+  if not _read_only_dir(ro):
+    pytest.skip("cannot make a read-only directory here (no chmod or chattr effect)")
+  try:
+    for workdir in (ro, os.path.join(ro, "sub")):
+      rc, out, err = _run(workdir, SMALL)
+      assert rc == 2, out + err
+      assert "is not writable" in _one_error_line(err) and f"--workdir={workdir}" in err, err
+  finally:
+    subprocess.run(["chattr", "-i", ro], capture_output=True)
+    os.chmod(ro, 0o755)
+
+
+@pytest.mark.slow
+def test_a_bad_mesh_leaves_no_workdir(tmp_path):
+  workdir = str(tmp_path / "new")
+  rc, out, err = _run(workdir, SMALL + ["mesh.data=3"])
+  assert rc == 2 and "mesh data=3" in _one_error_line(err)
+  assert not os.path.exists(workdir)
 
 
 @pytest.mark.slow

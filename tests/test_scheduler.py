@@ -202,6 +202,24 @@ def test_min_shard_degrades_with_reason():
   assert ok.loads_after.max() - ok.loads_after.min() <= 2 * 1001
 
 
+# (tokens_per_rank, sampler seed, step) of Pretrain layouts on 64 servers where tolerance 0 once
+# ended worse than 0.01 (1.0127 vs 1.0100 at 128K; 1.0212 vs 1.0100 at 64K), plus seeded draws.
+_MONOTONE_CASES = ((128 * K, 3, 8), (64 * K, 1, 4)) + tuple(
+    (int(t), int(seed), int(step)) for t, seed, step in zip(
+        np.random.default_rng(5).choice((64 * K, 128 * K), 2),
+        np.random.default_rng(6).integers(0, 10, 2), np.random.default_rng(7).integers(0, 20, 2)))
+
+
+@pytest.mark.parametrize("case", _MONOTONE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_smaller_tolerance_never_ends_worse(case):
+  """imbalance_after is non-increasing as the tolerance decreases (same layout and min_shard)."""
+  t, seed, step = case
+  doc_lens = _layout("pretrain", t, 64, False, step, seed=seed)
+  imb = [plan_lib.schedule(doc_lens, 64, tokens_per_rank=t, tolerance=tol,
+                           min_shard=512).imbalance_after for tol in (0.1, 0.05, 0.02, 0.01, 0.0)]
+  assert all(b <= a * (1 + 1e-12) for a, b in zip(imb, imb[1:])), imb
+
+
 def test_mirrored_pairs_identity():
   rng = np.random.default_rng(0)
   for _ in range(200):

@@ -33,7 +33,14 @@ It stops when every server is at most ``limit`` (servers below the mean do not s
 no destination admits a move first (pieces of at least ``min_shard`` tokens do not fit the room a
 tight limit leaves, or caps refuse), a second phase keeps lowering the maximum load with the same
 greedy under intermediate limits between the current maximum and ``limit`` (more room per
-destination), so a smaller tolerance never ends worse than it must. ``Plan.degraded`` is set
+destination). A tight limit can get stuck above where a looser one ends (it spends the
+under-loaded servers' room on servers just above the mean, which the looser limit leaves alone),
+so a stuck run also balances from the start towards the next larger tolerance of ``LEVELS``
+(settled the same way), lowers the maximum from there towards its own limit with both phases,
+and keeps whichever ends lower. So a stuck run never ends worse than the run at the next larger
+tolerance of ``LEVELS`` (0.001 ... 1 in 1-2-5 steps), and a run that reaches its limit ends
+within it (``tests/test_scheduler.py`` checks that a smaller tolerance never ends worse on
+Pretrain layouts). ``Plan.degraded`` is set
 when the result is above ``limit``, with a reason naming the caps that blocked moves or the
 ``min_shard`` granularity.
 Sufficient condition for reaching the limit without caps: a destination below the mean always has
@@ -69,6 +76,8 @@ from distca_jax.plan.cost import CostTable, imbalance, pairs, predicted_step_gai
 from distca_jax.plan.metadata import Plan, parse_layout
 
 SPLITS = ("auto", "mirrored", "suffix")
+# Tolerances a stuck run falls back on, increasing (see ``Balancer._settle``).
+LEVELS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -563,17 +572,49 @@ class Balancer:
       self.capacity = saved
 
   def run(self, mean: float, max_moves: int) -> str:
-    """Greedy balancing; returns '' on success or the reason it stopped above the limit.
+    """Greedy balancing from the initial state; returns '' on success or the reason it stopped
+    above the limit."""
+    return self._settle(self.tolerance, mean, self.loads.max(), max_moves)
 
-    Phase 1 balances towards ``(1 + tol) * mean``. If it gets stuck above that (pieces no
-    smaller than ``min_shard`` do not fit the room destinations have under a tight limit, or caps
-    refuse), phase 2 keeps lowering the maximum load: it reruns the greedy with intermediate
-    limits between the current maximum and the target, which give destinations more room.
+  def _settle(self, tol: float, mean: float, top0: float, max_moves: int) -> str:
+    """Balances the initial state (maximum ``top0``) towards ``(1 + tol) * mean``; returns ''
+    on success or the reason it stopped above.
+
+    Phase 1 balances towards the limit. If it gets stuck above it (pieces no smaller than
+    ``min_shard`` do not fit the room destinations have under a tight limit, or caps refuse),
+    phase 2 keeps lowering the maximum with intermediate limits (``_lower``). A tight limit can
+    get stuck worse than a looser one ends: it spends the under-loaded servers' room on servers
+    a looser limit leaves alone. So a stuck run also settles the next larger tolerance of
+    ``LEVELS`` (the same way) from the initial state, lowers the maximum from there towards
+    this limit, and keeps whichever of the two ends lower: never worse than the larger one.
     """
-    target = (1.0 + self.tolerance) * mean
+    target = (1.0 + tol) * mean
     status = self._run_at(mean, target, max_moves)
     if status != "stuck":
       return status
+    status = self._lower(mean, target, max_moves)
+    if status != "stuck":
+      return status
+    up = next((v for v in LEVELS if v > tol), None)
+    if up is None or (1.0 + up) * mean >= top0:
+      return self._why_stopped(mean, target)
+    stuck, stuck_top = self.__dict__, self.loads.max()
+    self.__dict__ = self._initial().__dict__
+    status = self._settle(up, mean, top0, max_moves)
+    if not status.startswith("move limit") and self.loads.max() > target * (1 + 1e-12):
+      status = self._run_at(mean, target, max_moves)
+      if status == "stuck":
+        status = self._lower(mean, target, max_moves)
+    if self.loads.max() >= stuck_top:
+      self.__dict__ = stuck
+      return self._why_stopped(mean, target)
+    if status.startswith("move limit"):
+      return status
+    return "" if self.loads.max() <= target * (1 + 1e-12) else self._why_stopped(mean, target)
+
+  def _lower(self, mean: float, target: float, max_moves: int) -> str:
+    """Phase 2: reruns the greedy with limits between the current maximum and ``target`` (more
+    room per destination) while that lowers the maximum; '', 'stuck' or the move-limit reason."""
     for _ in range(64):
       top = self.loads.max()
       for frac in (0.5, 0.8, 0.95):
@@ -587,7 +628,16 @@ class Balancer:
         break
       if self.loads.max() <= target * (1 + 1e-12):
         return ""
-    return self._why_stopped(mean, target)
+    return "stuck"
+
+  def _initial(self) -> Balancer:
+    """A new balancer in this one's initial state (nothing moved)."""
+    lens = np.zeros(len(self.doc_starts), np.int64)
+    # The first items are the initial segments, in document order; they keep their document.
+    np.maximum.at(lens, self.item_doc[:self.seg_hi.size], self.seg_hi.astype(np.int64))
+    return Balancer(lens, np.asarray(self.doc_starts, np.int64), self.num_servers,
+                    self.tokens_per_rank, self.tolerance, self.min_shard, self.capacity,
+                    self.q_row_bytes, self.kv_row_bytes, self.split)
 
   def _run_at(self, mean: float, limit: float, max_moves: int) -> str:
     """Greedy loop towards ``limit``: '' when reached, 'stuck', or the move-limit reason."""

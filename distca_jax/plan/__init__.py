@@ -10,7 +10,8 @@ a run config from its own batches; not imported here: it reads the data pipeline
 Nothing here runs on a device.
 """
 
-from distca_jax.plan.balancer import SPLITS, Balancer, schedule
+from distca_jax.plan.balancer import SPLITS, Balancer
+from distca_jax.plan.scheduling import schedule
 from distca_jax.plan.capacity import (CAP_FIELDS, EXCHANGE_FIELDS, Capacity, caps_with_headroom,
                                       default_capacity, required_capacity, resolve_capacity,
                                       row_multiple)

@@ -1,7 +1,8 @@
 """The balancer: spread CA-tasks over in-place attention servers (host, NumPy only).
 
-``schedule`` turns a global batch's document layout (``metadata.parse_layout``) into a ``Plan``:
-which server computes which query shard. Cost units: ``cost.pairs``; caps: ``capacity.Capacity``.
+``scheduling.schedule`` turns a global batch's document layout (``metadata.parse_layout``) into a
+``Plan``: which server computes which query shard. Cost units: ``cost.pairs``; caps:
+``capacity.Capacity`` (totals per device: rows each sender sends and each server receives).
 
 
 Balancing (greedy, communication-aware; paper Sec. 4.2)
@@ -64,16 +65,11 @@ those above 1.05 took their whole ceiling (results/per_batch_bound.md).
 from __future__ import annotations
 
 import math
-import os
-from typing import Mapping
 
 import numpy as np
 
-from distca_jax.checks import check_float, check_int
-from distca_jax.plan import cost
 from distca_jax.plan.capacity import CAP_FIELDS, Capacity
-from distca_jax.plan.cost import CostTable, imbalance, pairs, predicted_step_gain
-from distca_jax.plan.metadata import Plan, parse_layout
+from distca_jax.plan.cost import pairs
 
 SPLITS = ("auto", "mirrored", "suffix")
 # Tolerances a stuck run falls back on, increasing (see ``Balancer._settle``).
@@ -720,121 +716,6 @@ class Balancer:
             f"min_shard={self.min_shard} or larger than the room left on under-loaded servers")
 
 
-def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
-             tolerance: float = cost.DEFAULT_TOLERANCE,
-             capacity: Capacity | Mapping[str, int | None] | None = None,
-             min_shard: int = cost.DEFAULT_MIN_SHARD,
-             split: str = "auto",
-             q_heads: int = cost.DEFAULT_Q_HEADS, kv_heads: int = cost.DEFAULT_KV_HEADS,
-             head_dim: int = cost.DEFAULT_HEAD_DIM, dtype_bytes: int = cost.DEFAULT_DTYPE_BYTES,
-             cost_model: str | os.PathLike | CostTable | None = None,
-             max_moves: int | None = None, min_gain: float = 0.0,
-             linear_pairs_per_token: float = 0.0) -> Plan:
-  """Balances core-attention work over ``num_servers`` in-place servers.
-
-  Args:
-    doc_lens: flat list of document lengths packed across ranks (documents may span ranks), or
-      one list per rank (documents never span ranks). See the module docstring.
-    num_servers: number of ranks = attention servers (``S``).
-    tokens_per_rank: token budget of one rank (``T``).
-    tolerance: epsilon; the goal is every server at most ``(1 + tolerance) * mean`` pairs.
-    capacity: buffer caps (``Capacity`` or a dict of its fields); None = unbounded.
-    min_shard: shortest query piece a split may create (whole items of any length may move).
-    split: 'auto' (mirrored or suffix, whichever scores better), 'mirrored' or 'suffix'.
-    q_heads, kv_heads, head_dim, dtype_bytes: the byte model (query row = q_heads * head_dim *
-      dtype_bytes; key/value row = 2 * kv_heads * head_dim * dtype_bytes).
-    cost_model: a ``CostTable`` or the path of its JSON; fills ``Plan.times_*``.
-    max_moves: safety bound on moves (default ``20 * (S + items)``).
-    min_gain: the gate: when the speedup a perfect balance could bring, minus 1
-      (``predicted_step_gain`` with ``linear_pairs_per_token``), is below this, nothing
-      moves (``Plan.gated``): moving rows has a cost of its own (gathers, exchange, shorter
-      kernel tasks), which on near-balanced batches exceeds the gain. 0 = always balance.
-    linear_pairs_per_token: the linear layers' work per token in pair units (see
-      ``predicted_step_gain``); 0 counts attention alone.
-
-  Returns:
-    The ``Plan``.
-  """
-  lens, starts = parse_layout(doc_lens, num_servers, tokens_per_rank)
-  s, t = int(num_servers), int(tokens_per_rank)
-  if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not (
-      0.0 <= float(tolerance) < float("inf")):
-    raise ValueError(f"{tolerance=} must be a finite float >= 0 (e.g. 0.1)")
-  tol = float(tolerance)
-  m0 = check_int("min_shard", min_shard, 1)
-  if split not in SPLITS:
-    raise ValueError(f"{split=} must be one of {SPLITS}")
-  for name, v in (("q_heads", q_heads), ("kv_heads", kv_heads), ("head_dim", head_dim),
-                  ("dtype_bytes", dtype_bytes)):
-    check_int(name, v, 1)
-  if q_heads % kv_heads:
-    raise ValueError(f"{q_heads=} must be a multiple of {kv_heads=} (grouped-query attention)")
-  if capacity is None:
-    cap = Capacity()
-  elif isinstance(capacity, Capacity):
-    cap = capacity
-  elif isinstance(capacity, Mapping):
-    unknown = set(capacity) - set(CAP_FIELDS)
-    if unknown:
-      raise ValueError(f"unknown capacity fields {sorted(unknown)}; valid: {CAP_FIELDS}")
-    cap = Capacity(**capacity)
-  else:
-    raise TypeError(f"capacity={capacity!r} must be None, a Capacity or a dict")
-  table = cost.as_cost_table(cost_model)
-  qb = float(q_heads * head_dim * dtype_bytes)
-  kvb = float(2 * kv_heads * head_dim * dtype_bytes)
-
-  bal = Balancer(lens, starts, s, t, tol, m0, cap, qb, kvb, split)
-  _check_initial_caps(bal, cap)
-  loads_before = bal.loads.copy()
-  total = float(loads_before.sum())
-  mean = total / s
-  if max_moves is None:
-    max_moves = 20 * (s + bal.num_items)
-  check_int("max_moves", max_moves, 0)
-  min_gain = check_float("min_gain", min_gain)
-  gain = predicted_step_gain(loads_before, t,
-                             check_float("linear_pairs_per_token", linear_pairs_per_token))
-  gated = min_gain > 0.0 and gain < min_gain
-  reason = bal.run(mean, max_moves) if total > 0 and not gated else ""
-
-  # Tasks: every merged interval of every (document, server).
-  keys = list(bal.intervals.keys())
-  nper = [len(bal.intervals[k]) for k in keys]
-  flat = [iv for k in keys for iv in bal.intervals[k]]
-  tasks = np.zeros((len(flat), 4), dtype=np.int64)
-  if flat:
-    tasks[:, 0] = np.repeat([k[0] for k in keys], nper)
-    tasks[:, 3] = np.repeat([k[1] for k in keys], nper)
-    tasks[:, 1:3] = np.asarray(flat, dtype=np.int64)
-    tasks = tasks[np.lexsort((tasks[:, 1], tasks[:, 0], tasks[:, 3]))]
-  loads_after = np.bincount(tasks[:, 3], weights=pairs(tasks[:, 1], tasks[:, 2]).astype(
-      np.float64), minlength=s)
-  imb_after = imbalance(loads_after)
-  degraded = imb_after > (1.0 + tol) * (1 + 1e-12) and not gated
-  if degraded and not reason:
-    reason = "stopped above the limit"
-  times_before = times_after = None
-  if table is not None:
-    seg_q = bal.seg_hi - bal.seg_lo
-    times_before = np.bincount(bal.seg_rank, weights=table.time(seg_q, bal.seg_hi) if seg_q.size
-                               else np.zeros(0), minlength=s)
-    times_after = np.bincount(tasks[:, 3], weights=table.time(tasks[:, 2] - tasks[:, 1],
-                                                              tasks[:, 2]) if len(tasks)
-                              else np.zeros(0), minlength=s)
-  pq = bal.pair_q_rows.astype(np.int64)
-  pkv = bal.pair_kv_rows.astype(np.int64)
-  return Plan(tasks=tasks, loads_before=loads_before, loads_after=loads_after,
-              imbalance_before=imbalance(loads_before), imbalance_after=imb_after,
-              pair_q_rows=pq, pair_kv_rows=pkv, bytes_q=int(pq.sum() * qb),
-              bytes_kv=int(pkv.sum() * kvb), degraded=bool(degraded),
-              degraded_reason=reason if degraded else "", times_before=times_before,
-              times_after=times_after, doc_lens=lens, doc_starts=starts, num_servers=s,
-              tokens_per_rank=t, tolerance=tol, min_shard=m0, capacity=cap, q_heads=q_heads,
-              kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
-              num_moves=bal.num_moves, predicted_gain=gain, gated=gated)
-
-
 def _traffic_deltas(eff) -> tuple[dict[int, int], ...]:
   """Per-rank changes of (query rows sent, query rows received, key/value rows sent, key/value
   rows received) of a move's per-server effects (``Balancer._effects``)."""
@@ -845,18 +726,3 @@ def _traffic_deltas(eff) -> tuple[dict[int, int], ...]:
         send[o] = send.get(o, 0) + c
         recv[srv_] = recv.get(srv_, 0) + c
   return out
-
-
-def _check_initial_caps(bal: Balancer, cap: Capacity) -> None:
-  """Raises when the layout, computed where it lives, already overflows a cap."""
-  need = {"q_tokens": bal.q_rows.max(initial=0), "kv_tokens": bal.kv_attn_rows.max(initial=0),
-          "tasks": bal.num_tasks.max(initial=0), "q_send": bal.send_q.max(initial=0),
-          "q_recv": bal.recv_q.max(initial=0), "kv_send": bal.send_kv.max(initial=0),
-          "kv_recv": bal.recv_kv.max(initial=0)}
-  for name, v in need.items():
-    c = getattr(cap, name)
-    if c is not None and v > c:
-      raise ValueError(
-          f"the layout itself (every row computed where it lives) needs capacity.{name} >= "
-          f"{int(v)} but {name}={c}; raise it (documents spanning ranks need kv_send and "
-          "kv_recv up to tokens_per_rank, many short documents need more tasks)")

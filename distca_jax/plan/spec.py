@@ -30,7 +30,7 @@ import numpy as np
 
 from distca_jax.checks import check_int
 from distca_jax.plan import cost
-from distca_jax.plan.balancer import schedule
+from distca_jax.plan.scheduling import schedule
 from distca_jax.plan.capacity import Capacity, required_capacity, row_multiple
 from distca_jax.plan.metadata import Plan, PlanMetadata, plan_to_metadata
 

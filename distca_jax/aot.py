@@ -34,7 +34,8 @@ def compile_train_step(c: ml_collections.ConfigDict, devices=None):
   t0 = time.time()
   with trainer.mesh_context(mesh):
     step = trainer.jit_train_step(c, model, tx, mesh, run.state_shardings, tuple(batch))
-    lowered = step.lower(run.abstract_state, batch)
+    traced = step.trace(run.abstract_state, batch)
+    lowered = traced.lower()
   t1 = time.time()
   compiled = lowered.compile()
   t2 = time.time()
@@ -46,6 +47,10 @@ def compile_train_step(c: ml_collections.ConfigDict, devices=None):
       "compile_s": t2 - t1,
   }
   info.update(memory_fields(compiled))
+  info["kernel_workspace_bytes"] = memory.kernel_workspace_bytes(traced.jaxpr.jaxpr)
+  if "total_per_device_bytes" in info:
+    info["need_per_device_bytes"] = (info["total_per_device_bytes"]
+                                     + info["kernel_workspace_bytes"])
   return compiled, info
 
 
@@ -58,8 +63,11 @@ def _variant(c: ml_collections.ConfigDict, over: dict) -> ml_collections.ConfigD
 def knob_variants(c: ml_collections.ConfigDict, n_devices: int) -> list[tuple[str, dict]]:
   """(label, overrides) of the single-knob changes that lower a step's memory: full remat,
   twice the tensor parallelism (when it divides the devices and the kv heads), half the tokens
-  per rank. Pipeline parallelism is not implemented (mesh.pipe must be 1), so it is not offered."""
+  per rank, and for distca the 'resend' memory mode (servers keep no attention inputs)."""
   out = []
+  if c.attention.backend == "distca" and c.attention.distca.memory_mode == "keep":
+    out.append(("attention.distca.memory_mode=resend",
+                {"attention.distca.memory_mode": "resend"}))
   if c.model.remat != "full":
     out.append(("model.remat=full", {"model.remat": "full"}))
   t = c.mesh.tensor * 2
@@ -84,7 +92,7 @@ def explain_does_not_fit(c: ml_collections.ConfigDict, err: memory.DoesNotFit,
   for label, over in knob_variants(c, len(devices)):
     try:
       _, info = compile_train_step(_variant(c, over), devices=devices)
-      need = info.get("total_per_device_bytes")
+      need = info.get("need_per_device_bytes")
       parts.append(f"{label} needs {memory.format_bytes(need)}"
                    + (" (fits)" if need <= err.capacity else ""))
     except Exception as e:  # pylint: disable=broad-except  # report the knob, keep the others

@@ -646,7 +646,7 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
   last_step_time_s = None  # of the last logged window: the unprofiled step time for idle time
   watch = BadStepWatch(c.train.max_bad_steps)
   weight_rms = float(np.median(jax.device_get(_leaf_rms(state.params))))
-  memory_need = None
+  memory_need, workspace = None, 0
   try:
     for step in range(start, c.num_steps):
       signum = launch.stop_signal(step, stop.signum)
@@ -665,8 +665,11 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
           batch_shapes = {k: jax.ShapeDtypeStruct((rows,) + a.shape[1:], a.dtype,
                                                   sharding=rows_sharding(mesh))
                           for k, a in keys.items()}
-          step_fn = step_fn.lower(state, batch_shapes).compile()
-        memory_need = memory_lib.check_fits(step_fn, mesh.devices.flat[0], device_memory_bytes)
+          traced = step_fn.trace(state, batch_shapes)
+          workspace = memory_lib.kernel_workspace_bytes(traced.jaxpr.jaxpr)
+          step_fn = traced.lower().compile()
+        memory_need = memory_lib.check_fits(step_fn, mesh.devices.flat[0], device_memory_bytes,
+                                            workspace)
       profiled = step == c.profile_step
       with mesh_context(mesh):
         if profiled:  # idle time against the last unprofiled step time when there is one
@@ -682,7 +685,7 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
             state, m = step_fn(state, device_batch(np_batch, mesh, rows))
           except jax.errors.JaxRuntimeError as e:
             memory_lib.raise_if_out_of_memory(e, memory_need, mesh.devices.flat[0],
-                                              device_memory_bytes)
+                                              device_memory_bytes, workspace)
             raise
       watch.add(step, m)
       watch.poll()

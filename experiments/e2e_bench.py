@@ -124,6 +124,7 @@ def backend_overrides(over):
 def run_one(c, steps, warmup, log, profile_dir=None, backend_options=None):
   """Trains warmup + steps steps; returns per-step times and FLOP / token counts."""
   import jax
+  from distca_jax import memory as memory_lib
   from distca_jax import metrics, trainer
 
   run = trainer.setup_run(c, **(backend_options or {}))
@@ -139,8 +140,12 @@ def run_one(c, steps, warmup, log, profile_dir=None, backend_options=None):
     jax.block_until_ready(batch)
     if step_fn is None:  # compiled once: the steps run it, and memory / HLO are read from it
       with trainer.mesh_context(mesh):
-        step_fn = trainer.jit_train_step(c, model, tx, mesh, run.state_shardings,
-                                         tuple(np_batch)).lower(state, batch).compile()
+        traced = trainer.jit_train_step(c, model, tx, mesh, run.state_shardings,
+                                        tuple(np_batch)).trace(state, batch)
+        workspace = memory_lib.kernel_workspace_bytes(traced.jaxpr.jaxpr)
+        step_fn = traced.lower().compile()
+      # The memory pre-flight of training: a step that cannot fit stops here with its one line.
+      memory_lib.check_fits(step_fn, mesh.devices.flat[0], workspace=workspace)
     t0 = time.perf_counter()
     with trainer.mesh_context(mesh):
       state, m = step_fn(state, batch)
@@ -169,6 +174,8 @@ def run_one(c, steps, warmup, log, profile_dir=None, backend_options=None):
     with gzip.open(os.path.join(profile_dir, "step_hlo.txt.gz"), "wt") as f:
       f.write(step_fn.as_text())
   mem = step_memory_gb(step_fn)
+  if mem:
+    mem["kernel_workspace"] = workspace * 1e-9
   peak_gb = allocator_peak_gb()
   if peak_gb is not None:
     mem["allocator_peak"] = peak_gb

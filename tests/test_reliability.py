@@ -535,6 +535,43 @@ def test_out_of_memory_at_run_time_is_reported_like_the_preflight():
   memory.raise_if_out_of_memory(RuntimeError("INTERNAL: something else"), 1, None, capacity=2)
 
 
+def test_kernel_workspace_counts_flash3_backward_accumulators_and_ffi_failures_map():
+  """FlashAttention-3's varlen backward (found by primitive name at any depth: inside scan and
+  custom_vjp) counts its f32 dQ / dK / dV accumulators; the largest call counts; its failed
+  scratch allocation ("bad optional access") becomes the pre-flight's line."""
+  from jax.extend.core import Primitive
+  from jax.interpreters import mlir
+
+  bwd = Primitive(memory.FLASH3_VARLEN_BWD)
+  bwd.multiple_results = True
+  bwd.def_abstract_eval(lambda do, q, k, v, o, lse, cq, ck: (q, k, v))
+  mlir.register_lowering(bwd, lambda ctx, *a: a[1:4])
+
+  def step(q, k, cq, big_q):
+    def body(c, _):
+      dq, dk, dv = bwd.bind(q, q, k, k, q, q[..., 0], cq, cq)
+      return c + dq.sum() + dk.sum() + dv.sum(), None
+    c, _ = jax.lax.scan(body, 0.0, None, length=2)
+    dq, _, _ = bwd.bind(big_q, big_q, k, k, big_q, big_q[..., 0], cq, cq)
+    return c + dq.sum()
+
+  nq, h, d, nk, kh, b = 1000, 4, 8, 3000, 2, 5
+  q = jnp.zeros((nq, h, d), jnp.bfloat16)
+  k = jnp.zeros((nk, kh, d), jnp.bfloat16)
+  cq = jnp.zeros((b + 1,), jnp.int32)
+  big = jnp.zeros((2 * nq, h, d), jnp.bfloat16)
+  got = memory.kernel_workspace_bytes(jax.make_jaxpr(step)(q, k, cq, big).jaxpr)
+  want = max(4 * d * (h * (n + 128 * b) + 2 * kh * (nk + 128 * b)) for n in (nq, 2 * nq))
+  assert got == want == 4 * d * (h * (2 * nq + 128 * b) + 2 * kh * (nk + 128 * b))
+  assert memory.kernel_workspace_bytes(jax.make_jaxpr(lambda x: x * 2)(q).jaxpr) == 0
+  err = RuntimeError("UNKNOWN: XLA FFI call failed: bad optional access [executable_name=x]")
+  with pytest.raises(memory.DoesNotFit, match=r"ran out of device memory \(UNKNOWN: XLA FFI.*"
+                     r"needs 73\.00 GiB \(XLA's buffer assignment 65\.50 GiB \+ "
+                     r"kernel workspaces 7\.50 GiB\) per device"):
+    memory.raise_if_out_of_memory(err, 73 << 30, None, capacity=72 << 30,
+                                  workspace=int(7.5 * (1 << 30)))
+
+
 def test_capacity_of_a_cpu_device_is_unknown():
   assert memory.device_capacity_bytes(jax.devices()[0]) is None
 

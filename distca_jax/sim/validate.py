@@ -269,6 +269,18 @@ def _case(kind, name, predicted, measured, role, **extra) -> dict[str, Any]:
               error=float(err), within_10pct=bool(abs(err) <= 0.10), role=role, **extra)
 
 
+def _capacity(fields: dict, num_servers: int) -> plan_lib.Capacity:
+  """A stored run's capacity. Runs before the capped-totals exchange stored per-pair slots
+  (``q_slot``, ``kv_slot``): a device then sent and received at most ``S - 1`` slots, the same
+  caps on totals (exact at the 2 servers of those runs, where a device has one peer)."""
+  fields = dict(fields)
+  for part in ("q", "kv"):
+    slot = fields.pop(f"{part}_slot", None)
+    if slot is not None:
+      fields[f"{part}_send"] = fields[f"{part}_recv"] = slot * max(1, num_servers - 1)
+  return plan_lib.Capacity(**fields)
+
+
 def kernel_tables() -> list[dict[str, Any]]:
   """The busiest rank's real task table of every ``flash3_grid_bench`` launch-bucket row (what
   the step runs): q / kv lengths of its tasks and the measured FA3 fwd+bwd seconds."""
@@ -278,7 +290,7 @@ def kernel_tables() -> list[dict[str, Any]]:
   blob = _json("flash3_grid_bench")
   t, s = 65536, 2
   spec = plan_lib.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1,
-                           capacity=plan_lib.Capacity(**blob["capacity"]))
+                           capacity=_capacity(blob["capacity"], s))
   out = []
   for r in blob["rows"]:
     if r["case"] != "buckets":

@@ -39,7 +39,7 @@ under-loaded servers' room on servers just above the mean, which the looser limi
 so a stuck run also balances from the start towards the next larger tolerance of ``LEVELS``
 (settled the same way), lowers the maximum from there towards its own limit with both phases,
 and keeps whichever ends lower. So a stuck run never ends worse than the run at the next larger
-tolerance of ``LEVELS`` (0.001 ... 1 in 1-2-5 steps), and a run that reaches its limit ends
+tolerance of ``LEVELS`` (0.01 ... 1 in 1-2-5 steps), and a run that reaches its limit ends
 within it (``tests/test_scheduler.py`` checks that a smaller tolerance never ends worse on
 Pretrain layouts). ``Plan.degraded`` is set
 when the result is above ``limit``, with a reason naming the caps that blocked moves or the
@@ -73,7 +73,7 @@ from distca_jax.plan.cost import pairs
 
 SPLITS = ("auto", "mirrored", "suffix")
 # Tolerances a stuck run falls back on, increasing (see ``Balancer._settle``).
-LEVELS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+LEVELS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------

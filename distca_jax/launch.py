@@ -340,7 +340,10 @@ def supervise(argv: list[str], workdir: str, verbose: bool, me: int | None = Non
   its own 'error:' or 'interrupted' line, the supervisor prints one (the lost process, read from
   the dump) and returns 2, or 1 for an internal error. SIGINT and SIGTERM are passed on."""
   env = dict(os.environ, **{SUPERVISED_ENV: "1"})
-  child = subprocess.Popen([sys.executable, "-m", "distca_jax.train"] + argv[1:], env=env,
+  # The same entry point: the train module, or the script that called its main.
+  entry = (["-m", "distca_jax.train"] if os.path.basename(argv[0]) in ("train.py", "-m")
+           else [argv[0]])
+  child = subprocess.Popen([sys.executable, *entry] + argv[1:], env=env,
                            stderr=subprocess.PIPE, text=True, errors="replace",
                            preexec_fn=_die_with_parent)
   for sig in (signal.SIGINT, signal.SIGTERM):

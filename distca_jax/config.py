@@ -77,6 +77,8 @@ def base_config() -> ml_collections.ConfigDict:
                                           # rounds; any platform), 'dense' (padded all-to-all);
                                           # 'auto': dense on GPU (fastest measured), ring
                                           # elsewhere
+  c.attention.distca.exchange_buckets = 8  # 'dense': per batch the smallest of n block sizes
+                                          # that holds its largest group (1 = the largest)
   # Baselines (distca_jax/baselines): 'packed_dp' (each rank its own documents, one fused varlen
   # call), 'cp' (per-sequence context parallelism: groups of cp_size consecutive data ranks, head-
   # tail chunks, K/V all-gathered) and 'wlb' (WLB-LLM packing over DP groups + per-document CP).

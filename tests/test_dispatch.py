@@ -545,8 +545,8 @@ def _random_routes(rng, s, send_cap, recv_cap):
   return plan_lib.metadata.routes(ln, send_off, recv_off, np.arange(s)), ln
 
 
-@pytest.mark.parametrize("collective", ["ring", "dense"])
-def test_ragged_exchange_moves_each_group_and_its_vjp_sends_it_back(seed, collective):
+@pytest.mark.parametrize("collective,buckets", [("ring", 1), ("dense", 8), ("dense", 1)])
+def test_ragged_exchange_moves_each_group_and_its_vjp_sends_it_back(seed, collective, buckets):
   """Random routes on 8 devices: every group lands where its routes say (NumPy oracle), rows no
   group fills are zero, and the VJP is the exchange of the cotangents with the routes reversed."""
   mesh = _mesh()
@@ -558,8 +558,8 @@ def test_ragged_exchange_moves_each_group_and_its_vjp_sends_it_back(seed, collec
   dy = rng.standard_normal((S, cr, 3, 2)).astype(np.float32)
 
   def body(x, r, dy):
-    y, vjp = jax.vjp(lambda x: dataplane.ragged_exchange(x[0], r[0], cr, "data", collective)[None],
-                     x)
+    y, vjp = jax.vjp(lambda x: dataplane.ragged_exchange(x[0], r[0], cr, "data", collective,
+                                                         buckets)[None], x)
     return y, vjp(dy)[0]
 
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"),) * 3,
@@ -596,8 +596,21 @@ def test_exchange_buffers_do_not_grow_with_the_number_of_servers():
   # Ring: Q out, K/V out, O back; each passes on one whole send buffer per round.
   assert per[2][0] == per[4][0] == per[8][0] == [CAP.q_send, CAP.kv_send, CAP.q_recv], per
   assert per[2][2] == per[4][2] == per[8][2]
-  assert [len(per[s][1]) for s in (2, 4, 8)] == [3, 3, 3]
-  assert [per[s][1][0] for s in (2, 4, 8)] == [2, 4, 8], per  # dense: S padded blocks
+  # Dense: S padded blocks, one all_to_all per nonzero block size of each exchange's switch.
+  sizes = [len(dataplane.dense_block_rows(min(a, b), 8)) - 1
+           for a, b in ((CAP.q_send, CAP.q_recv), (CAP.kv_send, CAP.kv_recv),
+                        (CAP.q_recv, CAP.q_send))]
+  for s in (2, 4, 8):
+    assert len(per[s][1]) == sum(sizes) and set(per[s][1]) == {s}, (s, per[s][1])
+
+
+def test_dense_block_rows_and_options():
+  assert dataplane.dense_block_rows(64, 8) == (0, 8, 16, 24, 32, 40, 48, 56, 64)
+  assert dataplane.dense_block_rows(64, 1) == (64,)
+  assert dataplane.dense_block_rows(20, 8) == (0, 8, 16, 20)  # rounded to 8, at most full
+  assert dataplane.ExchangeOptions().buckets == dataplane.DEFAULT_EXCHANGE_BUCKETS
+  with pytest.raises(ValueError, match=r"exchange_buckets=0.*int >= 1"):
+    dataplane.ExchangeOptions(buckets=0)
 
 
 def test_pack_checks_routes_groups_and_rows_read_once(seed):

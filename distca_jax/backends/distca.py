@@ -16,7 +16,8 @@ from distca_jax import config as config_lib
 from distca_jax import metrics as metrics_lib
 from distca_jax import pipeline
 from distca_jax.checks import check_float, check_int
-from distca_jax.dataplane import (DispatchOptions, ExchangeOptions, dispatch_attention,
+from distca_jax.dataplane import (DEFAULT_EXCHANGE_BUCKETS, DispatchOptions, ExchangeOptions,
+                                  dispatch_attention,
                                   mesh_and_servers)
 from distca_jax.plan import cost, sizing
 from distca_jax.plan.capacity import CAP_FIELDS, resolve_capacity
@@ -44,8 +45,9 @@ class Options:
       (``metrics.linear_pairs_per_token`` of the model).
     data_axis, head_axis: the mesh axes of the servers (a tuple: their product; a pipeline's
       ``('pipe', 'data')``) and of the heads.
-    collective, signal_only: ``dataplane.ExchangeOptions``. Training takes the config's
-      ``collective`` (default 'auto') and ``signal_only=False``; benchmarks pass others to
+    collective, exchange_buckets, signal_only: ``dataplane.ExchangeOptions`` (the second is its
+      ``buckets``). Training takes the config's ``collective`` (default 'auto') and
+      ``exchange_buckets`` and ``signal_only=False``; benchmarks pass others to
       ``backends.build(c, ...)``.
     cost_table: a measured ``plan.CostTable`` JSON: plans then also predict per-server kernel
       time (benchmarks pass it to ``backends.build``; balancing stays in pairs).
@@ -72,6 +74,7 @@ class Options:
   data_axis: str | tuple[str, ...] = "data"
   head_axis: str | None = "tensor"
   collective: str = "auto"
+  exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS
   signal_only: bool = False
   cost_table: str = ""
 
@@ -93,7 +96,7 @@ class Options:
                q_heads=m.n_heads, kv_heads=m.n_kv_heads, head_dim=m.head_dim,
                dtype_bytes=jnp.dtype(m.dtype).itemsize,
                linear_pairs_per_token=metrics_lib.linear_pairs_per_token(m),
-               collective=d.collective)
+               collective=d.collective, exchange_buckets=d.exchange_buckets)
 
   @property
   def caps(self) -> dict[str, int]:
@@ -115,7 +118,8 @@ def make(options: Options) -> "DistcaBackend":
   """
   o = options
   try:
-    exchange = ExchangeOptions(collective=o.collective, signal_only=o.signal_only)
+    exchange = ExchangeOptions(collective=o.collective, signal_only=o.signal_only,
+                               buckets=o.exchange_buckets)
     dispatch = DispatchOptions(kernel=o.kernel, memory_mode=o.memory_mode,
                                data_axis=o.data_axis, exchange=exchange)
   except ValueError as e:

@@ -31,17 +31,18 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from distca_jax.dataplane.body import (MEMORY_MODES, DispatchOptions, count_primitives,
                                        dispatch_attention, mesh_and_servers)
 from distca_jax.dataplane.copies import gather_two, place_unique, take_rows
-from distca_jax.dataplane.exchange import (COLLECTIVES, ExchangeOptions, ragged_exchange,
+from distca_jax.dataplane.exchange import (COLLECTIVES, DEFAULT_EXCHANGE_BUCKETS, ExchangeOptions,
+                                           dense_block_rows, ragged_exchange,
                                            resolve_collective, return_to_owners, send_to_servers)
 from distca_jax.plan import cost
 from distca_jax.plan.capacity import Capacity
 from distca_jax.plan.spec import fit_host_plan
 
 __all__ = [
-    "COLLECTIVES", "DispatchOptions", "ExchangeOptions", "MEMORY_MODES",
-    "core_attention", "count_primitives", "dispatch_attention", "gather_two", "mesh_and_servers",
-    "place_unique", "ragged_exchange", "resolve_collective", "return_to_owners",
-    "send_to_servers", "take_rows",
+    "COLLECTIVES", "DEFAULT_EXCHANGE_BUCKETS", "DispatchOptions", "ExchangeOptions",
+    "MEMORY_MODES", "core_attention", "count_primitives", "dense_block_rows",
+    "dispatch_attention", "gather_two", "mesh_and_servers", "place_unique", "ragged_exchange",
+    "resolve_collective", "return_to_owners", "send_to_servers", "take_rows",
 ]
 
 

@@ -24,9 +24,11 @@ Implementations (``collective=``), one contract (``ragged_exchange``):
             round passes a whole send buffer one step on, and every device copies out the group
             addressed to it. Runs everywhere (the CPU implementation of the contract) with
             buffers of O(T) rows; the wire carries ``S - 1`` send buffers, so it is no GPU path.
-  'dense'   one tiled ``lax.all_to_all`` of ``[S, B]`` blocks, ``B = min(send cap, recv cap)``:
-            each group padded to the largest any pair can hold. Runs everywhere; buffers and wire
-            grow with ``S`` (the measurement baseline).
+  'dense'   one tiled ``lax.all_to_all`` of ``[S, B]`` blocks, each group padded to ``B``:
+            per batch the smallest of ``buckets`` sizes up to ``min(send cap, recv cap)`` that
+            holds the largest group any device sends (a ``lax.switch``; a batch that moves
+            nothing skips the all-to-all). Runs everywhere; its buffers and wire grow with
+            ``S``.
 'auto' is 'dense' on GPU (measured fastest at 4 servers, ``resolve_collective``) and 'ring'
 elsewhere. The backward of the exchange is the exchange of
 the cotangents with the routes reversed (a custom VJP shared by every implementation).
@@ -48,12 +50,15 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from distca_jax.checks import check_int
 from distca_jax.dataplane.copies import gather_two, place_unique, take_rows
 from distca_jax.plan.metadata import reverse_routes
 from distca_jax.plan.spec import PlanSpec
 
 # How rows cross the wire (module docstring, "Implementations").
 COLLECTIVES = ("auto", "ragged", "ring", "dense")
+# The dense exchange's block sizes per batch (``dense_block_rows``).
+DEFAULT_EXCHANGE_BUCKETS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,13 +67,22 @@ class ExchangeOptions:
 
   Attributes:
     collective: 'auto' (``resolve_collective``), 'ragged', 'ring' or 'dense'.
+    buckets: the dense exchange's block sizes per batch (``dense_block_rows``); 1 = always the
+      largest.
     signal_only: benchmarks only: every group carries at most one row, shapes unchanged,
       results WRONG by design (module docstring).
   """
   collective: str = "auto"
   signal_only: bool = False
+  buckets: int = DEFAULT_EXCHANGE_BUCKETS
 
   def __post_init__(self):
+    try:
+      check_int("exchange_buckets", self.buckets, 1)
+    except ValueError as e:
+      raise ValueError(f"distca {e} (1 = the largest dense block always; default "
+                       f"{DEFAULT_EXCHANGE_BUCKETS})") from e
+    object.__setattr__(self, "buckets", int(self.buckets))
     if self.collective not in COLLECTIVES:
       raise ValueError(f"distca collective={self.collective!r}; choose one of {COLLECTIVES} "
                        "('auto': dense on GPU, ring elsewhere)")
@@ -127,10 +141,12 @@ def _ring(x, out, routes, axis):
   return lax.fori_loop(1, s, round_, (x, acc))[1]
 
 
-def _dense(x, out, routes, axis):
-  """Each group padded to ``B = min(send rows, recv rows)`` rows, one tiled all-to-all."""
+def _dense_block(x, out, routes, axis, b: int):
+  """Each group padded to ``b`` rows (at least its rows), one tiled all-to-all of ``[S, b]``
+  blocks; ``b = 0``: nothing moves."""
+  if b == 0:  # the other branches' outputs vary over the axis: so must this one's (a zero
+    return out + (routes[0, 0] * 0).astype(out.dtype)  # read from the per-device routes)
   s = routes.shape[-1]
-  b = min(x.shape[0], out.shape[0])
   j = jnp.arange(b, dtype=jnp.int32)
   idx = routes[0][:, None] + j[None, :]
   send = take_rows(x, jnp.where(j[None, :] < routes[1][:, None], idx, x.shape[0]).reshape(-1))
@@ -146,32 +162,62 @@ def _dense(x, out, routes, axis):
   return jnp.where(ok.reshape((-1,) + (1,) * (out.ndim - 1)), got, out)
 
 
+def dense_block_rows(full: int, buckets: int) -> tuple[int, ...]:
+  """Block rows the dense exchange chooses from, ascending: ``ceil(i / n * full)`` rounded up to
+  a multiple of 8 (at most ``full``) for ``i = 1 .. n``, distinct, and 0 first when ``n >= 2``
+  (a batch that moves nothing skips the all-to-all)."""
+  n = check_int("exchange_buckets", buckets, 1)
+  sizes = {min(full, -(-(-(-i * full // n)) // 8) * 8) for i in range(1, n + 1)}
+  return tuple(sorted(sizes | ({0} if n > 1 else set())))
+
+
+def _dense(x, out, routes, axis, buckets: int):
+  """Blocks of ``B = min(send rows, recv rows)`` rows at most; with ``buckets > 1`` a switch
+  runs the smallest block of ``dense_block_rows`` that holds the largest group any device sends
+  (one integer all-reduce finds it, so every device takes the same branch)."""
+  sizes = dense_block_rows(min(x.shape[0], out.shape[0]), buckets)
+  if len(sizes) == 1:
+    return _dense_block(x, out, routes, axis, sizes[0])
+  need = lax.pmax(jnp.max(routes[1]), axis)
+  i = jnp.minimum(jnp.sum(jnp.asarray(sizes, jnp.int32) < need), len(sizes) - 1)
+  return lax.switch(i, [functools.partial(_dense_block, axis=axis, b=b) for b in sizes],
+                    x, out, routes)
+
+
 _IMPLS = {"ragged": _ragged, "ring": _ring, "dense": _dense}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def ragged_exchange(x, routes, recv_rows: int, axis, collective: str):
+def ragged_exchange(x, routes, recv_rows: int, axis, collective: str,
+                    buckets: int = DEFAULT_EXCHANGE_BUCKETS):
   """Moves this device's send buffer ``x [Cs, ...]`` by ``routes`` (int32 ``[6, S]``,
   ``plan.ROUTE_ROWS``) into a receive buffer ``[recv_rows, ...]`` (rows no group fills are
   zero). Inside ``shard_map`` over ``axis``; ``collective`` names the implementation ('ragged',
-  'ring' or 'dense', already resolved). Differentiable in ``x``: the cotangents go back by the
-  routes reversed."""
+  'ring' or 'dense', already resolved); ``buckets``: the dense exchange's block sizes
+  (``dense_block_rows``). Differentiable in ``x``: the cotangents go back by the routes
+  reversed."""
+  return _exchange(x, routes, recv_rows, axis, collective, int(buckets))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _exchange(x, routes, recv_rows: int, axis, collective: str, buckets: int):
   out = jnp.zeros((recv_rows,) + x.shape[1:], x.dtype)
+  if collective == "dense":
+    return _dense(x, out, routes, axis, buckets)
   return _IMPLS[collective](x, out, routes, axis)
 
 
-def _exchange_fwd(x, routes, recv_rows, axis, collective):
-  return ragged_exchange(x, routes, recv_rows, axis, collective), (
+def _exchange_fwd(x, routes, recv_rows, axis, collective, buckets):
+  return _exchange(x, routes, recv_rows, axis, collective, buckets), (
       routes, jnp.zeros((x.shape[0], 0), x.dtype))
 
 
-def _exchange_bwd(recv_rows, axis, collective, res, dy):
+def _exchange_bwd(recv_rows, axis, collective, buckets, res, dy):
   routes, like = res
-  dx = ragged_exchange(dy, reverse_routes(routes), like.shape[0], axis, collective)
+  dx = _exchange(dy, reverse_routes(routes), like.shape[0], axis, collective, buckets)
   return dx, None
 
 
-ragged_exchange.defvjp(_exchange_fwd, _exchange_bwd)
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
 def _move(x, routes, recv_rows: int, axis, exchange: ExchangeOptions):
@@ -180,7 +226,7 @@ def _move(x, routes, recv_rows: int, axis, exchange: ExchangeOptions):
   collective = resolve_collective(exchange.collective)
   if exchange.signal_only:
     routes = routes.at[1].set(jnp.minimum(routes[1], 1)).at[3].set(jnp.minimum(routes[3], 1))
-  return ragged_exchange(x, routes, recv_rows, axis, collective)
+  return ragged_exchange(x, routes, recv_rows, axis, collective, exchange.buckets)
 
 
 def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec: PlanSpec,

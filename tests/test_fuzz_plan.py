@@ -68,7 +68,7 @@ def _describe(doc_lens) -> str:
 
 
 @pytest.mark.parametrize("seed", [
-    *range(2), *(pytest.param(s, marks=pytest.mark.slow) for s in range(2, 8))])
+    0, *(pytest.param(s, marks=pytest.mark.slow) for s in range(1, 8))])
 def test_planner_fuzz_coverage_work_and_caps(seed):
   rng = np.random.default_rng(seed)
   trials = 0
@@ -132,7 +132,7 @@ def test_planner_fuzz_extremes_by_hand():
 @pytest.mark.parametrize("seed", [11, 12])
 def test_cad_outputs_and_grads_on_fuzzed_layouts(seed):
   rng = np.random.default_rng(seed)
-  run = _make_run(_mesh(), SPEC, collective="dense")
+  run = _make_run(_mesh(), SPEC)
   ran = []
   for kind in KINDS:
     doc_lens = random_layout(rng, kind, S, T)

@@ -119,6 +119,7 @@ def test_spikes_are_measured_against_the_running_statistics(seed):
   assert not spike, "no spike before the warmup (non-finite values are caught apart)"
 
 
+@pytest.mark.slow  # the same in-step skip as the non-finite test, which stays fast
 def test_a_spiking_step_is_skipped_inside_the_step():
   c = small_config("optim.warmup_steps=0", "train.spike_warmup_steps=1")
   mesh, model, tx, _, state_sh = one_device_setup(c)

@@ -16,7 +16,7 @@ config overrides (the data source is a pure function of config, seed and step), 
   * `measured`: the tokens/s ratio distca / packed_dp (total time over the batches);
   * `best of both`: the ratio if every batch had run the faster of (distca's step, packed_dp's
     step x (1 + fixed cost)), where the fixed cost is what CAD costs when it moves nothing
-    (`--fixed-cost`, measured on one GPU: one attention server, the empty exchange bucket). No
+    (`--fixed-cost`, measured on one GPU: one attention server, nothing on the wire). No
     policy that chooses per batch between CAD's plan and keeping every document at home beats it
     (on these kernels and this exchange);
   * `gate`: the ratio if the CAD planner's gate (`attention.distca.min_gain`, `--min-gain`)

@@ -254,7 +254,10 @@ def test_nan_padding_does_not_leak(backend):
 BLOCKWISE_TILES = [(8, 8), (16, 32), (24, 8), (64, 128)]  # (block_q, block_k); 24: not a power of 2
 
 
-@pytest.mark.parametrize("tiles", BLOCKWISE_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+# The fast tier keeps the non-power-of-2 and the large tiles; the others are slow.
+@pytest.mark.parametrize("tiles", [
+    pytest.param(t, id=f"{t[0]}x{t[1]}", marks=() if t in ((24, 8), (64, 128)) else
+                 pytest.mark.slow) for t in BLOCKWISE_TILES])
 def test_blockwise_tile_sizes_match_oracle(tiles):
   """'blockwise' with tiles smaller and larger than the tasks, on random tables (empty tasks,
   1-token tasks, tasks ending at their key end) and the edge table, f32 GQA and bf16 MHA."""

@@ -99,7 +99,7 @@ def resolve_collective(collective: str, platform: str | None = None) -> str:
   On 4 H100s of one host, real Pretrain 128K plans: 'dense' moved the busiest device's rows in
   8.6 / 12.5 ms (Q / K and V), XLA's ragged all-to-all in 78 / 180 ms (its default path stops
   on the host every call; the one-shot kernel flag changed nothing), a raw all-to-all of the
-  same bytes 0.9 / 2.0 ms (results/four/exchange_bench.md). 'dense' wins on GPUs until a ragged
+  same bytes 0.9 / 2.0 ms (results/four/README.md). 'dense' wins on GPUs until a ragged
   path that keeps the wire busy exists; its buffers grow with the number of servers.
   """
   if collective not in COLLECTIVES:

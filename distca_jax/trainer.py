@@ -665,9 +665,7 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
           batch_shapes = {k: jax.ShapeDtypeStruct((rows,) + a.shape[1:], a.dtype,
                                                   sharding=rows_sharding(mesh))
                           for k, a in keys.items()}
-          traced = step_fn.trace(state, batch_shapes)
-          workspace = memory_lib.kernel_workspace_bytes(traced.jaxpr.jaxpr)
-          step_fn = traced.lower().compile()
+          step_fn, workspace = memory_lib.compile_with_workspace(step_fn, state, batch_shapes)
         memory_need = memory_lib.check_fits(step_fn, mesh.devices.flat[0], device_memory_bytes,
                                             workspace)
       profiled = step == c.profile_step

@@ -140,10 +140,9 @@ def run_one(c, steps, warmup, log, profile_dir=None, backend_options=None):
     jax.block_until_ready(batch)
     if step_fn is None:  # compiled once: the steps run it, and memory / HLO are read from it
       with trainer.mesh_context(mesh):
-        traced = trainer.jit_train_step(c, model, tx, mesh, run.state_shardings,
-                                        tuple(np_batch)).trace(state, batch)
-        workspace = memory_lib.kernel_workspace_bytes(traced.jaxpr.jaxpr)
-        step_fn = traced.lower().compile()
+        step_fn, workspace = memory_lib.compile_with_workspace(
+            trainer.jit_train_step(c, model, tx, mesh, run.state_shardings, tuple(np_batch)),
+            state, batch)
       # The memory pre-flight of training: a step that cannot fit stops here with its one line.
       memory_lib.check_fits(step_fn, mesh.devices.flat[0], workspace=workspace)
     t0 = time.perf_counter()

@@ -20,24 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
+
+import experiments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _time(f, args, iters):
-  import jax
-  for _ in range(3):
-    jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    ts.append(time.perf_counter() - t0)
-  return statistics.median(ts)
 
 
 def measure(a) -> list[dict]:
@@ -46,6 +34,11 @@ def measure(a) -> list[dict]:
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
   from distca_jax import configs_io, dataplane, trainer
+  from distca_jax.profiling import time_call
+
+  def seconds(f, *args):
+    return time_call(f, *args, iters=a.iters, warmup=2)["median_s"]
+
   from distca_jax import plan as plan_lib
   from distca_jax.data import make_source
 
@@ -95,7 +88,7 @@ def measure(a) -> list[dict]:
                                       out_specs=P("data")))
             try:
               outs[col] = np.asarray(f(x, r).astype(jnp.float32))
-              row[f"{name}_{col}_ms"] = _time(f, (x, r), a.iters) * 1e3
+              row[f"{name}_{col}_ms"] = seconds(f, x, r) * 1e3
             except Exception as e:  # noqa: BLE001  (a collective this platform lacks: say so)
               row[f"{name}_{col}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
           ref = next(iter(outs.values()), None)
@@ -106,7 +99,7 @@ def measure(a) -> list[dict]:
                                  + 1, sh)
           raw = jax.jit(jax.shard_map(lambda x: jax.lax.all_to_all(x, "data", 0, 0, tiled=True),
                                       mesh=mesh, in_specs=P("data"), out_specs=P("data")))
-          row[f"{name}_raw_a2a_ms"] = _time(raw, (raw_x,), a.iters) * 1e3
+          row[f"{name}_raw_a2a_ms"] = seconds(raw, raw_x) * 1e3
           for col in a.collectives.split(","):
             if f"{name}_{col}_ms" in row:
               row[f"{name}_{col}_bw_fraction"] = row[f"{name}_raw_a2a_ms"] / row[f"{name}_{col}_ms"]
@@ -143,7 +136,7 @@ def main(argv=None):
         del args[j:j + 2]
       env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
       print(f"=== XLA_FLAGS={env['XLA_FLAGS']!r}", flush=True)
-      r = subprocess.run([sys.executable, "-m", "experiments.exchange_bench", *args, "--out",
+      r = subprocess.run([*experiments.module_argv(__file__), *args, "--out",
                           child_out], cwd=ROOT, env=env, timeout=900)
       try:
         with open(child_out + ".json") as f:
@@ -152,8 +145,8 @@ def main(argv=None):
         results[flags] = [{"error": f"child exited {r.returncode}"}]
   if a.out:
     with open(a.out + ".json", "w") as f:
-      json.dump({"command": "python -m experiments.exchange_bench " + " ".join(argv or sys.argv[1:]),
-                 "results": results}, f, indent=2)
+      json.dump({"command": experiments.command_line(__file__, argv), "results": results}, f,
+                indent=2)
   return results
 
 

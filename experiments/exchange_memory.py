@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+import experiments
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2**30
 
@@ -99,7 +101,7 @@ def main(argv=None):
       row.update(_plan_bytes(n, over, a.plan_batches))
     rows.append(row)
     print(json.dumps(row), flush=True)
-  out = {"command": "python -m experiments.exchange_memory " + " ".join(argv or sys.argv[1:]),
+  out = {"command": experiments.command_line(__file__, argv),
          "tree": a.label or a.tree, "layers": a.layers, "tokens_per_device": a.tokens,
          "rows": rows}
   if a.out:

@@ -109,10 +109,16 @@ def gather_two(own_TxF: jax.Array, recv_CxF: jax.Array, idx: jax.Array, fill=0) 
   reads one source: one gather from each buffer, joined by a select, which XLA fuses into one
   pass (no concatenated copy of own and received rows).
   """
-  t, c = own_TxF.shape[0], recv_CxF.shape[0]
+  r, in_recv = _received(idx, own_TxF.shape[0], recv_CxF.shape[0])
+  return _take_two(own_TxF, recv_CxF, idx, r, in_recv, fill)
+
+
+def _received(idx: jax.Array, t: int, c: int):
+  """(row of the receive buffer ``[c]`` that source index ``idx`` addresses, or ``c`` = none;
+  whether it addresses one): own rows are ``[0, t)``, received rows ``[t, t + c)``."""
   r = idx - t
   in_recv = (r >= 0) & (r < c)
-  return _take_two(own_TxF, recv_CxF, idx, jnp.where(in_recv, r, c), in_recv, fill)
+  return jnp.where(in_recv, r, c), in_recv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -160,8 +166,7 @@ def place_unique(own_TxF: jax.Array, recv_CxF: jax.Array, idx: jax.Array, fill=0
   t, c = own_TxF.shape[0], recv_CxF.shape[0]
   n = idx.shape[0]
   out = take_rows(own_TxF, idx, fill, unique=True)  # rows routed to received rows: fill, for now
-  r = idx - t
-  src = jnp.where((r >= 0) & (r < c), r, c)
+  src, _ = _received(idx, t, c)
   # The inverse map: received row -> its output row (n = not placed, dropped by the scatter).
   dst = jnp.full((c,), n, jnp.int32).at[src].set(jnp.arange(n, dtype=jnp.int32), mode="drop",
                                                  unique_indices=True)

@@ -167,7 +167,10 @@ def dense_block_rows(full: int, buckets: int) -> tuple[int, ...]:
   a multiple of 8 (at most ``full``) for ``i = 1 .. n``, distinct, and 0 first when ``n >= 2``
   (a batch that moves nothing skips the all-to-all)."""
   n = check_int("exchange_buckets", buckets, 1)
-  sizes = {min(full, -(-(-(-i * full // n)) // 8) * 8) for i in range(1, n + 1)}
+  sizes = set()
+  for i in range(1, n + 1):
+    rows = -(-i * full // n)  # ceil(i full / n)
+    sizes.add(min(full, -(-rows // 8) * 8))
   return tuple(sorted(sizes | ({0} if n > 1 else set())))
 
 
@@ -184,9 +187,6 @@ def _dense(x, out, routes, axis, buckets: int):
                     x, out, routes)
 
 
-_IMPLS = {"ragged": _ragged, "ring": _ring, "dense": _dense}
-
-
 def ragged_exchange(x, routes, recv_rows: int, axis, collective: str,
                     buckets: int = DEFAULT_EXCHANGE_BUCKETS):
   """Moves this device's send buffer ``x [Cs, ...]`` by ``routes`` (int32 ``[6, S]``,
@@ -201,9 +201,11 @@ def ragged_exchange(x, routes, recv_rows: int, axis, collective: str,
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _exchange(x, routes, recv_rows: int, axis, collective: str, buckets: int):
   out = jnp.zeros((recv_rows,) + x.shape[1:], x.dtype)
-  if collective == "dense":
-    return _dense(x, out, routes, axis, buckets)
-  return _IMPLS[collective](x, out, routes, axis)
+  if collective == "ragged":
+    return _ragged(x, out, routes, axis)
+  if collective == "ring":
+    return _ring(x, out, routes, axis)
+  return _dense(x, out, routes, axis, buckets)
 
 
 def _exchange_fwd(x, routes, recv_rows, axis, collective, buckets):

@@ -149,15 +149,16 @@ def _check_groups_packed(meta: PlanMetadata) -> None:
   for name, sentinel, rts, off_row, len_row in (
       ("q_send_idx", t, meta.q_routes, 0, 1), ("kv_send_idx", t, meta.kv_routes, 0, 1),
       ("o_send_idx", nq, meta.q_routes, 2, 3)):
-    used = getattr(meta, name) != sentinel
-    for p in range(meta.num_servers):
-      off, ln = rts[p, off_row].astype(np.int64), rts[p, len_row].astype(np.int64)
-      want = np.arange(used.shape[1]) < ln.sum()
-      if not np.array_equal(used[p], want) or not np.array_equal(off, np.cumsum(ln) - ln):
-        raise ValueError(f"metadata {name}[{p}] does not hold exactly its {int(ln.sum())} routed "
-                         f"rows packed from row 0 (used entries at "
-                         f"{np.flatnonzero(used[p]).tolist()[:8]}..., offsets {off.tolist()[:8]}"
-                         "...); build metadata with plan.plan_to_metadata")
+    used = getattr(meta, name) != sentinel  # [S, C]
+    off, ln = rts[:, off_row].astype(np.int64), rts[:, len_row].astype(np.int64)  # [S, S]
+    want = np.arange(used.shape[1])[None, :] < ln.sum(1)[:, None]
+    bad = (used != want).any(1) | (off != np.cumsum(ln, axis=1) - ln).any(1)
+    if bad.any():
+      p = int(np.argmax(bad))
+      raise ValueError(f"metadata {name}[{p}] does not hold exactly its {int(ln[p].sum())} "
+                       f"routed rows packed from row 0 (used entries at "
+                       f"{np.flatnonzero(used[p]).tolist()[:8]}..., offsets "
+                       f"{off[p].tolist()[:8]}...); build metadata with plan.plan_to_metadata")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -189,9 +189,12 @@ class Watchdog:
     sys.stdout.flush()
     os._exit(2)  # see the class docstring
 
-  def close(self) -> None:
+  def close(self, wait: bool = True) -> None:
+    """Stops the polling; ``wait=False`` does not wait for a poll in flight (an error is on its
+    way out and must be printed before the coordinator, maybe ending too, takes the job down)."""
     self._stop.set()
-    self._thread.join()
+    if wait:
+      self._thread.join()
 
 
 def stop_signal(step: int, signum: int | None) -> int | None:
@@ -260,7 +263,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, multihost: bool = Fa
     raise
   except BaseException:
     if watchdog is not None:
-      watchdog.close()
+      watchdog.close(wait=False)
     raise
   if watchdog is not None:
     _finish(watchdog)

@@ -353,13 +353,14 @@ def plan_digest(doclens, plan: dict) -> int:
 
 def check_plans_agree(step: int, digest: int) -> None:
   """All processes compare their ``plan_digest`` of step ``step`` (one small all-gather); raises
-  a RuntimeError naming the step and the processes that differ. A no-op with one process."""
+  a `UserError` naming the step and the processes that differ (every process raises it). A no-op
+  with one process."""
   if jax.process_count() == 1:
     return
   from jax.experimental import multihost_utils
   got = np.asarray(multihost_utils.process_allgather(np.uint32(digest))).reshape(-1)
   if (got != got[0]).any():
-    raise RuntimeError(
+    raise UserError(
         f"step {step}: the processes computed different host plans (plan digests by process: "
         f"{[f'{int(x):08x}' for x in got]}). Every process must run the same code, config and "
         "data files; compare their config.json, data paths and package versions.")

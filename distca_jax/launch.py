@@ -244,6 +244,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, multihost: bool = Fa
       print(f"{JOINED_MARK}{jax.process_index()}/{jax.process_count()}", file=sys.stderr,
             flush=True)
     watchdog = Watchdog(workdir, distributed.heartbeat_timeout_s)
+    if stop is not None:  # JAX's preemption notifier took SIGTERM in initialize(): take it back
+      for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
   from distca_jax import memory, trainer
   try:
     try:

@@ -171,7 +171,9 @@ class RunSetup:
 def setup_run(c: ml_collections.ConfigDict, devices=None, **backend_overrides) -> RunSetup:
   """Mesh (over `devices`, default all), backend (``backends.build(c, **backend_overrides)``),
   model, optimizer, abstract state with its shardings, and the data source of config `c`; nothing
-  is materialized (`create_train_state` or a checkpoint restore makes the state)."""
+  is materialized (`create_train_state` or a checkpoint restore makes the state). A config that
+  cannot run (``config.validate``) stops here with its one line."""
+  config_lib.validate(c)
   mesh = shard_lib.make_mesh(data=c.mesh.data, tensor=c.mesh.tensor, pipe=c.mesh.pipe,
                              devices=devices)
   backend = make_backend(c, **backend_overrides)

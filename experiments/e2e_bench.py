@@ -60,7 +60,8 @@ def parse_args(argv=None):
   p.add_argument("--steps", type=int, default=20, help="timed steps (sampled batches) per run")
   p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation)")
   p.add_argument("--nano-batches", default="1", help="comma list: 1 single stream, 2 ping-pong")
-  p.add_argument("--rows-per-rank", type=int, default=0, help="0: = nano-batches")
+  p.add_argument("--rows-per-rank", type=int, default=0, help="0: nano-batches (x the pipeline's microbatches "
+                      "under mesh.pipe > 1: one row per microbatch)")
   p.add_argument("--extra", action="append", default=[], help="KEY=VALUE config override")
   p.add_argument("--variant", action="append", default=[],
                  help="NAME:KEY=VALUE[,KEY=VALUE] an extra run per backend with these overrides")
@@ -76,15 +77,39 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
-def ceiling(model_cfg, doclens_per_step):
+def ceiling(model_cfg, doclens_per_step, *, stages: int = 1, microbatches: int = 1,
+            tokens_per_row: int | None = None):
   """E[max_r work_r] / E[mean_r work_r] over steps; rows of a step are grouped per data rank.
-  Work is the shared work model (``metrics.step_work``: attention at the kernel's 3.5x forward)."""
-  from distca_jax import metrics
+  Work is the shared work model (``metrics.step_work``: attention at the kernel's 3.5x forward).
+
+  Under a pipeline (``stages`` > 1, ``microbatches`` M) the step is M + stages - 1 ticks, each as
+  slow as its slowest (stage, data rank) slot, and a balancer can only even out attention within
+  a tick (pooled CAD: over every slot of the tick, bubble slots included). A slot's work is its
+  microbatch rows' attention plus the linear work of ``tokens_per_row`` tokens per row, which
+  every slot computes, bubble slots too (static shapes). The bound is then
+  E[sum_t max_slot] / E[sum_t mean_slot]: the schedule's bubble is in both terms."""
+  from distca_jax import metrics, pipeline
   maxes, means = [], []
   for per_rank in doclens_per_step:
-    work = [metrics.step_work(model_cfg, rows) for rows in per_rank]
-    maxes.append(max(work))
-    means.append(sum(work) / len(work))
+    if stages == 1:
+      work = [metrics.step_work(model_cfg, rows) for rows in per_rank]
+      maxes.append(max(work))
+      means.append(sum(work) / len(work))
+      continue
+    if tokens_per_row is None:
+      raise ValueError("ceiling: a pipeline needs tokens_per_row (the linear work of every slot)")
+    rows_per_rank = len(per_rank[0])
+    rows = [row for rank_rows in per_rank for row in rank_rows]
+    r = rows_per_rank // pipeline.resolve_microbatches(microbatches, stages)
+    for tick in pipeline.tick_rows(rows, stages=stages, rows_per_rank=rows_per_rank,
+                                   microbatches=microbatches):
+      slots = [tick[i:i + r] for i in range(0, len(tick), r)]
+      work = [float(metrics.work_flops(
+          metrics.matmul_params(model_cfg), model_cfg.n_layers, model_cfg.n_heads,
+          model_cfg.head_dim, r * tokens_per_row,
+          sum(l * (l + 1) / 2 for row in slot for l in row))) for slot in slots]
+      maxes.append(max(work))
+      means.append(sum(work) / len(work))
   return sum(maxes) / sum(means)
 
 
@@ -239,14 +264,21 @@ def summarize(r):
 
 def plan_stats(c, backend, doclens_per_step):
   """The timed batches planned again by the run's own `distca` backend (`host_plans`, one plan
-  per nano-batch): imbalance (pairs) before/after, dispatch bytes per device (useful: what the
-  ragged exchange moves; buffer: the send and receive buffers the caps allocate), degraded
-  plans."""
+  per nano-batch or pipeline tick): mean imbalance (pairs) before/after over the same plans (a
+  plan that moves nothing counts the same value twice, so when no plan moves, after = before),
+  the share of plans that moved rows, dispatch bytes per device (useful: what the ragged exchange
+  moves; buffer: the send and receive buffers the caps allocate), degraded plans."""
   from distca_jax import plan as plan_lib
   out = dict(imbalance_before=[], imbalance_after=[], dispatch_useful_mb=[], dispatch_buffer_mb=[],
-             degraded=0)
+             moved=[], degraded=0)
+  from distca_jax import pipeline
+  calls = []
   for per_rank in doclens_per_step:
     rows = [row for rank_rows in per_rank for row in rank_rows]
+    calls += ([rows] if c.mesh.pipe == 1 else pipeline.tick_rows(
+        rows, stages=c.mesh.pipe, rows_per_rank=c.rows_per_rank,
+        microbatches=c.pipeline.microbatches))
+  for rows in calls:
     for hp in backend.host_plans(rows, c.tokens_per_rank):
       p = hp.plan
       out["imbalance_before"].append(p.imbalance_before)
@@ -255,9 +287,10 @@ def plan_stats(c, backend, doclens_per_step):
                                    head_dim=p.head_dim, dtype_bytes=p.dtype_bytes)
       out["dispatch_useful_mb"].append(eb["dispatch_useful"] / 1e6)
       out["dispatch_buffer_mb"].append(eb["dispatch_buffer"] / 1e6)
+      out["moved"].append(float(eb["dispatch_useful"] > 0))
       out["degraded"] += int(p.degraded)
   out["tolerance"] = float(c.attention.distca.tolerance)
-  return {"plan_" + k: (statistics.median(v) if isinstance(v, list) else v)
+  return {"plan_" + k: (statistics.fmean(v) if isinstance(v, list) else v)
           for k, v in out.items()}
 
 
@@ -298,6 +331,14 @@ def main(argv=None):
             name = backend + (f"+{vname}" if vname else "") + ("+pingpong" if nano == 2 else "")
             log(f"== {workload} {tokens} tokens/GPU {name}")
             c = configs_io.load_config(a.config, [x for x in over if not x.startswith("backend.")])
+            if c.optim.warmup_steps > c.num_steps:  # a short run: the schedule's warmup fits it
+              c.optim.warmup_steps = c.num_steps
+              over.append(f"optim.warmup_steps={c.num_steps}")
+            if c.mesh.pipe > 1 and not a.rows_per_rank:  # one row per microbatch by default
+              from distca_jax import pipeline
+              c.rows_per_rank = nano * pipeline.resolve_microbatches(c.pipeline.microbatches,
+                                                                     c.mesh.pipe)
+              over.append(f"rows_per_rank={c.rows_per_rank}")
             backend_options = backend_overrides(over)
             pdir = (os.path.join(a.out + "_profiles", f"{workload}_{tokens}_{name}")
                     if a.profile else None)
@@ -314,7 +355,9 @@ def main(argv=None):
             s.update(workload=workload, tokens=tokens, backend=name, nano_batches=nano,
                      device=r["device_kind"], devices=r["devices"], layers=a.layers,
                      lm_head_share=lm_head_share(r["model_cfg"], r["doclens"]),
-                     ceiling=ceiling(r["model_cfg"], r["doclens"]), overrides=over)
+                     ceiling=ceiling(r["model_cfg"], r["doclens"], stages=c.mesh.pipe,
+                                     microbatches=c.pipeline.microbatches,
+                                     tokens_per_row=c.tokens_per_rank), overrides=over)
             results.append(s)
             derive(results)
             write(a, results, quiet=True)  # after every run: a killed job keeps what finished
@@ -424,13 +467,15 @@ def write(a, results, quiet: bool = False):
                    f"{_fmt(r.get('step_over_signal_only'))} | {_fmt(r.get('pingpong_speedup'))} |")
   planned = [r for r in results if "plan_imbalance_after" in r]
   if planned:
-    lines += ["\n## distca plans of the timed batches (host replan; medians over batches)\n",
+    lines += ["\n## distca plans of the timed batches (host replan; means over plans)\n",
               "| workload | tokens/GPU | backend | tolerance | imbalance before | after | "
-              "dispatch MB/device useful (= wire) | buffers | degraded plans | step ms |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "plans that moved rows | dispatch MB/device useful (= ragged wire) | buffers | "
+              "degraded plans | step ms |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in planned:
       lines.append(f"| {r['workload']} | {r['tokens']} | {r['backend']} | {r['plan_tolerance']} | "
                    f"{r['plan_imbalance_before']:.3f} | {r['plan_imbalance_after']:.3f} | "
+                   f"{r.get('plan_moved', float('nan')):.0%} | "
                    f"{r['plan_dispatch_useful_mb']:.1f} | {r['plan_dispatch_buffer_mb']:.1f} | "
                    f"{r['plan_degraded']} | "
                    f"{r['step_ms_median']:.1f} |")

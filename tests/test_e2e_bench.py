@@ -59,6 +59,26 @@ def test_ceiling_is_max_over_mean_of_step_work():
   assert share == pytest.approx(6 * 16 * 64 * 26 / metrics.step_flops(cfg, [8] + [1] * 8 + [4, 4, 2]))
 
 
+def test_pipeline_ceiling_is_per_tick_with_bubble_slots_as_servers():
+  """Under a pipeline the bound is sum over ticks of the slowest slot over the sum of the mean
+  slot; a bubble slot computes the linear layers on its empty rows and can take attention."""
+  from distca_jax import metrics
+  cfg = ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8,
+                    mlp_dim=32)
+  t = 8
+  # 2 stages, 2 microbatches of one row on one data rank, both rows [8]: ticks hold (mb0, -),
+  # (mb1, mb0), (-, mb1); every tick's slowest slot is lin + att, its mean (lin + att) or
+  # (2 lin + att) / 2.
+  lin = float(metrics.work_flops(metrics.matmul_params(cfg), 2, 2, 8, t, 0))
+  att = float(metrics.work_flops(metrics.matmul_params(cfg), 2, 2, 8, 0, t * (t + 1) / 2))
+  got = e2e_bench.ceiling(cfg, [[[[t], [t]]]], stages=2, microbatches=2, tokens_per_row=t)
+  assert got == pytest.approx(3 * (lin + att) / (3 * lin + 2 * att))
+  # One stage is the data-parallel bound, whatever the keyword arguments.
+  assert e2e_bench.ceiling(cfg, [[[[t]], [[t]]]], tokens_per_row=t) == pytest.approx(1.0)
+  with pytest.raises(ValueError, match="tokens_per_row"):
+    e2e_bench.ceiling(cfg, [[[[t], [t]]]], stages=2, microbatches=2)
+
+
 def test_per_batch_bound_on_rebuilt_batches(seed):
   """per_batch_bound rebuilds a run's batches from its overrides (the recorded ceiling must
   match), and its 'best of both' and 'gate' ratios follow from the per-batch step times."""
@@ -132,3 +152,23 @@ def test_backend_overrides_are_options_not_config_keys():
                                      "backend.cost_table=results/x.json"])
   assert got == {"signal_only": True, "collective": "dense", "tolerance": 0.5,
                  "cost_table": "results/x.json"}
+
+
+@pytest.mark.slow
+def test_pipeline_runs_train_with_default_rows_and_report_pipeline_ceilings(tmp_path):
+  """Under `--extra mesh.pipe=2` the benchmark picks one row per microbatch by default, both
+  backends train, the ceiling is the pipeline's, and the distca plan stats are per tick."""
+  out = str(tmp_path / "e2e")
+  e2e_bench.main(["--tiny", "--backends", "distca,packed_dp", "--workloads", "pretrain",
+                  "--tokens", "256", "--layers", "2", "--steps", "1", "--warmup", "1",
+                  "--extra", "mesh.pipe=2", "--plan-stats", "--out", out])
+  import json
+  res = json.load(open(out + ".json"))["results"]
+  assert [r["backend"] for r in res] == ["distca", "packed_dp"], res
+  for r in res:
+    assert "error" not in r, r
+    assert "rows_per_rank=4" in r["overrides"], r["overrides"]  # M = 2 x pipe microbatches
+    assert r["ceiling"] >= 1.0
+  assert res[0]["ceiling"] == res[1]["ceiling"]  # the same batches
+  assert 0.0 <= res[0]["plan_moved"] <= 1.0
+  assert res[0]["plan_imbalance_after"] <= res[0]["plan_imbalance_before"] + 1e-9

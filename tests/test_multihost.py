@@ -399,3 +399,39 @@ def test_killing_one_process_stops_the_other_within_60s(tmp_path, victim):
   lines = [l for l in err.splitlines() if l.strip()]
   who = "the coordinator, process 0" if victim == 0 else "process 1"
   assert len(lines) == 1 and lines[0].startswith(f"error: process {1 - victim}/2: lost {who} ("), err
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_at_one_verified_step(tmp_path):
+  """A signal that reaches one process of two stops both before the same step, each saving and
+  verifying that step's checkpoint and printing its one 'interrupted' line; the job rerun as it
+  was resumes from that step."""
+  args = ["--config.attention.backend=local", "--config.num_steps=100000",
+          "--config.checkpoint_every=1000"]
+  ps = _start(2, 4, args, tmp_path / "w", tmp_path, stderr_apart=True)
+  metrics = tmp_path / "w" / "metrics.jsonl"
+  deadline = time.time() + 600
+  try:
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+      assert time.time() < deadline, "no 3 training steps in 600 s"
+      assert all(p.poll() is None for p in ps), [p.poll() for p in ps]
+      time.sleep(0.5)
+    ps[1].send_signal(signal.SIGTERM)
+    rcs = [p.wait(timeout=120) for p in ps]
+  finally:
+    for p in ps:
+      if p.poll() is None:
+        p.kill()
+  errs = [(tmp_path / f"w_{i}.err").read_text() for i in range(2)]
+  assert rcs == [128 + signal.SIGTERM] * 2, (rcs, errs)
+  steps = []
+  for err in errs:
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("interrupted: interrupted by SIGTERM after "
+                                                   "step "), err
+    assert "and verified it" in lines[0], lines[0]
+    steps.append(int(lines[0].split("after step ")[1].split(":")[0]))
+  assert steps[0] == steps[1] >= 3, steps
+  more = [a for a in args if "num_steps" not in a] + [f"--config.num_steps={steps[0] + 1}"]
+  _run(2, 4, more, tmp_path / "w", tmp_path)
+  assert f"resumed from checkpoint at step {steps[0]}" in (tmp_path / "w_0.log").read_text()

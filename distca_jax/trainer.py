@@ -206,14 +206,15 @@ def add_host_plan(np_batch: dict, backend: attn_lib.Backend, doclens, tokens_per
 
 
 def spike_check(health, loss, grad_norm, sigmas: float, warmup: int):
-  """(spike, limits, new health) of one step against the running statistics ``health``.
+  """((loss spike, gradient-norm spike), limits, new health) of one step against the running
+  statistics ``health``.
 
   A spike is a loss or gradient norm whose log lies more than ``sigmas`` running deviations
   (the root mean square of its rises above the mean, at least ``MIN_LOG_STD_*``) above its
   running mean, once ``warmup`` good steps have
   built the statistics (``sigmas`` = 0: never). ``limits`` are the two thresholds (loss, gradient
-  norm; inf before the warmup). The returned statistics take in this step; the caller keeps the
-  old ones when the step is skipped."""
+  norm; inf before the warmup). The returned statistics take in this step; the caller decides
+  which steps they keep (``make_train_step``)."""
   n, ml, vl, mg, vg = (health[i] for i in range(len(HEALTH_FIELDS)))
   x = jnp.log(jnp.maximum(loss, 1e-30).astype(jnp.float32))
   g = jnp.log(jnp.maximum(grad_norm, 1e-30).astype(jnp.float32))
@@ -221,7 +222,7 @@ def spike_check(health, loss, grad_norm, sigmas: float, warmup: int):
   lim_x = jnp.where(active, ml + sigmas * jnp.maximum(jnp.sqrt(vl), MIN_LOG_STD_LOSS), jnp.inf)
   lim_g = jnp.where(active, mg + sigmas * jnp.maximum(jnp.sqrt(vg), MIN_LOG_STD_GRAD_NORM),
                     jnp.inf)
-  spike = (x > lim_x) | (g > lim_g)
+  spike = (x > lim_x, g > lim_g)
   # Moving averages (a plain average until the window fills) of the log and of its squared rise
   # above the mean (a falling loss, the normal trend, widens nothing).
   beta = jnp.minimum(HEALTH_DECAY, n / (n + 1.0))
@@ -235,11 +236,18 @@ def make_train_step(c, model, tx) -> Callable:
   """Pure `train_step(state, batch) -> (state, metrics)`; jit and shardings go at the call site.
 
   A step is skipped inside the step when its loss or gradient norm is not finite or spikes
-  (`spike_check`, `train.spike_sigmas`): parameters, optimizer state and the running statistics
-  stay as they were (a select per element, fused into the update), `step` still advances (the
-  next batch is another one), and `bad_steps` (consecutive skips) and `skipped_steps` count it;
-  the metrics carry both, `skipped` and `spiked` (0 or 1) and the spike limits. The loop stops
-  the run after `train.max_bad_steps` consecutive skips."""
+  (`spike_check`, `train.spike_sigmas`): parameters and optimizer state stay as they were (a
+  select per element, fused into the update), `step` still advances (the next batch is another
+  one), and `bad_steps` (consecutive skips) and `skipped_steps` count it; the metrics carry both,
+  `skipped` and `spiked` (0 or 1) and the spike limits. The loop stops the run after
+  `train.max_bad_steps` consecutive skips.
+
+  The running statistics keep their old values after a non-finite value or a gradient-norm
+  spike (the update would have moved the weights abnormally: its size must not widen the band).
+  A loss spike with a finite gradient norm inside its band is a hard batch, not a bad update: the
+  step is still skipped, but its loss enters the statistics, so a lasting rise of the loss (a
+  long document whose pieces fill several consecutive batches, a harder stretch of data) widens
+  the band after one skip instead of ending the run as if it had diverged."""
 
   def loss_fn(params, batch):
     total, count = model.apply({"params": params}, batch["inputs"], batch["targets"],
@@ -251,14 +259,15 @@ def make_train_step(c, model, tx) -> Callable:
     with jax.named_scope(profiling.OPTIMIZER_SCOPE):  # the step breakdown's 'optimizer' class
       grad_norm = optax.tree.norm(grads)
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-      spike, (loss_limit, grad_limit), health = spike_check(
+      (loss_spike, grad_spike), (loss_limit, grad_limit), health = spike_check(
           state.health, loss, grad_norm, c.train.spike_sigmas, c.train.spike_warmup_steps)
+      spike = loss_spike | grad_spike
       ok = finite & ~spike
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-      params, opt_state, health = keep_if_bad((params, opt_state, health),
-                                              (state.params, state.opt_state, state.health))
+      params, opt_state = keep_if_bad((params, opt_state), (state.params, state.opt_state))
+      health = jnp.where(finite & ~grad_spike, health, state.health)
     bad_steps = jnp.where(ok, 0, state.bad_steps + 1)
     skipped_steps = state.skipped_steps + (~ok).astype(jnp.int32)
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,

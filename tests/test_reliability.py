@@ -110,18 +110,18 @@ def test_spikes_are_measured_against_the_running_statistics(seed):
   for i in range(60):
     loss = 5.5 * np.exp(-i / 30) * (1 + 0.05 * rng.standard_normal())
     spike, _, health = check(health, jnp.float32(loss), jnp.float32(rng.uniform(0.4, 1.4)))
-    assert not spike, f"{seed=} healthy step {i} taken for a spike"
+    assert not any(map(bool, spike)), f"{seed=} healthy step {i} taken for a spike"
   loss_now = float(5.5 * np.exp(-59 / 30))
-  for loss, gnorm in ((5 * loss_now, 1.0), (loss_now, 10.0)):
+  for loss, gnorm, which in ((5 * loss_now, 1.0, (True, False)), (loss_now, 10.0, (False, True))):
     spike, limits, _ = check(health, jnp.float32(loss), jnp.float32(gnorm))
-    assert spike, (seed, loss, gnorm, limits)
+    assert tuple(map(bool, spike)) == which, (seed, loss, gnorm, limits)
   spike, _, _ = check(jnp.zeros_like(health), jnp.float32(1e6), jnp.float32(1e6))
-  assert not spike, "no spike before the warmup (non-finite values are caught apart)"
+  assert not any(map(bool, spike)), "no spike before the warmup (non-finite values apart)"
 
 
 @pytest.mark.slow  # the same in-step skip as the non-finite test, which stays fast
 def test_a_spiking_step_is_skipped_inside_the_step():
-  c = small_config("optim.warmup_steps=0", "train.spike_warmup_steps=1")
+  c = small_config("optim.warmup_steps=0", "train.spike_sigmas=6", "train.spike_warmup_steps=1")
   mesh, model, tx, _, state_sh = one_device_setup(c)
   source = trainer.make_source(c.data, rows=c.rows_per_rank, tokens_per_row=c.tokens_per_rank,
                                vocab_size=c.model.vocab_size, seed=c.seed)
@@ -132,14 +132,23 @@ def test_a_spiking_step_is_skipped_inside_the_step():
     good, m = step(jax.device_put(start, state_sh), batch)
     good = jax.device_get(good)
     assert float(m["skipped"]) == 0
-    # Statistics that call this step's loss a spike: mean log-loss far below it.
-    low = good.replace(health=np.asarray([10, np.log(float(m["loss"])) - 3, 0, 0, 0],
-                                         np.float32))
-    out, m = step(jax.device_put(low, state_sh), batch)
-    out = jax.device_get(out)
-  assert float(m["spiked"]) == 1 and float(m["skipped"]) == 1 and int(m["bad_steps"]) == 1
-  assert identical(out.params, low.params) and identical(out.opt_state, low.opt_state)
-  np.testing.assert_array_equal(out.health, low.health)
+    # Statistics that call this step's loss a spike (mean log-loss far below it), with a
+    # gradient norm inside its band: a hard batch. Then statistics that call its gradient norm a
+    # spike (mean log-norm far below it): a bad update.
+    loss_x, grad_g = np.log(float(m["loss"])), np.log(float(m["grad_norm"]))
+    hard = good.replace(health=np.asarray([10, loss_x - 3, 0, grad_g, 0], np.float32))
+    bad = good.replace(health=np.asarray([10, loss_x, 0, grad_g - 5, 0], np.float32))
+    outs = []
+    for before in (hard, bad):
+      out, m = step(jax.device_put(before, state_sh), batch)
+      outs.append((jax.device_get(out), m))
+  for before, (out, m) in zip((hard, bad), outs):
+    assert float(m["spiked"]) == 1 and float(m["skipped"]) == 1 and int(m["bad_steps"]) == 1
+    assert identical(out.params, before.params) and identical(out.opt_state, before.opt_state)
+  # The hard batch's loss enters the statistics (the band widens); the bad update's does not.
+  (hard_out, _), (bad_out, _) = outs
+  assert hard_out.health[1] > hard.health[1] and hard_out.health[2] > 0, hard_out.health
+  np.testing.assert_array_equal(bad_out.health, bad.health)
 
 
 # ---------------------------------------------------------------------------------------------

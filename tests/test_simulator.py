@@ -158,7 +158,7 @@ def test_validation_replays_committed_runs(validation):
 
 def test_wlb_ideal_from_config_reaches_the_backend():
   """attention.baselines.cp_size = wlb_alpha = 0: the wlb backend takes choose_wlb's pick on the
-  run's own first batches."""
+  batches the run never trains on (steps from num_steps on)."""
   import os
   from distca_jax import configs_io, trainer
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -152,10 +152,10 @@ class Calibration:
   act_bytes_per_token_layer: float = 38e3
   act_bytes_per_token_fixed: float = 211e3
   state_bytes_per_param: float = 16.0
-  dense_latency_s: float = 7e-4
-  dense_bw: float = 358e9
-  ragged_latency_s: float = 0.0
-  ragged_bw: float = 4e9
+  dense_latency_s: float = 8.1e-4
+  dense_bw: float = 361e9
+  ragged_latency_s: float = 0.044
+  ragged_bw: float = 6.3e9
   exchange_hidden: float = 0.0
 
   def bandwidth(self, span_gpus: int) -> float:

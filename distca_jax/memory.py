@@ -84,6 +84,16 @@ def device_capacity_bytes(device) -> int | None:
 FLASH3_VARLEN_BWD = "flash_mha_varlen_bwd"
 
 
+def flash3_bwd_workspace_bytes(nq: int, nk: int, q_heads: int, kv_heads: int, head_dim: int,
+                               sequences: int) -> int:
+  """Bytes of FlashAttention-3's varlen backward accumulators for one call: float32 dQ
+  ``[H, Nq + 128 b, D]`` and dK, dV ``[K, Nk + 128 b, D]`` (``b`` sequences, each padded to the
+  kernel's 128-row blocks)."""
+  b = int(sequences)
+  return 4 * int(head_dim) * (int(q_heads) * (int(nq) + 128 * b)
+                              + 2 * int(kv_heads) * (int(nk) + 128 * b))
+
+
 def kernel_workspace_bytes(jaxpr) -> int:
   """Bytes per device the largest kernel call of ``jaxpr`` allocates outside XLA's buffer
   assignment (the calls run one at a time, so the largest one counts).
@@ -100,7 +110,7 @@ def kernel_workspace_bytes(jaxpr) -> int:
       q, k = e.invars[1].aval.shape, e.invars[2].aval.shape
       b = e.invars[6].aval.shape[0] - 1
       (nq, h, d), (nk, kh, _) = q, k
-      most = max(most, 4 * d * (h * (nq + 128 * b) + 2 * kh * (nk + 128 * b)))
+      most = max(most, flash3_bwd_workspace_bytes(nq, nk, h, kh, d, b))
     for p in e.params.values():
       for sub in p if isinstance(p, (list, tuple)) else [p]:
         inner = sub if hasattr(sub, "eqns") else getattr(sub, "jaxpr", None)

@@ -32,6 +32,10 @@ Variants and ablations (paper Sec. 6 style), all in the same process on the same
                                 matmul, communication and exposed-communication time (stragglers).
 Planning runs on the input thread (trainer.Prefetcher): the table shows host planning ms per batch
 next to the main thread's wait for its batch (planning off the critical path = wait ~ 0).
+`wlb` runs take their CP size and alpha from `baselines.ideal.choose_wlb` (CP 1-8 dividing the
+data ranks, alpha from 1.0) on batches the run never trains or times (`ideal.choice_steps`),
+unless `--extra attention.baselines.cp_size=N` / `wlb_alpha=A` fix them; the table shows the
+configuration, how it was chosen and the linear work its padded rows cost.
 `--tiny` shrinks everything for a CPU smoke test. Writes OUT.json and OUT.md (the command at the
 top); `experiments/plot_e2e.py OUT.json` draws OUT.png.
 """
@@ -144,6 +148,30 @@ def backend_overrides(over):
     else:
       out[key] = val
   return out
+
+
+WLB_KEYS = ("attention.baselines.cp_size", "attention.baselines.wlb_alpha")
+
+
+def wlb_overrides(over) -> list[str]:
+  """``over`` plus, for each of wlb's CP size and alpha not given there, 0 = choose_wlb's pick."""
+  given = {o.partition("=")[0] for o in over}
+  return list(over) + [f"{k}=0" for k in WLB_KEYS if k not in given]
+
+
+def wlb_config(c, over) -> dict:
+  """wlb's configuration of run config ``c`` and how it was chosen (``over``: the overrides)."""
+  from distca_jax.baselines import ideal
+  given = {o.partition("=")[0]: o.partition("=")[2] for o in over}
+  choice = ideal.wlb_choice_from_config(c)
+  steps = ideal.choice_steps(c)
+  fixed = [k.rsplit(".", 1)[1] for k in WLB_KEYS if given.get(k, "0") not in ("0", "0.0")]
+  how = (f"choose_wlb on steps {steps.start}-{steps.stop - 1} (never trained or timed) over "
+         f"{len(choice.candidates)} candidates"
+         + (f"; {' and '.join(fixed)} given" if fixed else ""))
+  return {"cp_size": choice.cp_size, "alpha": choice.alpha, "how": how,
+          "padding_linear_fraction": choice.alpha - 1.0,
+          "candidates": [list(x) for x in choice.candidates]}
 
 
 def run_one(c, steps, warmup, log, profile_dir=None, backend_options=None):
@@ -323,6 +351,8 @@ def main(argv=None):
                     f"attention.nano_batches={nano}",
                     f"rows_per_rank={a.rows_per_rank or nano}", "checkpoint_every=0",
                     f"num_steps={a.warmup + a.steps}"] + a.extra + vover
+            if backend == "wlb":
+              over = wlb_overrides(over)
             if a.tiny:
               over += ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
                        "model.mlp_dim=128", "model.vocab_size=256", "model.dtype=float32",
@@ -350,6 +380,8 @@ def main(argv=None):
               results.append(dict(workload=workload, tokens=tokens, backend=name, error=f"{type(e).__name__}: {e}"))
               continue
             s = summarize(r)
+            if backend == "wlb":
+              s["wlb_config"] = wlb_config(c, over)
             if a.plan_stats and backend == "distca":
               s.update(plan_stats(c, r["backend"], r["doclens"]))
             s.update(workload=workload, tokens=tokens, backend=name, nano_batches=nano,
@@ -465,6 +497,16 @@ def write(a, results, quiet: bool = False):
     for r in twins:
       lines.append(f"| {r['workload']} | {r['tokens']} | {r['backend']} | "
                    f"{_fmt(r.get('step_over_signal_only'))} | {_fmt(r.get('pingpong_speedup'))} |")
+  wlbs = [r for r in results if "wlb_config" in r]
+  if wlbs:
+    lines += ["\n## wlb's configuration\n",
+              "| workload | tokens/GPU | backend | CP size | alpha | how chosen | linear work on "
+              "padding (rows of alpha x T slots) |", "|---|---|---|---|---|---|---|"]
+    for r in wlbs:
+      w = r["wlb_config"]
+      lines.append(f"| {r['workload']} | {r['tokens']} | {r['backend']} | {w['cp_size']} | "
+                   f"{w['alpha']:g} | {w['how']} | {100 * w['padding_linear_fraction']:.0f}% "
+                   "of T per rank |")
   planned = [r for r in results if "plan_imbalance_after" in r]
   if planned:
     lines += ["\n## distca plans of the timed batches (host replan; means over plans)\n",

@@ -34,7 +34,8 @@ stage() {  # stage NAME SECONDS CMD...
 nvidia-smi -L
 ONE="env CUDA_VISIBLE_DEVICES=0"
 E2E20="--layers 2 --steps 20 --warmup 2"  # gpu_bench defaults: flash3 kernels for every backend
-WLB="--extra attention.baselines.cp_size=1 --extra attention.baselines.wlb_alpha=1.2"
+# wlb's CP size and alpha: e2e_bench's default, choose_wlb on batches the run never times.
+WLB=""
 # Compiled programs persist across the suite's processes (Pretrain and ProLong share shapes).
 export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
 case "${SUITE:-all}" in

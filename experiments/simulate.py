@@ -8,8 +8,12 @@
 The simulator (``distca_jax.sim``) runs the project's sampler, packers and CAD planner on sampled
 batches and times them with costs calibrated on committed measurements (``--validate`` replays
 those measurements; the calibration used is printed). One config prints a table of step time,
+the fraction of the balance bound (packed_dp's mean per-rank compute) each strategy reaches,
 speedups, imbalance, bytes and memory per strategy and writes ``{"strategies": {name: {...}}}``
-with per-rank breakdowns. ``--paper`` replays the DistCA paper's 3D (no pipeline) and 4D
+with per-rank breakdowns. Without ``--tensor`` / ``--pipe`` it picks the first layout (fewest
+model-parallel GPUs: tensor 1-8 inside a node, pipe 1-4 with 2 x pipe micro-batches) where every
+strategy fits memory, says which in one line, and says so in one line (exit 2) when none fits.
+cp's and wlb's settings are chosen on other batches than the scored ones. ``--paper`` replays the DistCA paper's 3D (no pipeline) and 4D
 (pipeline) experiments on Llama-3-8B at 16/32/64 GPUs and a 34B-class model at 128/256/512 GPUs,
 contexts 128K-512K, both workloads, plus an epsilon sweep and per-rank imbalance; it writes
 OUT.md, OUT.json and OUT.png.
@@ -39,6 +43,8 @@ PAPER_RANGES = {("3d", "pretrain"): (1.07, 1.20), ("3d", "prolong"): (1.05, 1.12
 PAPER_GRID = (("llama3_8b", (16, 32, 64), 4, (4, 2, 8)),
               ("llama3_34b", (128, 256, 512), 8, (8, 4, 8)))
 CONTEXTS = (131072, 262144, 524288)
+# cp's and wlb's settings are chosen on batches from this step on (never scored ones).
+SELECT_FIRST_STEP = 100_000
 
 
 def parse_args(argv=None):
@@ -52,9 +58,13 @@ def parse_args(argv=None):
   p.add_argument("--tokens", type=int, default=131072, help="tokens per data rank per micro-batch")
   p.add_argument("--context", type=int, default=0,
                  help="the recipe's document scale (0 = --tokens); longer pieces are cut at rows")
-  p.add_argument("--tensor", type=int, default=1)
-  p.add_argument("--pipe", type=int, default=1)
-  p.add_argument("--micro-batches", type=int, default=1)
+  p.add_argument("--tensor", type=int, default=None,
+                 help="tensor-parallel GPUs per rank (with --pipe unset: the layout picker's)")
+  p.add_argument("--pipe", type=int, default=None, help="pipeline stages (default: picked)")
+  p.add_argument("--micro-batches", type=int, default=None,
+                 help="micro-batches per step (default: 1, or 2 x pipe under a pipeline)")
+  p.add_argument("--collective", default="dense", choices=step.SIM_COLLECTIVES,
+                 help="distca's exchange as built: 'dense' (the GPU default) or 'ragged'")
   p.add_argument("--batches", type=int, default=3, help="sampled batches averaged")
   p.add_argument("--tolerance", type=float, default=None, help="CAD epsilon (default: config's)")
   p.add_argument("--nano-batches", type=int, default=2, help="2: CAD with ping-pong")
@@ -81,7 +91,8 @@ def options(a, **kw) -> step.Options:
   from distca_jax import config as config_lib  # pylint: disable=import-outside-toplevel
   ca = config_lib.base_config().attention.distca
   o = step.Options(tolerance=ca.tolerance, min_gain=ca.min_gain, nano_batches=a.nano_batches,
-                   cp_overlap=not a.no_cp_overlap, remat=a.remat)
+                   collective=a.collective, exchange_buckets=ca.exchange_buckets,
+                   caps_headroom=ca.caps_headroom, cp_overlap=not a.no_cp_overlap, remat=a.remat)
   if a.tolerance is not None:
     o = dataclasses.replace(o, tolerance=a.tolerance)
   return dataclasses.replace(o, **kw)
@@ -94,31 +105,83 @@ def run_config(model, workload, gpus, tokens, layout_kw, a, cal, km, context=0,
   layout = step.Layout(gpus=gpus, **layout_kw)
   t0 = time.perf_counter()
   batches = step.sample_batches(workload, tokens, layout, a.batches, context=context)
-  res = step.simulate(batches, spec, layout, tokens, cal=cal, km=km, opts=opts or options(a))
+  # cp's and wlb's settings are chosen on other batches of the same workload (no hindsight).
+  select = step.sample_batches(workload, tokens, layout, a.batches, context=context,
+                               first_step=SELECT_FIRST_STEP)
+  res = step.simulate(batches, spec, layout, tokens, cal=cal, km=km, opts=opts or options(a),
+                      select_batches=select)
   # WLB-ideal as this project's wlb backend runs it (the variant --validate checks on 2 GPUs):
-  # K/V all-gather exposed, rows padded to Lmax = alpha T token slots.
-  as_run = step.simulate(batches, spec, layout, tokens, cal=cal, km=km, strategies=("wlb",),
+  # K/V all-gather exposed, rows padded to Lmax = alpha T token slots; the same memory budget.
+  as_run = step.simulate(batches, spec, layout, tokens, cal=cal, km=km,
+                         strategies=("distca", "wlb"), select_batches=select,
                          opts=dataclasses.replace(opts or options(a), cp_overlap=False,
                                                   wlb_padded=True))["wlb"]
   sim_s = time.perf_counter() - t0
   dist = res["distca"]["step_s"]
+  # The exchange's exposed seconds of a step: the same on every device (dense) per tick, so the
+  # step without them is the step less their sum over the ticks.
+  d = res["distca"]
+  ticks = layout.ticks if d["pooled_ticks"] else layout.micro_batches
+  exposed = float(np.max(d["per_rank_s"]["exchange_exposed"])) * ticks
   return {"model": model, "workload": workload, "gpus": gpus, "tokens": tokens,
           "context": context or tokens, "layout": dataclasses.asdict(layout),
           "data_ranks": layout.data, "strategies": res,
           "speedup_vs_packed_dp": res["packed_dp"]["step_s"] / dist,
           "speedup_vs_wlb_ideal": res["wlb"]["step_s"] / dist,
           "speedup_vs_cp": res["cp"]["step_s"] / dist,
-          "wlb_ideal_as_implemented": {k: as_run[k] for k in ("step_s", "dp", "cp", "alpha")},
+          "distca_exchange_exposed_s": exposed,
+          "speedup_vs_wlb_ideal_exchange_free": res["wlb"]["step_s"] / (dist - exposed),
+          "fits_every_strategy": all(x["fits_memory"] for x in res.values()),
+          "wlb_ideal_as_implemented": {k: as_run[k] for k in ("step_s", "dp", "cp", "alpha",
+                                                              "bound_fraction")},
           "speedup_vs_wlb_ideal_as_implemented": as_run["step_s"] / dist, "simulation_s": sim_s}
+
+
+def layouts(gpus: int, a) -> list[dict]:
+  """Layouts to try, fewest model-parallel GPUs first: the one given (``--tensor`` /
+  ``--pipe``), else tensor 1-8 (inside a node) x pipe 1-4 (2 x pipe micro-batches)."""
+  if a.tensor is not None or a.pipe is not None:
+    pipe = a.pipe or 1
+    return [dict(tensor=a.tensor or 1, pipe=pipe,
+                 micro_batches=a.micro_batches or (2 * pipe if pipe > 1 else 1))]
+  out = [dict(tensor=t, pipe=p, micro_batches=a.micro_batches or (2 * p if p > 1 else 1))
+         for t in (1, 2, 4, 8) for p in (1, 2, 4) if gpus % (t * p) == 0]
+  return sorted(out, key=lambda x: (x["tensor"] * x["pipe"], x["pipe"]))
+
+
+def pick_layout(a, cal, km) -> dict:
+  """The first of ``layouts`` where every strategy fits memory (``run_config``'s result), with a
+  one-line ``layout_note``; SystemExit(2) with one line when none does."""
+  tried = []
+  for lay in layouts(a.gpus, a):
+    r = run_config(a.model, a.workload, a.gpus, a.tokens, lay, a, cal, km, context=a.context)
+    need = max(s["memory_gb"]["total"] for s in r["strategies"].values())
+    tried.append(f"{lay['tensor']}x{lay['pipe']}x{lay['micro_batches']} ({need:.0f} GB)")
+    if r["fits_every_strategy"]:
+      r["layout_note"] = (f"layout tensor {lay['tensor']} x pipe {lay['pipe']} x micro-batches "
+                          f"{lay['micro_batches']}: the first of {len(tried)} tried where every "
+                          f"strategy fits {cal.hbm_bytes / 1e9:.0f} GB per GPU")
+      print(r["layout_note"])
+      return r
+  if a.tensor is not None or a.pipe is not None:  # the layout asked for, reported as it is
+    r["layout_note"] = (f"not every strategy fits {cal.hbm_bytes / 1e9:.0f} GB per GPU in the "
+                        f"layout given ({tried[0]}); see 'fits' per strategy")
+    print(r["layout_note"])
+    return r
+  raise SystemExit(f"error: no layout of {a.gpus} GPUs fits every strategy in "
+                   f"{cal.hbm_bytes / 1e9:.0f} GB per GPU at --tokens {a.tokens} (tried tensor x "
+                   f"pipe x micro-batches, largest need: {', '.join(tried)}); lower --tokens or "
+                   "add GPUs")
 
 
 def format_config(r) -> str:
   lines = [f"{r['model']} {r['workload']} {r['gpus']} GPUs {r['layout']} tokens/rank "
            f"{r['tokens']} (context {r['context']})",
-           f"{'strategy':10s} {'step s':>8s} {'dp x cp':>8s} {'attn imb':>9s} {'comp imb':>9s} "
-           f"{'tok imb':>8s} {'MB/layer':>9s} {'mem GB':>7s} fits"]
+           f"{'strategy':10s} {'step s':>8s} {'of bound':>8s} {'dp x cp':>8s} {'attn imb':>9s} "
+           f"{'comp imb':>9s} {'tok imb':>8s} {'MB/layer':>9s} {'mem GB':>7s} fits"]
   for name, s in r["strategies"].items():
-    lines.append(f"{name:10s} {s['step_s']:8.3f} {s['dp']:>3d} x {s['cp']:<3d} "
+    lines.append(f"{name:10s} {s['step_s']:8.3f} {s['bound_fraction']:8.3f} "
+                 f"{s['dp']:>3d} x {s['cp']:<3d} "
                  f"{s['attention_imbalance']:9.3f} {s['compute_imbalance']:9.3f} "
                  f"{s['token_imbalance']:8.3f} {s['bytes_per_layer_mean_mb']:9.1f} "
                  f"{s['memory_gb']['total']:7.1f} {s['fits_memory']}"
@@ -127,7 +190,8 @@ def format_config(r) -> str:
                f"{r['speedup_vs_wlb_ideal']:.3f}x WLB-ideal "
                f"({r['speedup_vs_wlb_ideal_as_implemented']:.3f}x WLB-ideal as implemented here), "
                f"{r['speedup_vs_cp']:.3f}x cp "
-               f"(simulated in {r['simulation_s']:.1f} s)")
+               f"(simulated in {r['simulation_s']:.1f} s); balance bound "
+               f"{r['strategies']['packed_dp']['balance_bound_s']:.3f} s")
   return "\n".join(lines)
 
 
@@ -159,8 +223,7 @@ def fitting_tokens(model, context, layout_kw, cal, remat: str = "save_attention"
     lay = step.Layout(gpus=layout_kw.get("tensor", 1) * layout_kw.get("pipe", 1), **layout_kw)
     mem = costs.memory_bytes(spec, cal, tokens=t, layers=costs.ceil_div(
         spec.dims.n_layers, lay.pipe), tp=lay.tensor, pp=lay.pipe,
-        in_flight=min(lay.pipe, lay.micro_batches), extra_bytes=0.1 * cal.hbm_bytes,
-        remat=remat)
+        in_flight=lay.in_flight, extra_bytes=0.1 * cal.hbm_bytes, remat=remat)
     if mem["fits"]:
       return t
     t //= 2
@@ -222,23 +285,35 @@ def write_paper(a, blob, cal, km_small: float) -> None:
        "- tokens/rank: the largest power of two <= the context whose packed_dp activations fit "
        f"one H200 (remat '{a.remat}', measured footprint); longer documents are cut at rows "
        "(the trainer's split rule), so every strategy sees the same batches",
-       "- WLB-ideal: best (CP size, alpha) that fits, variable-length rows, K/V traffic hidden "
-       "behind attention (ring), as the paper's baseline; 'as implemented here': the same search "
-       "with this project's wlb backend (K/V all-gather exposed, rows padded to alpha T; the "
-       "model --validate checks on 2 GPUs); distca: ping-pong (exchange hidden behind the other "
-       "nano-batch's "
-       "linear layers), tolerance " + f"{options(a).tolerance}, gate (min_gain) "
-       f"{options(a).min_gain}",
-       "- 4D: 1F1B pipeline, every micro-batch planned over the data ranks of its stage; step = "
-       "sum of micro-batches' slowest-stage times + (S - 1) x the slowest\n"]
+       "- WLB-ideal: the (CP size, alpha) fastest on other sampled batches of the workload "
+       "(never the scored ones) within distca's memory need (at most the GPU's), variable-length "
+       "rows, K/V traffic hidden behind attention (ring), as the paper's baseline; 'as "
+       "implemented here': the same search with this project's wlb backend (K/V all-gather "
+       "exposed, rows padded to alpha T); cp: the CP size fastest on those other batches",
+       f"- distca: the '{a.collective}' exchange as built (wire bytes of the data plane's own "
+       "block choice, `dataplane.dense_wire_rows`, caps sized on the sampled plans x "
+       "caps_headroom), its seconds from the 4 x H100 exchange measurements "
+       f"(results/four/raw/; {cal.dense_latency_s * 1e3:.2f} ms + wire bytes / "
+       f"{cal.dense_bw / 1e9:.0f} GB/s per exchange, across nodes scaled by inter / intra "
+       f"bandwidth), {100 * cal.exchange_hidden:.0f}% of it hidden (no overlap measured on "
+       "GPUs); memory per layer as compiled (server buffers kept per layer, one layer's "
+       "exchange buffers, the dense blocks growing with S, FlashAttention-3's backward "
+       f"workspace); tolerance {options(a).tolerance}, gate (min_gain) {options(a).min_gain}",
+       "- 4D: the GPipe scan the system runs (M + S - 1 ticks in lockstep, every tick's "
+       "activations kept), distca planned once per tick over every stage's rows (pipe x data "
+       "servers, bubble slots serve the others); LM head after the pipeline over pipe x data",
+       "- bound: the balance bound, packed_dp's mean per-rank compute in the same schedule "
+       "(no communication); 'of bound' = bound / step (1 = perfect balance, free communication)"
+       "\n"]
   for dim_name in ("3d", "4d"):
     sub = [r for r in blob["rows"] if r["dims"] == dim_name]
     L += [f"## {dim_name.upper()}\n",
           "| model | workload | GPUs | layout (TP x PP x M) | data ranks | context | tokens/rank | "
-          "packed_dp s | cp s | WLB-ideal s (dp x cp, alpha) | distca s | distca / WLB-ideal | "
+          "packed_dp s | cp s | WLB-ideal s (dp x cp, alpha) | distca s | bound s | "
+          "of bound (p/c/w/d) | distca / WLB-ideal | "
           "distca / WLB-ideal as implemented here | distca / packed_dp | "
           "paper range vs WLB-ideal | fits (p/c/w/d) |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sub:
       s = r["strategies"]
       lay = r["layout"]
@@ -250,6 +325,8 @@ def write_paper(a, blob, cal, km_small: float) -> None:
                f"{s['packed_dp']['step_s']:.2f} | {s['cp']['step_s']:.2f} | "
                f"{s['wlb']['step_s']:.2f} ({s['wlb']['dp']} x {s['wlb']['cp']}, "
                f"{s['wlb']['alpha']}) | {s['distca']['step_s']:.2f} | "
+               f"{s['packed_dp']['balance_bound_s']:.2f} | "
+               + "/".join(f"{s[k]['bound_fraction']:.2f}" for k in step.STRATEGIES) + " | "
                f"**{r['speedup_vs_wlb_ideal']:.3f}** | "
                f"{r['speedup_vs_wlb_ideal_as_implemented']:.3f} | "
                f"{r['speedup_vs_packed_dp']:.3f} | "
@@ -259,9 +336,13 @@ def write_paper(a, blob, cal, km_small: float) -> None:
       we = [r["speedup_vs_wlb_ideal_as_implemented"] for r in sub if r["workload"] == wl]
       p = [r["speedup_vs_packed_dp"] for r in sub if r["workload"] == wl]
       lo, hi = PAPER_RANGES[(dim_name, wl)]
+      free = [r["speedup_vs_wlb_ideal_exchange_free"] for r in sub if r["workload"] == wl]
+      share = [r["distca_exchange_exposed_s"] / r["strategies"]["distca"]["step_s"]
+               for r in sub if r["workload"] == wl]
       L.append(f"\n{dim_name.upper()} {wl}: distca over WLB-ideal {_range(w)}x (paper "
                f"{lo:.2f}-{hi:.2f}x; {_range(we)}x over WLB-ideal as implemented here), over "
-               f"packed_dp {_range(p)}x.")
+               f"packed_dp {_range(p)}x; its exchange is {_range(share)} of its step, and "
+               f"without it distca would run {_range(free)}x WLB-ideal.")
     L.append("")
   L += ["## Epsilon sweep (Llama-3-8B, 64 GPUs, TP 4, Pretrain 128K; paper Fig. 12)\n",
         "| tolerance | distca step s | MB per layer per rank (fwd) | exchange s (all layers) | "
@@ -366,9 +447,7 @@ def main(argv=None):
     blob = paper(a, cal, km)
     write_paper(a, blob, cal, km.small_task_s)
     return blob
-  r = run_config(a.model, a.workload, a.gpus, a.tokens,
-                 dict(tensor=a.tensor, pipe=a.pipe, micro_batches=a.micro_batches), a, cal, km,
-                 context=a.context)
+  r = pick_layout(a, cal, km)
   print(format_config(r))
   if a.json:
     with open(a.json, "w") as f:

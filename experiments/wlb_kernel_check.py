@@ -6,7 +6,7 @@ For each workload it builds the run a training job with ``attention.backend=wlb`
 (``attention.baselines.cp_size=0``, ``wlb_alpha=0``) would be on ``--ranks`` data ranks of
 ``--tokens`` tokens (configs/gpu_bench.py: Llama-3-8B shapes, ``--layers`` layers), and lets the
 backend's own host code do what training does: ``backends.build`` picks the split and alpha
-(``baselines.ideal.choose_wlb`` on the run's first batches), ``trainer.add_host_plan`` packs each
+(``baselines.ideal.choose_wlb`` on batches the run never trains on), ``trainer.add_host_plan`` packs each
 sampled batch (WLB packing, per-document CP, task tables). Then, rank after rank on ONE device, it
 times forward + backward of the call ``baselines.device.group_attention`` makes on that rank
 (``ops.core_attention`` of the rank's queries, its key buffer and its task table; the K/V

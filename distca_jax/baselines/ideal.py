@@ -5,7 +5,8 @@ picks them (host, NumPy).
 ``metrics.estimate_layer_seconds`` (the shared work model over the stated hardware model, K/V
 traffic not hidden, linear layers on the padded ``Lmax = alpha T`` rows the backend runs) and
 returns the best one whose rows fit a token cap. ``wlb_options_from_config`` does it for a
-training config (``attention.baselines.cp_size = 0`` or ``wlb_alpha = 0`` ask for it).
+training config (``attention.baselines.cp_size = 0`` or ``wlb_alpha = 0`` ask for it) on batches
+the run never trains on (steps from ``num_steps`` on: no hindsight on timed or trained batches).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from distca_jax.baselines import metrics, packing
 
 DEFAULT_ALPHAS = (1.0, 1.1, 1.2, 1.5, 2.0)
 DEFAULT_BATCHES = 4
+# CP sizes tried by default: the divisors of the data ranks up to this (WLB-LLM's range).
+MAX_CP_SIZE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +52,7 @@ def choose_wlb(batches: Sequence[Sequence[Sequence[int]]], tokens_per_row: int,
     dims: the model (``ModelDims.from_model``).
     hw: the hardware model of ``estimate_layer_seconds``.
     alphas: alphas tried (each >= 1).
-    cp_sizes: CP sizes tried (default: every divisor of the rank count).
+    cp_sizes: CP sizes tried (default: every divisor of the rank count up to ``MAX_CP_SIZE``).
     max_row_tokens: the largest ``Lmax`` that fits memory (default: no cap).
 
   Returns:
@@ -59,7 +62,7 @@ def choose_wlb(batches: Sequence[Sequence[Sequence[int]]], tokens_per_row: int,
     raise ValueError("choose_wlb needs at least one sampled batch")
   ranks = len(batches[0])
   sizes = list(cp_sizes) if cp_sizes is not None else [
-      c for c in range(1, ranks + 1) if ranks % c == 0]
+      c for c in range(1, min(ranks, MAX_CP_SIZE) + 1) if ranks % c == 0]
   cands = []
   for c in sizes:
     if ranks % c:
@@ -82,10 +85,17 @@ def choose_wlb(batches: Sequence[Sequence[Sequence[int]]], tokens_per_row: int,
   return WlbChoice(best[0], best[1], best[2], tuple(cands))
 
 
-def wlb_options_from_config(c, data_ranks: int | None = None) -> dict[str, Any]:
-  """``cp_size`` and ``alpha`` for a training config whose ``attention.baselines.cp_size`` or
-  ``wlb_alpha`` is 0 ("ideal"): ``choose_wlb`` on the run's own first batches (fields set to
-  a positive value stay as given). ``data_ranks`` defaults to the mesh's data axis."""
+def choice_steps(c) -> range:
+  """The steps whose batches ``wlb_choice_from_config`` scores: from ``num_steps`` on, which the
+  run never trains or times (batches are a pure function of config, seed and step)."""
+  return range(int(c.num_steps), int(c.num_steps) + DEFAULT_BATCHES)
+
+
+def wlb_choice_from_config(c, data_ranks: int | None = None) -> WlbChoice:
+  """``choose_wlb`` for a training config on the batches of ``choice_steps`` (CP sizes up to
+  ``MAX_CP_SIZE`` dividing the data ranks, ``DEFAULT_ALPHAS`` from 1.0); a positive
+  ``attention.baselines.cp_size`` or ``wlb_alpha`` stays as given. ``data_ranks`` defaults to
+  the mesh's data axis."""
   from distca_jax import config as config_lib  # pylint: disable=import-outside-toplevel
   from distca_jax.data import make_source  # pylint: disable=import-outside-toplevel
   b = c.attention.baselines
@@ -99,8 +109,13 @@ def wlb_options_from_config(c, data_ranks: int | None = None) -> dict[str, Any]:
                     seed=c.seed)
   per_rank = lambda r: [[x for row in r[k * c.rows_per_rank:(k + 1) * c.rows_per_rank]
                          for x in row] for k in range(data_ranks)]
-  batches = [per_rank(src.doclens(s)) for s in range(DEFAULT_BATCHES)]
-  choice = choose_wlb(batches, c.tokens_per_rank * c.rows_per_rank, metrics.ModelDims.from_model(m),
-                      alphas=(b.wlb_alpha,) if b.wlb_alpha else DEFAULT_ALPHAS,
-                      cp_sizes=(b.cp_size,) if b.cp_size else None)
+  batches = [per_rank(src.doclens(s)) for s in choice_steps(c)]
+  return choose_wlb(batches, c.tokens_per_rank * c.rows_per_rank, metrics.ModelDims.from_model(m),
+                    alphas=(b.wlb_alpha,) if b.wlb_alpha else DEFAULT_ALPHAS,
+                    cp_sizes=(b.cp_size,) if b.cp_size else None)
+
+
+def wlb_options_from_config(c, data_ranks: int | None = None) -> dict[str, Any]:
+  """``cp_size`` and ``alpha`` of ``wlb_choice_from_config`` (the wlb backend's options)."""
+  choice = wlb_choice_from_config(c, data_ranks)
   return {"cp_size": choice.cp_size, "alpha": choice.alpha}

@@ -32,7 +32,7 @@ from distca_jax.dataplane.body import (MEMORY_MODES, DispatchOptions, count_prim
                                        dispatch_attention, mesh_and_servers)
 from distca_jax.dataplane.copies import gather_two, place_unique, take_rows
 from distca_jax.dataplane.exchange import (COLLECTIVES, DEFAULT_EXCHANGE_BUCKETS, ExchangeOptions,
-                                           dense_block_rows, ragged_exchange,
+                                           dense_block_rows, dense_wire_rows, ragged_exchange,
                                            resolve_collective, return_to_owners, send_to_servers)
 from distca_jax.plan import cost
 from distca_jax.plan.capacity import Capacity
@@ -40,7 +40,7 @@ from distca_jax.plan.spec import fit_host_plan
 
 __all__ = [
     "COLLECTIVES", "DEFAULT_EXCHANGE_BUCKETS", "DispatchOptions", "ExchangeOptions",
-    "MEMORY_MODES", "core_attention", "count_primitives", "dense_block_rows",
+    "MEMORY_MODES", "core_attention", "count_primitives", "dense_block_rows", "dense_wire_rows",
     "dispatch_attention", "gather_two", "mesh_and_servers", "place_unique", "ragged_exchange",
     "resolve_collective", "return_to_owners", "send_to_servers", "take_rows",
 ]

@@ -174,6 +174,25 @@ def dense_block_rows(full: int, buckets: int) -> tuple[int, ...]:
   return tuple(sorted(sizes | ({0} if n > 1 else set())))
 
 
+def dense_block_index(sizes: tuple[int, ...], need):
+  """Index into ``sizes`` (``dense_block_rows``) of the smallest block that holds ``need`` rows
+  (the largest group any device sends), the last when none does; ``need`` may be traced (the
+  step) or a host integer (``dense_wire_rows``)."""
+  return jnp.minimum(jnp.sum(jnp.asarray(sizes, jnp.int32) < need), len(sizes) - 1)
+
+
+def dense_wire_rows(send_len_SxS, full: int, buckets: int) -> int:
+  """Rows per device the dense exchange puts on the wire for one part (host): ``S`` blocks of
+  the size ``_dense`` picks for groups ``send_len_SxS`` [S, S] (sender, server; the plan
+  metadata's ``q_send_len`` / ``kv_send_len``, or a plan's ``pair_*_rows``), ``full`` =
+  ``min(send cap, recv cap)`` of the part. The same rows cross in the return / backward
+  direction (groups transposed: the same largest group)."""
+  send = np.asarray(send_len_SxS)
+  sizes = dense_block_rows(int(full), buckets)
+  i = 0 if len(sizes) == 1 else int(dense_block_index(sizes, int(send.max(initial=0))))
+  return send.shape[0] * sizes[i]
+
+
 def _dense(x, out, routes, axis, buckets: int):
   """Blocks of ``B = min(send rows, recv rows)`` rows at most; with ``buckets > 1`` a switch
   runs the smallest block of ``dense_block_rows`` that holds the largest group any device sends
@@ -181,8 +200,7 @@ def _dense(x, out, routes, axis, buckets: int):
   sizes = dense_block_rows(min(x.shape[0], out.shape[0]), buckets)
   if len(sizes) == 1:
     return _dense_block(x, out, routes, axis, sizes[0])
-  need = lax.pmax(jnp.max(routes[1]), axis)
-  i = jnp.minimum(jnp.sum(jnp.asarray(sizes, jnp.int32) < need), len(sizes) - 1)
+  i = dense_block_index(sizes, lax.pmax(jnp.max(routes[1]), axis))
   return lax.switch(i, [functools.partial(_dense_block, axis=axis, b=b) for b in sizes],
                     x, out, routes)
 

@@ -129,8 +129,16 @@ class Calibration:
     act_bytes_per_token_fixed: per-token bytes outside the layers at E = 4096 (embedding,
       LM-head chunks, loss), fitted likewise.
     state_bytes_per_param: f32 parameters + Adam moments (12) + f32 gradients (4).
-    single_stream_hidden: fraction of CAD's exchange hidden behind compute without ping-pong
-      (XLA overlaps the K/V all_to_all with the query projection's tail; stated: 0.5).
+    dense_latency_s, dense_bw: distca's dense exchange (``dataplane.exchange``, the GPU default):
+      seconds of one exchange = latency + wire bytes per device (``S`` blocks) / bw, fitted on
+      the exchange alone on real 4-server Pretrain 128K plans, 4 x H100 of one host
+      (results/four/raw/exchange_bench.log and exb_oneshot.json; ``sim.validate``); across nodes
+      scaled by ``inter_node_bw / intra_node_bw``.
+    ragged_latency_s, ragged_bw: the same for XLA's ragged all-to-all on the busiest device's
+      useful bytes (same measurements; its time follows host round trips more than bytes).
+    exchange_hidden: fraction of distca's exchange hidden behind compute: 0, since no overlap
+      of the exchange has been measured on GPUs (the 4-GPU runs are single stream; ping-pong's
+      overlap on several GPUs is unmeasured), so all of it is charged.
   """
   matmul_tflops: float = 585.0
   remat_factor: float = 4.0 / 3.0
@@ -144,7 +152,11 @@ class Calibration:
   act_bytes_per_token_layer: float = 38e3
   act_bytes_per_token_fixed: float = 211e3
   state_bytes_per_param: float = 16.0
-  single_stream_hidden: float = 0.5
+  dense_latency_s: float = 8.1e-4
+  dense_bw: float = 361e9
+  ragged_latency_s: float = 0.044
+  ragged_bw: float = 6.3e9
+  exchange_hidden: float = 0.0
 
   def bandwidth(self, span_gpus: int) -> float:
     """Bytes/s per GPU of a collective over ``span_gpus`` consecutive GPUs."""
@@ -229,9 +241,11 @@ def attention_remat_factor(remat: str) -> float:
 # ----------------------------------------------------------------------------------------------
 def memory_bytes(spec: ModelSpec, cal: Calibration, *, tokens: float, layers: int, tp: int,
                  pp: int, in_flight: int = 1, extra_bytes: float = 0.0,
-                 remat: str = "save_attention") -> dict[str, float]:
+                 remat: str = "save_attention", workspace_bytes: float = 0.0) -> dict[str, float]:
   """Per-GPU bytes of one rank: state, activations (``tokens`` held, ``layers`` of its stage,
-  ``in_flight`` micro-batches kept by the pipeline schedule) and strategy buffers.
+  ``in_flight`` micro-batches kept by the pipeline schedule), strategy buffers and the
+  kernels' workspace outside XLA's plan (``workspace_bytes``); ``xla_plan`` is the total less
+  that workspace (what a compiled step reports).
 
   Activations per token: ``act_bytes_per_token_fixed`` plus, per layer, what ``remat`` keeps:
   'save_attention' ``act_bytes_per_token_layer`` (fitted); 'full' the layer's input (E values
@@ -246,20 +260,22 @@ def memory_bytes(spec: ModelSpec, cal: Calibration, *, tokens: float, layers: in
   else:
     per_token = (layers * cal.act_bytes_per_token_layer + cal.act_bytes_per_token_fixed) * width
   act = tokens * in_flight * per_token / tp
-  total = state + act + extra_bytes
-  return {"state": state, "activations": act, "buffers": float(extra_bytes), "total": total,
+  plan = state + act + extra_bytes
+  total = plan + workspace_bytes
+  return {"state": state, "activations": act, "buffers": float(extra_bytes),
+          "kernel_workspace": float(workspace_bytes), "xla_plan": plan, "total": total,
           "fits": bool(total <= cal.hbm_bytes)}
 
 
 def pipeline_bubble_fraction(stages: int, micro_batches: int) -> float:
-  """(S - 1) / (M + S - 1): the idle share of a 1F1B pipeline with equal micro-batches."""
+  """(S - 1) / (M + S - 1): the idle share of a pipeline (GPipe or 1F1B) with equal micro-batches."""
   s = check_int("stages", stages, 1)
   m = check_int("micro_batches", micro_batches, 1)
   return (s - 1) / (m + s - 1)
 
 
 def pipeline_seconds(stage_s_M: np.ndarray, stages: int) -> float:
-  """A 1F1B pipeline's time for micro-batches whose slowest stage takes ``stage_s_M`` [M]:
+  """A pipeline's time (GPipe or 1F1B) for micro-batches whose slowest stage takes ``stage_s_M`` [M]:
   every micro-batch passes each stage once (sum) and the fill / drain waits ``S - 1`` stage
   times of the slowest micro-batch (equal micro-batches: the bubble fraction above)."""
   u = np.asarray(stage_s_M, np.float64)

@@ -7,16 +7,27 @@ Their per-rank tasks, tokens and bytes become seconds through ``costs`` (measure
 fitted matmul rate, fitted collectives, stated inter-node bandwidth):
 
   layer_r  = linear (6 N_layer x remat x tokens / rate) + attention (kernel table on the rank's
-             tasks, plus one forward under remat 'full') + tensor-parallel traffic + the exposed part of the strategy's exchange
-  stage_r  = layers of the stage x layer_r (+ LM head on the last stage)
+             tasks, plus one forward under remat 'full') + tensor-parallel traffic + the exposed
+             part of the strategy's communication
+  stage_r  = layers of the stage x layer_r (+ LM head)
 
-Ranks that synchronize inside a layer (a CP group; every server of a CAD plan) wait for their
-slowest member each micro-batch; micro-batches follow each other (gradient accumulation) or run
-through a 1F1B pipeline (``costs.pipeline_seconds``). Exposed exchange: CAD with ping-pong
-hides its all_to_alls behind the other nano-batch's linear layers (``max(0, comm - linear)``),
-without it ``Calibration.single_stream_hidden`` of it; cp / wlb overlap their K/V all-gather with
-attention (ring attention's overlap, granted to the baselines). Gradient synchronization is the
-same for every strategy and is left out (ratios are what the tables compare).
+distca's exchange is priced as built (``dataplane.exchange``): 'dense' (the GPU default) puts
+``S`` blocks of the bucket ``dense_wire_rows`` picks on the wire per exchange (caps: the
+envelope of the sampled plans x ``caps_headroom``, as training samples them), 'ragged' the
+useful rows; seconds from the 4-GPU exchange measurements (``Calibration.dense_*``,
+``ragged_*``), with ``Calibration.exchange_hidden`` of them hidden (0: no overlap measured).
+cp / wlb overlap their K/V all-gather with attention when ``cp_overlap`` (ring attention, the
+paper's WLB-ideal), else expose it (this project's backend).
+
+Steps: ranks that synchronize inside a layer (a CP group; every server of a CAD plan) wait for
+their slowest member; without a pipeline micro-batches accumulate; with ``pipe = S > 1`` the
+step is a GPipe scan of ``M + S - 1`` ticks in lockstep (``distca_jax.pipeline``), each tick as
+long as its slowest device, and distca plans each tick once over every stage's rows (pipe x data
+servers, bubble slots serve the others), as the trainer does; the LM head runs after the
+pipeline over pipe x data. The balance bound of a step is the same schedule with every rank at
+the mean of packed_dp's per-rank compute (no communication): every strategy's
+``bound_fraction`` is bound / step. Gradient synchronization is the same for every strategy and
+is left out (ratios are what the tables compare).
 """
 
 from __future__ import annotations
@@ -27,14 +38,22 @@ from typing import Any, Sequence
 import numpy as np
 
 from distca_jax import plan as plan_lib
+from distca_jax.baselines import DEFAULT_MAX_DOCS_PER_ROW
 from distca_jax.baselines import metrics as bm
 from distca_jax.baselines import packing
 from distca_jax.checks import check_int
 from distca_jax.data.workloads import WorkloadSampler
+from distca_jax.dataplane.exchange import DEFAULT_EXCHANGE_BUCKETS, dense_block_rows, dense_wire_rows
+from distca_jax.memory import flash3_bwd_workspace_bytes
 from distca_jax.sim import costs
 
 STRATEGIES = ("packed_dp", "cp", "wlb", "distca")
 WLB_ALPHAS = (1.0, 1.1, 1.2, 1.5, 2.0)
+# distca's exchange implementations the simulator prices (``dataplane.exchange``).
+SIM_COLLECTIVES = ("dense", "ragged")
+# Exchanges of one layer, forward + backward: Q, O, dO, dQ move query rows; K/V and dK/dV
+# key/value rows (the backward of an exchange is the exchange of its cotangents reversed).
+Q_EXCHANGES, KV_EXCHANGES = 4, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +84,17 @@ class Layout:
     """Ranks of the data dimension (DP x CP for cp / wlb; the attention servers of CAD)."""
     return self.gpus // (self.tensor * self.pipe)
 
+  @property
+  def ticks(self) -> int:
+    """Ticks of the GPipe scan (``M + S - 1``; ``M`` accumulated micro-batches at pipe 1)."""
+    return self.micro_batches + self.pipe - 1
+
+  @property
+  def in_flight(self) -> int:
+    """Micro-batch activations a stage keeps for the backward: every tick's under the GPipe
+    scan (``distca_jax.pipeline``), one at pipe 1."""
+    return self.ticks if self.pipe > 1 else 1
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:
@@ -73,7 +103,12 @@ class Options:
   Attributes:
     tolerance: CAD's epsilon.
     min_gain: CAD's gate (0 = always balance).
-    nano_batches: 2 = CAD with ping-pong (exchange behind the other nano-batch), 1 = single stream.
+    nano_batches: CAD's nano-batches (1 single stream, 2 ping-pong); the exchange's exposure is
+      ``Calibration.exchange_hidden`` either way (no overlap has been measured on GPUs).
+    collective: distca's exchange ('dense', the GPU default, or 'ragged'; ``SIM_COLLECTIVES``).
+    exchange_buckets: the dense exchange's block sizes (``attention.distca.exchange_buckets``).
+    caps_headroom: distca's caps over the sampled plans' envelope
+      (``attention.distca.caps_headroom``).
     wlb_alphas: WLB-ideal's alpha grid; cp_sizes: CP group sizes tried (None = powers of two
       dividing ``data``).
     cp_overlap: cp / wlb hide their K/V traffic behind attention (ring attention, as the paper's
@@ -86,6 +121,9 @@ class Options:
   tolerance: float = plan_lib.DEFAULT_TOLERANCE
   min_gain: float = 0.0
   nano_batches: int = 2
+  collective: str = "dense"
+  exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS
+  caps_headroom: float = 1.1
   wlb_alphas: Sequence[float] = WLB_ALPHAS
   cp_sizes: Sequence[int] | None = None
   cp_overlap: bool = True
@@ -94,6 +132,12 @@ class Options:
 
   def __post_init__(self):
     costs.check_remat(self.remat)
+    if self.collective not in SIM_COLLECTIVES:
+      raise ValueError(f"collective={self.collective!r} is not priced by the simulator; use one "
+                       f"of {SIM_COLLECTIVES}")
+    if not self.caps_headroom >= 1.0:
+      raise ValueError(f"caps_headroom={self.caps_headroom!r} must be >= 1 (a margin over the "
+                       "sampled plans' envelope)")
 
 
 def sample_batches(workload: str, tokens: int, layout: Layout, batches: int, *, seed: int = 0,
@@ -106,12 +150,13 @@ def sample_batches(workload: str, tokens: int, layout: Layout, batches: int, *, 
 
 
 # ----------------------------------------------------------------------------------------------
-# One micro-batch: per-rank attention seconds and metrics of each strategy.
+# One micro-batch (or one pooled tick of distca): per-rank attention seconds and metrics.
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class MicroResult:
   """One strategy on one micro-batch: ``metrics`` (pairs, tokens, bytes per rank) and the
-  rank's attention seconds per layer (``attn_s``, measured kernel table), its sync group size."""
+  rank's attention seconds per layer (``attn_s``, measured kernel table), its sync group size;
+  distca: the ``plan`` (of one micro-batch, or of one tick over pipe x data servers)."""
   metrics: bm.RankMetrics
   attn_s: np.ndarray
   group: int
@@ -160,15 +205,76 @@ def run_distca(rows, tokens, spec, km, opts: Options) -> MicroResult:
   return MicroResult(bm.distca_metrics(plan), attn, len(rows), plan)
 
 
+def tick_rows(batch: Sequence[Sequence[Sequence[int]]], stages: int) -> list[list[list[int]]]:
+  """[tick][stage x data rank] -> document lengths: at tick ``t`` stage ``s`` holds micro-batch
+  ``t - s`` (none in the bubble: an empty row), the rows distca plans together per tick."""
+  m, data = len(batch), len(batch[0])
+  return [[list(batch[t - s][r]) if 0 <= t - s < m else [] for s in range(stages)
+           for r in range(data)] for t in range(m + stages - 1)]
+
+
+# ----------------------------------------------------------------------------------------------
+# distca's caps and exchange as built.
+# ----------------------------------------------------------------------------------------------
+def distca_caps(plans: Sequence[plan_lib.Plan], tokens: int, headroom: float
+                ) -> plan_lib.Capacity:
+  """The caps training would size from these plans: their envelope x ``headroom`` rounded to
+  row multiples (``plan.caps_with_headroom``); tasks as the envelope (at least 64, the
+  default)."""
+  env = plan_lib.Capacity.envelope([plan_lib.required_capacity(p) for p in plans])
+  rows = plan_lib.caps_with_headroom(dataclasses.asdict(env), tokens, headroom)
+  return plan_lib.Capacity(**rows, tasks=max(64, env.tasks))
+
+
+def exchange_wire_bytes(plan: plan_lib.Plan, caps: plan_lib.Capacity, dims, collective: str,
+                        buckets: int) -> np.ndarray:
+  """[S] bytes per device one layer's exchanges (forward + backward) put on the wire.
+
+  'dense': per exchange ``S`` blocks of the bucket the data plane picks for the plan's largest
+  (sender, server) group (``dataplane.dense_wire_rows``, full block ``min(send cap, recv
+  cap)``), the same on every device; 'ragged': the device's useful rows, the most it sends or
+  receives."""
+  bq = dims.q_heads * dims.head_dim * dims.dtype_bytes
+  bkv = dims.kv_row_bytes
+  if collective == "dense":
+    q = dense_wire_rows(plan.pair_q_rows, min(caps.q_send, caps.q_recv), buckets)
+    kv = dense_wire_rows(plan.pair_kv_rows, min(caps.kv_send, caps.kv_recv), buckets)
+    return np.full(plan.num_servers, float(Q_EXCHANGES * q * bq + KV_EXCHANGES * kv * bkv))
+  q = np.maximum(plan.pair_q_rows.sum(0), plan.pair_q_rows.sum(1))
+  kv = np.maximum(plan.pair_kv_rows.sum(0), plan.pair_kv_rows.sum(1))
+  return (Q_EXCHANGES * q * bq + KV_EXCHANGES * kv * bkv).astype(np.float64)
+
+
+def exchange_seconds(wire_S: np.ndarray, servers: int, cal: costs.Calibration, collective: str,
+                     tp: int) -> np.ndarray:
+  """[S] seconds of one layer's exchanges: every device waits for the busiest (an all-to-all
+  completes together); heads are split over ``tp``."""
+  if servers <= 1:
+    return np.zeros_like(wire_S)
+  busiest = float(np.max(wire_S)) / tp
+  span = servers * tp
+  calls = Q_EXCHANGES + KV_EXCHANGES
+  if collective == "dense":
+    bw = cal.dense_bw * min(1.0, cal.bandwidth(span) / cal.intra_node_bw)
+    sec = calls * cal.dense_latency_s + busiest / bw
+  else:
+    bw = cal.ragged_bw * min(1.0, cal.bandwidth(span) / cal.intra_node_bw)
+    sec = calls * cal.ragged_latency_s + busiest / bw
+  return np.full_like(wire_S, sec)
+
+
 # ----------------------------------------------------------------------------------------------
 # Seconds.
 # ----------------------------------------------------------------------------------------------
 def rank_seconds(mr: MicroResult, spec: costs.ModelSpec, cal: costs.Calibration, layout: Layout,
-                 opts: Options, tokens_per_rank: int) -> dict[str, np.ndarray]:
-  """[S] seconds of one micro-batch on each rank's slowest (last) pipeline stage, by part.
+                 opts: Options, tokens_per_rank: int,
+                 caps: plan_lib.Capacity | None = None) -> dict[str, np.ndarray]:
+  """[S] seconds of one micro-batch (distca under a pipeline: one tick) on each rank's stage,
+  by part.
 
   The linear layers and the LM head run on every token slot of a rank's rows, padding included
   (``tokens_per_rank``; ``wlb``: ``Lmax`` slots when padded, its tokens when variable-length).
+  ``caps``: distca's buffers (``distca_caps``), which set the dense exchange's blocks.
   """
   m, d, tp = mr.metrics, spec.dims, layout.tensor
   rate = cal.matmul_tflops * 1e12 * tp
@@ -180,12 +286,14 @@ def rank_seconds(mr: MicroResult, spec: costs.ModelSpec, cal: costs.Calibration,
   attn = mr.attn_s * cal.attention_scale * costs.attention_remat_factor(opts.remat) / tp
   tp_bytes = 8.0 * (tp - 1) / tp * tokens * spec.dim * d.dtype_bytes
   tp_comm = cal.collective_s(tp_bytes, tp, calls=8)
-  comm = cal.collective_s(2.0 * m.bytes_S / tp, m.comm_span * tp, calls=4 if
-                          m.strategy == "distca" else 2)
   if m.strategy == "distca":
-    exposed = (np.maximum(0.0, comm - linear) if opts.nano_batches > 1
-               else comm * (1.0 - cal.single_stream_hidden))
+    if caps is None:
+      raise ValueError("rank_seconds: distca needs caps (distca_caps of the run's plans)")
+    wire = exchange_wire_bytes(mr.plan, caps, d, opts.collective, opts.exchange_buckets)
+    comm = exchange_seconds(wire, m.num_ranks, cal, opts.collective, tp)
+    exposed = comm * (1.0 - cal.exchange_hidden)
   elif m.strategy in ("cp", "wlb"):
+    comm = cal.collective_s(2.0 * m.bytes_S / tp, m.comm_span * tp, calls=2)
     exposed = np.maximum(0.0, comm - attn) if opts.cp_overlap else comm
   else:  # packed_dp moves nothing
     comm = exposed = np.zeros_like(linear)
@@ -193,62 +301,128 @@ def rank_seconds(mr: MicroResult, spec: costs.ModelSpec, cal: costs.Calibration,
   head = 6.0 * spec.head_params * tokens / rate
   out = {"linear": layers * linear, "attention": layers * attn, "tp_comm": layers * tp_comm,
          "exchange": layers * comm, "exchange_exposed": layers * exposed, "lm_head": head}
-  out["total"] = (out["linear"] + out["attention"] + out["tp_comm"] + out["exchange_exposed"]
-                  + head)
+  out["layers_total"] = (out["linear"] + out["attention"] + out["tp_comm"]
+                         + out["exchange_exposed"])
+  out["total"] = out["layers_total"] + head
   return out
 
 
 def step_seconds(stage_s_MxS: np.ndarray, group: int, stages: int) -> float:
   """A step from per-(micro-batch, rank) stage seconds: ranks synchronize in consecutive groups
-  of ``group`` every micro-batch; groups run independently; pipeline or accumulation."""
+  of ``group`` every micro-batch. Without a pipeline groups run independently and accumulate
+  their micro-batches; with one, every tick of the GPipe scan (``M + S - 1``, stage ``s`` holding
+  micro-batch ``t - s``) lasts as long as the slowest active micro-batch on any device."""
   mb, s = stage_s_MxS.shape
   per_group = stage_s_MxS.reshape(mb, s // group, group).max(2)  # [M, G]
   if stages > 1:
-    return max(costs.pipeline_seconds(per_group[:, g], stages) for g in range(per_group.shape[1]))
+    slowest = per_group.max(1)
+    return float(sum(slowest[max(0, t - stages + 1):t + 1].max()
+                     for t in range(mb + stages - 1)))
   return float(per_group.sum(0).max())
+
+
+def bound_seconds(packed: Sequence[dict[str, np.ndarray]], layout: Layout) -> float:
+  """The balance bound of one batch: ``step_seconds``' schedule with every rank at the mean of
+  packed_dp's per-rank compute (``packed``: ``rank_seconds`` of each micro-batch; LM head after
+  the pipeline over pipe x data when ``pipe > 1``)."""
+  if layout.pipe > 1:
+    per_tick = float(np.mean([p["layers_total"] for p in packed]))
+    head = float(sum(np.mean(p["lm_head"]) for p in packed)) / layout.pipe
+    return layout.ticks * per_tick + head
+  return float(sum(np.mean(p["total"]) for p in packed))
+
+def _workspace(nq: float, nk: float, sequences: int, dims, tp: int) -> float:
+  """FlashAttention-3's backward workspace of one call (``memory.flash3_bwd_workspace_bytes``)
+  with this device's heads (split over ``tp``)."""
+  return float(flash3_bwd_workspace_bytes(int(nq), int(nk), dims.q_heads // tp,
+                                          max(1, dims.kv_heads // tp), dims.head_dim, sequences))
 
 
 def strategy_memory(mr_list: Sequence[MicroResult], spec: costs.ModelSpec,
                     cal: costs.Calibration, layout: Layout, tokens: int,
-                    alpha: float = 1.0, remat: str = "save_attention") -> dict[str, Any]:
-  """Per-GPU memory of the busiest rank: activations of the tokens it holds, strategy buffers."""
+                    alpha: float = 1.0, remat: str = "save_attention",
+                    caps: plan_lib.Capacity | None = None, collective: str = "dense"
+                    ) -> dict[str, Any]:
+  """Per-GPU memory of the busiest rank: state, activations of the tokens it holds (every tick
+  the pipeline keeps), the strategy's buffers, and the attention kernel's backward workspace
+  (outside XLA's plan: ``memory.flash3_bwd_workspace_bytes``).
+
+  cp / wlb keep each layer's gathered group K/V (``cp x`` the rows held) for the backward.
+  distca (``caps``, ``memory_mode`` 'keep'): each layer keeps its server's attention inputs and
+  outputs (``Capacity.memory_bytes`` ``attention_*`` and ``lse``) beyond the own rows' Q/K/V/O
+  the fitted activations hold; one layer's exchange buffers (send / receive, metadata); with
+  the dense exchange, the largest part's ``S`` send and ``S`` receive blocks of the full bucket
+  (XLA sizes a switch by its largest branch), which grow with ``S``.
+  """
   m0 = mr_list[0].metrics
-  d = spec.dims
+  d, tp = spec.dims, layout.tensor
   # Arrays are sized by token slots: T per rank, Lmax = alpha T for wlb's padded rows.
   held = max(float(mr.metrics.tokens_S.max()) for mr in mr_list)
   held = max(held, float(bm.wlb_row_tokens(alpha, tokens) if m0.strategy == "wlb" else tokens))
-  extra = 0.0
-  if m0.strategy in ("cp", "wlb") and m0.cp > 1:  # one layer's gathered K/V of the group
-    extra = m0.cp * held * d.kv_row_bytes / layout.tensor
-  elif m0.strategy == "distca":
-    caps = [plan_lib.required_capacity(mr.plan) for mr in mr_list]
-    env = plan_lib.Capacity.envelope(caps)
-    extra = env.memory_bytes(layout.data, q_heads=d.q_heads, kv_heads=d.kv_heads,
-                             head_dim=d.head_dim, dtype_bytes=d.dtype_bytes)["total"]
-    extra /= layout.tensor
   layers = costs.ceil_div(d.n_layers, layout.pipe)
-  in_flight = min(layout.pipe, layout.micro_batches)
-  return costs.memory_bytes(spec, cal, tokens=held, layers=layers, tp=layout.tensor,
-                            pp=layout.pipe, in_flight=in_flight, extra_bytes=extra,
-                            remat=remat)
+  keep = layers * layout.in_flight
+  parts: dict[str, float] = {}
+  if m0.strategy in ("cp", "wlb"):
+    parts["group_kv_kept"] = keep * m0.cp * held * d.kv_row_bytes / tp
+    workspace = _workspace(held, m0.cp * held, DEFAULT_MAX_DOCS_PER_ROW, d, tp)
+  elif m0.strategy == "distca":
+    if caps is None:
+      raise ValueError("strategy_memory: distca needs caps (distca_caps of the run's plans)")
+    s = mr_list[0].plan.num_servers
+    mem = caps.memory_bytes(s, q_heads=d.q_heads, kv_heads=d.kv_heads, head_dim=d.head_dim,
+                            dtype_bytes=d.dtype_bytes)
+    bq = d.q_heads * d.head_dim * d.dtype_bytes
+    own = tokens * (2 * bq + d.kv_row_bytes + 4 * d.q_heads)  # Q, O, K, V, LSE of own rows
+    kept = mem["attention_q_o"] + mem["attention_kv"] + mem["lse"] - own
+    parts["server_buffers_kept"] = keep * max(0.0, kept) / tp
+    parts["exchange_buffers"] = (mem["q_exchange"] + mem["o_exchange"] + mem["kv_exchange"]
+                                 + mem["metadata"]) / tp
+    if collective == "dense":
+      parts["dense_blocks"] = 2.0 * s * max(min(caps.q_send, caps.q_recv) * bq,
+                                            min(caps.kv_send, caps.kv_recv) * d.kv_row_bytes) / tp
+    workspace = _workspace(caps.q_tokens, caps.kv_tokens, caps.tasks, d, tp)
+  else:
+    workspace = _workspace(held, held, DEFAULT_MAX_DOCS_PER_ROW, d, tp)
+  out = costs.memory_bytes(spec, cal, tokens=held, layers=layers, tp=tp, pp=layout.pipe,
+                           in_flight=layout.in_flight, extra_bytes=sum(parts.values()),
+                           remat=remat, workspace_bytes=workspace)
+  out.update({k: float(v) for k, v in parts.items()})
+  return out
+
+
+def _step_of_batch(secs: Sequence[dict[str, np.ndarray]], group: int, layout: Layout,
+                   pooled: bool) -> float:
+  """One batch's step from its micro-batches' (or pooled ticks') ``rank_seconds``."""
+  if pooled:  # distca under a pipeline: one plan per tick over every device
+    ticks = sum(float(np.max(x["layers_total"])) for x in secs)
+    return ticks + layout.micro_batches * float(np.max(secs[0]["lm_head"])) / layout.pipe
+  if layout.pipe > 1:
+    body = step_seconds(np.stack([x["layers_total"] for x in secs]), group, layout.pipe)
+    return body + float(np.max(sum(x["lm_head"] for x in secs))) / layout.pipe
+  return step_seconds(np.stack([x["total"] for x in secs]), group, 1)
 
 
 def evaluate(results: Sequence[Sequence[MicroResult]], spec, cal, layout, opts, tokens,
-             alpha: float = 1.0) -> dict[str, Any]:
-  """Aggregates one strategy setting over batches [batch][micro-batch] -> the report dict."""
+             alpha: float = 1.0, caps: plan_lib.Capacity | None = None) -> dict[str, Any]:
+  """Aggregates one strategy setting over batches [batch][micro-batch] (distca under a
+  pipeline: [batch][tick]) -> the report dict. distca: ``caps`` (default: ``distca_caps`` of
+  these plans)."""
+  flat = [mr for b in results for mr in b]
+  m0 = flat[0].metrics
+  if m0.strategy == "distca" and caps is None:
+    caps = distca_caps([mr.plan for mr in flat], tokens, opts.caps_headroom)
+  pooled = m0.strategy == "distca" and layout.pipe > 1
   steps, parts, ranks = [], {}, []
   for batch in results:
-    secs = [rank_seconds(mr, spec, cal, layout, opts, tokens) for mr in batch]
-    total = np.stack([s["total"] for s in secs])  # [M, S]
-    steps.append(step_seconds(total, batch[0].group, layout.pipe) + cal.step_fixed_s)
+    secs = [rank_seconds(mr, spec, cal, layout, opts, tokens, caps) for mr in batch]
+    steps.append(_step_of_batch(secs, batch[0].group, layout, pooled) + cal.step_fixed_s)
     for k in secs[0]:
-      parts.setdefault(k, []).append(np.mean([s[k] for s in secs], axis=0))
-    ranks.append(total.sum(0))
-  flat = [mr for b in results for mr in b]
+      parts.setdefault(k, []).append(np.mean([x[k] for x in secs], axis=0))
+    ranks.append(np.stack([x["total"] for x in secs]).sum(0))
   mets = [mr.metrics for mr in flat]
   work = [costs.step_work(spec.dims, m.tokens_S, m.pairs_S) for m in mets]
-  mem = strategy_memory(flat, spec, cal, layout, tokens, alpha, opts.remat)
-  m0 = mets[0]
+  mem = strategy_memory(flat, spec, cal, layout, tokens, alpha, opts.remat, caps,
+                        opts.collective)
   out = {
       "step_s": float(np.mean(steps)), "step_s_per_batch": [float(x) for x in steps],
       "dp": m0.dp, "cp": m0.cp, "fits_memory": mem["fits"], "memory_gb": {
@@ -265,7 +439,12 @@ def evaluate(results: Sequence[Sequence[MicroResult]], spec, cal, layout, opts, 
     out["alpha"] = alpha
   if m0.strategy == "distca":
     plans = [mr.plan for mr in flat]
+    wire = [exchange_wire_bytes(p, caps, spec.dims, opts.collective, opts.exchange_buckets)
+            for p in plans]
     out.update(tolerance=opts.tolerance, nano_batches=opts.nano_batches,
+               collective=opts.collective, caps=dataclasses.asdict(caps),
+               pooled_ticks=pooled, servers=plans[0].num_servers,
+               wire_bytes_per_layer_mb=float(np.mean([w.max() for w in wire]) / 1e6),
                imbalance_before=float(np.mean([p.imbalance_before for p in plans])),
                degraded_plans=int(sum(p.degraded for p in plans)),
                gated_plans=int(sum(p.gated for p in plans)))
@@ -278,42 +457,78 @@ def _cp_sizes(data: int, opts: Options) -> list[int]:
   return [c for c in (2 ** i for i in range(12)) if c <= data and data % c == 0]
 
 
-def _best(cands: list[dict[str, Any]]) -> dict[str, Any]:
-  """Fastest setting that fits memory (else the fastest, marked as not fitting)."""
-  fit = [c for c in cands if c["fits_memory"]]
-  best = min(fit or cands, key=lambda c: c["step_s"])
-  best = dict(best)
-  best["searched"] = [{k: c[k] for k in ("dp", "cp", "alpha", "step_s", "fits_memory")
-                       if k in c} for c in cands]
-  return best
+def _pick(cands: list[dict[str, Any]], budget_bytes: float) -> dict[str, Any]:
+  """Fastest candidate whose memory is within ``budget_bytes`` (else the one needing the least
+  memory, which then reports ``fits_memory`` False)."""
+  fit = [c for c in cands if c["memory_gb"]["total"] * 1e9 <= budget_bytes]
+  if fit:
+    return min(fit, key=lambda c: c["step_s"])
+  return min(cands, key=lambda c: c["memory_gb"]["total"])
 
 
 def simulate(batches, spec: costs.ModelSpec, layout: Layout, tokens: int, *,
              cal: costs.Calibration | None = None, km: costs.KernelModel | None = None,
-             opts: Options | None = None, strategies: Sequence[str] = STRATEGIES
-             ) -> dict[str, dict[str, Any]]:
+             opts: Options | None = None, strategies: Sequence[str] = STRATEGIES,
+             select_batches=None, caps_batches=None) -> dict[str, dict[str, Any]]:
   """Every strategy on ``batches`` ([batch][micro-batch][rank] document lengths).
 
-  ``cp`` is the best CP size >= 2 (or 1 when ``data`` is 1) that fits; ``wlb`` is WLB-ideal: the
-  best (CP size, alpha) that fits.
+  ``cp`` (CP size >= 2, or 1 when ``data`` is 1) and ``wlb`` (WLB-ideal: CP size and alpha) take
+  the setting that is fastest on ``select_batches`` (other batches of the same workload; None =
+  the scored batches themselves, marked ``chosen_on``) within a memory budget: the device's for
+  cp, distca's need (at most the device's) for wlb when distca is simulated too. distca's caps
+  are sized on the plans of ``caps_batches`` (default: the scored and selection batches), as
+  training sizes them on its first batches. Every
+  strategy carries ``balance_bound_s`` (``bound_seconds`` over packed_dp's compute) and
+  ``bound_fraction`` = bound / step.
   """
   cal = cal or costs.Calibration()
   km = km or costs.KernelModel()
   opts = opts or Options()
-  run = lambda fn, *a: [[fn(rows, tokens, spec, km, *a) for rows in b] for b in batches]
-  out = {}
   for name in strategies:
-    if name == "packed_dp":
-      out[name] = evaluate(run(run_packed_dp), spec, cal, layout, opts, tokens)
-    elif name == "distca":
-      out[name] = evaluate(run(run_distca, opts), spec, cal, layout, opts, tokens)
-    elif name == "cp":
-      sizes = [c for c in _cp_sizes(layout.data, opts) if c >= 2] or [1]
-      out[name] = _best([evaluate(run(run_cp, c), spec, cal, layout, opts, tokens)
-                         for c in sizes])
-    elif name == "wlb":
-      out[name] = _best([evaluate(run(run_wlb, c, a), spec, cal, layout, opts, tokens, a)
-                         for c in _cp_sizes(layout.data, opts) for a in opts.wlb_alphas])
-    else:
+    if name not in STRATEGIES:
       raise ValueError(f"unknown strategy {name!r}; choose from {STRATEGIES}")
-  return out
+  run = lambda bs, fn, *a: [[fn(rows, tokens, spec, km, *a) for rows in b] for b in bs]
+  ev = lambda res, a=1.0: evaluate(res, spec, cal, layout, opts, tokens, a)
+  sel = batches if select_batches is None else select_batches
+  chosen_on = "scored batches" if select_batches is None else f"{len(sel)} other batches"
+  out = {}
+  if "packed_dp" in strategies:
+    out["packed_dp"] = ev(run(batches, run_packed_dp))
+  if "distca" in strategies:
+    as_ticks = lambda bs: bs if layout.pipe == 1 else [tick_rows(b, layout.pipe) for b in bs]
+    scored = run(as_ticks(batches), run_distca, opts)
+    sizing = list(batches) + (list(select_batches or []) if caps_batches is None
+                              else list(caps_batches))
+    sized = scored + run(as_ticks(sizing[len(batches):]), run_distca, opts)
+    caps = distca_caps([mr.plan for b in sized for mr in b], tokens, opts.caps_headroom)
+    out["distca"] = evaluate(scored, spec, cal, layout, opts, tokens, caps=caps)
+    out["distca"]["caps_from_batches"] = len(sized)
+  if "cp" in strategies:
+    sizes = [c for c in _cp_sizes(layout.data, opts) if c >= 2] or [1]
+    cands = [dict(ev(run(sel, run_cp, c)), cp_size=c) for c in sizes]
+    best = _pick(cands, cal.hbm_bytes)
+    out["cp"] = dict(ev(run(batches, run_cp, best["cp_size"])), chosen_on=chosen_on,
+                     searched=_searched(cands))
+  if "wlb" in strategies:
+    budget = cal.hbm_bytes
+    if "distca" in out:
+      budget = min(budget, out["distca"]["memory_gb"]["total"] * 1e9)
+    cands = [dict(ev(run(sel, run_wlb, c, a), a), cp_size=c)
+             for c in _cp_sizes(layout.data, opts) for a in opts.wlb_alphas]
+    best = _pick(cands, budget)
+    res = ev(run(batches, run_wlb, best["cp_size"], best["alpha"]), best["alpha"])
+    res["fits_memory"] = bool(res["fits_memory"] and res["memory_gb"]["total"] * 1e9 <= budget)
+    out["wlb"] = dict(res, chosen_on=chosen_on, memory_budget_gb=budget / 1e9,
+                      searched=_searched(cands))
+  pk_secs = [[rank_seconds(mr, spec, cal, layout, opts, tokens) for mr in b]
+             for b in run(batches, run_packed_dp)]
+  bound = float(np.mean([bound_seconds(x, layout) for x in pk_secs])) + cal.step_fixed_s
+  for r in out.values():
+    r["balance_bound_s"] = bound
+    r["bound_fraction"] = bound / r["step_s"]
+  return {k: out[k] for k in strategies}
+
+
+def _searched(cands: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  return [{k: c[k] for k in ("dp", "cp", "alpha", "step_s", "fits_memory") if k in c}
+          | {"memory_gb": c["memory_gb"]["total"]} for c in cands]

@@ -15,7 +15,7 @@ is a data rank and a CAD attention server (`distca`). Remat 'full' keeps one [to
 residual per layer. TOKENS_PER_GPU = 48K is the largest multiple of 16K tokens whose AOT
 estimate fits an 80 GB card's allocator limit (72.85 GiB on an H100 80GB at
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92): 66.17 GiB of XLA's plan on 4 fake CPU devices plus an
-estimated 2.74 GiB of FlashAttention-3 backward workspace; 64K plans 74.07 GiB before the
+estimated 2.75 GiB of FlashAttention-3 backward workspace; 64K plans 74.07 GiB before the
 workspace (results/fsdp/aot_8b_4gpu.md).
 
 Expect: loss starting near ln(128256) = 11.8 and falling; MFU (document-masked) not yet measured

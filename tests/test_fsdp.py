@@ -260,3 +260,17 @@ def test_checkpoint_crosses_fsdp_and_device_count(tmp_path):
     assert b.sharding == sh, jax.tree_util.keystr(path)
     np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(path))
   assert _shard_fraction(back.params["embedding"]) == 1 / 8
+
+
+def test_hf_import_places_parameters_as_an_fsdp_run_does():
+  """`hf_import.param_shardings(..., fsdp=True)` (what `load_hf_params(mesh=, fsdp=True)` puts
+  each tensor on) equals the FSDP train state's parameter shardings."""
+  from distca_jax import hf_import
+  c = _config(True, **{"mesh.data": 4, "mesh.tensor": 2})
+  run = trainer.setup_run(c, devices=_devices(c))
+  got = hf_import.param_shardings(config_lib.model_config(c), run.mesh, fsdp=True)["params"]
+  want = run.state_shardings.params
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+    assert a == b, jax.tree_util.keystr(path)
+  assert "data" in jax.tree.leaves(tuple(got["embedding"].spec))

@@ -11,8 +11,8 @@ FSDP (`mesh.fsdp`). `FSDP_RULE` puts the `embed` dimension on `data` too. Every 
 (the norm scales, Q/K/V/O, the MLP, the embedding and the LM head), while `heads`, `kv_heads`,
 `mlp` and `vocab` already take `tensor`, so each weight, its gradient and both Adam moments are
 split 1/data per device on top of the tensor split (the per-device share is the same whichever
-dim carries `data`; `embed` is the one every weight has, and 4096 in Llama-3-8B divides any data
-size). Activations name `batch` first, which takes `data` before `embed` can (the table is read
+dim carries `data`; `embed` is the one every weight has, and 4096 in Llama-3-8B divides every
+power-of-two data size up to 4096). Activations name `batch` first, which takes `data` before `embed` can (the table is read
 in order and a mesh axis is used once per array), so they keep their layout. The model gathers
 each weight just before use (`gathered`: the weight constrained to its spec under `RULES`, which
 is an all-gather over `data` inside the layer scan, and a reduce-scatter of its gradient in the

@@ -1,8 +1,10 @@
 """FSDP (`mesh.fsdp`) on 8 fake CPU devices: the parameters and Adam moments really are split over
 `data`, the step gathers each layer's weights inside the layer loop, and the math is that of
 the replicated layout (one step's loss and gradients, a training curve, checkpoints that cross
-between the two layouts and between 8 and 4 devices). The fast tier keeps one representative of
-each; the other backends, layouts and remat policies are in the slow tier."""
+between the two layouts and between 8 and 4 devices). The fast tier keeps the placement checks
+and one training representative (2 steps of the real loop, `local`, whose second loss follows
+the first step's gradients); the gradients of every backend, layout and remat policy, the
+40-step curves, the compiled loop's gathers and the checkpoints are in the slow tier."""
 
 import re
 
@@ -65,7 +67,7 @@ def _shard_fraction(x) -> float:
 
 
 @pytest.mark.parametrize("over", [
-    {"mesh.data": 8},
+    pytest.param({"mesh.data": 8}, marks=pytest.mark.slow),
     pytest.param({"mesh.data": 8, "attention.backend": "distca", "model.remat": "full"},
                  marks=pytest.mark.slow),
     pytest.param({"mesh.data": 4, "mesh.tensor": 2, "attention.backend": "packed_dp",
@@ -196,7 +198,7 @@ RUN = {"log_every": 1, "checkpoint_every": 0, "tensorboard": False, "optim.warmu
 
 
 @pytest.mark.parametrize("backend,steps", [
-    ("local", 2),
+    ("local", 2),  # the fast tier's representative
     pytest.param("local", 40, marks=pytest.mark.slow),
     pytest.param("distca", 40, marks=pytest.mark.slow),
 ])
@@ -274,3 +276,15 @@ def test_hf_import_places_parameters_as_an_fsdp_run_does():
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
     assert a == b, jax.tree_util.keystr(path)
   assert "data" in jax.tree.leaves(tuple(got["embedding"].spec))
+
+
+@pytest.mark.parametrize("over,offered", [
+    ({"mesh.data": -1}, True), ({"mesh.data": 4, "mesh.tensor": 2}, True),
+    ({"mesh.data": -1, "mesh.fsdp": True}, False), ({"mesh.data": 1, "mesh.tensor": 8}, False),
+    ({"mesh.data": 8, "model.dim": 60}, False)])
+def test_does_not_fit_offers_fsdp_where_it_applies(over, offered):
+  """The pre-flight's knobs (`aot.knob_variants`) offer `mesh.fsdp=True` when there are several
+  data ranks that divide model.dim and FSDP is off."""
+  c = _config(over.pop("mesh.fsdp", False), **over)
+  knobs = dict(aot.knob_variants(c, 8))
+  assert (knobs.get("mesh.fsdp=True") == {"mesh.fsdp": True}) == offered, knobs

@@ -71,15 +71,16 @@ def gathered(w, logical_axes: Sequence[str | None], dtype=None):
   Under FSDP rules: constrained to its sharding under `RULES` (tensor-parallel dims only), an
   all-gather over `data` where it is used (in the layer scan: once per layer, and again in a
   rematerialized backward), whose transpose reduce-scatters the gradient. The cast comes first,
-  so a bf16 compute dtype halves the bytes gathered. The gather runs under `jax.checkpoint`, so
-  the gathered copy is never kept for the backward (it is gathered again there). Without FSDP:
-  ``w`` (cast) unchanged.
+  so a bf16 compute dtype halves the bytes gathered. Which copies the backward keeps is the
+  layer's remat policy's choice: every policy but 'none' keeps no weight (the backward gathers
+  again); under 'none' the backward keeps each layer's gathered weight (its matmuls' input), in
+  the compute dtype. Without FSDP: ``w`` (cast) unchanged.
   """
-  cast = (lambda a: a) if dtype is None else (lambda a: a.astype(dtype))
+  if dtype is not None:
+    w = w.astype(dtype)
   if not fsdp_active():
-    return cast(w)
-  return jax.checkpoint(lambda a: nn.with_logical_constraint(cast(a), logical_axes,
-                                                             rules=RULES))(w)
+    return w
+  return nn.with_logical_constraint(w, logical_axes, rules=RULES)
 
 
 def check_fsdp(dim: int, mesh: Mesh) -> None:

@@ -61,10 +61,15 @@ def _variant(c: ml_collections.ConfigDict, over: dict) -> ml_collections.ConfigD
 
 
 def knob_variants(c: ml_collections.ConfigDict, n_devices: int) -> list[tuple[str, dict]]:
-  """(label, overrides) of the single-knob changes that lower a step's memory: full remat,
-  twice the tensor parallelism (when it divides the devices and the kv heads), half the tokens
-  per rank, and for distca the 'resend' memory mode (servers keep no attention inputs)."""
+  """(label, overrides) of the single-knob changes that lower a step's memory: FSDP (weights and
+  optimizer state over `data`, when there are several data ranks and they divide model.dim),
+  full remat, twice the tensor parallelism (when it divides the devices and the kv heads), half
+  the tokens per rank, and for distca the 'resend' memory mode (servers keep no attention
+  inputs)."""
   out = []
+  data = c.mesh.data if c.mesh.data != -1 else n_devices // (c.mesh.tensor * c.mesh.pipe)
+  if not c.mesh.fsdp and data > 1 and c.model.dim % data == 0:
+    out.append(("mesh.fsdp=True", {"mesh.fsdp": True}))
   if c.attention.backend == "distca" and c.attention.distca.memory_mode == "keep":
     out.append(("attention.distca.memory_mode=resend",
                 {"attention.distca.memory_mode": "resend"}))

@@ -100,6 +100,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.tensor = 1               # tensor parallelism over heads, MLP and vocab
   c.mesh.pipe = 1                 # pipeline stages (distca_jax.pipeline): each holds n_layers /
                                   # pipe consecutive layers; the parameters keep their shape
+  c.mesh.fsdp = False             # FSDP: parameters, gradients and Adam moments also split over
+                                  # `data` (each weight's `embed` dim; model.dim must divide by
+                                  # the data size); each layer all-gathers its weights inside
+                                  # the layer scan just before use and reduce-scatters their
+                                  # gradients (sharding.FSDP_RULE, sharding.gathered); same
+                                  # math, 1/data of the state per device; checkpoints are
+                                  # layout-free (resume with or without it)
 
   # --- pipeline: the GPipe schedule used when mesh.pipe > 1 (a scan over M + pipe - 1 ticks).
   c.pipeline = ml_collections.ConfigDict()

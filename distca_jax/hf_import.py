@@ -29,7 +29,7 @@ shifted into the high half of float32, which is exact), so it needs neither torc
 safetensors/ml_dtypes version that understands bfloat16.
 
 Placement: by default every array is a host numpy array. With `mesh=` (shardings derived from the
-model's logical axis names through `sharding.RULES`) or `shardings=` (a pytree matching the params),
+model's logical axis names through the rules table; `fsdp=True` as a `mesh.fsdp` run) or `shardings=` (a pytree matching the params),
 each parameter is `jax.device_put` with its sharding as soon as it is read, so every device holds
 only its shards; host memory peaks at one parameter in float32 (for Llama-3-8B the largest is a
 stacked MLP matrix, 32 x 4096 x 14336 x 4 B = 7.5 GB) plus the page cache of the mapped files.
@@ -418,17 +418,18 @@ def _get(tree: Mapping[str, Any], path: tuple[str, ...], what: str) -> Any:
 # ----------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------
-def param_shardings(cfg: model_lib.ModelConfig, mesh) -> Params:
-  """{'params': NamedSharding tree} from the model's logical axis names and `sharding.RULES`."""
+def param_shardings(cfg: model_lib.ModelConfig, mesh, fsdp: bool = False) -> Params:
+  """{'params': NamedSharding tree} from the model's logical axis names and the rules table
+  (`sharding.rules(fsdp)`: with `fsdp`, as a `mesh.fsdp` run places them)."""
   model = model_lib.Transformer(cfg, attn_lib.local_attention)
   ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
   abstract = jax.eval_shape(model.init, jax.random.key(0), ids, attn_lib.Layout(ids, ids))
-  return sharding_lib.tree_shardings(mesh, nn.get_partition_spec(abstract))
+  return sharding_lib.tree_shardings(mesh, nn.get_partition_spec(abstract), fsdp)
 
 
 def load_hf_params(checkpoint_dir: PathLike, cfg: model_lib.ModelConfig, *,
-                   scan_layers: bool | None = None, mesh=None, shardings: Params | None = None
-                   ) -> Params:
+                   scan_layers: bool | None = None, mesh=None, shardings: Params | None = None,
+                   fsdp: bool = False) -> Params:
   """Reads HF Llama safetensors into our params tree `{'params': {...}}`.
 
   Args:
@@ -437,8 +438,10 @@ def load_hf_params(checkpoint_dir: PathLike, cfg: model_lib.ModelConfig, *,
       shape is checked against it.
     scan_layers: stack layers on a leading [L] axis (`params/layers/layer/...`) or not
       (`params/layer_{i}/layer/...`); defaults to `cfg.scan_layers`.
-    mesh: place each parameter on this mesh, sharded by the model's logical axes (`sharding.RULES`).
+    mesh: place each parameter on this mesh, sharded by the model's logical axes (the rules
+      table, `sharding.rules(fsdp)`).
     shardings: instead of `mesh`, a pytree of `jax.sharding.Sharding` with the params' structure.
+    fsdp: with `mesh`, place the parameters as a `mesh.fsdp` run does (over `data` too).
 
   Returns:
     The params tree: numpy arrays of `cfg.param_dtype` (float32 by default), or `jax.Array`s placed
@@ -448,7 +451,7 @@ def load_hf_params(checkpoint_dir: PathLike, cfg: model_lib.ModelConfig, *,
     raise HFImportError("pass either mesh= or shardings=, not both")
   scan_layers = cfg.scan_layers if scan_layers is None else scan_layers
   if mesh is not None:
-    shardings = param_shardings(dataclasses.replace(cfg, scan_layers=scan_layers), mesh)
+    shardings = param_shardings(dataclasses.replace(cfg, scan_layers=scan_layers), mesh, fsdp)
   reader = _CheckpointReader(checkpoint_dir)
   _check_names(reader, cfg)
   params: dict[str, Any] = {}
@@ -461,11 +464,11 @@ def load_hf_params(checkpoint_dir: PathLike, cfg: model_lib.ModelConfig, *,
 
 
 def load_hf_checkpoint(checkpoint_dir: PathLike, *, mesh=None, shardings: Params | None = None,
-                       **cfg_overrides) -> tuple[model_lib.ModelConfig, Params]:
+                       fsdp: bool = False, **cfg_overrides) -> tuple[model_lib.ModelConfig, Params]:
   """(ModelConfig, params) from a HF Llama checkpoint directory; overrides as in
   `model_config_from_hf` (e.g. `dtype="float32"`), placement as in `load_hf_params`."""
   cfg = model_config_from_hf(checkpoint_dir, **cfg_overrides)
-  return cfg, load_hf_params(checkpoint_dir, cfg, mesh=mesh, shardings=shardings)
+  return cfg, load_hf_params(checkpoint_dir, cfg, mesh=mesh, shardings=shardings, fsdp=fsdp)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,14 +24,17 @@ GIB = 1 << 30
 
 def memory_fields(compiled) -> dict[str, int]:
   """XLA's buffer assignment of a compiled program, bytes per device ({} when not reported):
-  MEMORY_FIELDS and ``total_per_device_bytes`` = arguments + outputs + temporaries - aliases
-  (donated state aliases its output, so this bounds the live peak)."""
+  MEMORY_FIELDS, ``total_per_device_bytes`` = arguments + outputs + temporaries - aliases
+  (donated state aliases its output, so this bounds the live peak) and XLA's
+  ``peak_memory_in_bytes`` (0 where not reported)."""
   mem = compiled.memory_analysis()
   if mem is None:
     return {}
   out = {f: int(getattr(mem, f, 0) or 0) for f in MEMORY_FIELDS}
   out["total_per_device_bytes"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"]
                                    + out["temp_size_in_bytes"] - out["alias_size_in_bytes"])
+  # XLA's own peak of the same buffer assignment, where the backend reports one (0: none).
+  out["peak_memory_in_bytes"] = int(getattr(mem, "peak_memory_in_bytes", 0) or 0)
   return out
 
 

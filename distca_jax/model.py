@@ -30,6 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 from distca_jax import attention as attn_lib
 from distca_jax import ops
 from distca_jax import pipeline as pipeline_lib
+from distca_jax import sharding as shard_lib
 
 Layout = attn_lib.Layout
 
@@ -156,8 +157,9 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-                       (x.shape[-1],), jnp.float32)
+    scale = shard_lib.gathered(
+        self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+                   (x.shape[-1],), jnp.float32), ("embed",))
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     # Explicit broadcast: tests run with jax_numpy_rank_promotion="raise".
@@ -201,9 +203,10 @@ class PreCA(nn.Module):
     h = RMSNorm(cfg.norm_eps, dt, name="attn_norm")(x_BxTxE)
 
     def proj(name, heads, head_axis):
-      w = self.param(name, _dense_init(cfg.init_std, ("embed", head_axis, "head_dim")),
-                     (cfg.dim, heads, cfg.head_dim), jnp.dtype(cfg.param_dtype))
-      return jnp.einsum("bte,ehd->bthd", h, w.astype(dt))
+      names = ("embed", head_axis, "head_dim")
+      w = self.param(name, _dense_init(cfg.init_std, names), (cfg.dim, heads, cfg.head_dim),
+                     jnp.dtype(cfg.param_dtype))
+      return jnp.einsum("bte,ehd->bthd", h, shard_lib.gathered(w, names, dt))
 
     q = proj("wq", cfg.n_heads, "heads")
     k = proj("wk", cfg.n_kv_heads, "kv_heads")
@@ -225,18 +228,21 @@ class PostCA(nn.Module):
     cfg = self.cfg
     dt = cfg.compute_dtype
     pdt = jnp.dtype(cfg.param_dtype)
-    wo = self.param("wo", _dense_init(cfg.init_std, ("heads", "head_dim", "embed")),
-                    (cfg.n_heads, cfg.head_dim, cfg.dim), pdt)
-    x = checkpoint_name(x_BxTxE + jnp.einsum("bthd,hde->bte", o_BxTxHxD.astype(dt), wo.astype(dt)),
-                        "mlp_in")
+
+    def weight(name, names, shape):  # the compute-dtype weight, gathered under FSDP
+      w = self.param(name, _dense_init(cfg.init_std, names), shape, pdt)
+      return shard_lib.gathered(w, names, dt)
+
+    wo = weight("wo", ("heads", "head_dim", "embed"), (cfg.n_heads, cfg.head_dim, cfg.dim))
+    x = checkpoint_name(x_BxTxE + jnp.einsum("bthd,hde->bte", o_BxTxHxD.astype(dt), wo), "mlp_in")
     h = RMSNorm(cfg.norm_eps, dt, name="mlp_norm")(x)
-    w_gate = self.param("w_gate", _dense_init(cfg.init_std, ("embed", "mlp")), (cfg.dim, cfg.mlp_dim), pdt)
-    w_up = self.param("w_up", _dense_init(cfg.init_std, ("embed", "mlp")), (cfg.dim, cfg.mlp_dim), pdt)
-    w_down = self.param("w_down", _dense_init(cfg.init_std, ("mlp", "embed")), (cfg.mlp_dim, cfg.dim), pdt)
-    gate = checkpoint_name(jnp.einsum("bte,ef->btf", h, w_gate.astype(dt)), "mlp_gate")
-    up = checkpoint_name(jnp.einsum("bte,ef->btf", h, w_up.astype(dt)), "mlp_up")
+    w_gate = weight("w_gate", ("embed", "mlp"), (cfg.dim, cfg.mlp_dim))
+    w_up = weight("w_up", ("embed", "mlp"), (cfg.dim, cfg.mlp_dim))
+    w_down = weight("w_down", ("mlp", "embed"), (cfg.mlp_dim, cfg.dim))
+    gate = checkpoint_name(jnp.einsum("bte,ef->btf", h, w_gate), "mlp_gate")
+    up = checkpoint_name(jnp.einsum("bte,ef->btf", h, w_up), "mlp_up")
     act = nn.with_logical_constraint(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-    x = x + jnp.einsum("btf,fe->bte", act, w_down.astype(dt))
+    x = x + jnp.einsum("btf,fe->bte", act, w_down)
     return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
 
@@ -426,7 +432,8 @@ class Transformer(nn.Module):
 
   def __call__(self, tokens_BxT, layout: Layout):
     """Final normalized hidden states [B, T, E] in the compute dtype."""
-    x = jnp.take(self.embedding, tokens_BxT, axis=0).astype(self.cfg.compute_dtype)
+    table = shard_lib.gathered(self.embedding, ("vocab", "embed"))  # f32: its gradient too
+    x = jnp.take(table, tokens_BxT, axis=0).astype(self.cfg.compute_dtype)
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
     if self.nano_batches not in (1, 2):
       raise ValueError(f"nano_batches={self.nano_batches}; use 1 (single stream) or 2 (ping-pong)")
@@ -578,9 +585,15 @@ def _ce_chunk(h_c, w_c, y_c, m_c):
   return logits, lse, ((lse - tgt) * m_c).sum()
 
 
+def _head_in_compute_dtype(w_ExV, dtype):
+  """The LM-head matrix cast to the compute dtype, gathered over `data` under FSDP (once for all
+  chunks; its gradient, accumulated in float32 over the chunks, is reduce-scattered after)."""
+  return shard_lib.gathered(w_ExV, ("embed", "vocab"), dtype)
+
+
 @jax.custom_vjp
 def _fused_lm_head_ce(h_NxBxCxE, w_ExV, y_NxBxC, m_NxBxC):
-  w_c = w_ExV.astype(h_NxBxCxE.dtype)
+  w_c = _head_in_compute_dtype(w_ExV, h_NxBxCxE.dtype)
 
   def body(total, xs):
     return total + _ce_chunk(xs[0], w_c, xs[1], xs[2])[2], None
@@ -591,7 +604,7 @@ def _fused_lm_head_ce(h_NxBxCxE, w_ExV, y_NxBxC, m_NxBxC):
 
 def _fused_lm_head_ce_fwd(h_NxBxCxE, w_ExV, y_NxBxC, m_NxBxC):
   dtype = h_NxBxCxE.dtype
-  w_c = w_ExV.astype(dtype)
+  w_c = _head_in_compute_dtype(w_ExV, dtype)
 
   def body(carry, xs):
     total, dw = carry

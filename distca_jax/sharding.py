@@ -3,8 +3,20 @@
 Mesh axes: `pipe` (pipeline stages, `distca_jax.pipeline`: the stacked layers' dim lives on it),
 `data` (data-parallel ranks, which are also CAD's attention servers) and `tensor` (tensor
 parallelism over heads, MLP and vocab).
-Parameters and activations name their dimensions logically (`embed`, `heads`, ...); `RULES` alone
-decides where each name lives.
+Parameters and activations name their dimensions logically (`embed`, `heads`, ...); the rules
+table (`rules(fsdp)`: `RULES`, plus `FSDP_RULE` with `mesh.fsdp`) alone decides where each name
+lives.
+
+FSDP (`mesh.fsdp`). `FSDP_RULE` puts the `embed` dimension on `data` too. Every weight has one
+(the norm scales, Q/K/V/O, the MLP, the embedding and the LM head), while `heads`, `kv_heads`,
+`mlp` and `vocab` already take `tensor`, so each weight, its gradient and both Adam moments are
+split 1/data per device on top of the tensor split (the per-device share is the same whichever
+dim carries `data`; `embed` is the one every weight has, and 4096 in Llama-3-8B divides every
+power-of-two data size up to 4096). Activations name `batch` first, which takes `data` before `embed` can (the table is read
+in order and a mesh axis is used once per array), so they keep their layout. The model gathers
+each weight just before use (`gathered`: the weight constrained to its spec under `RULES`, which
+is an all-gather over `data` inside the layer scan, and a reduce-scatter of its gradient in the
+backward).
 """
 
 from __future__ import annotations
@@ -34,6 +46,50 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("stage", "pipe"),    # a pipeline's per-stage activation slots (distca_jax.pipeline)
 )
 
+# mesh.fsdp: weights (their `embed` dim) also over `data`; after `batch`, so activations, which
+# name `batch`, never take it (see the module docstring).
+FSDP_RULE: tuple[str, str] = ("embed", "data")
+
+
+def rules(fsdp: bool = False) -> tuple[tuple[str, str | None], ...]:
+  """The rules table: `RULES`, with `FSDP_RULE` ahead of the `embed` entry when `fsdp`."""
+  if not fsdp:
+    return RULES
+  at = [name for name, _ in RULES].index("embed")
+  return RULES[:at] + (FSDP_RULE,) + RULES[at:]
+
+
+def fsdp_active() -> bool:
+  """Whether the logical-axis rules in effect (``nn.logical_axis_rules``) shard weights over
+  `data` (FSDP)."""
+  return FSDP_RULE in tuple(nn.get_logical_axis_rules())
+
+
+def gathered(w, logical_axes: Sequence[str | None], dtype=None):
+  """Weight ``w`` (cast to ``dtype`` if given) as the layers compute with it.
+
+  Under FSDP rules: constrained to its sharding under `RULES` (tensor-parallel dims only), an
+  all-gather over `data` where it is used (in the layer scan: once per layer, and again in a
+  rematerialized backward), whose transpose reduce-scatters the gradient. The cast comes first,
+  so a bf16 compute dtype halves the bytes gathered. Which copies the backward keeps is the
+  layer's remat policy's choice: every policy but 'none' keeps no weight (the backward gathers
+  again); under 'none' the backward keeps each layer's gathered weight (its matmuls' input), in
+  the compute dtype. Without FSDP: ``w`` (cast) unchanged.
+  """
+  if dtype is not None:
+    w = w.astype(dtype)
+  if not fsdp_active():
+    return w
+  return nn.with_logical_constraint(w, logical_axes, rules=RULES)
+
+
+def check_fsdp(dim: int, mesh: Mesh) -> None:
+  """A UserError unless ``dim`` (the `embed` size) splits evenly over the mesh's `data` axis."""
+  data = mesh.shape["data"]
+  if dim % data:
+    raise UserError(f"mesh.fsdp=True splits model.dim={dim} over mesh.data={data}, which does "
+                    "not divide it; pick a mesh.data that divides model.dim or set mesh.fsdp=False")
+
 
 def make_mesh(data: int = -1, tensor: int = 1, pipe: int = 1,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -53,19 +109,21 @@ def make_mesh(data: int = -1, tensor: int = 1, pipe: int = 1,
   return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
-def logical_sharding(mesh: Mesh, logical_axes: Sequence[str | None]) -> NamedSharding:
+def logical_sharding(mesh: Mesh, logical_axes: Sequence[str | None],
+                     fsdp: bool = False) -> NamedSharding:
   """NamedSharding for an array whose dimensions carry these logical names."""
-  return NamedSharding(mesh, nn.logical_to_mesh_axes(logical_axes, RULES))
+  return NamedSharding(mesh, nn.logical_to_mesh_axes(logical_axes, rules(fsdp)))
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Rows over `data`, tokens unsharded: every [B, T] batch array."""
-  return logical_sharding(mesh, ("batch", "length"))
+def rows_sharding(mesh: Mesh) -> NamedSharding:
+  """The leading dim (rows, logical `batch`) placed by the rules table, the rest replicated:
+  every batch array, of any rank."""
+  return logical_sharding(mesh, ("batch",))
 
 
-def tree_shardings(mesh: Mesh, logical_specs):
+def tree_shardings(mesh: Mesh, logical_specs, fsdp: bool = False):
   """Tree of logical PartitionSpecs -> tree of NamedShardings."""
-  return nn.logical_to_mesh_sharding(logical_specs, mesh, RULES)
+  return nn.logical_to_mesh_sharding(logical_specs, mesh, rules(fsdp))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -131,18 +131,19 @@ def _init_fn(c, model, tx, *, boxed: bool):
 
 
 @contextlib.contextmanager
-def mesh_context(mesh):
-  """Mesh + logical-axis rules, active while tracing model code."""
-  with jax.set_mesh(mesh), nn.logical_axis_rules(shard_lib.RULES):
+def mesh_context(mesh, fsdp: bool = False):
+  """Mesh + logical-axis rules (``sharding.rules(fsdp)``), active while tracing model code."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(shard_lib.rules(fsdp)):
     yield
 
 
 def state_shardings(c, model, tx, mesh):
-  """(abstract state, shardings): shapes from eval_shape, shardings from the logical names."""
-  with mesh_context(mesh):
+  """(abstract state, shardings): shapes from eval_shape, shardings from the logical names
+  (parameters and optimizer state over `data` too with ``mesh.fsdp``)."""
+  with mesh_context(mesh, c.mesh.fsdp):
     boxed = jax.eval_shape(_init_fn(c, model, tx, boxed=True))
   specs = nn.get_partition_spec(boxed)
-  shardings = shard_lib.tree_shardings(mesh, specs)
+  shardings = shard_lib.tree_shardings(mesh, specs, c.mesh.fsdp)
   abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           nn.meta.unbox(boxed), shardings)
   return abstract, shardings
@@ -151,7 +152,7 @@ def state_shardings(c, model, tx, mesh):
 def create_train_state(c, model, tx, mesh):
   """Fresh state, born sharded: jit(init, out_shardings=...) never materializes a full copy."""
   _, shardings = state_shardings(c, model, tx, mesh)
-  with mesh_context(mesh):
+  with mesh_context(mesh, c.mesh.fsdp):
     return jax.jit(_init_fn(c, model, tx, boxed=False), out_shardings=shardings)()
 
 
@@ -176,6 +177,8 @@ def setup_run(c: ml_collections.ConfigDict, devices=None, **backend_overrides) -
   config_lib.validate(c)
   mesh = shard_lib.make_mesh(data=c.mesh.data, tensor=c.mesh.tensor, pipe=c.mesh.pipe,
                              devices=devices)
+  if c.mesh.fsdp:
+    shard_lib.check_fsdp(c.model.dim, mesh)
   backend = make_backend(c, **backend_overrides)
   model = make_model(c, backend)
   tx = make_optimizer(c)
@@ -250,8 +253,11 @@ def make_train_step(c, model, tx) -> Callable:
   the band after one skip instead of ending the run as if it had diverged."""
 
   def loss_fn(params, batch):
-    total, count = model.apply({"params": params}, batch["inputs"], batch["targets"],
-                               batch["loss_mask"], layout_of(batch), method=Transformer.loss)
+    # The config's rules table, whatever rules the caller traces under: with mesh.fsdp the layers
+    # gather their weights (sharding.gathered).
+    with nn.logical_axis_rules(shard_lib.rules(c.mesh.fsdp)):
+      total, count = model.apply({"params": params}, batch["inputs"], batch["targets"],
+                                 batch["loss_mask"], layout_of(batch), method=Transformer.loss)
     return total / jnp.maximum(count, 1.0), count
 
   def train_step(state: TrainState, batch):
@@ -289,9 +295,7 @@ def jit_train_step(c, model, tx, mesh, state_sh, batch_keys=BATCH_KEYS):
                  out_shardings=(state_sh, shard_lib.replicated(mesh)), donate_argnums=(0,))
 
 
-def rows_sharding(mesh):
-  """Leading (rows) dimension over `data`, the rest replicated: any rank of array."""
-  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+rows_sharding = shard_lib.rows_sharding  # every batch array: rows per the rules table
 
 
 def local_row_ranges(mesh, rows: int) -> list[tuple[int, int]]:
@@ -670,7 +674,7 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
       if step == start or (c.checkpoint_every > 0 and step % c.checkpoint_every == 0):
         check_plans_agree(step, digest)
       if step_fn is None:  # batch keys (a backend's plan arrays included) are known now
-        with mesh_context(mesh):
+        with mesh_context(mesh, c.mesh.fsdp):
           keys = np_batch[0][2]
           step_fn = jit_train_step(c, model, tx, mesh, state_sh, tuple(keys))
           # Pre-flight: compile once ahead of the call and stop if the step cannot fit.
@@ -681,7 +685,7 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
         memory_need = memory_lib.check_fits(step_fn, mesh.devices.flat[0], device_memory_bytes,
                                             workspace)
       profiled = step == c.profile_step
-      with mesh_context(mesh):
+      with mesh_context(mesh, c.mesh.fsdp):
         if profiled:  # idle time against the last unprofiled step time when there is one
           state, m, report = profiling.profile_train_step(
               step_fn, state, device_batch(np_batch, mesh, rows), profile_dir,

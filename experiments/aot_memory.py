@@ -44,9 +44,13 @@ def main():
   print(f"mesh {info['mesh']}, {info['params'] / 1e9:.2f}B params, lowered in "
         f"{info['lower_s']:.1f}s, compiled in {info['compile_s']:.1f}s")
   for k in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-            "temp_size_in_bytes", "total_per_device_bytes"):
+            "temp_size_in_bytes", "total_per_device_bytes", "peak_memory_in_bytes",
+            "kernel_workspace_bytes", "need_per_device_bytes"):
     if k in info:
       print(f"  {k:28s} {gib(info[k])}")
+  if info.get("peak_memory_in_bytes"):
+    ratio = info["peak_memory_in_bytes"] / info["total_per_device_bytes"]
+    print(f"  XLA's peak / total: {ratio:.3f}")
   if a.out:
     with open(a.out, "w") as f:
       json.dump({"config": a.config, "overrides": a.override, "devices": a.devices, **info}, f, indent=2)

@@ -1,4 +1,5 @@
-"""One dispatch point for core attention over a fused batch of CA-tasks, and its exact FLOP count.
+"""One dispatch point for core attention over a fused batch of CA-tasks (its exact pair and FLOP
+count is host arithmetic: ``plan.cost.attention_pairs`` / ``core_attention_flops``).
 
 Task i of a batch owns query rows [cu_seqlens_q[i], cu_seqlens_q[i+1]) of the packed query buffer
 and key/value rows [cu_seqlens_k[i], cu_seqlens_k[i+1]) of the packed key/value buffers; the
@@ -27,7 +28,6 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,6 @@ from custom_ops import blockwise_attention as bw
 from custom_ops import varlen_attention as va
 from distca_jax.checks import check_int
 from distca_jax.errors import UserError
-from distca_jax.plan.cost import BWD_FWD_RATIO
 
 BACKENDS = ("reference", "blockwise", "mosaic", "flash3", "auto")
 # Names that are not backends any more, each with what to use instead (``check_backend``).
@@ -47,8 +46,6 @@ REMOVED_BACKENDS = {"pallas": "(the Triton kernel) was removed; use 'mosaic' (GP
                               "'blockwise' / 'reference' (CPU)"}
 FLASH3_PIP_SPEC = "flash-attn3-jax==0.2.3"
 FLASH3_HEAD_DIMS = (128,)  # the head dims the published wheel was built for
-# Kernel backward cost over forward cost (the backward recomputes QK^T): fwd+bwd = 3.5x forward.
-BACKWARD_FLOPS_RATIO = BWD_FWD_RATIO  # one place holds it: the cost model (plan.cost)
 # flash3 launch shapes per dimension (``flash3_grid_buckets``): 4 -> slots N, N/2, N/4, N/8 times
 # bounds L, L/2, L/4, L/8 (16 compiled FA3 variants, one runs per call).
 FLASH3_GRID_LEVELS = 4
@@ -343,46 +340,3 @@ def _flash3_attention_fwd_symbolic(q, k, v, cu_q, cu_k, bucket, config):
 
 _flash3_attention.defvjp(_flash3_attention_fwd_symbolic, _flash3_attention_bwd,
                          symbolic_zeros=True)
-
-
-# ------------------------------------------------------------------------------------------------
-# Exact cost
-# ------------------------------------------------------------------------------------------------
-
-
-def attention_pairs(cu_seqlens_q_N1: Sequence[int] | np.ndarray,
-                    cu_seqlens_k_N1: Sequence[int] | np.ndarray) -> int:
-  """Exact count of (query, key) pairs the bottom-right causal mask keeps, summed over tasks.
-
-  A task with lq queries and lk keys: local row r sees clip(r + 1 + lk - lq, 0, lk) keys; for
-  lq <= lk this is lq * (lk - lq) + lq * (lq + 1) / 2 (the P(a, b) of docs/design.md Sec. 10).
-  """
-  cu_q = np.asarray(cu_seqlens_q_N1, dtype=np.int64)
-  cu_k = np.asarray(cu_seqlens_k_N1, dtype=np.int64)
-  if cu_q.shape != cu_k.shape or cu_q.ndim != 1:
-    raise ValueError(f"cu_seqlens must be 1-D of equal shape; got {cu_q.shape=}, {cu_k.shape=}")
-  total = 0
-  for lq, lk in zip(np.diff(cu_q).tolist(), np.diff(cu_k).tolist()):
-    if lq <= 0 or lk <= 0:
-      continue
-    off = lk - lq
-    # Rows r with r + 1 + off in [1, lk]: they see r + 1 + off keys; rows before see none.
-    r_lo = max(0, -off)
-    n = lq - r_lo
-    first = r_lo + 1 + off
-    total += n * first + n * (n - 1) // 2
-  return int(total)
-
-
-def core_attention_flops(cu_seqlens_q_N1: Sequence[int] | np.ndarray,
-                         cu_seqlens_k_N1: Sequence[int] | np.ndarray, *, num_q_heads: int,
-                         head_dim: int, include_backward: bool = False) -> int:
-  """Exact attention FLOPs of a task table: forward 4 * H * D * pairs (QK^T and PV).
-
-  With ``include_backward`` the kernel-throughput convention adds ``BACKWARD_FLOPS_RATIO`` x
-  forward (fwd + bwd = 3.5x forward). Query heads count, not KV heads (GQA saves bytes only).
-  """
-  fwd = 4 * int(num_q_heads) * int(head_dim) * attention_pairs(cu_seqlens_q_N1, cu_seqlens_k_N1)
-  if not include_backward:
-    return fwd
-  return int(round(fwd * (1.0 + BACKWARD_FLOPS_RATIO)))

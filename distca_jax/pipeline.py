@@ -24,7 +24,7 @@ dim sharded on `pipe`. At tick t:
 
 The backward is autodiff of the scan: all forward ticks, then all backward ticks (GPipe), with
 the layer remat policy (`ModelConfig.remat`) applied to each layer of each tick. The bubble is
-(S - 1) / (M + S - 1) of every stage's ticks (`schedule_table`, `bubble_fraction`).
+(S - 1) / (M + S - 1) of every stage's ticks (`plan.ticks.schedule_table`, `bubble_fraction`).
 
 Embedding and LM head are replicated over `pipe` (simplest; they cost every stage their weights
 and Adam moments, 1.05B parameters for Llama-3-8B): the batch is embedded before the scan on
@@ -67,7 +67,7 @@ import numpy as np
 from flax import linen as nn
 from jax import lax
 
-from distca_jax.errors import UserError
+from distca_jax.plan.ticks import num_ticks, resolve_microbatches, tick_rows
 
 PIPE_AXIS = "pipe"
 TICK_PREFIX = "tick/"  # layout.extra keys holding per-tick arrays (`per_tick_backend`)
@@ -75,47 +75,8 @@ TICKS_SCOPE = "pipeline_ticks"  # named scope of the tick scan (benchmarks find 
 
 
 # ----------------------------------------------------------------------------------------------
-# Host: the schedule as a table.
+# Host: per-tick planning of a backend (the tick arithmetic is `plan.ticks`).
 # ----------------------------------------------------------------------------------------------
-def resolve_microbatches(microbatches: int, stages: int) -> int:
-  """The configured microbatch count; 0 takes the default 2 x stages."""
-  if microbatches < 0:
-    raise UserError(f"pipeline.microbatches={microbatches} must be >= 0 (0 = 2 x mesh.pipe)")
-  return microbatches or 2 * stages
-
-
-def num_ticks(stages: int, microbatches: int) -> int:
-  return microbatches + stages - 1
-
-
-def schedule_table(stages: int, microbatches: int) -> np.ndarray:
-  """int32 [M + S - 1, S]: the microbatch stage s holds at tick t, or -1 (a bubble slot)."""
-  t = np.arange(num_ticks(stages, microbatches))[:, None]
-  m = t - np.arange(stages)[None, :]
-  return np.where((m >= 0) & (m < microbatches), m, -1).astype(np.int32)
-
-
-def bubble_fraction(table: np.ndarray) -> float:
-  """Share of (tick, stage) slots of a schedule table that compute nothing anybody reads."""
-  return float((table < 0).mean())
-
-
-def tick_rows(doclens, *, stages: int, rows_per_rank: int, microbatches: int):
-  """The rows each tick's core-attention call sees: one list of document-length lists per tick,
-  ordered (stage, data rank, row of the microbatch); bubble slots are empty rows.
-
-  `doclens` is the batch's, one list per row, data rank d owning rows [d R, (d+1) R).
-  """
-  m = resolve_microbatches(microbatches, stages)
-  if rows_per_rank % m or len(doclens) % rows_per_rank:
-    raise ValueError(f"{len(doclens)} rows of rows_per_rank={rows_per_rank} cannot form "
-                     f"pipeline.microbatches={m} microbatches of whole rows")
-  r, d = rows_per_rank // m, len(doclens) // rows_per_rank
-  return [[list(doclens[rank * rows_per_rank + mb * r + j]) if mb >= 0 else []
-           for mb in held for rank in range(d) for j in range(r)]
-          for held in schedule_table(stages, m)]
-
-
 def per_tick_backend(backend, *, stages: int, rows_per_rank: int, microbatches: int):
   """The backend with its host planning done per pipeline tick (for `mesh.pipe > 1`).
 

@@ -26,6 +26,7 @@ from distca_jax import config as config_lib
 from distca_jax import dataplane, ops
 from distca_jax.baselines import check_kernel
 from distca_jax.dataplane import count_primitives
+from distca_jax.plan import cost as plan_cost
 
 
 # ------------------------------------------------------------------------------------------------
@@ -483,13 +484,13 @@ def test_flops_count_pairs_exactly():
     cu_k = np.concatenate([[0], np.cumsum(lk)])
     brute = sum(int((np.arange(b)[None, :] <= np.arange(a)[:, None] + (b - a)).sum())
                 for a, b in zip(lq, lk))
-    assert ops.attention_pairs(cu_q, cu_k) == brute
+    assert plan_cost.attention_pairs(cu_q, cu_k) == brute
   # Tail shard [a, b) of a document: P(a, b) = (b - a)(a + b + 1) / 2 (docs/design.md Sec. 10).
   a, b = 1000, 4096
-  assert ops.attention_pairs([0, b - a], [0, b]) == (b - a) * (a + b + 1) // 2
-  fwd = ops.core_attention_flops([0, b - a], [0, b], num_q_heads=32, head_dim=128)
+  assert plan_cost.attention_pairs([0, b - a], [0, b]) == (b - a) * (a + b + 1) // 2
+  fwd = plan_cost.core_attention_flops([0, b - a], [0, b], num_q_heads=32, head_dim=128)
   assert fwd == 4 * 32 * 128 * (b - a) * (a + b + 1) // 2
-  both = ops.core_attention_flops([0, b - a], [0, b], num_q_heads=32, head_dim=128,
+  both = plan_cost.core_attention_flops([0, b - a], [0, b], num_q_heads=32, head_dim=128,
                                   include_backward=True)
   assert both == round(3.5 * fwd)
 
@@ -525,8 +526,8 @@ def test_kernel_bench_sched_workload_is_the_servers_task_table(family):
   servers, tokens, step, seed, min_shard = 4, 512, 2, 7, 32
   plan = plan_lib.schedule(
       WorkloadSampler(family, tokens_per_row=tokens, seed=seed).step_doclens(step, servers),
-      servers, tokens_per_rank=tokens, tolerance=0.05, min_shard=min_shard, q_heads=4,
-      kv_heads=2, head_dim=32)
+      servers, tokens_per_rank=tokens, options=plan_lib.PlanOptions(
+          tolerance=0.05, min_shard=min_shard, q_heads=4, kv_heads=2, head_dim=32))
   per_task = lambda t: sorted(zip((t[:, 2] - t[:, 1]).tolist(), t[:, 2].tolist()))
   tables = {}
   for server, buffers in (("max", "used"), ("max", "envelope"), ("1", "used"), ("all", "used")):
@@ -550,7 +551,7 @@ def test_kernel_bench_sched_workload_is_the_servers_task_table(family):
       assert pad == (0, 0) if buffers == "used" else min(pad) >= 0
       tables[server, buffers] = (wl.cu_q, wl.cu_k)
     assert got == want
-    assert ops.attention_pairs(wl.cu_q, wl.cu_k) == load
+    assert plan_cost.attention_pairs(wl.cu_q, wl.cu_k) == load
   # Padding changes the buffers, not the table.
   assert tables["max", "used"] == tables["max", "envelope"]
 

@@ -191,7 +191,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.optim.warmup_steps < 0 or c.optim.warmup_steps > c.num_steps:
     raise UserError(f"optim.warmup_steps={c.optim.warmup_steps} must be in [0, num_steps="
                     f"{c.num_steps}]")
-  ops.check_backend(c.attention.kernel, "attention.kernel")
+  ops.check_kernel(c.attention.kernel, "attention.kernel")
   if c.attention.nano_batches not in (1, 2):
     raise UserError(f"attention.nano_batches={c.attention.nano_batches}; use 1 (single stream) "
                     "or 2 (ping-pong)")

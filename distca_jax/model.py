@@ -10,8 +10,8 @@ With two nano-batches (ping-pong) the stack runs as one cross-layer schedule ins
 runs as a pipeline of stages (`distca_jax.pipeline`), over the same parameters too.
 Parameters are float32 (master copy), compute runs in `dtype` (bf16 by default).
 
-Shape letters: B rows, T tokens per row, E embed, H query heads, K kv heads, D head dim,
-F MLP hidden, V vocab, L layers.
+Shape letters (docs/design.md, "Words and letters"): B rows, T tokens per row, E embed, H query
+heads, K kv heads, D head dim, F MLP hidden, V vocab, L layers.
 """
 
 from __future__ import annotations

@@ -303,7 +303,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype, collectives: list
 
   def no_cad_body(q, k, v, cu):
     def f(q, k, v):
-      return ops.core_attention(q[0], k[0], v[0], cu[0], cu[0], backend=kernel, **kopts)[None]
+      return ops.core_attention(q[0], k[0], v[0], cu[0], cu[0], kernel=kernel, **kopts)[None]
 
     o, vjp = jax.vjp(f, q, k, v)
     return vjp(o)  # the cotangent's values do not change the kernel's work

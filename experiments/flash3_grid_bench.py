@@ -92,7 +92,7 @@ def _timed(a, cu_q, cu_k, nq, nk, msq, msk, levels, key):
 @functools.lru_cache(maxsize=None)
 def _jitted(msq: int, msk: int, levels: int) -> dict:
   """fwd and fwd+bwd of one launch setting, jitted once (jit caches per buffer shape)."""
-  opts = dict(backend="flash3", max_seqlen_q=msq, max_seqlen_k=msk, grid_levels=levels)
+  opts = dict(kernel="flash3", max_seqlen_q=msq, max_seqlen_k=msk, grid_levels=levels)
 
   def fwd(q, k, v, cq, ck):
     return ops.core_attention(q, k, v, cq, ck, **opts)

@@ -367,13 +367,13 @@ def run_backend(backend: str, workloads: list[Workload], args, save) -> list[dic
         static = (base,)
 
         def attn(q, k, v, cu_q, cu_k, base=base):
-          return ops.core_attention(q, k, v, cu_q, cu_k, backend=base)
+          return ops.core_attention(q, k, v, cu_q, cu_k, kernel=base)
         inputs = (q, k, v, cu_q, cu_k)
       elif base == "flash3":
         static = ("flash3", wl.max_q, wl.max_k)
 
         def attn(q, k, v, cu_q, cu_k, wl=wl):
-          return ops.core_attention(q, k, v, cu_q, cu_k, backend="flash3",
+          return ops.core_attention(q, k, v, cu_q, cu_k, kernel="flash3",
                                     max_seqlen_q=wl.max_q, max_seqlen_k=wl.max_k)
         inputs = (q, k, v, cu_q, cu_k)
       elif base == "cudnn":
@@ -626,11 +626,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def check_backends(parser, backends: str, names) -> None:
   """``parser.error`` naming the first backend of the comma list ``backends`` not in ``names``
   (and, for a removed kernel, what to run instead)."""
-  from distca_jax.ops import REMOVED_BACKENDS  # pylint: disable=import-outside-toplevel
+  from distca_jax.ops import REMOVED_KERNELS  # pylint: disable=import-outside-toplevel
   for b in backends.split(","):
     base = b.partition(":")[0]
-    if base in REMOVED_BACKENDS:
-      parser.error(f"--backends: {b!r} {REMOVED_BACKENDS[base]}")
+    if base in REMOVED_KERNELS:
+      parser.error(f"--backends: {b!r} {REMOVED_KERNELS[base]}")
     if b not in names:
       parser.error(f"--backends: unknown backend {b!r}; choose from {tuple(names)}")
 

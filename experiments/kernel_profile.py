@@ -91,9 +91,9 @@ def _attention_fn(backend: str, wl):
   from distca_jax import ops  # pylint: disable=import-outside-toplevel
   if backend == "flash3":
     return lambda q, k, v, cu_q, cu_k: ops.core_attention(
-        q, k, v, cu_q, cu_k, backend="flash3", max_seqlen_q=wl.max_q, max_seqlen_k=wl.max_k)
+        q, k, v, cu_q, cu_k, kernel="flash3", max_seqlen_q=wl.max_q, max_seqlen_k=wl.max_k)
   if backend in ("reference", "blockwise", "mosaic"):
-    return lambda q, k, v, cu_q, cu_k: ops.core_attention(q, k, v, cu_q, cu_k, backend=backend)
+    return lambda q, k, v, cu_q, cu_k: ops.core_attention(q, k, v, cu_q, cu_k, kernel=backend)
   if backend.startswith("mosaic:") and backend in BACKENDS:
     from custom_ops import mosaic_attention  # pylint: disable=import-outside-toplevel
     mbs = mosaic_attention.BlockSizes(**kb.MOSAIC_PRESETS[backend.partition(":")[2]])
@@ -126,7 +126,7 @@ def run_backend(backend: str, workloads: list, args, save) -> list[dict]:
   if backend == "flash3":
     try:
       ops.import_flash3()
-    except ops.BackendUnavailableError as e:
+    except ops.KernelUnavailableError as e:
       unavailable = str(e)
   entries = []
   for wl in workloads:

@@ -99,7 +99,7 @@ def _fwd_bwd(kernel: str, bounds: tuple[int, int] | None):
                                       grid_levels=1)
 
   def fwd_bwd(q, k, v, cu_q, cu_k):
-    o, vjp = jax.vjp(lambda q, k, v: ops.core_attention(q, k, v, cu_q, cu_k, backend=kernel,
+    o, vjp = jax.vjp(lambda q, k, v: ops.core_attention(q, k, v, cu_q, cu_k, kernel=kernel,
                                                         **kw), q, k, v)
     return vjp(o)
 

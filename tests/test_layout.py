@@ -219,3 +219,22 @@ def test_every_backend_module_exports_options_and_make():
   source = inspect.getsource(trainer)
   for name in backends.BACKENDS:
     assert f'"{name}"' not in source and f"'{name}'" not in source, name
+
+
+def test_kernel_and_backend_registries_have_their_own_names():
+  """A kernel (one fused core-attention call: ``ops.KERNELS``) and a backend (a strategy of the
+  trainer: ``backends.BACKENDS``) never share a registry name: each registry is assigned at the
+  top level of exactly one library module, and ops defines no backend registry."""
+  where = {"KERNELS": [], "BACKENDS": []}
+  for path in _library_files():
+    for node in ast.parse(open(path).read(), path).body:
+      targets = (node.targets if isinstance(node, ast.Assign)
+                 else [node.target] if isinstance(node, ast.AnnAssign) else [])
+      for t in targets:
+        if isinstance(t, ast.Name) and t.id in where:
+          where[t.id].append(_rel(path))
+  assert where == {"KERNELS": [os.path.join("distca_jax", "ops.py")],
+                   "BACKENDS": [os.path.join("distca_jax", "backends", "__init__.py")]}, where
+  from distca_jax import backends, ops
+  assert not hasattr(ops, "BACKENDS") and not hasattr(backends, "KERNELS")
+  assert set(backends.BACKENDS) >= {"local", "distca"} and set(ops.KERNELS) >= {"blockwise", "auto"}

@@ -16,9 +16,9 @@ executes it on devices inside one compiled step:
 The trainer's backend is ``distca_jax.backends.distca``. Nothing here plans: shapes come from the
 ``plan.PlanSpec`` and the packed plan is the only input from the host.
 
-Letters (docs/design.md, "Letters"): S servers (= data ranks), R rows per device, T tokens per
-row (per rank in the notebook entry), H query heads, K kv heads, D head dim, W packed plan width
-per row.
+Letters (docs/design.md, "Words and letters"): S servers (= data ranks; pipe x data ranks under
+a pipeline), R rows per device, T tokens per row (per rank in the notebook entry), H query heads,
+K kv heads, D head dim, W packed plan width per row.
 """
 
 from __future__ import annotations

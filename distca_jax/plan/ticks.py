@@ -3,8 +3,8 @@ and the rows each tick's core-attention call sees (``tick_rows``, what a planner
 
 ``distca_jax.pipeline`` runs this schedule on devices (one scan over the ticks); the arithmetic
 here is what the host needs of it without JAX: the distca backend's per-tick planning and its
-startup caps, the schedule tables of the experiments. Letters: the pipeline's (docs/design.md,
-"Letters"): P stages, M microbatches, R rows per rank.
+startup caps, the schedule tables of the experiments. Letters (docs/design.md, "Words and
+letters"): P stages, M microbatches, R rows per rank.
 """
 
 from __future__ import annotations

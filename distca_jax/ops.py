@@ -59,7 +59,7 @@ FLASH3_GRID_LEVELS = 4
 # [slots, H, max_seqlen_q] buffer (8.7 GB for 260 slots of a 64K row, 32 heads) of which only
 # the first H x T entries are written; saving that call's outputs kept the whole buffer per layer
 # and copied it into the layer scan's stacked residuals (MemcpyD2D, 117-188 ms of a 1.8 s step on
-# an H200, results/archive/4b6459c/pingpong_v6_summary.md). The flash3 path names O and the
+# an H200). The flash3 path names O and the
 # [H, T] LSE it cuts out of the buffer.
 KERNEL_OUTPUTS_NAME = custom_ops.KERNEL_OUTPUTS_NAME
 # ``checkpoint_name`` of the kernel's query/key/value inputs (the backward's residuals).

@@ -40,11 +40,9 @@ from distca_jax import memory as memory_lib
 from distca_jax import metrics as metrics_lib
 from distca_jax import profiling
 from distca_jax import sharding as shard_lib
-from distca_jax.data import make_source
+from distca_jax.data import BATCH_KEYS, make_source
 from distca_jax.errors import UserError
 from distca_jax.model import Transformer
-
-BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 
 
 @flax.struct.dataclass

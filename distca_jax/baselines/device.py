@@ -64,8 +64,7 @@ def packed_dp_task_table(doc_lens_RxN: jax.Array, tokens_per_row: int):
   0. Empty slots (a row's unused document slots, zero padding) go last, the others in order
   (the offsets do not change): flash3 then launches only the slots in use (its launch buckets
   cut trailing empty slots). With them between rows, one call over 2 rows of 64K took 224 ms
-  forward+backward against 185 ms for one call per row
-  (results/archive/94b2700/rows_per_call_bench.md).
+  forward+backward against 185 ms for one call per row.
   """
   lens = doc_lens_RxN.astype(jnp.int32)
   pad_R1 = tokens_per_row - lens.sum(1, keepdims=True)

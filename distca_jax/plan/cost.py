@@ -30,8 +30,8 @@ MFU_FWD_BWD_FACTOR = 3.0
 # Shortest query piece the balancer may create: short tail shards cost the fused kernel's
 # backward dearly (dK/dV over the whole key range per task); see results/kernel_bench.md.
 DEFAULT_MIN_SHARD = 512
-# Every server within (1 + 0.02) x mean: balances as well as 0 for a few % more bytes
-# (results/archive/7310cdf/e2e_2gpu_128k_v5.md); config.attention.distca.tolerance defaults to it.
+# Every server within (1 + 0.02) x mean: balances as well as 0 for a few % more bytes than a
+# looser goal (docs/design.md Sec. 10); config.attention.distca.tolerance defaults to it.
 DEFAULT_TOLERANCE = 0.02
 # Llama-3-8B attention shapes and bf16: the byte model's defaults.
 DEFAULT_Q_HEADS = 32

@@ -16,10 +16,10 @@ Cases (files under results/):
 * speedup: distca's measured speedup over packed_dp / wlb in the same multi-GPU run vs the
   predicted one (ratios in place of seconds).
 
-Two code generations ("eras") are in the committed runs: the 2-GPU runs (``*_v5*``) predate the
-single-stream fixes measured on one GPU since (results/archive/4b6459c/pingpong_v6_summary.md:
-FA3's forward no longer cloned, no raw LSE buffer copy), so each era is calibrated on one-GPU runs of its own
-code (``CALIBRATION_RUNS``) and every other case of that era is held out. ``role`` says which.
+Two code generations ("eras") are in the committed runs: the 2-GPU runs (``*_v5*``) were made
+without two single-stream fixes (FA3's forward no longer cloned, no raw LSE buffer copy), which
+change step times, so each era is calibrated on one-GPU runs of its own code
+(``CALIBRATION_RUNS``) and every other case of that era is held out. ``role`` says which.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ PLAN_KEY = "distca_plan"  # the one key of ``layout.extra`` this backend reads
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-  """Options of the ``distca`` backend (``from_config``: ``config.attention.distca``, the kernel,
-  the model's shapes and the run's startup caps).
+  """Options of the ``distca`` backend (``from_config``: ``config.attention.distca``, the kernel
+  and the model's shapes; caps left at 0 are sized by ``from_first_batches``).
 
   Attributes:
     tolerance, min_shard, min_gain: the balancer's (``plan.PlanOptions``); ``min_shard`` None

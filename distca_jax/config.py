@@ -176,8 +176,11 @@ def data_ranks(c: ml_collections.ConfigDict, device_count: int | None = None) ->
   ``sharding.make_mesh`` lays it out. The one place the config's -1 is read."""
   if c.mesh.data != -1:
     return int(c.mesh.data)
+  tensor, pipe = int(c.mesh.tensor), int(c.mesh.pipe)
+  if tensor < 1 or pipe < 1:
+    raise UserError(f"mesh.tensor={tensor} and mesh.pipe={pipe} must be >= 1")
   n = jax.device_count() if device_count is None else int(device_count)
-  return n // (int(c.mesh.tensor) * int(c.mesh.pipe))
+  return n // (tensor * pipe)
 
 
 def validate(c: ml_collections.ConfigDict) -> None:

@@ -170,8 +170,9 @@ def setup_run(c: ml_collections.ConfigDict, devices=None, **backend_overrides) -
   """Mesh (over `devices`, default all), backend (``backends.build(c, **backend_overrides)``),
   model, optimizer, abstract state with its shardings, and the data source of config `c`; nothing
   is materialized (`create_train_state` or a checkpoint restore makes the state)."""
-  mesh = shard_lib.make_mesh(data=c.mesh.data, tensor=c.mesh.tensor, pipe=c.mesh.pipe,
-                             devices=devices)
+  devices = list(devices) if devices is not None else jax.devices()
+  mesh = shard_lib.make_mesh(data=config_lib.data_ranks(c, len(devices)), tensor=c.mesh.tensor,
+                             pipe=c.mesh.pipe, devices=devices)
   backend = make_backend(c, **backend_overrides)
   model = make_model(c, backend)
   tx = make_optimizer(c)

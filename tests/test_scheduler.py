@@ -640,3 +640,21 @@ def test_diagnostics_and_plot():
   else:
     fig = plan_lib.plot_loads(plan)
     assert fig.axes
+
+
+def test_plan_options_auto_min_shard_is_resolved_per_row():
+  """min_shard=None is auto: schedule needs a number (it cannot know the rows), for_rows gives
+  auto_min_shard of the tokens per row, and host_plan resolves it with the spec's rows."""
+  auto = plan_lib.PlanOptions(min_shard=None, tolerance=0.0)
+  with pytest.raises(ValueError, match=r"min_shard=None \(auto\)"):
+    plan_lib.schedule([[40, 30], [5]], 2, tokens_per_rank=128, options=auto)
+  with pytest.raises(TypeError, match="must be a plan.PlanOptions"):
+    plan_lib.schedule([[40, 30], [5]], 2, tokens_per_rank=128, options={"tolerance": 0.0})
+  assert auto.for_rows(128).min_shard == plan_lib.auto_min_shard(128) == 8
+  assert auto.for_rows(64 * K).min_shard == plan_lib.DEFAULT_MIN_SHARD
+  fixed = plan_lib.PlanOptions(min_shard=16)
+  assert fixed.for_rows(128) is fixed
+  cap = plan_lib.Capacity(**{f: 256 for f in plan_lib.CAP_FIELDS})
+  spec = plan_lib.PlanSpec(num_servers=2, tokens_per_row=128, rows_per_device=1, capacity=cap)
+  hp = plan_lib.host_plan([[120], [5]], spec, auto)
+  assert hp.plan.min_shard == 8 and hp.plan.num_moves > 0

@@ -105,12 +105,12 @@ def validate_inputs(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1)
   dtype, head_dim = q_TxHxD.dtype, q_TxHxD.shape[2]
   if dtype not in SUPPORTED_DTYPES:
     raise ValueError(
-        f"mosaic attention takes bf16 or fp16 inputs; got {dtype=} (cast, or use backend="
+        f"mosaic attention takes bf16 or fp16 inputs; got {dtype=} (cast, or use kernel="
         "'blockwise' for f32)")
   if head_dim not in SUPPORTED_HEAD_DIMS:
     raise ValueError(
         f"mosaic attention supports head dims {SUPPORTED_HEAD_DIMS}; got {head_dim=} (use "
-        "backend='blockwise' for others)")
+        "kernel='blockwise' for others)")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ N tasks (``N1`` = N + 1).
 This module holds what the kernels share: ``validate_inputs`` (the contract's checks, raising
 ValueError naming the bad value and the fix), ``rows_to_tasks`` (each buffer row's task) and
 ``varlen_attention_reference`` (dense masked attention in plain jnp: the oracle of the kernels'
-tests and the 'reference' backend of ``distca_jax.ops.core_attention``). The kernels:
+tests and the 'reference' kernel of ``distca_jax.ops.core_attention``). The kernels:
 ``custom_ops/blockwise_attention.py`` (jnp tiles, the CPU kernel) and
 ``custom_ops/mosaic_attention.py`` (Pallas Mosaic GPU, Hopper).
 """

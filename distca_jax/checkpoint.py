@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 
+from distca_jax import config as config_lib
 from distca_jax.errors import UserError
 
 # Config keys whose change would make a resumed run see other data than the original one (with
@@ -56,10 +57,7 @@ def batch_rows(c: ml_collections.ConfigDict) -> int:
   """Rows of one step's global batch: data ranks (``mesh.data``; -1 resolved over every device
   of the job, as ``sharding.make_mesh`` does) x ``rows_per_rank``. The batches of a run depend on
   it, not on how the rows are spread over data ranks, devices or processes."""
-  data = c.mesh.data
-  if data == -1:
-    data = jax.device_count() // (c.mesh.tensor * c.mesh.pipe)
-  return data * c.rows_per_rank
+  return config_lib.data_ranks(c) * c.rows_per_rank
 
 
 def _data_record(c: ml_collections.ConfigDict) -> dict:

@@ -7,10 +7,11 @@ override further with `--config.section.key=value`. A key that is not defined he
 
 from __future__ import annotations
 
+import jax
 import ml_collections
 
-from distca_jax import ops, pipeline
-from distca_jax.plan import cost
+from distca_jax import ops
+from distca_jax.plan import cost, ticks
 from distca_jax.errors import UserError
 from distca_jax.model import ModelConfig
 
@@ -176,6 +177,19 @@ def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
     raise UserError(f"config.model: {e}") from e
 
 
+def data_ranks(c: ml_collections.ConfigDict, device_count: int | None = None) -> int:
+  """``mesh.data`` of a run: the configured size, or for -1 every device of the job
+  (``device_count``, default ``jax.device_count()``) over ``mesh.tensor x mesh.pipe``, as
+  ``sharding.make_mesh`` lays it out. The one place the config's -1 is read."""
+  if c.mesh.data != -1:
+    return int(c.mesh.data)
+  tensor, pipe = int(c.mesh.tensor), int(c.mesh.pipe)
+  if tensor < 1 or pipe < 1:
+    raise UserError(f"mesh.tensor={tensor} and mesh.pipe={pipe} must be >= 1")
+  n = jax.device_count() if device_count is None else int(device_count)
+  return n // (tensor * pipe)
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
   """Errors for values that would fail late (or silently) inside a run."""
   if c.tokens_per_rank <= 0:
@@ -187,7 +201,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.optim.warmup_steps < 0 or c.optim.warmup_steps > c.num_steps:
     raise UserError(f"optim.warmup_steps={c.optim.warmup_steps} must be in [0, num_steps="
                     f"{c.num_steps}]")
-  ops.check_backend(c.attention.kernel, "attention.kernel")
+  ops.check_kernel(c.attention.kernel, "attention.kernel")
   if c.attention.nano_batches not in (1, 2):
     raise UserError(f"attention.nano_batches={c.attention.nano_batches}; use 1 (single stream) "
                     "or 2 (ping-pong)")
@@ -204,7 +218,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise UserError(f"train.spike_sigmas={c.train.spike_sigmas} must be >= 0 (0: off) and "
                     f"train.spike_warmup_steps={c.train.spike_warmup_steps} >= 1")
   if c.mesh.pipe > 1:
-    m = pipeline.resolve_microbatches(c.pipeline.microbatches, c.mesh.pipe)
+    m = ticks.resolve_microbatches(c.pipeline.microbatches, c.mesh.pipe)
     if c.rows_per_rank % m:
       raise UserError(f"rows_per_rank={c.rows_per_rank} must be a multiple of pipeline."
                       f"microbatches={m} (each microbatch is whole rows of every data rank; "

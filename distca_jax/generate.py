@@ -1,13 +1,14 @@
 """Greedy decoding with a trained model, for small models (notebooks, smoke tests).
 
 No KV cache: every new token is the argmax of the model's logits on the whole prefix, so
-decoding N tokens runs N forward passes over one fixed-length buffer (one compile). The buffer's
+decoding Tn tokens runs Tn forward passes over one fixed-length buffer (one compile). The buffer's
 tokens past the prefix are placeholders; causal attention keeps them from reaching the prefix.
 The model's core attention must need no host plan (``local`` or ``reference``): parameters are
 the same under every backend, so a model trained with ``distca`` decodes with
 ``trainer.make_model(config, backends.get('local'))``.
 
-Letters: B prompts, P prompt tokens, N new tokens, L buffer length (P + N rounded up), V vocab.
+Letters (docs/design.md, "Words and letters"): B prompts, Tp prompt tokens, Tn new tokens,
+L buffer length (Tp + Tn rounded up), V vocab.
 """
 
 from __future__ import annotations
@@ -28,40 +29,41 @@ def buffer_length(prompt_len: int, num_tokens: int) -> int:
   return -(-n // BUFFER_MULTIPLE) * BUFFER_MULTIPLE
 
 
-def greedy_generate(model, params, prompt_BxP, num_tokens: int) -> jax.Array:
+def greedy_generate(model, params, prompt_BxTp, num_tokens: int) -> jax.Array:
   """Extends each prompt by ``num_tokens`` greedy tokens.
 
   Args:
     model: a ``model.Transformer`` whose core attention needs no host plan (``local``,
       ``reference``).
     params: its parameters (the ``params`` collection, e.g. ``TrainState.params``).
-    prompt_BxP: int array [B, P] of token ids, P >= 1; each row is one document.
-    num_tokens: N >= 0 tokens to append.
+    prompt_BxTp: int array [B, Tp] of token ids, Tp >= 1; each row is one document.
+    num_tokens: Tn >= 0 tokens to append.
 
   Returns:
-    int32 [B, P + N]: the prompts followed by the generated tokens.
+    int32 [B, Tp + Tn]: the prompts followed by the generated tokens.
   """
-  prompt_BxP = jnp.asarray(prompt_BxP)
-  if prompt_BxP.ndim != 2 or prompt_BxP.shape[1] < 1:
-    raise ValueError(f"prompt_BxP must be [B, P] token ids with P >= 1; got {prompt_BxP.shape=}")
-  if not jnp.issubdtype(prompt_BxP.dtype, jnp.integer):
-    raise ValueError(f"prompt_BxP must hold integer token ids; got {prompt_BxP.dtype=}")
+  prompt_BxTp = jnp.asarray(prompt_BxTp)
+  if prompt_BxTp.ndim != 2 or prompt_BxTp.shape[1] < 1:
+    raise ValueError(f"prompt_BxTp must be [B, Tp] token ids with Tp >= 1; got "
+                     f"{prompt_BxTp.shape=}")
+  if not jnp.issubdtype(prompt_BxTp.dtype, jnp.integer):
+    raise ValueError(f"prompt_BxTp must hold integer token ids; got {prompt_BxTp.dtype=}")
   if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
     raise ValueError(f"{num_tokens=} must be an int >= 0")
   vocab = model.cfg.vocab_size
-  if not isinstance(prompt_BxP, jax.core.Tracer):
-    lo, hi = int(prompt_BxP.min()), int(prompt_BxP.max())
+  if not isinstance(prompt_BxTp, jax.core.Tracer):
+    lo, hi = int(prompt_BxTp.min()), int(prompt_BxTp.max())
     if lo < 0 or hi >= vocab:
       raise ValueError(f"prompt token ids span [{lo}, {hi}]; they must lie in [0, {vocab}) "
                        "(model.vocab_size)")
-  return _generate(model, params, prompt_BxP.astype(jnp.int32), num_tokens)
+  return _generate(model, params, prompt_BxTp.astype(jnp.int32), num_tokens)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
-def _generate(model, params, prompt_BxP, num_tokens: int):
-  b, p = prompt_BxP.shape
+def _generate(model, params, prompt_BxTp, num_tokens: int):
+  b, p = prompt_BxTp.shape
   length = buffer_length(p, num_tokens)
-  tokens_BxL = jnp.zeros((b, length), jnp.int32).at[:, :p].set(prompt_BxP)
+  tokens_BxL = jnp.zeros((b, length), jnp.int32).at[:, :p].set(prompt_BxTp)
   layout = attn_lib.Layout(jnp.ones((b, length), jnp.int32),
                            jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length)))
 

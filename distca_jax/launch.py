@@ -20,26 +20,24 @@ import ml_collections
 
 from distca_jax.errors import UserError
 
-# NVLink multicast (NVLS) is kept off: see the device notes; it destabilized shared GPU hosts.
+# NVLink multicast (NVLS) is kept off: it destabilized shared GPU hosts.
 # No XLA overlap flags are set, by measurement: CAD's all-to-alls are async collectives that XLA
 # schedules around the linear layers of the other nano-batch (`attention.nano_batches=2`,
 # model.ping_pong_layers: post-CA of layer i and pre-CA of layer i+1), and on 2 H200s the step
-# was within 0.6-1.1% of its signal-only twin (tiny all-to-alls) while ping-pong changed nothing
-# (results/archive/7310cdf/e2e_v5_summary.md; that run had the within-layer schedule);
+# was within 0.6-1.1% of its signal-only twin (tiny all-to-alls), so there was little
+# communication left to hide (measured with the within-layer ping-pong schedule);
 # docs/design.md Sec. 13 measured `--xla_gpu_enable_latency_hiding_scheduler` hiding 37% vs 30% of
 # an all-to-all. Pass any XLA flags through the environment (XLA_FLAGS) and they are kept.
 # XLA_PYTHON_CLIENT_MEM_FRACTION: JAX preallocates 75% of GPU memory by default; Llama-3-8B layers
-# at 128K tokens per GPU with remat 'none' plan ~105-113 GiB of an H200's 140
-# (results/archive/7310cdf/e2e_v5_summary.md), which failed at 75% and fits at 92% (NCCL and
-# kernel workspaces live in the rest).
+# at 128K tokens per GPU with remat 'none' plan ~105-113 GiB of an H200's 140, which fails at
+# 75% and fits at 92% (NCCL and kernel workspaces live in the rest).
 GPU_ENV_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
 # XLA flags added to XLA_FLAGS unless it already sets them (the user's value wins):
 # --xla_gpu_enable_dynamic_slice_fusion=false: in the layer scan, XLA's dynamic-slice fusion
 # cloned FlashAttention-3's forward custom call so that one copy wrote O straight into the stacked
 # residual, so every layer ran the forward kernel twice (two flash_mha_fwd calls in the compiled
 # step's HLO, one without the flag). On one H200, 2 layers of Llama-3-8B: 2 rows of 64K steps
-# 1725 -> 1646 ms (packed_dp), 64K Pretrain 809 -> 785 ms, ProLong 732 -> 720 ms
-# (results/archive/4b6459c/pingpong_v6_summary.md).
+# 1725 -> 1646 ms (packed_dp), 64K Pretrain 809 -> 785 ms, ProLong 732 -> 720 ms.
 XLA_FLAG_DEFAULTS = {"xla_gpu_enable_dynamic_slice_fusion": "false"}
 
 

@@ -10,8 +10,8 @@ With two nano-batches (ping-pong) the stack runs as one cross-layer schedule ins
 runs as a pipeline of stages (`distca_jax.pipeline`), over the same parameters too.
 Parameters are float32 (master copy), compute runs in `dtype` (bf16 by default).
 
-Shape letters: B rows, T tokens per row, E embed, H query heads, K kv heads, D head dim,
-F MLP hidden, V vocab, L layers.
+Shape letters (docs/design.md, "Words and letters"): B rows, T tokens per row, E embed, H query
+heads, K kv heads, D head dim, F MLP hidden, V vocab, L layers.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class ModelConfig:
   # 'offload_mlp' ('save_attention' plus the MLP input and gate/up outputs in pinned host memory:
   # no matmul reruns; GPU only).
   # Measured at 128K tokens per H200, 2 layers: 'none' steps 2% faster than 'save_attention'
-  # for 116-121 vs 63-66 GB per GPU (results/archive/7310cdf/e2e_v5_summary.md).
+  # for 116-121 vs 63-66 GB per GPU: too little speed for the memory at long rows.
   remat: str = "full"
   # With remat='save_attention': the first N layers also keep their MLP input and gate/up
   # projections on the device (names 'mlp_in', 'mlp_gate', 'mlp_up'), so their backward reruns no

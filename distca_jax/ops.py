@@ -1,10 +1,12 @@
-"""One dispatch point for core attention over a fused batch of CA-tasks, and its exact FLOP count.
+"""One dispatch point for core attention over a fused batch of CA-tasks (its exact pair and FLOP
+count is host arithmetic: ``plan.cost.attention_pairs`` / ``core_attention_flops``).
 
 Task i of a batch owns query rows [cu_seqlens_q[i], cu_seqlens_q[i+1]) of the packed query buffer
 and key/value rows [cu_seqlens_k[i], cu_seqlens_k[i+1]) of the packed key/value buffers; the
 causal mask is aligned bottom-right inside each task (see ``custom_ops/varlen_attention.py``).
 
-Backends:
+Kernels (``KERNELS``; a *kernel* computes one fused call, a *backend* is a strategy of the
+trainer, ``distca_jax.backends``; docs/design.md, "Words and letters"):
   'reference'  plain jnp, dense [H, T, U] logits: tests and small buffers only.
   'blockwise'  plain jnp, tile by tile over the task table with its own VJP
                (``custom_ops/blockwise_attention.py``): work follows the tasks' (query, key)
@@ -18,8 +20,8 @@ Backends:
 
 'auto' picks ``default_kernel()`` when traced: 'blockwise' on CPU, 'reference' elsewhere (GPU
 configs name 'flash3' or 'mosaic'). It is the configs' default; an explicit name is always run
-as named. An unavailable backend raises ``BackendUnavailableError`` saying how to get it;
-nothing falls back. ``check_backend`` names a bad backend and the fix.
+as named. An unavailable kernel raises ``KernelUnavailableError`` saying how to get it;
+nothing falls back. ``check_kernel`` names a bad kernel and the fix.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from __future__ import annotations
 import functools
 import importlib
 import math
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,16 +40,13 @@ from custom_ops import blockwise_attention as bw
 from custom_ops import varlen_attention as va
 from distca_jax.checks import check_int
 from distca_jax.errors import UserError
-from distca_jax.plan.cost import BWD_FWD_RATIO
 
-BACKENDS = ("reference", "blockwise", "mosaic", "flash3", "auto")
-# Names that are not backends any more, each with what to use instead (``check_backend``).
-REMOVED_BACKENDS = {"pallas": "(the Triton kernel) was removed; use 'mosaic' (GPU) or "
+KERNELS = ("reference", "blockwise", "mosaic", "flash3", "auto")
+# Names that are not kernels any more, each with what to use instead (``check_kernel``).
+REMOVED_KERNELS = {"pallas": "(the Triton kernel) was removed; use 'mosaic' (GPU) or "
                               "'blockwise' / 'reference' (CPU)"}
 FLASH3_PIP_SPEC = "flash-attn3-jax==0.2.3"
 FLASH3_HEAD_DIMS = (128,)  # the head dims the published wheel was built for
-# Kernel backward cost over forward cost (the backward recomputes QK^T): fwd+bwd = 3.5x forward.
-BACKWARD_FLOPS_RATIO = BWD_FWD_RATIO  # one place holds it: the cost model (plan.cost)
 # flash3 launch shapes per dimension (``flash3_grid_buckets``): 4 -> slots N, N/2, N/4, N/8 times
 # bounds L, L/2, L/4, L/8 (16 compiled FA3 variants, one runs per call).
 FLASH3_GRID_LEVELS = 4
@@ -61,7 +59,7 @@ FLASH3_GRID_LEVELS = 4
 # [slots, H, max_seqlen_q] buffer (8.7 GB for 260 slots of a 64K row, 32 heads) of which only
 # the first H x T entries are written; saving that call's outputs kept the whole buffer per layer
 # and copied it into the layer scan's stacked residuals (MemcpyD2D, 117-188 ms of a 1.8 s step on
-# an H200, results/archive/4b6459c/pingpong_v6_summary.md). The flash3 path names O and the
+# an H200). The flash3 path names O and the
 # [H, T] LSE it cuts out of the buffer.
 KERNEL_OUTPUTS_NAME = custom_ops.KERNEL_OUTPUTS_NAME
 # ``checkpoint_name`` of the kernel's query/key/value inputs (the backward's residuals).
@@ -73,29 +71,29 @@ def saves_kernel_outputs(prim, *_, **params) -> bool:
   return prim.name == "name" and params.get("name") == KERNEL_OUTPUTS_NAME
 
 
-class BackendUnavailableError(RuntimeError):
-  """The requested attention backend cannot run here; the message says how to get it."""
+class KernelUnavailableError(RuntimeError):
+  """The requested attention kernel cannot run here; the message says how to get it."""
 
 
-def check_backend(backend: str, name: str = "backend") -> str:
-  """``backend`` if it is a ``core_attention`` backend, else a ``UserError`` (a ValueError) naming
+def check_kernel(kernel: str, name: str = "kernel") -> str:
+  """``kernel`` if it is a ``core_attention`` kernel, else a ``UserError`` (a ValueError) naming
   it and the fix; ``name`` is the setting in the message (e.g. 'attention.kernel')."""
-  if backend in REMOVED_BACKENDS:
-    raise UserError(f"{name}={backend!r} {REMOVED_BACKENDS[backend]}")
-  if backend not in BACKENDS:
-    raise UserError(f"unknown attention {name}={backend!r}; choose one of {BACKENDS}")
-  return backend
+  if kernel in REMOVED_KERNELS:
+    raise UserError(f"{name}={kernel!r} {REMOVED_KERNELS[kernel]}")
+  if kernel not in KERNELS:
+    raise UserError(f"unknown attention {name}={kernel!r}; choose one of {KERNELS}")
+  return kernel
 
 
 def default_kernel() -> str:
-  """The kernel 'auto' runs: 'blockwise' when JAX's default backend is the CPU, else 'reference'
+  """The kernel 'auto' runs: 'blockwise' when JAX's default platform is the CPU, else 'reference'
   (GPU runs name their kernel: 'flash3' or 'mosaic')."""
   return "blockwise" if jax.default_backend() == "cpu" else "reference"
 
 
 def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
                    cu_seqlens_q_N1: jax.Array, cu_seqlens_k_N1: jax.Array, *,
-                   backend: str = "reference", softmax_scale: float | None = None,
+                   kernel: str = "reference", softmax_scale: float | None = None,
                    return_lse: bool = False, block_sizes: bw.BlockSizes | None = None,
                    max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
                    grid_levels: int = FLASH3_GRID_LEVELS, name_inputs: bool = True):
@@ -107,7 +105,7 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
     v_UxKxD: packed values [U, K, D].
     cu_seqlens_q_N1: int32 [N + 1], non-decreasing, within [0, T].
     cu_seqlens_k_N1: int32 [N + 1], non-decreasing, within [0, U].
-    backend: 'reference', 'blockwise', 'mosaic', 'flash3' or 'auto' (``default_kernel()``).
+    kernel: 'reference', 'blockwise', 'mosaic', 'flash3' or 'auto' (``default_kernel()``).
     softmax_scale: logit scale; default 1 / sqrt(D).
     return_lse: also return the natural-log log-sum-exp [T, H] (f32; -inf on rows seeing no key).
     block_sizes: 'blockwise' only: its tiles (``custom_ops.blockwise_attention.BlockSizes``).
@@ -125,23 +123,23 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
   Returns:
     o_TxHxD (q dtype; 0 on rows that see no key), or (o_TxHxD, lse_TxH) if ``return_lse``.
   """
-  if check_backend(backend) == "auto":
-    backend = default_kernel()
+  if check_kernel(kernel) == "auto":
+    kernel = default_kernel()
   va.validate_inputs(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1)
-  if backend != "blockwise" and block_sizes is not None:
-    raise ValueError(f"block_sizes={block_sizes!r} applies to backend='blockwise' only; drop it "
-                     f"for {backend=}")
+  if kernel != "blockwise" and block_sizes is not None:
+    raise ValueError(f"block_sizes={block_sizes!r} applies to kernel='blockwise' only; drop it "
+                     f"for {kernel=}")
   if name_inputs:  # for remat policies that keep the kernel's residuals ('save_attention')
     q_TxHxD, k_UxKxD, v_UxKxD = (checkpoint_name(x, KERNEL_INPUTS_NAME)
                                  for x in (q_TxHxD, k_UxKxD, v_UxKxD))
 
-  if backend == "reference":
+  if kernel == "reference":
     o, lse = va.varlen_attention_reference(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1,
                                            cu_seqlens_k_N1, softmax_scale=softmax_scale)
-  elif backend == "blockwise":
+  elif kernel == "blockwise":
     o, lse = bw.blockwise_attention(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1,
                                     softmax_scale=softmax_scale, block_sizes=block_sizes)
-  elif backend == "mosaic":
+  elif kernel == "mosaic":
     o, lse = _mosaic(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1, softmax_scale)
   else:
     o, lse = _flash3(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1,
@@ -152,9 +150,10 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
 
 def _mosaic(q, k, v, cu_q, cu_k, softmax_scale):
   if jax.default_backend() != "gpu":
-    raise BackendUnavailableError(
-        f"backend='mosaic' (custom_ops/mosaic_attention.py) runs only on Hopper GPUs; the default "
-        f"backend is {jax.default_backend()!r}. Use backend='blockwise' or 'reference' there")
+    raise KernelUnavailableError(
+        f"kernel='mosaic' (custom_ops/mosaic_attention.py) runs only on Hopper GPUs; JAX's "
+        f"default platform is {jax.default_backend()!r}. Use kernel='blockwise' or 'reference' "
+        "there")
   from custom_ops import mosaic_attention  # noqa: PLC0415  (imports Mosaic GPU)
   return mosaic_attention.mosaic_attention(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale)
 
@@ -165,12 +164,12 @@ def _mosaic(q, k, v, cu_q, cu_k, softmax_scale):
 
 
 def import_flash3():
-  """The FlashAttention-3 JAX bindings, or a BackendUnavailableError saying how to install them."""
+  """The FlashAttention-3 JAX bindings, or a KernelUnavailableError saying how to install them."""
   try:
     return importlib.import_module("flash_attn3_jax")
   except ImportError as e:  # also a missing CUDA runtime inside the extension
-    raise BackendUnavailableError(
-        f"backend='flash3' needs the FlashAttention-3 JAX bindings: pip install "
+    raise KernelUnavailableError(
+        f"kernel='flash3' needs the FlashAttention-3 JAX bindings: pip install "
         f"'{FLASH3_PIP_SPEC}' (Linux x86_64, CUDA >= 12.4, Hopper GPU; the project's optional "
         f"extra 'gpu'). Import failed with: {e!r}") from e
 
@@ -227,15 +226,15 @@ def _flash3(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k,
             grid_levels=FLASH3_GRID_LEVELS):
   import_flash3()
   if jax.default_backend() != "gpu":
-    raise BackendUnavailableError(
-        f"backend='flash3' runs only on CUDA GPUs (Hopper); the default backend is "
-        f"{jax.default_backend()!r}. Use backend='blockwise' or 'reference' there")
+    raise KernelUnavailableError(
+        f"kernel='flash3' runs only on CUDA GPUs (Hopper); JAX's default platform is "
+        f"{jax.default_backend()!r}. Use kernel='blockwise' or 'reference' there")
   if q.dtype not in (jnp.bfloat16, jnp.float16):
-    raise ValueError(f"backend='flash3' takes bf16 or fp16 inputs; got {q.dtype=}")
+    raise ValueError(f"kernel='flash3' takes bf16 or fp16 inputs; got {q.dtype=}")
   head_dim = q.shape[2]
   if head_dim not in FLASH3_HEAD_DIMS:
     raise ValueError(
-        f"backend='flash3': the published {FLASH3_PIP_SPEC} wheel is built for head dims "
+        f"kernel='flash3': the published {FLASH3_PIP_SPEC} wheel is built for head dims "
         f"{FLASH3_HEAD_DIMS}; got {head_dim=} (build flash-attn3-jax from source for others)")
   return flash3_masked(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale,
                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
@@ -313,8 +312,8 @@ def _flash3_attention_bwd(config, res, cts):
   do, dlse = cts
   if not isinstance(dlse, jax.custom_derivatives.SymbolicZero):
     raise NotImplementedError(
-        "backend='flash3' cannot differentiate through the log-sum-exp (FA3's backward takes no "
-        "dLSE); use backend='mosaic' (or 'blockwise' / 'reference') when the loss depends on lse")
+        "kernel='flash3' cannot differentiate through the log-sum-exp (FA3's backward takes no "
+        "dLSE); use kernel='mosaic' (or 'blockwise' / 'reference') when the loss depends on lse")
   if isinstance(do, jax.custom_derivatives.SymbolicZero):
     do = jnp.zeros(o.shape, o.dtype)
 
@@ -343,46 +342,3 @@ def _flash3_attention_fwd_symbolic(q, k, v, cu_q, cu_k, bucket, config):
 
 _flash3_attention.defvjp(_flash3_attention_fwd_symbolic, _flash3_attention_bwd,
                          symbolic_zeros=True)
-
-
-# ------------------------------------------------------------------------------------------------
-# Exact cost
-# ------------------------------------------------------------------------------------------------
-
-
-def attention_pairs(cu_seqlens_q_N1: Sequence[int] | np.ndarray,
-                    cu_seqlens_k_N1: Sequence[int] | np.ndarray) -> int:
-  """Exact count of (query, key) pairs the bottom-right causal mask keeps, summed over tasks.
-
-  A task with lq queries and lk keys: local row r sees clip(r + 1 + lk - lq, 0, lk) keys; for
-  lq <= lk this is lq * (lk - lq) + lq * (lq + 1) / 2 (the P(a, b) of docs/design.md Sec. 10).
-  """
-  cu_q = np.asarray(cu_seqlens_q_N1, dtype=np.int64)
-  cu_k = np.asarray(cu_seqlens_k_N1, dtype=np.int64)
-  if cu_q.shape != cu_k.shape or cu_q.ndim != 1:
-    raise ValueError(f"cu_seqlens must be 1-D of equal shape; got {cu_q.shape=}, {cu_k.shape=}")
-  total = 0
-  for lq, lk in zip(np.diff(cu_q).tolist(), np.diff(cu_k).tolist()):
-    if lq <= 0 or lk <= 0:
-      continue
-    off = lk - lq
-    # Rows r with r + 1 + off in [1, lk]: they see r + 1 + off keys; rows before see none.
-    r_lo = max(0, -off)
-    n = lq - r_lo
-    first = r_lo + 1 + off
-    total += n * first + n * (n - 1) // 2
-  return int(total)
-
-
-def core_attention_flops(cu_seqlens_q_N1: Sequence[int] | np.ndarray,
-                         cu_seqlens_k_N1: Sequence[int] | np.ndarray, *, num_q_heads: int,
-                         head_dim: int, include_backward: bool = False) -> int:
-  """Exact attention FLOPs of a task table: forward 4 * H * D * pairs (QK^T and PV).
-
-  With ``include_backward`` the kernel-throughput convention adds ``BACKWARD_FLOPS_RATIO`` x
-  forward (fwd + bwd = 3.5x forward). Query heads count, not KV heads (GQA saves bytes only).
-  """
-  fwd = 4 * int(num_q_heads) * int(head_dim) * attention_pairs(cu_seqlens_q_N1, cu_seqlens_k_N1)
-  if not include_backward:
-    return fwd
-  return int(round(fwd * (1.0 + BACKWARD_FLOPS_RATIO)))

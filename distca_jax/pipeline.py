@@ -1,30 +1,30 @@
 """SPMD pipeline parallelism over the mesh's `pipe` axis: a GPipe schedule under one `jit`.
 
-The decoder stack's L layers form S = mesh.pipe stages of L / S consecutive layers. The
+The decoder stack's L layers form P = mesh.pipe stages of L / P consecutive layers. The
 parameters keep the shape they have without a pipeline (one tree stacked over layers, leading
 dim L, as `nn.scan` stores it); `sharding.RULES` puts that `layers` dim on `pipe`, so stage s
-holds layers [s L/S, (s+1) L/S) and checkpoints, Hugging Face import and optimizer state are the
-same for every (pipe, data, tensor). Inside the step the stack is viewed as [S, L/S, ...] (a
+holds layers [s L/P, (s+1) L/P) and checkpoints, Hugging Face import and optimizer state are the
+same for every (pipe, data, tensor). Inside the step the stack is viewed as [P, L/P, ...] (a
 local reshape of the pipe-sharded dim).
 
 Each data rank's rows form M microbatches (`pipeline.microbatches`; `to_microbatches`: rows
 [i R/M, (i+1) R/M) of every rank's block, so no row moves; `split_rows`). The schedule is a `lax.scan` over
-M + S - 1 ticks; the carry holds one activation slot per stage, `[S, Bm, T, E]`, with its stage
+M + P - 1 ticks; the carry holds one activation slot per stage, `[P, Bm, T, E]`, with its stage
 dim sharded on `pipe`. At tick t:
 
   1. stage 0's slot takes microbatch t's embeddings (t < M);
-  2. every stage applies its L/S layers to its slot (stage s holds microbatch t - s; in the
+  2. every stage applies its L/P layers to its slot (stage s holds microbatch t - s; in the
      warm-up and drain ticks, where 0 <= t - s < M fails, it computes on a slot nobody reads:
      the bubble). Pre-CA and post-CA are `vmap`ped over the stage dim (`spmd_axis_name='pipe'`,
      so every stage runs its own weights on its own device); core attention sees the slots of
-     ALL stages as one batch of S x Bm rows, sharded over (pipe, data), with the layout of the
+     ALL stages as one batch of P x Bm rows, sharded over (pipe, data), with the layout of the
      microbatch each stage holds;
-  3. the last stage's slot is written to the output buffer (microbatch t - S + 1);
+  3. the last stage's slot is written to the output buffer (microbatch t - P + 1);
   4. the slots shift one stage (`jnp.roll` on the pipe-sharded dim: a collective permute).
 
 The backward is autodiff of the scan: all forward ticks, then all backward ticks (GPipe), with
 the layer remat policy (`ModelConfig.remat`) applied to each layer of each tick. The bubble is
-(S - 1) / (M + S - 1) of every stage's ticks (`schedule_table`, `bubble_fraction`).
+(P - 1) / (M + P - 1) of every stage's ticks (`plan.ticks.schedule_table`, `bubble_fraction`).
 
 Embedding and LM head are replicated over `pipe` (simplest; they cost every stage their weights
 and Adam moments, 1.05B parameters for Llama-3-8B): the batch is embedded before the scan on
@@ -52,8 +52,8 @@ ticks; nano-batches (`attention.nano_batches`, ping-pong) split them inside one 
 one half's core attention with the other's linear work. The pipeline runs the single stream
 (`nano_batches = 1`).
 
-Letters: S stages (= mesh.pipe), M microbatches, Bm rows of one microbatch (all data ranks),
-T tokens per row, E embed, L layers.
+Letters (docs/design.md, "Words and letters"): P stages (= mesh.pipe), Nd data ranks,
+M microbatches, Bm rows of one microbatch (all data ranks), T tokens per row, E embed, L layers.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ import numpy as np
 from flax import linen as nn
 from jax import lax
 
-from distca_jax.errors import UserError
+from distca_jax.plan.ticks import num_ticks, resolve_microbatches, tick_rows
 
 PIPE_AXIS = "pipe"
 TICK_PREFIX = "tick/"  # layout.extra keys holding per-tick arrays (`per_tick_backend`)
@@ -75,58 +75,19 @@ TICKS_SCOPE = "pipeline_ticks"  # named scope of the tick scan (benchmarks find 
 
 
 # ----------------------------------------------------------------------------------------------
-# Host: the schedule as a table.
+# Host: per-tick planning of a backend (the tick arithmetic is `plan.ticks`).
 # ----------------------------------------------------------------------------------------------
-def resolve_microbatches(microbatches: int, stages: int) -> int:
-  """The configured microbatch count; 0 takes the default 2 x stages."""
-  if microbatches < 0:
-    raise UserError(f"pipeline.microbatches={microbatches} must be >= 0 (0 = 2 x mesh.pipe)")
-  return microbatches or 2 * stages
-
-
-def num_ticks(stages: int, microbatches: int) -> int:
-  return microbatches + stages - 1
-
-
-def schedule_table(stages: int, microbatches: int) -> np.ndarray:
-  """int32 [M + S - 1, S]: the microbatch stage s holds at tick t, or -1 (a bubble slot)."""
-  t = np.arange(num_ticks(stages, microbatches))[:, None]
-  m = t - np.arange(stages)[None, :]
-  return np.where((m >= 0) & (m < microbatches), m, -1).astype(np.int32)
-
-
-def bubble_fraction(table: np.ndarray) -> float:
-  """Share of (tick, stage) slots of a schedule table that compute nothing anybody reads."""
-  return float((table < 0).mean())
-
-
-def tick_rows(doclens, *, stages: int, rows_per_rank: int, microbatches: int):
-  """The rows each tick's core-attention call sees: one list of document-length lists per tick,
-  ordered (stage, data rank, row of the microbatch); bubble slots are empty rows.
-
-  `doclens` is the batch's, one list per row, data rank d owning rows [d R, (d+1) R).
-  """
-  m = resolve_microbatches(microbatches, stages)
-  if rows_per_rank % m or len(doclens) % rows_per_rank:
-    raise ValueError(f"{len(doclens)} rows of rows_per_rank={rows_per_rank} cannot form "
-                     f"pipeline.microbatches={m} microbatches of whole rows")
-  r, d = rows_per_rank // m, len(doclens) // rows_per_rank
-  return [[list(doclens[rank * rows_per_rank + mb * r + j]) if mb >= 0 else []
-           for mb in held for rank in range(d) for j in range(r)]
-          for held in schedule_table(stages, m)]
-
-
 def per_tick_backend(backend, *, stages: int, rows_per_rank: int, microbatches: int):
   """The backend with its host planning done per pipeline tick (for `mesh.pipe > 1`).
 
   A backend's `host_prepare(doclens, tokens_per_row)` plans one core-attention call from the
   rows that call sees. Under the pipeline a call sees, at tick t, the slots of every stage: stage
   s's rows of microbatch t - s (empty rows in bubble slots), ordered (stage, data rank, row) as
-  the rows of `pipeline_layers`' attention call, on S x D servers. This wrapper plans each of the
-  M + S - 1 ticks that way and packs each returned array `[S D r, W]` (r = rows_per_rank / M
+  the rows of `pipeline_layers`' attention call, on P x Nd servers. This wrapper plans each of the
+  M + P - 1 ticks that way and packs each returned array `[P Nd r, W]` (r = rows_per_rank / M
   rows per device and call) for the whole step into the batch's row layout: key
-  `TICK_PREFIX + name`, shape `[D R, X]`, data rank d's block holding its devices' plans of every
-  tick `[ticks, S, r, W]`, flattened and zero-padded to R rows. `pipeline_layers` unpacks them
+  `TICK_PREFIX + name`, shape `[Nd R, X]`, data rank d's block holding its devices' plans of every
+  tick `[ticks, P, r, W]`, flattened and zero-padded to R rows. `pipeline_layers` unpacks them
   (`unpack_tick_array`) and scans them over the ticks, so the plans of a whole step are made on
   the host ahead of it, with fixed shapes (one compiled step).
   """
@@ -211,7 +172,7 @@ def from_microbatches(a_MxBmx):
 
 
 def unpack_tick_array(a_BxX, stages: int, microbatches: int):
-  """A `per_tick_backend` array [D R, X] -> [ticks, S D r, W], rows over (pipe, data)."""
+  """A `per_tick_backend` array [Nd R, X] -> [ticks, P Nd r, W], rows over (pipe, data)."""
   d = _data_size()
   rows, x = a_BxX.shape
   per_rank = rows // d
@@ -224,9 +185,9 @@ def unpack_tick_array(a_BxX, stages: int, microbatches: int):
       None, (PIPE_AXIS, "data"), None))
 
 
-def _flat(a_SxBmx):
-  """[S, Bm, ...] -> [S Bm, ...]: stage-major rows, sharded over (pipe, data)."""
-  return a_SxBmx.reshape(-1, *a_SxBmx.shape[2:])
+def _flat(a_PxBmx):
+  """[P, Bm, ...] -> [P Bm, ...]: stage-major rows, sharded over (pipe, data)."""
+  return a_PxBmx.reshape(-1, *a_PxBmx.shape[2:])
 
 
 def _unflat(a, stages: int):
@@ -235,19 +196,19 @@ def _unflat(a, stages: int):
 
 def pipeline_layers(pre, attend, post, layers, x_BxTxE, layout, *, microbatches: int,
                     stages: int | None = None, remat_policy=None, remat: bool = False):
-  """The decoder stack as an S-stage GPipe pipeline over the mesh's `pipe` axis.
+  """The decoder stack as a P-stage GPipe pipeline over the mesh's `pipe` axis.
 
   Args:
     pre: `pre(p, x_BxTxE, positions_BxT) -> (q, k, v)`, one layer's pre-CA on its parameters.
     attend: `attend((q, k, v), layout) -> o`, core attention; called once per layer and tick on
-      the S x Bm rows of every stage's slot (rows sharded over (pipe, data)).
+      the P x Bm rows of every stage's slot (rows sharded over (pipe, data)).
     post: `post(p, x_BxTxE, o) -> x_BxTxE`, one layer's post-CA.
     layers: per-layer parameters `{'pre_ca': ..., 'post_ca': ...}` stacked over layers (leading
       dim L, `nn.scan`'s layout); L must divide by the stage count.
     x_BxTxE: the embedded rows entering layer 0.
     layout: the batch's `attention.Layout` (rows like x).
     microbatches: M (0 = 2 x stages).
-    stages: S; default the mesh's `pipe` size.
+    stages: P; default the mesh's `pipe` size.
     remat_policy, remat: with `remat`, each layer of each tick is a `jax.checkpoint` with this
       policy (the model's `ModelConfig.remat`).
 
@@ -263,7 +224,7 @@ def pipeline_layers(pre, attend, post, layers, x_BxTxE, layout, *, microbatches:
   per_stage = n_layers // s
   ticks = num_ticks(s, m)
 
-  # [L, ...] -> [S, L/S, ...]: the pipe-sharded layer dim splits into stages locally.
+  # [L, ...] -> [P, L/P, ...]: the pipe-sharded layer dim splits into stages locally.
   stage_params = jax.tree.map(lambda a: a.reshape(s, per_stage, *a.shape[1:]), layers)
   x_MxBmxTxE = to_microbatches(x_BxTxE, m)
   # Per-tick arrays (a backend's plans of every tick, `per_tick_backend`) are scanned over the
@@ -276,14 +237,14 @@ def pipeline_layers(pre, attend, post, layers, x_BxTxE, layout, *, microbatches:
   pre_s = jax.vmap(pre, spmd_axis_name=PIPE_AXIS)
   post_s = jax.vmap(post, spmd_axis_name=PIPE_AXIS)
 
-  def layer(all_params, j, x_SxBmxTxE, lay_S, tick_x):
+  def layer(all_params, j, x_PxBmxTxE, lay_P, tick_x):
     # Layer j of every stage; the weights are sliced inside the (rematerialized) layer, so a
     # slice is never a residual of its own.
     p = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, 1, keepdims=False), all_params)
-    q, k, v = pre_s(p["pre_ca"], x_SxBmxTxE, lay_S.positions_BxT)
-    flat_lay = jax.tree.map(_flat, lay_S)
+    q, k, v = pre_s(p["pre_ca"], x_PxBmxTxE, lay_P.positions_BxT)
+    flat_lay = jax.tree.map(_flat, lay_P)
     o = attend((_flat(q), _flat(k), _flat(v)), flat_lay.replace(extra={**flat_lay.extra, **tick_x}))
-    return post_s(p["post_ca"], x_SxBmxTxE, _unflat(o, s))
+    return post_s(p["post_ca"], x_PxBmxTxE, _unflat(o, s))
 
   if remat:
     layer = jax.checkpoint(layer, policy=remat_policy, prevent_cse=False)
@@ -300,17 +261,17 @@ def pipeline_layers(pre, attend, post, layers, x_BxTxE, layout, *, microbatches:
     slots = nn.with_logical_constraint(slots, slot_axes)
     # 2. every stage's layers on its slot, with the layout of the microbatch it holds.
     mb = jnp.clip(t - stage_ids, 0, m - 1)
-    lay_S = jax.tree.map(
+    lay_P = jax.tree.map(
         lambda a: nn.with_logical_constraint(jnp.take(a, mb, axis=0),
                                              ("stage", "batch") + (None,) * (a.ndim - 2)),
         lay_M)
 
     def body(x, j):
-      return layer(stage_params, j, x, lay_S, tick_x), None
+      return layer(stage_params, j, x, lay_P, tick_x), None
 
     slots, _ = lax.scan(body, slots, jnp.arange(per_stage))
-    # 3. the last stage finished microbatch t - S + 1; earlier (warm-up) ticks write index 0,
-    # which tick S - 1 overwrites with microbatch 0.
+    # 3. the last stage finished microbatch t - P + 1; earlier (warm-up) ticks write index 0,
+    # which tick P - 1 overwrites with microbatch 0.
     done = jnp.maximum(t - (s - 1), 0)
     out = lax.dynamic_update_index_in_dim(out, slots[s - 1], done, 0)
     # 4. shift one stage down the pipe.

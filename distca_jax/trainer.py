@@ -40,11 +40,9 @@ from distca_jax import memory as memory_lib
 from distca_jax import metrics as metrics_lib
 from distca_jax import profiling
 from distca_jax import sharding as shard_lib
-from distca_jax.data import make_source
+from distca_jax.data import BATCH_KEYS, make_source
 from distca_jax.errors import UserError
 from distca_jax.model import Transformer
-
-BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 
 
 @flax.struct.dataclass
@@ -175,8 +173,9 @@ def setup_run(c: ml_collections.ConfigDict, devices=None, **backend_overrides) -
   is materialized (`create_train_state` or a checkpoint restore makes the state). A config that
   cannot run (``config.validate``) stops here with its one line."""
   config_lib.validate(c)
-  mesh = shard_lib.make_mesh(data=c.mesh.data, tensor=c.mesh.tensor, pipe=c.mesh.pipe,
-                             devices=devices)
+  devices = list(devices) if devices is not None else jax.devices()
+  mesh = shard_lib.make_mesh(data=config_lib.data_ranks(c, len(devices)), tensor=c.mesh.tensor,
+                             pipe=c.mesh.pipe, devices=devices)
   if c.mesh.fsdp:
     shard_lib.check_fsdp(c.model.dim, mesh)
   backend = make_backend(c, **backend_overrides)

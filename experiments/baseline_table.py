@@ -70,9 +70,11 @@ def evaluate(name: str, t: int, s: int, steps: int, alphas, epsilons, dims, hw) 
             {"eligible": pk.num_oversize == 0})
     for eps in epsilons:
       t0 = time.perf_counter()
-      plan = plan_lib.schedule(flat, s, tokens_per_rank=t, tolerance=eps,
-                               q_heads=dims.q_heads, kv_heads=dims.kv_heads,
-                               head_dim=dims.head_dim, dtype_bytes=dims.dtype_bytes)
+      plan = plan_lib.schedule(flat, s, tokens_per_rank=t,
+                               options=plan_lib.PlanOptions(tolerance=eps, q_heads=dims.q_heads,
+                                                            kv_heads=dims.kv_heads,
+                                                            head_dim=dims.head_dim,
+                                                            dtype_bytes=dims.dtype_bytes))
       add(("distca", eps, 1), bl.distca_metrics(plan), base,
           {"plan_ms": (time.perf_counter() - t0) * 1e3})
 

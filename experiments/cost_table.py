@@ -93,7 +93,7 @@ def main() -> None:
     raise SystemExit(f"--q-heads={hq} must be a multiple of --kv-heads={hkv}")
 
   def fwd(q, k, v, cu_q, cu_k, mq, mk):
-    return ops.core_attention(q, k, v, cu_q, cu_k, backend=args.backend,
+    return ops.core_attention(q, k, v, cu_q, cu_k, kernel=args.backend,
                               max_seqlen_q=mq, max_seqlen_k=mk)
 
   def fwd_bwd(q, k, v, do, cu_q, cu_k, mq, mk):

@@ -218,12 +218,13 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype, collectives: list
   byte_model = dict(q_heads=h, kv_heads=kh, head_dim=d, dtype_bytes=dbytes)
   sampler = WorkloadSampler(name, t, seed=a.seed)
   layouts = [sampler.step_doclens(step, s) for step in range(a.batches)]
-  min_shard = plan_lib.auto_min_shard(t)
+  options = plan_lib.PlanOptions(tolerance=a.tolerance, min_shard=plan_lib.auto_min_shard(t),
+                                 **byte_model)
   if a.caps == "default":
     cap = plan_lib.default_capacity(t)
   else:
-    cap = plan_lib.suggest_capacity(layouts, s, t, tolerance=a.tolerance, min_shard=min_shard,
-                                    multiple=plan_lib.row_multiple(t), **byte_model)
+    cap = plan_lib.suggest_capacity(layouts, s, t, multiple=plan_lib.row_multiple(t),
+                                    options=options)
   spec = plan_lib.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1, capacity=cap)
   print(f"[{name}] {s} servers x {t} tokens, heads {h}/{kh}x{d} {jnp.dtype(dtype).name}, "
         f"kernel {kernel}, collectives {collectives}, caps {cap}", flush=True)
@@ -302,7 +303,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype, collectives: list
 
   def no_cad_body(q, k, v, cu):
     def f(q, k, v):
-      return ops.core_attention(q[0], k[0], v[0], cu[0], cu[0], backend=kernel, **kopts)[None]
+      return ops.core_attention(q[0], k[0], v[0], cu[0], cu[0], kernel=kernel, **kopts)[None]
 
     o, vjp = jax.vjp(f, q, k, v)
     return vjp(o)  # the cotangent's values do not change the kernel's work
@@ -315,8 +316,7 @@ def run_workload(name: str, a, mesh: Mesh, kernel: str, dtype, collectives: list
   local_tasks = max(len(rank_lens) for layout in layouts for rank_lens in layout)
   modes = {} if a.exchange_only else {m: cad(m) for m in dataplane.MEMORY_MODES}
   for i, doc_lens in enumerate(layouts):
-    hp = plan_lib.host_plan(doc_lens, spec, tolerance=a.tolerance, min_shard=min_shard,
-                            **byte_model)
+    hp = plan_lib.host_plan(doc_lens, spec, options)
     plan = jax.device_put(hp.packed, plan_sh)
     plan0 = plan if i == 0 else plan0
     by = plan_lib.exchange_bytes(hp.meta, **byte_model)

@@ -92,7 +92,8 @@ def ceiling(model_cfg, doclens_per_step, *, stages: int = 1, microbatches: int =
   microbatch rows' attention plus the linear work of ``tokens_per_row`` tokens per row, which
   every slot computes, bubble slots too (static shapes). The bound is then
   E[sum_t max_slot] / E[sum_t mean_slot]: the schedule's bubble is in both terms."""
-  from distca_jax import metrics, pipeline
+  from distca_jax import metrics
+  from distca_jax.plan import ticks
   maxes, means = [], []
   for per_rank in doclens_per_step:
     if stages == 1:
@@ -104,8 +105,8 @@ def ceiling(model_cfg, doclens_per_step, *, stages: int = 1, microbatches: int =
       raise ValueError("ceiling: a pipeline needs tokens_per_row (the linear work of every slot)")
     rows_per_rank = len(per_rank[0])
     rows = [row for rank_rows in per_rank for row in rank_rows]
-    r = rows_per_rank // pipeline.resolve_microbatches(microbatches, stages)
-    for tick in pipeline.tick_rows(rows, stages=stages, rows_per_rank=rows_per_rank,
+    r = rows_per_rank // ticks.resolve_microbatches(microbatches, stages)
+    for tick in ticks.tick_rows(rows, stages=stages, rows_per_rank=rows_per_rank,
                                    microbatches=microbatches):
       slots = [tick[i:i + r] for i in range(0, len(tick), r)]
       work = [float(metrics.work_flops(
@@ -299,11 +300,11 @@ def plan_stats(c, backend, doclens_per_step):
   from distca_jax import plan as plan_lib
   out = dict(imbalance_before=[], imbalance_after=[], dispatch_useful_mb=[], dispatch_buffer_mb=[],
              moved=[], degraded=0)
-  from distca_jax import pipeline
+  from distca_jax.plan import ticks
   calls = []
   for per_rank in doclens_per_step:
     rows = [row for rank_rows in per_rank for row in rank_rows]
-    calls += ([rows] if c.mesh.pipe == 1 else pipeline.tick_rows(
+    calls += ([rows] if c.mesh.pipe == 1 else ticks.tick_rows(
         rows, stages=c.mesh.pipe, rows_per_rank=c.rows_per_rank,
         microbatches=c.pipeline.microbatches))
   for rows in calls:
@@ -365,9 +366,9 @@ def main(argv=None):
               c.optim.warmup_steps = c.num_steps
               over.append(f"optim.warmup_steps={c.num_steps}")
             if c.mesh.pipe > 1 and not a.rows_per_rank:  # one row per microbatch by default
-              from distca_jax import pipeline
-              c.rows_per_rank = nano * pipeline.resolve_microbatches(c.pipeline.microbatches,
-                                                                     c.mesh.pipe)
+              from distca_jax.plan import ticks
+              c.rows_per_rank = nano * ticks.resolve_microbatches(c.pipeline.microbatches,
+                                                                  c.mesh.pipe)
               over.append(f"rows_per_rank={c.rows_per_rank}")
             backend_options = backend_overrides(over)
             pdir = (os.path.join(a.out + "_profiles", f"{workload}_{tokens}_{name}")

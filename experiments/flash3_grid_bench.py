@@ -92,7 +92,7 @@ def _timed(a, cu_q, cu_k, nq, nk, msq, msk, levels, key):
 @functools.lru_cache(maxsize=None)
 def _jitted(msq: int, msk: int, levels: int) -> dict:
   """fwd and fwd+bwd of one launch setting, jitted once (jit caches per buffer shape)."""
-  opts = dict(backend="flash3", max_seqlen_q=msq, max_seqlen_k=msk, grid_levels=levels)
+  opts = dict(kernel="flash3", max_seqlen_q=msq, max_seqlen_k=msk, grid_levels=levels)
 
   def fwd(q, k, v, cq, ck):
     return ops.core_attention(q, k, v, cq, ck, **opts)
@@ -116,20 +116,22 @@ def main(a):
     sampler = WorkloadSampler(wl, t, seed=0)
     for b in range(a.batches):
       doc_lens = sampler.step_doclens(b, s)
-      hp = plan_lib.host_plan(doc_lens, spec, q_heads=a.heads, kv_heads=a.kv_heads,
-                              head_dim=a.head_dim, dtype_bytes=2)
-      loads = [ops.attention_pairs(hp.meta.cu_seqlens_q[d], hp.meta.cu_seqlens_k[d])
+      hp = plan_lib.host_plan(doc_lens, spec,
+                              options=plan_lib.PlanOptions(q_heads=a.heads, kv_heads=a.kv_heads,
+                                                           head_dim=a.head_dim, dtype_bytes=2,
+                                                           min_shard=None))
+      loads = [plan_lib.attention_pairs(hp.meta.cu_seqlens_q[d], hp.meta.cu_seqlens_k[d])
                for d in range(s)]
       d = int(np.argmax(loads))  # the busiest server sets the step
       tables = {"cad": (np.asarray(hp.meta.cu_seqlens_q[d]), np.asarray(hp.meta.cu_seqlens_k[d]),
                         spec.capacity.q_tokens, spec.capacity.kv_tokens)}
       own = packing.task_tables(packing.natural_placement(doc_lens, t), max_tasks=128)
-      r = int(np.argmax([ops.attention_pairs(c, c) for c in own["cu_seqlens_q"]]))
+      r = int(np.argmax([plan_lib.attention_pairs(c, c) for c in own["cu_seqlens_q"]]))
       cu = np.asarray(own["cu_seqlens_q"][r])
       tables["own"] = (cu, cu, t, t)
       for tname, (cq, ck, nq, nk) in tables.items():
-        flops = ops.core_attention_flops(cq, ck, num_q_heads=a.heads, head_dim=a.head_dim)
-        flops_fb = ops.core_attention_flops(cq, ck, num_q_heads=a.heads, head_dim=a.head_dim,
+        flops = plan_lib.core_attention_flops(cq, ck, num_q_heads=a.heads, head_dim=a.head_dim)
+        flops_fb = plan_lib.core_attention_flops(cq, ck, num_q_heads=a.heads, head_dim=a.head_dim,
                                             include_backward=True)
         for case in _cases(cq, ck, nq, nk, t):
           name, ccq, cck, cnq, cnk, msq, msk, levels = case

@@ -29,8 +29,8 @@ Workloads (32 query heads, 8 KV heads, head dim 128, bf16, one GPU):
 ``--workloads`` takes names and the families 'dense', 'ca', 'sched' (all sizes of that family).
 cuDNN (top-left causal alignment, no per-task key ranges) and `mha` (no varlen) run the dense
 workloads only; on CA and scheduler batches they are recorded as not applicable. FLOPs come from
-the task table (distca_jax.ops.core_attention_flops: forward 4*H*D*pairs, forward+backward 3.5x
-forward); padding rows add none.
+the task table (distca_jax.plan.cost.core_attention_flops: forward 4*H*D*pairs,
+forward+backward 3.5x forward); padding rows add none.
 
 Each backend runs in its own subprocess, so a crash or a missing package costs only its own
 entries, which are recorded with the error. Backends: mosaic[:preset] (ours), flash3, cudnn,
@@ -58,6 +58,7 @@ import time
 import traceback
 
 import experiments
+from distca_jax.plan import cost as plan_cost
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -176,9 +177,12 @@ def _sched_plan(family: str, min_shard: int, cfg: SchedConfig, cache: dict):
       sampler = WorkloadSampler(family, tokens_per_row=cfg.tokens_per_rank, seed=cfg.seed)
       cache[(family, "doc_lens")] = sampler.step_doclens(cfg.step, cfg.servers)
     doc_lens = cache[(family, "doc_lens")]
-    cache[key] = plan_lib.schedule(
-        doc_lens, cfg.servers, tokens_per_rank=cfg.tokens_per_rank, tolerance=cfg.tolerance,
-        min_shard=min_shard, q_heads=cfg.q_heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim)
+    cache[key] = plan_lib.schedule(doc_lens, cfg.servers, tokens_per_rank=cfg.tokens_per_rank,
+
+                                       options=plan_lib.PlanOptions(
+                                           tolerance=cfg.tolerance, min_shard=min_shard,
+                                           q_heads=cfg.q_heads, kv_heads=cfg.kv_heads,
+                                           head_dim=cfg.head_dim))
   return cache[key]
 
 
@@ -318,12 +322,14 @@ def run_backend(backend: str, workloads: list[Workload], args, save) -> list[dic
     entry = dict(workload=wl.name, kind=wl.kind, backend=backend, tasks=wl.num_tasks,
                  task_slots=len(wl.cu_q) - 1, device=jax.devices()[0].device_kind,
                  q_tokens=wl.cu_q[-1], kv_tokens=wl.cu_k[-1], q_rows=wl.q_rows,
-                 kv_rows=wl.kv_rows, pairs=ops.attention_pairs(wl.cu_q, wl.cu_k),
-                 flops_fwd=ops.core_attention_flops(wl.cu_q, wl.cu_k, num_q_heads=num_heads,
-                                                    head_dim=head_dim),
-                 flops_fwd_bwd=ops.core_attention_flops(wl.cu_q, wl.cu_k, num_q_heads=num_heads,
-                                                        head_dim=head_dim,
-                                                        include_backward=True))
+                 kv_rows=wl.kv_rows, pairs=plan_cost.attention_pairs(wl.cu_q, wl.cu_k),
+                 flops_fwd=plan_cost.core_attention_flops(wl.cu_q, wl.cu_k,
+                                                          num_q_heads=num_heads,
+                                                          head_dim=head_dim),
+                 flops_fwd_bwd=plan_cost.core_attention_flops(wl.cu_q, wl.cu_k,
+                                                              num_q_heads=num_heads,
+                                                              head_dim=head_dim,
+                                                              include_backward=True))
     if wl.info:
       entry["sched"] = wl.info
     entries.append(entry)
@@ -361,13 +367,13 @@ def run_backend(backend: str, workloads: list[Workload], args, save) -> list[dic
         static = (base,)
 
         def attn(q, k, v, cu_q, cu_k, base=base):
-          return ops.core_attention(q, k, v, cu_q, cu_k, backend=base)
+          return ops.core_attention(q, k, v, cu_q, cu_k, kernel=base)
         inputs = (q, k, v, cu_q, cu_k)
       elif base == "flash3":
         static = ("flash3", wl.max_q, wl.max_k)
 
         def attn(q, k, v, cu_q, cu_k, wl=wl):
-          return ops.core_attention(q, k, v, cu_q, cu_k, backend="flash3",
+          return ops.core_attention(q, k, v, cu_q, cu_k, kernel="flash3",
                                     max_seqlen_q=wl.max_q, max_seqlen_k=wl.max_k)
         inputs = (q, k, v, cu_q, cu_k)
       elif base == "cudnn":
@@ -620,11 +626,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def check_backends(parser, backends: str, names) -> None:
   """``parser.error`` naming the first backend of the comma list ``backends`` not in ``names``
   (and, for a removed kernel, what to run instead)."""
-  from distca_jax.ops import REMOVED_BACKENDS  # pylint: disable=import-outside-toplevel
+  from distca_jax.ops import REMOVED_KERNELS  # pylint: disable=import-outside-toplevel
   for b in backends.split(","):
     base = b.partition(":")[0]
-    if base in REMOVED_BACKENDS:
-      parser.error(f"--backends: {b!r} {REMOVED_BACKENDS[base]}")
+    if base in REMOVED_KERNELS:
+      parser.error(f"--backends: {b!r} {REMOVED_KERNELS[base]}")
     if b not in names:
       parser.error(f"--backends: unknown backend {b!r}; choose from {tuple(names)}")
 

@@ -18,8 +18,8 @@ causal sequence), ca-s512 / ca-s128 (fused CA-task batches of 16K query tokens, 
 server's task table under the real scheduler, min_shard 512 / 128, 8 ranks x 16K tokens).
 
 FLOP convention (exact, from the task table; padding rows count none):
-  forward F = 4 * H * D * pairs (``ops.core_attention_flops``); backward B = 2.5 F
-  (``ops.BACKWARD_FLOPS_RATIO``: the 5 useful matmuls S, dP, dV, dK, dQ against the forward's 2).
+  forward F = 4 * H * D * pairs (``plan.cost.core_attention_flops``); backward B = 2.5 F
+  (``plan.cost.BWD_FWD_RATIO``: the 5 useful matmuls S, dP, dV, dK, dQ against the forward's 2).
   A phase's FLOPs are split among that phase's attention kernels (ours: mosaic_attention_fwd;
   mosaic_attention_bwd, or mosaic_attention_dq and _dkv with the two-kernel backward; flash3:
   FlashAttnFwd; FlashAttnBwd) in proportion to their device time, so every attention kernel of a
@@ -57,6 +57,7 @@ import time
 import traceback
 
 import experiments
+from distca_jax.plan import cost as plan_cost
 from experiments import kernel_bench as kb
 from experiments.kernel_profile_report import gap_table, write_markdown
 from experiments.kernel_profile_trace import (kernel_breakdown, kernel_details_from_xplane,
@@ -90,9 +91,9 @@ def _attention_fn(backend: str, wl):
   from distca_jax import ops  # pylint: disable=import-outside-toplevel
   if backend == "flash3":
     return lambda q, k, v, cu_q, cu_k: ops.core_attention(
-        q, k, v, cu_q, cu_k, backend="flash3", max_seqlen_q=wl.max_q, max_seqlen_k=wl.max_k)
+        q, k, v, cu_q, cu_k, kernel="flash3", max_seqlen_q=wl.max_q, max_seqlen_k=wl.max_k)
   if backend in ("reference", "blockwise", "mosaic"):
-    return lambda q, k, v, cu_q, cu_k: ops.core_attention(q, k, v, cu_q, cu_k, backend=backend)
+    return lambda q, k, v, cu_q, cu_k: ops.core_attention(q, k, v, cu_q, cu_k, kernel=backend)
   if backend.startswith("mosaic:") and backend in BACKENDS:
     from custom_ops import mosaic_attention  # pylint: disable=import-outside-toplevel
     mbs = mosaic_attention.BlockSizes(**kb.MOSAIC_PRESETS[backend.partition(":")[2]])
@@ -125,17 +126,18 @@ def run_backend(backend: str, workloads: list, args, save) -> list[dict]:
   if backend == "flash3":
     try:
       ops.import_flash3()
-    except ops.BackendUnavailableError as e:
+    except ops.KernelUnavailableError as e:
       unavailable = str(e)
   entries = []
   for wl in workloads:
     t_entry = time.perf_counter()
-    flops_fwd = ops.core_attention_flops(wl.cu_q, wl.cu_k, num_q_heads=heads, head_dim=head_dim)
+    flops_fwd = plan_cost.core_attention_flops(wl.cu_q, wl.cu_k, num_q_heads=heads,
+                                               head_dim=head_dim)
     entry = dict(workload=wl.name, kind=wl.kind, backend=backend, device=device.device_kind,
                  tasks=wl.num_tasks, task_slots=len(wl.cu_q) - 1, q_tokens=wl.cu_q[-1],
                  kv_tokens=wl.cu_k[-1], q_rows=wl.q_rows, kv_rows=wl.kv_rows,
-                 pairs=ops.attention_pairs(wl.cu_q, wl.cu_k), flops_fwd=flops_fwd,
-                 flops_bwd=flops_fwd * ops.BACKWARD_FLOPS_RATIO,
+                 pairs=plan_cost.attention_pairs(wl.cu_q, wl.cu_k), flops_fwd=flops_fwd,
+                 flops_bwd=flops_fwd * plan_cost.BWD_FWD_RATIO,
                  **(dict(sched=wl.info) if wl.info else {}))
     entries.append(entry)
     if unavailable is not None:

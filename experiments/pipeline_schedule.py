@@ -5,7 +5,7 @@ Two parts:
   1. Bubble: the pipelined tiny model is traced (`jax.make_jaxpr`, fake CPU devices) for each
      (pipe, data, microbatches); the tick scan's length in the traced program gives the compiled
      schedule's bubble, 1 - M / ticks, printed next to (S - 1) / (M + S - 1) and the host
-     `pipeline.schedule_table`.
+     `plan.ticks.schedule_table`.
   2. Attention balance per tick: every data rank holds one row of T tokens per microbatch (the
      trainer's Pretrain / ProLong batches, `WorkloadSampler.step_doclens`, rows_per_rank = M);
      at tick t stage s holds microbatch t - s (`schedule_table`; none in bubble slots). Per tick,
@@ -40,6 +40,7 @@ import numpy as np  # noqa: E402
 
 from distca_jax import configs_io, pipeline, trainer  # noqa: E402
 from distca_jax import plan as plan_lib  # noqa: E402
+from distca_jax.plan import ticks as ticks_lib  # noqa: E402
 from distca_jax import sharding as shard_lib  # noqa: E402
 from distca_jax.data.workloads import WorkloadSampler  # noqa: E402
 import experiments  # noqa: E402
@@ -95,7 +96,7 @@ def pairs(doc_lens) -> int:
 def tick_loads(doclens, stages: int, data: int, microbatches: int, t: int, tolerance: float):
   """{placement: [ticks, S x D] pairs}: what every rank computes in every tick (one row per
   rank and microbatch)."""
-  per_tick = pipeline.tick_rows(doclens, stages=stages, rows_per_rank=microbatches,
+  per_tick = ticks_lib.tick_rows(doclens, stages=stages, rows_per_rank=microbatches,
                                 microbatches=microbatches)
   out = {k: np.zeros((len(per_tick), stages * data)) for k in ("local", "cad_stage", "cad_pooled")}
   for tick, rows in enumerate(per_tick):  # rows ordered (stage, data rank)
@@ -103,9 +104,11 @@ def tick_loads(doclens, stages: int, data: int, microbatches: int, t: int, toler
     for s in range(stages):
       stage_rows = rows[s * data:(s + 1) * data]
       if any(stage_rows):  # a bubble stage computes nothing without pooling
-        plan = plan_lib.schedule(stage_rows, data, tokens_per_rank=t, tolerance=tolerance)
+        plan = plan_lib.schedule(stage_rows, data, tokens_per_rank=t,
+                                 options=plan_lib.PlanOptions(tolerance=tolerance))
         out["cad_stage"][tick, s * data:(s + 1) * data] = plan.loads_after
-    plan = plan_lib.schedule(rows, stages * data, tokens_per_rank=t, tolerance=tolerance)
+    plan = plan_lib.schedule(rows, stages * data, tokens_per_rank=t,
+                             options=plan_lib.PlanOptions(tolerance=tolerance))
     out["cad_pooled"][tick] = plan.loads_after
     np.testing.assert_allclose(plan.loads_after.sum(), out["local"][tick].sum(), rtol=1e-9)
   return out
@@ -138,10 +141,10 @@ def main() -> None:
   for s, d in meshes:
     for m in sorted({s, 2 * s, 4 * s}):
       ticks = traced_ticks(s, d, m)
-      table = pipeline.schedule_table(s, m)
+      table = ticks_lib.schedule_table(s, m)
       bubbles.append({"pipe": s, "data": d, "microbatches": m, "traced_ticks": ticks,
                       "bubble_traced": 1 - m / ticks,
-                      "bubble_table": pipeline.bubble_fraction(table),
+                      "bubble_table": ticks_lib.bubble_fraction(table),
                       "bubble_formula": (s - 1) / (m + s - 1)})
       print(f"pipe={s} data={d} M={m}: {ticks} ticks, bubble {1 - m / ticks:.3f} "
             f"(formula {(s - 1) / (m + s - 1):.3f})", flush=True)
@@ -179,7 +182,7 @@ def main() -> None:
       "## Bubble of the traced schedule", "",
       "GPipe as one scan over M + S - 1 ticks (`distca_jax/pipeline.py`). 'traced' = 1 - M / "
       "(the tick scan's length in the traced pipelined loss); 'table' = idle share of "
-      "`pipeline.schedule_table`; formula = (S - 1) / (M + S - 1).", "",
+      "`plan.ticks.schedule_table`; formula = (S - 1) / (M + S - 1).", "",
       "| pipe | data | microbatches | ticks | bubble traced | table | formula |",
       "|---|---|---|---|---|---|---|",
   ]

@@ -114,9 +114,10 @@ def run_workload(name: str, a) -> list[dict]:
   byte_model = dict(q_heads=h, kv_heads=kh, head_dim=d, dtype_bytes=jnp.dtype(dtype).itemsize)
   sampler = WorkloadSampler(name, t, seed=a.seed)
   layouts = [sampler.step_doclens(i, s) for i in range(a.batches)]
-  min_shard = plan_lib.auto_min_shard(t)
-  cap = plan_lib.suggest_capacity(layouts, s, t, tolerance=a.tolerance, min_shard=min_shard,
-                                  multiple=plan_lib.row_multiple(t), **byte_model)
+  options = plan_lib.PlanOptions(tolerance=a.tolerance, min_shard=plan_lib.auto_min_shard(t),
+                                 **byte_model)
+  cap = plan_lib.suggest_capacity(layouts, s, t, multiple=plan_lib.row_multiple(t),
+                                  options=options)
   spec = plan_lib.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1, capacity=cap)
   rng = np.random.default_rng(a.seed)
   k_own = jnp.asarray(rng.standard_normal((t, kh, d), np.float32), dtype)
@@ -125,8 +126,7 @@ def run_workload(name: str, a) -> list[dict]:
        "q_place": jax.jit(dataplane.place_unique)}
   out = []
   for i, doc_lens in enumerate(layouts):
-    hp = plan_lib.host_plan(doc_lens, spec, tolerance=a.tolerance, min_shard=min_shard,
-                            **byte_model)
+    hp = plan_lib.host_plan(doc_lens, spec, options)
     meta = hp.meta
     kv_received = meta.kv_send_len.sum(axis=0)  # the self pair is 0: nothing of its own arrives
     server = int(np.argmax(kv_received))

@@ -51,11 +51,13 @@ def main() -> None:
   load_before = os.getloadavg()
   for s in [int(v) for v in args.servers.split(",")]:
     layouts = [sampler.flat_doclens(step, s) for step in range(args.steps + 1)]
-    plan_lib.schedule(layouts[-1], s, tokens_per_rank=t, tolerance=args.tolerance)  # warm up
+    plan_lib.schedule(layouts[-1], s, tokens_per_rank=t,
+                      options=plan_lib.PlanOptions(tolerance=args.tolerance))  # warm up
     times, cpu, meta_times, moves, imb_b, imb_a, docs = [], [], [], [], [], [], []
     for doc_lens in layouts[:-1]:
       t0, c0 = time.perf_counter(), time.thread_time()
-      plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t, tolerance=args.tolerance)
+      plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t,
+                               options=plan_lib.PlanOptions(tolerance=args.tolerance))
       times.append(time.perf_counter() - t0)
       cpu.append(time.thread_time() - c0)
       t0 = time.perf_counter()

@@ -57,7 +57,7 @@ def table_as_it_was(lens_RxN: np.ndarray, t: int):
 
 def time_fwd_bwd(q, k, v, cu_q, cu_k, t, iters):
   def loss(q, k, v):
-    o = ops.core_attention(q, k, v, cu_q, cu_k, backend="flash3", max_seqlen_q=t,
+    o = ops.core_attention(q, k, v, cu_q, cu_k, kernel="flash3", max_seqlen_q=t,
                            max_seqlen_k=t)
     return jnp.sum(o.astype(jnp.float32) * 1e-3)
 

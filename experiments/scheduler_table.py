@@ -49,7 +49,8 @@ def main() -> None:
           per = []
           for doc_lens in layouts:
             t0 = time.perf_counter()
-            plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol)
+            plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t,
+                                     options=plan_lib.PlanOptions(tolerance=tol))
             ms = (time.perf_counter() - t0) * 1e3
             local = s * t * (plan.q_heads + 2 * plan.kv_heads) * plan.head_dim * plan.dtype_bytes
             req = plan_lib.required_capacity(plan)

@@ -32,6 +32,7 @@ import os
 import numpy as np
 
 import experiments
+from distca_jax.plan import cost as plan_cost
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_MODEL = ("model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
@@ -98,7 +99,7 @@ def _fwd_bwd(kernel: str, bounds: tuple[int, int] | None):
                                       grid_levels=1)
 
   def fwd_bwd(q, k, v, cu_q, cu_k):
-    o, vjp = jax.vjp(lambda q, k, v: ops.core_attention(q, k, v, cu_q, cu_k, backend=kernel,
+    o, vjp = jax.vjp(lambda q, k, v: ops.core_attention(q, k, v, cu_q, cu_k, kernel=kernel,
                                                         **kw), q, k, v)
     return vjp(o)
 
@@ -148,14 +149,15 @@ def check_workload(a, workload: str, km, measure=measure_s) -> dict:
   imbalance. ``measure(cu_q, cu_k, nq, nkv, model_cfg, kernel, iters, tight) -> seconds``;
   the tight launch bounds are timed too where the kernel takes them ('flash3')."""
   # pylint: disable=import-outside-toplevel
-  from distca_jax import backends, ops, trainer
+  from distca_jax import backends, trainer
   from distca_jax import config as config_lib
   from distca_jax.data import make_source
   from distca_jax.sim import costs, step
   c = run_config(a, workload)
   model_cfg = config_lib.model_config(c)
   spec = costs.spec_of_model("run", model_cfg)
-  opts = backends.wlb.Options.from_config(c)  # WLB-ideal: the best predicted split and alpha
+  # WLB-ideal: the best predicted split and alpha
+  opts = backends.wlb.from_first_batches(c, backends.wlb.Options.from_config(c))
   backend = backends.wlb.make(opts)
   src = make_source(c.data, rows=a.ranks, tokens_per_row=a.tokens,
                     vocab_size=model_cfg.vocab_size, seed=c.seed)
@@ -173,7 +175,7 @@ def check_workload(a, workload: str, km, measure=measure_s) -> dict:
       keep = lq > 0
       row = dict(workload=workload, step=s, rank=r, tasks=int(keep.sum()),
                  tokens=int(lq.sum()), q_rows=nq, kv_rows=nkv,
-                 pairs=int(ops.attention_pairs(cq, ck)), predicted_ms=p * 1e3,
+                 pairs=int(plan_cost.attention_pairs(cq, ck)), predicted_ms=p * 1e3,
                  sim_step_ms=float(sim.attn_s[r]) * 1e3, q_lens=lq[keep].tolist(),
                  kv_lens=np.diff(ck)[keep].tolist())
       for v in variants:

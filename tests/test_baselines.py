@@ -373,7 +373,7 @@ def test_metrics_conserve_work_and_tokens(seed):
     ref = bl.placement_metrics(bl.wlb_placement(pk), dims, "wlb")
     for f in ("pairs_S", "tokens_S", "bytes_S", "kv_rows_S"):
       np.testing.assert_allclose(getattr(m, f), getattr(ref, f))
-  plan = plan_lib.schedule(flat, s, tokens_per_rank=t, tolerance=0.1)
+  plan = plan_lib.schedule(flat, s, tokens_per_rank=t, options=plan_lib.PlanOptions(tolerance=0.1))
   m = bl.distca_metrics(plan)
   assert m.pairs_S.sum() == _total_pairs(flat)
   assert m.tokens_S.sum() == sum(flat)

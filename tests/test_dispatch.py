@@ -22,7 +22,6 @@ from distca_jax import backends, configs_io, dataplane, trainer
 from distca_jax import plan as plan_lib
 from distca_jax import sharding as shard_lib
 from distca_jax.backends import distca as distca_backend
-from distca_jax.plan import sizing
 from distca_jax.data import make_source
 from distca_jax.data.workloads import WorkloadSampler
 
@@ -135,8 +134,10 @@ def test_outputs_and_grads_equal_per_document_attention_single_trace(seed):
   moves = split_docs = 0
   packed = []
   for name, doc_lens, eps in _layouts(seed):
-    hp = plan_lib.host_plan(doc_lens, SPEC, tolerance=float(eps), q_heads=H, kv_heads=KH,
-                            head_dim=D, dtype_bytes=4)
+    hp = plan_lib.host_plan(doc_lens, SPEC,
+                            options=plan_lib.PlanOptions(tolerance=float(eps), q_heads=H,
+                                                         kv_heads=KH, head_dim=D, dtype_bytes=4,
+                                                         min_shard=None))
     q, k, v, ct = _inputs(rng)
     got = run(q, k, v, hp.packed, ct)
     want = _reference(q, k, v, _segments(doc_lens, S, T), ct)
@@ -162,18 +163,23 @@ def test_notebook_entry_flat_and_per_rank_with_grads(seed):
   sh = NamedSharding(mesh, P("data"))
   doc_lens = [40, 3 * T + 5, 77, 200, 9]  # flat, spanning ranks, padded tail
 
+  shapes = dict(q_heads=H, kv_heads=KH, head_dim=D, dtype_bytes=4)
+  flat_plan = plan_lib.fit_host_plan(doc_lens, S, T, options=plan_lib.PlanOptions(
+      tolerance=0.05, min_shard=None, **shapes))
+
   @jax.jit
   def grads(q, k, v, ct):
-    o, vjp = jax.vjp(lambda q, k, v: dataplane.core_attention(q, k, v, doc_lens, mesh,
-                                                              tolerance=0.05), q, k, v)
+    o, vjp = jax.vjp(lambda q, k, v: dataplane.core_attention(q, k, v, flat_plan, mesh), q, k, v)
     return (o, *vjp(ct))
 
   got = grads(*(jax.device_put(x, sh) for x in (q, k, v, ct)))
   _check(got, _reference(q, k, v, _segments(doc_lens, S, T), ct), "notebook flat")
   # Per-rank lists, eager call (jitted inside), and the log-sum-exp.
   nested = [[T], [60, 60], [5], [], [128], [1, 2, 3], [100], [127]]
-  o, lse, hp = dataplane.core_attention(*(jax.device_put(x, sh) for x in (q, k, v)), nested, mesh,
-                                        tolerance=0.0, return_lse=True, return_plan=True)
+  hp = plan_lib.fit_host_plan(nested, S, T, options=plan_lib.PlanOptions(
+      tolerance=0.0, min_shard=None, **shapes))
+  o, lse = dataplane.core_attention(*(jax.device_put(x, sh) for x in (q, k, v)), hp, mesh,
+                                    dataplane.DispatchOptions(return_lse=True))
   want_o, want_lse = plan_lib.reference_document_attention(nested, q, k, v)
   np.testing.assert_allclose(np.asarray(o), want_o, atol=ATOL, rtol=RTOL)
   seg = _segments(nested, S, T).reshape(S, T)
@@ -216,7 +222,8 @@ def test_resend_equals_keep_and_resends_in_the_backward(seed, kernel):
   mesh = _mesh()
   rng = np.random.default_rng(seed)
   name, doc_lens, eps = _layouts(seed)[int(rng.integers(8))]
-  hp = plan_lib.host_plan(doc_lens, SPEC, tolerance=float(eps))
+  hp = plan_lib.host_plan(doc_lens, SPEC,
+                          options=plan_lib.PlanOptions(tolerance=float(eps), min_shard=None))
   q, k, v, ct = _inputs(rng)
   keep = _make_run(mesh, SPEC, memory_mode="keep", kernel=kernel)
   resend = _make_run(mesh, SPEC, memory_mode="resend", kernel=kernel)
@@ -253,7 +260,7 @@ def test_rows_per_device_with_inner_padding_and_tensor_heads(seed):
              for _ in range(rows)]
   per_row[3] = [T]
   per_row[6] = [90, 38]
-  hp = plan_lib.host_plan(per_row, spec, tolerance=0.0, min_shard=8)
+  hp = plan_lib.host_plan(per_row, spec, options=plan_lib.PlanOptions(tolerance=0.0, min_shard=8))
   assert hp.plan.num_moves > 0, f"no moves for {per_row=} (seed={seed})"
   q, k, v, ct = _inputs(rng, rows=rows)
   run = _make_run(mesh, spec, head_axis="tensor")
@@ -263,7 +270,7 @@ def test_rows_per_device_with_inner_padding_and_tensor_heads(seed):
 
 def test_suggested_config_caps_fit_the_run_batches():
   c = _tiny_config("distca", 4, 2, 0, rows_per_rank=4, nano_batches=2)
-  caps = sizing.suggest_config_capacity(c, num_batches=6, data=4)
+  caps = distca_backend.suggest_config_capacity(c, num_batches=6, data=4)
   for k, v in caps.items():
     c.attention.distca[k] = v
   backend = trainer.make_backend(c)
@@ -282,8 +289,8 @@ def test_startup_caps_come_from_the_runs_batches_and_plan_every_later_batch(seed
   c.attention.distca.caps_from_batches = 6
   c.attention.distca.kv_recv = 96  # set by the user: kept
   rows = c.tokens_per_rank * 2  # rows per device and call (4 rows / 2 nano-batches)
-  got = sizing.startup_capacity(c)
-  sugg = sizing.suggest_config_capacity(c, num_batches=6)
+  got = distca_backend.startup_capacity(c)
+  sugg = distca_backend.suggest_config_capacity(c, num_batches=6)
   assert set(got) == {"q_send", "kv_send", "q_recv", "q_tokens", "kv_tokens"}, got  # never tasks
   mult = plan_lib.row_multiple(rows)
   for name, v in got.items():
@@ -306,14 +313,14 @@ def test_startup_caps_come_from_the_runs_batches_and_plan_every_later_batch(seed
       tight.host_prepare(src.doclens(step), c.tokens_per_rank)
   # Off, or every row cap given: nothing derived. A headroom below 1 names the fix.
   c.attention.distca.caps_from_batches = 0
-  assert sizing.startup_capacity(c) == {}
+  assert distca_backend.startup_capacity(c) == {}
   c.attention.distca.caps_from_batches = 6
   for name in plan_lib.EXCHANGE_FIELDS + ("q_tokens", "kv_tokens"):
     c.attention.distca[name] = 512
-  assert sizing.startup_capacity(c) == {}
+  assert distca_backend.startup_capacity(c) == {}
   c.attention.distca.caps_headroom = 0.9
   with pytest.raises(ValueError, match=r"caps_headroom=0.9 must be >= 1"):
-    sizing.startup_capacity(c)
+    distca_backend.startup_capacity(c)
 
 
 def test_errors_name_the_fix():
@@ -463,7 +470,7 @@ def test_config_cost_table_reaches_the_planner(monkeypatch):
   real = plan_lib.schedule
 
   def spy(*a, **kw):
-    seen.append(kw.get("cost_model"))
+    seen.append(kw["options"].cost_model)
     return real(*a, **kw)
 
   monkeypatch.setattr(plan_lib.spec, "schedule", spy)
@@ -517,8 +524,10 @@ def test_exchange_equals_reference_both_memory_modes_single_trace(seed, collecti
   runs = {m: _make_run(mesh, SPEC, trace_counter=traces[m], memory_mode=m, collective=collective)
           for m in modes}
   for name, doc_lens, eps in _exchange_layouts(seed):
-    hp = plan_lib.host_plan(doc_lens, SPEC, tolerance=eps, q_heads=H, kv_heads=KH, head_dim=D,
-                            dtype_bytes=4)
+    hp = plan_lib.host_plan(doc_lens, SPEC,
+                            options=plan_lib.PlanOptions(tolerance=eps, q_heads=H, kv_heads=KH,
+                                                         head_dim=D, dtype_bytes=4,
+                                                         min_shard=None))
     by = plan_lib.exchange_bytes(hp.meta, q_heads=H, kv_heads=KH, head_dim=D, dtype_bytes=4)
     q, k, v, ct = _inputs(rng)
     want = _reference(q, k, v, _segments(doc_lens, S, T), ct)
@@ -614,7 +623,8 @@ def test_dense_block_rows_and_options():
 
 
 def test_pack_checks_routes_groups_and_rows_read_once(seed):
-  hp = plan_lib.host_plan(_exchange_layouts(seed)[1][1], SPEC, tolerance=0.0)
+  hp = plan_lib.host_plan(_exchange_layouts(seed)[1][1], SPEC,
+                          options=plan_lib.PlanOptions(tolerance=0.0, min_shard=None))
   meta = hp.meta
   # The routes on each device are its own rows of the [S, S] tables.
   for p in range(S):
@@ -656,7 +666,8 @@ def test_signal_only_keeps_shapes_moves_one_row_and_is_wrong_by_design(seed):
   mesh = _mesh()
   rng = np.random.default_rng(seed)
   _, doc_lens, _ = _exchange_layouts(seed)[1]
-  hp = plan_lib.host_plan(doc_lens, SPEC, tolerance=0.0)
+  hp = plan_lib.host_plan(doc_lens, SPEC,
+                          options=plan_lib.PlanOptions(tolerance=0.0, min_shard=None))
   q, k, v, ct = _inputs(rng)
   want = _reference(q, k, v, _segments(doc_lens, S, T), ct)
   for collective in ("ring", "dense"):

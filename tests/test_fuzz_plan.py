@@ -83,7 +83,8 @@ def test_planner_fuzz_coverage_work_and_caps(seed):
       min_shard = int(rng.integers(1, 9))
       what = f"{seed=} {kind} S={s} T={t} eps={tol} min_shard={min_shard} ({_describe(doc_lens)})"
       try:
-        plan = sc.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol, min_shard=min_shard)
+        plan = sc.schedule(doc_lens, s, tokens_per_rank=t,
+                           options=sc.PlanOptions(tolerance=tol, min_shard=min_shard))
         check_plan(plan, tol)
         # Caps between what the layout needs before any move and what the free plan used: the
         # planner must stay inside them (and say why when it stops above the tolerance).
@@ -91,8 +92,8 @@ def test_planner_fuzz_coverage_work_and_caps(seed):
         cap = sc.Capacity(**{f: max(1, getattr(need, f),
                                     int(getattr(free, f) * rng.uniform(0.3, 1.0)))
                              for f in sc.CAP_FIELDS})
-        capped = sc.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol, min_shard=min_shard,
-                             capacity=cap)
+        capped = sc.schedule(doc_lens, s, tokens_per_rank=t, capacity=cap,
+                             options=sc.PlanOptions(tolerance=tol, min_shard=min_shard))
         check_plan(capped, tol)
         got = sc.required_capacity(capped)
         for f in sc.CAP_FIELDS:
@@ -122,7 +123,7 @@ def test_planner_fuzz_extremes_by_hand():
                                ([[16]] * 64, 64, 16, (0.0, 0.02)),
                                ([512 * 8], 512, 8, (0.02,))):
     for tol in tols:
-      plan = sc.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol)
+      plan = sc.schedule(doc_lens, s, tokens_per_rank=t, options=sc.PlanOptions(tolerance=tol))
       check_plan(plan, tol)
 
 
@@ -139,8 +140,9 @@ def test_cad_outputs_and_grads_on_fuzzed_layouts(seed):
     tol = float(rng.choice(TOLERANCES[:5]))
     what = f"{seed=} {kind} eps={tol} ({_describe(doc_lens)})"
     try:
-      hp = sc.host_plan(doc_lens, SPEC, tolerance=tol, q_heads=H, kv_heads=KH, head_dim=D,
-                              dtype_bytes=4)
+      hp = sc.host_plan(doc_lens, SPEC,
+                        options=sc.PlanOptions(tolerance=tol, q_heads=H, kv_heads=KH, head_dim=D,
+                                               dtype_bytes=4, min_shard=None))
     except ValueError as e:  # a layout beyond the fixed test caps must say which cap to raise
       assert "cannot plan this batch" in str(e) and "config.attention.distca" in str(e), what
       continue

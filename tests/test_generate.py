@@ -47,7 +47,7 @@ def test_greedy_generate_errors(config_and_params):
   c, params = config_and_params
   model = trainer.make_model(c, backends.get("local"))
   assert generate.greedy_generate(model, params, np.zeros((2, 3), np.int32), 0).shape == (2, 3)
-  with pytest.raises(ValueError, match="P >= 1"):
+  with pytest.raises(ValueError, match="Tp >= 1"):
     generate.greedy_generate(model, params, np.zeros((2, 0), np.int32), 4)
   with pytest.raises(ValueError, match="num_tokens=-1"):
     generate.greedy_generate(model, params, np.zeros((2, 3), np.int32), -1)

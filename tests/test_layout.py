@@ -74,23 +74,39 @@ def test_dataplane_imports_no_data_pipeline(path):
   assert not bad, f"{os.path.relpath(path, ROOT)} imports the data pipeline: {bad}"
 
 
+# matplotlib: `diagnostics.plot_loads` imports it when called (the runtime test below checks
+# that importing the package loads no more than NumPy).
+PLAN_MAY_IMPORT = ("numpy", "distca_jax.plan", "distca_jax.checks", "distca_jax.errors",
+                   "matplotlib")
+
+
 @pytest.mark.parametrize("path", _package_files("plan"), ids=_rel)
-def test_plan_imports_no_dataplane_and_no_jax_outside_sizing(path):
-  mods = _imported_modules(path)
-  bad = sorted(m for m in mods if _in(m, "distca_jax.dataplane") or _in(m, "distca_jax.backends"))
-  assert not bad, f"{os.path.relpath(path, ROOT)} (host planning) imports the device side: {bad}"
-  if os.path.basename(path) != "sizing.py":
-    jax_mods = sorted(m for m in mods if _in(m, "jax"))
-    assert not jax_mods, f"{os.path.relpath(path, ROOT)} is host NumPy only; imports {jax_mods}"
+def test_plan_imports_only_numpy_and_the_project_checks(path):
+  """The host planner is plain NumPy: besides the standard library it imports NumPy, itself and
+  the project's checks and errors; no JAX, data pipeline, config, data plane or backend."""
+  import sys as sys_lib
+  bad = sorted(m for m in _imported_modules(path)
+               if m.split(".")[0] not in sys_lib.stdlib_module_names
+               and not any(_in(m, ok) for ok in PLAN_MAY_IMPORT))
+  assert not bad, f"{_rel(path)} (host planning) imports {bad}"
+
+
+def test_ops_imports_nothing_from_plan():
+  """The kernel dispatch (ops) is below the planner: the planner counts a task table's pairs and
+  FLOPs (plan.cost), ops runs the kernels."""
+  path = os.path.join(ROOT, "distca_jax", "ops.py")
+  bad = sorted(m for m in _imported_modules(path) if _in(m, "distca_jax.plan"))
+  assert not bad, f"distca_jax/ops.py imports the planner: {bad}"
 
 
 def test_import_graph_at_runtime():
-  """Importing the planner loads neither jax nor the data pipeline; importing the data plane
-  does not load the data pipeline (transitively, not only by direct imports)."""
+  """Importing the planner loads neither jax nor the data pipeline nor the kernels; importing the
+  data plane does not load the data pipeline (transitively, not only by direct imports)."""
   code = ("import sys\n"
           "import distca_jax.plan\n"
-          "assert 'jax' not in sys.modules, 'distca_jax.plan loaded jax'\n"
-          "assert 'distca_jax.data' not in sys.modules, 'distca_jax.plan loaded distca_jax.data'\n"
+          "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')\n"
+          "             or m in ('distca_jax.data', 'distca_jax.ops', 'distca_jax.config'))\n"
+          "assert not bad, f'distca_jax.plan loaded {bad}'\n"
           "import distca_jax.dataplane\n"
           "bad = sorted(m for m in sys.modules if m == 'distca_jax.data' or"
           " m.startswith('distca_jax.data.'))\n"
@@ -98,6 +114,34 @@ def test_import_graph_at_runtime():
   run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert run.returncode == 0, run.stderr
+
+
+def test_reading_backend_options_reads_no_data(monkeypatch):
+  """``Options.from_config`` only reads the config: with caps and WLB-ideal left to the data,
+  no batch is sampled until ``backends.build`` runs the startup step (``from_first_batches``)."""
+  from distca_jax import backends, configs_io, data
+  from distca_jax.backends import distca as distca_backend
+  c = configs_io.load_config(os.path.join(ROOT, "configs", "tiny_cpu.py"))
+  c.attention.distca.caps_from_batches = 2
+  c.attention.baselines.cp_size = c.attention.baselines.wlb_alpha = 0
+  sampled = []
+  real = data.make_source
+
+  def counted(*args, **kwargs):
+    sampled.append(1)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(distca_backend, "make_source", counted)
+  monkeypatch.setattr(data, "make_source", counted)  # baselines.ideal imports it when called
+  for name in backends.BACKENDS:
+    c.attention.backend = name
+    backends.module(name).Options.from_config(c)
+  assert not sampled, "reading a backend's options sampled batches"
+  options = distca_backend.Options.from_config(c)
+  assert all(v == 0 for v in options.caps.values()), options.caps
+  c.attention.backend = "distca"
+  built = backends.build(c)
+  assert sampled and any(built.caps[f] for f in ("q_send", "q_tokens")), built.caps
 
 
 @pytest.mark.parametrize("path", _library_files() + _experiment_files(), ids=_rel)
@@ -175,3 +219,22 @@ def test_every_backend_module_exports_options_and_make():
   source = inspect.getsource(trainer)
   for name in backends.BACKENDS:
     assert f'"{name}"' not in source and f"'{name}'" not in source, name
+
+
+def test_kernel_and_backend_registries_have_their_own_names():
+  """A kernel (one fused core-attention call: ``ops.KERNELS``) and a backend (a strategy of the
+  trainer: ``backends.BACKENDS``) never share a registry name: each registry is assigned at the
+  top level of exactly one library module, and ops defines no backend registry."""
+  where = {"KERNELS": [], "BACKENDS": []}
+  for path in _library_files():
+    for node in ast.parse(open(path).read(), path).body:
+      targets = (node.targets if isinstance(node, ast.Assign)
+                 else [node.target] if isinstance(node, ast.AnnAssign) else [])
+      for t in targets:
+        if isinstance(t, ast.Name) and t.id in where:
+          where[t.id].append(_rel(path))
+  assert where == {"KERNELS": [os.path.join("distca_jax", "ops.py")],
+                   "BACKENDS": [os.path.join("distca_jax", "backends", "__init__.py")]}, where
+  from distca_jax import backends, ops
+  assert not hasattr(ops, "BACKENDS") and not hasattr(backends, "KERNELS")
+  assert set(backends.BACKENDS) >= {"local", "distca"} and set(ops.KERNELS) >= {"blockwise", "auto"}

@@ -419,9 +419,9 @@ def test_ops_backend_mosaic_needs_a_gpu():
   from distca_jax import ops  # pylint: disable=import-outside-toplevel
   q = jnp.zeros((8, 4, 128), jnp.bfloat16)
   cu = jnp.asarray([0, 8], jnp.int32)
-  assert "mosaic" in ops.BACKENDS
-  with pytest.raises(ops.BackendUnavailableError, match="backend='mosaic'.*Hopper"):
-    ops.core_attention(q, q[:, :2], q[:, :2], cu, cu, backend="mosaic")
+  assert "mosaic" in ops.KERNELS
+  with pytest.raises(ops.KernelUnavailableError, match="kernel='mosaic'.*Hopper"):
+    ops.core_attention(q, q[:, :2], q[:, :2], cu, cu, kernel="mosaic")
 
 
 def test_validation_messages():

@@ -1,7 +1,7 @@
 """Core attention over fused CA-task batches: 'blockwise' (several tile sizes) and 'reference'
 (and on a GPU 'flash3') against an independent per-task float64 NumPy oracle (outputs,
 log-sum-exp and analytic gradients), padding behaviour, 'blockwise' memory (no [T, U]
-intermediate) and remat (its outputs saved by name), 'auto', input validation, backend errors
+intermediate) and remat (its outputs saved by name), 'auto', input validation, kernel errors
 and the exact FLOP count.
 
 Run: cd /work/main && .venv/bin/python -m pytest -q tests/test_ops.py
@@ -24,8 +24,8 @@ from custom_ops import mosaic_worklists
 from custom_ops import varlen_attention as va
 from distca_jax import config as config_lib
 from distca_jax import dataplane, ops
-from distca_jax.baselines import check_kernel
 from distca_jax.dataplane import count_primitives
+from distca_jax.plan import cost as plan_cost
 
 
 # ------------------------------------------------------------------------------------------------
@@ -132,20 +132,20 @@ HAS_FLASH3 = importlib.util.find_spec("flash_attn3_jax") is not None
 # 'blockwise' runs 16-row tiles here (tasks of up to 40 rows span several tiles); other tiles:
 # test_blockwise_tile_sizes_match_oracle. On a GPU FlashAttention-3 ('flash3', when installed) is
 # checked as well (the Mosaic GPU kernel: tests/test_mosaic_attention.py).
-BACKENDS = ["reference", "blockwise"] + (["flash3"] if ON_GPU and HAS_FLASH3 else [])
+KERNELS = ["reference", "blockwise"] + (["flash3"] if ON_GPU and HAS_FLASH3 else [])
 
 
-def _backend_kwargs(backend: str) -> dict:
-  if backend == "blockwise":
-    return dict(backend="blockwise", block_sizes=bw.BlockSizes(16, 16))
-  return dict(backend=backend)
+def _kernel_kwargs(kernel: str) -> dict:
+  if kernel == "blockwise":
+    return dict(kernel="blockwise", block_sizes=bw.BlockSizes(16, 16))
+  return dict(kernel=kernel)
 
 
-# One jitted function per backend; task tables are traced, so every table of one Case reuses it.
-def _make_fn(backend: str, kwargs: dict | None = None):
-  kwargs = kwargs or _backend_kwargs(backend)
+# One jitted function per kernel; task tables are traced, so every table of one Case reuses it.
+def _make_fn(kernel: str, kwargs: dict | None = None):
+  kwargs = kwargs or _kernel_kwargs(kernel)
   # FA3's backward takes no dLSE, so its loss leaves the log-sum-exp out.
-  use_lse = backend != "flash3"
+  use_lse = kernel != "flash3"
 
   def loss(q, k, v, cu_q, cu_k, do, dlse):
     o, lse = ops.core_attention(q, k, v, cu_q, cu_k, return_lse=True, **kwargs)
@@ -157,11 +157,11 @@ def _make_fn(backend: str, kwargs: dict | None = None):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
 
 
-FNS = {b: _make_fn(b) for b in BACKENDS}
+FNS = {b: _make_fn(b) for b in KERNELS}
 
 
-def skip_unsupported(backend: str, case) -> None:
-  if backend == "flash3" and (case.dtype == "float32" or case.head_dim != 128):
+def skip_unsupported(kernel: str, case) -> None:
+  if kernel == "flash3" and (case.dtype == "float32" or case.head_dim != 128):
     pytest.skip("the flash-attn3-jax wheel takes bf16/fp16 with head dim 128 only")
 
 
@@ -171,11 +171,11 @@ def rel_err(x, ref) -> float:
   return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def check_against_oracle(backend, case, q, k, v, cu_q, cu_k, do, dlse, fn=None):
-  """``fn``: the jitted loss-and-grad to check (default ``FNS[backend]``)."""
-  if backend == "flash3":
+def check_against_oracle(kernel, case, q, k, v, cu_q, cu_k, do, dlse, fn=None):
+  """``fn``: the jitted loss-and-grad to check (default ``FNS[kernel]``)."""
+  if kernel == "flash3":
     dlse = np.zeros_like(dlse)
-  (_, (o, lse)), (dq, dk, dv) = (fn or FNS[backend])(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k),
+  (_, (o, lse)), (dq, dk, dv) = (fn or FNS[kernel])(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k),
                                              jnp.asarray(do), jnp.asarray(dlse))
   scale = 1.0 / np.sqrt(case.head_dim)
   o_ref, lse_ref, dq_ref, dk_ref, dv_ref = oracle(
@@ -183,18 +183,18 @@ def check_against_oracle(backend, case, q, k, v, cu_q, cu_k, do, dlse, fn=None):
       cu_k, scale, do, dlse)
   tol = 1e-4 if case.dtype == "float32" else 2e-2
   for name, got in (("o", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
-    assert not np.isnan(np.asarray(got, np.float32)).any(), f"{backend}: NaN in {name}"
+    assert not np.isnan(np.asarray(got, np.float32)).any(), f"{kernel}: NaN in {name}"
   lse_np = np.asarray(lse)
-  assert (np.isneginf(lse_np) == np.isneginf(lse_ref)).all(), f"{backend}: -inf pattern of lse"
+  assert (np.isneginf(lse_np) == np.isneginf(lse_ref)).all(), f"{kernel}: -inf pattern of lse"
   finite = np.isfinite(lse_ref)
   errs = {"o": rel_err(o, o_ref), "lse": rel_err(lse_np[finite], lse_ref[finite]),
           "dq": rel_err(dq, dq_ref), "dk": rel_err(dk, dk_ref), "dv": rel_err(dv, dv_ref)}
   bad = {n: e for n, e in errs.items() if not e < tol}
-  assert not bad, f"{backend} {case}: relative errors {errs} exceed {tol}"
+  assert not bad, f"{kernel} {case}: relative errors {errs} exceed {tol}"
   # Rows outside every task: exactly zero outputs and gradients, lse = -inf.
   for name, got, cu in (("o", o, cu_q), ("dq", dq, cu_q), ("dk", dk, cu_k), ("dv", dv, cu_k)):
     got = np.asarray(got, np.float32)
-    assert (got[: cu[0]] == 0).all() and (got[cu[-1]:] == 0).all(), f"{backend}: padding {name}"
+    assert (got[: cu[0]] == 0).all() and (got[cu[-1]:] == 0).all(), f"{kernel}: padding {name}"
   assert np.isneginf(lse_np[cu_q[-1]:]).all()
 
 
@@ -208,18 +208,18 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"H{c.num_heads}K{c.num_kv_heads}D"
                          f"{c.head_dim}-{c.dtype}")
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_random_tables_match_oracle(backend, case):
-  skip_unsupported(backend, case)
-  rng = np.random.default_rng(zlib.crc32(repr((backend, case)).encode()))
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_random_tables_match_oracle(kernel, case):
+  skip_unsupported(kernel, case)
+  rng = np.random.default_rng(zlib.crc32(repr((kernel, case)).encode()))
   for _ in range(2):
     cu_q, cu_k = random_table(rng, case)
     q, k, v, do, dlse = random_inputs(rng, case)
-    check_against_oracle(backend, case, q, k, v, cu_q, cu_k, do, dlse)
+    check_against_oracle(kernel, case, q, k, v, cu_q, cu_k, do, dlse)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_edge_case_table(backend):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_edge_case_table(kernel):
   """Head padding, 1-token tasks, a task with keys but no queries, one with more queries than
   keys (its first rows see nothing), an empty task in the middle, equal and unequal lengths and
   tasks spanning several blocks; shapes of CASES[1] (no recompile)."""
@@ -230,14 +230,14 @@ def test_edge_case_table(backend):
   cu_k = np.concatenate([[2], 2 + np.cumsum(lk)]).astype(np.int32)[: case.num_tasks + 1]
   rng = np.random.default_rng(7)
   q, k, v, do, dlse = random_inputs(rng, case)
-  check_against_oracle(backend, case, q, k, v, cu_q, cu_k, do, dlse)
+  check_against_oracle(kernel, case, q, k, v, cu_q, cu_k, do, dlse)
   cu_q = np.concatenate([[0], np.cumsum(lq[-6:])]).astype(np.int32)
   cu_k = np.concatenate([[0], np.cumsum(lk[-6:])]).astype(np.int32)
-  check_against_oracle(backend, case, q, k, v, cu_q, cu_k, do, dlse)
+  check_against_oracle(kernel, case, q, k, v, cu_q, cu_k, do, dlse)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_nan_padding_does_not_leak(backend):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_nan_padding_does_not_leak(kernel):
   """Padding rows full of NaN (and of huge values) give finite, exact results everywhere."""
   case = CASES[1]
   rng = np.random.default_rng(11)
@@ -245,10 +245,10 @@ def test_nan_padding_does_not_leak(backend):
   # FlashAttention-3 reads whole key tiles past a task's end and multiplies P = 0 by whatever V
   # holds there, so NaN in padding keys leaks into its outputs (seen on an H200); our kernels
   # zero padding rows first. flash3 is therefore only promised finite padding.
-  pads = (3e4,) if backend == "flash3" else (np.nan, 3e4)
+  pads = (3e4,) if kernel == "flash3" else (np.nan, 3e4)
   for pad in pads:
     q, k, v, do, dlse = random_inputs(rng, case, pad_value=pad, cu_q=cu_q, cu_k=cu_k)
-    check_against_oracle(backend, case, q, k, v, cu_q, cu_k, do, dlse)
+    check_against_oracle(kernel, case, q, k, v, cu_q, cu_k, do, dlse)
 
 
 BLOCKWISE_TILES = [(8, 8), (16, 32), (24, 8), (64, 128)]  # (block_q, block_k); 24: not a power of 2
@@ -261,7 +261,7 @@ BLOCKWISE_TILES = [(8, 8), (16, 32), (24, 8), (64, 128)]  # (block_q, block_k); 
 def test_blockwise_tile_sizes_match_oracle(tiles):
   """'blockwise' with tiles smaller and larger than the tasks, on random tables (empty tasks,
   1-token tasks, tasks ending at their key end) and the edge table, f32 GQA and bf16 MHA."""
-  fn = _make_fn("blockwise", dict(backend="blockwise", block_sizes=bw.BlockSizes(*tiles)))
+  fn = _make_fn("blockwise", dict(kernel="blockwise", block_sizes=bw.BlockSizes(*tiles)))
   rng = np.random.default_rng(zlib.crc32(repr(tiles).encode()))
   for case in (CASES[2], CASES[3]):
     cu_q, cu_k = random_table(rng, case)
@@ -290,8 +290,8 @@ def _largest_intermediate(jaxpr) -> int:
   return biggest
 
 
-@pytest.mark.parametrize("backend", ["blockwise", "reference"])
-def test_blockwise_never_builds_the_dense_logits(backend):
+@pytest.mark.parametrize("kernel", ["blockwise", "reference"])
+def test_blockwise_never_builds_the_dense_logits(kernel):
   """Forward and backward of 'blockwise' hold tiles, never a [T, U] array (whose size the dense
   'reference' reaches: the check can fail)."""
   num_q_rows, num_k_rows, heads, kv_heads, head_dim = 2048, 2048, 2, 1, 16
@@ -300,11 +300,11 @@ def test_blockwise_never_builds_the_dense_logits(backend):
   cu = jnp.array([0, 1000, 2048], jnp.int32)
 
   def loss(q, k, v):
-    return jnp.sum(ops.core_attention(q, k, v, cu, cu, backend=backend))
+    return jnp.sum(ops.core_attention(q, k, v, cu, cu, kernel=kernel))
 
   biggest = _largest_intermediate(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, k).jaxpr)
   dense = num_q_rows * num_k_rows
-  assert (biggest < dense) == (backend == "blockwise"), (backend, biggest, dense)
+  assert (biggest < dense) == (kernel == "blockwise"), (kernel, biggest, dense)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU default")
@@ -317,8 +317,8 @@ def test_auto_runs_blockwise_on_cpu():
   rng = np.random.default_rng(13)
   cu_q, cu_k = (jnp.asarray(x) for x in random_table(rng, case))
   q, k, v, _, _ = random_inputs(rng, case)
-  o_auto, lse_auto = ops.core_attention(q, k, v, cu_q, cu_k, backend="auto", return_lse=True)
-  o, lse = ops.core_attention(q, k, v, cu_q, cu_k, backend="blockwise", return_lse=True)
+  o_auto, lse_auto = ops.core_attention(q, k, v, cu_q, cu_k, kernel="auto", return_lse=True)
+  o, lse = ops.core_attention(q, k, v, cu_q, cu_k, kernel="blockwise", return_lse=True)
   np.testing.assert_array_equal(np.asarray(o_auto, np.float32), np.asarray(o, np.float32))
   np.testing.assert_array_equal(np.asarray(lse_auto), np.asarray(lse))
 
@@ -342,7 +342,7 @@ def test_blockwise_forward_outputs_are_saved_by_name():
   cu = jnp.array([0, 20, 41], jnp.int32)
 
   def loss(q, k, v):
-    return jnp.sum(ops.core_attention(q, k, v, cu, cu, backend="blockwise") ** 2)
+    return jnp.sum(ops.core_attention(q, k, v, cu, cu, kernel="blockwise") ** 2)
 
   remat = jax.checkpoint(loss, policy=ops.saves_kernel_outputs)
   saved = saved_residuals(remat, q, k, k)
@@ -354,8 +354,8 @@ def test_blockwise_forward_outputs_are_saved_by_name():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="GPU-sized task table")
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])
-def test_gpu_ca_batch_matches_reference(backend):
+@pytest.mark.parametrize("kernel", [b for b in KERNELS if b != "reference"])
+def test_gpu_ca_batch_matches_reference(kernel):
   """A CA batch at production head shapes (32 q heads, 8 KV heads, D=128, bf16): tail shards
   [b - s, b) with their own key prefix, tasks much longer than a tile, against 'reference'."""
   rng = np.random.default_rng(17)
@@ -371,13 +371,13 @@ def test_gpu_ca_batch_matches_reference(backend):
   q, k, v, do, _ = random_inputs(rng, case)
   dlse = np.zeros((case.num_q_rows, case.num_heads), np.float32)
   args = (q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), jnp.asarray(do), jnp.asarray(dlse))
-  (_, (o, lse)), grads = FNS[backend](*args)
+  (_, (o, lse)), grads = FNS[kernel](*args)
   (_, (o_ref, lse_ref)), grads_ref = FNS["reference"](*args)
   finite = np.isfinite(np.asarray(lse_ref))
   errs = {"o": rel_err(o, o_ref),
           "lse": rel_err(np.asarray(lse)[finite], np.asarray(lse_ref)[finite])}
   errs.update({n: rel_err(g, g_ref) for n, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref)})
-  assert all(e < 2e-2 for e in errs.values()), f"{backend}: {errs}"
+  assert all(e < 2e-2 for e in errs.values()), f"{kernel}: {errs}"
   for x in (o, *grads):
     assert not np.isnan(np.asarray(x, np.float32)).any()
 
@@ -410,56 +410,56 @@ def _good():
     (lambda a: (*a[:3], jnp.array([0, 20, 16], jnp.int32), a[4]), "non-decreasing"),
     (lambda a: (*a[:3], jnp.array([0, 16, 33], jnp.int32), a[4]), "within [0, 32]"),
 ])
-@pytest.mark.parametrize("backend", ["reference", "blockwise", "mosaic"])
-def test_bad_inputs_raise_clear_errors(backend, mutate, message):
-  """Every backend's inputs are checked before it runs (also where it cannot run: 'mosaic' on
+@pytest.mark.parametrize("kernel", ["reference", "blockwise", "mosaic"])
+def test_bad_inputs_raise_clear_errors(kernel, mutate, message):
+  """Every kernel's inputs are checked before it runs (also where it cannot run: 'mosaic' on
   CPU)."""
   with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-    ops.core_attention(*mutate(_good()), backend=backend)
+    ops.core_attention(*mutate(_good()), kernel=kernel)
 
 
-def test_unknown_backend():
-  with pytest.raises(ValueError, match="unknown attention backend='cudnn'"):
-    ops.core_attention(*_good(), backend="cudnn")
+def test_unknown_kernel():
+  with pytest.raises(ValueError, match="unknown attention kernel='cudnn'"):
+    ops.core_attention(*_good(), kernel="cudnn")
 
 
-def test_pallas_backend_names_its_replacement():
+def test_pallas_kernel_names_its_replacement():
   """'pallas' (the removed Triton kernel) is rejected with one line naming what to run instead,
   wherever a kernel name is given: the op, CAD's options, the baselines and the config."""
   fix = (r"\(the Triton kernel\) was removed; use 'mosaic' \(GPU\) or 'blockwise' / 'reference' "
          r"\(CPU\)")
-  with pytest.raises(ValueError, match=r"^backend='pallas' " + fix + "$"):
-    ops.core_attention(*_good(), backend="pallas")
+  with pytest.raises(ValueError, match=r"^kernel='pallas' " + fix + "$"):
+    ops.core_attention(*_good(), kernel="pallas")
   with pytest.raises(ValueError, match=r"^kernel='pallas' " + fix + "$"):
     dataplane.DispatchOptions(kernel="pallas")
   with pytest.raises(ValueError, match=r"^kernel='pallas' " + fix + "$"):
-    check_kernel("pallas")
+    ops.check_kernel("pallas")
   c = config_lib.base_config()
   c.attention.kernel = "pallas"
   with pytest.raises(ValueError, match=r"^attention.kernel='pallas' " + fix + "$"):
     config_lib.validate(c)
-  assert "pallas" not in ops.BACKENDS
+  assert "pallas" not in ops.KERNELS
 
 
 def test_kernel_only_options_rejected_elsewhere():
   tiles = bw.BlockSizes(16, 16)
-  with pytest.raises(ValueError, match="applies to backend='blockwise' only"):
-    ops.core_attention(*_good(), backend="reference", block_sizes=tiles)
+  with pytest.raises(ValueError, match="applies to kernel='blockwise' only"):
+    ops.core_attention(*_good(), kernel="reference", block_sizes=tiles)
   with pytest.raises(ValueError, match="custom_ops.blockwise_attention.BlockSizes; got BlockSizes"):
-    ops.core_attention(*_good(), backend="blockwise", block_sizes=mosaic_worklists.BlockSizes())
+    ops.core_attention(*_good(), kernel="blockwise", block_sizes=mosaic_worklists.BlockSizes())
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn3_jax") is not None,
                     reason="flash-attn3-jax is installed here")
 def test_flash3_unavailable_says_how_to_install():
-  with pytest.raises(ops.BackendUnavailableError, match=r"pip install 'flash-attn3-jax==0\.2\.3'"):
-    ops.core_attention(*_good(), backend="flash3")
+  with pytest.raises(ops.KernelUnavailableError, match=r"pip install 'flash-attn3-jax==0\.2\.3'"):
+    ops.core_attention(*_good(), kernel="flash3")
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU-only error")
 def test_mosaic_on_cpu_names_the_cpu_kernels():
-  with pytest.raises(ops.BackendUnavailableError, match="Use backend='blockwise' or 'reference'"):
-    ops.core_attention(*_good(), backend="mosaic")
+  with pytest.raises(ops.KernelUnavailableError, match="Use kernel='blockwise' or 'reference'"):
+    ops.core_attention(*_good(), kernel="mosaic")
 
 
 @pytest.mark.parametrize("field, value", [("block_q", 0), ("block_k", 2.0)])
@@ -483,13 +483,13 @@ def test_flops_count_pairs_exactly():
     cu_k = np.concatenate([[0], np.cumsum(lk)])
     brute = sum(int((np.arange(b)[None, :] <= np.arange(a)[:, None] + (b - a)).sum())
                 for a, b in zip(lq, lk))
-    assert ops.attention_pairs(cu_q, cu_k) == brute
+    assert plan_cost.attention_pairs(cu_q, cu_k) == brute
   # Tail shard [a, b) of a document: P(a, b) = (b - a)(a + b + 1) / 2 (docs/design.md Sec. 10).
   a, b = 1000, 4096
-  assert ops.attention_pairs([0, b - a], [0, b]) == (b - a) * (a + b + 1) // 2
-  fwd = ops.core_attention_flops([0, b - a], [0, b], num_q_heads=32, head_dim=128)
+  assert plan_cost.attention_pairs([0, b - a], [0, b]) == (b - a) * (a + b + 1) // 2
+  fwd = plan_cost.core_attention_flops([0, b - a], [0, b], num_q_heads=32, head_dim=128)
   assert fwd == 4 * 32 * 128 * (b - a) * (a + b + 1) // 2
-  both = ops.core_attention_flops([0, b - a], [0, b], num_q_heads=32, head_dim=128,
+  both = plan_cost.core_attention_flops([0, b - a], [0, b], num_q_heads=32, head_dim=128,
                                   include_backward=True)
   assert both == round(3.5 * fwd)
 
@@ -525,8 +525,8 @@ def test_kernel_bench_sched_workload_is_the_servers_task_table(family):
   servers, tokens, step, seed, min_shard = 4, 512, 2, 7, 32
   plan = plan_lib.schedule(
       WorkloadSampler(family, tokens_per_row=tokens, seed=seed).step_doclens(step, servers),
-      servers, tokens_per_rank=tokens, tolerance=0.05, min_shard=min_shard, q_heads=4,
-      kv_heads=2, head_dim=32)
+      servers, tokens_per_rank=tokens, options=plan_lib.PlanOptions(
+          tolerance=0.05, min_shard=min_shard, q_heads=4, kv_heads=2, head_dim=32))
   per_task = lambda t: sorted(zip((t[:, 2] - t[:, 1]).tolist(), t[:, 2].tolist()))
   tables = {}
   for server, buffers in (("max", "used"), ("max", "envelope"), ("1", "used"), ("all", "used")):
@@ -550,7 +550,7 @@ def test_kernel_bench_sched_workload_is_the_servers_task_table(family):
       assert pad == (0, 0) if buffers == "used" else min(pad) >= 0
       tables[server, buffers] = (wl.cu_q, wl.cu_k)
     assert got == want
-    assert ops.attention_pairs(wl.cu_q, wl.cu_k) == load
+    assert plan_cost.attention_pairs(wl.cu_q, wl.cu_k) == load
   # Padding changes the buffers, not the table.
   assert tables["max", "used"] == tables["max", "envelope"]
 
@@ -661,7 +661,7 @@ def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
   flash = lambda q, k, v: ops.flash3_masked(
       q, k, v, cu_q, cu_k, softmax_scale=0.3, max_seqlen_q=msq, max_seqlen_k=msk, grid_levels=4,
       impl=(emu.fwd, emu.bwd))
-  ref = lambda q, k, v: ops.core_attention(q, k, v, cu_q, cu_k, backend="reference",
+  ref = lambda q, k, v: ops.core_attention(q, k, v, cu_q, cu_k, kernel="reference",
                                            softmax_scale=0.3, return_lse=True)
   traced = jax.jit(jax.grad(lambda *a: loss(*a, flash), argnums=(0, 1, 2),
                             has_aux=True)).trace(q, k, v)  # one trace: run and structure
@@ -773,7 +773,7 @@ def test_flash3_max_seqlen_hints_with_long_padding():
   q, k, v, do, dlse = random_inputs(rng, case)
 
   def loss(q, k, v, cu_q, cu_k, do):
-    o, lse = ops.core_attention(q, k, v, cu_q, cu_k, return_lse=True, backend="flash3",
+    o, lse = ops.core_attention(q, k, v, cu_q, cu_k, return_lse=True, kernel="flash3",
                                 max_seqlen_q=40, max_seqlen_k=40)
     return jnp.sum(o.astype(jnp.float32) * do), (o, lse)
 

@@ -9,6 +9,7 @@ import pytest
 
 from distca_jax import config as config_lib
 from distca_jax import pipeline
+from distca_jax.plan import ticks as ticks_lib
 from distca_jax import sharding as shard_lib
 from distca_jax import trainer
 from distca_jax.data import make_source
@@ -18,13 +19,13 @@ from test_train import _with_heads, tiny_config
 
 @pytest.mark.parametrize("stages,microbatches", [(1, 1), (2, 4), (4, 8), (8, 8), (4, 3)])
 def test_schedule_table(stages, microbatches):
-  table = pipeline.schedule_table(stages, microbatches)
+  table = ticks_lib.schedule_table(stages, microbatches)
   assert table.shape == (microbatches + stages - 1, stages)
   for mb in range(microbatches):  # each microbatch visits stage s at tick mb + s, once
     ticks, where = np.nonzero(table == mb)
     np.testing.assert_array_equal(where, np.arange(stages))
     np.testing.assert_array_equal(ticks, mb + np.arange(stages))
-  assert pipeline.bubble_fraction(table) == pytest.approx(
+  assert ticks_lib.bubble_fraction(table) == pytest.approx(
       (stages - 1) / (microbatches + stages - 1))
 
 
@@ -68,7 +69,7 @@ def test_pipelined_loss_and_grads_equal_pipe_1(pipe, data, tensor, microbatches,
   equal those of the unpipelined `local` model on the same batch and parameters."""
   seed = int(np.random.default_rng().integers(1 << 30))
   print(f"seed={seed}")
-  rows_per_rank = pipeline.resolve_microbatches(microbatches, pipe)
+  rows_per_rank = ticks_lib.resolve_microbatches(microbatches, pipe)
   over = {"seed": seed, "model.n_layers": 4, "model.remat": remat, "rows_per_rank": rows_per_rank,
           "mesh.data": data, "mesh.tensor": tensor}
   flat = _with_heads(tiny_config(**over))
@@ -132,7 +133,7 @@ def test_pipeline_config_errors():
   with pytest.raises(UserError, match="nano_batches=1"):
     config_lib.validate(c)
   with pytest.raises(UserError, match="pipeline.microbatches=-1"):
-    pipeline.resolve_microbatches(-1, 2)
+    ticks_lib.resolve_microbatches(-1, 2)
 
 
 def test_tick_arrays_round_trip():
@@ -169,7 +170,7 @@ def test_tick_arrays_round_trip():
   with trainer.mesh_context(mesh):
     out = jax.jit(lambda a: pipeline.unpack_tick_array(a, stages, m))(
         jax.device_put(packed, trainer.rows_sharding(mesh)))
-  assert len(made) == pipeline.num_ticks(stages, m)
+  assert len(made) == ticks_lib.num_ticks(stages, m)
   np.testing.assert_array_equal(np.asarray(out), np.stack(made))
   assert out.sharding.spec[1] == ("pipe", "data")
 
@@ -185,7 +186,7 @@ def test_distca_plans_pool_ticks_over_every_stage():
   backend = trainer.make_backend(c)
   src = make_source(c.data, rows=16, tokens_per_row=256, vocab_size=c.model.vocab_size,
                     seed=c.seed)
-  ticks = [pipeline.tick_rows(src.doclens(step), stages=2, rows_per_rank=4, microbatches=2)
+  ticks = [ticks_lib.tick_rows(src.doclens(step), stages=2, rows_per_rank=4, microbatches=2)
            for step in range(6)]
   plans = [backend.host_plans(rows, 256)[0].plan for per_step in ticks for rows in per_step]
   assert all(p.num_servers == 8 for p in plans)
@@ -221,14 +222,15 @@ def test_startup_caps_are_sized_for_the_pooled_ticks():
   them, with a fixed plan width."""
   import dataclasses
   from distca_jax import backends
-  from distca_jax.plan import capacity as cap_lib, sizing
+  from distca_jax.backends import distca as distca_backend
+  from distca_jax.plan import capacity as cap_lib
   stages, data, rows_per_rank, m, t, sampled = 2, 4, 4, 2, 256, 6
   c = _with_heads(tiny_config(**DISTCA, **{
       "mesh.pipe": stages, "mesh.data": data, "rows_per_rank": rows_per_rank,
       "pipeline.microbatches": m, "attention.backend": "distca", "tokens_per_rank": t,
       "attention.distca.caps_from_batches": sampled}))
   config_lib.validate(c)
-  got = sizing.startup_capacity(c)
+  got = distca_backend.startup_capacity(c)
   rows = t * rows_per_rank // m  # a device's rows in one tick's call
   assert set(got) == set(cap_lib.EXCHANGE_FIELDS) | {"q_tokens", "kv_tokens"}
   src = make_source(c.data, rows=data * rows_per_rank, tokens_per_row=t,
@@ -237,7 +239,7 @@ def test_startup_caps_are_sized_for_the_pooled_ticks():
   roomy = trainer.make_backend(c, **{f: 8 * rows for f in got})
   need = [cap_lib.required_capacity(roomy.host_plans(ticked, t)[0].plan)
           for step in range(sampled)
-          for ticked in pipeline.tick_rows(src.doclens(step), stages=stages,
+          for ticked in ticks_lib.tick_rows(src.doclens(step), stages=stages,
                                            rows_per_rank=rows_per_rank, microbatches=m)]
   mult = cap_lib.row_multiple(rows)
   for name, v in got.items():
@@ -252,7 +254,7 @@ def test_startup_caps_are_sized_for_the_pooled_ticks():
   widths = set()
   for step in range(sampled, sampled + 10):  # batches the caps never saw
     doclens = src.doclens(step)
-    for ticked in pipeline.tick_rows(doclens, stages=stages, rows_per_rank=rows_per_rank,
+    for ticked in ticks_lib.tick_rows(doclens, stages=stages, rows_per_rank=rows_per_rank,
                                      microbatches=m):
       plan = backend.host_plans(ticked, t)[0].plan
       used = dataclasses.asdict(cap_lib.required_capacity(plan))

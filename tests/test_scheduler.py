@@ -83,7 +83,8 @@ def _granularity(plan: plan_lib.Plan) -> float:
 def test_properties_on_workloads(case):
   name, t, s, tol, nested, step = case
   doc_lens = _layout(name, t, s, nested, step)
-  plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol)
+  plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t,
+                           options=plan_lib.PlanOptions(tolerance=tol))
   _check_plan(plan, tol)
   mean = plan.loads_after.mean()
   if _granularity(plan) <= tol * mean:
@@ -97,7 +98,8 @@ def test_tolerance_reached_when_feasible():
   hits = 0
   for name in ("pretrain", "prolong"):
     for s, t, tol in ((8, 512 * K, 0.05), (64, 256 * K, 0.1), (16, 128 * K, 0.2)):
-      plan = plan_lib.schedule(_layout(name, t, s, False, 7), s, tokens_per_rank=t, tolerance=tol)
+      plan = plan_lib.schedule(_layout(name, t, s, False, 7), s, tokens_per_rank=t,
+                               options=plan_lib.PlanOptions(tolerance=tol))
       _check_plan(plan, tol)
       if _granularity(plan) <= tol * plan.loads_after.mean():
         hits += 1
@@ -108,7 +110,8 @@ def test_tolerance_reached_when_feasible():
 
 def _initial_needs(doc_lens, s, t) -> plan_lib.Capacity:
   """Caps the layout needs before any move (plan with tolerance so high nothing moves)."""
-  plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t, tolerance=1e9)
+  plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t,
+                           options=plan_lib.PlanOptions(tolerance=1e9))
   assert plan.num_moves == 0
   return plan_lib.required_capacity(plan)
 
@@ -122,12 +125,14 @@ def test_caps_never_exceeded(seed):
   tol = float(rng.uniform(0.0, 0.3))
   doc_lens = _layout(name, t, s, seed % 3 == 0, seed)
   free = plan_lib.required_capacity(
-      plan_lib.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol))
+      plan_lib.schedule(doc_lens, s, tokens_per_rank=t,
+                        options=plan_lib.PlanOptions(tolerance=tol)))
   need = _initial_needs(doc_lens, s, t)
   frac = rng.uniform(0.2, 1.0, size=len(plan_lib.CAP_FIELDS))
   cap = plan_lib.Capacity(**{f: max(getattr(need, f), int(getattr(free, f) * x))
                              for f, x in zip(plan_lib.CAP_FIELDS, frac)})
-  plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol, capacity=cap)
+  plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t, capacity=cap,
+                           options=plan_lib.PlanOptions(tolerance=tol))
   _check_plan(plan, tol)
   got = plan_lib.required_capacity(plan)
   for f in plan_lib.CAP_FIELDS:
@@ -162,13 +167,14 @@ def test_caps_never_exceeded_small_layouts():
     tol = float(rng.uniform(0.0, 0.3))
     m0 = int(rng.integers(2, 16))
     free = plan_lib.required_capacity(
-        plan_lib.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol, min_shard=m0))
+        plan_lib.schedule(doc_lens, s, tokens_per_rank=t,
+                          options=plan_lib.PlanOptions(tolerance=tol, min_shard=m0)))
     need = _initial_needs(doc_lens, s, t)
     cap = plan_lib.Capacity(**{
         f: max(getattr(need, f), int(getattr(free, f) * rng.uniform(0.3, 1.0)))
         for f in plan_lib.CAP_FIELDS})
-    plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol, min_shard=m0,
-                             capacity=cap)
+    plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t, capacity=cap,
+                             options=plan_lib.PlanOptions(tolerance=tol, min_shard=m0))
     _check_plan(plan, tol)
     got = plan_lib.required_capacity(plan)
     for f in plan_lib.CAP_FIELDS:
@@ -179,26 +185,31 @@ def test_caps_never_exceeded_small_layouts():
 
 def test_caps_degrade_with_reason():
   # One 1000-token document on rank 0 of 2: the other rank may take at most 10 query rows.
-  plan = plan_lib.schedule([[1000], []], 2, tokens_per_rank=1000, min_shard=8,
-                           capacity=plan_lib.Capacity(q_tokens=1000, q_recv=10))
+  plan = plan_lib.schedule([[1000], []], 2, tokens_per_rank=1000,
+                           capacity=plan_lib.Capacity(q_tokens=1000, q_recv=10),
+                           options=plan_lib.PlanOptions(min_shard=8))
   assert plan.degraded and "q_recv" in plan.degraded_reason
   assert plan_lib.required_capacity(plan).q_recv <= 10
   # A sender's total is capped too: rank 0 may send at most 10 query rows to all servers.
-  plan = plan_lib.schedule([[1000], [], [], []], 4, tokens_per_rank=1000, min_shard=4,
-                           capacity=plan_lib.Capacity(q_send=10))
+  plan = plan_lib.schedule([[1000], [], [], []], 4, tokens_per_rank=1000,
+                           capacity=plan_lib.Capacity(q_send=10),
+                           options=plan_lib.PlanOptions(min_shard=4))
   assert plan.degraded and "q_send" in plan.degraded_reason
   assert plan_lib.required_capacity(plan).q_send <= 10 and plan.num_moves > 0
-  free = plan_lib.schedule([[1000], []], 2, tokens_per_rank=1000, min_shard=8)
+  free = plan_lib.schedule([[1000], []], 2, tokens_per_rank=1000,
+                           options=plan_lib.PlanOptions(min_shard=8))
   assert not free.degraded and free.imbalance_after <= 1.1 + 1e-9
 
 
 def test_min_shard_degrades_with_reason():
-  plan = plan_lib.schedule([[1000], []], 2, tokens_per_rank=1000, min_shard=512)
+  plan = plan_lib.schedule([[1000], []], 2, tokens_per_rank=1000,
+                           options=plan_lib.PlanOptions(min_shard=512))
   assert plan.degraded and "min_shard" in plan.degraded_reason
   assert plan.imbalance_after == pytest.approx(2.0)
   # Mirrored split exactness: 250 mirrored pairs of a 1000-token document cost 250 * 1001.
-  ok = plan_lib.schedule([[1000], []], 2, tokens_per_rank=1000, min_shard=64, tolerance=0.0,
-                         split="mirrored")
+  ok = plan_lib.schedule([[1000], []], 2, tokens_per_rank=1000,
+                         options=plan_lib.PlanOptions(min_shard=64, tolerance=0.0,
+                                                      split="mirrored"))
   assert ok.loads_after.max() - ok.loads_after.min() <= 2 * 1001
 
 
@@ -215,8 +226,9 @@ def test_smaller_tolerance_never_ends_worse(case):
   """imbalance_after is non-increasing as the tolerance decreases (same layout and min_shard)."""
   t, seed, step = case
   doc_lens = _layout("pretrain", t, 64, False, step, seed=seed)
-  imb = [plan_lib.schedule(doc_lens, 64, tokens_per_rank=t, tolerance=tol,
-                           min_shard=512).imbalance_after for tol in (0.1, 0.05, 0.02, 0.01, 0.0)]
+  imb = [plan_lib.schedule(doc_lens, 64, tokens_per_rank=t,
+                           options=plan_lib.PlanOptions(tolerance=tol, min_shard=512)
+                           ).imbalance_after for tol in (0.1, 0.05, 0.02, 0.01, 0.0)]
   assert all(b <= a * (1 + 1e-12) for a, b in zip(imb, imb[1:])), imb
 
 
@@ -232,9 +244,12 @@ def test_mirrored_pairs_identity():
 
 def test_determinism_and_input_forms():
   doc_lens = _layout("prolong", 64 * K, 16, False, 3)
-  p1 = plan_lib.schedule(doc_lens, 16, tokens_per_rank=64 * K, tolerance=0.05)
-  p2 = plan_lib.schedule(tuple(doc_lens), 16, tokens_per_rank=64 * K, tolerance=0.05)
-  p3 = plan_lib.schedule(np.asarray(doc_lens), 16, tokens_per_rank=64 * K, tolerance=0.05)
+  p1 = plan_lib.schedule(doc_lens, 16, tokens_per_rank=64 * K,
+                         options=plan_lib.PlanOptions(tolerance=0.05))
+  p2 = plan_lib.schedule(tuple(doc_lens), 16, tokens_per_rank=64 * K,
+                         options=plan_lib.PlanOptions(tolerance=0.05))
+  p3 = plan_lib.schedule(np.asarray(doc_lens), 16, tokens_per_rank=64 * K,
+                         options=plan_lib.PlanOptions(tolerance=0.05))
   for p in (p2, p3):
     np.testing.assert_array_equal(p1.tasks, p.tasks)
     np.testing.assert_array_equal(p1.loads_after, p.loads_after)
@@ -243,17 +258,19 @@ def test_determinism_and_input_forms():
   # The nested form with every document inside one rank equals the flat form.
   nested = [[100, 28], [64, 64], [128]]
   flat = [100, 28, 64, 64, 128]
-  a = plan_lib.schedule(nested, 3, tokens_per_rank=128, min_shard=4)
-  b = plan_lib.schedule(flat, 3, tokens_per_rank=128, min_shard=4)
+  a = plan_lib.schedule(nested, 3, tokens_per_rank=128, options=plan_lib.PlanOptions(min_shard=4))
+  b = plan_lib.schedule(flat, 3, tokens_per_rank=128, options=plan_lib.PlanOptions(min_shard=4))
   np.testing.assert_array_equal(a.tasks, b.tasks)
 
 
 @pytest.mark.parametrize("split", ["mirrored", "suffix"])
 def test_split_modes(split):
   doc_lens = _layout("pretrain", 128 * K, 8, False, 1)
-  plan = plan_lib.schedule(doc_lens, 8, tokens_per_rank=128 * K, tolerance=0.1, split=split)
+  plan = plan_lib.schedule(doc_lens, 8, tokens_per_rank=128 * K,
+                           options=plan_lib.PlanOptions(tolerance=0.1, split=split))
   _check_plan(plan, 0.1)
-  auto = plan_lib.schedule(doc_lens, 8, tokens_per_rank=128 * K, tolerance=0.1)
+  auto = plan_lib.schedule(doc_lens, 8, tokens_per_rank=128 * K,
+                           options=plan_lib.PlanOptions(tolerance=0.1))
   assert auto.num_moves > 0 and plan.num_moves > 0
 
 
@@ -353,9 +370,10 @@ def test_metadata_round_trip(seed):
   kind = ("flat", "huge", "rank_huge", "nested")[seed % 4]
   doc_lens, s, t = _random_small_layout(rng, kind)
   tol = float(rng.choice([0.0, 0.05, 0.3]))
-  plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t, tolerance=tol,
-                           min_shard=int(rng.integers(1, 6)), q_heads=4, kv_heads=2, head_dim=8,
-                           split=("auto", "mirrored", "suffix")[seed % 3])
+  options = plan_lib.PlanOptions(tolerance=tol, min_shard=int(rng.integers(1, 6)), q_heads=4,
+                                 kv_heads=2, head_dim=8,
+                                 split=("auto", "mirrored", "suffix")[seed % 3])
+  plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t, options=options)
   _check_plan(plan, tol)
   tight = plan_lib.required_capacity(plan)
   if seed % 2:  # padded buffers: every cap a little larger than needed
@@ -380,8 +398,9 @@ def test_metadata_from_workload_layout():
   """A real (scaled-down) layout: spanning documents, many tasks, padded caps."""
   t, s = K, 4
   doc_lens = WorkloadSampler("prolong", t, seed=5, context_length=8 * K).flat_doclens(2, s)
-  plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t, tolerance=0.05, min_shard=16,
-                           q_heads=2, kv_heads=1, head_dim=4)
+  plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t,
+                           options=plan_lib.PlanOptions(tolerance=0.05, min_shard=16, q_heads=2,
+                                                        kv_heads=1, head_dim=4))
   assert plan.num_moves > 0
   cap = plan_lib.Capacity.envelope([plan_lib.required_capacity(plan)], multiple=64)
   meta = plan_lib.plan_to_metadata(plan, cap)
@@ -395,7 +414,8 @@ def test_metadata_from_workload_layout():
 
 def test_metadata_rank_subset():
   doc_lens = [50, 90, 30, 10, 60]
-  plan = plan_lib.schedule(doc_lens, 4, tokens_per_rank=64, min_shard=4, tolerance=0.0)
+  plan = plan_lib.schedule(doc_lens, 4, tokens_per_rank=64,
+                           options=plan_lib.PlanOptions(min_shard=4, tolerance=0.0))
   full = plan_lib.plan_to_metadata(plan)
   part = plan_lib.plan_to_metadata(plan, ranks=[2, 0])
   for f in plan_lib.PlanMetadata.DEVICE_FIELDS:
@@ -405,7 +425,8 @@ def test_metadata_rank_subset():
 
 
 def test_metadata_capacity_too_small():
-  plan = plan_lib.schedule([40, 30, 20, 38], 2, tokens_per_rank=64, min_shard=2)
+  plan = plan_lib.schedule([40, 30, 20, 38], 2, tokens_per_rank=64,
+                           options=plan_lib.PlanOptions(min_shard=2))
   need = plan_lib.required_capacity(plan)
   for f in plan_lib.CAP_FIELDS:
     if getattr(need, f) > 1:
@@ -443,8 +464,11 @@ def test_metadata_capacity_too_small():
      "linear_pairs_per_token"),
 ])
 def test_bad_input(args, kwargs, match):
+  fields = {f.name for f in dataclasses.fields(plan_lib.PlanOptions)}
+  options = plan_lib.PlanOptions(**{k: v for k, v in kwargs.items() if k in fields})
   with pytest.raises(ValueError, match=match):
-    plan_lib.schedule(*args, **kwargs)
+    plan_lib.schedule(*args, **{k: v for k, v in kwargs.items() if k not in fields},
+                      options=options)
 
 
 def test_predicted_step_gain_by_hand():
@@ -467,13 +491,15 @@ def test_gate_moves_nothing_below_min_gain_and_balances_above(seed):
   seen = {True: 0, False: 0}
   for step in range(12):
     layout = _layout("prolong" if step % 2 else "pretrain", t, s, True, step, seed=seed)
-    free = plan_lib.schedule(layout, s, tokens_per_rank=t, tolerance=0.05)
+    free = plan_lib.schedule(layout, s, tokens_per_rank=t,
+                             options=plan_lib.PlanOptions(tolerance=0.05))
     gain = plan_lib.predicted_step_gain(free.loads_before, t, lin)
     # No linear weight given: attention alone.
     assert free.predicted_gain == pytest.approx(free.imbalance_before - 1) and not free.gated
     for min_gain in (gain * 0.5, gain * 2.0 + 1e-9):
-      p = plan_lib.schedule(layout, s, tokens_per_rank=t, tolerance=0.05, min_gain=min_gain,
-                            linear_pairs_per_token=lin)
+      p = plan_lib.schedule(layout, s, tokens_per_rank=t,
+                            options=plan_lib.PlanOptions(tolerance=0.05, min_gain=min_gain,
+                                                         linear_pairs_per_token=lin))
       assert p.predicted_gain == pytest.approx(gain)
       if gain < min_gain:
         assert p.gated and not p.degraded and p.num_moves == 0 and p.bytes_total == 0
@@ -493,7 +519,7 @@ def test_bad_types():
   with pytest.raises(TypeError, match="capacity"):
     plan_lib.schedule([10], 2, tokens_per_rank=64, capacity=5)
   with pytest.raises(TypeError, match="cost_model"):
-    plan_lib.schedule([10], 2, tokens_per_rank=64, cost_model=3)
+    plan_lib.schedule([10], 2, tokens_per_rank=64, options=plan_lib.PlanOptions(cost_model=3))
 
 
 def test_empty_layout():
@@ -543,7 +569,8 @@ def test_cost_table_in_plan(tmp_path):
   grid = _power_table(q_lens, kv_lens)
   table = plan_lib.CostTable.from_arrays(q_lens, kv_lens, grid, meta={"device": "synthetic"})
   doc_lens = _layout("pretrain", 64 * K, 8, False, 0)
-  plan = plan_lib.schedule(doc_lens, 8, tokens_per_rank=64 * K, cost_model=table)
+  plan = plan_lib.schedule(doc_lens, 8, tokens_per_rank=64 * K,
+                           options=plan_lib.PlanOptions(cost_model=table))
   t = plan.tasks
   want = np.bincount(t[:, 3], weights=table.time(t[:, 2] - t[:, 1], t[:, 2]), minlength=8)
   np.testing.assert_allclose(plan.times_after, want)
@@ -553,7 +580,8 @@ def test_cost_table_in_plan(tmp_path):
   path = tmp_path / "t.json"
   path.write_text(json.dumps({"q_lens": q_lens, "kv_lens": kv_lens, "fwd_bwd_s": [[
       None if np.isnan(x) else x for x in row] for row in grid]}))
-  again = plan_lib.schedule(doc_lens, 8, tokens_per_rank=64 * K, cost_model=str(path))
+  again = plan_lib.schedule(doc_lens, 8, tokens_per_rank=64 * K,
+                            options=plan_lib.PlanOptions(cost_model=str(path)))
   np.testing.assert_allclose(again.times_after, plan.times_after)
 
 
@@ -570,7 +598,8 @@ def test_cost_table_bad(bad, match):
 
 def test_cost_table_missing_file(tmp_path):
   with pytest.raises(FileNotFoundError, match="cost_table.py"):
-    plan_lib.schedule([10], 2, tokens_per_rank=16, cost_model=str(tmp_path / "nope.json"))
+    plan_lib.schedule([10], 2, tokens_per_rank=16,
+                      options=plan_lib.PlanOptions(cost_model=str(tmp_path / "nope.json")))
 
 
 def test_capacity_memory_and_envelope():
@@ -611,3 +640,21 @@ def test_diagnostics_and_plot():
   else:
     fig = plan_lib.plot_loads(plan)
     assert fig.axes
+
+
+def test_plan_options_auto_min_shard_is_resolved_per_row():
+  """min_shard=None is auto: schedule needs a number (it cannot know the rows), for_rows gives
+  auto_min_shard of the tokens per row, and host_plan resolves it with the spec's rows."""
+  auto = plan_lib.PlanOptions(min_shard=None, tolerance=0.0)
+  with pytest.raises(ValueError, match=r"min_shard=None \(auto\)"):
+    plan_lib.schedule([[40, 30], [5]], 2, tokens_per_rank=128, options=auto)
+  with pytest.raises(TypeError, match="must be a plan.PlanOptions"):
+    plan_lib.schedule([[40, 30], [5]], 2, tokens_per_rank=128, options={"tolerance": 0.0})
+  assert auto.for_rows(128).min_shard == plan_lib.auto_min_shard(128) == 8
+  assert auto.for_rows(64 * K).min_shard == plan_lib.DEFAULT_MIN_SHARD
+  fixed = plan_lib.PlanOptions(min_shard=16)
+  assert fixed.for_rows(128) is fixed
+  cap = plan_lib.Capacity(**{f: 256 for f in plan_lib.CAP_FIELDS})
+  spec = plan_lib.PlanSpec(num_servers=2, tokens_per_row=128, rows_per_device=1, capacity=cap)
+  hp = plan_lib.host_plan([[120], [5]], spec, auto)
+  assert hp.plan.min_shard == 8 and hp.plan.num_moves > 0

@@ -168,7 +168,7 @@ def test_wlb_ideal_from_config_reaches_the_backend():
   opts = ideal.wlb_options_from_config(c)
   assert 4 % opts["cp_size"] == 0 and opts["alpha"] in ideal.DEFAULT_ALPHAS
   from distca_jax.backends import wlb
-  options = wlb.Options.from_config(c)
+  options = wlb.from_first_batches(c, wlb.Options.from_config(c))
   assert (options.cp_size, options.alpha) == (opts["cp_size"], opts["alpha"])
   assert trainer.make_backend(c).host_arrange is not None
   # A field given stays as given.
@@ -262,7 +262,6 @@ def test_wlb_kernel_check_times_both_flash3_launch_shapes(tmp_path):
   """With kernel 'flash3' every rank is timed as the backend calls it and with tight bounds
   (here a stand-in timer: seconds = pairs x 1 ns, 2x that for the backend's call)."""
   from experiments import wlb_kernel_check as wkc
-  from distca_jax import ops
   a = wkc.parse_args(["--tiny"])
   a.kernel = "flash3"
   calls = []
@@ -270,7 +269,7 @@ def test_wlb_kernel_check_times_both_flash3_launch_shapes(tmp_path):
   def fake(cq, ck, nq, nkv, model_cfg, kernel, iters, tight):
     calls.append(tight)
     assert kernel == "flash3" and cq[-1] <= nq and ck[-1] <= nkv
-    return (1 if tight else 2) * ops.attention_pairs(cq, ck) * 1e-9 + 1e-6
+    return (1 if tight else 2) * plan_lib.attention_pairs(cq, ck) * 1e-9 + 1e-6
 
   km = _flat_table()
   w = wkc.check_workload(a, "pretrain", km, measure=fake)

@@ -113,6 +113,23 @@ def test_bad_mesh_is_a_clear_error():
     shard_lib.make_mesh(pipe=3)
 
 
+def test_data_ranks_reads_mesh_data_minus_one_once():
+  """config.data_ranks: mesh.data as given, or -1 = every device over tensor x pipe, as the
+  trainer's mesh lays it out; a non-positive tensor or pipe size names itself."""
+  from distca_jax import config as config_lib
+  c = configs_io.load_config(os.path.join(ROOT, "configs", "tiny_cpu.py"),
+                             ["mesh.data=-1", "mesh.tensor=2", "mesh.pipe=2"])
+  assert config_lib.data_ranks(c, 8) == 2 and config_lib.data_ranks(c, 16) == 4
+  assert config_lib.data_ranks(c) == jax.device_count() // 4
+  c.mesh.data = 3
+  assert config_lib.data_ranks(c, 8) == 3
+  c.mesh.data, c.mesh.pipe = -1, 0
+  with pytest.raises(ValueError, match=r"^mesh.tensor=2 and mesh.pipe=0 must be >= 1$"):
+    config_lib.data_ranks(c, 8)
+  c.mesh.data, c.mesh.pipe, c.mesh.tensor = -1, 1, 2
+  assert trainer.setup_run(c).mesh.shape["data"] == jax.device_count() // 2
+
+
 def _run_train(workdir, overrides, env_devices, kill_after_ckpt=None):
   cmd = [sys.executable, "-m", "distca_jax.train", "--config", os.path.join(ROOT, "configs", "tiny_cpu.py"),
          "--workdir", workdir] + [f"--config.{o}" for o in overrides]

@@ -1,11 +1,15 @@
-"""Core-attention backends: one module per backend, each exporting the same two names.
+"""Core-attention backends: one module per backend, each exporting the same names.
 
 * ``Options``: a frozen dataclass of the backend's options, with ``Options.from_config(c)``
   reading them from a run config;
-* ``make(options) -> attention.Backend``.
+* ``make(options) -> attention.Backend``;
+* optionally ``from_first_batches(c, options) -> Options``: the options a config leaves to the
+  run's own data, measured at startup on its first batches (``distca``: buffer caps; ``wlb``:
+  WLB-ideal's split and alpha). ``from_config`` itself only reads the config.
 
 ``build(c, **overrides)`` is the one place a name becomes a backend (the trainer calls it;
-benchmarks pass options that are no config keys, e.g. ``signal_only=True``, as overrides);
+benchmarks pass options that are no config keys, e.g. ``signal_only=True``, as overrides); it
+runs the startup step after the overrides, so an option set there is not measured;
 ``get(name, **options)`` builds one from options alone (tests, notebooks).
 
 ==============  ======================================================================
@@ -46,10 +50,14 @@ def module(name: str) -> types.ModuleType:
 
 def build(c: ml_collections.ConfigDict, **overrides) -> attn_lib.Backend:
   """The configured backend (``config.attention.backend``), options from the config; keyword
-  ``overrides`` replace single options (names of the backend's ``Options`` fields). Under a
+  ``overrides`` replace single options (names of the backend's ``Options`` fields); options left
+  to the data are then measured on the run's first batches (``from_first_batches``). Under a
   pipeline (``mesh.pipe > 1``) its host planning runs per tick (``pipeline.per_tick_backend``)."""
   m = module(c.attention.backend)
-  backend = m.make(dataclasses.replace(m.Options.from_config(c), **overrides))
+  options = dataclasses.replace(m.Options.from_config(c), **overrides)
+  if hasattr(m, "from_first_batches"):  # the startup step: sample the run's first batches
+    options = m.from_first_batches(c, options)
+  backend = m.make(options)
   if c.mesh.pipe > 1:  # one core-attention call is one pipeline tick: host plans per tick
     backend = pipeline.per_tick_backend(backend, stages=c.mesh.pipe, rows_per_rank=c.rows_per_rank,
                                         microbatches=c.pipeline.microbatches)

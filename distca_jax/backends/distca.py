@@ -1,5 +1,11 @@
 """The ``distca`` core-attention backend of the trainer: plan each batch on the input thread
-(``distca_jax.plan``), run the data plane inside the step (``distca_jax.dataplane``)."""
+(``distca_jax.plan``), run the data plane inside the step (``distca_jax.dataplane``).
+
+Reading the options (``Options.from_config``) only reads the config. The caps a config leaves at
+0 are sized at startup by an explicit step, ``from_first_batches`` (``backends.build`` runs it):
+it samples the run's first batches (``startup_capacity``), plans them without caps and adds
+headroom; it is the one part of this backend that reads the data pipeline.
+"""
 
 from __future__ import annotations
 
@@ -16,25 +22,27 @@ from distca_jax import config as config_lib
 from distca_jax import metrics as metrics_lib
 from distca_jax import pipeline
 from distca_jax.checks import check_float, check_int
+from distca_jax.data import make_source
 from distca_jax.dataplane import (DEFAULT_EXCHANGE_BUCKETS, DispatchOptions, ExchangeOptions,
-                                  dispatch_attention,
-                                  mesh_and_servers)
-from distca_jax.plan import cost, sizing
-from distca_jax.plan.capacity import CAP_FIELDS, resolve_capacity
-from distca_jax.plan.spec import (HostPlan, PlanSpec, host_plan,
-                                  nano_batch_rows)
+                                  dispatch_attention, mesh_and_servers)
+from distca_jax.plan import cost, ticks
+from distca_jax.plan.capacity import (CAP_FIELDS, EXCHANGE_FIELDS, caps_with_headroom,
+                                      default_capacity, resolve_capacity, row_multiple)
+from distca_jax.plan.options import PlanOptions
+from distca_jax.plan.spec import (HostPlan, PlanSpec, device_layout, host_plan, nano_batch_rows,
+                                  suggest_capacity)
 
 PLAN_KEY = "distca_plan"  # the one key of ``layout.extra`` this backend reads
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-  """Options of the ``distca`` backend (``from_config``: ``config.attention.distca``, the kernel,
-  the model's shapes and the run's startup caps).
+  """Options of the ``distca`` backend (``from_config``: ``config.attention.distca``, the kernel
+  and the model's shapes; caps left at 0 are sized by ``from_first_batches``).
 
   Attributes:
-    tolerance, min_shard, min_gain: the balancer's (``plan.schedule``); ``min_shard`` 0 takes
-      ``plan.auto_min_shard``.
+    tolerance, min_shard, min_gain: the balancer's (``plan.PlanOptions``); ``min_shard`` None
+      takes ``plan.auto_min_shard`` of the batch's tokens per row (the config's 0).
     q_send, kv_send, q_recv, kv_recv, q_tokens, kv_tokens, tasks: caps per device for one call
       (``R/n`` rows of ``tokens_per_row``); 0 takes ``plan.default_capacity``'s value.
     kernel, memory_mode: ``dataplane.DispatchOptions``.
@@ -53,7 +61,7 @@ class Options:
       time (benchmarks pass it to ``backends.build``; balancing stays in pairs).
   """
   tolerance: float = cost.DEFAULT_TOLERANCE
-  min_shard: int = 0
+  min_shard: int | None = None
   min_gain: float = 0.0
   q_send: int = 0
   kv_send: int = 0
@@ -80,16 +88,17 @@ class Options:
 
   @classmethod
   def from_config(cls, c: ml_collections.ConfigDict) -> "Options":
-    """The run's options; caps left at 0 come from its first batches (``sizing``)."""
+    """The run's options as its config states them (no planning, no data: caps left at 0 stay
+    0 until ``from_first_batches``)."""
     d = c.attention.distca
     m = config_lib.model_config(c)
     # Under a pipeline (mesh.pipe > 1) one call is one tick: rows_per_rank / M rows of every
-    # pipe x data rank, all of them servers; startup caps are sampled from the ticks' calls.
-    caps = {**{f: d[f] for f in CAP_FIELDS}, **sizing.startup_capacity(c)}
+    # pipe x data rank, all of them servers.
     pipe = c.mesh.pipe > 1
-    rows = c.rows_per_rank // (pipeline.resolve_microbatches(c.pipeline.microbatches, c.mesh.pipe)
+    rows = c.rows_per_rank // (ticks.resolve_microbatches(c.pipeline.microbatches, c.mesh.pipe)
                                if pipe else 1)
-    return cls(tolerance=d.tolerance, min_shard=d.min_shard, min_gain=d.min_gain, **caps,
+    return cls(tolerance=d.tolerance, min_shard=d.min_shard or None, min_gain=d.min_gain,
+               **{f: d[f] for f in CAP_FIELDS},
                kernel=c.attention.kernel, memory_mode=d.memory_mode,
                rows_per_rank=rows, nano_batches=c.attention.nano_batches,
                data_axis=(pipeline.PIPE_AXIS, "data") if pipe else "data",
@@ -97,6 +106,15 @@ class Options:
                dtype_bytes=jnp.dtype(m.dtype).itemsize,
                linear_pairs_per_token=metrics_lib.linear_pairs_per_token(m),
                collective=d.collective, exchange_buckets=d.exchange_buckets)
+
+  @property
+  def plan_options(self) -> PlanOptions:
+    """The planner's options of every batch (``min_shard`` None: per the batch's rows)."""
+    return PlanOptions(tolerance=self.tolerance, min_shard=self.min_shard,
+                       min_gain=self.min_gain, cost_model=self.cost_table or None,
+                       linear_pairs_per_token=self.linear_pairs_per_token, q_heads=self.q_heads,
+                       kv_heads=self.kv_heads, head_dim=self.head_dim,
+                       dtype_bytes=self.dtype_bytes)
 
   @property
   def caps(self) -> dict[str, int]:
@@ -138,10 +156,7 @@ def make(options: Options) -> "DistcaBackend":
   for name, v in caps.items():
     check_int(f"config.attention.distca.{name} (0 = auto)", v, 0)
   rn = r // n  # rows per device in one core-attention call
-  byte_model = dict(q_heads=o.q_heads, kv_heads=o.kv_heads, head_dim=o.head_dim,
-                    dtype_bytes=o.dtype_bytes)
-  tolerance, min_shard, min_gain = o.tolerance, o.min_shard, o.min_gain
-  cost_table, linear_pairs_per_token = o.cost_table, o.linear_pairs_per_token
+  plan_options = o.plan_options
   rows_per_rank, nano_batches = o.rows_per_rank, o.nano_batches
   data_axis, head_axis = o.data_axis, o.head_axis
 
@@ -156,10 +171,7 @@ def make(options: Options) -> "DistcaBackend":
     s = rows // r
     spec = spec_for(s, int(tokens_per_row))
     # Nano-batch i: rows [i rn, (i + 1) rn) of every device's block (model.split_rows).
-    return [host_plan([list(doclens[x]) for x in nano_batch_rows(s, r, n, i)], spec,
-                      tolerance=tolerance, min_shard=min_shard or None,
-                      cost_model=cost_table or None, min_gain=min_gain,
-                      linear_pairs_per_token=linear_pairs_per_token, **byte_model)
+    return [host_plan([list(doclens[x]) for x in nano_batch_rows(s, r, n, i)], spec, plan_options)
             for i in range(n)]
 
   warned = []
@@ -214,3 +226,94 @@ class DistcaBackend(attn_lib.Backend):
   caps: Mapping[str, int] | None = None
 
 
+# ---------------------------------------------------------------------------------------------
+# Startup: caps from the run's own first batches.
+# ---------------------------------------------------------------------------------------------
+def from_first_batches(c: ml_collections.ConfigDict, options: Options) -> Options:
+  """``options`` with the caps left at 0 sized from the run's first batches
+  (``startup_capacity``); ``backends.build`` calls this once per run, after ``from_config``."""
+  return dataclasses.replace(options, **startup_capacity(c, options))
+
+
+def startup_capacity(c: ml_collections.ConfigDict, options: Options | None = None, *,
+                     data: int | None = None) -> dict[str, int]:
+  """Row caps for a run: those its options leave at 0, from its own first batches.
+
+  ``config.attention.distca.caps_from_batches = N > 0``: ``suggest_config_capacity`` over the
+  run's first N batches, times ``caps_headroom``, rounded up to whole row multiples. Each cap is
+  at least what the no-move layout needs: ``q_tokens`` and ``kv_tokens`` hold a device's rows
+  of one call, so every batch can be planned. A later batch that would need more only moves
+  less (``Plan.degraded``). ``tasks`` is never derived: a batch with more documents than task
+  slots cannot be planned at all, so it keeps ``default_capacity``'s value. Returns the
+  overrides (name -> value) for the caps left at 0, or ``{}`` when N is 0 or every row cap is
+  set. ``options`` default: ``Options.from_config(c)``.
+  """
+  options = options if options is not None else Options.from_config(c)
+  d = c.attention.distca
+  n = check_int("config.attention.distca.caps_from_batches", d.caps_from_batches, 0)
+  headroom = float(d.caps_headroom)
+  if not headroom >= 1.0:
+    raise ValueError(f"config.attention.distca.caps_headroom={d.caps_headroom} must be >= 1 (a "
+                     "margin over the sampled batches)")
+  auto = [f for f in EXCHANGE_FIELDS + ("q_tokens", "kv_tokens") if not getattr(options, f)]
+  if n == 0 or not auto:
+    return {}
+  sugg = suggest_config_capacity(c, options, num_batches=n, data=data)
+  rows = int(c.tokens_per_rank) * _call_rows(options)
+  return caps_with_headroom(sugg, rows, headroom, auto)
+
+
+def _call_rows(options: Options) -> int:
+  """Rows a device holds in one core-attention call: ``rows_per_rank / nano_batches`` (under a
+  pipeline ``from_config`` already divided ``rows_per_rank`` by the microbatches)."""
+  return int(options.rows_per_rank) // int(options.nano_batches)
+
+
+def _calls(c, doclens, data: int) -> list[list]:
+  """The rows of each core-attention call of one batch, as ``host_prepare`` plans them: one per
+  nano-batch, or under a pipeline one per tick (``plan.ticks.tick_rows``: every stage's rows, on
+  ``pipe x data`` servers)."""
+  r = int(c.rows_per_rank)
+  if c.mesh.pipe > 1:
+    return ticks.tick_rows(doclens, stages=c.mesh.pipe, rows_per_rank=r,
+                           microbatches=c.pipeline.microbatches)
+  n = int(c.attention.nano_batches)
+  return [[doclens[x] for x in nano_batch_rows(data, r, n, i)] for i in range(n)]
+
+
+def suggest_config_capacity(c: ml_collections.ConfigDict, options: Options | None = None, *,
+                            num_batches: int = 32, quantile: float = 1.0,
+                            data: int | None = None) -> dict[str, int]:
+  """Caps for a run config from its own data source: ``config.attention.distca`` overrides.
+
+  Plans ``num_batches`` batches of ``c.data`` (the steps a run starts with) the way
+  ``host_prepare`` will (per nano-batch; under a pipeline per tick, over ``pipe x data``
+  servers), without caps, and returns ``suggest_capacity``'s envelope as a dict of
+  ``plan.CAP_FIELDS`` (e.g. print them as ``--config.attention.distca.<name>=<value>`` flags).
+
+  Args:
+    c: the run config (``config.base_config`` tree).
+    options: the backend's options (default ``Options.from_config(c)``): the balancer's
+      tolerance and ``min_shard`` and the attention shapes.
+    num_batches: batches to sample.
+    quantile: per-field quantile over the batches (1.0 = the maximum seen).
+    data: the data-axis size; default ``config.data_ranks(c)``.
+  """
+  o = options if options is not None else Options.from_config(c)
+  if data is None:
+    data = config_lib.data_ranks(c)
+  t, rn = int(c.tokens_per_rank), _call_rows(o)
+  servers = data * max(int(c.mesh.pipe), 1)
+  src = make_source(c.data, rows=data * int(c.rows_per_rank), tokens_per_row=t,
+                    vocab_size=c.model.vocab_size, seed=c.seed)
+  spec = PlanSpec(num_servers=servers, tokens_per_row=t, rows_per_device=rn,
+                  capacity=default_capacity(rn * t, rn))
+  layouts = [device_layout(rows, spec)[0]
+             for step in range(num_batches) for rows in _calls(c, src.doclens(step), data)]
+  # The balancer's tolerance and min_shard and the attention shapes. No gate (min_gain): every
+  # sampled batch is balanced, so the caps also hold the batches a gate leaves unmoved.
+  sizing = PlanOptions(tolerance=o.tolerance, min_shard=o.min_shard, q_heads=o.q_heads,
+                       kv_heads=o.kv_heads, head_dim=o.head_dim).for_rows(t)
+  cap = suggest_capacity(layouts, servers, rn * t, quantile=quantile,
+                         multiple=row_multiple(rn * t), options=sizing)
+  return dataclasses.asdict(cap)

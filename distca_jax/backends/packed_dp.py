@@ -13,7 +13,7 @@ from distca_jax import baselines
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-  """Attributes: ``kernel`` (``ops.core_attention`` backend), ``max_docs_per_row`` (task-table
+  """Attributes: ``kernel`` (``ops.core_attention`` kernel), ``max_docs_per_row`` (task-table
   slots per row)."""
   kernel: str = "auto"
   max_docs_per_row: int = baselines.DEFAULT_MAX_DOCS_PER_ROW

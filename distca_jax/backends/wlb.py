@@ -25,15 +25,24 @@ class Options:
 
   @classmethod
   def from_config(cls, c: ml_collections.ConfigDict) -> "Options":
+    """The config's options (no data read: ``cp_size`` / ``alpha`` 0 stay 0 until
+    ``from_first_batches``)."""
     b = c.attention.baselines
     dims = baselines.ModelDims.from_model(config_lib.model_config(c))
-    options = cls(cp_size=b.cp_size, kernel=c.attention.kernel,
-                  max_docs_per_row=b.max_docs_per_row, rows_per_rank=c.rows_per_rank,
-                  alpha=b.wlb_alpha, balance_len=dims.balance_len)
-    if not (b.cp_size and b.wlb_alpha):  # 0 = WLB-ideal: the best predicted split / alpha
-      from distca_jax.baselines import ideal  # pylint: disable=import-outside-toplevel
-      options = dataclasses.replace(options, **ideal.wlb_options_from_config(c))
+    return cls(cp_size=b.cp_size, kernel=c.attention.kernel,
+               max_docs_per_row=b.max_docs_per_row, rows_per_rank=c.rows_per_rank,
+               alpha=b.wlb_alpha, balance_len=dims.balance_len)
+
+
+def from_first_batches(c: ml_collections.ConfigDict, options: Options) -> Options:
+  """WLB-ideal at startup: a ``cp_size`` or ``alpha`` of 0 (or None) takes the best predicted
+  split / alpha on the run's first batches (``baselines.ideal.wlb_options_from_config``);
+  ``backends.build`` calls this once per run, after ``from_config``."""
+  if options.cp_size and options.alpha:
     return options
+  from distca_jax.baselines import ideal  # pylint: disable=import-outside-toplevel
+  best = ideal.wlb_options_from_config(c)
+  return dataclasses.replace(options, **{k: v for k, v in best.items() if not getattr(options, k)})
 
 
 def make(options: Options) -> attn_lib.Backend:

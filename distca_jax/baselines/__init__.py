@@ -45,16 +45,11 @@ DEFAULT_MAX_DOCS_PER_ROW = 128
 
 __all__ = [
     "Hardware", "ModelDims", "Placement", "RankMetrics", "WlbPacking", "arrange_batch",
-    "check_kernel", "cp_metrics", "cp_placement", "distca_metrics", "estimate_layer_seconds",
+    "cp_metrics", "cp_placement", "distca_metrics", "estimate_layer_seconds",
     "group_backend", "imbalance", "natural_placement", "packed_dp_backend", "packed_dp_metrics",
     "placement_metrics", "rank_metrics", "task_tables", "wlb_metrics", "wlb_pack",
     "wlb_placement", "wlb_row_tokens",
 ]
-
-
-def check_kernel(kernel: str) -> str:
-  """``kernel`` if it is an ``ops.core_attention`` backend, else a ValueError naming the fix."""
-  return ops.check_backend(kernel, "kernel")
 
 
 def _check_cp(cp_size, name: str) -> int:
@@ -69,8 +64,8 @@ def _check_cp(cp_size, name: str) -> int:
 # ----------------------------------------------------------------------------------------------
 def packed_dp_backend(kernel: str = "auto",
                       max_docs_per_row: int = DEFAULT_MAX_DOCS_PER_ROW) -> attn_lib.Backend:
-  """``packed_dp`` backend: options ``kernel`` (ops backend), ``max_docs_per_row`` (table cap)."""
-  kernel = check_kernel(kernel)
+  """``packed_dp`` backend: options ``kernel`` (``ops.KERNELS``), ``max_docs_per_row`` (table cap)."""
+  kernel = ops.check_kernel(kernel)
   nd = packing.check_pos_int("max_docs_per_row", max_docs_per_row)
 
   def host_prepare(doclens, tokens_per_row):
@@ -144,7 +139,7 @@ def group_backend(name: str, cp_size=None, kernel: str = "auto",
   """``cp`` or ``wlb`` (``name``): the batch rearranged on the host by ``arrange_batch``, K/V
   all-gathered in groups of ``cp_size`` data ranks (``device.group_attention``)."""
   c = _check_cp(cp_size, name)
-  kernel = check_kernel(kernel)
+  kernel = ops.check_kernel(kernel)
   if name == "wlb":
     wlb_row_tokens(alpha, 2)  # validates alpha
     if balance_len is None or not balance_len > 0:

@@ -64,8 +64,7 @@ def packed_dp_task_table(doc_lens_RxN: jax.Array, tokens_per_row: int):
   0. Empty slots (a row's unused document slots, zero padding) go last, the others in order
   (the offsets do not change): flash3 then launches only the slots in use (its launch buckets
   cut trailing empty slots). With them between rows, one call over 2 rows of 64K took 224 ms
-  forward+backward against 185 ms for one call per row
-  (results/archive/94b2700/rows_per_call_bench.md).
+  forward+backward against 185 ms for one call per row.
   """
   lens = doc_lens_RxN.astype(jnp.int32)
   pad_R1 = tokens_per_row - lens.sum(1, keepdims=True)
@@ -98,7 +97,7 @@ def packed_dp_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout
     # No task is longer than a row (documents never cross rows): max_seqlen = t tells flash3
     # (its backward launches blocks per task x ceil(max_seqlen_k / 128)).
     o = ops.core_attention(q_RxTxHxD.reshape(r * t, h, d), k_RxTxKxD.reshape(r * t, kh, d),
-                           v_RxTxKxD.reshape(r * t, kh, d), cu_q, cu_k, backend=kernel,
+                           v_RxTxKxD.reshape(r * t, kh, d), cu_q, cu_k, kernel=kernel,
                            softmax_scale=softmax_scale, max_seqlen_q=t, max_seqlen_k=t)
     return o.reshape(r, t, h, d)
 
@@ -146,7 +145,7 @@ def group_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *,
       k_buf = jnp.take(k_src, kv_index_RxU[j], axis=0, mode="fill", fill_value=0)
       v_buf = jnp.take(v_src, kv_index_RxU[j], axis=0, mode="fill", fill_value=0)
       outs.append(ops.core_attention(q_RxTxHxD[j], k_buf, v_buf, cu_q_RxN1[j].astype(jnp.int32),
-                                     cu_k_RxN1[j].astype(jnp.int32), backend=kernel,
+                                     cu_k_RxN1[j].astype(jnp.int32), kernel=kernel,
                                      softmax_scale=softmax_scale))
     return jnp.stack(outs)
 

@@ -100,9 +100,7 @@ def wlb_choice_from_config(c, data_ranks: int | None = None) -> WlbChoice:
   from distca_jax.data import make_source  # pylint: disable=import-outside-toplevel
   b = c.attention.baselines
   if data_ranks is None:
-    import jax  # pylint: disable=import-outside-toplevel
-    data_ranks = (c.mesh.data if c.mesh.data > 0
-                  else jax.device_count() // (c.mesh.tensor * c.mesh.pipe))
+    data_ranks = config_lib.data_ranks(c)
   m = config_lib.model_config(c)
   rows = data_ranks * c.rows_per_rank
   src = make_source(c.data, rows=rows, tokens_per_row=c.tokens_per_rank, vocab_size=m.vocab_size,

@@ -326,8 +326,11 @@ def rank_metrics(strategy: str, row_doclens: Sequence[Sequence[int]], tokens_per
     if rows_per_rank != 1:
       raise ValueError(f"distca metrics plan one row per rank; got {rows_per_rank=}")
     plan = plan_lib.schedule([list(r) for r in row_doclens], len(row_doclens),
-                          tokens_per_rank=tokens_per_row, tolerance=tolerance,
-                          q_heads=dims.q_heads, kv_heads=dims.kv_heads, head_dim=dims.head_dim,
-                          dtype_bytes=dims.dtype_bytes)
+                             tokens_per_rank=tokens_per_row,
+                             options=plan_lib.PlanOptions(tolerance=tolerance,
+                                                          q_heads=dims.q_heads,
+                                                          kv_heads=dims.kv_heads,
+                                                          head_dim=dims.head_dim,
+                                                          dtype_bytes=dims.dtype_bytes))
     return distca_metrics(plan)
   raise ValueError(f"unknown {strategy=}; choose 'packed_dp', 'wlb', 'cp' or 'distca'")

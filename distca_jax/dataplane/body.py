@@ -42,7 +42,7 @@ class DispatchOptions:
   """Everything static about one ``dispatch_attention`` call (hashable: a jit static argument).
 
   Attributes:
-    kernel: ``ops.core_attention`` backend (``ops.BACKENDS``).
+    kernel: the ``ops.core_attention`` kernel (``ops.KERNELS``).
     memory_mode: 'keep' or 'resend' (module docstring).
     softmax_scale: default ``1 / sqrt(D)``.
     data_axis: the mesh axis of the servers (a tuple of axes: their product, e.g. a pipeline's
@@ -63,7 +63,7 @@ class DispatchOptions:
   exchange: ExchangeOptions = ExchangeOptions()
 
   def __post_init__(self):
-    ops.check_backend(self.kernel, "kernel")
+    ops.check_kernel(self.kernel, "kernel")
     if self.memory_mode not in MEMORY_MODES:
       raise ValueError(f"distca memory_mode={self.memory_mode!r}; choose one of {MEMORY_MODES}")
     if isinstance(self.kernel_options, Mapping):
@@ -88,7 +88,7 @@ def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec,
       v_RxTxKxD.reshape(r * t, kh, d), m, spec, axis, wire)
   # 4. One fused varlen call over all of this server's tasks.
   out = ops.core_attention(q_attn, k_attn, v_attn, m["cu_seqlens_q"], m["cu_seqlens_k"],
-                           backend=options.kernel, softmax_scale=options.softmax_scale,
+                           kernel=options.kernel, softmax_scale=options.softmax_scale,
                            return_lse=return_lse, name_inputs=options.memory_mode != "resend",
                            **dict(options.kernel_options))
   o_attn, lse_attn = out if return_lse else (out, None)

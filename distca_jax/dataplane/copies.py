@@ -127,8 +127,7 @@ def _take_two(own, recv, own_idx, recv_idx, in_recv, fill):
   32-bit words like ``take_rows``.
 
   The select runs on the words, so XLA fuses both gathers and the select into one pass
-  (selecting bf16 rows after two word gathers was slower:
-  results/archive/5a62d97/placement_bench_v7_bf16select.md). An index of one source is out
+  (selecting bf16 rows after two word gathers measured slower). An index of one source is out
   of range wherever the row reads the other (``gather_two``), so each source's cotangent is
   the output's, scattered through its own index.
   """

@@ -31,7 +31,7 @@ flat layout whose documents span whole ranks needs ``kv_send`` and ``kv_recv`` o
 needs every earlier row); a layout that does not fit the caps even before balancing raises
 ``ValueError`` naming the needed value. To choose caps: plan a few hundred sampled batches
 without caps, take ``required_capacity`` of each, and set every cap to a high quantile of those
-(``Capacity.envelope``), rounded up to a multiple of 128 (``sizing.suggest_capacity``); tighter
+(``Capacity.envelope``), rounded up to a multiple of 128 (``spec.suggest_capacity``); tighter
 caps cost imbalance (the plan reports it), looser ones cost memory.
 """
 
@@ -176,7 +176,7 @@ def default_capacity(tokens_per_device: int, rows_per_device: int = 1) -> Capaci
   never binds; the others cover the sampled plans of both workloads at 2-64 servers
   (experiments/scheduler_table.py). The planner never exceeds a cap: a tighter cap only costs
   balance (``Plan.degraded``), a looser one memory (``Capacity.memory_bytes``). Derive caps for a
-  run with ``sizing.suggest_config_capacity``.
+  run with ``backends.distca.suggest_config_capacity``.
   """
   td = int(tokens_per_device)
   mult = row_multiple(td)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -30,8 +30,8 @@ MFU_FWD_BWD_FACTOR = 3.0
 # Shortest query piece the balancer may create: short tail shards cost the fused kernel's
 # backward dearly (dK/dV over the whole key range per task); see results/kernel_bench.md.
 DEFAULT_MIN_SHARD = 512
-# Every server within (1 + 0.02) x mean: balances as well as 0 for a few % more bytes
-# (results/archive/7310cdf/e2e_2gpu_128k_v5.md); config.attention.distca.tolerance defaults to it.
+# Every server within (1 + 0.02) x mean: balances as well as 0 for a few % more bytes than a
+# looser goal (docs/design.md Sec. 10); config.attention.distca.tolerance defaults to it.
 DEFAULT_TOLERANCE = 0.02
 # Llama-3-8B attention shapes and bf16: the byte model's defaults.
 DEFAULT_Q_HEADS = 32
@@ -49,6 +49,47 @@ def task_flops(pairs_count, q_heads: int, head_dim: int, *, backward: bool = Tru
   """Kernel FLOPs of ``pairs_count`` pairs: forward, plus ``BWD_FWD_RATIO`` x forward if asked."""
   fwd = FWD_FLOPS_PER_PAIR * q_heads * head_dim * np.asarray(pairs_count, dtype=np.float64)
   return fwd * (1.0 + BWD_FWD_RATIO) if backward else fwd
+
+
+def attention_pairs(cu_seqlens_q_N1: Sequence[int] | np.ndarray,
+                    cu_seqlens_k_N1: Sequence[int] | np.ndarray) -> int:
+  """Exact count of (query, key) pairs the bottom-right causal mask keeps, summed over the tasks
+  of a kernel call's task table (``cu_seqlens``, as ``ops.core_attention`` takes them).
+
+  A task with lq queries and lk keys: local row r sees clip(r + 1 + lk - lq, 0, lk) keys; for
+  lq <= lk this is lq * (lk - lq) + lq * (lq + 1) / 2 (``pairs``; docs/design.md Sec. 10).
+  """
+  cu_q = np.asarray(cu_seqlens_q_N1, dtype=np.int64)
+  cu_k = np.asarray(cu_seqlens_k_N1, dtype=np.int64)
+  if cu_q.shape != cu_k.shape or cu_q.ndim != 1:
+    raise ValueError(f"cu_seqlens must be 1-D of equal shape; got {cu_q.shape=}, {cu_k.shape=}")
+  total = 0
+  for lq, lk in zip(np.diff(cu_q).tolist(), np.diff(cu_k).tolist()):
+    if lq <= 0 or lk <= 0:
+      continue
+    off = lk - lq
+    # Rows r with r + 1 + off in [1, lk]: they see r + 1 + off keys; rows before see none.
+    r_lo = max(0, -off)
+    n = lq - r_lo
+    first = r_lo + 1 + off
+    total += n * first + n * (n - 1) // 2
+  return int(total)
+
+
+def core_attention_flops(cu_seqlens_q_N1: Sequence[int] | np.ndarray,
+                         cu_seqlens_k_N1: Sequence[int] | np.ndarray, *, num_q_heads: int,
+                         head_dim: int, include_backward: bool = False) -> int:
+  """Exact attention FLOPs of a task table: forward ``FWD_FLOPS_PER_PAIR * H * D * pairs``
+  (QK^T and PV).
+
+  With ``include_backward`` the kernel-throughput convention adds ``BWD_FWD_RATIO`` x
+  forward (fwd + bwd = 3.5x forward). Query heads count, not KV heads (GQA saves bytes only).
+  """
+  fwd = (FWD_FLOPS_PER_PAIR * int(num_q_heads) * int(head_dim)
+         * attention_pairs(cu_seqlens_q_N1, cu_seqlens_k_N1))
+  if not include_backward:
+    return fwd
+  return int(round(fwd * (1.0 + BWD_FWD_RATIO)))
 
 
 

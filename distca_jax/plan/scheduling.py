@@ -4,7 +4,6 @@ the tasks, loads and traffic of the result."""
 
 from __future__ import annotations
 
-import os
 from typing import Mapping
 
 import numpy as np
@@ -13,20 +12,14 @@ from distca_jax.checks import check_float, check_int
 from distca_jax.plan import cost
 from distca_jax.plan.balancer import SPLITS, Balancer
 from distca_jax.plan.capacity import CAP_FIELDS, Capacity
-from distca_jax.plan.cost import CostTable, imbalance, pairs, predicted_step_gain
+from distca_jax.plan.cost import imbalance, pairs, predicted_step_gain
 from distca_jax.plan.metadata import Plan, parse_layout
+from distca_jax.plan.options import PlanOptions
 
 
 def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
-             tolerance: float = cost.DEFAULT_TOLERANCE,
              capacity: Capacity | Mapping[str, int | None] | None = None,
-             min_shard: int = cost.DEFAULT_MIN_SHARD,
-             split: str = "auto",
-             q_heads: int = cost.DEFAULT_Q_HEADS, kv_heads: int = cost.DEFAULT_KV_HEADS,
-             head_dim: int = cost.DEFAULT_HEAD_DIM, dtype_bytes: int = cost.DEFAULT_DTYPE_BYTES,
-             cost_model: str | os.PathLike | CostTable | None = None,
-             max_moves: int | None = None, min_gain: float = 0.0,
-             linear_pairs_per_token: float = 0.0) -> Plan:
+             options: PlanOptions = PlanOptions()) -> Plan:
   """Balances core-attention work over ``num_servers`` in-place servers.
 
   Args:
@@ -34,24 +27,22 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
       one list per rank (documents never span ranks). See the module docstring.
     num_servers: number of ranks = attention servers (``S``).
     tokens_per_rank: token budget of one rank (``T``).
-    tolerance: epsilon; the goal is every server at most ``(1 + tolerance) * mean`` pairs.
     capacity: buffer caps (``Capacity`` or a dict of its fields); None = unbounded.
-    min_shard: shortest query piece a split may create (whole items of any length may move).
-    split: 'auto' (mirrored or suffix, whichever scores better), 'mirrored' or 'suffix'.
-    q_heads, kv_heads, head_dim, dtype_bytes: the byte model (query row = q_heads * head_dim *
-      dtype_bytes; key/value row = 2 * kv_heads * head_dim * dtype_bytes).
-    cost_model: a ``CostTable`` or the path of its JSON; fills ``Plan.times_*``.
-    max_moves: safety bound on moves (default ``20 * (S + items)``).
-    min_gain: the gate: when the speedup a perfect balance could bring, minus 1
-      (``predicted_step_gain`` with ``linear_pairs_per_token``), is below this, nothing
-      moves (``Plan.gated``): moving rows has a cost of its own (gathers, exchange, shorter
-      kernel tasks), which on near-balanced batches exceeds the gain. 0 = always balance.
-    linear_pairs_per_token: the linear layers' work per token in pair units (see
-      ``predicted_step_gain``); 0 counts attention alone.
+    options: tolerance, ``min_shard`` (a number here), split, byte model, cost model, gate
+      (``PlanOptions``).
 
   Returns:
     The ``Plan``.
   """
+  if not isinstance(options, PlanOptions):
+    raise TypeError(f"options={options!r} must be a plan.PlanOptions")
+  o = options
+  tolerance, min_shard, split = o.tolerance, o.min_shard, o.split
+  q_heads, kv_heads, head_dim, dtype_bytes = o.q_heads, o.kv_heads, o.head_dim, o.dtype_bytes
+  max_moves, min_gain = o.max_moves, o.min_gain
+  if min_shard is None:
+    raise ValueError("min_shard=None (auto) depends on the tokens per row; plan with host_plan, "
+                     "or pass options.for_rows(tokens_per_row)")
   lens, starts = parse_layout(doc_lens, num_servers, tokens_per_rank)
   s, t = int(num_servers), int(tokens_per_rank)
   if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not (
@@ -77,7 +68,7 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
     cap = Capacity(**capacity)
   else:
     raise TypeError(f"capacity={capacity!r} must be None, a Capacity or a dict")
-  table = cost.as_cost_table(cost_model)
+  table = cost.as_cost_table(o.cost_model)
   qb = float(q_heads * head_dim * dtype_bytes)
   kvb = float(2 * kv_heads * head_dim * dtype_bytes)
 
@@ -91,7 +82,7 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
   check_int("max_moves", max_moves, 0)
   min_gain = check_float("min_gain", min_gain)
   gain = predicted_step_gain(loads_before, t,
-                             check_float("linear_pairs_per_token", linear_pairs_per_token))
+                             check_float("linear_pairs_per_token", o.linear_pairs_per_token))
   gated = min_gain > 0.0 and gain < min_gain
   reason = bal.run(mean, max_moves) if total > 0 and not gated else ""
 

@@ -29,10 +29,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from distca_jax.checks import check_int
-from distca_jax.plan import cost
 from distca_jax.plan.scheduling import schedule
 from distca_jax.plan.capacity import Capacity, required_capacity, row_multiple
 from distca_jax.plan.metadata import Plan, PlanMetadata, plan_to_metadata
+from distca_jax.plan.options import PlanOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,12 +180,6 @@ class HostPlan:
   spec: PlanSpec
 
 
-def auto_min_shard(tokens_per_row: int) -> int:
-  """Default ``min_shard``: ``cost.DEFAULT_MIN_SHARD``, or ``T / 16`` (at least 8) for short
-  rows."""
-  return int(min(cost.DEFAULT_MIN_SHARD, max(8, tokens_per_row // 16)))
-
-
 def device_layout(doc_lens, spec: PlanSpec):
   """Scheduler layout over devices and the per-device packing permutation ``[S, R * T]``.
 
@@ -242,29 +236,24 @@ def _remap_local_rows(meta: PlanMetadata, perm: np.ndarray) -> PlanMetadata:
       o_local_idx=o_local)
 
 
-def host_plan(doc_lens, spec: PlanSpec, *, tolerance: float = cost.DEFAULT_TOLERANCE,
-              min_shard: int | None = None, **schedule_options) -> HostPlan:
+def host_plan(doc_lens, spec: PlanSpec, options: PlanOptions = PlanOptions(min_shard=None)
+              ) -> HostPlan:
   """Plans a batch on the host: schedule, routing tables, packing (NumPy only).
 
   Args:
     doc_lens: a flat list packed across ranks (``rows_per_device`` must be 1; documents may span
       ranks), or one list per row (``S * R`` lists; with ``R = 1`` one list per rank).
     spec: the static shapes (servers, tokens per row, rows per device, capacity).
-    tolerance: the balancing epsilon.
-    min_shard: shortest query piece a split may create; None = ``auto_min_shard``.
-    **schedule_options: further ``plan.schedule`` keywords (split, q_heads, kv_heads,
-      head_dim, dtype_bytes, cost_model, max_moves).
+    options: the planner's options; ``min_shard=None`` (the default here) takes
+      ``auto_min_shard`` of ``spec.tokens_per_row``.
 
   Returns:
     ``HostPlan``. Raises ``ValueError`` naming the cap to raise when the layout overflows it.
   """
   layout, perm = device_layout(doc_lens, spec)
-  if min_shard is None or min_shard == 0:
-    min_shard = auto_min_shard(spec.tokens_per_row)
   try:
     plan = schedule(layout, spec.num_servers, tokens_per_rank=spec.tokens_per_device,
-                       tolerance=tolerance, capacity=spec.capacity, min_shard=min_shard,
-                       **schedule_options)
+                    capacity=spec.capacity, options=options.for_rows(spec.tokens_per_row))
   except ValueError as e:
     raise ValueError(f"distca: cannot plan this batch within {spec.capacity}: {e} (set the cap in "
                      "config.attention.distca or the capacity= option)") from e
@@ -282,26 +271,24 @@ def nano_batch_rows(num_devices: int, rows_per_device: int, nano_batches: int,
 
 
 def fit_host_plan(doc_lens, num_servers: int, tokens_per_rank: int,
-                  capacity: Capacity | Mapping[str, int | None] | None = None, *,
-                  tolerance: float = cost.DEFAULT_TOLERANCE, min_shard: int | None = None,
-                  **schedule_options) -> HostPlan:
+                  capacity: Capacity | Mapping[str, int | None] | None = None,
+                  options: PlanOptions = PlanOptions(min_shard=None)) -> HostPlan:
   """``host_plan`` for one row per rank, with caps left unset sized by the plan itself.
 
   A bounded ``capacity`` plans as ``host_plan`` does. Otherwise the batch is planned once
   without the missing caps, which then take the plan's own needs rounded up to a row multiple
   (``capacity.row_multiple``): a new layout may then change shapes (and recompile).
+  ``options.min_shard=None`` (the default here) takes ``auto_min_shard(tokens_per_rank)``.
   """
   cap = capacity if isinstance(capacity, Capacity) else Capacity(**dict(capacity or {}))
-  if min_shard is None or min_shard == 0:
-    min_shard = auto_min_shard(tokens_per_rank)
+  options = options.for_rows(tokens_per_rank)
   if cap.bounded:
     spec = PlanSpec(num_servers=num_servers, tokens_per_row=tokens_per_rank, rows_per_device=1,
                     capacity=cap)
-    return host_plan(doc_lens, spec, tolerance=tolerance, min_shard=min_shard,
-                     **schedule_options)
+    return host_plan(doc_lens, spec, options)
   # One row per rank: local rows keep their order, so no remapping is needed.
-  free = schedule(doc_lens, num_servers, tokens_per_rank=tokens_per_rank, tolerance=tolerance,
-                  capacity=cap, min_shard=min_shard, **schedule_options)
+  free = schedule(doc_lens, num_servers, tokens_per_rank=tokens_per_rank, capacity=cap,
+                  options=options)
   cap = cap.replace_none(Capacity.envelope([required_capacity(free)],
                                            multiple=row_multiple(tokens_per_rank)))
   spec = PlanSpec(num_servers=num_servers, tokens_per_row=tokens_per_rank, rows_per_device=1,
@@ -311,7 +298,8 @@ def fit_host_plan(doc_lens, num_servers: int, tokens_per_rank: int,
 
 
 def suggest_capacity(doc_lens_samples: Sequence[Any], num_servers: int, tokens_per_rank: int, *,
-                     quantile: float = 1.0, multiple: int = 128, **schedule_options) -> Capacity:
+                     quantile: float = 1.0, multiple: int = 128,
+                     options: PlanOptions = PlanOptions()) -> Capacity:
   """Caps covering ``quantile`` of sampled layouts, planned without caps (``Capacity.envelope``).
 
   Args:
@@ -320,8 +308,8 @@ def suggest_capacity(doc_lens_samples: Sequence[Any], num_servers: int, tokens_p
     tokens_per_rank: tokens per device (rows per device x tokens per row).
     quantile: per-field quantile over the samples (1.0 = the maximum).
     multiple: row fields are rounded up to a multiple of this.
-    **schedule_options: passed to ``schedule`` (tolerance, min_shard, ...).
+    options: passed to ``schedule`` (``min_shard`` a number).
   """
   reqs = [required_capacity(schedule(d, num_servers, tokens_per_rank=tokens_per_rank,
-                                     **schedule_options)) for d in doc_lens_samples]
+                                     options=options)) for d in doc_lens_samples]
   return Capacity.envelope(reqs, quantile=quantile, multiple=multiple)

@@ -195,10 +195,12 @@ def run_wlb(rows, tokens, spec, km, cp_size: int, alpha: float) -> MicroResult:
 
 def run_distca(rows, tokens, spec, km, opts: Options) -> MicroResult:
   d = spec.dims
+  options = plan_lib.PlanOptions(tolerance=opts.tolerance, q_heads=d.q_heads,
+                                 kv_heads=d.kv_heads, head_dim=d.head_dim,
+                                 dtype_bytes=d.dtype_bytes, min_gain=opts.min_gain,
+                                 linear_pairs_per_token=costs.linear_pairs_per_token(d))
   plan = plan_lib.schedule([list(r) for r in rows], len(rows), tokens_per_rank=tokens,
-                        tolerance=opts.tolerance, q_heads=d.q_heads, kv_heads=d.kv_heads,
-                        head_dim=d.head_dim, dtype_bytes=d.dtype_bytes, min_gain=opts.min_gain,
-                        linear_pairs_per_token=costs.linear_pairs_per_token(d))
+                           options=options)
   t = plan.tasks
   sec = km.task_seconds(t[:, 2] - t[:, 1], t[:, 2], d)
   attn = np.bincount(t[:, 3], weights=sec, minlength=plan.num_servers)

@@ -18,8 +18,8 @@ Cases (files under results/):
   (ratios in place of seconds).
 
 Three code generations / devices ("eras") are in the committed runs: the 2-GPU runs (``*_v5*``)
-predate the single-stream fixes measured on one GPU since (results/archive/4b6459c/
-pingpong_v6_summary.md: FA3's forward no longer cloned, no raw LSE buffer copy); 'current' is
+were made without two single-stream fixes (FA3's forward no longer cloned, no raw LSE buffer
+copy), which change step times; 'current' is
 one H200 of the current code; 'h100' is 4 x H100 of the current code (results/four/raw/). Each
 era is calibrated on packed_dp or one-GPU runs of its own (``CALIBRATION_RUNS``) and every other
 case of that era is held out. ``role`` says which. A case above 10% carries the note written for
@@ -354,7 +354,6 @@ def _capacity(fields: dict, num_servers: int) -> plan_lib.Capacity:
 def kernel_tables() -> list[dict[str, Any]]:
   """The busiest rank's real task table of every ``flash3_grid_bench`` launch-bucket row (what
   the step runs): q / kv lengths of its tasks and the measured FA3 fwd+bwd seconds."""
-  from distca_jax import ops  # pylint: disable=import-outside-toplevel
   from distca_jax.baselines import packing  # pylint: disable=import-outside-toplevel
   from distca_jax.data.workloads import WorkloadSampler  # pylint: disable=import-outside-toplevel
   blob = _json("flash3_grid_bench")
@@ -367,14 +366,16 @@ def kernel_tables() -> list[dict[str, Any]]:
       continue
     doc_lens = WorkloadSampler(r["workload"], t, seed=0).step_doclens(r["batch"], s)
     if r["table"] == "cad":
-      hp = plan_lib.host_plan(doc_lens, spec, tolerance=0.1, q_heads=32, kv_heads=8,
-                              head_dim=128, dtype_bytes=2)
+      hp = plan_lib.host_plan(doc_lens, spec,
+                              options=plan_lib.PlanOptions(tolerance=0.1, q_heads=32, kv_heads=8,
+                                                           head_dim=128, dtype_bytes=2,
+                                                           min_shard=None))
       tabs = [(np.asarray(hp.meta.cu_seqlens_q[d]), np.asarray(hp.meta.cu_seqlens_k[d]))
               for d in range(s)]
     else:
       own = packing.task_tables(packing.natural_placement(doc_lens, t), max_tasks=128)
       tabs = [(np.asarray(c), np.asarray(c)) for c in own["cu_seqlens_q"]]
-    d = int(np.argmax([ops.attention_pairs(cq, ck) for cq, ck in tabs]))
+    d = int(np.argmax([plan_lib.attention_pairs(cq, ck) for cq, ck in tabs]))
     lq, lk = np.diff(tabs[d][0]), np.diff(tabs[d][1])
     keep = lq > 0
     out.append(dict(name=f"fa3 {r['workload']} batch {r['batch']} {r['table']} table",

@@ -91,8 +91,11 @@ def knob_variants(c: ml_collections.ConfigDict, n_devices: int) -> list[tuple[st
 def explain_does_not_fit(c: ml_collections.ConfigDict, err: memory.DoesNotFit,
                          devices=None) -> memory.DoesNotFit:
   """`err` with the estimated need of each `knob_variants` change (compiled ahead of time on
-  abstract shapes; a change that fails to compile says so)."""
+  abstract shapes; a change that fails to compile says so). distca's memory_mode 'auto' has
+  tried 'resend' before failing, so its changes are estimated on top of 'resend'."""
   devices = devices if devices is not None else jax.devices()
+  if c.attention.backend == "distca" and c.attention.distca.memory_mode == "auto":
+    c = _variant(c, {"attention.distca.memory_mode": "resend"})
   parts = []
   for label, over in knob_variants(c, len(devices)):
     try:

@@ -71,8 +71,10 @@ def base_config() -> ml_collections.ConfigDict:
                                           # nano-batch, or pipeline tick under mesh.pipe > 1);
                                           # 0 = fixed fractions (plan.default_capacity)
   c.attention.distca.caps_headroom = 1.1  # >= 1: margin over the sampled batches' envelope
-  c.attention.distca.memory_mode = "keep" # 'keep': servers keep received Q/K/V for the
-                                          # backward; 'resend': they are re-sent (recomputed)
+  c.attention.distca.memory_mode = "auto" # 'keep': servers keep received Q/K/V for the
+                                          # backward; 'resend': they are re-sent (recomputed);
+                                          # 'auto': 'keep' when the memory pre-flight finds it
+                                          # fits, else 'resend' (one more compile)
   c.attention.distca.collective = "auto"  # how rows cross the wire: 'ragged' (ragged
                                           # all-to-all, each row once; GPU), 'ring' (ppermute
                                           # rounds; any platform), 'dense' (padded all-to-all);

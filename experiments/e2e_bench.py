@@ -178,7 +178,6 @@ def wlb_config(c, over) -> dict:
 def run_one(c, steps, warmup, log, profile_dir=None, backend_options=None):
   """Trains warmup + steps steps; returns per-step times and FLOP / token counts."""
   import jax
-  from distca_jax import memory as memory_lib
   from distca_jax import metrics, trainer
 
   run = trainer.setup_run(c, **(backend_options or {}))
@@ -193,14 +192,13 @@ def run_one(c, steps, warmup, log, profile_dir=None, backend_options=None):
     batch = trainer.device_batch(np_batch, mesh)
     jax.block_until_ready(batch)
     if step_fn is None:  # compiled once: the steps run it, and memory / HLO are read from it
-      with trainer.mesh_context(mesh):
-        step_fn, workspace = memory_lib.compile_with_workspace(
-            trainer.jit_train_step(c, model, tx, mesh, run.state_shardings, tuple(np_batch)),
-            state, batch)
-      # The memory pre-flight of training: a step that cannot fit stops here with its one line.
-      memory_lib.check_fits(step_fn, mesh.devices.flat[0], workspace=workspace)
+      # The memory pre-flight of training (distca's 'auto' memory mode included): a step that
+      # cannot fit stops here with its one line.
+      step_fn, workspace, _, model = trainer.compile_step(
+          c, model, tx, mesh, run.state_shardings, state, batch,
+          resend_fn=getattr(backend, "resend_fn", None), log=log)
     t0 = time.perf_counter()
-    with trainer.mesh_context(mesh):
+    with trainer.mesh_context(mesh, c.mesh.fsdp):
       state, m = step_fn(state, batch)
     jax.block_until_ready((state, m))
     dt = time.perf_counter() - t0
@@ -216,7 +214,7 @@ def run_one(c, steps, warmup, log, profile_dir=None, backend_options=None):
   if profile_dir is not None:  # one more step (a batch seen before), traced
     from distca_jax import profiling
     batch = trainer.device_batch(np_batch, mesh)
-    with trainer.mesh_context(mesh):
+    with trainer.mesh_context(mesh, c.mesh.fsdp):
       state, m, report = profiling.profile_train_step(
           step_fn, state, batch, profile_dir,
           step_time_s=statistics.median(times) if times else None)

@@ -537,6 +537,46 @@ def test_memory_preflight_stops_before_the_first_step(tmp_path):
   assert "model.remat=full needs" in text and "tokens_per_rank=32 needs" in text, text
 
 
+@pytest.mark.slow
+def test_auto_memory_mode_runs_resend_when_keep_does_not_fit(tmp_path):
+  """distca's default memory_mode 'auto': with a capacity between the 'resend' and the 'keep'
+  step's needs, the pre-flight compiles both and trains with 'resend' (same losses as 'keep'
+  without a limit); below both it stops with the 'resend' step's need; 'keep' stops at once."""
+  c = small_config("attention.backend=distca", "mesh.data=4", "num_steps=2",
+                   "optim.warmup_steps=0", "checkpoint_every=0")
+  run = trainer.setup_run(c, devices=jax.devices()[:4])
+  assert run.backend.memory_mode == "keep" and run.backend.resend_fn is not None
+  state = trainer.create_train_state(c, run.model, run.tx, run.mesh)
+  rows = run.mesh.shape["data"] * c.rows_per_rank
+  batch = trainer.add_host_plan(run.source.batch(0), run.backend, run.source.doclens(0),
+                                c.tokens_per_rank)
+  shapes = {k: jax.ShapeDtypeStruct((rows,) + a.shape[1:], a.dtype,
+                                    sharding=trainer.rows_sharding(run.mesh))
+            for k, a in batch.items()}
+  compile_ = lambda capacity, resend_fn, log=print: trainer.compile_step(
+      c, run.model, run.tx, run.mesh, run.state_shardings, state, shapes, capacity, resend_fn,
+      log)
+  keep_fn, _, keep_need, keep_model = compile_(None, None)
+  lines = []
+  with pytest.raises(memory.DoesNotFit) as below:
+    compile_(1 << 10, run.backend.resend_fn)
+  resend_need = below.value.need
+  assert resend_need < keep_need, (resend_need, keep_need)
+  between = (resend_need + keep_need) // 2
+  with pytest.raises(memory.DoesNotFit):
+    compile_(between, None)  # 'keep' alone
+  auto_fn, _, need, auto_model = compile_(between, run.backend.resend_fn, lines.append)
+  assert need == resend_need and auto_model is not keep_model
+  assert len(lines) == 1 and "running 'resend'" in lines[0], lines
+  device_batch = trainer.device_batch(batch, run.mesh)
+  host = jax.device_get(state)  # each step donates the state it is given
+  with trainer.mesh_context(run.mesh):
+    _, m_keep = keep_fn(jax.device_put(host, run.state_shardings), device_batch)
+    _, m_auto = auto_fn(jax.device_put(host, run.state_shardings), device_batch)
+  np.testing.assert_allclose(float(m_auto["loss"]), float(m_keep["loss"]), rtol=1e-6)
+  np.testing.assert_allclose(float(m_auto["grad_norm"]), float(m_keep["grad_norm"]), rtol=1e-5)
+
+
 def test_out_of_memory_at_run_time_is_reported_like_the_preflight():
   err = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 112.42GiB.")
   with pytest.raises(memory.DoesNotFit, match=r"ran out of device memory \(RESOURCE_EXHAUSTED.*"

@@ -10,8 +10,9 @@ headroom; it is the one part of this backend that reads the data pipeline.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import jax.numpy as jnp
 import ml_collections
@@ -23,8 +24,8 @@ from distca_jax import metrics as metrics_lib
 from distca_jax import pipeline
 from distca_jax.checks import check_float, check_int
 from distca_jax.data import make_source
-from distca_jax.dataplane import (DEFAULT_EXCHANGE_BUCKETS, DispatchOptions, ExchangeOptions,
-                                  dispatch_attention, mesh_and_servers)
+from distca_jax.dataplane import (DEFAULT_EXCHANGE_BUCKETS, MEMORY_MODES, DispatchOptions,
+                                  ExchangeOptions, dispatch_attention, mesh_and_servers)
 from distca_jax.plan import cost, ticks
 from distca_jax.plan.capacity import (CAP_FIELDS, EXCHANGE_FIELDS, caps_with_headroom,
                                       default_capacity, resolve_capacity, row_multiple)
@@ -138,7 +139,11 @@ def make(options: Options) -> "DistcaBackend":
   try:
     exchange = ExchangeOptions(collective=o.collective, signal_only=o.signal_only,
                                buckets=o.exchange_buckets)
-    dispatch = DispatchOptions(kernel=o.kernel, memory_mode=o.memory_mode,
+    if o.memory_mode not in ("auto",) + MEMORY_MODES:
+      raise ValueError(f"memory_mode={o.memory_mode!r}; choose 'auto' or one of {MEMORY_MODES}")
+    # 'auto' builds 'keep' and offers 'resend' (``DistcaBackend.resend_fn``) to the pre-flight.
+    dispatch = DispatchOptions(kernel=o.kernel,
+                               memory_mode="keep" if o.memory_mode == "auto" else o.memory_mode,
                                data_axis=o.data_axis, exchange=exchange)
   except ValueError as e:
     raise ValueError(f"{e} (config.attention.distca)") from e
@@ -193,7 +198,8 @@ def make(options: Options) -> "DistcaBackend":
       out[:, i * rn:(i + 1) * rn] = hp.packed.reshape(s, rn, spec.width)
     return {PLAN_KEY: out.reshape(s * r, spec.width)}
 
-  def fn(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *, softmax_scale: float):
+  def fn(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *, softmax_scale: float,
+         memory_mode: str | None = None):
     if PLAN_KEY not in layout.extra:
       raise ValueError(f"the 'distca' backend needs layout.extra['{PLAN_KEY}'] (got keys "
                        f"{sorted(layout.extra)}); run backend.host_prepare on the batch "
@@ -210,20 +216,28 @@ def make(options: Options) -> "DistcaBackend":
     # longer); other kernels ignore it.
     kopts = {"max_seqlen_q": spec.tokens_per_row, "max_seqlen_k": spec.tokens_per_row}
     call = dataclasses.replace(dispatch, softmax_scale=softmax_scale, head_axis=hax,
-                               kernel_options=kopts)
+                               kernel_options=kopts,
+                               memory_mode=memory_mode or dispatch.memory_mode)
     return dispatch_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout.extra[PLAN_KEY], spec,
                               call)
 
-  return DistcaBackend(fn=fn, host_prepare=host_prepare, host_plans=host_plans, caps=caps)
+  resend = functools.partial(fn, memory_mode="resend") if o.memory_mode == "auto" else None
+  return DistcaBackend(fn=fn, host_prepare=host_prepare, host_plans=host_plans, caps=caps,
+                       memory_mode=dispatch.memory_mode, resend_fn=resend)
 
 
 @dataclasses.dataclass(frozen=True)
 class DistcaBackend(attn_lib.Backend):
   """The ``distca`` backend; ``host_plans(doclens, tokens_per_row) -> [HostPlan]`` (one per
   nano-batch) is the planning ``host_prepare`` packs, for benchmarks and diagnostics; ``caps``
-  the capacity options it was built with (0 = ``default_capacity``'s value)."""
+  the capacity options it was built with (0 = ``default_capacity``'s value); ``memory_mode`` the
+  data plane's ('keep' or 'resend'); ``resend_fn``, built for ``memory_mode='auto'``, is ``fn``
+  in the 'resend' mode, which the memory pre-flight takes when 'keep' does not fit
+  (``trainer.compile_step``)."""
   host_plans: Callable[..., list[HostPlan]] | None = None
   caps: Mapping[str, int] | None = None
+  memory_mode: str = "keep"
+  resend_fn: Callable[..., Any] | None = None
 
 
 # ---------------------------------------------------------------------------------------------

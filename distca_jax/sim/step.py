@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from distca_jax import plan as plan_lib
+from distca_jax.plan import ticks
 from distca_jax.baselines import DEFAULT_MAX_DOCS_PER_ROW
 from distca_jax.baselines import metrics as bm
 from distca_jax.baselines import packing
@@ -209,10 +210,11 @@ def run_distca(rows, tokens, spec, km, opts: Options) -> MicroResult:
 
 def tick_rows(batch: Sequence[Sequence[Sequence[int]]], stages: int) -> list[list[list[int]]]:
   """[tick][stage x data rank] -> document lengths: at tick ``t`` stage ``s`` holds micro-batch
-  ``t - s`` (none in the bubble: an empty row), the rows distca plans together per tick."""
+  ``t - s`` (none in the bubble: an empty row), the rows distca plans together per tick; the
+  schedule is the pipeline's own (``plan.ticks.schedule_table``)."""
   m, data = len(batch), len(batch[0])
-  return [[list(batch[t - s][r]) if 0 <= t - s < m else [] for s in range(stages)
-           for r in range(data)] for t in range(m + stages - 1)]
+  return [[list(batch[mb][r]) if mb >= 0 else [] for mb in held for r in range(data)]
+          for held in ticks.schedule_table(stages, m)]
 
 
 # ----------------------------------------------------------------------------------------------

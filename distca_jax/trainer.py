@@ -518,7 +518,12 @@ def compile_step(c, model, tx, mesh, state_sh, state, batch_shapes, capacity=Non
 
   step_fn, workspace = compile_for(model)
   try:
-    return step_fn, workspace, memory_lib.check_fits(step_fn, device, capacity, workspace), model
+    need = memory_lib.check_fits(step_fn, device, capacity, workspace)
+    if resend_fn is not None:
+      log(f"distca memory_mode 'auto': 'keep' ("
+          + ("fits: " + memory_lib.format_bytes(need) if need is not None else "device memory "
+             "unknown") + " per device)")
+    return step_fn, workspace, need, model
   except memory_lib.DoesNotFit as e:
     if resend_fn is None:
       raise

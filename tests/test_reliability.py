@@ -556,8 +556,12 @@ def test_auto_memory_mode_runs_resend_when_keep_does_not_fit(tmp_path):
   compile_ = lambda capacity, resend_fn, log=print: trainer.compile_step(
       c, run.model, run.tx, run.mesh, run.state_shardings, state, shapes, capacity, resend_fn,
       log)
-  keep_fn, _, keep_need, keep_model = compile_(None, None)
   lines = []
+  keep_fn, _, keep_need, keep_model = compile_(None, run.backend.resend_fn, lines.append)
+  assert lines == [f"distca memory_mode 'auto': 'keep' (fits: {memory.format_bytes(keep_need)} "
+                   "per device)"] or lines == ["distca memory_mode 'auto': 'keep' (device memory "
+                                               "unknown per device)"], lines
+  lines.clear()
   with pytest.raises(memory.DoesNotFit) as below:
     compile_(1 << 10, run.backend.resend_fn)
   resend_need = below.value.need

@@ -42,7 +42,7 @@ from distca_jax import profiling
 from distca_jax import sharding as shard_lib
 from distca_jax.data import BATCH_KEYS, make_source
 from distca_jax.errors import UserError
-from distca_jax.model import Transformer
+from distca_jax.model import Transformer, execution_plan
 
 
 @flax.struct.dataclass
@@ -65,9 +65,7 @@ HEALTH_DECAY = 0.95  # exponential moving average over ~20 good steps
 MIN_LOG_STD_LOSS, MIN_LOG_STD_GRAD_NORM = 0.05, 0.25
 
 
-# ----------------------------------------------------------------------------------------------
-# Building blocks
-# ----------------------------------------------------------------------------------------------
+# ---- Building blocks ------------------------------------------------------------------------
 def make_backend(c: ml_collections.ConfigDict, **overrides) -> attn_lib.Backend:
   """The configured core-attention backend (``backends.build``: options from the config, keyword
   ``overrides`` for options that are no config keys, e.g. a benchmark's ``signal_only``)."""
@@ -75,10 +73,11 @@ def make_backend(c: ml_collections.ConfigDict, **overrides) -> attn_lib.Backend:
 
 
 def make_model(c: ml_collections.ConfigDict, backend: attn_lib.Backend | None = None) -> Transformer:
-  """The model with the configured core-attention backend bound in."""
-  backend = backend or make_backend(c)
-  return Transformer(config_lib.model_config(c), backend.fn, c.attention.nano_batches,
-                     c.pipeline.microbatches)
+  """The model with the configured backend's core attention and the config's execution plan."""
+  cfg = config_lib.model_config(c)
+  return Transformer(cfg, (backend or make_backend(c)).fn, execution_plan(
+      cfg, nano_batches=c.attention.nano_batches, stages=c.mesh.pipe,
+      microbatches=c.pipeline.microbatches))
 
 
 def make_optimizer(c: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -105,8 +104,7 @@ def learning_rate(c: ml_collections.ConfigDict, step):
 
 
 def _init_attention(q, k, v, layout, *, softmax_scale):
-  """Stand-in core attention for `init`: core attention has no parameters, so any function of
-  the right shape gives the same parameters, and this one needs no plan or kernel."""
+  """Stand-in core attention for `init` (no parameters: any function of its shape will do)."""
   del k, v, layout, softmax_scale
   return q
 
@@ -116,7 +114,7 @@ def _init_fn(c, model, tx, *, boxed: bool):
     t = 8  # parameter shapes do not depend on the sequence length
     tokens = jnp.zeros((1, t), jnp.int32)
     layout = attn_lib.Layout(jnp.ones((1, t), jnp.int32), jnp.arange(t, dtype=jnp.int32)[None])
-    init_model = model.clone(core_attention=_init_attention, nano_batches=1)
+    init_model = model.clone(attend=_init_attention, plan=execution_plan(model.cfg))
     key = jax.random.key(c.seed)
     params = init_model.init(jax.random.fold_in(key, 1), tokens, layout)["params"]
     if not boxed:
@@ -208,15 +206,13 @@ def add_host_plan(np_batch: dict, backend: attn_lib.Backend, doclens, tokens_per
 
 
 def spike_check(health, loss, grad_norm, sigmas: float, warmup: int):
-  """((loss spike, gradient-norm spike), limits, new health) of one step against the running
-  statistics ``health``.
+  """((loss spike, gradient-norm spike), limits, new health) of one step against ``health``.
 
   A spike is a loss or gradient norm whose log lies more than ``sigmas`` running deviations
   (the root mean square of its rises above the mean, at least ``MIN_LOG_STD_*``) above its
-  running mean, once ``warmup`` good steps have
-  built the statistics (``sigmas`` = 0: never). ``limits`` are the two thresholds (loss, gradient
-  norm; inf before the warmup). The returned statistics take in this step; the caller decides
-  which steps they keep (``make_train_step``)."""
+  running mean, once ``warmup`` good steps have built the statistics (``sigmas`` = 0: never).
+  ``limits`` are the two thresholds (loss, gradient norm; inf before the warmup). The returned
+  statistics take in this step; the caller decides which steps they keep (``make_train_step``)."""
   n, ml, vl, mg, vg = (health[i] for i in range(len(HEALTH_FIELDS)))
   x = jnp.log(jnp.maximum(loss, 1e-30).astype(jnp.float32))
   g = jnp.log(jnp.maximum(grad_norm, 1e-30).astype(jnp.float32))
@@ -288,10 +284,23 @@ def make_train_step(c, model, tx) -> Callable:
 
 
 def jit_train_step(c, model, tx, mesh, state_sh, batch_keys=BATCH_KEYS):
-  batch_sh = {k: rows_sharding(mesh) for k in batch_keys}
-  step = make_train_step(c, model, tx)
-  return jax.jit(step, in_shardings=(state_sh, batch_sh),
+  return jax.jit(make_train_step(c, model, tx),
+                 in_shardings=(state_sh, {k: rows_sharding(mesh) for k in batch_keys}),
                  out_shardings=(state_sh, shard_lib.replicated(mesh)), donate_argnums=(0,))
+
+
+def compile_train_step(c, run: RunSetup, state, batch: dict, rows: int | None = None):
+  """(compiled step, kernel workspace bytes, {'lower_s', 'compile_s'}): the one place the step is
+  compiled (loop pre-flight, `aot`, benchmarks); `batch` as `rows` rows (default its own)."""
+  batch = {k: jax.ShapeDtypeStruct((rows or a.shape[0],) + a.shape[1:], a.dtype,
+                                   sharding=rows_sharding(run.mesh)) for k, a in batch.items()}
+  t0 = time.perf_counter()
+  with mesh_context(run.mesh, c.mesh.fsdp):
+    traced = jit_train_step(c, run.model, run.tx, run.mesh, run.state_shardings,
+                            tuple(batch)).trace(state, batch)
+    lowered, t1 = traced.lower(), time.perf_counter()
+  return (lowered.compile(), memory_lib.kernel_workspace_bytes(traced.jaxpr.jaxpr),
+          {"lower_s": t1 - t0, "compile_s": time.perf_counter() - t1})
 
 
 rows_sharding = shard_lib.rows_sharding  # every batch array: rows per the rules table
@@ -548,9 +557,7 @@ class Interrupted(Exception):
     self.signum = signum
 
 
-# ----------------------------------------------------------------------------------------------
-# The job
-# ----------------------------------------------------------------------------------------------
+# ---- The job --------------------------------------------------------------------------------
 def check_workdir(workdir: str) -> None:
   """Raises a UserError unless files can be created in ``workdir`` (or, when it does not exist
   yet, in its nearest existing parent, where it will be made); probes with a temporary file."""
@@ -672,15 +679,8 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
       digest = prefetch.plan_digests.pop(step)
       if step == start or (c.checkpoint_every > 0 and step % c.checkpoint_every == 0):
         check_plans_agree(step, digest)
-      if step_fn is None:  # batch keys (a backend's plan arrays included) are known now
-        with mesh_context(mesh, c.mesh.fsdp):
-          keys = np_batch[0][2]
-          step_fn = jit_train_step(c, model, tx, mesh, state_sh, tuple(keys))
-          # Pre-flight: compile once ahead of the call and stop if the step cannot fit.
-          batch_shapes = {k: jax.ShapeDtypeStruct((rows,) + a.shape[1:], a.dtype,
-                                                  sharding=rows_sharding(mesh))
-                          for k, a in keys.items()}
-          step_fn, workspace = memory_lib.compile_with_workspace(step_fn, state, batch_shapes)
+      if step_fn is None:  # pre-flight (batch keys now known): compile, stop if it cannot fit
+        step_fn, workspace, _ = compile_train_step(c, run, state, np_batch[0][2], rows)
         memory_need = memory_lib.check_fits(step_fn, mesh.devices.flat[0], device_memory_bytes,
                                             workspace)
       profiled = step == c.profile_step

@@ -193,10 +193,7 @@ def run_one(c, steps, warmup, log, profile_dir=None, backend_options=None):
     batch = trainer.device_batch(np_batch, mesh)
     jax.block_until_ready(batch)
     if step_fn is None:  # compiled once: the steps run it, and memory / HLO are read from it
-      with trainer.mesh_context(mesh):
-        step_fn, workspace = memory_lib.compile_with_workspace(
-            trainer.jit_train_step(c, model, tx, mesh, run.state_shardings, tuple(np_batch)),
-            state, batch)
+      step_fn, workspace, _ = trainer.compile_train_step(c, run, state, batch)
       # The memory pre-flight of training: a step that cannot fit stops here with its one line.
       memory_lib.check_fits(step_fn, mesh.devices.flat[0], workspace=workspace)
     t0 = time.perf_counter()

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 
 import jax
-import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 import custom_ops

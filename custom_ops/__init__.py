@@ -5,6 +5,8 @@ checks, the plain-jnp reference ``varlen_attention_reference``).
 ``custom_ops.blockwise_attention``: the contract in blockwise jnp (the CPU kernel).
 ``custom_ops.mosaic_attention``: the contract as Pallas Mosaic GPU kernels (Hopper); the package
 does not import it (``from custom_ops import mosaic_attention`` loads Mosaic GPU).
+``custom_ops.flash3_attention``: the adapter of FlashAttention-3 (``flash-attn3-jax``) to the
+contract; it imports the bindings only when a call is traced, so it imports without them.
 """
 
 # ``checkpoint_name`` of a kernel's forward outputs that its backward takes (O, LSE): remat
@@ -12,8 +14,13 @@ does not import it (``from custom_ops import mosaic_attention`` loads Mosaic GPU
 # (``distca_jax.ops.saves_kernel_outputs``).
 KERNEL_OUTPUTS_NAME = "ca_kernel_out"
 
+
+class KernelUnavailableError(RuntimeError):
+  """The requested attention kernel cannot run here; the message says how to get it."""
+
 from custom_ops import blockwise_attention  # noqa: E402  (after the constant the kernels import)
 from custom_ops import varlen_attention
 from custom_ops.varlen_attention import varlen_attention_reference
 
-__all__ = ["KERNEL_OUTPUTS_NAME", "blockwise_attention", "varlen_attention", "varlen_attention_reference"]
+__all__ = ["KERNEL_OUTPUTS_NAME", "KernelUnavailableError", "blockwise_attention",
+           "varlen_attention", "varlen_attention_reference"]

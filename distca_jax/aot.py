@@ -1,15 +1,14 @@
 """Ahead-of-time compilation of the train step on abstract shapes: will this config fit?
 
 Nothing is materialized: the state comes from `jax.eval_shape` with its shardings, the batch from
-ShapeDtypeStructs, and `jax.jit(...).lower(...).compile()` gives XLA's per-device memory analysis.
+ShapeDtypeStructs, and the trainer's `compile_train_step` (the one place the step is built and
+compiled, as the training loop's pre-flight does) gives XLA's per-device memory analysis.
 Works for a mesh you do not have by faking devices on the CPU (`--xla_force_host_platform_device_
 count`); CPU numbers approximate the GPU's (same shapes and shardings, different fusion and
 scheduling), so use a GPU host of the target kind for the final word.
 """
 
 from __future__ import annotations
-
-import time
 
 import jax
 import ml_collections
@@ -24,30 +23,20 @@ def compile_train_step(c: ml_collections.ConfigDict, devices=None):
   """(compiled step, info dict) for config `c` on `devices` (default: all visible)."""
   config_lib.validate(c)
   run = trainer.setup_run(c, devices=devices)
-  mesh, model, tx, source = run.mesh, run.model, run.tx, run.source
   # Batch shapes (a backend's plan arrays included) from one real host batch: cheap, and the
   # shapes never depend on the batch.
-  np_batch = trainer.add_host_plan(source.batch(0), run.backend, source.doclens(0),
+  np_batch = trainer.add_host_plan(run.source.batch(0), run.backend, run.source.doclens(0),
                                    c.tokens_per_rank)
-  sh = trainer.rows_sharding(mesh)  # the batch's sharding
-  batch = {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for k, a in np_batch.items()}
-  t0 = time.time()
-  with trainer.mesh_context(mesh):
-    step = trainer.jit_train_step(c, model, tx, mesh, run.state_shardings, tuple(batch))
-    traced = step.trace(run.abstract_state, batch)
-    lowered = traced.lower()
-  t1 = time.time()
-  compiled = lowered.compile()
-  t2 = time.time()
+  compiled, workspace, times = trainer.compile_train_step(c, run, run.abstract_state, np_batch)
+  mesh = run.mesh
   info = {
       "mesh": dict(mesh.shape),
       "device_kind": mesh.devices.flat[0].device_kind,
-      "params": model.cfg.num_params(),
-      "lower_s": t1 - t0,
-      "compile_s": t2 - t1,
+      "params": run.model.cfg.num_params(),
+      **times,
   }
   info.update(memory_fields(compiled))
-  info["kernel_workspace_bytes"] = memory.kernel_workspace_bytes(traced.jaxpr.jaxpr)
+  info["kernel_workspace_bytes"] = workspace
   if "total_per_device_bytes" in info:
     info["need_per_device_bytes"] = (info["total_per_device_bytes"]
                                      + info["kernel_workspace_bytes"])

@@ -122,13 +122,6 @@ def kernel_workspace_bytes(jaxpr) -> int:
   return most
 
 
-def compile_with_workspace(jitted, *args):
-  """(compiled, kernel workspace bytes) of ``jitted(*args)``: traced once, the workspace read
-  from the traced program (``kernel_workspace_bytes``), then lowered and compiled."""
-  traced = jitted.trace(*args)
-  return traced.lower().compile(), kernel_workspace_bytes(traced.jaxpr.jaxpr)
-
-
 def step_need_bytes(compiled, workspace: int = 0) -> int | None:
   need = memory_fields(compiled).get("total_per_device_bytes")
   return None if need is None else need + workspace

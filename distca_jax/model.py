@@ -2,12 +2,17 @@
 
 Each layer is three named pieces so that core attention (no weights) can be moved elsewhere:
   * `PreCA`: RMSNorm, Q/K/V projections, RoPE at each token's position inside its own document.
-  * core attention: `backends.build(config).fn`, a function of (q, k, v, layout).
+  * core attention: the model field `attend`, a backend's function of (q, k, v, layout)
+    (`backends.build(config).fn`).
   * `PostCA`: output projection, residual, RMSNorm, SwiGLU MLP, residual.
-Layers run under `nn.scan` (compile time independent of depth) with optional rematerialization.
-With two nano-batches (ping-pong) the stack runs as one cross-layer schedule instead
-(`ping_pong_layers`), over the same parameters; on a mesh whose `pipe` axis is larger than 1 it
-runs as a pipeline of stages (`distca_jax.pipeline`), over the same parameters too.
+
+Linen declares the parameters (`init` runs the Linen layers under `nn.scan`, or as a list when
+`scan_layers=False`, which fixes the parameter tree that checkpoints and Hugging Face import
+read); every forward pass, `init`'s included, runs the stack through ONE entry, `run_stack`, on
+the unboxed parameters, with an explicit `ExecutionPlan` that the trainer picks from the config
+(`execution_plan`): the single stream (one scan with a remat policy, two scans of two policies,
+or unrolled), the ping-pong of two nano-batches (`ping_pong_layers`) or a pipeline of stages
+(`distca_jax.pipeline`). Every plan is built from the same `layer_pieces`.
 Parameters are float32 (master copy), compute runs in `dtype` (bf16 by default).
 
 Shape letters (docs/design.md, "Words and letters"): B rows, T tokens per row, E embed, H query
@@ -19,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from jax import lax
@@ -74,7 +79,7 @@ class ModelConfig:
   # 64K tokens of Llama-3-8B layers). The stack then runs as two scans over the same stacked
   # parameters (single stream only: attention.nano_batches=1, mesh.pipe=1).
   remat_mlp_layers: int = 0
-  scan_layers: bool = True       # nn.scan over layers (compile time does not grow with depth)
+  scan_layers: bool = True       # layers stacked, run under one scan (compile time flat in depth)
   init_std: float = 0.02         # normal init of every weight matrix
   loss_chunk: int = 4096         # tokens per chunk of the LM head + loss (bounds logits memory;
                                  # each chunk's gradients are computed in its forward pass)
@@ -255,50 +260,44 @@ def split_rows(tree, n: int):
 merge_rows = pipeline_lib.merge_rows  # the inverse of `split_rows`
 
 
-def _attend(core_attention: attn_lib.CoreAttentionFn, qkv, layout: Layout, scale: float):
+def _attend(attend: attn_lib.CoreAttentionFn, qkv, layout: Layout, scale: float):
   """Core attention of projected (q, k, v), with the names the remat policies look for."""
   q, k, v = (checkpoint_name(a, "qkv") for a in qkv)
-  return checkpoint_name(core_attention(q, k, v, layout, softmax_scale=scale), "ca_out")
+  return checkpoint_name(attend(q, k, v, layout, softmax_scale=scale), "ca_out")
 
 
 class DecoderLayer(nn.Module):
-  """pre-CA -> core attention -> post-CA, over all of the rows (single stream).
-
-  Ping-pong (``attention.nano_batches = 2``) is a schedule over the whole stack, not one layer:
-  see ``ping_pong_layers``.
-  """
+  """pre-CA -> core attention -> post-CA: declares one layer's parameters (``pre_ca``,
+  ``post_ca``) at ``init``; every forward pass runs the layer as ``layer_pieces``."""
   cfg: ModelConfig
-  core_attention: attn_lib.CoreAttentionFn
+  attend: attn_lib.CoreAttentionFn
 
   @nn.compact
   def __call__(self, x_BxTxE, layout: Layout):
     qkv = PreCA(self.cfg, name="pre_ca")(x_BxTxE, layout.positions_BxT)
-    o = _attend(self.core_attention, qkv, layout, 1.0 / math.sqrt(self.cfg.head_dim))
+    o = _attend(self.attend, qkv, layout, 1.0 / math.sqrt(self.cfg.head_dim))
     return PostCA(self.cfg, name="post_ca")(x_BxTxE, o)
 
 
 class _ScanBody(nn.Module):
-  """Adapter: (carry, broadcast layout) -> (carry, None) for nn.scan."""
+  """Adapter: (carry, broadcast layout) -> (carry, None) for nn.scan; its child is named
+  ``layer`` (the parameter paths ``layers/layer/...`` or ``layer_{i}/layer/...``)."""
   cfg: ModelConfig
-  core_attention: attn_lib.CoreAttentionFn
+  attend: attn_lib.CoreAttentionFn
 
   @nn.compact
   def __call__(self, x, layout):
-    layer_cls = DecoderLayer
-    if self.cfg.remat != "none":
-      layer_cls = nn.remat(DecoderLayer, policy=REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
-    return layer_cls(self.cfg, self.core_attention, name="layer")(x, layout), None
+    return DecoderLayer(self.cfg, self.attend, name="layer")(x, layout), None
 
 
 # Named scopes of the ping-pong steps (tests read them back from the traced program's order).
 PING_PONG_SCOPE = "pingpong"
 
 
-def layer_pieces(cfg: ModelConfig, core_attention: attn_lib.CoreAttentionFn):
-  """A layer's three pieces as functions of explicit parameters, for the schedules that run the
-  stack outside ``nn.scan`` (ping-pong, the two-policy scan): ``pre(p, x, layout) -> qkv``,
-  ``ca(qkv, layout) -> o`` and ``post(p, x, o) -> x``, ``p`` one layer's ``{'pre_ca',
-  'post_ca'}`` parameters."""
+def layer_pieces(cfg: ModelConfig, attend: attn_lib.CoreAttentionFn):
+  """A layer's three pieces as functions of explicit parameters, the building blocks of every
+  execution plan: ``pre(p, x, layout) -> qkv``, ``ca(qkv, layout) -> o`` and
+  ``post(p, x, o) -> x``, ``p`` one layer's ``{'pre_ca', 'post_ca'}`` parameters."""
   scale = 1.0 / math.sqrt(cfg.head_dim)
   # Unbound modules (parent=None): applied to the given parameters, not registered as children.
   pre_mod, post_mod = PreCA(cfg, parent=None), PostCA(cfg, parent=None)
@@ -307,7 +306,7 @@ def layer_pieces(cfg: ModelConfig, core_attention: attn_lib.CoreAttentionFn):
     return pre_mod.apply({"params": p["pre_ca"]}, x, lay.positions_BxT)
 
   def ca(qkv, lay):
-    return _attend(core_attention, qkv, lay, scale)
+    return _attend(attend, qkv, lay, scale)
 
   def post(p, x, o):
     return post_mod.apply({"params": p["post_ca"]}, x, o)
@@ -315,8 +314,117 @@ def layer_pieces(cfg: ModelConfig, core_attention: attn_lib.CoreAttentionFn):
   return pre, ca, post
 
 
-def ping_pong_layers(cfg: ModelConfig, core_attention: attn_lib.CoreAttentionFn, layers,
-                     x_BxTxE, layout: Layout):
+SINGLE, PING_PONG, PIPELINE = "single", "ping_pong", "pipeline"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionPlan:
+  """How the layer stack runs over its parameters (``run_stack``); the parameters are the same
+  for every plan.
+
+  schedule: ``'single'`` (one stream of all rows), ``'ping_pong'`` (two nano-batches per rank,
+    ``ping_pong_layers``) or ``'pipeline'`` (``stages`` GPipe stages over the mesh's `pipe` axis,
+    ``microbatches`` per data rank, 0 = 2 x stages; ``pipeline.pipeline_layers``).
+  scan: the layers under one ``lax.scan`` (compile time independent of depth); False: unrolled,
+    one call per layer (the parameters are then a list, ``ModelConfig.scan_layers=False``).
+  remat: the name of each layer's (or ping-pong unit's) remat policy, ``REMAT_POLICIES``.
+  remat_mlp_layers: single stream under 'save_attention' only: the first N layers keep their MLP
+    activations too (``ModelConfig.remat_mlp_layers``; two scans).
+  """
+  schedule: str = SINGLE
+  scan: bool = True
+  remat: str = "full"
+  remat_mlp_layers: int = 0
+  stages: int = 1
+  microbatches: int = 0
+
+  def __post_init__(self):
+    if self.schedule not in (SINGLE, PING_PONG, PIPELINE):
+      raise ValueError(f"schedule={self.schedule!r}; choose one of {SINGLE!r}, {PING_PONG!r}, "
+                       f"{PIPELINE!r}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={self.remat!r}; choose one of {sorted(REMAT_POLICIES)}")
+    if (self.schedule == PIPELINE) != (self.stages > 1):
+      raise ValueError(f"schedule={self.schedule!r} with stages={self.stages}: a pipeline has "
+                       "stages > 1, the other schedules 1")
+
+
+def execution_plan(cfg: ModelConfig, *, nano_batches: int = 1, stages: int = 1,
+                   microbatches: int = 0) -> ExecutionPlan:
+  """The plan of a config: ``nano_batches`` (``attention.nano_batches``), ``stages``
+  (``mesh.pipe``) and ``microbatches`` (``pipeline.microbatches``); scan and remat from
+  ``cfg``. The defaults give the single stream."""
+  if nano_batches not in (1, 2):
+    raise ValueError(f"nano_batches={nano_batches}; use 1 (single stream) or 2 (ping-pong)")
+  if cfg.remat_mlp_layers and (stages > 1 or nano_batches == 2):
+    raise ValueError(f"model.remat_mlp_layers={cfg.remat_mlp_layers} applies to the single "
+                     f"stream; got mesh.pipe={stages}, attention.nano_batches="
+                     f"{nano_batches}: set model.remat_mlp_layers=0")
+  if stages > 1 and nano_batches != 1:
+    raise ValueError(f"attention.nano_batches={nano_batches} with mesh.pipe={stages}: the "
+                     "pipeline runs the single stream; set attention.nano_batches=1")
+  if stages > 1 and not cfg.scan_layers:
+    raise ValueError(f"mesh.pipe={stages} needs model.scan_layers=True (stages are slices of "
+                     "the stacked layers)")
+  schedule = PIPELINE if stages > 1 else PING_PONG if nano_batches == 2 else SINGLE
+  return ExecutionPlan(schedule, scan=cfg.scan_layers, remat=cfg.remat,
+                       remat_mlp_layers=cfg.remat_mlp_layers, stages=stages,
+                       microbatches=microbatches)
+
+
+def _remat(f: Callable, remat, *, prevent_cse: bool) -> Callable:
+  """``f`` under ``jax.checkpoint`` with the policy named ``remat`` (a ``REMAT_POLICIES`` name,
+  or a policy function); 'none' returns ``f``."""
+  if isinstance(remat, str) and remat == "none":
+    return f
+  policy = REMAT_POLICIES[remat] if isinstance(remat, str) else remat
+  return jax.checkpoint(f, policy=policy, prevent_cse=prevent_cse)
+
+
+def _n_layers(layers) -> int:
+  if isinstance(layers, (list, tuple)):
+    return len(layers)
+  return jax.tree.leaves(layers)[0].shape[0]
+
+
+def single_stream(plan: ExecutionPlan, pieces, layers, x_BxTxE, layout: Layout):
+  """All rows through every layer in order, each layer under the plan's remat policy
+  (``prevent_cse=False``, as inside a loop): one scan over the stacked parameters, or a call per
+  layer of a list (``plan.scan=False``).
+
+  With ``plan.remat_mlp_layers`` = N > 0 the stack is two scans over the stacked parameters:
+  layers [0, N) under ``SAVE_ATTENTION_AND_MLP``, [N, L) under 'save_attention'. Each of them
+  takes its layers' weights as its sequence input cast to the compute dtype first (the layers
+  cast them anyway; a bf16 slice is half the copy, and their gradients then stack in bf16 before
+  the one cast back to the parameter dtype, the same values); the norms' float32 scales stay
+  float32. One scan slices the float32 stack inside each layer instead."""
+  pre, ca, post = pieces
+
+  def layer(p, x):
+    return post(p, x, ca(pre(p, x, layout), layout))
+
+  def scan(x, ps, remat):
+    body = _remat(layer, remat, prevent_cse=False)
+    return lax.scan(lambda x, p: (body(p, x), None), x, ps)[0]
+
+  if not plan.scan:
+    body = _remat(layer, plan.remat, prevent_cse=False)
+    for p in layers:
+      x_BxTxE = body(p, x_BxTxE)
+    return x_BxTxE
+  n = plan.remat_mlp_layers
+  if not n:
+    return scan(x_BxTxE, layers, plan.remat)
+  dtype = jnp.dtype(jax.tree.leaves(x_BxTxE)[0].dtype)
+  weights = jax.tree_util.tree_map_with_path(
+      lambda path, a: a if path[-1].key == "scale" else a.astype(dtype), layers)
+  x = scan(x_BxTxE, jax.tree.map(lambda a: a[:n], weights), SAVE_ATTENTION_AND_MLP)
+  if n < _n_layers(layers):
+    x = scan(x, jax.tree.map(lambda a: a[n:], weights), "save_attention")
+  return x
+
+
+def ping_pong_layers(plan: ExecutionPlan, pieces, layers, x_BxTxE, layout: Layout):
   """The decoder stack as a ping-pong of two nano-batches (DistCA Sec. 4.1).
 
   Each data rank's rows form nano-batches A and B (``split_rows``; no row moves between
@@ -334,9 +442,9 @@ def ping_pong_layers(cfg: ModelConfig, core_attention: attn_lib.CoreAttentionFn,
   is that of the single stream (tests assert equal losses and gradients).
 
   Args:
-    cfg: the model config (``remat`` wraps each unit like a layer; the carry between units holds
-      both nano-batches' residual stream, A's core-attention output and B's q, k, v).
-    core_attention: the backend's function.
+    plan: the execution plan (``plan.remat`` wraps each unit like a layer; the carry between
+      units holds both nano-batches' residual stream, A's core-attention output and B's q, k, v).
+    pieces: ``layer_pieces(cfg, attend)``.
     layers: the per-layer parameters ``{'pre_ca': ..., 'post_ca': ...}``: one tree stacked over
       layers (leading dim L, as ``nn.scan`` stores them) or a list of L trees.
     x_BxTxE: the residual stream entering layer 0.
@@ -345,9 +453,9 @@ def ping_pong_layers(cfg: ModelConfig, core_attention: attn_lib.CoreAttentionFn,
   Returns:
     The residual stream after layer L-1, rows in their original order.
   """
-  n_layers = cfg.n_layers
+  n_layers = _n_layers(layers)
   stacked = not isinstance(layers, (list, tuple))
-  pre, ca, post = layer_pieces(cfg, core_attention)
+  pre, ca, post = pieces
   (x_a, x_b), (lay_a, lay_b) = split_rows(x_BxTxE, 2), split_rows(layout, 2)
 
   def step(name, fn, *args):
@@ -355,12 +463,9 @@ def ping_pong_layers(cfg: ModelConfig, core_attention: attn_lib.CoreAttentionFn,
       return fn(*args)
 
   def remat(f, in_scan=False):
-    if cfg.remat == "none":
-      return f
     # prevent_cse=False only inside the scan (as nn.scan does): there a loop already keeps XLA
     # from merging the backward's recomputation with the forward; outside, CSE would undo it.
-    return jax.checkpoint(f, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not in_scan)
-
+    return _remat(f, plan.remat, prevent_cse=not in_scan)
   def layer(all_params, i):
     if not stacked:
       return all_params[i]
@@ -405,12 +510,32 @@ def ping_pong_layers(cfg: ModelConfig, core_attention: attn_lib.CoreAttentionFn,
   return merge_rows([x_a, x_b])
 
 
+def pipeline_stack(plan: ExecutionPlan, pieces, layers, x_BxTxE, layout: Layout):
+  """The stack as ``plan.stages`` GPipe stages (``pipeline.pipeline_layers``) over the stacked
+  parameters, each layer of each tick under the plan's remat policy."""
+  return pipeline_lib.pipeline_layers(
+      pieces, layers, x_BxTxE, layout, microbatches=plan.microbatches, stages=plan.stages,
+      remat=lambda f: _remat(f, plan.remat, prevent_cse=False))
+
+
+_SCHEDULES = {SINGLE: single_stream, PING_PONG: ping_pong_layers, PIPELINE: pipeline_stack}
+
+
+def run_stack(plan: ExecutionPlan, pieces, layers, x_BxTxE, layout: Layout):
+  """THE layer-stack entry: the residual stream after the last layer, [B, T, E], of ``layers``
+  (the unboxed per-layer parameters: stacked over L, or a list) run by ``plan``'s schedule out of
+  ``pieces`` (``layer_pieces``)."""
+  if plan.schedule == PIPELINE and not plan.scan:
+    raise ValueError("a pipeline needs model.scan_layers=True (stages are slices of the stacked "
+                     "layers)")
+  return _SCHEDULES[plan.schedule](plan, pieces, layers, x_BxTxE, layout)
+
+
 class Transformer(nn.Module):
   """Decoder stack: tokens [B,T] + layout -> final hidden states [B,T,E] (before the LM head)."""
   cfg: ModelConfig
-  core_attention: attn_lib.CoreAttentionFn
-  nano_batches: int = 1  # 2: ping-pong of two nano-batches per rank (``ping_pong_layers``)
-  microbatches: int = 0  # pipeline microbatches when the mesh's `pipe` axis is > 1 (0: 2 x pipe)
+  attend: attn_lib.CoreAttentionFn  # core attention: a backend's function of (q, k, v, layout)
+  plan: ExecutionPlan | None = None  # how the stack runs; None: ``execution_plan(cfg)``
 
   def setup(self):
     cfg = self.cfg
@@ -421,94 +546,46 @@ class Transformer(nn.Module):
       self.lm_head = self.param("lm_head", _dense_init(cfg.init_std, ("embed", "vocab")),
                                 (cfg.dim, cfg.vocab_size), jnp.dtype(cfg.param_dtype))
     self.final_norm = RMSNorm(cfg.norm_eps, cfg.compute_dtype)
+    # The layers' parameters are declared by these Linen modules (run once by `init`).
     if cfg.scan_layers:
       self.layers = nn.scan(
           _ScanBody, variable_axes={"params": 0}, split_rngs={"params": True},
           in_axes=(nn.broadcast,), length=cfg.n_layers,
-          metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.core_attention)
+          metadata_params={nn.PARTITION_NAME: "layers"})(cfg, self.attend)
     else:
-      self.layer_list = [_ScanBody(cfg, self.core_attention, name=f"layer_{i}")
+      self.layer_list = [_ScanBody(cfg, self.attend, name=f"layer_{i}")
                          for i in range(cfg.n_layers)]
+
+  def _plan(self) -> ExecutionPlan:
+    return self.plan if self.plan is not None else execution_plan(self.cfg)
+
+  def _layer_params(self):
+    """The unboxed per-layer parameters: stacked over layers (scan) or a list."""
+    params = nn.meta.unbox(self.variables["params"])
+    if self.cfg.scan_layers:
+      return params["layers"]["layer"]
+    return [params[f"layer_{i}"]["layer"] for i in range(self.cfg.n_layers)]
 
   def __call__(self, tokens_BxT, layout: Layout):
     """Final normalized hidden states [B, T, E] in the compute dtype."""
+    plan = self._plan()
+    if plan.scan != self.cfg.scan_layers:
+      raise ValueError(f"plan.scan={plan.scan} with model.scan_layers={self.cfg.scan_layers}: "
+                       "build the plan with model.execution_plan(cfg, ...)")
     table = shard_lib.gathered(self.embedding, ("vocab", "embed"))  # f32: its gradient too
     x = jnp.take(table, tokens_BxT, axis=0).astype(self.cfg.compute_dtype)
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
-    if self.nano_batches not in (1, 2):
-      raise ValueError(f"nano_batches={self.nano_batches}; use 1 (single stream) or 2 (ping-pong)")
-    stages = pipeline_lib.mesh_stages()
-    if self.cfg.remat_mlp_layers and (stages > 1 or self.nano_batches == 2):
-      raise ValueError(f"model.remat_mlp_layers={self.cfg.remat_mlp_layers} applies to the single "
-                       f"stream; got mesh.pipe={stages}, attention.nano_batches="
-                       f"{self.nano_batches}: set model.remat_mlp_layers=0")
-    if stages > 1 and not self.is_initializing():
-      x = self._pipeline(x, layout, stages)
+    if self.is_initializing():  # declare the layers' parameters (their output is not used)
+      if self.cfg.scan_layers:
+        self.layers(x, layout)
+      else:
+        for layer in self.layer_list:
+          layer(x, layout)
+    x = run_stack(plan, layer_pieces(self.cfg, self.attend), self._layer_params(), x, layout)
+    if plan.schedule == PIPELINE:
       with pipeline_lib.head_rules(x.shape[0]):  # the head splits rows over (pipe, data)
         return self.final_norm(nn.with_logical_constraint(x, ("batch", "length", "embed")))
-    if self.nano_batches == 2 and not self.is_initializing():
-      # The parameters are the single stream's (``init`` runs that path): read them and run the
-      # ping-pong schedule over them.
-      params = nn.meta.unbox(self.variables["params"])
-      if self.cfg.scan_layers:
-        layers = params["layers"]["layer"]
-      else:
-        layers = [params[f"layer_{i}"]["layer"] for i in range(self.cfg.n_layers)]
-      x = ping_pong_layers(self.cfg, self.core_attention, layers, x, layout)
-    elif self.cfg.scan_layers and self.cfg.remat_mlp_layers and not self.is_initializing():
-      x = self._two_policy_scan(x, layout)
-    elif self.cfg.scan_layers:
-      x, _ = self.layers(x, layout)
-    else:
-      for layer in self.layer_list:
-        x, _ = layer(x, layout)
     return self.final_norm(x)
-
-  def _two_policy_scan(self, x_BxTxE, layout: Layout):
-    """The single stream as two scans over the stacked parameters (``init`` makes them with the
-    one ``nn.scan``): layers [0, N) under ``SAVE_ATTENTION_AND_MLP``, [N, L) under
-    'save_attention', N = ``remat_mlp_layers``. Each scan takes its layers' weights as its
-    sequence input, cast to the compute dtype first (the layers cast them anyway; a bf16 slice is
-    half the copy, and their gradients then stack in bf16 before the one cast back to
-    ``param_dtype``, the same values); the norms' float32 scales stay float32."""
-    cfg = self.cfg
-    n = cfg.remat_mlp_layers
-    layers = nn.meta.unbox(self.variables["params"])["layers"]["layer"]
-    pre, ca, post = layer_pieces(cfg, self.core_attention)
-    weights = jax.tree_util.tree_map_with_path(
-        lambda path, a: a if path[-1].key == "scale" else a.astype(cfg.compute_dtype), layers)
-
-    def layer(p, x):
-      return post(p, x, ca(pre(p, x, layout), layout))
-
-    def scan(x, ps, policy):
-      body = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-      return lax.scan(lambda x, p: (body(p, x), None), x, ps)[0]
-
-    x = scan(x_BxTxE, jax.tree.map(lambda a: a[:n], weights), SAVE_ATTENTION_AND_MLP)
-    if n < cfg.n_layers:
-      x = scan(x, jax.tree.map(lambda a: a[n:], weights), REMAT_POLICIES["save_attention"])
-    return x
-
-  def _pipeline(self, x_BxTxE, layout: Layout, stages: int):
-    """The stack as `stages` pipeline stages (``pipeline.pipeline_layers``) over the scanned
-    parameters (the single stream's, which ``init`` makes)."""
-    cfg = self.cfg
-    if self.nano_batches != 1:
-      raise ValueError(f"attention.nano_batches={self.nano_batches} with mesh.pipe={stages}: the "
-                       "pipeline runs the single stream; set attention.nano_batches=1")
-    if not cfg.scan_layers:
-      raise ValueError(f"mesh.pipe={stages} needs model.scan_layers=True (stages are slices of "
-                       "the stacked layers)")
-    layers = nn.meta.unbox(self.variables["params"])["layers"]["layer"]
-    pre_mod, post_mod = PreCA(cfg, parent=None), PostCA(cfg, parent=None)
-    scale = 1.0 / math.sqrt(cfg.head_dim)
-    return pipeline_lib.pipeline_layers(
-        lambda p, x, pos: pre_mod.apply({"params": p}, x, pos),
-        lambda qkv, lay: _attend(self.core_attention, qkv, lay, scale),
-        lambda p, x, o: post_mod.apply({"params": p}, x, o),
-        layers, x_BxTxE, layout, microbatches=self.microbatches, stages=stages,
-        remat=cfg.remat != "none", remat_policy=REMAT_POLICIES[cfg.remat])
 
   def head_weights(self):
     """[E, V] LM-head matrix (the embedding's transpose when tied)."""
@@ -522,7 +599,7 @@ class Transformer(nn.Module):
     """(sum of masked token cross-entropies, number of loss tokens), LM head chunked over T."""
     h = self(tokens_BxT, layout)
     w = self.head_weights()
-    head_rules = (pipeline_lib.head_rules(h.shape[0]) if pipeline_lib.mesh_stages() > 1
+    head_rules = (pipeline_lib.head_rules(h.shape[0]) if self._plan().schedule == PIPELINE
                   else contextlib.nullcontext())
     with head_rules, jax.named_scope(LM_HEAD_SCOPE):
       return chunked_cross_entropy(h, w, targets_BxT, loss_mask_BxT, self.cfg.loss_chunk)

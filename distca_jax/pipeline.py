@@ -194,27 +194,28 @@ def _unflat(a, stages: int):
   return a.reshape(stages, -1, *a.shape[1:])
 
 
-def pipeline_layers(pre, attend, post, layers, x_BxTxE, layout, *, microbatches: int,
-                    stages: int | None = None, remat_policy=None, remat: bool = False):
+def pipeline_layers(pieces, layers, x_BxTxE, layout, *, microbatches: int,
+                    stages: int | None = None, remat=None):
   """The decoder stack as a P-stage GPipe pipeline over the mesh's `pipe` axis.
 
   Args:
-    pre: `pre(p, x_BxTxE, positions_BxT) -> (q, k, v)`, one layer's pre-CA on its parameters.
-    attend: `attend((q, k, v), layout) -> o`, core attention; called once per layer and tick on
-      the P x Bm rows of every stage's slot (rows sharded over (pipe, data)).
-    post: `post(p, x_BxTxE, o) -> x_BxTxE`, one layer's post-CA.
+    pieces: `(pre, attend, post)`, a layer's pieces (`model.layer_pieces`):
+      `pre(p, x_BxTxE, layout) -> (q, k, v)` and `post(p, x_BxTxE, o) -> x_BxTxE` on one layer's
+      parameters `p`; `attend((q, k, v), layout) -> o`, core attention, called once per layer and
+      tick on the P x Bm rows of every stage's slot (rows sharded over (pipe, data)).
     layers: per-layer parameters `{'pre_ca': ..., 'post_ca': ...}` stacked over layers (leading
       dim L, `nn.scan`'s layout); L must divide by the stage count.
     x_BxTxE: the embedded rows entering layer 0.
     layout: the batch's `attention.Layout` (rows like x).
     microbatches: M (0 = 2 x stages).
     stages: P; default the mesh's `pipe` size.
-    remat_policy, remat: with `remat`, each layer of each tick is a `jax.checkpoint` with this
-      policy (the model's `ModelConfig.remat`).
+    remat: `remat(f) -> f'`, applied to each layer of each tick (the plan's remat policy as a
+      `jax.checkpoint`); None: no remat.
 
   Returns:
     The residual stream after layer L-1, [B, T, E], rows in their original order.
   """
+  pre, attend, post = pieces
   s = stages or mesh_stages()
   m = resolve_microbatches(microbatches, s)
   n_layers = jax.tree.leaves(layers)[0].shape[0]
@@ -241,13 +242,13 @@ def pipeline_layers(pre, attend, post, layers, x_BxTxE, layout, *, microbatches:
     # Layer j of every stage; the weights are sliced inside the (rematerialized) layer, so a
     # slice is never a residual of its own.
     p = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, 1, keepdims=False), all_params)
-    q, k, v = pre_s(p["pre_ca"], x_PxBmxTxE, lay_P.positions_BxT)
+    q, k, v = pre_s(p, x_PxBmxTxE, lay_P)
     flat_lay = jax.tree.map(_flat, lay_P)
     o = attend((_flat(q), _flat(k), _flat(v)), flat_lay.replace(extra={**flat_lay.extra, **tick_x}))
-    return post_s(p["post_ca"], x_PxBmxTxE, _unflat(o, s))
+    return post_s(p, x_PxBmxTxE, _unflat(o, s))
 
-  if remat:
-    layer = jax.checkpoint(layer, policy=remat_policy, prevent_cse=False)
+  if remat is not None:
+    layer = remat(layer)
 
   stage_ids = jnp.arange(s)
 

@@ -42,7 +42,7 @@ from distca_jax.health import (HEALTH_FIELDS, BadStepWatch, TrainingDiverged,
                                spike_check)
 from distca_jax.data import BATCH_KEYS, make_source
 from distca_jax.errors import UserError
-from distca_jax.model import Transformer
+from distca_jax.model import Transformer, execution_plan
 
 
 @flax.struct.dataclass
@@ -56,9 +56,7 @@ class TrainState:
   health: jax.Array      # float32 [5]: running statistics of the good steps (`HEALTH_FIELDS`)
 
 
-# ----------------------------------------------------------------------------------------------
-# Building blocks
-# ----------------------------------------------------------------------------------------------
+# ---- Building blocks ------------------------------------------------------------------------
 def make_backend(c: ml_collections.ConfigDict, **overrides) -> attn_lib.Backend:
   """The configured core-attention backend (``backends.build``: options from the config, keyword
   ``overrides`` for options that are no config keys, e.g. a benchmark's ``signal_only``)."""
@@ -66,10 +64,11 @@ def make_backend(c: ml_collections.ConfigDict, **overrides) -> attn_lib.Backend:
 
 
 def make_model(c: ml_collections.ConfigDict, backend: attn_lib.Backend | None = None) -> Transformer:
-  """The model with the configured core-attention backend bound in."""
-  backend = backend or make_backend(c)
-  return Transformer(config_lib.model_config(c), backend.fn, c.attention.nano_batches,
-                     c.pipeline.microbatches)
+  """The model with the configured backend's core attention and the config's execution plan."""
+  cfg = config_lib.model_config(c)
+  return Transformer(cfg, (backend or make_backend(c)).fn, execution_plan(
+      cfg, nano_batches=c.attention.nano_batches, stages=c.mesh.pipe,
+      microbatches=c.pipeline.microbatches))
 
 
 def make_optimizer(c: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -96,8 +95,7 @@ def learning_rate(c: ml_collections.ConfigDict, step):
 
 
 def _init_attention(q, k, v, layout, *, softmax_scale):
-  """Stand-in core attention for `init`: core attention has no parameters, so any function of
-  the right shape gives the same parameters, and this one needs no plan or kernel."""
+  """Stand-in core attention for `init` (no parameters: any function of its shape will do)."""
   del k, v, layout, softmax_scale
   return q
 
@@ -107,7 +105,7 @@ def _init_fn(c, model, tx, *, boxed: bool):
     t = 8  # parameter shapes do not depend on the sequence length
     tokens = jnp.zeros((1, t), jnp.int32)
     layout = attn_lib.Layout(jnp.ones((1, t), jnp.int32), jnp.arange(t, dtype=jnp.int32)[None])
-    init_model = model.clone(core_attention=_init_attention, nano_batches=1)
+    init_model = model.clone(attend=_init_attention, plan=execution_plan(model.cfg))
     key = jax.random.key(c.seed)
     params = init_model.init(jax.random.fold_in(key, 1), tokens, layout)["params"]
     if not boxed:
@@ -252,10 +250,23 @@ def make_train_step(c, model, tx) -> Callable:
 
 
 def jit_train_step(c, model, tx, mesh, state_sh, batch_keys=BATCH_KEYS):
-  batch_sh = {k: rows_sharding(mesh) for k in batch_keys}
-  step = make_train_step(c, model, tx)
-  return jax.jit(step, in_shardings=(state_sh, batch_sh),
+  return jax.jit(make_train_step(c, model, tx),
+                 in_shardings=(state_sh, {k: rows_sharding(mesh) for k in batch_keys}),
                  out_shardings=(state_sh, shard_lib.replicated(mesh)), donate_argnums=(0,))
+
+
+def compile_train_step(c, run: RunSetup, state, batch: dict, rows: int | None = None):
+  """(compiled step, kernel workspace bytes, {'lower_s', 'compile_s'}): the one place the step is
+  compiled (loop pre-flight, `aot`, benchmarks); `batch` as `rows` rows (default its own)."""
+  batch = {k: jax.ShapeDtypeStruct((rows or a.shape[0],) + a.shape[1:], a.dtype,
+                                   sharding=rows_sharding(run.mesh)) for k, a in batch.items()}
+  t0 = time.perf_counter()
+  with mesh_context(run.mesh, c.mesh.fsdp):
+    traced = jit_train_step(c, run.model, run.tx, run.mesh, run.state_shardings,
+                            tuple(batch)).trace(state, batch)
+    lowered, t1 = traced.lower(), time.perf_counter()
+  return (lowered.compile(), memory_lib.kernel_workspace_bytes(traced.jaxpr.jaxpr),
+          {"lower_s": t1 - t0, "compile_s": time.perf_counter() - t1})
 
 
 rows_sharding = shard_lib.rows_sharding  # every batch array: rows per the rules table
@@ -450,9 +461,7 @@ class Interrupted(Exception):
     self.signum = signum
 
 
-# ----------------------------------------------------------------------------------------------
-# The job
-# ----------------------------------------------------------------------------------------------
+# ---- The job --------------------------------------------------------------------------------
 def check_workdir(workdir: str) -> None:
   """Raises a UserError unless files can be created in ``workdir`` (or, when it does not exist
   yet, in its nearest existing parent, where it will be made); probes with a temporary file."""
@@ -500,41 +509,35 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str,
     return _train(c, run, workdir, log, closers, device_memory_bytes, stop or StopRequest())
 
 
-def compile_step(c, model, tx, mesh, state_sh, state, batch_shapes, capacity=None,
-                 resend_fn=None, log=print):
-  """The memory pre-flight: the train step compiled ahead of its first call for ``batch_shapes``,
-  stopped with `memory.DoesNotFit` if its need (XLA's plan plus the kernels' workspace) exceeds
-  the device's memory (``capacity`` replaces it). ``resend_fn`` (the distca backend's in
-  ``memory_mode='auto'``: ``DistcaBackend.resend_fn``): a step that does not fit is compiled
-  again with it as the model's core attention (servers re-send Q/K/V in the backward instead of
-  keeping them), and that one runs if it fits. Returns (compiled step, workspace bytes, need
-  bytes, the model it runs)."""
-  device = mesh.devices.flat[0]
-
-  def compile_for(model):
-    with mesh_context(mesh, c.mesh.fsdp):
-      jitted = jit_train_step(c, model, tx, mesh, state_sh, tuple(batch_shapes))
-      return memory_lib.compile_with_workspace(jitted, state, batch_shapes)
-
-  step_fn, workspace = compile_for(model)
+def preflight(c, run: RunSetup, state, batch: dict, rows: int | None = None,
+              capacity: int | None = None, log=print):
+  """The memory pre-flight: the step compiled ahead of its first call (``compile_train_step``)
+  and stopped with `memory.DoesNotFit` if its need (XLA's plan plus the kernels' workspace)
+  exceeds the device's memory (``capacity`` replaces it). With the distca backend in
+  ``memory_mode='auto'`` (its ``resend_fn``) a step that does not fit is compiled again with
+  the servers re-sending Q/K/V in the backward instead of keeping them ('resend'), and runs that
+  way if it fits; either way one line says which mode runs. Returns (compiled step, workspace
+  bytes, need bytes, the run whose model the step runs)."""
+  device, resend_fn = run.mesh.devices.flat[0], getattr(run.backend, "resend_fn", None)
+  step_fn, workspace, _ = compile_train_step(c, run, state, batch, rows)
   try:
     need = memory_lib.check_fits(step_fn, device, capacity, workspace)
     if resend_fn is not None:
       log(f"distca memory_mode 'auto': 'keep' ("
           + ("fits: " + memory_lib.format_bytes(need) if need is not None else "device memory "
              "unknown") + " per device)")
-    return step_fn, workspace, need, model
+    return step_fn, workspace, need, run
   except memory_lib.DoesNotFit as e:
     if resend_fn is None:
       raise
     keep = e  # the name bound by `except` ends with the block
-  model = model.clone(core_attention=resend_fn)
-  step_fn, workspace = compile_for(model)
+  run = dataclasses.replace(run, model=run.model.clone(attend=resend_fn))
+  step_fn, workspace, _ = compile_train_step(c, run, state, batch, rows)
   need = memory_lib.check_fits(step_fn, device, capacity, workspace)
   log(f"distca memory_mode 'auto': 'keep' needs {memory_lib.format_bytes(keep.need)} per device, "
       f"over {memory_lib.format_bytes(keep.capacity)}; running 'resend' (servers re-send Q/K/V "
       f"in the backward): {memory_lib.format_bytes(need)}")
-  return step_fn, workspace, need, model
+  return step_fn, workspace, need, run
 
 
 def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dict]:
@@ -611,14 +614,10 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
       digest = prefetch.plan_digests.pop(step)
       if step == start or (c.checkpoint_every > 0 and step % c.checkpoint_every == 0):
         check_plans_agree(step, digest)
-      if step_fn is None:  # batch keys (a backend's plan arrays included) are known now
-        keys = np_batch[0][2]
-        batch_shapes = {k: jax.ShapeDtypeStruct((rows,) + a.shape[1:], a.dtype,
-                                                sharding=rows_sharding(mesh))
-                        for k, a in keys.items()}
-        step_fn, workspace, memory_need, model = compile_step(
-            c, model, tx, mesh, state_sh, state, batch_shapes, device_memory_bytes,
-            getattr(backend, "resend_fn", None), log.info)
+      if step_fn is None:  # pre-flight (batch keys now known): compile, stop if it cannot fit
+        step_fn, workspace, memory_need, run = preflight(c, run, state, np_batch[0][2], rows,
+                                                         device_memory_bytes, log.info)
+        model = run.model
       profiled = step == c.profile_step
       with mesh_context(mesh, c.mesh.fsdp):
         if profiled:  # idle time against the last unprofiled step time when there is one

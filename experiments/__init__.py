@@ -1,6 +1,7 @@
 """Benchmarks and tables over the library's public API; each module runs as
 ``python -m experiments.<name>`` from the repository root (``--help`` lists its options)."""
 
+import argparse
 import os
 import shlex
 import sys
@@ -19,3 +20,14 @@ def module_argv(module_file: str) -> list[str]:
   benchmark starts its per-backend child processes (from the repository root, like the parent)."""
   name = os.path.splitext(os.path.basename(module_file))[0]
   return [sys.executable, "-m", f"experiments.{name}"]
+
+
+class _RenamedFlag(argparse.Action):
+  def __call__(self, parser, namespace, values, option_string=None):
+    parser.error(f"{option_string} was renamed: use {self.const} (it names kernels, not "
+                 "training backends)")
+
+
+def reject_renamed_flag(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+  """Adds the hidden flag ``old``, which stops the parser with one line naming ``new``."""
+  parser.add_argument(old, action=_RenamedFlag, const=new, nargs="?", help=argparse.SUPPRESS)

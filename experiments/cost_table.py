@@ -8,14 +8,14 @@ backward (grad of <O, dO> in q, k, v); the per-task time is the call's median ti
 Fusing many tasks is how the data plane runs them, so launch overhead is amortized as in a step.
 
 Run on a GPU (the lead's machine):
-  python -m experiments.cost_table --backend flash3 --out results/cost_table_flash3_h200.json
+  python -m experiments.cost_table --kernel flash3 --out results/cost_table_flash3_h200.json
 CPU smoke test (seconds):
-  python -m experiments.cost_table --backend reference --tiny --out /tmp/cost_table_tiny.json
+  python -m experiments.cost_table --kernel reference --tiny --out /tmp/cost_table_tiny.json
 
 Output JSON: ``q_lens`` [Q], ``kv_lens`` [K], ``fwd_s`` and ``fwd_bwd_s`` [Q][K] seconds per task
 (null where q_len > kv_len), ``fwd_tflops`` / ``fwd_bwd_tflops`` (throughput counting
-4 * Hq * D * pairs forward and ``BWD_FWD_RATIO`` x that backward) and ``meta`` (device, backend,
-shapes, dtype, command).
+4 * Hq * D * pairs forward and ``BWD_FWD_RATIO`` x that backward) and ``meta`` (device, kernel,
+shapes, dtype, command; free-form, read by no code).
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ _TINY_KV = [16, 32, 64, 128]
 def _parse() -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--backend", required=True, choices=("reference", "blockwise", "mosaic", "flash3"))
+  p.add_argument("--kernel", required=True, choices=("reference", "blockwise", "mosaic", "flash3"))
+  experiments.reject_renamed_flag(p, "--backend", "--kernel")
   p.add_argument("--tiny", action="store_true",
-                 help="tiny grid and shapes for a CPU smoke test (reference backend)")
+                 help="tiny grid and shapes for a CPU smoke test (reference kernel)")
   p.add_argument("--q-lens", type=str, default=None, help="comma-separated query lengths")
   p.add_argument("--kv-lens", type=str, default=None, help="comma-separated key lengths")
   p.add_argument("--q-heads", type=int, default=None, help="default 32 (2 with --tiny)")
@@ -93,7 +94,7 @@ def main() -> None:
     raise SystemExit(f"--q-heads={hq} must be a multiple of --kv-heads={hkv}")
 
   def fwd(q, k, v, cu_q, cu_k, mq, mk):
-    return ops.core_attention(q, k, v, cu_q, cu_k, kernel=args.backend,
+    return ops.core_attention(q, k, v, cu_q, cu_k, kernel=args.kernel,
                               max_seqlen_q=mq, max_seqlen_k=mk)
 
   def fwd_bwd(q, k, v, do, cu_q, cu_k, mq, mk):
@@ -147,7 +148,7 @@ def main() -> None:
         "fwd_s": _grid(t_fwd),
         "fwd_tflops": _grid(flops_g / t_fwd / 1e12),
         "meta": {
-            "backend": args.backend, "device": str(jax.devices()[0].device_kind),
+            "kernel": args.kernel, "device": str(jax.devices()[0].device_kind),
             "platform": jax.default_backend(), "jax": jax.__version__,
             "q_heads": hq, "kv_heads": hkv, "head_dim": dim, "dtype": str(dtype),
             "tokens_per_call": tokens, "repeats": repeats,

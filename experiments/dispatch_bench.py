@@ -128,6 +128,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
+from custom_ops import flash3_attention as fa3
 from distca_jax import aot, dataplane, ops, profiling
 from distca_jax import plan as plan_lib
 from distca_jax.baselines import packing
@@ -183,7 +184,7 @@ def _pick_kernel(a, dtype) -> str:
   if jax.default_backend() != "gpu":
     return "reference"
   ok = (importlib.util.find_spec("flash_attn3_jax") is not None
-        and a.head_dim in ops.FLASH3_HEAD_DIMS and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
+        and a.head_dim in fa3.FLASH3_HEAD_DIMS and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16))
   return "flash3" if ok else "mosaic"
 
 

@@ -194,9 +194,8 @@ def run_one(c, steps, warmup, log, profile_dir=None, backend_options=None):
     if step_fn is None:  # compiled once: the steps run it, and memory / HLO are read from it
       # The memory pre-flight of training (distca's 'auto' memory mode included): a step that
       # cannot fit stops here with its one line.
-      step_fn, workspace, _, model = trainer.compile_step(
-          c, model, tx, mesh, run.state_shardings, state, batch,
-          resend_fn=getattr(backend, "resend_fn", None), log=log)
+      step_fn, workspace, _, run = trainer.preflight(c, run, state, batch, log=log)
+      model = run.model
     t0 = time.perf_counter()
     with trainer.mesh_context(mesh, c.mesh.fsdp):
       state, m = step_fn(state, batch)

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from custom_ops import flash3_attention as fa3
 from distca_jax import ops, profiling
 from distca_jax import plan as plan_lib
 from distca_jax.baselines import packing
@@ -73,7 +74,7 @@ def _cases(cu_q: np.ndarray, cu_k: np.ndarray, nq: int, nk: int, row: int):
   uq, uk = cu_q[:used + 1], cu_k[:used + 1]
   eq, ek = _up(int(cu_q[used]), 8), _up(int(cu_k[used]), 8)
   return [("full/row", cu_q, cu_k, nq, nk, row, row, 1),
-          ("buckets", cu_q, cu_k, nq, nk, row, row, ops.FLASH3_GRID_LEVELS),
+          ("buckets", cu_q, cu_k, nq, nk, row, row, fa3.FLASH3_GRID_LEVELS),
           ("used/tight/exact", uq, uk, eq, ek, mq, mk, 1)]
 
 

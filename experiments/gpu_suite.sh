@@ -42,9 +42,9 @@ case "${SUITE:-all}" in
   tests|all)
 stage gpu_tests 150 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_ops.py -k "flash3 or hints or buckets"
 ;;& one|all)
-stage kernel_bench 600 $ONE python3 -m experiments.kernel_bench --backends mosaic,flash3 --workloads dense-4096,dense-16384,ca-s128,ca-s512,ca-s4096 --child-timeout-s 120 --out "$OUT/kernel_bench.json"
+stage kernel_bench 600 $ONE python3 -m experiments.kernel_bench --kernels mosaic,flash3 --workloads dense-4096,dense-16384,ca-s128,ca-s512,ca-s4096 --child-timeout-s 120 --out "$OUT/kernel_bench.json"
 stage kernel_profile 300 $ONE python3 -m experiments.kernel_profile --workloads dense-16384,ca-s512,ca-s128 --out "$OUT/kernel_profile.json"
-stage cost_table 120 $ONE python3 -m experiments.cost_table --backend flash3 --repeats 2 --tokens 65536 --q-lens 128,512,2048,8192 --kv-lens 4096,16384,65536,131072 --out "$OUT/cost_table_flash3_h200.json"
+stage cost_table 120 $ONE python3 -m experiments.cost_table --kernel flash3 --repeats 2 --tokens 65536 --q-lens 128,512,2048,8192 --kv-lens 4096,16384,65536,131072 --out "$OUT/cost_table_flash3_h200.json"
 stage flash3_grid_bench 150 $ONE python3 -m experiments.flash3_grid_bench --out "$OUT/flash3_grid_bench"
 stage rows_per_call_bench 200 $ONE python3 -m experiments.rows_per_call_bench --batches 2 --out "$OUT/rows_per_call_bench"
 stage gather_bench 90 $ONE python3 -m experiments.gather_bench --out "$OUT/gather_bench"

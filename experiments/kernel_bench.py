@@ -41,6 +41,9 @@ kernel) and reference (plain jnp, small sizes only). Run (on a GPU machine):
 CPU smoke test (tiny shapes; the blockwise kernel and the jnp reference):
   python -m experiments.kernel_bench --tiny --out /tmp/kernel_bench_tiny.json
 Writes <out>.json and <out>.md (same stem) with the command, device, wall times and every entry.
+
+``--kernels`` names the kernels to run (``--backends``, its old name, stops with a line naming
+it). The JSON keeps the field names ``backends``, ``backend`` (per entry), ``backend_wall_s``: ``write_markdown`` and the results already written read them.
 """
 
 from __future__ import annotations
@@ -77,17 +80,17 @@ FAMILIES = {
 # Full-size settings; --tiny and --quick override some of them, explicit flags override both.
 FULL = dict(heads=NUM_HEADS, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype="bfloat16",
             tokens=16384, max_doc=16384, sched_tokens=16384, sched_servers=8, trials=5,
-            min_trial_s=0.05, backends=",".join(BACKENDS),
+            min_trial_s=0.05, kernels=",".join(BACKENDS),
             workloads="dense,ca,sched", row_multiple=128)
 # A representative subset for one short GPU run: the dense anchor, the composability ends of the
 # synthetic sweep and three min_shard values of each scheduler workload; ours against flash3.
-QUICK = dict(backends="flash3,mosaic", workloads=",".join(
+QUICK = dict(kernels="flash3,mosaic", workloads=",".join(
     ["dense-16384", "ca-s128", "ca-s512", "ca-s4096"]
     + [f"sched-{w}-m{m}" for w in SCHED_FAMILIES for m in (128, 512, 2048)]))
 # CPU smoke test: tiny shapes, every workload family, the blockwise kernel and the jnp reference.
 TINY = dict(heads=4, kv_heads=2, head_dim=32, tokens=256, max_doc=256, sched_tokens=256,
             sched_servers=4, trials=2, min_trial_s=0.0, row_multiple=16,
-            backends="reference,blockwise",
+            kernels="reference,blockwise",
             workloads="dense-128,ca-s16,ca-s64,sched-pretrain-m16,sched-prolong-m64")
 # Named tilings of the Mosaic GPU kernels (custom_ops/mosaic_attention.BlockSizes); "mosaic" means
 # "mosaic:default".
@@ -577,9 +580,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="representative subset, flash3 + ours: " + QUICK["workloads"])
   preset.add_argument("--tiny", action="store_true",
                       help="CPU smoke test: tiny shapes, reference + the blockwise kernel")
-  parser.add_argument("--backends", help="comma list of mosaic[:preset], flash3, cudnn, mha, "
+  parser.add_argument("--kernels", help="comma list of mosaic[:preset], flash3, cudnn, mha, "
                       "blockwise, reference; mosaic presets: " + ", ".join(MOSAIC_PRESETS)
-                      + f"; default {FULL['backends']}")
+                      + f"; default {FULL['kernels']}")
+  experiments.reject_renamed_flag(parser, "--backends", "--kernels")
   parser.add_argument("--workloads", help="comma list of dense-<L>, ca-s<S>, sched-<W>-m<S> or "
                       f"the families {sorted(FAMILIES)}; default {FULL['workloads']}")
   parser.add_argument("--heads", type=int, help=f"query heads (default {NUM_HEADS})")
@@ -616,23 +620,24 @@ def parse_args(argv=None) -> argparse.Namespace:
   for name, value in fill.items():
     if getattr(args, name) is None:
       setattr(args, name, value)
-  check_backends(parser, args.backends, ALL_BACKENDS + tuple(
+  check_kernels(parser, args.kernels, ALL_BACKENDS + tuple(
       f"mosaic:{p}" for p in MOSAIC_PRESETS))
   if args.sched_server not in ("max", "all") and not args.sched_server.isdigit():
     parser.error(f"--sched-server {args.sched_server!r}: use 'max', 'all' or a server index")
   return args
 
 
-def check_backends(parser, backends: str, names) -> None:
-  """``parser.error`` naming the first backend of the comma list ``backends`` not in ``names``
+def check_kernels(parser, kernels: str, names) -> None:
+  """``parser.error`` naming the first kernel of the comma list ``kernels`` not in ``names``
   (and, for a removed kernel, what to run instead)."""
   from distca_jax.ops import REMOVED_KERNELS  # pylint: disable=import-outside-toplevel
-  for b in backends.split(","):
+  for b in kernels.split(","):
     base = b.partition(":")[0]
     if base in REMOVED_KERNELS:
-      parser.error(f"--backends: {b!r} {REMOVED_KERNELS[base]}")
+      parser.error(f"--kernels: {b!r} {REMOVED_KERNELS[base]}")
     if b not in names:
-      parser.error(f"--backends: unknown backend {b!r}; choose from {tuple(names)}")
+      parser.error(f"--kernels: unknown kernel {b!r}; choose from {tuple(names)}")
+
 
 
 def sched_config(args) -> SchedConfig:
@@ -649,7 +654,7 @@ def main(argv=None) -> int:
   names = expand_workload_names(args.workloads)
   workloads = make_workloads(names, args.tokens, args.max_doc, args.seed, sched_config(args),
                              args.row_multiple)
-  backends = args.backends.split(",")
+  backends = args.kernels.split(",")
   if args.child:
     return run_child(run_backend, workloads, args)
 
@@ -681,7 +686,7 @@ def main(argv=None) -> int:
             "--row-multiple", str(args.row_multiple)]
   for backend in backends:
     part = f"{stem}.{backend.replace(':', '_')}.part.json"
-    cmd = [*experiments.module_argv(__file__), "--child", "--backends", backend,
+    cmd = [*experiments.module_argv(__file__), "--child", "--kernels", backend,
            *shared, "--out", part]
     print(f"== {backend}", flush=True)
     t0 = time.time()
@@ -710,7 +715,7 @@ def main(argv=None) -> int:
 def run_child(run_backend, workloads, args) -> int:
   """A backend process: ``run_backend(backend, workloads, args, save)``, where ``save`` writes
   the entries so far to ``args.out`` atomically (the parent reads them even after a crash)."""
-  [backend] = args.backends.split(",")
+  [backend] = args.kernels.split(",")
 
   def save(entries):
     with open(args.out + ".tmp", "w") as f:

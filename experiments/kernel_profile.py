@@ -1,7 +1,7 @@
 """Our core-attention kernel (Mosaic GPU) against FlashAttention-3: a per-kernel profile.
 
 For each workload and backend (one GPU, bf16, 32 query heads, 8 KV heads, head dim 128; "ours"
-is the first of ``--backends``, ``mosaic`` by default):
+is the first of ``--kernels``, ``mosaic`` by default):
   1. times forward and forward+backward (``profiling.time_call``: median of trials of back-to-back
      calls; backward = forward+backward - forward);
   2. captures one jax.profiler trace (``distca_jax.profiling.capture``) of ``--trace-calls``
@@ -42,6 +42,10 @@ Run (on a GPU machine):
 CPU smoke test (tiny shapes, the blockwise jnp kernel as ours against the jnp reference; rows
 are XLA:CPU thunks, not kernels):
   python -m experiments.kernel_profile --tiny --out /tmp/kernel_profile_tiny.json
+
+``--kernels`` names the kernels to run (``--backends``, its old name, stops with a line naming
+it). The JSON keeps the field names ``backends``, ``backend`` (per entry), ``backend_wall_s`` and
+``backend_status``: ``kernel_profile_report`` (``gap_table``, ``write_markdown``) and the results already written read them.
 """
 
 from __future__ import annotations
@@ -71,13 +75,13 @@ BACKENDS = ("mosaic", *(f"mosaic:{p}" for p in kb.MOSAIC_PRESETS if p != "defaul
             "blockwise", "reference")
 FULL = dict(heads=kb.NUM_HEADS, kv_heads=kb.NUM_KV_HEADS, head_dim=kb.HEAD_DIM, dtype="bfloat16",
             tokens=16384, max_doc=16384, sched_tokens=16384, sched_servers=8, trials=5,
-            min_trial_s=0.05, backends="mosaic,flash3",
+            min_trial_s=0.05, kernels="mosaic,flash3",
             workloads="dense-16384,ca-s512,ca-s128,sched-prolong-m512,sched-prolong-m128",
             trace_calls=3, trace_gap_s=0.02, row_multiple=128)
 # CPU smoke test: ~256 tokens, 2 query heads / 1 KV head, head dim 16; ours: the blockwise kernel.
 TINY = dict(heads=2, kv_heads=1, head_dim=16, tokens=256, max_doc=256, sched_tokens=256,
             sched_servers=4, trials=2, min_trial_s=0.0,
-            backends="blockwise,reference", workloads="dense-256,ca-s64,sched-prolong-m64",
+            kernels="blockwise,reference", workloads="dense-256,ca-s64,sched-prolong-m64",
             trace_calls=2, trace_gap_s=0.05, row_multiple=16)
 
 
@@ -116,6 +120,7 @@ def run_backend(backend: str, workloads: list, args, save) -> list[dict]:
   """Times, traces and breaks down one backend on every workload; ``save(entries)`` after each."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from custom_ops import flash3_attention as fa3  # pylint: disable=import-outside-toplevel
   from distca_jax import ops  # pylint: disable=import-outside-toplevel
   from distca_jax import profiling  # pylint: disable=import-outside-toplevel
 
@@ -125,7 +130,7 @@ def run_backend(backend: str, workloads: list, args, save) -> list[dict]:
   unavailable = None
   if backend == "flash3":
     try:
-      ops.import_flash3()
+      fa3.import_flash3()
     except ops.KernelUnavailableError as e:
       unavailable = str(e)
   entries = []
@@ -230,8 +235,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--out", default=os.path.join(REPO, "results", "kernel_profile.json"))
   parser.add_argument("--tiny", action="store_true",
                       help="CPU smoke test: tiny shapes, the blockwise kernel + the jnp reference")
-  parser.add_argument("--backends", help=f"comma list of {BACKENDS}, ours first; default "
-                      f"{FULL['backends']}")
+  parser.add_argument("--kernels", help=f"comma list of {BACKENDS}, ours first; default "
+                      f"{FULL['kernels']}")
+  experiments.reject_renamed_flag(parser, "--backends", "--kernels")
   parser.add_argument("--workloads", help="comma list of kernel_bench names (dense-<L>, ca-s<S>, "
                       f"sched-<W>-m<S>); default {FULL['workloads']}")
   parser.add_argument("--heads", type=int)
@@ -265,7 +271,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   for name, value in fill.items():
     if getattr(args, name) is None:
       setattr(args, name, value)
-  kb.check_backends(parser, args.backends, BACKENDS)
+  kb.check_kernels(parser, args.kernels, BACKENDS)
   if args.trace_calls < 1 or args.trace_gap_s <= 0:
     parser.error(f"--trace-calls {args.trace_calls} must be >= 1 and --trace-gap-s "
                  f"{args.trace_gap_s} > 0 (the gap separates the calls on the timeline)")
@@ -292,7 +298,7 @@ def main(argv=None) -> int:
   import jax  # pylint: disable=import-outside-toplevel
   os.makedirs(os.path.dirname(stem), exist_ok=True)
   trace_dir = os.path.abspath(args.trace_dir or stem + "_traces")
-  backends = args.backends.split(",")
+  backends = args.kernels.split(",")
   command = experiments.command_line(__file__, argv)
   result = dict(
       command=command, device="unknown", jax_version=jax.__version__,
@@ -317,7 +323,7 @@ def main(argv=None) -> int:
             "--trace-dir", trace_dir]
   for backend in backends:
     part = f"{stem}.{backend.replace(':', '-')}.part.json"
-    cmd = [*experiments.module_argv(__file__), "--child", "--backends", backend,
+    cmd = [*experiments.module_argv(__file__), "--child", "--kernels", backend,
            *shared, "--out", part]
     env = dict(os.environ)
     if not args.command_buffers:

@@ -50,14 +50,14 @@ if [ "${TESTS:-1}" != 0 ]; then
     tests/test_mosaic_attention.py ${TEST_K:+-k "$TEST_K"} 2>&1 | tee "$OUT/mosaic_tests.log" | grep -v "^$" | tail -25
 fi
 timeout "${BENCH_TIMEOUT:-400}" python3 -m experiments.kernel_bench \
-  --out "$OUT/kernel_bench_mosaic.json" --backends "$BACKENDS" --workloads "$WORKLOADS" \
+  --out "$OUT/kernel_bench_mosaic.json" --kernels "$BACKENDS" --workloads "$WORKLOADS" \
   --child-timeout-s "${CHILD_TIMEOUT:-120}" > "$OUT/kernel_bench_mosaic.log" 2>&1
 echo "kernel_bench exit $?"
 grep -i "error" "$OUT/kernel_bench_mosaic.log" | cut -c1-600 | tail -6
 sed -n '/^TFLOP/,/^Output/p' "$OUT/kernel_bench_mosaic.md" 2>/dev/null
 if [ -n "${ROWS1_WORKLOADS:-}" ]; then  # the same tables in buffers ending at the last task
   timeout "${BENCH_TIMEOUT:-400}" python3 -m experiments.kernel_bench --row-multiple 1 \
-    --out "$OUT/kernel_bench_mosaic_rows1.json" --backends "$BACKENDS" \
+    --out "$OUT/kernel_bench_mosaic_rows1.json" --kernels "$BACKENDS" \
     --workloads "$ROWS1_WORKLOADS" --child-timeout-s "${CHILD_TIMEOUT:-120}" \
     > "$OUT/kernel_bench_mosaic_rows1.log" 2>&1
   sed -n '/^TFLOP/,/^Output/p' "$OUT/kernel_bench_mosaic_rows1.md" 2>/dev/null

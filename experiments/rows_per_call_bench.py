@@ -12,7 +12,8 @@ three ways:
                  rows too);
   fused, packed  one call over both rows with packed_dp's table
                  (``baselines.device.packed_dp_task_table``: the empty slots behind the used
-                 ones, so FA3's launch buckets, ``ops.flash3_grid_buckets``, trim them).
+                 ones, so FA3's launch buckets,
+                 ``custom_ops.flash3_attention.flash3_grid_buckets``, trim them).
 
 Rows are sampled from the workloads (``WorkloadSampler``), bf16, Llama-3-8B heads. Run on a GPU
 machine with flash-attn3-jax:

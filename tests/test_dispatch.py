@@ -169,7 +169,7 @@ def test_notebook_entry_flat_and_per_rank_with_grads(seed):
 
   @jax.jit
   def grads(q, k, v, ct):
-    o, vjp = jax.vjp(lambda q, k, v: dataplane.core_attention(q, k, v, flat_plan, mesh), q, k, v)
+    o, vjp = jax.vjp(lambda q, k, v: dataplane.run_plan(q, k, v, flat_plan, mesh), q, k, v)
     return (o, *vjp(ct))
 
   got = grads(*(jax.device_put(x, sh) for x in (q, k, v, ct)))
@@ -178,7 +178,7 @@ def test_notebook_entry_flat_and_per_rank_with_grads(seed):
   nested = [[T], [60, 60], [5], [], [128], [1, 2, 3], [100], [127]]
   hp = plan_lib.fit_host_plan(nested, S, T, options=plan_lib.PlanOptions(
       tolerance=0.0, min_shard=None, **shapes))
-  o, lse = dataplane.core_attention(*(jax.device_put(x, sh) for x in (q, k, v)), hp, mesh,
+  o, lse = dataplane.run_plan(*(jax.device_put(x, sh) for x in (q, k, v)), hp, mesh,
                                     dataplane.DispatchOptions(return_lse=True))
   want_o, want_lse = plan_lib.reference_document_attention(nested, q, k, v)
   np.testing.assert_allclose(np.asarray(o), want_o, atol=ATOL, rtol=RTOL)

@@ -126,17 +126,36 @@ def test_parse_kernel_details_and_match():
 
 
 def test_removed_pallas_backend_is_a_clear_error(capsys):
-  """``--backends pallas`` (the removed Triton kernel) stops both tools with one line naming what
+  """``--kernels pallas`` (the removed Triton kernel) stops both tools with one line naming what
   to run instead; an unknown name lists the choices."""
   for parse in (kp.parse_args, kb.parse_args):
     with pytest.raises(SystemExit):
-      parse(["--backends", "mosaic,pallas"])
-    assert ("--backends: 'pallas' (the Triton kernel) was removed; use 'mosaic'"
+      parse(["--kernels", "mosaic,pallas"])
+    assert ("--kernels: 'pallas' (the Triton kernel) was removed; use 'mosaic'"
             in capsys.readouterr().err)
     with pytest.raises(SystemExit):
-      parse(["--backends", "triton"])
-    assert "unknown backend 'triton'; choose from (" in capsys.readouterr().err
-  assert kb.parse_args(["--backends", "mosaic:two-kernel,flash3"]).backends
+      parse(["--kernels", "triton"])
+    assert "unknown kernel 'triton'; choose from (" in capsys.readouterr().err
+  assert kb.parse_args(["--kernels", "mosaic:two-kernel,flash3"]).kernels == "mosaic:two-kernel,flash3"
+
+
+def test_old_kernel_flags_name_the_new_ones(capsys, monkeypatch):
+  """The kernel tools' old flags (``--backends``, cost_table's ``--backend``) stop with one
+  error line naming the new flag."""
+  from experiments import cost_table
+  for parse, old, new in ((kp.parse_args, "--backends", "--kernels"),
+                          (kb.parse_args, "--backends", "--kernels")):
+    with pytest.raises(SystemExit):
+      parse([old, "mosaic"])
+    err = [l for l in capsys.readouterr().err.splitlines() if "error" in l]
+    assert err == [f"{err[0].split(':')[0]}: error: {old} was renamed: use {new} (it names "
+                   "kernels, not training backends)"], err
+  monkeypatch.setattr("sys.argv", ["cost_table", "--backend", "flash3"])
+  with pytest.raises(SystemExit):
+    cost_table._parse()
+  assert "error: --backend was renamed: use --kernel" in capsys.readouterr().err
+  monkeypatch.setattr("sys.argv", ["cost_table", "--kernel", "flash3", "--out", "x.json"])
+  assert cost_table._parse().kernel == "flash3"
 
 
 # ------------------------------------------------------------------------------------------------

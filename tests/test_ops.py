@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from custom_ops import blockwise_attention as bw
+from custom_ops import flash3_attention as fa3
 from custom_ops import mosaic_worklists
 from custom_ops import varlen_attention as va
 from distca_jax import config as config_lib
@@ -633,7 +634,7 @@ def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
   slots = int(rng.integers(4, 13))
   used = int(rng.integers(1, slots + 1))
   if seed % 2:  # the last used slot sits just past a slot-ladder step: cutting it must be wrong
-    steps = sorted({b[0] for b in ops.flash3_grid_buckets(slots, 1, 1, 1, 4)})[:-1]
+    steps = sorted({b[0] for b in fa3.flash3_grid_buckets(slots, 1, 1, 1, 4)})[:-1]
     used = int(rng.choice(steps)) + 1
   lq = rng.integers(0, 24, size=used)
   lk = lq + rng.integers(0, 40, size=used)
@@ -658,7 +659,7 @@ def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
     return jnp.sum(o * do), (o, lse)
 
   emu = FA3Emulator()
-  flash = lambda q, k, v: ops.flash3_masked(
+  flash = lambda q, k, v: fa3.flash3_masked(
       q, k, v, cu_q, cu_k, softmax_scale=0.3, max_seqlen_q=msq, max_seqlen_k=msk, grid_levels=4,
       impl=(emu.fwd, emu.bwd))
   ref = lambda q, k, v: ops.core_attention(q, k, v, cu_q, cu_k, kernel="reference",
@@ -670,14 +671,14 @@ def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
   # Bounds above the buffers are clamped to them (no task can be longer).
-  buckets = ops.flash3_grid_buckets(slots, tq, min(msq, tq), min(msk, tk), 4)
+  buckets = fa3.flash3_grid_buckets(slots, tq, min(msq, tq), min(msk, tk), 4)
   # Every bucket was compiled (fwd and bwd), and the last is the caller's full shape.
   assert sorted(set(emu.calls)) == sorted(set(buckets))
   assert buckets[-1][0] == slots and buckets[-1][2] == min(msk, tk)
   # The device's choice is the cheapest bucket holding the table.
   holds = [b for b in buckets if b[0] >= used and b[1] >= lq.max() and b[2] >= lk.max()]
   want_b = min(holds, key=lambda b: b[0] * -(-b[2] // 128))
-  chosen = buckets[int(ops.flash3_bucket(cu_q, cu_k, buckets)[0])]
+  chosen = buckets[int(fa3.flash3_bucket(cu_q, cu_k, buckets)[0])]
   assert chosen[0] * -(-chosen[2] // 128) == want_b[0] * -(-want_b[2] // 128)
   assert chosen[0] >= used and chosen[1] >= lq.max() and chosen[2] >= lk.max()
   # The forward ran the full shape once; the backward compiled every shape. No switch in the
@@ -688,7 +689,7 @@ def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
   assert count_primitives(fwd_jaxpr, {"cond"})["cond"] == 0
   assert count_primitives(traced.jaxpr.jaxpr, {"cond"})["cond"] >= 1
   # A task longer than the caller's bound: NaN, not a silently shortened task.
-  short = lambda q, k, v: ops.flash3_masked(
+  short = lambda q, k, v: fa3.flash3_masked(
       q, k, v, cu_q, cu_k, softmax_scale=0.3, max_seqlen_q=msq, max_seqlen_k=int(lk.max()) - 1,
       grid_levels=4, impl=(emu.fwd, emu.bwd))
   assert np.isnan(np.asarray(jax.jit(short)(q, k, v)[0])).all()
@@ -724,7 +725,7 @@ def test_flash3_remat_keeps_o_and_compact_lse_not_the_raw_buffer(seed):
   fwd = lambda *a, **kw: tuple(call.bind(*a, **kw))
 
   def loss(q, k, v):
-    o, _ = ops.flash3_masked(q, k, v, cu, cu, softmax_scale=0.3, max_seqlen_q=t,
+    o, _ = fa3.flash3_masked(q, k, v, cu, cu, softmax_scale=0.3, max_seqlen_q=t,
                               max_seqlen_k=t, grid_levels=2, impl=(fwd, emu.bwd))
     return jnp.sum(o * o)  # the backward still takes the LSE (a residual of the kernel)
 
@@ -745,17 +746,17 @@ def test_flash3_remat_keeps_o_and_compact_lse_not_the_raw_buffer(seed):
 def test_flash3_grid_buckets_shapes():
   """Slot ladder N, N/2, ...; bounds in multiples of 128, never above the caller's; the LSE
   buffer [slots, H, max_seqlen_q] always holds [H, T]; grid_levels=1 is the full shape only."""
-  b = ops.flash3_grid_buckets(64, 98304, 65536, 65536, 4)
+  b = fa3.flash3_grid_buckets(64, 98304, 65536, 65536, 4)
   assert {x[0] for x in b} == {8, 16, 32, 64}
   assert {x[2] for x in b} == {8192, 16384, 32768, 65536}
   assert all(s * msq >= 98304 for s, msq, _ in b)
-  assert ops.flash3_grid_buckets(64, 98304, 65536, 65536, 1) == ((64, 65536, 65536),)
+  assert fa3.flash3_grid_buckets(64, 98304, 65536, 65536, 1) == ((64, 65536, 65536),)
   # A bound below 128 stays as given; max_seqlen_q grows where slots x bound < T (LSE buffer).
-  assert ops.flash3_grid_buckets(3, 100, 40, 300, 4) == (
+  assert fa3.flash3_grid_buckets(3, 100, 40, 300, 4) == (
       (1, 100, 128), (1, 100, 256), (1, 100, 300), (2, 50, 128), (2, 50, 256), (2, 50, 300),
       (3, 40, 128), (3, 40, 256), (3, 40, 300))
   with pytest.raises(ValueError, match="grid_levels"):
-    ops.flash3_grid_buckets(4, 10, 10, 10, 0)
+    fa3.flash3_grid_buckets(4, 10, 10, 10, 0)
 
 
 @pytest.mark.skipif(not (ON_GPU and HAS_FLASH3),

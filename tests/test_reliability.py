@@ -540,37 +540,32 @@ def test_memory_preflight_stops_before_the_first_step(tmp_path):
 @pytest.mark.slow
 def test_auto_memory_mode_runs_resend_when_keep_does_not_fit(tmp_path):
   """distca's default memory_mode 'auto': with a capacity between the 'resend' and the 'keep'
-  step's needs, the pre-flight compiles both and trains with 'resend' (same losses as 'keep'
-  without a limit); below both it stops with the 'resend' step's need; 'keep' stops at once."""
+  step's needs, the pre-flight compiles both and trains with 'resend' (same loss and gradient
+  norm as 'keep'); below both it stops with the 'resend' step's need; 'keep' alone stops."""
+  import dataclasses
   c = small_config("attention.backend=distca", "mesh.data=4", "num_steps=2",
                    "optim.warmup_steps=0", "checkpoint_every=0")
   run = trainer.setup_run(c, devices=jax.devices()[:4])
   assert run.backend.memory_mode == "keep" and run.backend.resend_fn is not None
+  keep_only = dataclasses.replace(run, backend=dataclasses.replace(run.backend, resend_fn=None))
   state = trainer.create_train_state(c, run.model, run.tx, run.mesh)
-  rows = run.mesh.shape["data"] * c.rows_per_rank
   batch = trainer.add_host_plan(run.source.batch(0), run.backend, run.source.doclens(0),
                                 c.tokens_per_rank)
-  shapes = {k: jax.ShapeDtypeStruct((rows,) + a.shape[1:], a.dtype,
-                                    sharding=trainer.rows_sharding(run.mesh))
-            for k, a in batch.items()}
-  compile_ = lambda capacity, resend_fn, log=print: trainer.compile_step(
-      c, run.model, run.tx, run.mesh, run.state_shardings, state, shapes, capacity, resend_fn,
-      log)
   lines = []
-  keep_fn, _, keep_need, keep_model = compile_(None, run.backend.resend_fn, lines.append)
-  assert lines == [f"distca memory_mode 'auto': 'keep' (fits: {memory.format_bytes(keep_need)} "
-                   "per device)"] or lines == ["distca memory_mode 'auto': 'keep' (device memory "
-                                               "unknown per device)"], lines
+  keep_fn, _, keep_need, keep_run = trainer.preflight(c, run, state, batch, log=lines.append)
+  assert keep_run is run and len(lines) == 1 and "'keep' (" in lines[0], lines
   lines.clear()
   with pytest.raises(memory.DoesNotFit) as below:
-    compile_(1 << 10, run.backend.resend_fn)
+    trainer.preflight(c, run, state, batch, capacity=1 << 10, log=lines.append)
   resend_need = below.value.need
   assert resend_need < keep_need, (resend_need, keep_need)
   between = (resend_need + keep_need) // 2
   with pytest.raises(memory.DoesNotFit):
-    compile_(between, None)  # 'keep' alone
-  auto_fn, _, need, auto_model = compile_(between, run.backend.resend_fn, lines.append)
-  assert need == resend_need and auto_model is not keep_model
+    trainer.preflight(c, keep_only, state, batch, capacity=between)
+  lines.clear()
+  auto_fn, _, need, auto_run = trainer.preflight(c, run, state, batch, capacity=between,
+                                                 log=lines.append)
+  assert need == resend_need and auto_run.model is not run.model
   assert len(lines) == 1 and "running 'resend'" in lines[0], lines
   device_batch = trainer.device_batch(batch, run.mesh)
   host = jax.device_get(state)  # each step donates the state it is given

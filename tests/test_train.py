@@ -336,6 +336,40 @@ def test_offload_mlp_policy_offloads_the_mlp_names_and_saves_attention():
   assert "MemorySpace.Host" in text, text  # mlp_gate goes to host memory and comes back
 
 
+def test_every_execution_plan_declares_the_same_parameter_tree():
+  """`init` under each execution plan (single stream, ping-pong, a 2-stage pipeline on a
+  pipe=2 x data=2 mesh; scanned and unrolled layers, the pipeline scanned only) declares the same
+  parameters (paths, shapes and dtypes, abstractly), the paths those of the Linen declaration
+  that checkpoints and Hugging Face import read."""
+  from flax import linen as nn
+  from distca_jax import model as model_lib
+  t, rows = 8, 8
+  layout = attn_lib.Layout(jnp.ones((rows, t), jnp.int32),
+                           jnp.tile(jnp.arange(t, dtype=jnp.int32)[None], (rows, 1)))
+  tokens = jnp.tile(jnp.arange(t, dtype=jnp.int32)[None], (rows, 1))
+  attend = lambda q, k, v, lay, *, softmax_scale: q * softmax_scale
+  mesh = shard_lib.make_mesh(data=2, tensor=1, pipe=2, devices=jax.devices()[:4])
+
+  def init(cfg, **kw):
+    model = model_lib.Transformer(cfg, attend, model_lib.execution_plan(cfg, **kw))
+    with trainer.mesh_context(mesh):
+      f = lambda: nn.meta.unbox(model.init(jax.random.key(0), tokens, layout)["params"])
+      params = jax.eval_shape(f)
+    return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(params)}
+
+  for scan in (True, False):
+    cfg = model_lib.ModelConfig(n_layers=2, scan_layers=scan)
+    single = init(cfg)
+    layer0 = "['layers']['layer']" if scan else "['layer_0']['layer']"
+    assert f"{layer0}['pre_ca']['wq']" in single, sorted(single)
+    assert f"{layer0}['post_ca']['mlp_norm']['scale']" in single, sorted(single)
+    for kw in [{"nano_batches": 2}] + ([{"stages": 2}] if scan else []):
+      other = init(cfg, **kw)
+      assert other.keys() == single.keys(), (scan, kw)
+      assert all((other[k].shape, other[k].dtype) == (v.shape, v.dtype)
+                 for k, v in single.items()), (scan, kw)
+
+
 def test_ping_pong_saves_activations_not_weights():
   """Under remat, what the ping-pong stack keeps for the backward is activations only (per
   unit: both residual streams, A's core-attention output, B's q/k/v): no layer's weights,
@@ -353,7 +387,7 @@ def test_ping_pong_saves_activations_not_weights():
         jax.random.key(0), tokens, layout)["params"]
     for nano in (1, 2):
       m = model_lib.Transformer(cfg, lambda q, k, v, lay, *, softmax_scale: q * softmax_scale,
-                                nano_batches=nano)
+                                model_lib.execution_plan(cfg, nano_batches=nano))
       saved = saved_residuals(lambda p: m.apply({"params": p}, tokens, layout).sum(), params)
       computed = [(dt, s) for dt, s, why in saved if "from the argument" not in why
                   and "from a constant" not in why]
@@ -389,16 +423,16 @@ def test_ping_pong_schedule_crosses_layers():
   n_layers, t = 4, 8
   cfg = model_lib.ModelConfig(n_layers=n_layers, remat="none")
 
-  def core_attention(q, k, v, layout, *, softmax_scale):
+  def attend(q, k, v, layout, *, softmax_scale):
     del k, v, layout
     return q * softmax_scale
 
   layout = attn_lib.Layout(jnp.ones((4, t), jnp.int32),
                            jnp.tile(jnp.arange(t, dtype=jnp.int32)[None], (4, 1)))
   tokens = jnp.zeros((4, t), jnp.int32)
-  params = model_lib.Transformer(cfg, core_attention).init(jax.random.key(0), tokens,
+  params = model_lib.Transformer(cfg, attend).init(jax.random.key(0), tokens,
                                                             layout)["params"]
-  model = model_lib.Transformer(cfg, core_attention, nano_batches=2)
+  model = model_lib.Transformer(cfg, attend, model_lib.execution_plan(cfg, nano_batches=2))
   jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens, layout))(params).jaxpr
   scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
   assert [e.params["length"] for e in scans] == [n_layers - 1]

@@ -233,7 +233,7 @@ class DistcaBackend(attn_lib.Backend):
   the capacity options it was built with (0 = ``default_capacity``'s value); ``memory_mode`` the
   data plane's ('keep' or 'resend'); ``resend_fn``, built for ``memory_mode='auto'``, is ``fn``
   in the 'resend' mode, which the memory pre-flight takes when 'keep' does not fit
-  (``trainer.compile_step``)."""
+  (``trainer.preflight``)."""
   host_plans: Callable[..., list[HostPlan]] | None = None
   caps: Mapping[str, int] | None = None
   memory_mode: str = "keep"

@@ -9,7 +9,7 @@ executes it on devices inside one compiled step:
   receive buffers of capped totals, per-peer routes; ragged all-to-all on GPU);
 * ``body``: the per-device body (send, ONE fused ``ops.core_attention`` call over all of the
   server's tasks, return) and ``dispatch_attention``, its ``shard_map`` given a packed plan;
-* here: ``core_attention(q, k, v, host_plan, mesh)``, the notebook entry: places a
+* here: ``run_plan(q, k, v, host_plan, mesh)``, the notebook entry: places a
   ``plan.HostPlan`` (made by the caller, e.g. ``plan.fit_host_plan``) on the mesh and runs the
   jitted device part.
 
@@ -37,9 +37,9 @@ from distca_jax.plan.spec import HostPlan
 
 __all__ = [
     "COLLECTIVES", "DEFAULT_EXCHANGE_BUCKETS", "DispatchOptions", "ExchangeOptions",
-    "MEMORY_MODES", "core_attention", "count_primitives", "dense_block_rows", "dense_wire_rows",
+    "MEMORY_MODES", "count_primitives", "dense_block_rows", "dense_wire_rows",
     "dispatch_attention", "gather_two", "mesh_and_servers", "place_unique", "ragged_exchange",
-    "resolve_collective", "return_to_owners", "send_to_servers", "take_rows",
+    "resolve_collective", "return_to_owners", "run_plan", "send_to_servers", "take_rows",
 ]
 
 
@@ -48,8 +48,8 @@ def _dispatch_jit(q, k, v, plan, *, spec, options, mesh):
   return dispatch_attention(q, k, v, plan, spec, options, mesh=mesh)
 
 
-def core_attention(q: jax.Array, k: jax.Array, v: jax.Array, host_plan: HostPlan, mesh,
-                   options: DispatchOptions = DispatchOptions()):
+def run_plan(q: jax.Array, k: jax.Array, v: jax.Array, host_plan: HostPlan, mesh,
+             options: DispatchOptions = DispatchOptions()):
   """Each document's causal attention, computed by CAD from a host plan: dispatch, fused kernel,
   return.
 

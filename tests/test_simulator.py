@@ -340,7 +340,7 @@ def test_dense_wire_bytes_equal_the_data_planes_block_choice(seed):
     docs.append([int(x) for x in lens])
   spec = plan_lib.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1,
                            capacity=plan_lib.resolve_capacity(None, t))
-  hp = plan_lib.host_plan(docs, spec, tolerance=0.02)
+  hp = plan_lib.host_plan(docs, spec, plan_lib.PlanOptions(tolerance=0.02, min_shard=None))
   cap, dims = spec.capacity, costs.model_spec("llama3_8b").dims
   for buckets in (1, 3, 8):
     for part, full in (("q", min(cap.q_send, cap.q_recv)), ("kv", min(cap.kv_send, cap.kv_recv))):

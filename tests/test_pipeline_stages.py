@@ -78,7 +78,7 @@ def test_server_axis_errors_name_the_fix():
     dataplane.DispatchOptions(data_axis=("pipe", "data"), server_axis="pipe")
   with pytest.raises(ValueError, match="server_axis='data' must be the trailing axes"):
     dataplane.DispatchOptions(data_axis="tensor", server_axis="data")
-  assert dataplane.DispatchOptions(data_axis=("pipe", "data")).servers_axis == ("pipe", "data")
+  assert dataplane.DispatchOptions(data_axis=("pipe", "data")).exchange_axis == ("pipe", "data")
   q = np.zeros((STAGES * DATA, T, H, D), np.float32)
   plan = np.zeros((STAGES * DATA, SPEC.width), np.int32)
   pooled = dataplane.DispatchOptions(data_axis=("pipe", "data"))  # 8 servers, a 4-server plan

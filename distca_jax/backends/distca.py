@@ -173,7 +173,7 @@ def make(options: Options) -> "DistcaBackend":
   plan_options = o.plan_options
   rows_per_rank, nano_batches = o.rows_per_rank, o.nano_batches
   data_axis, head_axis = o.data_axis, o.head_axis
-  server_axis = dispatch.servers_axis
+  server_axis = dispatch.exchange_axis
 
   def spec_for(num_servers: int, tokens_per_row: int) -> PlanSpec:
     return PlanSpec(num_servers=num_servers, tokens_per_row=tokens_per_row, rows_per_device=rn,
@@ -244,8 +244,9 @@ def make(options: Options) -> "DistcaBackend":
 @dataclasses.dataclass(frozen=True)
 class DistcaBackend(attn_lib.Backend):
   """The ``distca`` backend; ``host_plans(doclens, tokens_per_row) -> [HostPlan]`` (one per
-  server group and nano-batch, group-major; one per nano-batch when pooled) is the planning ``host_prepare`` packs, for benchmarks and diagnostics; ``caps``
-  the capacity options it was built with (0 = ``default_capacity``'s value)."""
+  server group and nano-batch, group-major: one per nano-batch with one group) is the planning
+  ``host_prepare`` packs, for benchmarks and diagnostics; ``caps`` the capacity options it was
+  built with (0 = ``default_capacity``'s value)."""
   host_plans: Callable[..., list[HostPlan]] | None = None
   caps: Mapping[str, int] | None = None
 
@@ -315,8 +316,9 @@ def suggest_config_capacity(c: ml_collections.ConfigDict, options: Options | Non
 
   Plans ``num_batches`` batches of ``c.data`` (the steps a run starts with) the way
   ``host_prepare`` will (per nano-batch; under a pipeline per tick, over ``pipe x data``
-  servers, or per tick and stage over ``data`` servers with ``pool_stages=False``), without caps, and returns ``suggest_capacity``'s envelope as a dict of
-  ``plan.CAP_FIELDS`` (e.g. print them as ``--config.attention.distca.<name>=<value>`` flags).
+  servers, or per tick and stage over ``data`` servers with ``pool_stages=False``), without
+  caps, and returns ``suggest_capacity``'s envelope as a dict of ``plan.CAP_FIELDS`` (e.g.
+  print them as ``--config.attention.distca.<name>=<value>`` flags).
 
   Args:
     c: the run config (``config.base_config`` tree).

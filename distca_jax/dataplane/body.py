@@ -76,14 +76,14 @@ class DispatchOptions:
       object.__setattr__(self, "kernel_options", tuple(sorted(self.kernel_options.items())))
     if not isinstance(self.exchange, ExchangeOptions):
       raise TypeError(f"exchange={self.exchange!r} must be an ExchangeOptions")
-    rows, servers = _axes(self.data_axis), _axes(self.servers_axis)
+    rows, servers = _axes(self.data_axis), _axes(self.exchange_axis)
     if not servers or rows[len(rows) - len(servers):] != servers:
       raise ValueError(f"server_axis={self.server_axis!r} must be the trailing axes of "
                        f"data_axis={self.data_axis!r} (e.g. data_axis=('pipe', 'data'), "
                        "server_axis='data'), or None for data_axis itself")
 
   @property
-  def servers_axis(self) -> str | tuple[str, ...]:
+  def exchange_axis(self) -> str | tuple[str, ...]:
     """The axis the exchange runs over: ``server_axis``, else ``data_axis``."""
     return self.data_axis if self.server_axis is None else self.server_axis
 
@@ -101,7 +101,7 @@ def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec,
   """
   r, t, h, d = q_RxTxHxD.shape
   kh = k_RxTxKxD.shape[2]
-  axis, wire, return_lse = options.servers_axis, options.exchange, options.return_lse
+  axis, wire, return_lse = options.exchange_axis, options.exchange, options.return_lse
   m = spec.unpack_local(plan_RxW)
   q_attn, k_attn, v_attn = send_to_servers(
       q_RxTxHxD.reshape(r * t, h, d), k_RxTxKxD.reshape(r * t, kh, d),
@@ -141,8 +141,8 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
 
   Args:
     q_BxTxHxD: queries, rows ``B = G * S * R`` sharded over ``options.data_axis`` (heads over
-      ``options.head_axis``): G server groups (1 unless ``options.server_axis`` is part of the
-      data axis) of S servers (``options.servers_axis``) of R rows.
+      ``options.head_axis``): G server groups (1 unless ``options.server_axis`` is only the
+      trailing part of the data axis) of S servers (``options.exchange_axis``) of R rows.
     k_BxTxKxD, v_BxTxKxD: keys and values, sharded the same way.
     plan_BxW: int32 packed plan (``HostPlan.packed``), rows sharded over the data axis.
     spec: the plan's static shapes.
@@ -154,7 +154,7 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
   """
   data_axis, head_axis = options.data_axis, options.head_axis
   mesh, devices = mesh_and_servers(mesh, data_axis)
-  _, s = mesh_and_servers(mesh, options.servers_axis)
+  _, s = mesh_and_servers(mesh, options.exchange_axis)
   b, t, h, d = q_BxTxHxD.shape
   kh = k_BxTxKxD.shape[2]
   if k_BxTxKxD.shape != (b, t, kh, d) or v_BxTxKxD.shape != k_BxTxKxD.shape:
@@ -165,7 +165,7 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
                      f"{q_BxTxHxD.dtype=} {k_BxTxKxD.dtype=} {v_BxTxKxD.dtype=}")
   if s != spec.num_servers or b != devices * spec.rows_per_device or t != spec.tokens_per_row:
     raise ValueError(f"q {q_BxTxHxD.shape} with rows on {data_axis}={devices} and servers on "
-                     f"{options.servers_axis}={s} does not match the plan's {spec}: expected "
+                     f"{options.exchange_axis}={s} does not match the plan's {spec}: expected "
                      f"servers = {spec.num_servers}, rows = {devices} x {spec.rows_per_device}, "
                      f"tokens per row = {spec.tokens_per_row}")
   if plan_BxW.shape != (b, spec.width) or plan_BxW.dtype != jnp.int32:

@@ -80,6 +80,11 @@ def base_config() -> ml_collections.ConfigDict:
                                           # rounds; any platform), 'dense' (padded all-to-all);
                                           # 'auto': dense on GPU (fastest measured), ring
                                           # elsewhere
+  c.attention.distca.pool_stages = True  # mesh.pipe > 1: plan each tick over every pipe x data
+                                          # rank (pooled: a stage in its bubble serves the
+                                          # others); False: per-stage CAD, each stage's data
+                                          # ranks serve only that stage's rows (every exchange
+                                          # runs over 'data' within the stage)
   c.attention.distca.exchange_buckets = 8  # 'dense': per batch the smallest of n block sizes
                                           # that holds its largest group (1 = the largest)
   # Baselines (distca_jax/baselines): 'packed_dp' (each rank its own documents, one fused varlen

@@ -38,7 +38,9 @@ Core attention across stages. A tick's core-attention call sees the rows of ever
 backend that plans on the host plans per tick (`per_tick_backend`): `distca` balances the
 documents of all microbatches the stages hold in that tick over ALL pipe x data ranks as
 attention servers (`data_axis=('pipe', 'data')`), and ranks of a bubble slot, which hold no
-documents, serve the others. Every tick is one phase (the forward ticks, then the backward's
+documents, serve the others; with `attention.distca.pool_stages=False` it plans each stage's
+rows of the tick on that stage's data ranks alone (per-stage CAD: the exchange runs over `data`
+within each pipe index). Every tick is one phase (the forward ticks, then the backward's
 transposed ticks), the plans of a whole step are made on the host ahead of it, and their shapes
 are fixed (the caps; one compiled step). `packed_dp` computes each rank's own rows. `cp` and
 `wlb` arrange the step's whole batch on the host as without a pipeline (`Backend.host_arrange`;
@@ -83,7 +85,8 @@ def per_tick_backend(backend, *, stages: int, rows_per_rank: int, microbatches: 
   A backend's `host_prepare(doclens, tokens_per_row)` plans one core-attention call from the
   rows that call sees. Under the pipeline a call sees, at tick t, the slots of every stage: stage
   s's rows of microbatch t - s (empty rows in bubble slots), ordered (stage, data rank, row) as
-  the rows of `pipeline_layers`' attention call, on P x Nd servers. This wrapper plans each of the
+  the rows of `pipeline_layers`' attention call (on P x Nd servers, or per stage on Nd: the
+  backend's own split, `backends.distca.Options.server_groups`). This wrapper plans each of the
   M + P - 1 ticks that way and packs each returned array `[P Nd r, W]` (r = rows_per_rank / M
   rows per device and call) for the whole step into the batch's row layout: key
   `TICK_PREFIX + name`, shape `[Nd R, X]`, data rank d's block holding its devices' plans of every

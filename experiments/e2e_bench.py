@@ -27,6 +27,11 @@ Variants and ablations (paper Sec. 6 style), all in the same process on the same
                                 without exposed communication), reported as step / twin;
                                 `--variant eps0@distca:attention.distca.tolerance=0` an epsilon point
                                 (add `--plan-stats` for each run's imbalance and bytes);
+                                under a pipeline (`mesh.pipe > 1`)
+                                `--variant perstage@distca:attention.distca.pool_stages=false`
+                                is per-stage CAD (each stage's data ranks its own servers; its
+                                `--plan-stats` are per tick and stage); the ceiling column then
+                                also shows the per-stage bound (`ceiling(pool_stages=False)`);
   `--extra KEY=VALUE`           overrides for every run (e.g. attention.kernel=flash3);
   `--profile`                   one more jax.profiler-traced step per run: per-rank attention,
                                 matmul, communication and exposed-communication time (stragglers).
@@ -82,7 +87,7 @@ def parse_args(argv=None):
 
 
 def ceiling(model_cfg, doclens_per_step, *, stages: int = 1, microbatches: int = 1,
-            tokens_per_row: int | None = None):
+            tokens_per_row: int | None = None, pool_stages: bool = True):
   """E[max_r work_r] / E[mean_r work_r] over steps; rows of a step are grouped per data rank.
   Work is the shared work model (``metrics.step_work``: attention at the kernel's 3.5x forward).
 
@@ -91,7 +96,10 @@ def ceiling(model_cfg, doclens_per_step, *, stages: int = 1, microbatches: int =
   a tick (pooled CAD: over every slot of the tick, bubble slots included). A slot's work is its
   microbatch rows' attention plus the linear work of ``tokens_per_row`` tokens per row, which
   every slot computes, bubble slots too (static shapes). The bound is then
-  E[sum_t max_slot] / E[sum_t mean_slot]: the schedule's bubble is in both terms."""
+  E[sum_t max_slot] / E[sum_t mean_slot]: the schedule's bubble is in both terms. With
+  ``pool_stages=False`` (per-stage CAD) a balancer evens out attention only within each stage's
+  data ranks, so a balanced tick takes its slowest stage's mean slot:
+  E[sum_t max_slot] / E[sum_t max_stage mean_(stage's slots)]."""
   from distca_jax import metrics
   from distca_jax.plan import ticks
   maxes, means = [], []
@@ -114,7 +122,9 @@ def ceiling(model_cfg, doclens_per_step, *, stages: int = 1, microbatches: int =
           model_cfg.head_dim, r * tokens_per_row,
           sum(l * (l + 1) / 2 for row in slot for l in row))) for slot in slots]
       maxes.append(max(work))
-      means.append(sum(work) / len(work))
+      groups = [work] if pool_stages else [work[i:i + len(work) // stages]
+                                           for i in range(0, len(work), len(work) // stages)]
+      means.append(max(sum(g) / len(g) for g in groups))
   return sum(maxes) / sum(means)
 
 
@@ -293,7 +303,9 @@ def plan_stats(c, backend, doclens_per_step):
   per nano-batch or pipeline tick): mean imbalance (pairs) before/after over the same plans (a
   plan that moves nothing counts the same value twice, so when no plan moves, after = before),
   the share of plans that moved rows, dispatch bytes per device (useful: what the ragged exchange
-  moves; buffer: the send and receive buffers the caps allocate), degraded plans."""
+  moves; buffer: the send and receive buffers the caps allocate), degraded plans. Per-stage CAD
+  (``attention.distca.pool_stages=False``) plans each tick once per stage group, so its
+  imbalances are within a stage (a bubble stage's empty plan counts 1.0), not over the tick."""
   from distca_jax import plan as plan_lib
   out = dict(imbalance_before=[], imbalance_after=[], dispatch_useful_mb=[], dispatch_buffer_mb=[],
              moved=[], degraded=0)
@@ -378,6 +390,11 @@ def main(argv=None):
               results.append(dict(workload=workload, tokens=tokens, backend=name, error=f"{type(e).__name__}: {e}"))
               continue
             s = summarize(r)
+            if c.mesh.pipe > 1:  # the bound of a balancer within each stage (per-stage CAD)
+              s["ceiling_per_stage"] = ceiling(
+                  r["model_cfg"], r["doclens"], stages=c.mesh.pipe,
+                  microbatches=c.pipeline.microbatches, tokens_per_row=c.tokens_per_rank,
+                  pool_stages=False)
             if backend == "wlb":
               s["wlb_config"] = wlb_config(c, over)
             if a.plan_stats and backend == "distca":
@@ -453,6 +470,12 @@ def above_ceiling(r) -> str:
   return " (speedup above the ceiling: costs outside the work model)" if sp > r["ceiling"] else ""
 
 
+def per_stage_ceiling(r) -> str:
+  """Under a pipeline, the bound of a balancer within each stage next to the pooled one."""
+  v = r.get("ceiling_per_stage")
+  return "" if v is None else f" (per stage {v:.3f})"
+
+
 def _fmt(v, spec=".3f"):
   return "n/a" if v is None else format(v, spec)
 
@@ -484,7 +507,7 @@ def write(a, results, quiet: bool = False):
         f"{r['step_ms_p10']:.1f}-{r['step_ms_p90']:.1f} | {r['tokens_per_s']:,.0f} | {mfu} | "
         f"{r.get('layers', 'n/a')} | {_fmt(r.get('lm_head_share'), '.0%')} | "
         f"{_fmt(r.get('speedup_vs_packed_dp'))} | {_fmt(r.get('tokens_per_s_ratio'))} | "
-        f"{r['ceiling']:.3f}{above_ceiling(r)} | {_fmt(r.get('fraction_of_bound_gain'), '.2f')} / "
+        f"{r['ceiling']:.3f}{above_ceiling(r)}{per_stage_ceiling(r)} | {_fmt(r.get('fraction_of_bound_gain'), '.2f')} / "
         f"{_fmt(r.get('fraction_of_bound_gain_tokens'), '.2f')} | {r['host_plan_ms_median']:.1f} | "
         f"{r['input_wait_ms_median']:.2f} (max {r['input_wait_ms_max']:.2f}) | "
         f"{_fmt(r.get('max_loss_diff_vs_packed_dp'), '.4f')} |")

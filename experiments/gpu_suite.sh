@@ -3,7 +3,8 @@
 # on a 2-GPU H200 host (run from the repository root):
 #   bash experiments/gpu_suite.sh OUTDIR                 # every stage
 #   SUITE=one bash experiments/gpu_suite.sh OUTDIR       # one group: one | two | derived | tests
-#   SUITE=four-a bash experiments/gpu_suite.sh OUTDIR    # 4-GPU host: four-a | four-b (not in 'all')
+#   SUITE=four-a bash experiments/gpu_suite.sh OUTDIR    # 4-GPU host: four-a | four-b | four-4d
+#                                                         # (not in 'all')
 # 'one': single-GPU tables (CUDA_VISIBLE_DEVICES=0); 'two': the 2-GPU tables; 'derived': tables
 # computed from the e2e JSONs of 'two' (plot, per-batch bound); 'tests': the GPU-only tests.
 # Needs the wheels the GPU image lacks in .whl/ (flash-attn3-jax, ml_collections, tensorboardX).
@@ -74,6 +75,11 @@ stage e2e_4gpu_pretrain_128k_distca_oneshot 200 env XLA_FLAGS="$ONESHOT" python3
 for b in packed_dp distca; do
   stage "e2e_4gpu_prolong_128k_$b" 200 env XLA_FLAGS="${FOUR_XLA_FLAGS:-}" python3 -m experiments.e2e_bench --backends $b --workloads prolong --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_prolong_128k_$b"
 done
+;;& four-4d)
+# The 4D row: pipe 2 x data 2, Pretrain, on the same batches in one process: packed_dp, distca
+# with CAD pooled over both stages per tick, and distca+perstage (each stage's 2 data ranks its
+# own servers). A row per microbatch (M = 4), 32K tokens each: 128K tokens per data rank.
+stage e2e_4gpu_4d_pretrain 500 python3 -m experiments.e2e_bench --backends packed_dp,distca --variant perstage@distca:attention.distca.pool_stages=false --workloads pretrain --tokens 32768 --layers 4 --steps 8 --warmup 2 --extra mesh.pipe=2 --extra mesh.data=2 --plan-stats --out "$OUT/e2e_4gpu_4d_pretrain"
 ;;& derived|all)
 E2E_JSON="$OUT/e2e_2gpu_64k.json $OUT/e2e_2gpu_128k.json $OUT/e2e_2gpu_128k_wlb.json $OUT/e2e_2gpu_prolong_128k.json"
 stage e2e_2gpu_plot 60 python3 -m experiments.plot_e2e $E2E_JSON --out "$OUT/e2e_2gpu.png"

@@ -77,6 +77,18 @@ def test_pipeline_ceiling_is_per_tick_with_bubble_slots_as_servers():
   assert e2e_bench.ceiling(cfg, [[[[t]], [[t]]]], tokens_per_row=t) == pytest.approx(1.0)
   with pytest.raises(ValueError, match="tokens_per_row"):
     e2e_bench.ceiling(cfg, [[[[t], [t]]]], stages=2, microbatches=2)
+  # Per stage (pool_stages=False) with one data rank per stage nothing can move: 1. With two data
+  # ranks, rank 0's rows [8] and rank 1's [1] x 8 (attention a), every tick's slowest slot is
+  # lin + att and the balanced tick its busy stage's mean, lin + (att + a) / 2.
+  assert e2e_bench.ceiling(cfg, [[[[t], [t]]]], stages=2, microbatches=2, tokens_per_row=t,
+                           pool_stages=False) == pytest.approx(1.0)
+  a = float(metrics.work_flops(metrics.matmul_params(cfg), 2, 2, 8, 0, t))
+  two = [[[[t], [t]], [[1] * t, [1] * t]]]
+  per_stage = e2e_bench.ceiling(cfg, two, stages=2, microbatches=2, tokens_per_row=t,
+                                pool_stages=False)
+  assert per_stage == pytest.approx((lin + att) / (lin + (att + a) / 2))
+  assert 1.0 < per_stage < e2e_bench.ceiling(cfg, two, stages=2, microbatches=2,
+                                             tokens_per_row=t)
 
 
 def test_per_batch_bound_on_rebuilt_batches(seed):

@@ -214,12 +214,14 @@ def test_checkpoint_resumes_under_another_pipe_layout(tmp_path):
   np.testing.assert_allclose([got[3], got[4]], [want[3], want[4]], rtol=1e-3)
 
 
-def test_startup_caps_are_sized_for_the_pooled_ticks():
+@pytest.mark.parametrize("pool", [True, False])
+def test_startup_caps_are_sized_for_the_pooled_ticks(pool):
   """Under the pipeline the startup caps come from the run's first batches planned per tick
-  (every stage's rows, R / M per device, on pipe x data servers): at least what those tick plans
-  need without caps and at most that x caps_headroom (rounded to row multiples), so neither a
-  pipe=1 sizing (R rows on data servers) nor the fixed fractions pass; later ticks plan within
-  them, with a fixed plan width."""
+  (every stage's rows, R / M per device, on pipe x data servers; per-stage CAD, pool=False: each
+  stage's rows on its data servers): at least what those plans need without caps and at most
+  that x caps_headroom (rounded to row multiples), so neither a pipe=1 sizing (R rows on data
+  servers) nor the fixed fractions pass; later ticks plan within them, with a fixed plan
+  width."""
   import dataclasses
   from distca_jax import backends
   from distca_jax.backends import distca as distca_backend
@@ -228,7 +230,7 @@ def test_startup_caps_are_sized_for_the_pooled_ticks():
   c = _with_heads(tiny_config(**DISTCA, **{
       "mesh.pipe": stages, "mesh.data": data, "rows_per_rank": rows_per_rank,
       "pipeline.microbatches": m, "attention.backend": "distca", "tokens_per_rank": t,
-      "attention.distca.caps_from_batches": sampled}))
+      "attention.distca.caps_from_batches": sampled, "attention.distca.pool_stages": pool}))
   config_lib.validate(c)
   got = distca_backend.startup_capacity(c)
   rows = t * rows_per_rank // m  # a device's rows in one tick's call
@@ -237,10 +239,12 @@ def test_startup_caps_are_sized_for_the_pooled_ticks():
                     vocab_size=c.model.vocab_size, seed=c.seed)
   # The same ticks planned with caps no tick can reach: what each really needs.
   roomy = trainer.make_backend(c, **{f: 8 * rows for f in got})
-  need = [cap_lib.required_capacity(roomy.host_plans(ticked, t)[0].plan)
+  need = [cap_lib.required_capacity(hp.plan)
           for step in range(sampled)
           for ticked in ticks_lib.tick_rows(src.doclens(step), stages=stages,
-                                           rows_per_rank=rows_per_rank, microbatches=m)]
+                                           rows_per_rank=rows_per_rank, microbatches=m)
+          for hp in roomy.host_plans(ticked, t)]
+  assert len(need) == sampled * ticks_lib.num_ticks(stages, m) * (1 if pool else stages)
   mult = cap_lib.row_multiple(rows)
   for name, v in got.items():
     most = max(getattr(n, name) for n in need)
@@ -256,9 +260,9 @@ def test_startup_caps_are_sized_for_the_pooled_ticks():
     doclens = src.doclens(step)
     for ticked in ticks_lib.tick_rows(doclens, stages=stages, rows_per_rank=rows_per_rank,
                                      microbatches=m):
-      plan = backend.host_plans(ticked, t)[0].plan
-      used = dataclasses.asdict(cap_lib.required_capacity(plan))
-      assert all(used[k] <= v for k, v in got.items()), (step, used, got)
+      for hp in backend.host_plans(ticked, t):
+        used = dataclasses.asdict(cap_lib.required_capacity(hp.plan))
+        assert all(used[k] <= v for k, v in got.items()), (step, used, got)
     packed = backend.host_prepare(doclens, t)
     widths.add(tuple(a.shape for a in packed.values()))
   assert len(widths) == 1

@@ -52,8 +52,14 @@ class Options:
     q_heads, kv_heads, head_dim, dtype_bytes: the byte model.
     linear_pairs_per_token: the linear layers' work per token in pair units, for the gate
       (``metrics.linear_pairs_per_token`` of the model).
-    data_axis, head_axis: the mesh axes of the servers (a tuple: their product; a pipeline's
-      ``('pipe', 'data')``) and of the heads.
+    data_axis, head_axis: the mesh axes the rows are sharded over (a tuple: their product; a
+      pipeline's ``('pipe', 'data')``) and of the heads.
+    server_axis, server_groups: the axis every exchange runs over (None = ``data_axis``: every
+      row device is a server of one group) and the number of server groups: a call's rows form
+      ``server_groups`` consecutive equal blocks of devices, each planned on its own over its own
+      ``server_axis`` ranks (``dataplane.DispatchOptions.server_axis``). Per-stage CAD under a
+      pipeline (``attention.distca.pool_stages=False``): ``'data'`` and P, each stage's data
+      ranks serve only that stage's rows.
     collective, exchange_buckets, signal_only: ``dataplane.ExchangeOptions`` (the second is its
       ``buckets``). Training takes the config's ``collective`` (default 'auto') and
       ``exchange_buckets`` and ``signal_only=False``; benchmarks pass others to
@@ -81,6 +87,8 @@ class Options:
   dtype_bytes: int = cost.DEFAULT_DTYPE_BYTES
   linear_pairs_per_token: float = 0.0
   data_axis: str | tuple[str, ...] = "data"
+  server_axis: str | tuple[str, ...] | None = None
+  server_groups: int = 1
   head_axis: str | None = "tensor"
   collective: str = "auto"
   exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS
@@ -94,8 +102,10 @@ class Options:
     d = c.attention.distca
     m = config_lib.model_config(c)
     # Under a pipeline (mesh.pipe > 1) one call is one tick: rows_per_rank / M rows of every
-    # pipe x data rank, all of them servers.
+    # pipe x data rank, all of them servers (pooled), or each stage's data ranks the servers of
+    # that stage's rows (pool_stages=False).
     pipe = c.mesh.pipe > 1
+    per_stage = pipe and not d.pool_stages
     rows = c.rows_per_rank // (ticks.resolve_microbatches(c.pipeline.microbatches, c.mesh.pipe)
                                if pipe else 1)
     return cls(tolerance=d.tolerance, min_shard=d.min_shard or None, min_gain=d.min_gain,
@@ -103,6 +113,8 @@ class Options:
                kernel=c.attention.kernel, memory_mode=d.memory_mode,
                rows_per_rank=rows, nano_batches=c.attention.nano_batches,
                data_axis=(pipeline.PIPE_AXIS, "data") if pipe else "data",
+               server_axis="data" if per_stage else None,
+               server_groups=int(c.mesh.pipe) if per_stage else 1,
                q_heads=m.n_heads, kv_heads=m.n_kv_heads, head_dim=m.head_dim,
                dtype_bytes=jnp.dtype(m.dtype).itemsize,
                linear_pairs_per_token=metrics_lib.linear_pairs_per_token(m),
@@ -144,11 +156,13 @@ def make(options: Options) -> "DistcaBackend":
     # 'auto' builds 'keep' and offers 'resend' (``DistcaBackend.resend_fn``) to the pre-flight.
     dispatch = DispatchOptions(kernel=o.kernel,
                                memory_mode="keep" if o.memory_mode == "auto" else o.memory_mode,
-                               data_axis=o.data_axis, exchange=exchange)
+                               data_axis=o.data_axis, server_axis=o.server_axis,
+                               exchange=exchange)
   except ValueError as e:
     raise ValueError(f"{e} (config.attention.distca)") from e
   r = check_int("rows_per_rank", o.rows_per_rank, 1)
   n = check_int("nano_batches", o.nano_batches, 1)
+  g = check_int("server_groups", o.server_groups, 1)
   # Checked here, not only by each plan's schedule(): a bad value fails at startup.
   check_float("config.attention.distca.min_gain", o.min_gain,
               hint="0 = always balance; default 0.02")
@@ -164,6 +178,7 @@ def make(options: Options) -> "DistcaBackend":
   plan_options = o.plan_options
   rows_per_rank, nano_batches = o.rows_per_rank, o.nano_batches
   data_axis, head_axis = o.data_axis, o.head_axis
+  server_axis = dispatch.exchange_axis
 
   def spec_for(num_servers: int, tokens_per_row: int) -> PlanSpec:
     return PlanSpec(num_servers=num_servers, tokens_per_row=tokens_per_row, rows_per_device=rn,
@@ -171,13 +186,16 @@ def make(options: Options) -> "DistcaBackend":
 
   def host_plans(doclens, tokens_per_row: int) -> list[HostPlan]:
     rows = len(doclens)
-    if rows % r:
-      raise ValueError(f"the batch has {rows} rows, not a multiple of {rows_per_rank=}")
-    s = rows // r
+    if rows % (r * g):
+      raise ValueError(f"the batch has {rows} rows, not a multiple of {rows_per_rank=} x "
+                       f"server_groups={g}")
+    s = rows // (r * g)  # servers of one group
     spec = spec_for(s, int(tokens_per_row))
-    # Nano-batch i: rows [i rn, (i + 1) rn) of every device's block (model.split_rows).
-    return [host_plan([list(doclens[x]) for x in nano_batch_rows(s, r, n, i)], spec, plan_options)
-            for i in range(n)]
+    # Group k: devices [k s, (k + 1) s); its nano-batch i: rows [i rn, (i + 1) rn) of every
+    # device's block (model.split_rows).
+    return [host_plan([list(doclens[k * s * r + x]) for x in nano_batch_rows(s, r, n, i)], spec,
+                      plan_options)
+            for k in range(g) for i in range(n)]
 
   warned = []
 
@@ -193,10 +211,11 @@ def make(options: Options) -> "DistcaBackend":
                     "shown once.", stacklevel=2)
     spec = plans[0].spec
     s = spec.num_servers
-    out = np.zeros((s, r, spec.width), np.int32)
-    for i, hp in enumerate(plans):
-      out[:, i * rn:(i + 1) * rn] = hp.packed.reshape(s, rn, spec.width)
-    return {PLAN_KEY: out.reshape(s * r, spec.width)}
+    out = np.zeros((g, s, r, spec.width), np.int32)
+    for j, hp in enumerate(plans):  # group-major: plan j is group j // n, nano-batch j % n
+      i = j % n
+      out[j // n, :, i * rn:(i + 1) * rn] = hp.packed.reshape(s, rn, spec.width)
+    return {PLAN_KEY: out.reshape(g * s * r, spec.width)}
 
   def fn(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *, softmax_scale: float,
          memory_mode: str | None = None):
@@ -204,11 +223,16 @@ def make(options: Options) -> "DistcaBackend":
       raise ValueError(f"the 'distca' backend needs layout.extra['{PLAN_KEY}'] (got keys "
                        f"{sorted(layout.extra)}); run backend.host_prepare on the batch "
                        "(trainer.add_host_plan)")
-    mesh, s = mesh_and_servers(None, data_axis)
-    if q_BxTxHxD.shape[0] != s * rn:
-      raise ValueError(f"core attention got {q_BxTxHxD.shape[0]} rows on {data_axis}={s}; the "
-                       f"backend was built for {rows_per_rank=} / {nano_batches=} = {rn} rows per "
-                       "device and call (build it with backends.build(config))")
+    mesh, devices = mesh_and_servers(None, data_axis)
+    _, s = mesh_and_servers(mesh, server_axis)
+    if q_BxTxHxD.shape[0] != devices * rn:
+      raise ValueError(f"core attention got {q_BxTxHxD.shape[0]} rows on {data_axis}={devices}; "
+                       f"the backend was built for {rows_per_rank=} / {nano_batches=} = {rn} rows "
+                       "per device and call (build it with backends.build(config))")
+    if devices != g * s:
+      raise ValueError(f"the backend plans server_groups={g} groups but {data_axis}={devices} "
+                       f"holds {devices // s} groups of {server_axis}={s} servers (build it with "
+                       "backends.build(config) for this mesh)")
     spec = spec_for(s, q_BxTxHxD.shape[1])
     hax = head_axis if head_axis in mesh.axis_names and mesh.shape[head_axis] > 1 else None
     # Documents never cross a row, so no task has more than a row's query or key rows: the bound
@@ -229,11 +253,11 @@ def make(options: Options) -> "DistcaBackend":
 @dataclasses.dataclass(frozen=True)
 class DistcaBackend(attn_lib.Backend):
   """The ``distca`` backend; ``host_plans(doclens, tokens_per_row) -> [HostPlan]`` (one per
-  nano-batch) is the planning ``host_prepare`` packs, for benchmarks and diagnostics; ``caps``
-  the capacity options it was built with (0 = ``default_capacity``'s value); ``memory_mode`` the
-  data plane's ('keep' or 'resend'); ``resend_fn``, built for ``memory_mode='auto'``, is ``fn``
-  in the 'resend' mode, which the memory pre-flight takes when 'keep' does not fit
-  (``trainer.preflight``)."""
+  server group and nano-batch, group-major: one per nano-batch with one group) is the planning
+  ``host_prepare`` packs, for benchmarks and diagnostics; ``caps`` the capacity options it was
+  built with (0 = ``default_capacity``'s value); ``memory_mode`` the data plane's ('keep' or
+  'resend'); ``resend_fn``, built for ``memory_mode='auto'``, is ``fn`` in the 'resend' mode,
+  which the memory pre-flight takes when 'keep' does not fit (``trainer.preflight``)."""
   host_plans: Callable[..., list[HostPlan]] | None = None
   caps: Mapping[str, int] | None = None
   memory_mode: str = "keep"
@@ -283,14 +307,17 @@ def _call_rows(options: Options) -> int:
   return int(options.rows_per_rank) // int(options.nano_batches)
 
 
-def _calls(c, doclens, data: int) -> list[list]:
-  """The rows of each core-attention call of one batch, as ``host_prepare`` plans them: one per
-  nano-batch, or under a pipeline one per tick (``plan.ticks.tick_rows``: every stage's rows, on
-  ``pipe x data`` servers)."""
+def _calls(c, doclens, data: int, groups: int = 1) -> list[list]:
+  """The rows of each plan of one batch, as ``host_prepare`` plans them: one per nano-batch,
+  or under a pipeline one per tick (``plan.ticks.tick_rows``: every stage's rows, on ``pipe x
+  data`` servers) and, with ``groups`` P (per-stage CAD), one per tick and stage (that stage's
+  rows, on its ``data`` servers)."""
   r = int(c.rows_per_rank)
   if c.mesh.pipe > 1:
-    return ticks.tick_rows(doclens, stages=c.mesh.pipe, rows_per_rank=r,
-                           microbatches=c.pipeline.microbatches)
+    per_tick = ticks.tick_rows(doclens, stages=c.mesh.pipe, rows_per_rank=r,
+                               microbatches=c.pipeline.microbatches)
+    size = len(per_tick[0]) // groups
+    return [rows[k * size:(k + 1) * size] for rows in per_tick for k in range(groups)]
   n = int(c.attention.nano_batches)
   return [[doclens[x] for x in nano_batch_rows(data, r, n, i)] for i in range(n)]
 
@@ -302,8 +329,9 @@ def suggest_config_capacity(c: ml_collections.ConfigDict, options: Options | Non
 
   Plans ``num_batches`` batches of ``c.data`` (the steps a run starts with) the way
   ``host_prepare`` will (per nano-batch; under a pipeline per tick, over ``pipe x data``
-  servers), without caps, and returns ``suggest_capacity``'s envelope as a dict of
-  ``plan.CAP_FIELDS`` (e.g. print them as ``--config.attention.distca.<name>=<value>`` flags).
+  servers, or per tick and stage over ``data`` servers with ``pool_stages=False``), without
+  caps, and returns ``suggest_capacity``'s envelope as a dict of ``plan.CAP_FIELDS`` (e.g.
+  print them as ``--config.attention.distca.<name>=<value>`` flags).
 
   Args:
     c: the run config (``config.base_config`` tree).
@@ -317,13 +345,15 @@ def suggest_config_capacity(c: ml_collections.ConfigDict, options: Options | Non
   if data is None:
     data = config_lib.data_ranks(c)
   t, rn = int(c.tokens_per_rank), _call_rows(o)
-  servers = data * max(int(c.mesh.pipe), 1)
+  groups = int(o.server_groups)
+  servers = data * max(int(c.mesh.pipe), 1) // groups
   src = make_source(c.data, rows=data * int(c.rows_per_rank), tokens_per_row=t,
                     vocab_size=c.model.vocab_size, seed=c.seed)
   spec = PlanSpec(num_servers=servers, tokens_per_row=t, rows_per_device=rn,
                   capacity=default_capacity(rn * t, rn))
   layouts = [device_layout(rows, spec)[0]
-             for step in range(num_batches) for rows in _calls(c, src.doclens(step), data)]
+             for step in range(num_batches)
+             for rows in _calls(c, src.doclens(step), data, groups)]
   # The balancer's tolerance and min_shard and the attention shapes. No gate (min_gain): every
   # sampled batch is balanced, so the caps also hold the batches a gate leaves unmoved.
   sizing = PlanOptions(tolerance=o.tolerance, min_shard=o.min_shard, q_heads=o.q_heads,

@@ -17,8 +17,9 @@ The trainer's backend is ``distca_jax.backends.distca``. Nothing here plans: sha
 ``plan.PlanSpec`` and the packed plan is the only input from the host.
 
 Letters (docs/design.md, "Words and letters"): S servers (= data ranks; pipe x data ranks under
-a pipeline), R rows per device, T tokens per row (per rank in the notebook entry), H query heads,
-K kv heads, D head dim, W packed plan width per row.
+a pipeline, or one stage's data ranks with per-stage CAD), R rows per device, T tokens per row
+(per rank in the notebook entry), H query heads, K kv heads, D head dim, W packed plan width per
+row.
 """
 
 from __future__ import annotations

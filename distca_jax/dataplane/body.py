@@ -45,8 +45,13 @@ class DispatchOptions:
     kernel: the ``ops.core_attention`` kernel (``ops.KERNELS``).
     memory_mode: 'keep' or 'resend' (module docstring).
     softmax_scale: default ``1 / sqrt(D)``.
-    data_axis: the mesh axis of the servers (a tuple of axes: their product, e.g. a pipeline's
-      (pipe, data)).
+    data_axis: the mesh axis the rows are sharded over (a tuple of axes: their product, e.g. a
+      pipeline's (pipe, data)); the ``shard_map``'s in/out specs.
+    server_axis: the mesh axis every exchange collective runs over, its size the plan's servers;
+      None = ``data_axis`` (every row device is one server). It must be the trailing axes of
+      ``data_axis``: each index of the leading ones is one server group of consecutive row
+      blocks that exchanges within itself (per-stage CAD: rows over (pipe, data), servers over
+      data).
     head_axis: mesh axis the heads are split over (tensor parallelism), or None.
     return_lse: also return the softmax log-sum-exp ``[B, T, H]`` (f32; -inf at padding).
     kernel_options: extra keywords for ``ops.core_attention`` (e.g. ``block_sizes``); a mapping
@@ -57,6 +62,7 @@ class DispatchOptions:
   memory_mode: str = "keep"
   softmax_scale: float | None = None
   data_axis: str | tuple[str, ...] = "data"
+  server_axis: str | tuple[str, ...] | None = None
   head_axis: str | None = None
   return_lse: bool = False
   kernel_options: tuple[tuple[str, Any], ...] = ()
@@ -70,6 +76,20 @@ class DispatchOptions:
       object.__setattr__(self, "kernel_options", tuple(sorted(self.kernel_options.items())))
     if not isinstance(self.exchange, ExchangeOptions):
       raise TypeError(f"exchange={self.exchange!r} must be an ExchangeOptions")
+    rows, servers = _axes(self.data_axis), _axes(self.exchange_axis)
+    if not servers or rows[len(rows) - len(servers):] != servers:
+      raise ValueError(f"server_axis={self.server_axis!r} must be the trailing axes of "
+                       f"data_axis={self.data_axis!r} (e.g. data_axis=('pipe', 'data'), "
+                       "server_axis='data'), or None for data_axis itself")
+
+  @property
+  def exchange_axis(self) -> str | tuple[str, ...]:
+    """The axis the exchange runs over: ``server_axis``, else ``data_axis``."""
+    return self.data_axis if self.server_axis is None else self.server_axis
+
+
+def _axes(axis) -> tuple[str, ...]:
+  return tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
 
 
 def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec,
@@ -81,7 +101,7 @@ def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec,
   """
   r, t, h, d = q_RxTxHxD.shape
   kh = k_RxTxKxD.shape[2]
-  axis, wire, return_lse = options.data_axis, options.exchange, options.return_lse
+  axis, wire, return_lse = options.exchange_axis, options.exchange, options.return_lse
   m = spec.unpack_local(plan_RxW)
   q_attn, k_attn, v_attn = send_to_servers(
       q_RxTxHxD.reshape(r * t, h, d), k_RxTxKxD.reshape(r * t, kh, d),
@@ -108,7 +128,7 @@ def mesh_and_servers(mesh, data_axis: str | tuple[str, ...]):
     if mesh.empty:
       raise ValueError("CAD core attention needs a mesh: pass mesh= or trace under "
                        "jax.set_mesh(mesh) (the trainer's mesh_context)")
-  axes = data_axis if isinstance(data_axis, tuple) else (data_axis,)
+  axes = _axes(data_axis)
   if not set(axes) <= set(mesh.axis_names):
     raise ValueError(f"{data_axis=} is not an axis of the mesh {dict(mesh.shape)}")
   return mesh, math.prod(mesh.shape[a] for a in axes)
@@ -120,8 +140,9 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
   """Core attention of every document by CAD, given a packed plan (device side, jit-able).
 
   Args:
-    q_BxTxHxD: queries, rows ``B = S * R`` sharded over ``options.data_axis`` (heads over
-      ``options.head_axis``).
+    q_BxTxHxD: queries, rows ``B = G * S * R`` sharded over ``options.data_axis`` (heads over
+      ``options.head_axis``): G server groups (1 unless ``options.server_axis`` is only the
+      trailing part of the data axis) of S servers (``options.exchange_axis``) of R rows.
     k_BxTxKxD, v_BxTxKxD: keys and values, sharded the same way.
     plan_BxW: int32 packed plan (``HostPlan.packed``), rows sharded over the data axis.
     spec: the plan's static shapes.
@@ -132,7 +153,8 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
     O ``[B, T, H, D]`` like q (zeros at padding), or ``(O, lse)``.
   """
   data_axis, head_axis = options.data_axis, options.head_axis
-  mesh, s = mesh_and_servers(mesh, data_axis)
+  mesh, devices = mesh_and_servers(mesh, data_axis)
+  _, s = mesh_and_servers(mesh, options.exchange_axis)
   b, t, h, d = q_BxTxHxD.shape
   kh = k_BxTxKxD.shape[2]
   if k_BxTxKxD.shape != (b, t, kh, d) or v_BxTxKxD.shape != k_BxTxKxD.shape:
@@ -141,9 +163,10 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
   if not q_BxTxHxD.dtype == k_BxTxKxD.dtype == v_BxTxKxD.dtype:
     raise ValueError(f"q, k, v must share a dtype (one all-to-all carries them); got "
                      f"{q_BxTxHxD.dtype=} {k_BxTxKxD.dtype=} {v_BxTxKxD.dtype=}")
-  if s != spec.num_servers or b != s * spec.rows_per_device or t != spec.tokens_per_row:
-    raise ValueError(f"q {q_BxTxHxD.shape} on a {data_axis}={s} mesh does not match the plan's "
-                     f"{spec}: expected rows = {spec.num_servers} x {spec.rows_per_device}, "
+  if s != spec.num_servers or b != devices * spec.rows_per_device or t != spec.tokens_per_row:
+    raise ValueError(f"q {q_BxTxHxD.shape} with rows on {data_axis}={devices} and servers on "
+                     f"{options.exchange_axis}={s} does not match the plan's {spec}: expected "
+                     f"servers = {spec.num_servers}, rows = {devices} x {spec.rows_per_device}, "
                      f"tokens per row = {spec.tokens_per_row}")
   if plan_BxW.shape != (b, spec.width) or plan_BxW.dtype != jnp.int32:
     raise ValueError(f"{plan_BxW.shape=} {plan_BxW.dtype=} must be int32 {(b, spec.width)} "

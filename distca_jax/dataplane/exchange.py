@@ -1,8 +1,11 @@
 """The exchange: a device's rows out to their attention servers, and outputs back to owners.
 
 Inside one ``jax.shard_map`` over the data axis (every data rank is an in-place attention
-server), ``send_to_servers`` runs steps 1-3 of the data plane and ``return_to_owners`` step 5
-(``distca_jax.plan.metadata`` states the contract):
+server; every collective runs over the ``axis`` it is given, the servers' axis, which may be the
+trailing part of the map's axes: per-stage CAD maps over (pipe, data) and exchanges over
+``data``, so each pipe index exchanges within itself), ``send_to_servers`` runs steps 1-3 of
+the data plane and ``return_to_owners`` step 5 (``distca_jax.plan.metadata`` states the
+contract):
 
   1. sender gather: local Q/K/V rows into the device's send buffers (``[Cqs]`` and ``[Ckvs]``
      rows, grouped by destination server);

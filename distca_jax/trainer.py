@@ -494,10 +494,9 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str,
   (tests). When `stop` is set (by a signal handler) the loop saves the current step, verifies
   that checkpoint and raises `Interrupted`.
   """
-  config_lib.validate(c)
   workdir = os.path.abspath(workdir)
   check_workdir(workdir)
-  run = setup_run(c)  # bad mesh or backend: an error before the workdir is made
+  run = setup_run(c)  # bad config, mesh or backend: an error before the workdir is made
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:

@@ -56,6 +56,7 @@ import statistics
 import time
 
 import experiments
+from distca_jax.plan import ticks  # NumPy only: safe before XLA_FLAGS is set
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,7 +102,6 @@ def ceiling(model_cfg, doclens_per_step, *, stages: int = 1, microbatches: int =
   data ranks, so a balanced tick takes its slowest stage's mean slot:
   E[sum_t max_slot] / E[sum_t max_stage mean_(stage's slots)]."""
   from distca_jax import metrics
-  from distca_jax.plan import ticks
   maxes, means = [], []
   for per_rank in doclens_per_step:
     if stages == 1:
@@ -115,7 +115,7 @@ def ceiling(model_cfg, doclens_per_step, *, stages: int = 1, microbatches: int =
     rows = [row for rank_rows in per_rank for row in rank_rows]
     r = rows_per_rank // ticks.resolve_microbatches(microbatches, stages)
     for tick in ticks.tick_rows(rows, stages=stages, rows_per_rank=rows_per_rank,
-                                   microbatches=microbatches):
+                                microbatches=microbatches):
       slots = [tick[i:i + r] for i in range(0, len(tick), r)]
       work = [float(metrics.work_flops(
           metrics.matmul_params(model_cfg), model_cfg.n_layers, model_cfg.n_heads,
@@ -309,7 +309,6 @@ def plan_stats(c, backend, doclens_per_step):
   from distca_jax import plan as plan_lib
   out = dict(imbalance_before=[], imbalance_after=[], dispatch_useful_mb=[], dispatch_buffer_mb=[],
              moved=[], degraded=0)
-  from distca_jax.plan import ticks
   calls = []
   for per_rank in doclens_per_step:
     rows = [row for rank_rows in per_rank for row in rank_rows]
@@ -375,7 +374,6 @@ def main(argv=None):
               c.optim.warmup_steps = c.num_steps
               over.append(f"optim.warmup_steps={c.num_steps}")
             if c.mesh.pipe > 1 and not a.rows_per_rank:  # one row per microbatch by default
-              from distca_jax.plan import ticks
               c.rows_per_rank = nano * ticks.resolve_microbatches(c.pipeline.microbatches,
                                                                   c.mesh.pipe)
               over.append(f"rows_per_rank={c.rows_per_rank}")

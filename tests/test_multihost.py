@@ -370,6 +370,16 @@ def test_an_abort_names_the_lost_process():
   assert line.startswith("process 1/2: lost the coordinator, process 0 (why)"), line
 
 
+def _wait_for_steps(ps, workdir, steps: int, timeout_s: float = 600) -> None:
+  """Waits until process 0 has logged ``steps`` steps in ``workdir``; every process must live."""
+  metrics = workdir / "metrics.jsonl"
+  deadline = time.time() + timeout_s
+  while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+    assert time.time() < deadline, f"no {steps} training steps in {timeout_s:g} s"
+    assert all(p.poll() is None for p in ps), [p.poll() for p in ps]
+    time.sleep(0.5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])  # 0 hosts the coordinator service
 def test_killing_one_process_stops_the_other_within_60s(tmp_path, victim):
@@ -378,13 +388,8 @@ def test_killing_one_process_stops_the_other_within_60s(tmp_path, victim):
   ps = _start(2, 4, ["--config.attention.backend=local", "--config.num_steps=100000",
                      "--config.checkpoint_every=0"], tmp_path / "w", tmp_path, heartbeat_s=None,
               stderr_apart=True)
-  metrics = tmp_path / "w" / "metrics.jsonl"
-  deadline = time.time() + 600
   try:
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-      assert time.time() < deadline, "no 2 training steps in 600 s"
-      assert all(p.poll() is None for p in ps), [p.poll() for p in ps]
-      time.sleep(0.5)
+    _wait_for_steps(ps, tmp_path / "w", 2)
     ps[victim].send_signal(signal.SIGKILL)
     t0 = time.time()
     rc = ps[1 - victim].wait(timeout=90)
@@ -409,13 +414,8 @@ def test_sigterm_to_one_process_stops_both_at_one_verified_step(tmp_path):
   args = ["--config.attention.backend=local", "--config.num_steps=100000",
           "--config.checkpoint_every=1000"]
   ps = _start(2, 4, args, tmp_path / "w", tmp_path, stderr_apart=True)
-  metrics = tmp_path / "w" / "metrics.jsonl"
-  deadline = time.time() + 600
   try:
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-      assert time.time() < deadline, "no 3 training steps in 600 s"
-      assert all(p.poll() is None for p in ps), [p.poll() for p in ps]
-      time.sleep(0.5)
+    _wait_for_steps(ps, tmp_path / "w", 3)
     ps[1].send_signal(signal.SIGTERM)
     rcs = [p.wait(timeout=120) for p in ps]
   finally:

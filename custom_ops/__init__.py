@@ -5,6 +5,8 @@ checks, the plain-jnp reference ``varlen_attention_reference``).
 ``custom_ops.blockwise_attention``: the contract in blockwise jnp (the CPU kernel).
 ``custom_ops.mosaic_attention``: the contract as Pallas Mosaic GPU kernels (Hopper); the package
 does not import it (``from custom_ops import mosaic_attention`` loads Mosaic GPU).
+``custom_ops.remote_exchange``: the data plane's exchange as device-initiated copies (Pallas
+Mosaic GPU; not imported by the package either).
 ``custom_ops.flash3_attention``: the adapter of FlashAttention-3 (``flash-attn3-jax``) to the
 contract; it imports the bindings only when a call is traced, so it imports without them.
 """

@@ -74,12 +74,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.attention.distca.memory_mode = "auto" # 'keep': servers keep received Q/K/V for the
                                           # backward; 'resend': they are re-sent (recomputed);
                                           # 'auto': 'keep' when the memory pre-flight finds it
-                                          # fits, else 'resend' (one more compile)
-  c.attention.distca.collective = "auto"  # how rows cross the wire: 'ragged' (ragged
-                                          # all-to-all, each row once; GPU), 'ring' (ppermute
-                                          # rounds; any platform), 'dense' (padded all-to-all);
-                                          # 'auto': dense on GPU (fastest measured), ring
-                                          # elsewhere
+                                          # fits with 4% to spare, else 'resend' (one more
+                                          # compile)
+  c.attention.distca.collective = "auto"  # how rows cross the wire: 'remote' (device-
+                                          # initiated copies, each row once; Hopper GPUs of one
+                                          # process), 'ragged' (XLA's ragged all-to-all; GPU),
+                                          # 'ring' (ppermute rounds; any platform), 'dense'
+                                          # (padded all-to-all); 'auto': remote on the GPUs of
+                                          # one process, dense on several, ring elsewhere
   c.attention.distca.pool_stages = True  # mesh.pipe > 1: plan each tick over every pipe x data
                                           # rank (pooled: a stage in its bubble serves the
                                           # others); False: per-stage CAD, each stage's data

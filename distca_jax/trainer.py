@@ -508,35 +508,56 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str,
     return _train(c, run, workdir, log, closers, device_memory_bytes, stop or StopRequest())
 
 
+# memory_mode 'auto' runs 'keep' only with this fraction of the device's memory to spare (else
+# 'resend', when that fits): XLA allocates a step's temporaries as one block, and buffers made
+# while a step runs (the next batch, the device-initiated exchange's receive buffers) can split
+# the free memory. On 4 x H100 80GB, Pretrain 128K: 'keep' needed 71.63 of 72.85 GiB, ran its
+# first step and failed the second allocating its 48 GiB block (results/four/README.md).
+AUTO_KEEP_SPARE = 0.04
+
+
 def preflight(c, run: RunSetup, state, batch: dict, rows: int | None = None,
               capacity: int | None = None, log=print):
   """The memory pre-flight: the step compiled ahead of its first call (``compile_train_step``)
   and stopped with `memory.DoesNotFit` if its need (XLA's plan plus the kernels' workspace)
   exceeds the device's memory (``capacity`` replaces it). With the distca backend in
-  ``memory_mode='auto'`` (its ``resend_fn``) a step that does not fit is compiled again with
-  the servers re-sending Q/K/V in the backward instead of keeping them ('resend'), and runs that
-  way if it fits; either way one line says which mode runs. Returns (compiled step, workspace
-  bytes, need bytes, the run whose model the step runs)."""
+  ``memory_mode='auto'`` (its ``resend_fn``) a step that does not fit with ``AUTO_KEEP_SPARE``
+  of the memory to spare is compiled again with the servers re-sending Q/K/V in the backward
+  instead of keeping them ('resend'), and runs that way if it fits (else 'keep', if it fits);
+  either way one line says which mode runs. Returns (compiled step, workspace bytes, need
+  bytes, the run whose model the step runs)."""
   device, resend_fn = run.mesh.devices.flat[0], getattr(run.backend, "resend_fn", None)
   step_fn, workspace, _ = compile_train_step(c, run, state, batch, rows)
+  cap = capacity if capacity is not None else memory_lib.device_capacity_bytes(device)
   try:
-    need = memory_lib.check_fits(step_fn, device, capacity, workspace)
-    if resend_fn is not None:
-      log(f"distca memory_mode 'auto': 'keep' ("
-          + ("fits: " + memory_lib.format_bytes(need) if need is not None else "device memory "
-             "unknown") + " per device)")
-    return step_fn, workspace, need, run
+    need = memory_lib.check_fits(step_fn, device, cap, workspace)
+    if resend_fn is None or need is None or cap is None or need <= cap * (1 - AUTO_KEEP_SPARE):
+      if resend_fn is not None:
+        log(f"distca memory_mode 'auto': 'keep' ("
+            + ("fits: " + memory_lib.format_bytes(need) if need is not None else "device memory "
+               "unknown") + " per device)")
+      return step_fn, workspace, need, run
+    keep, why = (step_fn, workspace, need), (
+        f"leaves less than {AUTO_KEEP_SPARE:.0%} of {memory_lib.format_bytes(cap)} spare")
   except memory_lib.DoesNotFit as e:
     if resend_fn is None:
       raise
-    keep = e  # the name bound by `except` ends with the block
-  run = dataclasses.replace(run, model=run.model.clone(attend=resend_fn))
-  step_fn, workspace, _ = compile_train_step(c, run, state, batch, rows)
-  need = memory_lib.check_fits(step_fn, device, capacity, workspace)
-  log(f"distca memory_mode 'auto': 'keep' needs {memory_lib.format_bytes(keep.need)} per device, "
-      f"over {memory_lib.format_bytes(keep.capacity)}; running 'resend' (servers re-send Q/K/V "
-      f"in the backward): {memory_lib.format_bytes(need)}")
-  return step_fn, workspace, need, run
+    keep, why = e, f"over {memory_lib.format_bytes(e.capacity)}"
+  resend_run = dataclasses.replace(run, model=run.model.clone(attend=resend_fn))
+  step_fn, workspace, _ = compile_train_step(c, resend_run, state, batch, rows)
+  keep_need = keep.need if isinstance(keep, memory_lib.DoesNotFit) else keep[2]
+  try:
+    need = memory_lib.check_fits(step_fn, device, cap, workspace)
+  except memory_lib.DoesNotFit:
+    if isinstance(keep, memory_lib.DoesNotFit):
+      raise
+    log(f"distca memory_mode 'auto': 'keep' ({memory_lib.format_bytes(keep_need)} per device; "
+        f"'resend' does not fit)")
+    return (*keep, run)
+  log(f"distca memory_mode 'auto': 'keep' needs {memory_lib.format_bytes(keep_need)} per device, "
+      f"{why}; running 'resend' (servers re-send Q/K/V in the backward): "
+      f"{memory_lib.format_bytes(need)}")
+  return step_fn, workspace, need, resend_run
 
 
 def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dict]:

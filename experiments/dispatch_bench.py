@@ -58,7 +58,7 @@ import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The implementations of the ragged exchange (dataplane.COLLECTIVES less 'auto').
-IMPLEMENTATIONS = ("ragged", "ring", "dense")
+IMPLEMENTATIONS = ("remote", "ragged", "ring", "dense")
 
 
 def _args():
@@ -83,8 +83,8 @@ def _args():
                  "first batches by default)")
   p.add_argument("--collectives", default=None,
                  help="comma-separated exchange implementations to compare, of 'auto', "
-                 f"{', '.join(repr(c) for c in IMPLEMENTATIONS)} (default: ragged,ring,dense on "
-                 "GPU; ring,dense elsewhere: XLA:CPU has no ragged all-to-all)")
+                 f"{', '.join(repr(c) for c in IMPLEMENTATIONS)} (default: all of them on GPU; "
+                 "ring,dense elsewhere: 'remote' and 'ragged' need a GPU)")
   p.add_argument("--exchange-only", action="store_true",
                  help="time only the exchanges, their signal-only twins and the returns (no CAD "
                  "chains, no no-CAD baseline, no memory report)")
@@ -154,20 +154,21 @@ def resolve_collectives(names: list[str] | None, platform: str) -> list[str]:
   if len(set(out)) != len(out):
     raise ValueError(f"--collectives={','.join(names)} names one implementation twice on "
                      f"{platform} (resolved: {out})")
-  if "ragged" in out and not gpu:
-    raise ValueError(f"--collectives: 'ragged' (lax.ragged_all_to_all) needs a GPU; this backend "
-                     f"is {platform}: use ring,dense")
+  for gpu_only in ("remote", "ragged"):
+    if gpu_only in out and not gpu:
+      raise ValueError(f"--collectives: {gpu_only!r} needs a GPU; this backend is {platform}: "
+                       "use ring,dense")
   return out
 
 
 def wire_bytes(collective: str, cap: plan_lib.Capacity, s: int, by: dict, bq: int,
                bkv: int) -> dict[str, float]:
   """Bytes one device puts on the wire in one forward exchange (dispatch: Q + K/V) and its
-  output return, per implementation (``dataplane.exchange``): 'ragged' the routed rows (mean over
-  devices: ``by``, from ``plan_lib.exchange_bytes``), 'ring' S - 1 whole send buffers, 'dense'
-  S - 1 groups of ``min(send cap, recv cap)`` rows. ``bq`` / ``bkv``: bytes of a Q row and of a
+  output return, per implementation (``dataplane.exchange``): 'remote' and 'ragged' the routed
+  rows (mean over devices: ``by``, from ``plan_lib.exchange_bytes``), 'ring' S - 1 whole send
+  buffers, 'dense' S - 1 groups of ``min(send cap, recv cap)`` rows. ``bq`` / ``bkv``: bytes of a Q row and of a
   K plus V row."""
-  if collective == "ragged":
+  if collective in ("remote", "ragged"):
     return {"dispatch": by["dispatch_useful"], "return": by["return_useful"]}
   if collective == "ring":
     return {"dispatch": (s - 1) * (cap.q_send * bq + cap.kv_send * bkv),

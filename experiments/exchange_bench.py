@@ -13,6 +13,8 @@ busiest device's useful bytes in equal blocks. ``bandwidth fraction`` = (busiest
 bytes / exchange time) / (the same bytes / raw all-to-all time). ``--xla-flags A;B`` reruns the
 whole measurement in a child process per XLA flag set (the flags are read when JAX starts), e.g.
 ``--xla-flags ";--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=true"``.
+``--remote-grids 132x128,264x64x1`` also times the 'remote' kernel
+(``custom_ops/remote_exchange``) with other CTA counts, chunk lines and SMEM slots.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ def measure(a) -> list[dict]:
   rows = []
   for workload in a.workloads.split(","):
     for tokens in [int(t) for t in a.tokens.split(",")]:
-      c = configs_io.load_config(a.config, [f"data.workload={workload}",
-                                            f"tokens_per_rank={tokens}", f"mesh.data={s}"])
+      c = configs_io.load_config(a.config, [
+          f"data.workload={workload}", f"tokens_per_rank={tokens}", f"mesh.data={s}",
+          f"attention.distca.caps_from_batches={a.caps_from_batches}"])
       backend = trainer.make_backend(c)
       m = c.model
       src = make_source(c.data, rows=s * c.rows_per_rank, tokens_per_row=tokens,
@@ -62,7 +65,6 @@ def measure(a) -> list[dict]:
         meta, cap = hp.meta, hp.spec.capacity
         eb = plan_lib.exchange_bytes(meta, q_heads=m.n_heads, kv_heads=m.n_kv_heads,
                                      head_dim=m.head_dim, dtype_bytes=2)
-        rng = np.random.default_rng(step)
         parts = {"q": (cap.q_send, cap.q_recv, m.n_heads, meta.q_routes, meta.q_send_len),
                  "kv": (cap.kv_send, cap.kv_recv, 2 * m.n_kv_heads, meta.kv_routes,
                         meta.kv_send_len)}
@@ -73,8 +75,9 @@ def measure(a) -> list[dict]:
                "dispatch_buffer_mb": eb["dispatch_buffer"] / 1e6, "caps": dict(vars(cap))}
         busiest = 0.0
         for name, (cs, cr, heads, routes, lens) in parts.items():
-          x = jax.device_put(jnp.asarray(rng.standard_normal((s * cs, heads, m.head_dim)),
-                                         jnp.bfloat16), sh)
+          # Random rows made on the devices (host RNG of GBs would dominate the run).
+          x = jax.jit(lambda k, shape=(s * cs, heads, m.head_dim): jax.random.normal(
+              k, shape, jnp.bfloat16), out_shardings=sh)(jax.random.key(step))
           r = jax.device_put(jnp.asarray(routes.reshape(s * 6, s)), sh)
           row_bytes = heads * m.head_dim * 2
           useful = float(max(lens.sum(1).max(), lens.sum(0).max())) * row_bytes
@@ -84,15 +87,29 @@ def measure(a) -> list[dict]:
           for col in a.collectives.split(","):
             def body(x, r, col=col, cr=cr):
               return dataplane.ragged_exchange(x, r, cr, "data", col)
+            # check_vma=False: kernel primitives (the 'remote' collective) carry no axis info
             f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data")),
-                                      out_specs=P("data")))
+                                      out_specs=P("data"), check_vma=False))
             try:
-              outs[col] = np.asarray(f(x, r).astype(jnp.float32))
+              outs[col] = f(x, r)
               row[f"{name}_{col}_ms"] = seconds(f, x, r) * 1e3
             except Exception as e:  # noqa: BLE001  (a collective this platform lacks: say so)
               row[f"{name}_{col}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+          for grid in filter(None, a.remote_grids.split(",")):
+            blocks, chunk, slots = (int(v) for v in (grid + "x2").split("x")[:3])
+            from custom_ops.remote_exchange import remote_exchange  # pylint: disable=import-outside-toplevel
+            fg = jax.jit(jax.shard_map(
+                lambda x, r, cr=cr, blocks=blocks, chunk=chunk, slots=slots: remote_exchange(
+                    x, r, cr, "data", blocks=blocks, chunk=chunk, slots=slots),
+                mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"),
+                check_vma=False))
+            key = f"remote_{grid}"
+            outs[key] = fg(x, r)
+            row[f"{name}_{key}_ms"] = seconds(fg, x, r) * 1e3
           ref = next(iter(outs.values()), None)
-          row[f"{name}_collectives_equal"] = all(np.array_equal(o, ref) for o in outs.values())
+          row[f"{name}_collectives_equal"] = all(bool(jnp.array_equal(o, ref))
+                                                 for o in outs.values())
+          outs.clear()
           # Raw all_to_all of the busiest device's useful bytes in S equal blocks.
           blk = max(1, int(useful // row_bytes) // s)
           raw_x = jax.device_put(jnp.zeros((s * s * blk, heads, m.head_dim), jnp.bfloat16)
@@ -100,7 +117,8 @@ def measure(a) -> list[dict]:
           raw = jax.jit(jax.shard_map(lambda x: jax.lax.all_to_all(x, "data", 0, 0, tiled=True),
                                       mesh=mesh, in_specs=P("data"), out_specs=P("data")))
           row[f"{name}_raw_a2a_ms"] = seconds(raw, raw_x) * 1e3
-          for col in a.collectives.split(","):
+          for col in [*a.collectives.split(","),
+                      *[f"remote_{g}" for g in filter(None, a.remote_grids.split(","))]]:
             if f"{name}_{col}_ms" in row:
               row[f"{name}_{col}_bw_fraction"] = row[f"{name}_raw_a2a_ms"] / row[f"{name}_{col}_ms"]
         row["busiest_useful_mb"] = busiest / 1e6
@@ -117,6 +135,11 @@ def main(argv=None):
   p.add_argument("--batches", type=int, default=3)
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--collectives", default="ragged,dense")
+  p.add_argument("--caps-from-batches", type=int, default=8,
+                 help="batches the backend samples to size its caps (training samples 32)")
+  p.add_argument("--remote-grids", default="",
+                 help="BLOCKSxCHUNK[xSLOTS],... : also time the 'remote' kernel with these CTA "
+                      "counts, chunk lines and SMEM slots (default 2), e.g. 132x128,264x64x1")
   p.add_argument("--config", default=os.path.join(ROOT, "configs", "gpu_bench.py"))
   p.add_argument("--xla-flags", default=None,
                  help="';'-separated XLA flag sets, one child process each")

@@ -3,7 +3,7 @@
 # on a 2-GPU H200 host (run from the repository root):
 #   bash experiments/gpu_suite.sh OUTDIR                 # every stage
 #   SUITE=one bash experiments/gpu_suite.sh OUTDIR       # one group: one | two | derived | tests
-#   SUITE=four-a bash experiments/gpu_suite.sh OUTDIR    # 4-GPU host: four-a | four-b | four-4d
+#   SUITE=four-a bash experiments/gpu_suite.sh OUTDIR    # 4-GPU host: four-a | four-r1 | four-b | four-4d
 #                                                         # (not in 'all')
 # 'one': single-GPU tables (CUDA_VISIBLE_DEVICES=0); 'two': the 2-GPU tables; 'derived': tables
 # computed from the e2e JSONs of 'two' (plot, per-batch bound); 'tests': the GPU-only tests.
@@ -71,6 +71,42 @@ for b in packed_dp distca; do
   stage "e2e_4gpu_pretrain_128k_$b" 200 python3 -m experiments.e2e_bench --backends $b --workloads pretrain --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_pretrain_128k_$b"
 done
 stage e2e_4gpu_pretrain_128k_distca_oneshot 200 env XLA_FLAGS="$ONESHOT" python3 -m experiments.e2e_bench --backends distca --workloads pretrain --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_pretrain_128k_distca_oneshot"
+;;& four-r1)
+# The device-initiated exchange ('remote'): GPU tests, the exchange alone against 'dense' and a
+# raw all-to-all, then Pretrain 64K with packed_dp, distca ('auto') and distca over 'remote'.
+stage gpu_tests_remote 150 env JAX_PLATFORMS=cuda python3 -m pytest -q -x tests/test_remote_exchange.py
+stage exchange_bench_remote 170 python3 -m experiments.exchange_bench --workloads pretrain --tokens 131072 --batches 2 --iters 10 --collectives remote,dense --out "$OUT/exchange_bench_remote"
+stage e2e_4gpu_pretrain_64k_remote 250 python3 -m experiments.e2e_bench --backends packed_dp,distca --variant remote@distca:attention.distca.collective=remote --workloads pretrain --tokens 65536 --layers 2 --steps 10 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_pretrain_64k_remote"
+;;& four-r2)
+# The 'remote' kernel's grid (CTAs x chunk lines) on one real plan, then Pretrain 128K with the
+# defaults ('auto' = remote, memory_mode 'auto'), each backend in its own process.
+stage exchange_bench_grid 170 python3 -m experiments.exchange_bench --workloads pretrain --tokens 131072 --batches 1 --iters 10 --collectives remote,dense --remote-grids 132x64,264x128,264x64,396x64 --out "$OUT/exchange_bench_grid"
+for b in packed_dp distca; do
+  stage "e2e_4gpu_pretrain_128k_$b" 200 python3 -m experiments.e2e_bench --backends $b --workloads pretrain --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_pretrain_128k_$b"
+done
+;;& four-r3)
+# The 'remote' kernel with SMEM slots (tests, grid sweep), Pretrain 128K distca in 'resend', and
+# ProLong 64K packed_dp vs distca ('auto' = remote).
+stage gpu_tests_remote 120 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_remote_exchange.py
+stage exchange_bench_grid 150 python3 -m experiments.exchange_bench --workloads pretrain --tokens 131072 --batches 1 --iters 10 --caps-from-batches 4 --collectives remote,dense --remote-grids 132x128x1,132x64,264x64,264x128,132x256 --out "$OUT/exchange_bench_grid"
+stage e2e_4gpu_pretrain_128k_distca_resend 150 python3 -m experiments.e2e_bench --backends distca --workloads pretrain --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --extra attention.distca.memory_mode=resend --out "$OUT/e2e_4gpu_pretrain_128k_distca_resend"
+stage e2e_4gpu_prolong_64k 180 python3 -m experiments.e2e_bench --backends packed_dp,distca --workloads prolong --tokens 65536 --layers 2 --steps 10 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_prolong_64k"
+;;& four-r4)
+# The 'remote' kernel's grid on one real plan (random rows made on the devices), then Pretrain
+# 128K with the defaults (memory_mode 'auto' keeps a spare) against packed_dp, each in its own
+# process, and ProLong 128K.
+stage exchange_bench_grid 120 python3 -m experiments.exchange_bench --workloads pretrain --tokens 131072 --batches 1 --iters 10 --caps-from-batches 4 --collectives remote,dense --remote-grids 132x128x1,132x64,264x64,264x128 --out "$OUT/exchange_bench_grid"
+for b in packed_dp distca; do
+  stage "e2e_4gpu_pretrain_128k_$b" 140 python3 -m experiments.e2e_bench --backends $b --workloads pretrain --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_pretrain_128k_$b"
+done
+stage e2e_4gpu_prolong_128k 150 python3 -m experiments.e2e_bench --backends packed_dp,distca --workloads prolong --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_prolong_128k"
+;;& four-r5)
+# Pretrain 128K with CUDA's stream-ordered allocator (XLA's BFC allocator needs the step's
+# temporaries as one contiguous block; buffers made during a step split it): distca then
+# packed_dp, each in its own process.
+for b in distca packed_dp; do
+  stage "e2e_4gpu_pretrain_128k_async_$b" 120 env TF_GPU_ALLOCATOR=cuda_malloc_async python3 -m experiments.e2e_bench --backends $b --workloads pretrain --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_pretrain_128k_async_$b"
+done
 ;;& four-b)
 for b in packed_dp distca; do
   stage "e2e_4gpu_prolong_128k_$b" 200 env XLA_FLAGS="${FOUR_XLA_FLAGS:-}" python3 -m experiments.e2e_bench --backends $b --workloads prolong --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_prolong_128k_$b"

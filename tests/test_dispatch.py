@@ -707,10 +707,12 @@ def test_exchange_options_reach_dispatch_and_bad_values_name_the_fix(monkeypatch
     backend.fn(q, q, q, layout, softmax_scale=1.0)
   assert seen["options"].exchange == dataplane.ExchangeOptions(collective="dense",
                                                                signal_only=True)
-  # 'auto' (the default): the dense exchange on GPUs (measured fastest), the ring elsewhere.
+  # 'auto' (the default): device-initiated copies on the GPUs of one process, the dense exchange
+  # on those of several (measured fastest), the ring elsewhere.
   assert dataplane.ExchangeOptions().collective == "auto"
   assert distca_backend.Options.from_config(_tiny_config("distca", 8, 1, 0)).collective == "auto"
-  assert dataplane.resolve_collective("auto", "gpu") == "dense"
+  assert dataplane.resolve_collective("auto", "gpu", one_process=True) == "remote"
+  assert dataplane.resolve_collective("auto", "gpu", one_process=False) == "dense"
   assert dataplane.resolve_collective("auto", "cpu") == "ring"
   assert dataplane.resolve_collective("auto") == "ring"  # the tests' platform
   assert dataplane.resolve_collective("dense", "gpu") == "dense"

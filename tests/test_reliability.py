@@ -540,8 +540,9 @@ def test_memory_preflight_stops_before_the_first_step(tmp_path):
 @pytest.mark.slow
 def test_auto_memory_mode_runs_resend_when_keep_does_not_fit(tmp_path):
   """distca's default memory_mode 'auto': with a capacity between the 'resend' and the 'keep'
-  step's needs, the pre-flight compiles both and trains with 'resend' (same loss and gradient
-  norm as 'keep'); below both it stops with the 'resend' step's need; 'keep' alone stops."""
+  step's needs, or one that 'keep' fits without its spare, the pre-flight compiles both and
+  trains with 'resend' (same loss and gradient norm as 'keep'); below both it stops with the
+  'resend' step's need; 'keep' alone stops."""
   import dataclasses
   c = small_config("attention.backend=distca", "mesh.data=4", "num_steps=2",
                    "optim.warmup_steps=0", "checkpoint_every=0")
@@ -567,6 +568,12 @@ def test_auto_memory_mode_runs_resend_when_keep_does_not_fit(tmp_path):
                                                  log=lines.append)
   assert need == resend_need and auto_run.model is not run.model
   assert len(lines) == 1 and "running 'resend'" in lines[0], lines
+  # 'keep' fits with nothing to spare: 'resend' runs (a step's temporaries are one block).
+  lines.clear()
+  _, _, need, tight_run = trainer.preflight(c, run, state, batch, capacity=keep_need,
+                                            log=lines.append)
+  assert need == resend_need and tight_run.model is not run.model, (need, resend_need)
+  assert len(lines) == 1 and "less than 4% of" in lines[0] and "running 'resend'" in lines[0]
   device_batch = trainer.device_batch(batch, run.mesh)
   host = jax.device_get(state)  # each step donates the state it is given
   with trainer.mesh_context(run.mesh):

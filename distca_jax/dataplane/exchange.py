@@ -21,6 +21,10 @@ No buffer depends on the number of servers: each holds a capped total of rows pe
 the per-peer offsets and counts are the metadata's routes (``[6, S]`` int32 per part).
 
 Implementations (``collective=``), one contract (``ragged_exchange``):
+  'remote'  device-initiated copies (``custom_ops/remote_exchange.py``, a Pallas Mosaic GPU
+            kernel): each device writes its groups straight into the servers' receive buffers.
+            The wire carries exactly the routed rows; the routes are read on the device. Hopper
+            GPUs, one process driving every GPU of the host.
   'ragged'  ``lax.ragged_all_to_all`` into the receive buffer (GPU; XLA:CPU does not implement
             it). The wire carries exactly the routed rows.
   'ring'    ``S - 1`` rounds of one ``lax.ppermute`` (device i to i + 1) inside a loop: each
@@ -32,9 +36,10 @@ Implementations (``collective=``), one contract (``ragged_exchange``):
             holds the largest group any device sends (a ``lax.switch``; a batch that moves
             nothing skips the all-to-all). Runs everywhere; its buffers and wire grow with
             ``S``.
-'auto' is 'dense' on GPU (measured fastest at 4 servers, ``resolve_collective``) and 'ring'
-elsewhere. The backward of the exchange is the exchange of
-the cotangents with the routes reversed (a custom VJP shared by every implementation).
+'auto' is 'remote' on the GPUs of a one-process job, 'dense' on those of a multi-process job
+(``resolve_collective``: measured fastest at 4 servers) and 'ring' elsewhere. The backward of
+the exchange is the exchange of the cotangents with the routes reversed (a custom VJP shared by
+every implementation).
 
 Signal-only (``signal_only=True``; benchmarks only, results are WRONG by design): every group
 carries at most one row (the rest of the receive buffer stays zero), so gathers, kernel and
@@ -59,7 +64,7 @@ from distca_jax.plan.metadata import reverse_routes
 from distca_jax.plan.spec import PlanSpec
 
 # How rows cross the wire (module docstring, "Implementations").
-COLLECTIVES = ("auto", "ragged", "ring", "dense")
+COLLECTIVES = ("auto", "remote", "ragged", "ring", "dense")
 # The dense exchange's block sizes per batch (``dense_block_rows``).
 DEFAULT_EXCHANGE_BUCKETS = 8
 
@@ -69,7 +74,7 @@ class ExchangeOptions:
   """How rows cross the wire (hashable: part of the step's static arguments).
 
   Attributes:
-    collective: 'auto' (``resolve_collective``), 'ragged', 'ring' or 'dense'.
+    collective: 'auto' (``resolve_collective``), 'remote', 'ragged', 'ring' or 'dense'.
     buckets: the dense exchange's block sizes per batch (``dense_block_rows``); 1 = always the
       largest.
     signal_only: benchmarks only: every group carries at most one row, shapes unchanged,
@@ -95,21 +100,26 @@ class ExchangeOptions:
     object.__setattr__(self, "signal_only", bool(self.signal_only))
 
 
-def resolve_collective(collective: str, platform: str | None = None) -> str:
-  """'auto' -> 'dense' on GPU (``platform`` or JAX's default backend), 'ring' elsewhere; others
-  pass through, checked.
+def resolve_collective(collective: str, platform: str | None = None,
+                       one_process: bool | None = None) -> str:
+  """'auto' -> 'remote' on GPUs driven by one process (``platform`` or JAX's default backend;
+  ``one_process`` or ``jax.process_count() == 1``), 'dense' on GPUs of a multi-process job,
+  'ring' elsewhere; the others pass through, checked.
 
-  On 4 H100s of one host, real Pretrain 128K plans: 'dense' moved the busiest device's rows in
-  8.6 / 12.5 ms (Q / K and V), XLA's ragged all-to-all in 78 / 180 ms (its default path stops
-  on the host every call; the one-shot kernel flag changed nothing), a raw all-to-all of the
-  same bytes 0.9 / 2.0 ms (results/four/README.md). 'dense' wins on GPUs until a ragged
-  path that keeps the wire busy exists; its buffers grow with the number of servers.
+  On 4 H100s of one host, real Pretrain 128K plans (results/four/README.md): 'remote' moved the
+  busiest device's rows at 69-79% of a raw all-to-all's bandwidth on the same bytes, 'dense' at
+  23-27% (its blocks are padded), XLA's ragged all-to-all at 1-2% (its default path stops on
+  the host every call). 'remote' needs the peer addresses XLA shares between the devices of
+  one process, so a multi-process job uses 'dense'.
   """
   if collective not in COLLECTIVES:
     raise ValueError(f"distca collective={collective!r}; choose one of {COLLECTIVES}")
   if collective == "auto":
     platform = platform or jax.default_backend()
-    return "dense" if platform in ("gpu", "cuda", "rocm") else "ring"
+    if platform not in ("gpu", "cuda", "rocm"):
+      return "ring"
+    one_process = jax.process_count() == 1 if one_process is None else one_process
+    return "remote" if one_process and platform != "rocm" else "dense"
   return collective
 
 
@@ -222,6 +232,9 @@ def ragged_exchange(x, routes, recv_rows: int, axis, collective: str,
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _exchange(x, routes, recv_rows: int, axis, collective: str, buckets: int):
   out = jnp.zeros((recv_rows,) + x.shape[1:], x.dtype)
+  if collective == "remote":
+    from custom_ops.remote_exchange import remote_exchange  # pylint: disable=import-outside-toplevel
+    return remote_exchange(x, routes, recv_rows, axis)  # loads Mosaic GPU: only when used
   if collective == "ragged":
     return _ragged(x, out, routes, axis)
   if collective == "ring":

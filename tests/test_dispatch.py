@@ -716,6 +716,10 @@ def test_exchange_options_reach_dispatch_and_bad_values_name_the_fix(monkeypatch
   assert dataplane.resolve_collective("auto", "cpu") == "ring"
   assert dataplane.resolve_collective("auto") == "ring"  # the tests' platform
   assert dataplane.resolve_collective("dense", "gpu") == "dense"
+  with pytest.raises(ValueError, match=r"collective='remote'.*'cpu' platform.*collective='auto'"):
+    dataplane.resolve_collective("remote", "cpu")
+  with pytest.raises(ValueError, match=r"collective='remote'.*processes.*collective='auto'"):
+    dataplane.resolve_collective("remote", "gpu", one_process=False)
 
 
 @pytest.mark.slow

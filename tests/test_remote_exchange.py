@@ -129,9 +129,12 @@ def test_remote_exchange_over_two_axes_on_gpus(seed):
 
 
 @pytest.mark.skipif(ON_GPU, reason="cross-lowering on 8 fake CPU devices")
-def test_dispatch_with_remote_lowers_for_cuda():
+def test_dispatch_with_remote_lowers_for_cuda(monkeypatch):
   """The whole data plane (forward and VJP) with collective 'remote' on a (data 4, tensor 2)
   mesh: the kernel runs over the data axis inside the map over both axes."""
+  # Lowered for CUDA from CPU: the collective's platform check must see the target platform.
+  from distca_jax.dataplane import exchange  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(exchange.jax, "default_backend", lambda: "gpu")
   s, t, h, kh, d = 4, 128, 4, 2, 128
   cap = plan_lib.Capacity(q_send=t, kv_send=s * t, q_recv=2 * t, kv_recv=s * t,
                           q_tokens=3 * t // 2, kv_tokens=2 * s * t, tasks=48)

@@ -114,12 +114,17 @@ def resolve_collective(collective: str, platform: str | None = None,
   """
   if collective not in COLLECTIVES:
     raise ValueError(f"distca collective={collective!r}; choose one of {COLLECTIVES}")
+  platform = platform or jax.default_backend()
+  gpu = platform in ("gpu", "cuda")
+  one_process = jax.process_count() == 1 if one_process is None else one_process
   if collective == "auto":
-    platform = platform or jax.default_backend()
     if platform not in ("gpu", "cuda", "rocm"):
       return "ring"
-    one_process = jax.process_count() == 1 if one_process is None else one_process
-    return "remote" if one_process and platform != "rocm" else "dense"
+    return "remote" if one_process and gpu else "dense"
+  if collective == "remote" and not (gpu and one_process):
+    where = (f"{jax.process_count()} processes" if gpu else f"the {platform!r} platform")
+    raise ValueError(f"distca collective='remote' needs one process driving NVIDIA GPUs, not "
+                     f"{where}: set attention.distca.collective='auto' (picks 'dense' or 'ring')")
   return collective
 
 

@@ -3,7 +3,9 @@
 # on a 2-GPU H200 host (run from the repository root):
 #   bash experiments/gpu_suite.sh OUTDIR                 # every stage
 #   SUITE=one bash experiments/gpu_suite.sh OUTDIR       # one group: one | two | derived | tests
-#   SUITE=four-a bash experiments/gpu_suite.sh OUTDIR    # 4-GPU host: four-a | four-r1 | four-b | four-4d
+#   SUITE=four-a bash experiments/gpu_suite.sh OUTDIR    # 4-GPU host: four-a | four-r1..r5 |
+#                                                         # four-b | four-4d; not yet run:
+#                                                         # four-n1 | four-n3 | four-n4
 #                                                         # (not in 'all')
 # 'one': single-GPU tables (CUDA_VISIBLE_DEVICES=0); 'two': the 2-GPU tables; 'derived': tables
 # computed from the e2e JSONs of 'two' (plot, per-batch bound); 'tests': the GPU-only tests.
@@ -107,6 +109,36 @@ stage e2e_4gpu_prolong_128k 150 python3 -m experiments.e2e_bench --backends pack
 for b in distca packed_dp; do
   stage "e2e_4gpu_pretrain_128k_async_$b" 120 env TF_GPU_ALLOCATOR=cuda_malloc_async python3 -m experiments.e2e_bench --backends $b --workloads pretrain --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_pretrain_128k_async_$b"
 done
+;;& four-n1)
+# Not yet run (each group sized for one call of <= 10 minutes on a 4-GPU host): ProLong 128K
+# with the launcher's defaults, each backend in its own process; ping-pong vs single stream.
+for b in packed_dp distca; do
+  stage "e2e_4gpu_prolong_128k_$b" 140 python3 -m experiments.e2e_bench --backends $b --workloads prolong --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_prolong_128k_$b"
+done
+stage e2e_4gpu_pingpong 280 python3 -m experiments.e2e_bench --backends packed_dp,distca --nano-batches 1,2 --workloads pretrain,prolong --tokens 65536 --rows-per-rank 2 --layers 2 --steps 6 --warmup 2 --out "$OUT/e2e_4gpu_pingpong"
+;;& four-n3)
+# Multi-process on one host: 1 x 4, 4 x 1 and 2 x 2 processes x GPUs train the same 10 steps
+# (losses compared from metrics.jsonl), then a peer's death under NCCL.
+T="python3 -m distca_jax.train --config configs/gpu_bench.py --config.model.n_layers=2 --config.tokens_per_rank=32768 --config.num_steps=10 --config.optim.warmup_steps=2 --config.log_every=1 --config.checkpoint_every=0"
+mp() {  # mp NAME PROCS GPUS_PER_PROC
+  local n=$2 g=$3 i
+  for ((i = 0; i < n; i++)); do
+    CUDA_VISIBLE_DEVICES=$(seq -s, $((i * g)) $((i * g + g - 1))) $T --workdir "$OUT/mp_$1" \
+      --coordinator_address=127.0.0.1:12355 --num_processes=$n --process_id=$i > "$OUT/mp_$1_$i.log" 2>&1 &
+  done
+  wait
+}
+stage mp_1x4 150 $T --workdir "$OUT/mp_1x4"
+stage mp_4x1 150 bash -c "$(declare -f mp); T='$T' OUT='$OUT'; mp 4x1 4 1"
+stage mp_2x2 150 bash -c "$(declare -f mp); T='$T' OUT='$OUT'; mp 2x2 2 2"
+stage mp_losses 30 python3 -c "
+import json,sys
+l={k:[json.loads(x)['loss'] for x in open(f'$OUT/mp_{k}/metrics.jsonl') if 'loss' in x] for k in ('1x4','4x1','2x2')}
+print(json.dumps(l)); r=max(abs(a-b)/abs(a) for k in ('4x1','2x2') for a,b in zip(l['1x4'],l[k])); print('max relative difference', r)"
+stage peer_death_4gpu 200 python3 -m experiments.peer_death --procs 4 --gpu --victims 1 0 --config configs/gpu_bench.py --out "$OUT/peer_death_4gpu" -- --heartbeat_timeout_s=20 --config.model.n_layers=2
+;;& four-n4)
+# The whole Llama-3-8B with FSDP (configs/llama3_8b_4gpu.py): distca and packed_dp, 20 steps.
+stage e2e_8b_fsdp 560 python3 -m experiments.e2e_bench --config configs/llama3_8b_4gpu.py --backends distca,packed_dp --workloads pretrain --tokens 49152 --layers 32 --steps 20 --warmup 2 --plan-stats --out "$OUT/e2e_8b_fsdp"
 ;;& four-b)
 for b in packed_dp distca; do
   stage "e2e_4gpu_prolong_128k_$b" 200 env XLA_FLAGS="${FOUR_XLA_FLAGS:-}" python3 -m experiments.e2e_bench --backends $b --workloads prolong --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_prolong_128k_$b"

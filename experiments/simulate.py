@@ -224,8 +224,12 @@ def format_validation(v) -> str:
         c["kind"], lambda x: f"{x * 1e3:.2f}")
     lines.append(f"| {c['kind']} | {c['role']} | {c['name']} | {f(c['predicted_s'])} | "
                  f"{f(c['measured_s'])} | {100 * c['error']:+.1f}% | {c.get('note', '')} |")
+  held = [c for c in v["cases"] if c["role"] == "held-out"]
   lines.append(f"\nmax |error| {100 * v['max_abs_error']:.1f}%; within 10%: {v['within_10pct']} "
-               f"of {len(v['cases'])} cases")
+               f"of {len(v['cases'])} cases; held-out: max |error| "
+               f"{100 * v['max_abs_error_held_out']:.1f}%, {sum(c['within_10pct'] for c in held)} "
+               f"of {len(held)} within 10%; {v['four_gpu_current_cases']} held-out cases of the "
+               "current code on 4 GPUs")
   return "\n".join(lines)
 
 
@@ -470,7 +474,8 @@ def main(argv=None):
       with open(a.json, "w") as f:
         json.dump(v, f, indent=1)
       cals = "\n".join(f"- era `{k}`: " + ", ".join(f"{f} {c[f]:.4g}" for f in (
-          "matmul_tflops", "attention_scale", "step_fixed_s", "a2a_latency_s", "intra_node_bw"))
+          "matmul_tflops", "attention_scale", "step_fixed_s", "a2a_latency_s", "intra_node_bw",
+          "remote_latency_s", "remote_bw", "dense_latency_s", "dense_bw"))
                        for k, c in v["calibrations"].items())
       with open(os.path.splitext(a.json)[0] + ".md", "w") as f:
         f.write(f"# Simulator validation: predicted vs measured\n\n- command: `{v['command']}`\n"

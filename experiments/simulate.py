@@ -63,8 +63,13 @@ def parse_args(argv=None):
   p.add_argument("--pipe", type=int, default=None, help="pipeline stages (default: picked)")
   p.add_argument("--micro-batches", type=int, default=None,
                  help="micro-batches per step (default: 1, or 2 x pipe under a pipeline)")
-  p.add_argument("--collective", default="dense", choices=step.SIM_COLLECTIVES,
-                 help="distca's exchange as built: 'dense' (the GPU default) or 'ragged'")
+  p.add_argument("--collective", default="auto", choices=step.SIM_COLLECTIVES,
+                 help="distca's exchange as built: 'auto' (the system's default: 'remote' for a "
+                 "job within one node, one process; 'dense' across nodes, several processes), "
+                 "'remote', 'dense' or 'ragged'")
+  p.add_argument("--memory-mode", default="auto", choices=step.SIM_MEMORY_MODES,
+                 help="distca's memory mode: 'auto' as the trainer's pre-flight ('keep' with 4%% "
+                 "of the device spare, else 'resend'), 'keep' or 'resend'")
   p.add_argument("--batches", type=int, default=3, help="sampled batches averaged")
   p.add_argument("--tolerance", type=float, default=None, help="CAD epsilon (default: config's)")
   p.add_argument("--nano-batches", type=int, default=2, help="2: CAD with ping-pong")
@@ -91,7 +96,8 @@ def options(a, **kw) -> step.Options:
   from distca_jax import config as config_lib  # pylint: disable=import-outside-toplevel
   ca = config_lib.base_config().attention.distca
   o = step.Options(tolerance=ca.tolerance, min_gain=ca.min_gain, nano_batches=a.nano_batches,
-                   collective=a.collective, exchange_buckets=ca.exchange_buckets,
+                   collective=a.collective, memory_mode=a.memory_mode,
+                   exchange_buckets=ca.exchange_buckets,
                    caps_headroom=ca.caps_headroom, cp_overlap=not a.no_cp_overlap, remat=a.remat)
   if a.tolerance is not None:
     o = dataclasses.replace(o, tolerance=a.tolerance)
@@ -118,9 +124,10 @@ def run_config(model, workload, gpus, tokens, layout_kw, a, cal, km, context=0,
                                                   wlb_padded=True))["wlb"]
   sim_s = time.perf_counter() - t0
   dist = res["distca"]["step_s"]
-  # The exchange's exposed seconds of a step: the same on every device (dense) per tick, so the
-  # step without them is the step less their sum over the ticks.
+  # The exchange's exposed seconds of a step: the same on every device per tick (every device
+  # waits for the busiest), so the step without them is the step less their sum over the ticks.
   d = res["distca"]
+  remote = d.get("priced_as_remote", d)
   ticks = layout.ticks if d["pooled_ticks"] else layout.micro_batches
   exposed = float(np.max(d["per_rank_s"]["exchange_exposed"])) * ticks
   return {"model": model, "workload": workload, "gpus": gpus, "tokens": tokens,
@@ -129,6 +136,8 @@ def run_config(model, workload, gpus, tokens, layout_kw, a, cal, km, context=0,
           "speedup_vs_packed_dp": res["packed_dp"]["step_s"] / dist,
           "speedup_vs_wlb_ideal": res["wlb"]["step_s"] / dist,
           "speedup_vs_cp": res["cp"]["step_s"] / dist,
+          "distca_collective": d["collective"], "distca_memory_mode": d["memory_mode"],
+          "speedup_vs_wlb_ideal_if_remote": res["wlb"]["step_s"] / remote["step_s"],
           "distca_exchange_exposed_s": exposed,
           "speedup_vs_wlb_ideal_exchange_free": res["wlb"]["step_s"] / (dist - exposed),
           "fits_every_strategy": all(x["fits_memory"] for x in res.values()),
@@ -192,6 +201,15 @@ def format_config(r) -> str:
                f"{r['speedup_vs_cp']:.3f}x cp "
                f"(simulated in {r['simulation_s']:.1f} s); balance bound "
                f"{r['strategies']['packed_dp']['balance_bound_s']:.3f} s")
+  d = r["strategies"]["distca"]
+  line = (f"distca exchange '{d['collective']}' (asked '{d['collective_asked']}'), memory mode "
+          f"'{d['memory_mode']}', {d['wire_bytes_per_layer_mb']:.0f} MB per layer on the wire")
+  if "priced_as_remote" in d:
+    alt = d["priced_as_remote"]
+    line += (f"; the same plans priced with 'remote' (one process only: not built across "
+             f"nodes): {alt['step_s']:.3f} s, {r['speedup_vs_wlb_ideal_if_remote']:.3f}x "
+             f"WLB-ideal, {alt['memory_gb']:.1f} GB")
+  lines.append(line)
   return "\n".join(lines)
 
 
@@ -206,8 +224,12 @@ def format_validation(v) -> str:
         c["kind"], lambda x: f"{x * 1e3:.2f}")
     lines.append(f"| {c['kind']} | {c['role']} | {c['name']} | {f(c['predicted_s'])} | "
                  f"{f(c['measured_s'])} | {100 * c['error']:+.1f}% | {c.get('note', '')} |")
+  held = [c for c in v["cases"] if c["role"] == "held-out"]
   lines.append(f"\nmax |error| {100 * v['max_abs_error']:.1f}%; within 10%: {v['within_10pct']} "
-               f"of {len(v['cases'])} cases")
+               f"of {len(v['cases'])} cases; held-out: max |error| "
+               f"{100 * v['max_abs_error_held_out']:.1f}%, {sum(c['within_10pct'] for c in held)} "
+               f"of {len(held)} within 10%; {v['four_gpu_current_cases']} held-out cases of the "
+               "current code on 4 GPUs")
   return "\n".join(lines)
 
 
@@ -290,15 +312,28 @@ def write_paper(a, blob, cal, km_small: float) -> None:
        "rows, K/V traffic hidden behind attention (ring), as the paper's baseline; 'as "
        "implemented here': the same search with this project's wlb backend (K/V all-gather "
        "exposed, rows padded to alpha T); cp: the CP size fastest on those other batches",
-       f"- distca: the '{a.collective}' exchange as built (wire bytes of the data plane's own "
-       "block choice, `dataplane.dense_wire_rows`, caps sized on the sampled plans x "
-       "caps_headroom), its seconds from the 4 x H100 exchange measurements "
-       f"(results/four/raw/; {cal.dense_latency_s * 1e3:.2f} ms + wire bytes / "
-       f"{cal.dense_bw / 1e9:.0f} GB/s per exchange, across nodes scaled by inter / intra "
-       f"bandwidth), {100 * cal.exchange_hidden:.0f}% of it hidden (no overlap measured on "
-       "GPUs); memory per layer as compiled (server buffers kept per layer, one layer's "
-       "exchange buffers, the dense blocks growing with S, FlashAttention-3's backward "
-       f"workspace); tolerance {options(a).tolerance}, gate (min_gain) {options(a).min_gain}",
+       f"- distca: collective '{a.collective}' as the system resolves it, here "
+       f"{'/'.join(sorted({r['distca_collective'] for r in blob['rows']}))}: a job within one "
+       f"node ({cal.gpus_per_node} GPUs) is one process and runs 'remote', a job across nodes "
+       "runs several processes and so 'dense' (the device-initiated 'remote' exchange needs the "
+       "peer addresses XLA shares only between the devices of one process; no multi-process "
+       "one is built). 'dense': wire bytes "
+       "of the data plane's own block choice (`dataplane.dense_wire_rows`, caps sized on the "
+       "sampled plans x caps_headroom), "
+       f"{cal.dense_latency_s * 1e3:.2f} ms + wire bytes / {cal.dense_bw / 1e9:.0f} GB/s per "
+       "exchange (4 x H100 exchange bench, results/four/raw/), its memory with the S send and "
+       "S receive blocks that grow with S. Beside it, 'distca if remote': the same plans "
+       "priced with 'remote' (wire = the busiest device's useful bytes, each row once, "
+       f"{cal.remote_latency_s * 1e3:.2f} ms + bytes / {cal.remote_bw / 1e9:.0f} GB/s per "
+       "exchange, fitted on results/four/raw/exchange_bench_grid.json; buffers of the capped "
+       "totals only): what a multi-process device-initiated exchange would give. Across nodes "
+       "both rates are scaled by inter / intra bandwidth; "
+       f"{100 * cal.exchange_hidden:.0f}% of the exchange hidden (no overlap measured on "
+       "GPUs); memory per layer as compiled (server buffers kept per layer in 'keep', the "
+       "kernel's outputs only in 'resend', one layer's exchange buffers, FlashAttention-3's "
+       f"backward workspace); memory mode '{a.memory_mode}' (the pre-flight's rule: 'keep' "
+       "with 4% of the GPU spare, else 'resend', whose backward sends Q and K/V once more); "
+       f"tolerance {options(a).tolerance}, gate (min_gain) {options(a).min_gain}",
        "- 4D: the GPipe scan the system runs (M + S - 1 ticks in lockstep, every tick's "
        "activations kept), distca planned once per tick over every stage's rows (pipe x data "
        "servers, bubble slots serve the others); LM head after the pipeline over pipe x data",
@@ -312,8 +347,9 @@ def write_paper(a, blob, cal, km_small: float) -> None:
           "packed_dp s | cp s | WLB-ideal s (dp x cp, alpha) | distca s | bound s | "
           "of bound (p/c/w/d) | distca / WLB-ideal | "
           "distca / WLB-ideal as implemented here | distca / packed_dp | "
+          "distca if remote / WLB-ideal | distca memory mode | "
           "paper range vs WLB-ideal | fits (p/c/w/d) |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sub:
       s = r["strategies"]
       lay = r["layout"]
@@ -330,6 +366,7 @@ def write_paper(a, blob, cal, km_small: float) -> None:
                f"**{r['speedup_vs_wlb_ideal']:.3f}** | "
                f"{r['speedup_vs_wlb_ideal_as_implemented']:.3f} | "
                f"{r['speedup_vs_packed_dp']:.3f} | "
+               f"{r['speedup_vs_wlb_ideal_if_remote']:.3f} | {r['distca_memory_mode']} | "
                f"{lo:.2f}-{hi:.2f} | {fits} |")
     for wl in ("pretrain", "prolong"):
       w = [r["speedup_vs_wlb_ideal"] for r in sub if r["workload"] == wl]
@@ -337,12 +374,14 @@ def write_paper(a, blob, cal, km_small: float) -> None:
       p = [r["speedup_vs_packed_dp"] for r in sub if r["workload"] == wl]
       lo, hi = PAPER_RANGES[(dim_name, wl)]
       free = [r["speedup_vs_wlb_ideal_exchange_free"] for r in sub if r["workload"] == wl]
+      rem = [r["speedup_vs_wlb_ideal_if_remote"] for r in sub if r["workload"] == wl]
       share = [r["distca_exchange_exposed_s"] / r["strategies"]["distca"]["step_s"]
                for r in sub if r["workload"] == wl]
       L.append(f"\n{dim_name.upper()} {wl}: distca over WLB-ideal {_range(w)}x (paper "
                f"{lo:.2f}-{hi:.2f}x; {_range(we)}x over WLB-ideal as implemented here), over "
                f"packed_dp {_range(p)}x; its exchange is {_range(share)} of its step, and "
-               f"without it distca would run {_range(free)}x WLB-ideal.")
+               f"without it distca would run {_range(free)}x WLB-ideal; priced with 'remote' "
+               f"(not built across nodes) {_range(rem)}x WLB-ideal.")
     L.append("")
   L += ["## Epsilon sweep (Llama-3-8B, 64 GPUs, TP 4, Pretrain 128K; paper Fig. 12)\n",
         "| tolerance | distca step s | MB per layer per rank (fwd) | exchange s (all layers) | "
@@ -435,7 +474,8 @@ def main(argv=None):
       with open(a.json, "w") as f:
         json.dump(v, f, indent=1)
       cals = "\n".join(f"- era `{k}`: " + ", ".join(f"{f} {c[f]:.4g}" for f in (
-          "matmul_tflops", "attention_scale", "step_fixed_s", "a2a_latency_s", "intra_node_bw"))
+          "matmul_tflops", "attention_scale", "step_fixed_s", "a2a_latency_s", "intra_node_bw",
+          "remote_latency_s", "remote_bw", "dense_latency_s", "dense_bw"))
                        for k, c in v["calibrations"].items())
       with open(os.path.splitext(a.json)[0] + ".md", "w") as f:
         f.write(f"# Simulator validation: predicted vs measured\n\n- command: `{v['command']}`\n"

@@ -428,3 +428,84 @@ def test_e2e_bench_wlb_choice_never_sees_trained_batches(monkeypatch):
   c2 = configs_io.load_config(os.path.join(root, "configs", "tiny_cpu.py"), fixed)
   w2 = e2e_bench.wlb_config(c2, fixed)
   assert w2["cp_size"] == 2 and "cp_size given" in w2["how"]
+
+
+def _four_gpu_distca(collective="auto", memory_mode="keep", gpus=4, **cal_kw):
+  spec = costs.model_spec("llama3_8b", n_layers=2)
+  lay, t = step.Layout(gpus=gpus), 16384
+  batches = step.sample_batches("pretrain", t, lay, 1, seed=5)
+  opts = step.Options(collective=collective, memory_mode=memory_mode, nano_batches=1)
+  cal = _cal(**cal_kw)
+  res = step.simulate(batches, spec, lay, t, cal=cal, km=_flat_table(), opts=opts,
+                      strategies=("distca",))["distca"]
+  mr = step.run_distca(batches[0][0], t, spec, _flat_table(), opts)
+  return res, mr.plan, spec, cal
+
+
+def test_remote_exchange_is_priced_by_useful_bytes_at_its_measured_rate():
+  """One host: 'auto' is 'remote', whose wire is the busiest device's useful rows (each row
+  once) at ``remote_*``; priced as the dense exchange the same plan costs more."""
+  res, plan, spec, cal = _four_gpu_distca()
+  assert res["collective"] == "remote" and res["collective_asked"] == "auto"
+  assert "priced_as_remote" not in res
+  d = spec.dims
+  bq = d.q_heads * d.head_dim * d.dtype_bytes
+  q = np.maximum(plan.pair_q_rows.sum(0), plan.pair_q_rows.sum(1))
+  kv = np.maximum(plan.pair_kv_rows.sum(0), plan.pair_kv_rows.sum(1))
+  useful = 4 * q * bq + 2 * kv * d.kv_row_bytes  # Q, O, dO, dQ; K/V, dK/dV
+  assert useful.max() > 0, "the sampled plan moves no rows"
+  want = d.n_layers * (6 * cal.remote_latency_s + useful.max() / cal.remote_bw)
+  np.testing.assert_allclose(res["per_rank_s"]["exchange"], want, rtol=1e-9)
+  assert res["wire_bytes_per_layer_mb"] == pytest.approx(useful.max() / 1e6)
+  dense, *_ = _four_gpu_distca("dense")
+  assert dense["collective"] == "dense"
+  assert dense["wire_bytes_per_layer_mb"] > res["wire_bytes_per_layer_mb"]
+  assert max(dense["per_rank_s"]["exchange"]) > max(res["per_rank_s"]["exchange"])
+  # Memory: the capped-total buffers only; 'dense' adds its S-sized blocks on top.
+  assert "dense_blocks" not in res["memory_gb"] and dense["memory_gb"]["dense_blocks"] > 0
+  assert dense["memory_gb"]["total"] == pytest.approx(
+      res["memory_gb"]["total"] + dense["memory_gb"]["dense_blocks"])
+
+
+def test_auto_collective_is_dense_across_nodes_and_says_what_remote_would_give():
+  cal = _cal()
+  assert step.resolve_collective("auto", step.Layout(gpus=cal.gpus_per_node), cal) == "remote"
+  assert step.resolve_collective("auto", step.Layout(gpus=2 * cal.gpus_per_node), cal) == "dense"
+  assert step.resolve_collective("ragged", step.Layout(gpus=4), cal) == "ragged"
+  with pytest.raises(ValueError, match="collective='ring'"):
+    step.resolve_collective("ring", step.Layout(gpus=4), cal)
+  # Across nodes (gpus_per_node 2 here, so 4 GPUs span two): 'dense', with the same plans
+  # priced as 'remote' beside it.
+  res, *_ = _four_gpu_distca(gpus_per_node=2)
+  assert res["collective"] == "dense"
+  alt = res["priced_as_remote"]
+  assert alt["step_s"] < res["step_s"] and alt["memory_gb"] < res["memory_gb"]["total"]
+
+
+def test_resend_keeps_less_and_sends_q_and_kv_once_more():
+  keep, plan, spec, cal = _four_gpu_distca(memory_mode="keep")
+  resend, *_ = _four_gpu_distca(memory_mode="resend")
+  assert resend["memory_mode"] == "resend"
+  assert resend["memory_gb"]["server_buffers_kept"] < keep["memory_gb"]["server_buffers_kept"]
+  assert step.exchange_counts("resend") == (5, 3) and step.exchange_counts("keep") == (4, 2)
+  assert resend["per_rank_s"]["exchange"][0] > keep["per_rank_s"]["exchange"][0]
+  # 'auto' is the pre-flight's rule: 'keep' with 4% of the device spare, else 'resend'.
+  from distca_jax.trainer import AUTO_KEEP_SPARE
+  need = keep["memory_gb"]["total"] * 1e9
+  roomy, *_ = _four_gpu_distca(memory_mode="auto", hbm_bytes=need / (1 - AUTO_KEEP_SPARE) * 1.001)
+  tight, *_ = _four_gpu_distca(memory_mode="auto", hbm_bytes=need / (1 - AUTO_KEEP_SPARE) * 0.999)
+  assert (roomy["memory_mode"], tight["memory_mode"]) == ("keep", "resend")
+  with pytest.raises(ValueError, match="memory_mode='lean'"):
+    step.Options(memory_mode="lean")
+
+
+def test_remote_rate_is_fitted_on_the_committed_exchange_bench():
+  rows = validate.remote_exchange_rows()
+  fit = [r for r in rows if r["role"] == "fit"]
+  assert len(fit) == 2 and len(rows) > len(fit)
+  cal = validate.exchange_calibration(costs.Calibration())
+  for r in fit:  # two sizes, two parameters: the line passes through both
+    assert cal.remote_latency_s + r["useful"] / cal.remote_bw == pytest.approx(r["remote_s"])
+  # The defaults in ``Calibration`` are this fit (rounded).
+  assert costs.Calibration().remote_bw == pytest.approx(cal.remote_bw, rel=0.01)
+  assert costs.Calibration().remote_latency_s == pytest.approx(cal.remote_latency_s, rel=0.01)

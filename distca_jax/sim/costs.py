@@ -129,11 +129,18 @@ class Calibration:
     act_bytes_per_token_fixed: per-token bytes outside the layers at E = 4096 (embedding,
       LM-head chunks, loss), fitted likewise.
     state_bytes_per_param: f32 parameters + Adam moments (12) + f32 gradients (4).
-    dense_latency_s, dense_bw: distca's dense exchange (``dataplane.exchange``, the GPU default):
+    remote_latency_s, remote_bw: distca's device-initiated exchange ('remote',
+      ``custom_ops/remote_exchange.py``; 'auto' on the GPUs of one process): seconds of one
+      exchange = latency + the busiest device's useful bytes (each row crosses the wire once) /
+      bw, fitted on the exchange alone on a real 4-server Pretrain 128K plan, 4 x H100 of one
+      host, default grid (results/four/raw/exchange_bench_grid.json: Q 228.6 MB in 1.304 ms,
+      K+V 651.0 MB in 2.530 ms; ``sim.validate.remote_exchange_rows``). The latency absorbs the
+      kernel's entry / exit barriers and the zeroing of unfilled receive rows.
+    dense_latency_s, dense_bw: distca's dense exchange ('auto' on multi-process GPU jobs):
       seconds of one exchange = latency + wire bytes per device (``S`` blocks) / bw, fitted on
       the exchange alone on real 4-server Pretrain 128K plans, 4 x H100 of one host
       (results/four/raw/exchange_bench.log and exb_oneshot.json; ``sim.validate``); across nodes
-      scaled by ``inter_node_bw / intra_node_bw``.
+      every exchange's bandwidth is scaled by ``inter_node_bw / intra_node_bw``.
     ragged_latency_s, ragged_bw: the same for XLA's ragged all-to-all on the busiest device's
       useful bytes (same measurements; its time follows host round trips more than bytes).
     exchange_hidden: fraction of distca's exchange hidden behind compute: 0, since no overlap
@@ -152,6 +159,8 @@ class Calibration:
   act_bytes_per_token_layer: float = 38e3
   act_bytes_per_token_fixed: float = 211e3
   state_bytes_per_param: float = 16.0
+  remote_latency_s: float = 6.4e-4
+  remote_bw: float = 344e9
   dense_latency_s: float = 8.1e-4
   dense_bw: float = 361e9
   ragged_latency_s: float = 0.044

@@ -11,11 +11,16 @@ fitted matmul rate, fitted collectives, stated inter-node bandwidth):
              part of the strategy's communication
   stage_r  = layers of the stage x layer_r (+ LM head)
 
-distca's exchange is priced as built (``dataplane.exchange``): 'dense' (the GPU default) puts
-``S`` blocks of the bucket ``dense_wire_rows`` picks on the wire per exchange (caps: the
-envelope of the sampled plans x ``caps_headroom``, as training samples them), 'ragged' the
-useful rows; seconds from the 4-GPU exchange measurements (``Calibration.dense_*``,
-``ragged_*``), with ``Calibration.exchange_hidden`` of them hidden (0: no overlap measured).
+distca's exchange is priced as built (``dataplane.exchange``), the collective resolved as the
+system resolves 'auto' (``resolve_collective``): 'remote' (device-initiated copies, one process
+driving every GPU: a job within one node) puts the busiest device's useful rows on the wire,
+each row once; 'dense' (multi-process jobs: every job that spans nodes) ``S`` blocks of the
+bucket ``dense_wire_rows`` picks per exchange (caps: the envelope of the sampled plans x
+``caps_headroom``, as training samples them); 'ragged' the useful rows. Seconds from the 4-GPU
+exchange measurements (``Calibration.remote_*``, ``dense_*``, ``ragged_*``), with
+``Calibration.exchange_hidden`` of them hidden (0: no overlap measured). The memory mode is
+resolved as the trainer's pre-flight resolves 'auto' ('keep' with ``AUTO_KEEP_SPARE`` of the
+device to spare, else 'resend', whose backward runs the Q and K/V exchanges once more).
 cp / wlb overlap their K/V all-gather with attention when ``cp_overlap`` (ring attention, the
 paper's WLB-ideal), else expose it (this project's backend).
 
@@ -50,10 +55,13 @@ from distca_jax.sim import costs
 
 STRATEGIES = ("packed_dp", "cp", "wlb", "distca")
 WLB_ALPHAS = (1.0, 1.1, 1.2, 1.5, 2.0)
-# distca's exchange implementations the simulator prices (``dataplane.exchange``).
-SIM_COLLECTIVES = ("dense", "ragged")
-# Exchanges of one layer, forward + backward: Q, O, dO, dQ move query rows; K/V and dK/dV
-# key/value rows (the backward of an exchange is the exchange of its cotangents reversed).
+# distca's exchange implementations the simulator prices (``dataplane.exchange``); 'auto' is
+# resolved per layout (``resolve_collective``).
+SIM_COLLECTIVES = ("auto", "remote", "dense", "ragged")
+# distca's memory modes (``attention.distca.memory_mode``); 'auto' as the trainer's pre-flight.
+SIM_MEMORY_MODES = ("auto", "keep", "resend")
+# Exchanges of one layer, forward + backward ('keep'): Q, O, dO, dQ move query rows; K/V and
+# dK/dV key/value rows (the backward of an exchange is the exchange of its cotangents reversed).
 Q_EXCHANGES, KV_EXCHANGES = 4, 2
 
 
@@ -106,7 +114,10 @@ class Options:
     min_gain: CAD's gate (0 = always balance).
     nano_batches: CAD's nano-batches (1 single stream, 2 ping-pong); the exchange's exposure is
       ``Calibration.exchange_hidden`` either way (no overlap has been measured on GPUs).
-    collective: distca's exchange ('dense', the GPU default, or 'ragged'; ``SIM_COLLECTIVES``).
+    collective: distca's exchange (``SIM_COLLECTIVES``): 'auto' (the system's default:
+      ``resolve_collective``), 'remote', 'dense' or 'ragged'.
+    memory_mode: distca's 'keep' / 'resend' / 'auto' (the pre-flight's choice:
+      ``resolve_distca``).
     exchange_buckets: the dense exchange's block sizes (``attention.distca.exchange_buckets``).
     caps_headroom: distca's caps over the sampled plans' envelope
       (``attention.distca.caps_headroom``).
@@ -122,7 +133,8 @@ class Options:
   tolerance: float = plan_lib.DEFAULT_TOLERANCE
   min_gain: float = 0.0
   nano_batches: int = 2
-  collective: str = "dense"
+  collective: str = "auto"
+  memory_mode: str = "auto"
   exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS
   caps_headroom: float = 1.1
   wlb_alphas: Sequence[float] = WLB_ALPHAS
@@ -136,6 +148,9 @@ class Options:
     if self.collective not in SIM_COLLECTIVES:
       raise ValueError(f"collective={self.collective!r} is not priced by the simulator; use one "
                        f"of {SIM_COLLECTIVES}")
+    if self.memory_mode not in SIM_MEMORY_MODES:
+      raise ValueError(f"memory_mode={self.memory_mode!r} is not modelled by the simulator; use "
+                       f"one of {SIM_MEMORY_MODES}")
     if not self.caps_headroom >= 1.0:
       raise ValueError(f"caps_headroom={self.caps_headroom!r} must be >= 1 (a margin over the "
                        "sampled plans' envelope)")
@@ -230,40 +245,67 @@ def distca_caps(plans: Sequence[plan_lib.Plan], tokens: int, headroom: float
   return plan_lib.Capacity(**rows, tasks=max(64, env.tasks))
 
 
+def resolve_collective(collective: str, layout: Layout, cal: costs.Calibration) -> str:
+  """The exchange a job of ``layout`` runs. 'auto' as ``dataplane.resolve_collective`` resolves
+  it on GPUs, with the launcher's one process per node: a job within one node
+  (``cal.gpus_per_node``) is one process, so 'remote'; a job across nodes is several processes,
+  so 'dense' ('remote' needs the peer addresses XLA shares only between the devices of one
+  process; no multi-process device-initiated exchange is built)."""
+  if collective not in SIM_COLLECTIVES:
+    raise ValueError(f"collective={collective!r} is not priced by the simulator; use one of "
+                     f"{SIM_COLLECTIVES}")
+  if collective != "auto":
+    return collective
+  return "remote" if layout.gpus <= cal.gpus_per_node else "dense"
+
+
+def exchange_counts(memory_mode: str) -> tuple[int, int]:
+  """(query, key/value) exchanges of one layer, forward + backward: 'resend' rebuilds the
+  servers' inputs in the backward by running the forward's Q and K/V exchanges once more."""
+  if memory_mode not in ("keep", "resend"):
+    raise ValueError(f"memory_mode={memory_mode!r} must be resolved to 'keep' or 'resend' "
+                     "(resolve_distca)")
+  extra = int(memory_mode == "resend")
+  return Q_EXCHANGES + extra, KV_EXCHANGES + extra
+
+
 def exchange_wire_bytes(plan: plan_lib.Plan, caps: plan_lib.Capacity, dims, collective: str,
-                        buckets: int) -> np.ndarray:
-  """[S] bytes per device one layer's exchanges (forward + backward) put on the wire.
+                        buckets: int, memory_mode: str = "keep") -> np.ndarray:
+  """[S] bytes per device one layer's exchanges (forward + backward, ``exchange_counts``) put on
+  the wire.
 
   'dense': per exchange ``S`` blocks of the bucket the data plane picks for the plan's largest
   (sender, server) group (``dataplane.dense_wire_rows``, full block ``min(send cap, recv
-  cap)``), the same on every device; 'ragged': the device's useful rows, the most it sends or
-  receives."""
+  cap)``), the same on every device; 'remote' and 'ragged': the device's useful rows, the most
+  it sends or receives (each row crosses the wire once)."""
+  nq, nkv = exchange_counts(memory_mode)
   bq = dims.q_heads * dims.head_dim * dims.dtype_bytes
   bkv = dims.kv_row_bytes
   if collective == "dense":
     q = dense_wire_rows(plan.pair_q_rows, min(caps.q_send, caps.q_recv), buckets)
     kv = dense_wire_rows(plan.pair_kv_rows, min(caps.kv_send, caps.kv_recv), buckets)
-    return np.full(plan.num_servers, float(Q_EXCHANGES * q * bq + KV_EXCHANGES * kv * bkv))
+    return np.full(plan.num_servers, float(nq * q * bq + nkv * kv * bkv))
+  if collective not in ("remote", "ragged"):
+    raise ValueError(f"collective={collective!r} must be resolved to 'remote', 'dense' or "
+                     "'ragged' (resolve_collective)")
   q = np.maximum(plan.pair_q_rows.sum(0), plan.pair_q_rows.sum(1))
   kv = np.maximum(plan.pair_kv_rows.sum(0), plan.pair_kv_rows.sum(1))
-  return (Q_EXCHANGES * q * bq + KV_EXCHANGES * kv * bkv).astype(np.float64)
+  return (nq * q * bq + nkv * kv * bkv).astype(np.float64)
 
 
 def exchange_seconds(wire_S: np.ndarray, servers: int, cal: costs.Calibration, collective: str,
-                     tp: int) -> np.ndarray:
-  """[S] seconds of one layer's exchanges: every device waits for the busiest (an all-to-all
-  completes together); heads are split over ``tp``."""
+                     tp: int, memory_mode: str = "keep") -> np.ndarray:
+  """[S] seconds of one layer's exchanges: every device waits for the busiest (an all-to-all,
+  and the remote exchange's exit barrier, complete together); heads are split over ``tp``;
+  across nodes the measured in-node bandwidth is scaled by ``inter_node_bw / intra_node_bw``."""
   if servers <= 1:
     return np.zeros_like(wire_S)
-  busiest = float(np.max(wire_S)) / tp
-  span = servers * tp
-  calls = Q_EXCHANGES + KV_EXCHANGES
-  if collective == "dense":
-    bw = cal.dense_bw * min(1.0, cal.bandwidth(span) / cal.intra_node_bw)
-    sec = calls * cal.dense_latency_s + busiest / bw
-  else:
-    bw = cal.ragged_bw * min(1.0, cal.bandwidth(span) / cal.intra_node_bw)
-    sec = calls * cal.ragged_latency_s + busiest / bw
+  latency, bw = {"remote": (cal.remote_latency_s, cal.remote_bw),
+                 "dense": (cal.dense_latency_s, cal.dense_bw),
+                 "ragged": (cal.ragged_latency_s, cal.ragged_bw)}[collective]
+  bw *= min(1.0, cal.bandwidth(servers * tp) / cal.intra_node_bw)
+  calls = sum(exchange_counts(memory_mode))
+  sec = calls * latency + float(np.max(wire_S)) / tp / bw
   return np.full_like(wire_S, sec)
 
 
@@ -293,8 +335,9 @@ def rank_seconds(mr: MicroResult, spec: costs.ModelSpec, cal: costs.Calibration,
   if m.strategy == "distca":
     if caps is None:
       raise ValueError("rank_seconds: distca needs caps (distca_caps of the run's plans)")
-    wire = exchange_wire_bytes(mr.plan, caps, d, opts.collective, opts.exchange_buckets)
-    comm = exchange_seconds(wire, m.num_ranks, cal, opts.collective, tp)
+    wire = exchange_wire_bytes(mr.plan, caps, d, opts.collective, opts.exchange_buckets,
+                               opts.memory_mode)
+    comm = exchange_seconds(wire, m.num_ranks, cal, opts.collective, tp, opts.memory_mode)
     exposed = comm * (1.0 - cal.exchange_hidden)
   elif m.strategy in ("cp", "wlb"):
     comm = cal.collective_s(2.0 * m.bytes_S / tp, m.comm_span * tp, calls=2)
@@ -345,18 +388,20 @@ def _workspace(nq: float, nk: float, sequences: int, dims, tp: int) -> float:
 def strategy_memory(mr_list: Sequence[MicroResult], spec: costs.ModelSpec,
                     cal: costs.Calibration, layout: Layout, tokens: int,
                     alpha: float = 1.0, remat: str = "save_attention",
-                    caps: plan_lib.Capacity | None = None, collective: str = "dense"
-                    ) -> dict[str, Any]:
+                    caps: plan_lib.Capacity | None = None, collective: str = "remote",
+                    memory_mode: str = "keep") -> dict[str, Any]:
   """Per-GPU memory of the busiest rank: state, activations of the tokens it holds (every tick
   the pipeline keeps), the strategy's buffers, and the attention kernel's backward workspace
   (outside XLA's plan: ``memory.flash3_bwd_workspace_bytes``).
 
   cp / wlb keep each layer's gathered group K/V (``cp x`` the rows held) for the backward.
-  distca (``caps``, ``memory_mode`` 'keep'): each layer keeps its server's attention inputs and
-  outputs (``Capacity.memory_bytes`` ``attention_*`` and ``lse``) beyond the own rows' Q/K/V/O
-  the fitted activations hold; one layer's exchange buffers (send / receive, metadata); with
-  the dense exchange, the largest part's ``S`` send and ``S`` receive blocks of the full bucket
-  (XLA sizes a switch by its largest branch), which grow with ``S``.
+  distca (``caps``, ``collective`` and ``memory_mode`` resolved): with 'keep' each layer keeps
+  its server's attention inputs and outputs (``Capacity.memory_bytes`` ``attention_*`` and
+  ``lse``) beyond the own rows' Q/K/V/O the fitted activations hold, with 'resend' its outputs
+  (O, LSE) only; one layer's exchange buffers (send / receive of the capped totals, metadata),
+  which is all 'remote' and 'ragged' hold; 'dense' adds the largest part's ``S`` send and ``S``
+  receive blocks of the full bucket (XLA sizes a switch by its largest branch), which grow with
+  ``S``.
   """
   m0 = mr_list[0].metrics
   d, tp = spec.dims, layout.tensor
@@ -376,11 +421,18 @@ def strategy_memory(mr_list: Sequence[MicroResult], spec: costs.ModelSpec,
     mem = caps.memory_bytes(s, q_heads=d.q_heads, kv_heads=d.kv_heads, head_dim=d.head_dim,
                             dtype_bytes=d.dtype_bytes)
     bq = d.q_heads * d.head_dim * d.dtype_bytes
-    own = tokens * (2 * bq + d.kv_row_bytes + 4 * d.q_heads)  # Q, O, K, V, LSE of own rows
-    kept = mem["attention_q_o"] + mem["attention_kv"] + mem["lse"] - own
+    exchange_counts(memory_mode)  # checks the mode is resolved
+    if memory_mode == "resend":  # the kernel's outputs (O, LSE) beyond the own rows'
+      kept = mem["attention_q_o"] / 2 + mem["lse"] - tokens * (bq + 4 * d.q_heads)
+    else:  # Q, O, K, V, LSE beyond the own rows'
+      kept = (mem["attention_q_o"] + mem["attention_kv"] + mem["lse"]
+              - tokens * (2 * bq + d.kv_row_bytes + 4 * d.q_heads))
     parts["server_buffers_kept"] = keep * max(0.0, kept) / tp
     parts["exchange_buffers"] = (mem["q_exchange"] + mem["o_exchange"] + mem["kv_exchange"]
                                  + mem["metadata"]) / tp
+    if collective not in ("remote", "dense", "ragged"):
+      raise ValueError(f"strategy_memory: collective={collective!r} must be resolved "
+                       "(resolve_collective)")
     if collective == "dense":
       parts["dense_blocks"] = 2.0 * s * max(min(caps.q_send, caps.q_recv) * bq,
                                             min(caps.kv_send, caps.kv_recv) * d.kv_row_bytes) / tp
@@ -406,15 +458,33 @@ def _step_of_batch(secs: Sequence[dict[str, np.ndarray]], group: int, layout: La
   return step_seconds(np.stack([x["total"] for x in secs]), group, 1)
 
 
+def resolve_distca(flat: Sequence[MicroResult], spec, cal, layout, opts: Options, tokens: int,
+                   caps: plan_lib.Capacity) -> Options:
+  """``opts`` with distca's collective (``resolve_collective``) and memory mode resolved as the
+  trainer's pre-flight resolves 'auto' (``trainer.AUTO_KEEP_SPARE``): 'keep' when its memory
+  leaves that fraction of ``cal.hbm_bytes`` spare, else 'resend'."""
+  coll = resolve_collective(opts.collective, layout, cal)
+  mode = opts.memory_mode
+  if mode == "auto":
+    from distca_jax.trainer import AUTO_KEEP_SPARE  # pylint: disable=import-outside-toplevel
+    keep = strategy_memory(flat, spec, cal, layout, tokens, remat=opts.remat, caps=caps,
+                           collective=coll, memory_mode="keep")
+    mode = "keep" if keep["total"] <= cal.hbm_bytes * (1.0 - AUTO_KEEP_SPARE) else "resend"
+  return dataclasses.replace(opts, collective=coll, memory_mode=mode)
+
+
 def evaluate(results: Sequence[Sequence[MicroResult]], spec, cal, layout, opts, tokens,
              alpha: float = 1.0, caps: plan_lib.Capacity | None = None) -> dict[str, Any]:
   """Aggregates one strategy setting over batches [batch][micro-batch] (distca under a
   pipeline: [batch][tick]) -> the report dict. distca: ``caps`` (default: ``distca_caps`` of
-  these plans)."""
+  these plans); its collective and memory mode as ``resolve_distca`` resolves them."""
   flat = [mr for b in results for mr in b]
   m0 = flat[0].metrics
-  if m0.strategy == "distca" and caps is None:
-    caps = distca_caps([mr.plan for mr in flat], tokens, opts.caps_headroom)
+  asked = opts.collective
+  if m0.strategy == "distca":
+    if caps is None:
+      caps = distca_caps([mr.plan for mr in flat], tokens, opts.caps_headroom)
+    opts = resolve_distca(flat, spec, cal, layout, opts, tokens, caps)
   pooled = m0.strategy == "distca" and layout.pipe > 1
   steps, parts, ranks = [], {}, []
   for batch in results:
@@ -426,7 +496,7 @@ def evaluate(results: Sequence[Sequence[MicroResult]], spec, cal, layout, opts, 
   mets = [mr.metrics for mr in flat]
   work = [costs.step_work(spec.dims, m.tokens_S, m.pairs_S) for m in mets]
   mem = strategy_memory(flat, spec, cal, layout, tokens, alpha, opts.remat, caps,
-                        opts.collective)
+                        opts.collective, opts.memory_mode)
   out = {
       "step_s": float(np.mean(steps)), "step_s_per_batch": [float(x) for x in steps],
       "dp": m0.dp, "cp": m0.cp, "fits_memory": mem["fits"], "memory_gb": {
@@ -443,10 +513,11 @@ def evaluate(results: Sequence[Sequence[MicroResult]], spec, cal, layout, opts, 
     out["alpha"] = alpha
   if m0.strategy == "distca":
     plans = [mr.plan for mr in flat]
-    wire = [exchange_wire_bytes(p, caps, spec.dims, opts.collective, opts.exchange_buckets)
-            for p in plans]
+    wire = [exchange_wire_bytes(p, caps, spec.dims, opts.collective, opts.exchange_buckets,
+                                opts.memory_mode) for p in plans]
     out.update(tolerance=opts.tolerance, nano_batches=opts.nano_batches,
-               collective=opts.collective, caps=dataclasses.asdict(caps),
+               collective=opts.collective, collective_asked=asked,
+               memory_mode=opts.memory_mode, caps=dataclasses.asdict(caps),
                pooled_ticks=pooled, servers=plans[0].num_servers,
                wire_bytes_per_layer_mb=float(np.mean([w.max() for w in wire]) / 1e6),
                imbalance_before=float(np.mean([p.imbalance_before for p in plans])),
@@ -479,7 +550,9 @@ def simulate(batches, spec: costs.ModelSpec, layout: Layout, tokens: int, *,
   ``cp`` (CP size >= 2, or 1 when ``data`` is 1) and ``wlb`` (WLB-ideal: CP size and alpha) take
   the setting that is fastest on ``select_batches`` (other batches of the same workload; None =
   the scored batches themselves, marked ``chosen_on``) within a memory budget: the device's for
-  cp, distca's need (at most the device's) for wlb when distca is simulated too. distca's caps
+  cp, distca's need (at most the device's) for wlb when distca is simulated too. distca: where
+  its collective resolves to another than 'remote' (jobs across nodes), ``priced_as_remote``
+  holds the same plans priced with 'remote'. distca's caps
   are sized on the plans of ``caps_batches`` (default: the scored and selection batches), as
   training sizes them on its first batches. Every
   strategy carries ``balance_bound_s`` (``bound_seconds`` over packed_dp's compute) and
@@ -507,6 +580,14 @@ def simulate(batches, spec: costs.ModelSpec, layout: Layout, tokens: int, *,
     caps = distca_caps([mr.plan for b in sized for mr in b], tokens, opts.caps_headroom)
     out["distca"] = evaluate(scored, spec, cal, layout, opts, tokens, caps=caps)
     out["distca"]["caps_from_batches"] = len(sized)
+    if out["distca"]["collective"] != "remote":
+      # The same plans priced with the 'remote' exchange: what a device-initiated exchange
+      # across processes (not built) would give where the system runs another collective.
+      alt = evaluate(scored, spec, cal, layout, dataclasses.replace(opts, collective="remote"),
+                     tokens, caps=caps)
+      out["distca"]["priced_as_remote"] = {
+          k: alt[k] for k in ("step_s", "fits_memory", "memory_mode", "wire_bytes_per_layer_mb")
+      } | {"memory_gb": alt["memory_gb"]["total"]}
   if "cp" in strategies:
     sizes = [c for c in _cp_sizes(layout.data, opts) if c >= 2] or [1]
     cands = [dict(ev(run(sel, run_cp, c)), cp_size=c) for c in sizes]

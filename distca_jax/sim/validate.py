@@ -10,7 +10,8 @@ Cases (files under results/):
   cost table on the same tasks (the own-documents tables fit the time of tasks below the table's
   grid, the CAD tables are held out), and the wlb backend's calls on WLB-ideal packings
   (``micro/wlb_kernel_check.json``, held out, once committed);
-* exchange: all_to_all times of ``collective_bench*.json`` vs the fitted latency + bandwidth;
+* exchange: all_to_all times of ``collective_bench*.json`` vs the fitted latency + bandwidth, and
+  distca's exchange alone on 4 x H100 ('remote', 'dense', 'ragged') vs its fitted line;
 * memory: the compiled step's per-device bytes (XLA's plan) vs the memory model, single-stream
   runs (activations fitted on one-GPU runs at 2, 4 and 16 layers, ``MEMORY_RUNS``);
 * speedup: distca's measured speedup over packed_dp / wlb in the same multi-GPU run, or in runs
@@ -20,7 +21,9 @@ Cases (files under results/):
 Three code generations / devices ("eras") are in the committed runs: the 2-GPU runs (``*_v5*``)
 were made without two single-stream fixes (FA3's forward no longer cloned, no raw LSE buffer
 copy), which change step times; 'current' is
-one H200 of the current code; 'h100' is 4 x H100 of the current code (results/four/raw/). Each
+one H200 of the current code (its held-out runs include one on 4 x H200, the same device); 'h100'
+is 4 x H100 of the current code (results/four/raw/). distca's runs are priced with the exchange
+and memory mode they ran (an override, else what 'auto' ran as: ``AUTO_RAN_AS``). Each
 era is calibrated on packed_dp or one-GPU runs of its own (``CALIBRATION_RUNS``) and every other
 case of that era is held out. ``role`` says which. A case above 10% carries the note written for
 that very case in ``MISS_NOTES`` (by its full name), or "not explained".
@@ -55,16 +58,45 @@ HELD_OUT_RUNS = {
                 ("e2e_1gpu_2x64k_nodsf", None),
                 ("e2e_1gpu_pingpong_v6_final", "packed_dp+pingpong"),
                 ("e2e_1gpu_pingpong_v6_final", "distca+pingpong"),
-                ("one_gpu/e2e_16l_64k", None), ("one_gpu/e2e_16l_128k", None)],
+                ("one_gpu/e2e_16l_64k", None), ("one_gpu/e2e_16l_128k", None),
+                # 4 x H200 (results/four/README.md at 356931f): ProLong 64K, 'auto' = 'remote'.
+                ("four/raw/h200_e2e_prolong_64k", None)],
     "v5": [("e2e_2gpu_64k_v5c", None), ("e2e_2gpu_128k_v5b", None),
            ("e2e_2gpu_prolong_128k_v5b", None), ("e2e_2gpu_128k_v5_sa", None),
            ("e2e_2gpu_pingpong_2x64k_v5", None)],
-    "h100": [("four/raw/e2e_bk_pretrain_distca", None), ("four/raw/e2e_bk_prolong_distca", None)],
+    "h100": [("four/raw/e2e_bk_pretrain_distca", None), ("four/raw/e2e_bk_prolong_distca", None),
+             # results/four/README.md at 356931f: Pretrain 128K with cuda_async (one process per
+             # backend) and Pretrain 64K with 'dense' and 'remote' (one process, another host).
+             ("four/raw/e2e_128k_cuda_async_packed_dp", None),
+             ("four/raw/e2e_128k_cuda_async", None),
+             ("four/raw/e2e_4gpu_pretrain_64k_remote", None)],
 }
+# What 'auto' ran as in runs of the distca backend that set no override (the exchange's
+# ``collective``, ``memory_mode``), where it is not ('dense', 'keep'): the runs made at 356931f
+# on one process ('auto' = 'remote'); the pre-flight's choice for Pretrain 128K on 4 x H100
+# ("'keep' needs 71.63 GiB per device, leaves less than 4% of 72.85 GiB spare; running
+# 'resend'", results/four/README.md).
+AUTO_RAN_AS = {
+    "four/raw/e2e_128k_cuda_async": {"collective": "remote", "memory_mode": "resend"},
+    "four/raw/h200_e2e_prolong_64k": {"collective": "remote", "memory_mode": "keep"},
+}
+# Runs of one backend each (one process per backend, same host and session) paired for
+# distca's speedup; runs of one call pair within their file.
+PAIRED_RUNS = {"four/raw/e2e_bk_pretrain_distca": "four/raw/e2e_bk_pretrain_packed_dp",
+               "four/raw/e2e_bk_prolong_distca": "four/raw/e2e_bk_prolong_packed_dp",
+               "four/raw/e2e_128k_cuda_async": "four/raw/e2e_128k_cuda_async_packed_dp"}
+# e2e_bench variants that change only distca (no packed_dp twin): their speedup is over the
+# plain baseline of the same call.
+DISTCA_ONLY_VARIANTS = ("+remote", "+dense", "+ragged")
 # The exchange alone on 4 x H100 (results/four/README.md): JSON lines of the default-flag run and
 # the one-shot-flag run; they fit ``Calibration.dense_*`` and ``ragged_*``.
 FOUR_EXCHANGE_LOG = os.path.join("four", "raw", "exchange_bench.log")
 FOUR_EXCHANGE_ONESHOT = os.path.join("four", "raw", "exb_oneshot")
+# The 'remote' exchange alone on 4 x H100 (results/four/README.md, code of 356931f): the
+# default grid's Q and K+V times fit ``Calibration.remote_*``; the other grids of that call and
+# the one-slot draft's run on another host (JSON lines) are held out.
+FOUR_REMOTE_GRID = os.path.join("four", "raw", "exchange_bench_grid")
+FOUR_REMOTE_SLOTS1 = os.path.join("four", "raw", "exchange_bench_remote_slots1.log")
 # Memory is fitted on the current code's one-GPU compiled steps at 2, 4 and 16 layers (remat
 # 'save_attention'; the 16-layer run sets the per-layer slope that 32-layer models extrapolate);
 # the multi-GPU runs' memory and the 16-layer remat 'full' run are held out.
@@ -205,7 +237,10 @@ CAPS_FROM_BATCHES = 32
 
 
 def _options(run: E2eRun, era: str) -> step.Options:
+  auto = AUTO_RAN_AS.get(run.stem, {})
   return step.Options(
+      collective=run.override("attention.distca.collective", auto.get("collective", "dense")),
+      memory_mode=run.override("attention.distca.memory_mode", auto.get("memory_mode", "keep")),
       exchange_buckets=int(run.override("attention.distca.exchange_buckets", "8")),
       tolerance=float(run.override("attention.distca.tolerance", str(plan_lib.DEFAULT_TOLERANCE))),
       min_gain=_ERA_MIN_GAIN[era], nano_batches=2 if run.backend.endswith("+pingpong") else 1,
@@ -308,15 +343,43 @@ def four_exchange_rows() -> list[dict[str, Any]]:
   return out
 
 
+def remote_exchange_rows() -> list[dict[str, Any]]:
+  """The 'remote' exchange alone on 4 x H100: one row per (run, grid, part) with the busiest
+  device's useful bytes (what 'remote' puts on the wire) and the measured seconds; ``role``
+  'fit' for the default grid of ``FOUR_REMOTE_GRID``, 'held-out' for its other grids and for
+  ``FOUR_REMOTE_SLOTS1`` (another host, the one-slot draft of the kernel)."""
+  blobs = [("default grid", "fit", r, "") for rows in _json(FOUR_REMOTE_GRID)["results"].values()
+           for r in rows]
+  blobs += [(f"grid {g}", "held-out", r, f"_{g}") for _, _, r, _ in list(blobs)
+            for g in sorted({k[len("q_remote_"):-len("_ms")] for k in r
+                             if k.startswith("q_remote_") and k.endswith("_ms")
+                             and k != "q_remote_ms"})]
+  with open(os.path.join(RESULTS, FOUR_REMOTE_SLOTS1)) as f:
+    blobs += [("one-slot draft, another host", "held-out", json.loads(x), "") for x in f
+              if x.startswith("{")]
+  out = []
+  for label, role, r, grid in blobs:
+    for part in ("q", "kv"):
+      out.append(dict(name=f"remote exchange {r['workload']} {r['tokens'] // 1024}K batch "
+                      f"{r['step']} {part.upper()} on {r['servers']} x H100 ({label})",
+                      useful=r[f"{part}_busiest_mb"] * 1e6,
+                      remote_s=r[f"{part}_remote{grid}_ms"] / 1e3, role=role))
+  return out
+
+
 def exchange_calibration(base: costs.Calibration) -> costs.Calibration:
-  """``dense_*`` and ``ragged_*`` fitted on ``four_exchange_rows`` (latency + bytes / bw)."""
+  """``dense_*`` and ``ragged_*`` fitted on ``four_exchange_rows``, ``remote_*`` on the fit rows
+  of ``remote_exchange_rows`` (latency + bytes / bw)."""
   rows = four_exchange_rows()
   dl, dbw = costs.fit_alpha_beta([r["wire"] / 1e6 for r in rows],
                                  [r["dense_s"] * 1e3 for r in rows])
   rl, rbw = costs.fit_alpha_beta([r["useful"] / 1e6 for r in rows],
                                  [r["ragged_s"] * 1e3 for r in rows])
+  fit = [r for r in remote_exchange_rows() if r["role"] == "fit"]
+  ml, mbw = costs.fit_alpha_beta([r["useful"] / 1e6 for r in fit],
+                                 [r["remote_s"] * 1e3 for r in fit])
   return dataclasses.replace(base, dense_latency_s=dl, dense_bw=dbw, ragged_latency_s=rl,
-                             ragged_bw=rbw)
+                             ragged_bw=rbw, remote_latency_s=ml, remote_bw=mbw)
 
 
 def calibrations(km: costs.KernelModel) -> dict[str, costs.Calibration]:
@@ -434,9 +497,11 @@ def wlb_kernel_cases(km: costs.KernelModel, path: str | None = None) -> list[dic
 
 def exchange_cases(cal: costs.Calibration) -> list[dict[str, Any]]:
   """all_to_all of N MB per device on 2 H200s: fitted rows (default flags) and held-out rows
-  (latency-hiding scheduler flag); distca's exchange alone on 4 H100s, dense and ragged (fit:
-  they set ``dense_*`` and ``ragged_*``)."""
-  out = []
+  (latency-hiding scheduler flag); distca's exchange alone on 4 H100s: 'remote'
+  (``remote_exchange_rows``' roles), dense and ragged (fit: they set ``dense_*`` and
+  ``ragged_*``)."""
+  out = [_case("exchange", r["name"], cal.remote_latency_s + r["useful"] / cal.remote_bw,
+                r["remote_s"], r["role"], era="h100") for r in remote_exchange_rows()]
   for r in four_exchange_rows():
     out.append(_case("exchange", f"dense exchange {r['name']}", cal.dense_latency_s
                      + r["wire"] / cal.dense_bw, r["dense_s"], "fit", era="h100"))
@@ -460,7 +525,7 @@ def e2e_cases(cals: dict[str, costs.Calibration], km: costs.KernelModel
           res = predict_run(run, cals[era], km, era)
           name = (f"{run.stem}: {run.workload} {run.tokens // 1024}K x{run.rows_per_rank} "
                   f"{run.backend}, {run.layers} layers, {run.devices} GPU")
-          key = dict(era=era, workload=run.workload, tokens=run.tokens, rows=run.rows_per_rank,
+          key = dict(era=era, stem=run.stem, workload=run.workload, tokens=run.tokens, rows=run.rows_per_rank,
                      layers=run.layers, devices=run.devices, backend=run.backend)
           out.append(_case("e2e", name, res["step_s"], run.mean_step_s, role, **key,
                            measured_median_s=run.median_step_s,
@@ -478,8 +543,9 @@ def e2e_cases(cals: dict[str, costs.Calibration], km: costs.KernelModel
 
 def speedup_cases(e2e: list[dict[str, Any]]) -> list[dict[str, Any]]:
   """distca's speedup over packed_dp and wlb in multi-GPU runs of one era with the same
-  workload, tokens, rows, layers and GPUs: predicted vs measured ratio (``predicted_s`` /
-  ``measured_s`` hold the ratios)."""
+  workload, tokens, rows, layers and GPUs, measured in the same file or in the file
+  ``PAIRED_RUNS`` names: predicted vs measured ratio (``predicted_s`` / ``measured_s`` hold the
+  ratios). A distca-only variant (``DISTCA_ONLY_VARIANTS``) is paired with the plain baseline."""
   out = []
   e2e = [c for c in e2e if c["kind"] == "e2e" and c["devices"] > 1]
   same = lambda a, b: all(a[k] == b[k] for k in ("era", "workload", "tokens", "rows", "layers",
@@ -489,7 +555,9 @@ def speedup_cases(e2e: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if head or not sep:
       continue
     for base in ("packed_dp", "wlb"):
-      b = next((x for x in e2e if same(x, c) and x["backend"] == base + variant), None)
+      want = base + ("" if variant in DISTCA_ONLY_VARIANTS else variant)
+      b = next((x for x in e2e if same(x, c) and x["backend"] == want
+                and x["stem"] in (c["stem"], PAIRED_RUNS.get(c["stem"]))), None)
       if b is None:
         continue
       out.append(_case("speedup", f"{c['name'].split(':')[0]}: {c['workload']} "
@@ -518,8 +586,8 @@ def validate() -> dict[str, Any]:
       "misses": sorted(missed),
       "unexplained": sorted(n for n in missed if n not in MISS_NOTES),
       "stale_notes": sorted(n for n in MISS_NOTES if n not in missed),
-      "four_gpu_current_cases": sum(c.get("era") == "h100" and c["role"] == "held-out"
-                                    for c in cases),
+      "four_gpu_current_cases": sum(c["role"] == "held-out" and (
+          c.get("era") == "h100" or c["name"].startswith("four/")) for c in cases),
       "max_abs_error": max(abs(c["error"]) for c in cases),
       "max_abs_error_held_out": max(abs(c["error"]) for c in held),
       "within_10pct": sum(c["within_10pct"] for c in cases),

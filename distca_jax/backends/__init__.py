@@ -30,6 +30,7 @@ import types
 import ml_collections
 
 from distca_jax import attention as attn_lib
+from distca_jax import ops
 from distca_jax import pipeline
 from distca_jax.errors import UserError
 from distca_jax.backends import cp, distca, local, packed_dp, reference, wlb
@@ -55,6 +56,8 @@ def build(c: ml_collections.ConfigDict, **overrides) -> attn_lib.Backend:
   pipeline (``mesh.pipe > 1``) its host planning runs per tick (``pipeline.per_tick_backend``)."""
   m = module(c.attention.backend)
   options = dataclasses.replace(m.Options.from_config(c), **overrides)
+  if hasattr(options, "kernel"):  # a kernel this host cannot run: one line before any work
+    ops.check_kernel_runs(options.kernel)
   if hasattr(m, "from_first_batches"):  # the startup step: sample the run's first batches
     options = m.from_first_batches(c, options)
   backend = m.make(options)

@@ -105,7 +105,7 @@ def main(argv):
     except UserError as e:
       _exit_with(str(e))
     sys.exit(launch.supervise(sys.argv, FLAGS.workdir, FLAGS.verbose, FLAGS.process_id,
-                              FLAGS.num_processes))
+                              FLAGS.num_processes, distributed))
   stop = launch.StopRequest()
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, stop)

@@ -30,7 +30,6 @@ import types
 import ml_collections
 
 from distca_jax import attention as attn_lib
-from distca_jax import ops
 from distca_jax import pipeline
 from distca_jax.errors import UserError
 from distca_jax.backends import cp, distca, local, packed_dp, reference, wlb
@@ -56,8 +55,6 @@ def build(c: ml_collections.ConfigDict, **overrides) -> attn_lib.Backend:
   pipeline (``mesh.pipe > 1``) its host planning runs per tick (``pipeline.per_tick_backend``)."""
   m = module(c.attention.backend)
   options = dataclasses.replace(m.Options.from_config(c), **overrides)
-  if hasattr(options, "kernel"):  # a kernel this host cannot run: one line before any work
-    ops.check_kernel_runs(options.kernel)
   if hasattr(m, "from_first_batches"):  # the startup step: sample the run's first batches
     options = m.from_first_batches(c, options)
   backend = m.make(options)
@@ -65,6 +62,13 @@ def build(c: ml_collections.ConfigDict, **overrides) -> attn_lib.Backend:
     backend = pipeline.per_tick_backend(backend, stages=c.mesh.pipe, rows_per_rank=c.rows_per_rank,
                                         microbatches=c.pipeline.microbatches)
   return backend
+
+
+def kernel_of(c: ml_collections.ConfigDict) -> str | None:
+  """The ``ops.core_attention`` kernel the configured backend runs (``attention.kernel``), or
+  None for a backend without one (``local``, ``reference``)."""
+  fields = {f.name for f in dataclasses.fields(module(c.attention.backend).Options)}
+  return c.attention.kernel if "kernel" in fields else None
 
 
 def get(name: str, **options) -> attn_lib.Backend:

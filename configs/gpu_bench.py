@@ -1,7 +1,7 @@
 """Benchmark-sized job for 1-2 GPUs: Llama-3-8B layer shapes, 4 layers, 64K tokens per GPU.
 
 Run (one or two GPUs; every visible GPU goes on `data`):
-  python -m distca_jax.train --config configs/gpu_bench.py --workdir /tmp/distca_bench
+  .venv/bin/python -m distca_jax.train --config configs/gpu_bench.py --workdir /tmp/distca_bench
 
 Expect: steps of the real 8B layer shapes (4 of 32 layers) on Pretrain-workload documents with
 CAD (`distca`, FlashAttention-3 kernel: pip install -e ".[gpu]"), with

@@ -1,7 +1,7 @@
 """Tiny Llama on synthetic packed documents: the default job, a few minutes on a 2-core CPU.
 
 Run:
-  python -m distca_jax.train --config configs/tiny_cpu.py --workdir /tmp/distca_tiny
+  .venv/bin/python -m distca_jax.train --config configs/tiny_cpu.py --workdir /tmp/distca_tiny
 
 Expect: a progress line every 20 steps; the loss falls from about 5.6 (ln 256) to below 0.5 by
 step 300 as the model learns the synthetic documents' arithmetic patterns in context; a checkpoint

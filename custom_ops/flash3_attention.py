@@ -41,6 +41,16 @@ def import_flash3():
         f"extra 'gpu'). Import failed with: {e!r}") from e
 
 
+def check_available() -> None:
+  """A KernelUnavailableError saying why 'flash3' cannot run here: its bindings do not import, or
+  JAX's default platform is not a GPU."""
+  import_flash3()
+  if jax.default_backend() != "gpu":
+    raise KernelUnavailableError(
+        f"kernel='flash3' runs only on CUDA GPUs (Hopper); JAX's default platform is "
+        f"{jax.default_backend()!r}. Use kernel='blockwise' or 'reference' there")
+
+
 def flash3_grid_buckets(num_tasks: int, num_q_rows: int, max_seqlen_q: int, max_seqlen_k: int,
                        levels: int = FLASH3_GRID_LEVELS) -> tuple[tuple[int, int, int], ...]:
   """The launch shapes ``(task slots, max_seqlen_q, max_seqlen_k)`` a flash3 call compiles.
@@ -95,11 +105,7 @@ def flash3_attention(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_se
                      grid_levels=FLASH3_GRID_LEVELS):
   """(o [T, H, D], lse [T, H]) of kernel 'flash3' (``distca_jax.ops.core_attention``): checks
   the platform, dtype and head dim, then ``flash3_masked`` on the real FA3 bindings."""
-  import_flash3()
-  if jax.default_backend() != "gpu":
-    raise KernelUnavailableError(
-        f"kernel='flash3' runs only on CUDA GPUs (Hopper); JAX's default platform is "
-        f"{jax.default_backend()!r}. Use kernel='blockwise' or 'reference' there")
+  check_available()
   if q.dtype not in (jnp.bfloat16, jnp.float16):
     raise ValueError(f"kernel='flash3' takes bf16 or fp16 inputs; got {q.dtype=}")
   head_dim = q.shape[2]

@@ -112,7 +112,15 @@ class Distributed:
     if self.explicit:
       kwargs.update(coordinator_address=self.coordinator_address,
                     num_processes=self.num_processes, process_id=self.process_id)
-    jax.distributed.initialize(**kwargs)
+    try:
+      jax.distributed.initialize(**kwargs)
+    except ValueError as e:  # JAX's words when no cluster environment names a coordinator
+      if self.explicit or "coordinator_address should be defined" not in str(e):
+        raise
+      raise UserError("--multihost found no cluster to join (no SLURM, Open MPI or Kubernetes "
+                      "job in the environment); name the job with --coordinator_address="
+                      "HOST:PORT --num_processes=N --process_id=I, or leave out --multihost "
+                      "for one process") from e
 
 
 class StopRequest:
@@ -317,6 +325,9 @@ _DUMP_START = re.compile(r"^([EF]\d{4} |\*\*\* |terminate called|Fatal Python er
 
 
 _KNOWN_NOTICE = re.compile(r"^W\d{4} .*Using experimental recoverable task feature")
+# JAX's runtime aborts a process whose registration with the coordination service timed out:
+# not every process reached the coordinator within the initialization timeout.
+_JOIN_FAILED = re.compile(r"DEADLINE_EXCEEDED[\s\S]{0,200}CoordinationService/RegisterTask")
 
 
 def _die_with_parent() -> None:
@@ -341,15 +352,39 @@ def explain_abort(text: str, me: int | None, count: int | None) -> tuple[list[in
   return None, ""
 
 
+def _headline(lines: list[str]) -> str:
+  """The line that says what went wrong in a dump: the message of absl's first FATAL line, else
+  the last line that is not faulthandler's list of modules or threads."""
+  for line in lines:
+    m = re.match(r"^F\d{4} [^\]]*\] (.*)", line)
+    if m:
+      return m.group(1).strip()
+  return next((l.strip() for l in reversed(lines) if l.strip() and not l.startswith(
+      ("Extension modules:", "Current thread", "Thread 0x", "  File "))), "")
+
+
+def join_failed_line(who: str, distributed: Distributed | None) -> str:
+  """The line of a process that could not join its job (registration timed out)."""
+  address = f" at {distributed.coordinator_address}" if distributed and distributed.explicit else ""
+  seconds = f"={distributed.initialization_timeout_s} s" if distributed else ""
+  return (f"{who} could not join the job: not every process reached the coordinator{address} "
+          f"within --initialization_timeout_s{seconds}; start every process with the same "
+          "--coordinator_address and --num_processes (process 0 hosts the coordinator, so "
+          "its host must be reachable on that port)")
+
+
 def supervise(argv: list[str], workdir: str, verbose: bool, me: int | None = None,
-              count: int | None = None) -> int:
+              count: int | None = None, distributed: Distributed | None = None) -> int:
   """Runs this command again as a child process and returns the exit status to end with.
 
   The child's stdout passes through. Its stderr passes through up to the first line of a dump
   (``_DUMP_START``: an abort of JAX's runtime or an internal error's traceback); the rest is kept
   in a log file, named in the last line, and shown with ``verbose``. When the child ends without
   its own 'error:' or 'interrupted' line, the supervisor prints one (the lost process, read from
-  the dump) and returns 2, or 1 for an internal error. SIGINT and SIGTERM are passed on."""
+  the dump, or a job it could not join) and returns 2, or 1 for an internal error. SIGINT and
+  SIGTERM are passed on once the child has joined the job; before that (JAX's join does not
+  return to Python until every process arrives or its timeout passes, and there is no state to
+  save) the child is killed and the supervisor says so and returns 128 + the signal."""
   env = dict(os.environ, **{SUPERVISED_ENV: "1"})
   # The same entry point: the train module, or the script that called its main.
   entry = (["-m", "distca_jax.train"] if os.path.basename(argv[0]) in ("train.py", "-m")
@@ -357,13 +392,23 @@ def supervise(argv: list[str], workdir: str, verbose: bool, me: int | None = Non
   child = subprocess.Popen([sys.executable, *entry] + argv[1:], env=env,
                            stderr=subprocess.PIPE, text=True, errors="replace",
                            preexec_fn=_die_with_parent)
+  joined, before_join = [], []  # (one entry when set) the child joined; a signal before that
+
+  def on_signal(signum, _):
+    if joined:
+      child.send_signal(signum)
+    elif not before_join:
+      before_join.append(signum)
+      child.kill()
+
   for sig in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(sig, lambda signum, _: child.send_signal(signum))
+    signal.signal(sig, on_signal)
   kept: list[str] = []
   dumping, ours = verbose, None  # ours: the child's own last line ('error' or 'interrupted')
   for line in child.stderr:
     if line.startswith(JOINED_MARK):
       me, count = (int(x) for x in line[len(JOINED_MARK):].split("/"))
+      joined.append(True)
       continue
     if line.startswith(("error: ", "interrupted")):
       ours = line.split(":")[0].split()[0]
@@ -379,6 +424,12 @@ def supervise(argv: list[str], workdir: str, verbose: bool, me: int | None = Non
     return 2 if ours else 0
   if ours == "interrupted":
     return rc if rc > 128 else 128 + signal.SIGTERM
+  who = f"process {me}/{count}" if me is not None else "this process"
+  if before_join and not ours:
+    print(f"interrupted: interrupted by {signal.Signals(before_join[0]).name} while {who} was "
+          "joining the job, before its first step (nothing to save); rerun the same command to "
+          "start it", file=sys.stderr, flush=True)
+    return 128 + before_join[0]
   text = "".join(kept)
   log = ""
   if kept:
@@ -387,13 +438,15 @@ def supervise(argv: list[str], workdir: str, verbose: bool, me: int | None = Non
     with os.fdopen(fd, "w") as f:
       f.write(text)
     log = f"; its output: {path}"
-  who = f"process {me}/{count}" if me is not None else "this process"
   lost, why = explain_abort(text, me, count)
   if lost is not None:
     line = lost_line(me if me is not None else -1, count or 0, lost, why, workdir)
     print("error: " + line.replace("process -1/0", who) + log, file=sys.stderr, flush=True)
     return 2
-  last = next((l.strip() for l in reversed(kept) if l.strip()), "")
+  if not joined and _JOIN_FAILED.search(text):
+    print(f"error: {join_failed_line(who, distributed)}{log}", file=sys.stderr, flush=True)
+    return 2
+  last = _headline(kept)
   how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
   print(f"error: {who} failed ({how}{'; ' + why if why else ''}): {last[:300]}{log}; rerun "
         "with --verbose to see its output", file=sys.stderr, flush=True)

@@ -75,6 +75,23 @@ def check_kernel(kernel: str, name: str = "kernel") -> str:
   return kernel
 
 
+def check_kernel_runs(kernel: str, name: str = "attention.kernel") -> str:
+  """``check_kernel``, then a ``UserError`` naming ``kernel`` and the fix when it cannot run on
+  JAX's default platform ('mosaic' and 'flash3' off a GPU, 'flash3' without its bindings).
+  Called before a run builds its step, so a GPU config started on a CPU host stops with one line
+  instead of failing while the step is traced."""
+  check_kernel(kernel, name)
+  try:
+    if kernel == "mosaic":
+      _check_mosaic_available()
+    elif kernel == "flash3":
+      fa3.check_available()
+  except KernelUnavailableError as e:
+    raise UserError(f"{name}={kernel!r} cannot run here: {e}; on a CPU set {name}='blockwise' "
+                    "(the CPU kernel, same shapes) or 'auto'") from e
+  return kernel
+
+
 def default_kernel() -> str:
   """The kernel 'auto' runs: 'blockwise' when JAX's default platform is the CPU, else 'reference'
   (GPU runs name their kernel: 'flash3' or 'mosaic')."""
@@ -138,11 +155,15 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
   return (o, lse) if return_lse else o
 
 
-def _mosaic(q, k, v, cu_q, cu_k, softmax_scale):
+def _check_mosaic_available() -> None:
   if jax.default_backend() != "gpu":
     raise KernelUnavailableError(
         f"kernel='mosaic' (custom_ops/mosaic_attention.py) runs only on Hopper GPUs; JAX's "
         f"default platform is {jax.default_backend()!r}. Use kernel='blockwise' or 'reference' "
         "there")
+
+
+def _mosaic(q, k, v, cu_q, cu_k, softmax_scale):
+  _check_mosaic_available()
   from custom_ops import mosaic_attention  # noqa: PLC0415  (imports Mosaic GPU)
   return mosaic_attention.mosaic_attention(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale)

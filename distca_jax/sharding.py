@@ -99,7 +99,10 @@ def make_mesh(data: int = -1, tensor: int = 1, pipe: int = 1,
   if pipe < 1:
     raise UserError(f"mesh.pipe={pipe} must be >= 1")
   if tensor < 1 or n % (tensor * pipe):
-    raise UserError(f"mesh.tensor={tensor} x mesh.pipe={pipe} must divide the {n} devices")
+    more = ("; on a CPU, JAX_NUM_CPU_DEVICES=N in the environment makes N devices"
+            if devices and devices[0].platform == "cpu" else "")
+    raise UserError(f"mesh.tensor={tensor} x mesh.pipe={pipe} must divide the {n} devices: "
+                    f"lower them, or run on more devices{more}")
   if data == -1:
     data = n // (tensor * pipe)
   if data * tensor * pipe != n:

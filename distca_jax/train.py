@@ -48,10 +48,15 @@ def _exit_with(message: str) -> None:
   sys.exit(2)
 
 
+def _config_path(argv) -> str | None:
+  """The value of `--config` in `argv` (None when absent)."""
+  return next((a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else None)
+               for i, a in enumerate(argv) if re.fullmatch(r"--config(=.*)?", a)), None)
+
+
 def _override_problem(argv, err: Exception) -> str:
   """The one-line reason a `--config.KEY=VALUE` override failed to parse."""
-  path = next((a.split("=", 1)[1] if "=" in a else argv[i + 1]
-               for i, a in enumerate(argv) if re.fullmatch(r"--config(=.*)?", a)), None)
+  path = _config_path(argv)
   overrides = [a[len("--config."):] for a in argv if a.startswith("--config.")]
   if path is not None:
     try:
@@ -68,8 +73,18 @@ def _override_problem(argv, err: Exception) -> str:
 
 
 def _parse_flags(argv):
+  path = _config_path(argv)
+  # ml_collections loads the config file lazily and reports a missing one with a traceback
+  # at its first use; a path without a file is bad input, said here in one line.
+  if path is not None and not os.path.isfile(path.split(":", 1)[0]):
+    _exit_with(f"--config={path}: no such file; pass a config file such as configs/tiny_cpu.py "
+               "(paths are relative to the current directory)")
   try:
-    return app.parse_flags_with_usage(argv)
+    return FLAGS(argv)
+  except flags.Error as e:  # a missing, unknown or mistyped flag (absl's own errors)
+    if "--verbose" in argv:
+      raise
+    _exit_with(f"{str(e).rstrip('.')}; --help lists the flags")
   except (AttributeError, KeyError, TypeError, ValueError) as e:  # config overrides
     if "--verbose" in argv:
       raise
@@ -90,7 +105,7 @@ def main(argv):
     except UserError as e:
       _exit_with(str(e))
     sys.exit(launch.supervise(sys.argv, FLAGS.workdir, FLAGS.verbose, FLAGS.process_id,
-                              FLAGS.num_processes))
+                              FLAGS.num_processes, distributed))
   stop = launch.StopRequest()
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, stop)

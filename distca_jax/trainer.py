@@ -36,6 +36,7 @@ from distca_jax import config as config_lib
 from distca_jax import launch
 from distca_jax import memory as memory_lib
 from distca_jax import metrics as metrics_lib
+from distca_jax import ops
 from distca_jax import profiling
 from distca_jax import sharding as shard_lib
 from distca_jax.health import (HEALTH_FIELDS, BadStepWatch, TrainingDiverged,
@@ -160,8 +161,12 @@ def setup_run(c: ml_collections.ConfigDict, devices=None, **backend_overrides) -
   """Mesh (over `devices`, default all), backend (``backends.build(c, **backend_overrides)``),
   model, optimizer, abstract state with its shardings, and the data source of config `c`; nothing
   is materialized (`create_train_state` or a checkpoint restore makes the state). A config that
-  cannot run (``config.validate``) stops here with its one line."""
+  cannot run (``config.validate``, or an attention kernel this host cannot run:
+  ``ops.check_kernel_runs``) stops here with its one line. Host-only uses of a backend (plans
+  of a GPU config on a CPU) call ``make_backend`` and skip the kernel check."""
   config_lib.validate(c)
+  if backends.kernel_of(c) is not None:
+    ops.check_kernel_runs(backend_overrides.get("kernel", c.attention.kernel))
   devices = list(devices) if devices is not None else jax.devices()
   mesh = shard_lib.make_mesh(data=config_lib.data_ranks(c, len(devices)), tensor=c.mesh.tensor,
                              pipe=c.mesh.pipe, devices=devices)

@@ -32,14 +32,21 @@ def main():
   from distca_jax.launch import configure_environment
   from distca_jax import configs_io
 
+  from distca_jax.errors import UserError
+
   configure_environment()
-  c = configs_io.load_config(a.config, a.override)
   devices = jax.devices()
-  if len(devices) < a.devices:
-    sys.exit(f"--devices {a.devices} but only {len(devices)} {devices[0].platform} devices are visible")
-  devices = devices[:a.devices]
-  print(f"compiling {a.config} for {a.devices} x {devices[0].device_kind} ...", flush=True)
-  _, info = aot.compile_train_step(c, devices=devices)
+  try:
+    c = configs_io.load_config(a.config, a.override)
+    if len(devices) < a.devices:
+      raise UserError(f"--devices {a.devices} but only {len(devices)} {devices[0].platform} "
+                      "devices are visible")
+    devices = devices[:a.devices]
+    print(f"compiling {a.config} for {a.devices} x {devices[0].device_kind} ...", flush=True)
+    _, info = aot.compile_train_step(c, devices=devices)
+  except (UserError, FileNotFoundError) as e:  # bad config file, override, mesh or kernel: one line
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+    sys.exit(2)
   gib = lambda b: f"{b / 2**30:8.2f} GiB"
   print(f"mesh {info['mesh']}, {info['params'] / 1e9:.2f}B params, lowered in "
         f"{info['lower_s']:.1f}s, compiled in {info['compile_s']:.1f}s")

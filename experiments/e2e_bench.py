@@ -65,7 +65,8 @@ def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--backends", default="packed_dp,distca")
   p.add_argument("--workloads", default="pretrain,prolong")
-  p.add_argument("--tokens", default="65536,131072", help="tokens per GPU (comma list)")
+  p.add_argument("--tokens", default=None,
+                 help="tokens per GPU (comma list; default 65536,131072, with --tiny 1024)")
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--steps", type=int, default=20, help="timed steps (sampled batches) per run")
   p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation)")
@@ -82,9 +83,13 @@ def parse_args(argv=None):
   p.add_argument("--plan-stats", action="store_true",
                  help="distca runs: replan the timed batches on the host and report imbalance "
                       "before/after and bytes per step (for the epsilon ablation)")
-  p.add_argument("--tiny", action="store_true", help="CPU smoke test sizes")
+  p.add_argument("--tiny", action="store_true",
+                 help="CPU smoke test sizes (a 64-wide model; 1024 tokens unless --tokens)")
   p.add_argument("--out", default=os.path.join(ROOT, "results", "e2e_bench"))
-  return p.parse_args(argv)
+  a = p.parse_args(argv)
+  if a.tokens is None:  # the GPU sizes need ~0.3-3.6 TB on a CPU with the dense tiny kernel
+    a.tokens = "1024" if a.tiny else "65536,131072"
+  return a
 
 
 def ceiling(model_cfg, doclens_per_step, *, stages: int = 1, microbatches: int = 1,

@@ -6,8 +6,8 @@ outputs. With ``--png-dir`` the notebooks write every figure they draw there as
 ``<notebook>_<figure>.png`` (they read ``$DISTCA_NOTEBOOK_PNG_DIR``).
 
 Run:
-  python -m experiments.run_notebooks --png-dir results/notebooks   # all four, about 10-15 min
-  python -m experiments.run_notebooks planning                      # one, no PNGs
+  .venv/bin/python -m experiments.run_notebooks --png-dir results/notebooks   # all four, ~3 min
+  .venv/bin/python -m experiments.run_notebooks planning                      # one, no PNGs
 
 Prints each notebook's wall time (CPU; inflated when other jobs share the cores).
 """

@@ -184,3 +184,11 @@ def test_pipeline_runs_train_with_default_rows_and_report_pipeline_ceilings(tmp_
   assert res[0]["ceiling"] == res[1]["ceiling"]  # the same batches
   assert 0.0 <= res[0]["plan_moved"] <= 1.0
   assert res[0]["plan_imbalance_after"] <= res[0]["plan_imbalance_before"] + 1e-9
+
+
+def test_tiny_defaults_to_cpu_sized_rows():
+  """`--tiny` alone runs CPU-sized rows (the GPU default, 64K and 128K tokens, needs 0.3-3.6 TB
+  per fake CPU device with the tiny config's dense kernel); `--tokens` still wins."""
+  assert e2e_bench.parse_args(["--tiny"]).tokens == "1024"
+  assert e2e_bench.parse_args(["--tiny", "--tokens", "256"]).tokens == "256"
+  assert e2e_bench.parse_args([]).tokens == "65536,131072"

@@ -370,6 +370,84 @@ def test_an_abort_names_the_lost_process():
   assert line.startswith("process 1/2: lost the coordinator, process 0 (why)"), line
 
 
+def test_the_headline_of_a_dump_is_absl_fatal_message_not_faulthandler_noise():
+  dump = ["F1127 15:42:52.300102   32608 client.h:86] Terminating process because ... "
+          "DEADLINE_EXCEEDED: Deadline Exceeded\n", "RPC: /xla.coordination.CoordinationService/"
+          "RegisterTask\n", "Fatal Python error: Aborted\n", "\n",
+          "Extension modules: yaml._yaml, jaxlib.cpu_feature_guard (total: 2)\n"]
+  assert launch._headline(dump).startswith("Terminating process because")
+  assert launch._JOIN_FAILED.search("".join(dump))
+  assert launch._headline(["Traceback (most recent call last):\n", '  File "x.py"\n',
+                           "ValueError: bug\n", "Extension modules: a (total: 1)\n"]) == (
+                               "ValueError: bug")
+
+
+def _join_alone(tmp_path, process_id: int, extra: list[str]) -> subprocess.Popen:
+  """Process `process_id` of a 2-process job whose other process never starts."""
+  return subprocess.Popen(
+      [sys.executable, "-m", "distca_jax.train"] + TINY + [
+          f"--workdir={tmp_path / 'w'}", f"--coordinator_address=127.0.0.1:{_free_port()}",
+          "--num_processes=2", f"--process_id={process_id}"] + extra,
+      cwd=ROOT, env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("process_id", [0, 1])
+def test_a_job_the_process_cannot_join_is_one_line(tmp_path, process_id):
+  """The other process never starts: after --initialization_timeout_s the one started says in
+  one line that it could not join, naming the address and the fix (before: JAX's abort, and a
+  line ending in faulthandler's module list)."""
+  start = time.time()
+  p = _join_alone(tmp_path, process_id, ["--initialization_timeout_s=3"])
+  try:
+    _, err = p.communicate(timeout=120)
+  finally:
+    p.kill()
+  assert p.returncode == 2, err
+  assert err.count("\n") == 1 and err.startswith(
+      f"error: process {process_id}/2 could not join the job: not every process reached the "
+      "coordinator at 127.0.0.1:"), err
+  assert "--initialization_timeout_s=3 s" in err, err
+  print(f"process {process_id}: {time.time() - start:.1f} s to the line")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_joining_ends_the_process_at_once(tmp_path, sig):
+  """SIGTERM / SIGINT while JAX waits for the other processes to join (the default timeout is
+  300 s, and the join does not return to Python): one 'interrupted' line within seconds,
+  status 128 + the signal."""
+  p = _join_alone(tmp_path, 1, [])
+  try:
+    time.sleep(5)  # inside jax.distributed.initialize by now
+    assert p.poll() is None, p.communicate()
+    sent = time.time()
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=60)
+  finally:
+    p.kill()  # its child dies with it (PR_SET_PDEATHSIG)
+  assert time.time() - sent < 10, err
+  assert p.returncode == 128 + sig, err
+  assert err.count("\n") == 1 and err.startswith(
+      f"interrupted: interrupted by {signal.Signals(sig).name} while process 1/2 was joining "
+      "the job"), err
+
+
+@pytest.mark.slow
+def test_multihost_without_a_cluster_is_one_line(tmp_path):
+  """`--multihost` outside SLURM / Open MPI / Kubernetes: one line naming the explicit flags,
+  exit 2 (before: the supervisor's 'failed (exit status 1): ValueError: coordinator_address
+  should be defined.')."""
+  env = {k: v for k, v in _env(1).items()
+         if not k.startswith(("SLURM_", "OMPI_", "PMI_", "KUBERNETES_", "JOB_COMPLETION_INDEX"))}
+  p = subprocess.run([sys.executable, "-m", "distca_jax.train"] + TINY + [
+      f"--workdir={tmp_path / 'w'}", "--multihost"], cwd=ROOT, env=env, capture_output=True,
+      text=True, timeout=300)
+  assert p.returncode == 2, p.stderr
+  assert p.stderr.count("\n") == 1 and p.stderr.startswith(
+      "error: --multihost found no cluster to join"), p.stderr
+
+
 def _wait_for_steps(ps, workdir, steps: int, timeout_s: float = 600) -> None:
   """Waits until process 0 has logged ``steps`` steps in ``workdir``; every process must live."""
   metrics = workdir / "metrics.jsonl"

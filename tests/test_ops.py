@@ -463,6 +463,30 @@ def test_mosaic_on_cpu_names_the_cpu_kernels():
     ops.core_attention(*_good(), kernel="mosaic")
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU-only error")
+@pytest.mark.parametrize("kernel, why", [("flash3", "flash3"), ("mosaic", "Hopper GPUs")])
+@pytest.mark.parametrize("backend", ["packed_dp", "distca", "cp"])
+def test_a_kernel_this_host_cannot_run_is_a_user_error_when_the_run_is_set_up(
+    backend, kernel, why):
+  """A GPU kernel named in a config run on a CPU host stops in ``trainer.setup_run`` (before the
+  workdir is made or the step traced), as a UserError naming the setting and the CPU kernel.
+  Host-only uses (``make_backend``: plans of a GPU config) and `local`, which has no kernel
+  option, still build."""
+  from distca_jax import backends, configs_io, trainer
+  from distca_jax.errors import UserError
+  over = [f"attention.backend={backend}", f"attention.kernel={kernel}", "mesh.data=1"]
+  c = configs_io.load_config("configs/tiny_cpu.py", over)
+  with pytest.raises(UserError, match=rf"^attention.kernel='{kernel}' cannot run here: .*{why}"
+                                      r".*; on a CPU set attention.kernel='blockwise'"):
+    trainer.setup_run(c, devices=jax.devices()[:1])
+  assert backends.kernel_of(c) == kernel
+  assert trainer.make_backend(c).fn is not None
+  assert ops.check_kernel_runs("blockwise") == "blockwise" and ops.check_kernel_runs("auto")
+  c = configs_io.load_config("configs/tiny_cpu.py", [f"attention.kernel={kernel}", "mesh.data=1"])
+  assert backends.kernel_of(c) is None
+  assert trainer.setup_run(c, devices=jax.devices()[:1]).backend.fn is not None
+
+
 @pytest.mark.parametrize("field, value", [("block_q", 0), ("block_k", 2.0)])
 def test_blockwise_block_sizes_validated(field, value):
   with pytest.raises(ValueError, match=f"BlockSizes.{field}={value}"):

@@ -496,12 +496,45 @@ def test_run_killed_inside_a_save_resumes_from_the_previous_checkpoint(tmp_path)
     (["data.source=files", "data.path=/nonexistent/ds"], "tokens file not found"),
     (["train.max_bad_steps=0"], "train.max_bad_steps=0 must be >= 1"),
     (["model.n_heads=5"], "n_heads=5 must be a multiple of n_kv_heads"),
+    (["attention.backend=packed_dp", "attention.kernel=mosaic"],
+     "attention.kernel='mosaic' cannot run here"),
 ])
 def test_user_errors_are_one_line_without_traceback(tmp_path, overrides, expect):
   rc, out, err = _run(str(tmp_path), SMALL + overrides)
   assert rc == 2, out + err
   assert err.strip().count("\n") == 0 and err.startswith("error: ") and expect in err, err
   assert "step 1/" not in out
+
+
+@pytest.mark.parametrize("args, expect", [
+    ([], "flag --config=None: Flag --config must have a value other than None"),
+    (["--config", TINY], "flag --workdir=None"),
+    (["--config", "configs/no_such.py", "--workdir", "W"], "--config=configs/no_such.py: no such file"),
+    (["--config", TINY, "--workdir", "W", "--config.num_steps=abc"],
+     "flag --config.num_steps=abc: invalid literal for int()"),
+    (["--config", TINY, "--workdir", "W", "--num_step=3"], "Unknown command line flag 'num_step'"),
+])
+def test_bad_flags_are_one_line(tmp_path, args, expect):
+  """Missing, unknown or mistyped flags and a config path without a file: one line, exit 2, and
+  no workdir."""
+  p = subprocess.run([sys.executable, "-m", "distca_jax.train"] + args, cwd=tmp_path, env=_env(),
+                     capture_output=True, text=True, timeout=600)
+  assert p.returncode == 2, p.stdout + p.stderr
+  assert p.stderr.count("\n") == 1 and p.stderr.startswith("error: ") and expect in p.stderr, (
+      p.stderr)
+  assert not os.path.exists(tmp_path / "W")
+
+
+def test_aot_memory_with_a_kernel_this_host_cannot_run_is_one_line(tmp_path):
+  """`experiments.aot_memory` on a config naming a GPU kernel, on a CPU host: one line naming
+  the setting and the CPU kernel, exit 2 (the override that fixes it is in README.md)."""
+  p = subprocess.run([sys.executable, "-m", "experiments.aot_memory", "--config", TINY,
+                      "--devices", "1", "--override", "attention.backend=packed_dp",
+                      "--override", "attention.kernel=mosaic"],
+                     cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+  assert p.returncode == 2, p.stdout + p.stderr
+  assert p.stderr.count("\n") == 1 and p.stderr.startswith(
+      "error: attention.kernel='mosaic' cannot run here"), p.stderr
 
 
 def test_verbose_keeps_the_traceback(tmp_path):

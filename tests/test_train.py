@@ -109,7 +109,8 @@ def test_config_override_errors():
 def test_bad_mesh_is_a_clear_error():
   with pytest.raises(ValueError, match="devices are visible"):
     shard_lib.make_mesh(data=3, tensor=1)
-  with pytest.raises(ValueError, match="mesh.pipe=3 must divide the 8 devices"):
+  with pytest.raises(ValueError, match="mesh.pipe=3 must divide the 8 devices: lower them, or "
+                                       "run on more devices; on a CPU, JAX_NUM_CPU_DEVICES=N"):
     shard_lib.make_mesh(pipe=3)
 
 

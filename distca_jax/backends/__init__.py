@@ -64,6 +64,13 @@ def build(c: ml_collections.ConfigDict, **overrides) -> attn_lib.Backend:
   return backend
 
 
+def kernel_of(c: ml_collections.ConfigDict) -> str | None:
+  """The ``ops.core_attention`` kernel the configured backend runs (``attention.kernel``), or
+  None for a backend without one (``local``, ``reference``)."""
+  fields = {f.name for f in dataclasses.fields(module(c.attention.backend).Options)}
+  return c.attention.kernel if "kernel" in fields else None
+
+
 def get(name: str, **options) -> attn_lib.Backend:
   """The backend ``name`` with ``options`` (its ``Options`` fields; the rest default)."""
   m = module(name)

@@ -349,8 +349,8 @@ def test_blockwise_forward_outputs_are_saved_by_name():
   saved = saved_residuals(remat, q, k, k)
   named = sorted(shape for _, shape, why in saved if ops.KERNEL_OUTPUTS_NAME in why)
   assert named == sorted([(t, h, d), (t, kh, h // kh)]), saved  # O, and LSE as [T, K, G]
-  for g, w in zip(jax.grad(remat, argnums=(0, 1, 2))(q, k, k),
-                  jax.grad(loss, argnums=(0, 1, 2))(q, k, k)):
+  for g, w in zip(jax.jit(jax.grad(remat, argnums=(0, 1, 2)))(q, k, k),
+                  jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, k)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
 
 
@@ -732,13 +732,13 @@ def test_flash3_remat_keeps_o_and_compact_lse_not_the_raw_buffer(seed):
   raw = [shape for _, shape, _ in saved_residuals(jax.checkpoint(
       loss, policy=lambda prim, *_, **__: prim.name == "ffi_call"), q, k, v)]
   assert (slots, h, t) in raw  # saving the call's outputs keeps the raw buffer
+  want = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
   for policy in (model.REMAT_POLICIES["save_attention"], ops.saves_kernel_outputs):
     saved = saved_residuals(jax.checkpoint(loss, policy=policy), q, k, v)
     named = sorted(shape for _, shape, why in saved if ops.KERNEL_OUTPUTS_NAME in why)
     assert named == sorted([(t, h, d), (h, t)]), saved
     assert not [shape for _, shape, _ in saved if shape == (slots, h, t)], saved
-    grads = jax.grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1, 2)))(q, k, v)
     for g, w in zip(grads, want):
       np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 

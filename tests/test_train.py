@@ -295,7 +295,8 @@ def test_remat_mlp_layers_saves_the_mlp_of_those_layers_only():
   tokens = jnp.zeros((rows, t), jnp.int32)
   attend = lambda q, k, v, lay, *, softmax_scale: q * softmax_scale
   base = model_lib.ModelConfig(n_layers=4, remat="save_attention", dim=64, mlp_dim=f_dim)
-  params = model_lib.Transformer(base, attend).init(jax.random.key(0), tokens, layout)["params"]
+  params = jax.eval_shape(  # shapes only: saved_residuals traces, it runs nothing
+      lambda: model_lib.Transformer(base, attend).init(jax.random.key(0), tokens, layout)["params"])
   for kept in (0, 1, 3):
     cfg = dataclasses.replace(base, remat_mlp_layers=kept)
     m = model_lib.Transformer(cfg, attend)
@@ -383,8 +384,9 @@ def test_ping_pong_saves_activations_not_weights():
   totals = {}
   for n_layers in (4, 8):
     cfg = model_lib.ModelConfig(n_layers=n_layers, remat="full", dim=128, mlp_dim=512)
-    params = model_lib.Transformer(cfg, lambda q, k, v, lay, *, softmax_scale: q).init(
-        jax.random.key(0), tokens, layout)["params"]
+    params = jax.eval_shape(  # shapes only: saved_residuals traces, it runs nothing
+        lambda: model_lib.Transformer(cfg, lambda q, k, v, lay, *, softmax_scale: q).init(
+            jax.random.key(0), tokens, layout)["params"])
     for nano in (1, 2):
       m = model_lib.Transformer(cfg, lambda q, k, v, lay, *, softmax_scale: q * softmax_scale,
                                 model_lib.execution_plan(cfg, nano_batches=nano))
@@ -430,8 +432,8 @@ def test_ping_pong_schedule_crosses_layers():
   layout = attn_lib.Layout(jnp.ones((4, t), jnp.int32),
                            jnp.tile(jnp.arange(t, dtype=jnp.int32)[None], (4, 1)))
   tokens = jnp.zeros((4, t), jnp.int32)
-  params = model_lib.Transformer(cfg, attend).init(jax.random.key(0), tokens,
-                                                            layout)["params"]
+  params = jax.eval_shape(  # shapes only: the checks read the traced program
+      lambda: model_lib.Transformer(cfg, attend).init(jax.random.key(0), tokens, layout)["params"])
   model = model_lib.Transformer(cfg, attend, model_lib.execution_plan(cfg, nano_batches=2))
   jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens, layout))(params).jaxpr
   scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]

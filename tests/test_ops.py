@@ -318,8 +318,10 @@ def test_auto_runs_blockwise_on_cpu():
   rng = np.random.default_rng(13)
   cu_q, cu_k = (jnp.asarray(x) for x in random_table(rng, case))
   q, k, v, _, _ = random_inputs(rng, case)
-  o_auto, lse_auto = ops.core_attention(q, k, v, cu_q, cu_k, kernel="auto", return_lse=True)
-  o, lse = ops.core_attention(q, k, v, cu_q, cu_k, kernel="blockwise", return_lse=True)
+  run = lambda kernel: jax.jit(functools.partial(ops.core_attention, kernel=kernel,
+                                                 return_lse=True))(q, k, v, cu_q, cu_k)
+  o_auto, lse_auto = run("auto")
+  o, lse = run("blockwise")
   np.testing.assert_array_equal(np.asarray(o_auto, np.float32), np.asarray(o, np.float32))
   np.testing.assert_array_equal(np.asarray(lse_auto), np.asarray(lse))
 
@@ -667,7 +669,7 @@ def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
   traced = jax.jit(jax.grad(lambda *a: loss(*a, flash), argnums=(0, 1, 2),
                             has_aux=True)).trace(q, k, v)  # one trace: run and structure
   got = traced.lower().compile()(q, k, v)
-  want = jax.grad(lambda *a: loss(*a, ref), argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  want = jax.jit(jax.grad(lambda *a: loss(*a, ref), argnums=(0, 1, 2), has_aux=True))(q, k, v)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
   # Bounds above the buffers are clamped to them (no task can be longer).

@@ -130,10 +130,17 @@ def test_planner_fuzz_extremes_by_hand():
 # ---------------------------------------------------------------------------------------------
 # Data plane on 8 fake devices
 # ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cad_run():
+  """CAD's jitted outputs and VJP on 8 devices; the plan is an argument, so every seed's layouts
+  run one compiled program."""
+  return _make_run(_mesh(), SPEC)
+
+
 @pytest.mark.parametrize("seed", [11, 12])
-def test_cad_outputs_and_grads_on_fuzzed_layouts(seed):
+def test_cad_outputs_and_grads_on_fuzzed_layouts(seed, cad_run):
   rng = np.random.default_rng(seed)
-  run = _make_run(_mesh(), SPEC)
+  run = cad_run
   ran = []
   for kind in KINDS:
     doc_lens = random_layout(rng, kind, S, T)

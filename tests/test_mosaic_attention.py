@@ -51,6 +51,12 @@ def random_table(rng: np.random.Generator, num_tasks: int, max_len: int):
 # ------------------------------------------------------------------------------------------------
 # CPU: layout and work lists
 # ------------------------------------------------------------------------------------------------
+def _compiled(fn, *arrays):
+  """``fn(*arrays)`` compiled as one program, its results as NumPy: how the kernels' callers run
+  these jnp work lists (inside jit). Run eagerly, each of their ops would compile on its own, for
+  every new table size (about 4x the time on CPU)."""
+  return jax.tree.map(np.asarray, jax.jit(fn)(*(jnp.asarray(a) for a in arrays)))
+
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -58,15 +64,18 @@ def test_aligned_layout_round_trips(seed):
   rng = np.random.default_rng(seed)
   cu, _ = random_table(rng, 6, 150)
   total = int(cu[-1]) + int(rng.integers(0, 9))
-  lay = mw.aligned_layout(jnp.asarray(cu), total, 128)
-  x = jnp.asarray(rng.standard_normal((total, 3)), jnp.float32)
-  xp = mw.gather_rows(x, lay.src_P)
+  x = rng.standard_normal((total, 3)).astype(np.float32)
+
+  def round_trip(cu, x):
+    lay = mw.aligned_layout(cu, total, 128)
+    xp = mw.gather_rows(x, lay.src_P)
+    return xp, mw.gather_rows(xp, lay.dst_T), lay.start_N
+
+  xp, back, start = _compiled(round_trip, cu, x)
   assert xp.shape[0] == mw.padded_rows(total, 6, 128)
-  back = np.asarray(mw.gather_rows(xp, lay.dst_T))
   inside = (np.arange(total) >= cu[0]) & (np.arange(total) < cu[-1])
-  np.testing.assert_array_equal(back[inside], np.asarray(x)[inside], err_msg=f"{seed=}")
+  np.testing.assert_array_equal(back[inside], x[inside], err_msg=f"{seed=}")
   assert (back[~inside] == 0).all(), f"{seed=}"
-  start = np.asarray(lay.start_N)
   assert (start % 128 == 0).all() and (np.diff(start) >= 0).all(), f"{seed=} {start=}"
 
 
@@ -118,8 +127,7 @@ def _check_key_tiles(col, w, r, task, cu_k, kv_edge, covered, block_kv, err):
 
 
 def _kv_edge(cu_k, total_k, bs):
-  edges, edge_rows = (np.asarray(x) for x in mw.kv_edges(jnp.asarray(cu_k), total_k,
-                                                         bs.edge_block))
+  edges, edge_rows = _compiled(lambda cu_k: mw.kv_edges(cu_k, total_k, bs.edge_block), cu_k)
   return edges, edge_rows, bs.edge_block, total_k
 
 
@@ -138,11 +146,13 @@ def test_q_tile_table_covers_exactly_the_visible_pairs(seed, block_kv):
   bs = ma.BlockSizes()
   cu_q, cu_k = random_table(rng, 7, 300)
   total_q, total_k = int(cu_q[-1]) + 3, int(cu_k[-1]) + 5
-  lay_q = mw.aligned_layout(jnp.asarray(cu_q), total_q, bs.align_q)
-  table = np.asarray(mw.q_tile_table(jnp.asarray(cu_q), jnp.asarray(cu_k), lay_q, total_q, bs,
-                                     block_kv))
+
+  def lists(cu_q, cu_k):
+    lay_q = mw.aligned_layout(cu_q, total_q, bs.align_q)
+    return mw.q_tile_table(cu_q, cu_k, lay_q, total_q, bs, block_kv), lay_q.start_N
+
+  table, start_q = _compiled(lists, cu_q, cu_k)
   kv_edge = _kv_edge(cu_k, total_k, bs)
-  start_q = np.asarray(lay_q.start_N)
   covered = [np.zeros((b - a, d - c), int) for a, b, c, d in
              zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])]
   for col in table.T:
@@ -170,12 +180,14 @@ def test_q_tile_table_in_place_stores_every_row_once_and_covers_the_visible_pair
   total_q = int(cu_q[-1]) + int(rng.integers(0, 3)) * 8  # a multiple of 8 iff cu_q[-1] is
   total_q += -total_q % 8
   total_k = int(cu_k[-1]) + 5
-  table = np.asarray(mw.q_tile_table_in_place(jnp.asarray(cu_q), jnp.asarray(cu_k), total_q,
-                                              bs, bs.block_kv))
+
+  def lists(cu_q, cu_k):
+    lay_f = mw.aligned_layout(cu_q, total_q, bs.align_q, front=True)
+    return (mw.q_tile_table_in_place(cu_q, cu_k, total_q, bs, bs.block_kv), lay_f.dst_T,
+            mw.q_tail_rows(total_q, total_q, bq))
+
+  table, dst_f, tail = _compiled(lists, cu_q, cu_k)
   assert table.shape == (mw.QT_FIELDS_IN_PLACE, table.shape[1])
-  lay_f = mw.aligned_layout(jnp.asarray(cu_q), total_q, bs.align_q, front=True)
-  dst_f = np.asarray(lay_f.dst_T)
-  tail = np.asarray(mw.q_tail_rows(total_q, total_q, bq))
   kv_edge = _kv_edge(cu_k, total_k, bs)
   stored = np.zeros(total_q, int)
   covered = [np.zeros((b - a, d - c), int) for a, b, c, d in
@@ -221,11 +233,13 @@ def test_kv_tile_table_covers_exactly_the_visible_pairs(seed):
   bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
   cu_q, cu_k = random_table(rng, 7, 300)
   total_q, total_k = int(cu_q[-1]) + 2, int(cu_k[-1]) + 7
-  lay_q = mw.aligned_layout(jnp.asarray(cu_q), total_q, bs.align_q)
-  lay_k = mw.aligned_layout(jnp.asarray(cu_k), total_k, bs.align_k)
-  table = np.asarray(mw.kv_tile_table(jnp.asarray(cu_q), jnp.asarray(cu_k), lay_q, lay_k,
-                                      total_k, bs))
-  start_q, start_k = np.asarray(lay_q.start_N), np.asarray(lay_k.start_N)
+
+  def lists(cu_q, cu_k):
+    lay_q = mw.aligned_layout(cu_q, total_q, bs.align_q)
+    lay_k = mw.aligned_layout(cu_k, total_k, bs.align_k)
+    return mw.kv_tile_table(cu_q, cu_k, lay_q, lay_k, total_k, bs), lay_q.start_N, lay_k.start_N
+
+  table, start_q, start_k = _compiled(lists, cu_q, cu_k)
   covered = [np.zeros((b - a, d - c), int) for a, b, c, d in
              zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])]
   for col in table.T:
@@ -260,14 +274,17 @@ def test_kv_tile_table_covers_exactly_the_visible_pairs(seed):
 
 
 def _in_place_table(rng, bs):
-  """A random task table of 7 tasks, its buffer sizes, the front-shifted aligned query layout
-  (LSE / delta rows) and the in-place dK/dV work list."""
+  """A random task table of 7 tasks, its buffer sizes, the tasks' first rows in the front-shifted
+  aligned query layout (LSE / delta rows) and the in-place dK/dV work list."""
   cu_q, cu_k = random_table(rng, 7, 300)
   total_q, total_k = int(cu_q[-1]) + 2, int(cu_k[-1]) + int(rng.integers(0, 200))
-  lay_f = mw.aligned_layout(jnp.asarray(cu_q), total_q, bs.align_q, front=True)
-  table = np.asarray(mw.kv_tile_table_in_place(jnp.asarray(cu_q), jnp.asarray(cu_k), lay_f,
-                                               total_k, bs))
-  return cu_q, cu_k, total_q, total_k, lay_f, table
+
+  def lists(cu_q, cu_k):
+    lay_f = mw.aligned_layout(cu_q, total_q, bs.align_q, front=True)
+    return mw.kv_tile_table_in_place(cu_q, cu_k, lay_f, total_k, bs), lay_f.start_N
+
+  table, start_f = _compiled(lists, cu_q, cu_k)
+  return cu_q, cu_k, total_q, total_k, start_f, table
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -275,11 +292,9 @@ def test_kv_tile_table_in_place_covers_pairs_and_stores_every_row_once(seed):
   rng = np.random.default_rng(seed)
   bs = ma.BlockSizes()
   bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
-  cu_q, cu_k, total_q, total_k, lay_f, table = _in_place_table(rng, bs)
-  edges, edge_rows = (np.asarray(x) for x in mw.kv_edges(jnp.asarray(cu_k), total_k,
-                                                         bs.edge_block))
-  q_edge = tuple(np.asarray(x) for x in mw.kv_edges(jnp.asarray(cu_q), total_q, bqd))
-  start_q = np.asarray(lay_f.start_N)
+  cu_q, cu_k, total_q, total_k, start_q, table = _in_place_table(rng, bs)
+  (edges, edge_rows), q_edge = _compiled(lambda cu_k, cu_q: (
+      mw.kv_edges(cu_k, total_k, bs.edge_block), mw.kv_edges(cu_q, total_q, bqd)), cu_k, cu_q)
   stored = np.zeros(total_k, int)
   covered = [np.zeros((b - a, d - c), int) for a, b, c, d in
              zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])]
@@ -332,8 +347,8 @@ def test_fused_bwd_steps_cover_exactly_the_visible_pairs(seed):
   rng = np.random.default_rng(seed)
   bs = ma.BlockSizes(fused_bwd=True)
   bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
-  cu_q, cu_k, total_q, total_k, lay_f, table = _in_place_table(rng, bs)
-  start_q = np.asarray(lay_f.start_N) + cu_q[:-1] % 8  # aligned row of each task's first query
+  cu_q, cu_k, total_q, total_k, start_f, table = _in_place_table(rng, bs)
+  start_q = start_f + cu_q[:-1] % 8  # aligned row of each task's first query
   # counts[aligned query row, key row]: visits of a pair with a non-zero mask
   counts = np.zeros((mw.padded_rows(total_q, 7, bs.align_q, front=True), total_k), int)
   for col in table.T:

@@ -130,18 +130,27 @@ def _layout_id(layout) -> str:
   return "data%d_tensor%d_pipe%d" % layout[:3]
 
 
+@pytest.fixture(scope="module")
+def data8():
+  """(config, fresh state) of the data=8 layout the checkpoints here are saved from: made once
+  (one init compile) for the tests, which only read it."""
+  c = _layout_config(LAYOUTS[0])
+  run = trainer.setup_run(c)
+  return c, trainer.create_train_state(c, run.model, run.tx, run.mesh)
+
+
 # The fast tier moves every axis at once (data2_tensor2_pipe2); the single-axis moves are slow.
 @pytest.mark.parametrize("target", [pytest.param(l, id=_layout_id(l), marks=(
     () if l == LAYOUTS[-1] else pytest.mark.slow)) for l in LAYOUTS[1:]])
-def test_checkpoint_restores_into_another_layout_bit_for_bit(tmp_path, seed, target):
+def test_checkpoint_restores_into_another_layout_bit_for_bit(tmp_path, seed, target, data8):
   """A state saved on data=8 (random parameters and optimizer moments) restores on another
   (data, tensor, pipe) layout with every array identical and placed as that layout shards it."""
-  c = _layout_config(LAYOUTS[0])
-  run = trainer.setup_run(c)
-  state = trainer.create_train_state(c, run.model, run.tx, run.mesh)
-  keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(state))))
+  c, state = data8
+  # Noise drawn and added on the host, then placed as the leaf was: no device op to compile.
+  rng = np.random.default_rng(seed)
   state = jax.tree.map(
-      lambda x: (x + jax.random.normal(next(keys), x.shape, x.dtype)
+      lambda x: (jax.device_put(np.asarray(x) + rng.standard_normal(x.shape).astype(x.dtype),
+                                x.sharding)
                  if jnp.issubdtype(x.dtype, jnp.floating) else x), state)
   state = state.replace(step=state.step + 7)
   manager = ckpt_lib.CheckpointManager(str(tmp_path), c)
@@ -159,11 +168,10 @@ def test_checkpoint_restores_into_another_layout_bit_for_bit(tmp_path, seed, tar
   assert any(a.sharding.spec != jax.sharding.PartitionSpec() for a in jax.tree.leaves(abstract))
 
 
-def test_resume_with_another_batch_size_is_refused(tmp_path):
-  c = _layout_config(LAYOUTS[0])
-  run = trainer.setup_run(c)
+def test_resume_with_another_batch_size_is_refused(tmp_path, data8):
+  c, state = data8
   manager = ckpt_lib.CheckpointManager(str(tmp_path), c)
-  manager.save(1, trainer.create_train_state(c, run.model, run.tx, run.mesh))
+  manager.save(1, state)
   manager.close()
   with pytest.raises(ValueError, match=r"'batch_rows': \(8, 4\).*keep the product"):
     _restore(tmp_path, _layout_config((4, 2, 1, 1)))

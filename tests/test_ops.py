@@ -318,8 +318,10 @@ def test_auto_runs_blockwise_on_cpu():
   rng = np.random.default_rng(13)
   cu_q, cu_k = (jnp.asarray(x) for x in random_table(rng, case))
   q, k, v, _, _ = random_inputs(rng, case)
-  o_auto, lse_auto = ops.core_attention(q, k, v, cu_q, cu_k, kernel="auto", return_lse=True)
-  o, lse = ops.core_attention(q, k, v, cu_q, cu_k, kernel="blockwise", return_lse=True)
+  run = lambda kernel: jax.jit(functools.partial(ops.core_attention, kernel=kernel,
+                                                 return_lse=True))(q, k, v, cu_q, cu_k)
+  o_auto, lse_auto = run("auto")
+  o, lse = run("blockwise")
   np.testing.assert_array_equal(np.asarray(o_auto, np.float32), np.asarray(o, np.float32))
   np.testing.assert_array_equal(np.asarray(lse_auto), np.asarray(lse))
 
@@ -349,8 +351,8 @@ def test_blockwise_forward_outputs_are_saved_by_name():
   saved = saved_residuals(remat, q, k, k)
   named = sorted(shape for _, shape, why in saved if ops.KERNEL_OUTPUTS_NAME in why)
   assert named == sorted([(t, h, d), (t, kh, h // kh)]), saved  # O, and LSE as [T, K, G]
-  for g, w in zip(jax.grad(remat, argnums=(0, 1, 2))(q, k, k),
-                  jax.grad(loss, argnums=(0, 1, 2))(q, k, k)):
+  for g, w in zip(jax.jit(jax.grad(remat, argnums=(0, 1, 2)))(q, k, k),
+                  jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, k)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
 
 
@@ -691,7 +693,7 @@ def test_flash3_launch_buckets_mask_padding_and_match_reference(seed):
   traced = jax.jit(jax.grad(lambda *a: loss(*a, flash), argnums=(0, 1, 2),
                             has_aux=True)).trace(q, k, v)  # one trace: run and structure
   got = traced.lower().compile()(q, k, v)
-  want = jax.grad(lambda *a: loss(*a, ref), argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  want = jax.jit(jax.grad(lambda *a: loss(*a, ref), argnums=(0, 1, 2), has_aux=True))(q, k, v)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
   # Bounds above the buffers are clamped to them (no task can be longer).
@@ -756,13 +758,13 @@ def test_flash3_remat_keeps_o_and_compact_lse_not_the_raw_buffer(seed):
   raw = [shape for _, shape, _ in saved_residuals(jax.checkpoint(
       loss, policy=lambda prim, *_, **__: prim.name == "ffi_call"), q, k, v)]
   assert (slots, h, t) in raw  # saving the call's outputs keeps the raw buffer
+  want = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
   for policy in (model.REMAT_POLICIES["save_attention"], ops.saves_kernel_outputs):
     saved = saved_residuals(jax.checkpoint(loss, policy=policy), q, k, v)
     named = sorted(shape for _, shape, why in saved if ops.KERNEL_OUTPUTS_NAME in why)
     assert named == sorted([(t, h, d), (h, t)]), saved
     assert not [shape for _, shape, _ in saved if shape == (slots, h, t)], saved
-    grads = jax.grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(jax.checkpoint(loss, policy=policy), argnums=(0, 1, 2)))(q, k, v)
     for g, w in zip(grads, want):
       np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 

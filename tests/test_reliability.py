@@ -175,10 +175,19 @@ def test_array_hash_sees_every_single_change_and_ignores_sharding(dtype):
     assert (np.asarray(ckpt_lib._array_hash(jnp.asarray(swapped))) != h).any(), "order-blind hash"
 
 
-def _save_two(workdir, c, abstract, mesh, model, tx):
-  """Checkpoints at steps 1 and 2 (different values); returns the two states on the host."""
-  s1 = trainer.create_train_state(c, model, tx, mesh)
-  s1 = s1.replace(step=s1.step + 1)
+@pytest.fixture(scope="module")
+def fresh():
+  """(small_config(), its abstract state, a fresh state): made once for the checkpoint tests,
+  which only read it (each change makes new arrays), so its init compiles once."""
+  c = small_config()
+  mesh, model, tx, abstract, _ = one_device_setup(c)
+  return c, abstract, trainer.create_train_state(c, model, tx, mesh)
+
+
+def _save_two(workdir, c, state):
+  """Checkpoints at steps 1 and 2 of ``state`` (different values); returns the two states on
+  the host."""
+  s1 = state.replace(step=state.step + 1)
   s2 = s1.replace(step=s1.step + 1, params=jax.tree.map(lambda x: x * 1.5 + 0.25, s1.params))
   m = ckpt_lib.CheckpointManager(workdir, c)
   m.save(1, s1)
@@ -187,10 +196,8 @@ def _save_two(workdir, c, abstract, mesh, model, tx):
   return jax.device_get(s1), jax.device_get(s2)
 
 
-def test_save_refuses_a_nonfinite_state(tmp_path):
-  c = small_config()
-  mesh, model, tx, abstract, _ = one_device_setup(c)
-  state = trainer.create_train_state(c, model, tx, mesh)
+def test_save_refuses_a_nonfinite_state(tmp_path, fresh):
+  c, _, state = fresh
   bad = state.replace(opt_state=jax.tree_util.tree_map_with_path(
       lambda p, x: x.at[(0,) * x.ndim].set(jnp.inf) if ".mu" in jax.tree_util.keystr(p) else x,
       state.opt_state))
@@ -201,10 +208,9 @@ def test_save_refuses_a_nonfinite_state(tmp_path):
   assert m.all_steps() == []
 
 
-def test_diverged_checkpoints_move_aside(tmp_path):
-  c = small_config()
-  mesh, model, tx, abstract, _ = one_device_setup(c)
-  _save_two(str(tmp_path), c, abstract, mesh, model, tx)
+def test_diverged_checkpoints_move_aside(tmp_path, fresh):
+  c, abstract, state = fresh
+  _save_two(str(tmp_path), c, state)
   m = ckpt_lib.CheckpointManager(str(tmp_path), c)
   m.last_good_step = 2
   assert m.set_aside_from(2) == [2] and m.all_steps() == [1] and m.last_good_step == 1
@@ -229,14 +235,13 @@ def _damage(path, offset, n=8):
 
 
 @pytest.mark.slow
-def test_damaged_array_bytes_are_never_restored(tmp_path):
+def test_damaged_array_bytes_are_never_restored(tmp_path, fresh):
   """Every data file of the newest checkpoint, damaged at several offsets: the restored state is
   either bit-identical to what was saved at that step (the bytes were not part of any array) or
   the older checkpoint, with the failure reported by step and path."""
-  c = small_config()
-  mesh, model, tx, abstract, _ = one_device_setup(c)
+  c, abstract, state = fresh
   pristine = str(tmp_path / "pristine")
-  s1, s2 = _save_two(pristine, c, abstract, mesh, model, tx)
+  s1, s2 = _save_two(pristine, c, state)
   files = sorted(glob.glob(os.path.join(pristine, "checkpoints", "2", "state", "**", "d", "*"),
                            recursive=True))
   assert files
@@ -264,10 +269,9 @@ def test_damaged_array_bytes_are_never_restored(tmp_path):
   assert fell_back >= 4, "damage inside the arrays must be caught"
 
 
-def test_no_checkpoint_verifies_is_one_clear_error(tmp_path):
-  c = small_config()
-  mesh, model, tx, abstract, _ = one_device_setup(c)
-  _save_two(str(tmp_path), c, abstract, mesh, model, tx)
+def test_no_checkpoint_verifies_is_one_clear_error(tmp_path, fresh):
+  c, abstract, state = fresh
+  _save_two(str(tmp_path), c, state)
   for step in (1, 2):
     big = max(glob.glob(str(tmp_path / "checkpoints" / str(step) / "state" / "**" / "d" / "*"),
                         recursive=True), key=os.path.getsize)

@@ -42,10 +42,21 @@ def tiny_config(**over):
   return c
 
 
-def loss_and_grads(c, devices, batch_np):
+def fresh_params(c, devices):
+  """Config c's initial parameters on its mesh over ``devices``."""
   mesh = shard_lib.make_mesh(data=c.mesh.data, tensor=c.mesh.tensor, devices=devices)
-  model, tx = trainer.make_model(c), trainer.make_optimizer(c)
-  state = trainer.create_train_state(c, model, tx, mesh)
+  return trainer.create_train_state(c, trainer.make_model(c), trainer.make_optimizer(c),
+                                    mesh).params
+
+
+def loss_and_grads(c, devices, batch_np, params=None):
+  """Loss and gradients of config c on ``batch_np`` at ``params`` (default: c's initial ones).
+  Configs that differ only in how the model runs (remat, nano-batches) init the same parameters
+  (`trainer` inits under the default execution plan): their comparisons pass one set."""
+  mesh = shard_lib.make_mesh(data=c.mesh.data, tensor=c.mesh.tensor, devices=devices)
+  model = trainer.make_model(c)
+  if params is None:
+    params = fresh_params(c, devices)
 
   def f(params, batch):
     total, count = model.apply({"params": params}, batch["inputs"], batch["targets"],
@@ -54,7 +65,7 @@ def loss_and_grads(c, devices, batch_np):
     return total / count
 
   with trainer.mesh_context(mesh):
-    loss, grads = jax.jit(jax.value_and_grad(f))(state.params, trainer.device_batch(batch_np, mesh))
+    loss, grads = jax.jit(jax.value_and_grad(f))(params, trainer.device_batch(batch_np, mesh))
   return float(loss), jax.tree.map(np.asarray, jax.device_get(grads))
 
 
@@ -219,8 +230,9 @@ def test_ping_pong_equals_single_stream(seed, data, tensor):
                     vocab_size=single.model.vocab_size, seed=seed)
   batch = src.batch(int(np.random.default_rng(seed).integers(1000)))
   devices = jax.devices()[:data * tensor]
-  loss_1, g_1 = loss_and_grads(single, devices, batch)
-  loss_2, g_2 = loss_and_grads(pingpong, devices, batch)
+  params = fresh_params(single, devices)
+  loss_1, g_1 = loss_and_grads(single, devices, batch, params)
+  loss_2, g_2 = loss_and_grads(pingpong, devices, batch, params)
   np.testing.assert_allclose(loss_2, loss_1, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g_1), jax.tree.leaves(g_2)):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
@@ -241,8 +253,9 @@ def test_ping_pong_schedule_variants_equal_single_stream(seed, scan_layers, n_la
                     vocab_size=single.model.vocab_size, seed=seed)
   batch = src.batch(int(np.random.default_rng(seed).integers(1000)))
   devices = jax.devices()[:2]
-  loss_1, g_1 = loss_and_grads(single, devices, batch)
-  loss_2, g_2 = loss_and_grads(pingpong, devices, batch)
+  params = fresh_params(single, devices)
+  loss_1, g_1 = loss_and_grads(single, devices, batch, params)
+  loss_2, g_2 = loss_and_grads(pingpong, devices, batch, params)
   np.testing.assert_allclose(loss_2, loss_1, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g_1), jax.tree.leaves(g_2)):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
@@ -264,8 +277,9 @@ def assert_same_loss_and_grads(base, other, seed):
   src = make_source(base.data, rows=2, tokens_per_row=base.tokens_per_rank,
                     vocab_size=base.model.vocab_size, seed=seed)
   batch = src.batch(int(np.random.default_rng(seed).integers(1000)))
-  loss_1, g_1 = loss_and_grads(base, jax.devices()[:2], batch)
-  loss_2, g_2 = loss_and_grads(other, jax.devices()[:2], batch)
+  params = fresh_params(base, jax.devices()[:2])
+  loss_1, g_1 = loss_and_grads(base, jax.devices()[:2], batch, params)
+  loss_2, g_2 = loss_and_grads(other, jax.devices()[:2], batch, params)
   assert jax.tree.structure(g_1) == jax.tree.structure(g_2)
   np.testing.assert_allclose(loss_2, loss_1, rtol=1e-6, err_msg=f"seed {seed}")
   for a, b in zip(jax.tree.leaves(g_1), jax.tree.leaves(g_2)):
@@ -296,7 +310,8 @@ def test_remat_mlp_layers_saves_the_mlp_of_those_layers_only():
   tokens = jnp.zeros((rows, t), jnp.int32)
   attend = lambda q, k, v, lay, *, softmax_scale: q * softmax_scale
   base = model_lib.ModelConfig(n_layers=4, remat="save_attention", dim=64, mlp_dim=f_dim)
-  params = model_lib.Transformer(base, attend).init(jax.random.key(0), tokens, layout)["params"]
+  params = jax.eval_shape(  # shapes only: saved_residuals traces, it runs nothing
+      lambda: model_lib.Transformer(base, attend).init(jax.random.key(0), tokens, layout)["params"])
   for kept in (0, 1, 3):
     cfg = dataclasses.replace(base, remat_mlp_layers=kept)
     m = model_lib.Transformer(cfg, attend)
@@ -384,8 +399,9 @@ def test_ping_pong_saves_activations_not_weights():
   totals = {}
   for n_layers in (4, 8):
     cfg = model_lib.ModelConfig(n_layers=n_layers, remat="full", dim=128, mlp_dim=512)
-    params = model_lib.Transformer(cfg, lambda q, k, v, lay, *, softmax_scale: q).init(
-        jax.random.key(0), tokens, layout)["params"]
+    params = jax.eval_shape(  # shapes only: saved_residuals traces, it runs nothing
+        lambda: model_lib.Transformer(cfg, lambda q, k, v, lay, *, softmax_scale: q).init(
+            jax.random.key(0), tokens, layout)["params"])
     for nano in (1, 2):
       m = model_lib.Transformer(cfg, lambda q, k, v, lay, *, softmax_scale: q * softmax_scale,
                                 model_lib.execution_plan(cfg, nano_batches=nano))
@@ -431,8 +447,8 @@ def test_ping_pong_schedule_crosses_layers():
   layout = attn_lib.Layout(jnp.ones((4, t), jnp.int32),
                            jnp.tile(jnp.arange(t, dtype=jnp.int32)[None], (4, 1)))
   tokens = jnp.zeros((4, t), jnp.int32)
-  params = model_lib.Transformer(cfg, attend).init(jax.random.key(0), tokens,
-                                                            layout)["params"]
+  params = jax.eval_shape(  # shapes only: the checks read the traced program
+      lambda: model_lib.Transformer(cfg, attend).init(jax.random.key(0), tokens, layout)["params"])
   model = model_lib.Transformer(cfg, attend, model_lib.execution_plan(cfg, nano_batches=2))
   jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens, layout))(params).jaxpr
   scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]

@@ -19,9 +19,9 @@ How (one kernel, ``grid = (blocks,)``, each block one CTA):
      of every group (peers in the order ``me, me + 1, ...`` so the devices do not all write to
      one peer at once): GMEM -> SMEM (TMA), then SMEM -> the peer's GMEM
      (``plgpu.remote_ref``), through ``slots`` SMEM tiles so that a chunk's load overlaps the
-     stores of the chunks before it. A group's last partial chunk goes in power-of-two pieces, so no
-     copy writes outside its group. The rows past the last filled row are written from a zeroed
-     SMEM tile the same way.
+     stores of the chunks before it. A group's last partial chunk goes in power-of-two pieces,
+     so no copy writes outside its group. The rows past the last filled row are written from a
+     zeroed SMEM tile the same way.
   3. Exit: each block waits for its copies to land, signals ``done[me]`` on every device and
      waits once on ``done[k]`` for every ``k`` (the same counting as step 1); the kernel ends
      when the last block has seen every sender's last block, so the receive buffer is complete.

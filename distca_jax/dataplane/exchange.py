@@ -93,7 +93,7 @@ class ExchangeOptions:
     object.__setattr__(self, "buckets", int(self.buckets))
     if self.collective not in COLLECTIVES:
       raise ValueError(f"distca collective={self.collective!r}; choose one of {COLLECTIVES} "
-                       "('auto': dense on GPU, ring elsewhere)")
+                       "('auto': remote on one process's GPUs, dense on several, ring elsewhere)")
     if not isinstance(self.signal_only, (bool, np.bool_)):
       raise ValueError(f"distca signal_only={self.signal_only!r} must be True or False (True only "
                        "for timing benchmarks: it gives wrong results)")

@@ -116,10 +116,12 @@ def _kernel(routes_ref, x_ref, y_ref, tiles, zero, bars, *, axes, sizes, lines_p
   for a, n in zip(axes, sizes):
     me = me * n + lax.axis_index(a).astype(jnp.int32)
   b = lax.axis_index("blocks")
+  # Peers in the order me, me + 1, ...: their routes column and their mesh ids.
   peers = [lax.rem(me + k, jnp.int32(s)) for k in range(s)]
+  peer_ids = [_device(axes, sizes, p) for p in peers]
 
-  for p in peers:  # 1. entry barrier
-    pl.semaphore_signal(ready.at[me], device_id=_device(axes, sizes, p))
+  for pid in peer_ids:  # 1. entry barrier
+    pl.semaphore_signal(ready.at[me], device_id=pid)
   for k in range(s):
     pl.semaphore_wait(ready.at[k], 1)
 
@@ -128,8 +130,8 @@ def _kernel(routes_ref, x_ref, y_ref, tiles, zero, bars, *, axes, sizes, lines_p
 
   ll = lines_per_row
   i = jnp.int32(0)  # copies this block issued: copy i uses slot i % slots
-  for k, p in enumerate(peers):  # 2. copies, own group first
-    dst_ref = y_ref if k == 0 else plgpu.remote_ref(y_ref, _device(axes, sizes, p))
+  for k, (p, pid) in enumerate(zip(peers, peer_ids)):  # 2. copies, own group first
+    dst_ref = y_ref if k == 0 else plgpu.remote_ref(y_ref, pid)
 
     def copy(src, dst, n, i, drain, dst_ref=dst_ref):
       slot = lax.rem(i, jnp.int32(slots))
@@ -158,8 +160,8 @@ def _kernel(routes_ref, x_ref, y_ref, tiles, zero, bars, *, axes, sizes, lines_p
   _spread(clear, b, blocks, chunk, jnp.int32(0), filled * ll, total - filled * ll, s, i)
 
   plgpu.wait_smem_to_gmem(0)  # 3. this block's writes have landed
-  for p in peers:
-    pl.semaphore_signal(done.at[me], device_id=_device(axes, sizes, p))
+  for pid in peer_ids:
+    pl.semaphore_signal(done.at[me], device_id=pid)
   for k in range(s):
     pl.semaphore_wait(done.at[k], 1)
 

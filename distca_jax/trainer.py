@@ -533,36 +533,29 @@ def preflight(c, run: RunSetup, state, batch: dict, rows: int | None = None,
   bytes, the run whose model the step runs)."""
   device, resend_fn = run.mesh.devices.flat[0], getattr(run.backend, "resend_fn", None)
   step_fn, workspace, _ = compile_train_step(c, run, state, batch, rows)
+  if resend_fn is None:
+    return step_fn, workspace, memory_lib.check_fits(step_fn, device, capacity, workspace), run
   cap = capacity if capacity is not None else memory_lib.device_capacity_bytes(device)
-  try:
-    need = memory_lib.check_fits(step_fn, device, cap, workspace)
-    if resend_fn is None or need is None or cap is None or need <= cap * (1 - AUTO_KEEP_SPARE):
-      if resend_fn is not None:
-        log(f"distca memory_mode 'auto': 'keep' ("
-            + ("fits: " + memory_lib.format_bytes(need) if need is not None else "device memory "
-               "unknown") + " per device)")
-      return step_fn, workspace, need, run
-    keep, why = (step_fn, workspace, need), (
-        f"leaves less than {AUTO_KEEP_SPARE:.0%} of {memory_lib.format_bytes(cap)} spare")
-  except memory_lib.DoesNotFit as e:
-    if resend_fn is None:
-      raise
-    keep, why = e, f"over {memory_lib.format_bytes(e.capacity)}"
+  keep_need = memory_lib.step_need_bytes(step_fn, workspace)
+  fmt = memory_lib.format_bytes
+  if keep_need is None or cap is None or keep_need <= cap * (1 - AUTO_KEEP_SPARE):
+    fits = (f"fits: {fmt(keep_need)}" if keep_need is not None and cap is not None
+            else "device memory unknown")
+    log(f"distca memory_mode 'auto': 'keep' ({fits} per device)")
+    return step_fn, workspace, keep_need, run
   resend_run = dataclasses.replace(run, model=run.model.clone(attend=resend_fn))
-  step_fn, workspace, _ = compile_train_step(c, resend_run, state, batch, rows)
-  keep_need = keep.need if isinstance(keep, memory_lib.DoesNotFit) else keep[2]
-  try:
-    need = memory_lib.check_fits(step_fn, device, cap, workspace)
-  except memory_lib.DoesNotFit:
-    if isinstance(keep, memory_lib.DoesNotFit):
-      raise
-    log(f"distca memory_mode 'auto': 'keep' ({memory_lib.format_bytes(keep_need)} per device; "
-        f"'resend' does not fit)")
-    return (*keep, run)
-  log(f"distca memory_mode 'auto': 'keep' needs {memory_lib.format_bytes(keep_need)} per device, "
-      f"{why}; running 'resend' (servers re-send Q/K/V in the backward): "
-      f"{memory_lib.format_bytes(need)}")
-  return step_fn, workspace, need, resend_run
+  resend_step, resend_ws, _ = compile_train_step(c, resend_run, state, batch, rows)
+  need = memory_lib.step_need_bytes(resend_step, resend_ws)
+  if need > cap:
+    if keep_need > cap:
+      raise memory_lib.DoesNotFit(need, cap, workspace=resend_ws)
+    log(f"distca memory_mode 'auto': 'keep' ({fmt(keep_need)} per device; 'resend' does not fit)")
+    return step_fn, workspace, keep_need, run
+  why = (f"over {fmt(cap)}" if keep_need > cap
+         else f"leaves less than {AUTO_KEEP_SPARE:.0%} of {fmt(cap)} spare")
+  log(f"distca memory_mode 'auto': 'keep' needs {fmt(keep_need)} per device, {why}; running "
+      f"'resend' (servers re-send Q/K/V in the backward): {fmt(need)}")
+  return resend_step, resend_ws, need, resend_run
 
 
 def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dict]:

@@ -166,8 +166,8 @@ def wire_bytes(collective: str, cap: plan_lib.Capacity, s: int, by: dict, bq: in
   """Bytes one device puts on the wire in one forward exchange (dispatch: Q + K/V) and its
   output return, per implementation (``dataplane.exchange``): 'remote' and 'ragged' the routed
   rows (mean over devices: ``by``, from ``plan_lib.exchange_bytes``), 'ring' S - 1 whole send
-  buffers, 'dense' S - 1 groups of ``min(send cap, recv cap)`` rows. ``bq`` / ``bkv``: bytes of a Q row and of a
-  K plus V row."""
+  buffers, 'dense' S - 1 groups of ``min(send cap, recv cap)`` rows. ``bq`` / ``bkv``: bytes of
+  a Q row and of a K plus V row."""
   if collective in ("remote", "ragged"):
     return {"dispatch": by["dispatch_useful"], "return": by["return_useful"]}
   if collective == "ring":

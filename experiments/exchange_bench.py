@@ -20,6 +20,7 @@ whole measurement in a child process per XLA flag set (the flags are read when J
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -49,6 +50,16 @@ def measure(a) -> list[dict]:
   mesh = jax.sharding.Mesh(np.asarray(devs), ("data",),
                            axis_types=(jax.sharding.AxisType.Auto,))
   sh = NamedSharding(mesh, P("data"))
+  # What is timed, by name: each collective through the data plane's exchange, and the 'remote'
+  # kernel at each --remote-grids grid (BLOCKSxCHUNK[xSLOTS]); fn(x, routes, recv_rows).
+  variants = {col: lambda x, r, cr, col=col: dataplane.ragged_exchange(x, r, cr, "data", col)
+              for col in a.collectives.split(",")}
+  for grid in filter(None, a.remote_grids.split(",")):
+    from custom_ops.remote_exchange import remote_exchange  # pylint: disable=import-outside-toplevel
+    blocks, chunk, slots = (int(v) for v in (grid + "x2").split("x")[:3])
+    variants[f"remote_{grid}"] = functools.partial(
+        lambda x, r, cr, **kw: remote_exchange(x, r, cr, "data", **kw), blocks=blocks,
+        chunk=chunk, slots=slots)
   rows = []
   for workload in a.workloads.split(","):
     for tokens in [int(t) for t in a.tokens.split(",")]:
@@ -84,28 +95,17 @@ def measure(a) -> list[dict]:
           busiest += useful
           row[f"{name}_busiest_mb"] = useful / 1e6
           outs = {}
-          for col in a.collectives.split(","):
-            def body(x, r, col=col, cr=cr):
-              return dataplane.ragged_exchange(x, r, cr, "data", col)
+          for name_v, fn in variants.items():
             # check_vma=False: kernel primitives (the 'remote' collective) carry no axis info
-            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data")),
-                                      out_specs=P("data"), check_vma=False))
+            f = jax.jit(jax.shard_map(functools.partial(fn, cr=cr), mesh=mesh,
+                                      in_specs=(P("data"), P("data")), out_specs=P("data"),
+                                      check_vma=False))
             try:
-              outs[col] = f(x, r)
-              row[f"{name}_{col}_ms"] = seconds(f, x, r) * 1e3
+              outs[name_v] = f(x, r)
+              row[f"{name}_{name_v}_ms"] = seconds(f, x, r) * 1e3
             except Exception as e:  # noqa: BLE001  (a collective this platform lacks: say so)
-              row[f"{name}_{col}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-          for grid in filter(None, a.remote_grids.split(",")):
-            blocks, chunk, slots = (int(v) for v in (grid + "x2").split("x")[:3])
-            from custom_ops.remote_exchange import remote_exchange  # pylint: disable=import-outside-toplevel
-            fg = jax.jit(jax.shard_map(
-                lambda x, r, cr=cr, blocks=blocks, chunk=chunk, slots=slots: remote_exchange(
-                    x, r, cr, "data", blocks=blocks, chunk=chunk, slots=slots),
-                mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"),
-                check_vma=False))
-            key = f"remote_{grid}"
-            outs[key] = fg(x, r)
-            row[f"{name}_{key}_ms"] = seconds(fg, x, r) * 1e3
+              first = str(e).splitlines()[0][:200] if str(e) else ""
+              row[f"{name}_{name_v}_error"] = f"{type(e).__name__}: {first}"
           ref = next(iter(outs.values()), None)
           row[f"{name}_collectives_equal"] = all(bool(jnp.array_equal(o, ref))
                                                  for o in outs.values())
@@ -117,8 +117,7 @@ def measure(a) -> list[dict]:
           raw = jax.jit(jax.shard_map(lambda x: jax.lax.all_to_all(x, "data", 0, 0, tiled=True),
                                       mesh=mesh, in_specs=P("data"), out_specs=P("data")))
           row[f"{name}_raw_a2a_ms"] = seconds(raw, raw_x) * 1e3
-          for col in [*a.collectives.split(","),
-                      *[f"remote_{g}" for g in filter(None, a.remote_grids.split(","))]]:
+          for col in variants:
             if f"{name}_{col}_ms" in row:
               row[f"{name}_{col}_bw_fraction"] = row[f"{name}_raw_a2a_ms"] / row[f"{name}_{col}_ms"]
         row["busiest_useful_mb"] = busiest / 1e6

@@ -236,10 +236,10 @@ def ragged_exchange(x, routes, recv_rows: int, axis, collective: str,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _exchange(x, routes, recv_rows: int, axis, collective: str, buckets: int):
-  out = jnp.zeros((recv_rows,) + x.shape[1:], x.dtype)
-  if collective == "remote":
+  if collective == "remote":  # writes every row of its own output (unfilled rows: zeros)
     from custom_ops.remote_exchange import remote_exchange  # pylint: disable=import-outside-toplevel
     return remote_exchange(x, routes, recv_rows, axis)  # loads Mosaic GPU: only when used
+  out = jnp.zeros((recv_rows,) + x.shape[1:], x.dtype)
   if collective == "ragged":
     return _ragged(x, out, routes, axis)
   if collective == "ring":

@@ -20,8 +20,11 @@ How (one kernel, ``grid = (blocks,)``, each block one CTA):
      one peer at once): GMEM -> SMEM (TMA), then SMEM -> the peer's GMEM
      (``plgpu.remote_ref``), through ``slots`` SMEM tiles so that a chunk's load overlaps the
      stores of the chunks before it. A group's last partial chunk goes in power-of-two pieces,
-     so no copy writes outside its group. The rows past the last filled row are written from a
-     zeroed SMEM tile the same way.
+     so no copy writes outside its group.
+  Zeroing: the rows past the last filled row are written from a zeroed SMEM tile the same way,
+  by ``zero_blocks`` extra blocks (grid ``blocks + zero_blocks``) that run beside the copies:
+  they touch only this device's own receive rows that no sender fills, so they take no part in
+  the barriers. With ``zero_blocks = 0`` the copying blocks zero after their copies.
   3. Exit: each block waits for its copies to land, signals ``done[me]`` on every device and
      waits once on ``done[k]`` for every ``k`` (the same counting as step 1); the kernel ends
      when the last block has seen every sender's last block, so the receive buffer is complete.
@@ -46,6 +49,7 @@ LINE = 128          # elements per line (a TMA box's inner dimension)
 CHUNK_LINES = 128   # lines per copy (32 KB of bf16)
 DEFAULT_BLOCKS = 132  # one CTA per SM of an H100 / H200
 DEFAULT_SLOTS = 2     # SMEM tiles per CTA: a chunk's load overlaps the previous chunk's store
+DEFAULT_ZERO_BLOCKS = 66  # extra CTAs that zero the unfilled receive rows beside the copies
 
 
 def line_width(row_shape, dtype) -> int:
@@ -107,15 +111,51 @@ def _spread(copy, b, blocks: int, chunk: int, src, dst, lines, turn, i):
   return i
 
 
+def _zero_tail(routes_ref, y_ref, zero, b, blocks: int, chunk: int, s: int, ll: int):
+  """Blocks ``b`` of ``blocks`` write zeros over this device's receive rows past the last
+  filled one (receive groups are packed in sender order from row 0)."""
+  zero[...] = jnp.zeros(zero.shape, zero.dtype)
+  plgpu.commit_smem()
+  filled = jnp.int32(0)
+  for k in range(s):
+    filled = filled + routes_ref[3, k]
+  total = y_ref.shape[0]
+
+  def clear(src, dst, n, i, drain):
+    del src, drain  # the zero tile is only read
+    plgpu.copy_smem_to_gmem(zero.at[pl.ds(0, n)], y_ref.at[pl.ds(dst, n)])
+    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+    return i
+
+  _spread(clear, b, blocks, chunk, jnp.int32(0), filled * ll, total - filled * ll, s,
+          jnp.int32(0))
+
+
 def _kernel(routes_ref, x_ref, y_ref, tiles, zero, bars, *, axes, sizes, lines_per_row: int,
-            blocks: int, chunk: int, slots: int):
+            blocks: int, chunk: int, slots: int, zero_blocks: int):
+  s = math.prod(sizes)
+  ll = lines_per_row
+  b = lax.axis_index("blocks")
+  if zero_blocks:
+    @pl.when(b >= blocks)
+    def _():
+      _zero_tail(routes_ref, y_ref, zero, b - blocks, zero_blocks, chunk, s, ll)
+      plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(b < blocks)
+  def _():
+    _copy_blocks(routes_ref, x_ref, y_ref, tiles, zero, bars, b, axes=axes, sizes=sizes, ll=ll,
+                 blocks=blocks, chunk=chunk, slots=slots, zero=not zero_blocks)
+
+
+def _copy_blocks(routes_ref, x_ref, y_ref, tiles, zero_tile, bars, b, *, axes, sizes, ll: int,
+                 blocks: int, chunk: int, slots: int, zero: bool):
   s = math.prod(sizes)
   ready = pl.get_global(plgpu.SemaphoreType.REGULAR((s,)))
   done = pl.get_global(plgpu.SemaphoreType.REGULAR((s,)))
   me = jnp.int32(0)
   for a, n in zip(axes, sizes):
     me = me * n + lax.axis_index(a).astype(jnp.int32)
-  b = lax.axis_index("blocks")
   # Peers in the order me, me + 1, ...: their routes column and their mesh ids.
   peers = [lax.rem(me + k, jnp.int32(s)) for k in range(s)]
   peer_ids = [_device(axes, sizes, p) for p in peers]
@@ -125,10 +165,6 @@ def _kernel(routes_ref, x_ref, y_ref, tiles, zero, bars, *, axes, sizes, lines_p
   for k in range(s):
     pl.semaphore_wait(ready.at[k], 1)
 
-  zero[...] = jnp.zeros(zero.shape, zero.dtype)
-  plgpu.commit_smem()
-
-  ll = lines_per_row
   i = jnp.int32(0)  # copies this block issued: copy i uses slot i % slots
   for k, (p, pid) in enumerate(zip(peers, peer_ids)):  # 2. copies, own group first
     dst_ref = y_ref if k == 0 else plgpu.remote_ref(y_ref, pid)
@@ -146,18 +182,8 @@ def _kernel(routes_ref, x_ref, y_ref, tiles, zero, bars, *, axes, sizes, lines_p
     i = _spread(copy, b, blocks, chunk, routes_ref[0, p] * ll, routes_ref[4, p] * ll,
                 routes_ref[1, p] * ll, k, i)
 
-  filled = jnp.int32(0)  # receive groups are packed in sender order from row 0
-  for k in range(s):
-    filled = filled + routes_ref[3, k]
-  total = y_ref.shape[0]
-
-  def clear(src, dst, n, i, drain):
-    del src, drain  # the zero tile is only read
-    plgpu.copy_smem_to_gmem(zero.at[pl.ds(0, n)], y_ref.at[pl.ds(dst, n)])
-    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-    return i
-
-  _spread(clear, b, blocks, chunk, jnp.int32(0), filled * ll, total - filled * ll, s, i)
+  if zero:
+    _zero_tail(routes_ref, y_ref, zero_tile, b, blocks, chunk, s, ll)
 
   plgpu.wait_smem_to_gmem(0)  # 3. this block's writes have landed
   for pid in peer_ids:
@@ -167,7 +193,8 @@ def _kernel(routes_ref, x_ref, y_ref, tiles, zero, bars, *, axes, sizes, lines_p
 
 
 def remote_exchange(x, routes, recv_rows: int, axis, *, blocks: int = DEFAULT_BLOCKS,
-                    chunk: int = CHUNK_LINES, slots: int = DEFAULT_SLOTS):
+                    chunk: int = CHUNK_LINES, slots: int = DEFAULT_SLOTS,
+                    zero_blocks: int = DEFAULT_ZERO_BLOCKS):
   """``x [Cs, ...]`` moved by ``routes`` (int32 ``[6, S]``, ``plan.ROUTE_ROWS``) into
   ``[recv_rows, ...]`` on each device (module docstring). Inside ``jax.shard_map`` over
   ``axis`` (a name or a tuple of names: the servers, row-major)."""
@@ -182,10 +209,10 @@ def remote_exchange(x, routes, recv_rows: int, axis, *, blocks: int = DEFAULT_BL
   x_lines = x.reshape(x.shape[0] * ll, g)
   kernel = plgpu.kernel(
       functools.partial(_kernel, axes=axes, sizes=sizes, lines_per_row=ll, blocks=blocks,
-                        chunk=chunk, slots=slots),
+                        chunk=chunk, slots=slots, zero_blocks=zero_blocks),
       out_type=jax.ShapeDtypeStruct((recv_rows * ll, g), x.dtype),
       scratch_types=[plgpu.SMEM((slots, chunk, g), x.dtype), plgpu.SMEM((chunk, g), x.dtype),
                      plgpu.Barrier(num_barriers=slots)],
-      grid=(blocks,), grid_names=("blocks",), kernel_name="remote_exchange")
+      grid=(blocks + zero_blocks,), grid_names=("blocks",), kernel_name="remote_exchange")
   y = kernel(routes.astype(jnp.int32), x_lines)
   return y.reshape((recv_rows,) + row_shape)

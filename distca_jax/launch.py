@@ -321,7 +321,8 @@ JOINED_MARK = "distca-joined "        # the child's stderr line 'distca-joined I
 # C++ terminate, faulthandler) or when Python dies of an internal error.
 _DUMP_START = re.compile(r"^([EF]\d{4} |\*\*\* |terminate called|Fatal Python error|"
                          r"Traceback \(most recent call last\)|=== Source Location|"
-                         r"W\d{4} .*(preemption_sync_manager|coordination_service_agent))")
+                         r"W\d{4} .*(preemption_sync_manager|coordination_service_agent|"
+                         r"pjrt_client\.cc.*WatchTasks))")
 
 
 _KNOWN_NOTICE = re.compile(r"^W\d{4} .*Using experimental recoverable task feature")

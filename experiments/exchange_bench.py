@@ -13,8 +13,9 @@ busiest device's useful bytes in equal blocks. ``bandwidth fraction`` = (busiest
 bytes / exchange time) / (the same bytes / raw all-to-all time). ``--xla-flags A;B`` reruns the
 whole measurement in a child process per XLA flag set (the flags are read when JAX starts), e.g.
 ``--xla-flags ";--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=true"``.
-``--remote-grids 132x128,264x64x1`` also times the 'remote' kernel
-(``custom_ops/remote_exchange``) with other CTA counts, chunk lines and SMEM slots.
+``--remote-grids 132x128,264x64x1,132x128x2x132`` also times the 'remote' kernel
+(``custom_ops/remote_exchange``) with other CTA counts, chunk lines, SMEM slots and extra
+CTAs that zero the unfilled receive rows beside the copies.
 """
 
 from __future__ import annotations
@@ -51,15 +52,17 @@ def measure(a) -> list[dict]:
                            axis_types=(jax.sharding.AxisType.Auto,))
   sh = NamedSharding(mesh, P("data"))
   # What is timed, by name: each collective through the data plane's exchange, and the 'remote'
-  # kernel at each --remote-grids grid (BLOCKSxCHUNK[xSLOTS]); fn(x, routes, recv_rows).
+  # kernel at each --remote-grids grid (BLOCKSxCHUNK[xSLOTS[xZERO_BLOCKS]]); fn(x, routes,
+  # recv_rows).
   variants = {col: lambda x, r, cr, col=col: dataplane.ragged_exchange(x, r, cr, "data", col)
               for col in a.collectives.split(",")}
   for grid in filter(None, a.remote_grids.split(",")):
     from custom_ops.remote_exchange import remote_exchange  # pylint: disable=import-outside-toplevel
-    blocks, chunk, slots = (int(v) for v in (grid + "x2").split("x")[:3])
+    parts = [int(v) for v in grid.split("x")]
+    blocks, chunk, slots, zero_blocks = (parts + [2, 0][len(parts) - 2:])[:4]
     variants[f"remote_{grid}"] = functools.partial(
         lambda x, r, cr, **kw: remote_exchange(x, r, cr, "data", **kw), blocks=blocks,
-        chunk=chunk, slots=slots)
+        chunk=chunk, slots=slots, zero_blocks=zero_blocks)
   rows = []
   for workload in a.workloads.split(","):
     for tokens in [int(t) for t in a.tokens.split(",")]:
@@ -137,8 +140,9 @@ def main(argv=None):
   p.add_argument("--caps-from-batches", type=int, default=8,
                  help="batches the backend samples to size its caps (training samples 32)")
   p.add_argument("--remote-grids", default="",
-                 help="BLOCKSxCHUNK[xSLOTS],... : also time the 'remote' kernel with these CTA "
-                      "counts, chunk lines and SMEM slots (default 2), e.g. 132x128,264x64x1")
+                 help="BLOCKSxCHUNK[xSLOTS[xZERO_BLOCKS]],... : also time the 'remote' kernel "
+                      "with these CTA counts, chunk lines, SMEM slots (default 2) and zeroing "
+                      "CTAs (default 0), e.g. 132x128,264x64x1,132x128x2x132")
   p.add_argument("--config", default=os.path.join(ROOT, "configs", "gpu_bench.py"))
   p.add_argument("--xla-flags", default=None,
                  help="';'-separated XLA flag sets, one child process each")

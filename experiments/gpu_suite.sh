@@ -4,8 +4,8 @@
 #   bash experiments/gpu_suite.sh OUTDIR                 # every stage
 #   SUITE=one bash experiments/gpu_suite.sh OUTDIR       # one group: one | two | derived | tests
 #   SUITE=four-a bash experiments/gpu_suite.sh OUTDIR    # 4-GPU host: four-a | four-r1..r5 |
-#                                                         # four-b | four-4d; not yet run:
-#                                                         # four-n1 | four-n3 | four-n4
+#                                                         # four-b | four-4d | four-f | four-8b;
+#                                                         # not yet run: four-n1 | four-n3
 #                                                         # (not in 'all')
 # 'one': single-GPU tables (CUDA_VISIBLE_DEVICES=0); 'two': the 2-GPU tables; 'derived': tables
 # computed from the e2e JSONs of 'two' (plot, per-batch bound); 'tests': the GPU-only tests.
@@ -136,9 +136,24 @@ import json,sys
 l={k:[json.loads(x)['loss'] for x in open(f'$OUT/mp_{k}/metrics.jsonl') if 'loss' in x] for k in ('1x4','4x1','2x2')}
 print(json.dumps(l)); r=max(abs(a-b)/abs(a) for k in ('4x1','2x2') for a,b in zip(l['1x4'],l[k])); print('max relative difference', r)"
 stage peer_death_4gpu 200 python3 -m experiments.peer_death --procs 4 --gpu --victims 1 0 --config configs/gpu_bench.py --out "$OUT/peer_death_4gpu" -- --heartbeat_timeout_s=20 --config.model.n_layers=2
-;;& four-n4)
-# The whole Llama-3-8B with FSDP (configs/llama3_8b_4gpu.py): distca and packed_dp, 20 steps.
-stage e2e_8b_fsdp 560 python3 -m experiments.e2e_bench --config configs/llama3_8b_4gpu.py --backends distca,packed_dp --workloads pretrain --tokens 49152 --layers 32 --steps 20 --warmup 2 --plan-stats --out "$OUT/e2e_8b_fsdp"
+;;& four-8b)
+# The whole Llama-3-8B with FSDP (configs/llama3_8b_4gpu.py), each run in its own process (the
+# state of one run must be gone before the next): distca trains 20 steps of Pretrain; packed_dp
+# and ProLong time 6 steps after the same 2 warm-up steps (the same first batches).
+E8="python3 -m experiments.e2e_bench --config configs/llama3_8b_4gpu.py --tokens 49152 --layers 32 --warmup 2 --plan-stats"
+stage e2e_8b_pretrain_distca 260 $E8 --backends distca --workloads pretrain --steps 20 --out "$OUT/e2e_8b_pretrain_distca"
+stage e2e_8b_pretrain_packed_dp 170 $E8 --backends packed_dp --workloads pretrain --steps 6 --out "$OUT/e2e_8b_pretrain_packed_dp"
+for b in packed_dp distca; do
+  stage "e2e_8b_prolong_$b" 150 $E8 --backends $b --workloads prolong --steps 6 --out "$OUT/e2e_8b_prolong_$b"
+done
+;;& four-f)
+# Faults under NCCL (4 processes x 1 GPU, a 2-layer model small enough that a checkpoint of the
+# interrupted step is quick), then the 'remote' kernel's GPU tests and its zeroing CTAs on a
+# real Pretrain 128K plan.
+SMALL="--config.model.n_layers=2 --config.model.dim=2048 --config.model.mlp_dim=7168 --config.model.n_heads=16 --config.model.n_kv_heads=4 --config.model.vocab_size=32768 --config.tokens_per_rank=16384"
+stage faults_4gpu 320 python3 -m experiments.peer_death --procs 4 --gpu --faults term:1 int:all diverge readonly kill:1 kill:0 --config configs/gpu_bench.py --out "$OUT/faults_4gpu" -- $SMALL
+stage gpu_remote_tests 120 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_remote_exchange.py
+stage exchange_zero_blocks 120 python3 -m experiments.exchange_bench --workloads pretrain --tokens 131072 --batches 1 --iters 10 --caps-from-batches 4 --collectives remote --remote-grids 132x128x2x33,132x128x2x66,132x128x2x132 --out "$OUT/exchange_zero_blocks"
 ;;& four-b)
 for b in packed_dp distca; do
   stage "e2e_4gpu_prolong_128k_$b" 200 env XLA_FLAGS="${FOUR_XLA_FLAGS:-}" python3 -m experiments.e2e_bench --backends $b --workloads prolong --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_prolong_128k_$b"

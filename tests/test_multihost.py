@@ -521,3 +521,15 @@ def test_sigterm_to_one_process_stops_both_at_one_verified_step(tmp_path):
   more = [a for a in args if "num_steps" not in a] + [f"--config.num_steps={steps[0] + 1}"]
   _run(2, 4, more, tmp_path / "w", tmp_path)
   assert f"resumed from checkpoint at step {steps[0]}" in (tmp_path / "w_0.log").read_text()
+
+
+def test_runtime_shutdown_warnings_start_what_the_supervisor_keeps():
+  """JAX's GPU client warns when its task watch is cancelled as the job's coordination service
+  stops (4 processes x 1 GPU, after every process printed its own line); the supervisor keeps
+  such lines in its log instead of printing them, like the coordination agent's."""
+  watch = ("W1127 18:16:22.849640   12984 pjrt_client.cc:1605] WatchTasksAsync failed for task 0: "
+           "UNAVAILABLE: Cancelling all calls")
+  assert launch._DUMP_START.match(watch)
+  assert launch._DUMP_START.match("W1127 12:00:00.0 1 coordination_service_agent.cc:1] x")
+  assert not launch._DUMP_START.match("W1127 12:00:00.0 1 pjrt_client.cc:9] another warning")
+  assert not launch._DUMP_START.match("interrupted: interrupted by SIGINT after step 3")

@@ -75,6 +75,17 @@ def test_remote_exchange_lowers_for_cuda(row, dtype, axes):
   assert text.count("remote_exchange") >= 2, "forward and VJP kernels"
 
 
+@pytest.mark.skipif(ON_GPU, reason="cross-lowering: the CPU check of the kernel")
+def test_remote_exchange_with_zeroing_blocks_lowers_for_cuda():
+  mesh = _mesh((4,), ("data",))
+  x = jax.ShapeDtypeStruct((4, 40, 4, 128), jnp.bfloat16)
+  r = jax.ShapeDtypeStruct((4, 6, 4), jnp.int32)
+  f = _fn(mesh, "data", 56, blocks=5, chunk=16, zero_blocks=3)
+  text = f.trace(x, r, jax.ShapeDtypeStruct((4, 56, 4, 128), jnp.bfloat16)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "remote_exchange" in text
+
+
 def test_bad_row_width_names_the_fix():
   from custom_ops.remote_exchange import line_width  # pylint: disable=import-outside-toplevel
   assert line_width((8, 128), jnp.bfloat16) == 128 and line_width((32,), jnp.float32) == 32
@@ -87,7 +98,9 @@ def test_bad_row_width_names_the_fix():
     ((8, 128), jnp.bfloat16, {}), ((32,), jnp.float32, {}),
     ((4, 128), jnp.bfloat16, {"blocks": 3, "chunk": 8}),
     ((4, 128), jnp.bfloat16, {"blocks": 5, "chunk": 16, "slots": 1}),
-    ((2, 128), jnp.bfloat16, {"blocks": 264, "chunk": 64, "slots": 3})])
+    ((2, 128), jnp.bfloat16, {"blocks": 264, "chunk": 64, "slots": 3}),
+    ((4, 128), jnp.bfloat16, {"blocks": 5, "chunk": 16, "zero_blocks": 3}),
+    ((8, 128), jnp.bfloat16, {"zero_blocks": 132})])
 def test_remote_exchange_equals_the_oracle_on_gpus(seed, row, dtype, kw):
   s = jax.device_count()
   mesh = _mesh((s,), ("data",))

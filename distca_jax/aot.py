@@ -56,7 +56,7 @@ def knob_variants(c: ml_collections.ConfigDict, n_devices: int) -> list[tuple[st
   the tokens per rank, and for distca the 'resend' memory mode (servers keep no attention
   inputs)."""
   out = []
-  data = c.mesh.data if c.mesh.data != -1 else n_devices // (c.mesh.tensor * c.mesh.pipe)
+  data = config_lib.data_ranks(c, n_devices)
   if not c.mesh.fsdp and data > 1 and c.model.dim % data == 0:
     out.append(("mesh.fsdp=True", {"mesh.fsdp": True}))
   if c.attention.backend == "distca" and c.attention.distca.memory_mode == "keep":

@@ -192,3 +192,37 @@ def test_tiny_defaults_to_cpu_sized_rows():
   assert e2e_bench.parse_args(["--tiny"]).tokens == "1024"
   assert e2e_bench.parse_args(["--tiny", "--tokens", "256"]).tokens == "256"
   assert e2e_bench.parse_args([]).tokens == "65536,131072"
+
+
+def test_plan_stats_report_after_equal_to_before_when_no_plan_moves(seed):
+  """`--plan-stats` on the same batches: plans gated by min_gain move nothing and report
+  after = before, moved 0 and no useful dispatch bytes; ungated plans move rows and end no
+  worse than before."""
+  import os
+
+  from distca_jax import configs_io, trainer
+  from distca_jax.data import make_source
+  c = configs_io.load_config(os.path.join(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))), "configs", "tiny_cpu.py"))
+  data, rows = 4, 2
+  c.mesh.data, c.rows_per_rank, c.seed = data, rows, seed
+  c.attention.backend = "distca"
+  c.attention.distca.caps_from_batches = 4
+  c.attention.distca.tolerance = 0.05
+  src = make_source(c.data, rows=data * rows, tokens_per_row=c.tokens_per_rank,
+                    vocab_size=c.model.vocab_size, seed=c.seed)
+  c.attention.distca.min_gain = 0.0
+  free = trainer.make_backend(c)
+  # Batches the balancer has work on, so the ungated plans must move rows.
+  steps = [s for s in range(60) if free.host_plans(src.doclens(s), c.tokens_per_rank)[0]
+           .plan.imbalance_before > 1.2][:3]
+  assert steps, f"no imbalanced batch in 60 (seed={seed})"
+  per_step = [e2e_bench.rows_by_rank(src.doclens(s), data, rows) for s in steps]
+  moving = e2e_bench.plan_stats(c, free, per_step)
+  assert moving["plan_moved"] > 0 and moving["plan_dispatch_useful_mb"] > 0, moving
+  assert moving["plan_imbalance_after"] < moving["plan_imbalance_before"], moving
+  c.attention.distca.min_gain = 1e9  # above any predicted step gain: every plan is gated
+  still = e2e_bench.plan_stats(c, trainer.make_backend(c), per_step)
+  assert still["plan_moved"] == 0 and still["plan_dispatch_useful_mb"] == 0, still
+  assert still["plan_imbalance_after"] == still["plan_imbalance_before"], still
+  assert still["plan_imbalance_before"] == moving["plan_imbalance_before"], (still, moving)

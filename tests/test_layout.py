@@ -118,9 +118,11 @@ def test_import_graph_at_runtime():
 
 def test_reading_backend_options_reads_no_data(monkeypatch):
   """``Options.from_config`` only reads the config: with caps and WLB-ideal left to the data,
-  no batch is sampled until ``backends.build`` runs the startup step (``from_first_batches``)."""
+  no batch is sampled and no plan is balanced until ``backends.build`` runs the startup step
+  (``from_first_batches``)."""
   from distca_jax import backends, configs_io, data
   from distca_jax.backends import distca as distca_backend
+  from distca_jax.plan import balancer
   c = configs_io.load_config(os.path.join(ROOT, "configs", "tiny_cpu.py"))
   c.attention.distca.caps_from_batches = 2
   c.attention.baselines.cp_size = c.attention.baselines.wlb_alpha = 0
@@ -133,15 +135,24 @@ def test_reading_backend_options_reads_no_data(monkeypatch):
 
   monkeypatch.setattr(distca_backend, "make_source", counted)
   monkeypatch.setattr(data, "make_source", counted)  # baselines.ideal imports it when called
+  balanced = []
+  real_init = balancer.Balancer.__init__
+
+  def counted_init(self, *args, **kwargs):  # every plan (plan.schedule) builds one Balancer
+    balanced.append(1)
+    real_init(self, *args, **kwargs)
+
+  monkeypatch.setattr(balancer.Balancer, "__init__", counted_init)
   for name in backends.BACKENDS:
     c.attention.backend = name
     backends.module(name).Options.from_config(c)
   assert not sampled, "reading a backend's options sampled batches"
+  assert not balanced, "reading a backend's options ran the planner"
   options = distca_backend.Options.from_config(c)
   assert all(v == 0 for v in options.caps.values()), options.caps
   c.attention.backend = "distca"
   built = backends.build(c)
-  assert sampled and any(built.caps[f] for f in ("q_send", "q_tokens")), built.caps
+  assert sampled and balanced and any(built.caps[f] for f in ("q_send", "q_tokens")), built.caps
 
 
 @pytest.mark.parametrize("path", _library_files() + _experiment_files(), ids=_rel)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -470,12 +471,13 @@ def _wait_for_steps(ps, workdir, steps: int, timeout_s: float = 600) -> None:
 @pytest.mark.parametrize("victim", [1, 0])  # 0 hosts the coordinator service
 def test_killing_one_process_stops_the_other_within_60s(tmp_path, victim):
   """At the default heartbeat timeout the survivor exits with status 2 within 60 s, and its
-  stderr is one line naming the lost process (the coordinator for process 0)."""
-  ps = _start(2, 4, ["--config.attention.backend=local", "--config.num_steps=100000",
-                     "--config.checkpoint_every=0"], tmp_path / "w", tmp_path, heartbeat_s=None,
-              stderr_apart=True)
+  stderr is one line naming the lost process (the coordinator for process 0) and the newest
+  checkpoint; the job rerun as it was resumes from that checkpoint."""
+  args = ["--config.attention.backend=local", "--config.num_steps=100000",
+          "--config.checkpoint_every=2", "--config.async_checkpoint=False"]
+  ps = _start(2, 4, args, tmp_path / "w", tmp_path, heartbeat_s=None, stderr_apart=True)
   try:
-    _wait_for_steps(ps, tmp_path / "w", 2)
+    _wait_for_steps(ps, tmp_path / "w", 4)  # past step 2's synchronous save
     ps[victim].send_signal(signal.SIGKILL)
     t0 = time.time()
     rc = ps[1 - victim].wait(timeout=90)
@@ -490,6 +492,13 @@ def test_killing_one_process_stops_the_other_within_60s(tmp_path, victim):
   lines = [l for l in err.splitlines() if l.strip()]
   who = "the coordinator, process 0" if victim == 0 else "process 1"
   assert len(lines) == 1 and lines[0].startswith(f"error: process {1 - victim}/2: lost {who} ("), err
+  named = re.search(r"\(checkpoint step (\d+) at ([^)]+)\)", lines[0])
+  assert named, lines[0]
+  step = int(named[1])
+  assert step >= 2 and named[2] == str(tmp_path / "w" / "checkpoints" / str(step)), lines[0]
+  more = [a for a in args if "num_steps" not in a] + [f"--config.num_steps={step + 1}"]
+  _run(2, 4, more, tmp_path / "w", tmp_path)
+  assert f"resumed from checkpoint at step {step}" in (tmp_path / "w_0.log").read_text()
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from distca_jax import backends
 from distca_jax import config as config_lib
 from distca_jax import pipeline
 from distca_jax.plan import ticks as ticks_lib
@@ -134,6 +135,13 @@ def test_pipeline_config_errors():
     config_lib.validate(c)
   with pytest.raises(UserError, match="pipeline.microbatches=-1"):
     ticks_lib.resolve_microbatches(-1, 2)
+  # Building a backend alone (benchmarks, host-only tools) gives the same line: one row per
+  # rank cannot form 4 microbatches, for CAD as for the rest (not a CAD capacity error).
+  for backend in ("distca", "packed_dp"):
+    c = tiny_config(**{"mesh.pipe": 2, "rows_per_rank": 1, "attention.backend": backend})
+    with pytest.raises(UserError, match="rows_per_rank=1 must be a multiple of pipeline."
+                                        "microbatches=4"):
+      backends.build(c)
 
 
 def test_tick_arrays_round_trip():

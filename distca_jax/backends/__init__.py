@@ -30,6 +30,7 @@ import types
 import ml_collections
 
 from distca_jax import attention as attn_lib
+from distca_jax import config as config_lib
 from distca_jax import pipeline
 from distca_jax.errors import UserError
 from distca_jax.backends import cp, distca, local, packed_dp, reference, wlb
@@ -52,7 +53,10 @@ def build(c: ml_collections.ConfigDict, **overrides) -> attn_lib.Backend:
   """The configured backend (``config.attention.backend``), options from the config; keyword
   ``overrides`` replace single options (names of the backend's ``Options`` fields); options left
   to the data are then measured on the run's first batches (``from_first_batches``). Under a
-  pipeline (``mesh.pipe > 1``) its host planning runs per tick (``pipeline.per_tick_backend``)."""
+  pipeline (``mesh.pipe > 1``) its host planning runs per tick (``pipeline.per_tick_backend``).
+  A config that cannot run stops first with ``config.validate``'s one line (e.g. rows that do not
+  form the pipeline's microbatches), whichever caller builds the backend."""
+  config_lib.validate(c)
   m = module(c.attention.backend)
   options = dataclasses.replace(m.Options.from_config(c), **overrides)
   if hasattr(m, "from_first_batches"):  # the startup step: sample the run's first batches

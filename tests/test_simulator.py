@@ -509,3 +509,62 @@ def test_remote_rate_is_fitted_on_the_committed_exchange_bench():
   # The defaults in ``Calibration`` are this fit (rounded).
   assert costs.Calibration().remote_bw == pytest.approx(cal.remote_bw, rel=0.01)
   assert costs.Calibration().remote_latency_s == pytest.approx(cal.remote_latency_s, rel=0.01)
+
+
+def test_ragged_exchange_is_priced_by_its_largest_group():
+  """XLA's ragged all-to-all lasts as long as its largest (sender, server) group: per exchange
+  ``ragged_latency_s`` + that group's bytes / ``ragged_bw``, whatever the other groups hold."""
+  res, plan, spec, cal = _four_gpu_distca("ragged")
+  assert res["collective"] == "ragged"
+  d = spec.dims
+  bq = d.q_heads * d.head_dim * d.dtype_bytes
+  largest = 4 * plan.pair_q_rows.max() * bq + 2 * plan.pair_kv_rows.max() * d.kv_row_bytes
+  assert largest > 0, "the sampled plan moves no rows"
+  assert step.ragged_group_bytes(plan, d) == pytest.approx(largest)
+  want = d.n_layers * (6 * cal.ragged_latency_s + largest / cal.ragged_bw)
+  np.testing.assert_allclose(res["per_rank_s"]["exchange"], want, rtol=1e-9)
+  # Smaller groups beside the largest cost nothing more.
+  other = dataclasses.replace(plan, pair_q_rows=np.minimum(plan.pair_q_rows,
+                                                           plan.pair_q_rows.max()))
+  other.pair_q_rows[other.pair_q_rows == 0] = 1
+  np.fill_diagonal(other.pair_q_rows, 0)
+  assert step.ragged_group_bytes(other, d) == pytest.approx(largest)
+
+
+def test_ragged_line_is_fitted_on_replanned_groups_and_holds_the_probe():
+  """The ragged latency is the probe's call that moves nothing; its rate is fitted on the
+  4 x H100 rows with their groups replanned (the replanned busiest bytes equal the recorded
+  ones, checked inside); every probe pattern is predicted within 5%."""
+  rows = validate.four_exchange_rows()
+  probe = validate.ragged_probe_rows()
+  assert rows and all(0 < r["largest_group"] <= r["useful"] for r in rows)
+  assert [r["role"] for r in probe].count("fit") == 1
+  lat, bw = validate.ragged_fit(rows, probe)
+  assert lat == pytest.approx(next(r["ragged_s"] for r in probe if r["role"] == "fit"))
+  for r in probe:
+    assert lat + r["largest_group"] / bw == pytest.approx(r["ragged_s"], rel=0.05), r["name"]
+  # The busiest device's bytes do not set the time: two rows with more useful bytes run faster.
+  by_useful = sorted(rows, key=lambda r: r["useful"])
+  assert any(a["ragged_s"] > b["ragged_s"] for a, b in zip(by_useful, by_useful[1:]))
+  with pytest.raises(ValueError, match="moves no rows"):
+    validate.ragged_fit(rows, [r for r in probe if r["role"] != "fit"])
+
+
+def test_exchange_bench_groups_refuse_another_plan():
+  import json as _json
+  import os
+  with open(os.path.join(validate.RESULTS, validate.FOUR_EXCHANGE_LOG)) as f:
+    row = next(_json.loads(x) for x in f if x.startswith("{"))
+  row = dict(row, q_busiest_mb=row["q_busiest_mb"] + 1.0)
+  with pytest.raises(ValueError, match="no longer makes the plan"):
+    validate.exchange_bench_groups(row)
+
+
+def test_collective_cases_are_means_of_runs_of_one_device(monkeypatch):
+  rows = validate.collective_rows("held-out")
+  assert rows and all(len(r["samples_ms"]) == 6 for r in rows)
+  assert all(r["mean_s"] == pytest.approx(np.mean(r["samples_ms"]) / 1e3) for r in rows)
+  monkeypatch.setitem(validate.COLLECTIVE_RUNS, "held-out",
+                      ["collective_bench", "collective_bench_h100/default_1"])
+  with pytest.raises(ValueError, match="mixes devices"):
+    validate.collective_rows("held-out")

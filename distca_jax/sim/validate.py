@@ -97,6 +97,21 @@ FOUR_EXCHANGE_ONESHOT = os.path.join("four", "raw", "exb_oneshot")
 # the one-slot draft's run on another host (JSON lines) are held out.
 FOUR_REMOTE_GRID = os.path.join("four", "raw", "exchange_bench_grid")
 FOUR_REMOTE_SLOTS1 = os.path.join("four", "raw", "exchange_bench_remote_slots1.log")
+# The config ``experiments/exchange_bench.py`` plans with (``exchange_bench_groups``).
+GPU_BENCH_CONFIG = os.path.join(costs.ROOT, "configs", "gpu_bench.py")
+# ``experiments/ragged_probe.py`` on 4 x H100 (code of bc4c535): its call that moves no rows
+# sets ``ragged_latency_s``; its other patterns are held out against the ragged line.
+RAGGED_PROBE = os.path.join("micro", "ragged_probe")
+# all_to_all alone on 2 GPUs (experiments/collective_bench.py), one process per run: 'fit' the
+# 2 x H200 runs of ceec451, held out the 2 x H100 runs of bc4c535 (one host, alternating).
+# Runs with the latency-hiding scheduler flag are samples of the same program: on one host,
+# alternating, the flag moved the mean by at most 2% per size while runs with equal flags
+# spread by up to 16% (results/collective_bench_h100/README.md); so each case is the mean of
+# its runs.
+COLLECTIVE_RUNS = {
+    "fit": ["collective_bench", "collective_bench_lhs"],
+    "held-out": [f"collective_bench_h100/{f}_{i}" for i in (1, 2, 3) for f in ("default", "lhs")],
+}
 # Memory is fitted on the current code's one-GPU compiled steps at 2, 4 and 16 layers (remat
 # 'save_attention'; the 16-layer run sets the per-layer slope that 32-layer models extrapolate);
 # the multi-GPU runs' memory and the 16-layer remat 'full' run are held out.
@@ -106,19 +121,7 @@ MEMORY_RUNS = [("e2e_1gpu_64k_v7", None), ("e2e_1gpu_pingpong_v6_final", "packed
 # Why a case above 10% misses, written for that case: its full name -> explanation. A miss
 # without an entry is "not explained"; an entry whose case is within 10% (or absent) is listed
 # as stale by ``validate``.
-_LHS = ("another XLA setting (latency-hiding scheduler) in another session: at equal bytes it "
-        "measured 0.48 vs 0.56 ms (64 MB) and 0.96 vs 0.86 ms (150 MB) against the default-flag "
-        "run the line is fitted on, so no one latency + bandwidth line holds both; at 300 MB "
-        "they agree")
-_RAGGED = ("XLA's ragged all-to-all stops on the host every call (results/four/README.md), so "
-           "its time does not follow bytes (Q: 78-82 ms for 229-357 MB; K+V: 180 ms for 651 MB, "
-           "138 ms for 839 MB) and no latency + bandwidth line holds every row; 'dense' is the "
-           "GPU default the simulator prices unless asked for 'ragged'")
 MISS_NOTES = {
-    "ragged exchange pretrain 128K batch 0 KV on 4 x H100 (default flags)": _RAGGED,
-    "ragged exchange pretrain 128K batch 1 Q on 4 x H100 (default flags)": _RAGGED,
-    "ragged exchange pretrain 128K batch 1 KV on 4 x H100 (default flags)": _RAGGED,
-    "ragged exchange pretrain 128K batch 0 KV on 4 x H100 (one-shot flag)": _RAGGED,
     "e2e_2gpu_prolong_128k_v5b: prolong 128K x1 wlb, 2 layers, 2 GPU": (
         "old code (v5 era, cp 1, alpha 1.2 as the suite passed): XLA's plan holds 8.7 GB more "
         "than the model's state, fitted activations of Lmax rows and one gathered K/V buffer per "
@@ -130,8 +133,6 @@ MISS_NOTES = {
         "ProLong's documents (cp 4 cuts them), where that constant is ~78 of the 129 ms "
         "predicted, and one FA3 launch runs such short tasks side by side, so the model "
         "over-charges them; step 0's ranks (170-174 tasks, more pairs) are within 3.2%"),
-    "all_to_all 64 MB (collective_bench_lhs)": _LHS,
-    "all_to_all 150 MB (collective_bench_lhs)": _LHS,
 }
 UNEXPLAINED = "not explained"
 # experiments/wlb_kernel_check.py's result under results/ (replayed once committed).
@@ -312,18 +313,64 @@ def fit_memory(runs: list[E2eRun], base: costs.Calibration) -> costs.Calibration
                              act_bytes_per_token_layer=float(layer))
 
 
+def collective_rows(role: str) -> list[dict[str, Any]]:
+  """all_to_all on 2 GPUs (``COLLECTIVE_RUNS[role]``): per size, the median ms of every run (one
+  process each) and their mean, the case's measured value."""
+  runs = [_json(stem) for stem in COLLECTIVE_RUNS[role]]
+  devices = {b["device"] for b in runs}
+  if len(devices) != 1:
+    raise ValueError(f"COLLECTIVE_RUNS[{role!r}] mixes devices {sorted(devices)}; one per role")
+  flags = sorted({b["xla_flags"] or "default flags" for b in runs}, key=lambda f: f != "default flags")
+  out = []
+  for i, r in enumerate(runs[0]["rows"]):
+    ms = [b["rows"][i]["a2a_ms"] for b in runs]
+    if any(b["rows"][i]["mb_off_device"] != r["mb_off_device"] for b in runs):
+      raise ValueError(f"COLLECTIVE_RUNS[{role!r}]: runs with other sizes; one size list per role")
+    out.append(dict(name=f"all_to_all {r['mb_off_device']:.0f} MB on {runs[0]['device']}, "
+                    f"mean of {len(ms)} runs ({'; '.join(flags)})", mb=r["mb_off_device"],
+                    samples_ms=ms, mean_s=float(np.mean(ms)) / 1e3))
+  return out
+
+
 def collective_calibration(base: costs.Calibration | None = None) -> costs.Calibration:
-  """Intra-node latency and bandwidth fitted on results/collective_bench.json (all_to_all)."""
-  rows = _json("collective_bench")["rows"]
-  lat, bw = costs.fit_alpha_beta([r["mb_off_device"] for r in rows], [r["a2a_ms"] for r in rows])
+  """Intra-node latency and bandwidth fitted on the 'fit' runs' means (``collective_rows``)."""
+  rows = collective_rows("fit")
+  lat, bw = costs.fit_alpha_beta([r["mb"] for r in rows], [r["mean_s"] * 1e3 for r in rows])
   return dataclasses.replace(base or costs.Calibration(), a2a_latency_s=lat, intra_node_bw=bw)
+
+
+def exchange_bench_groups(row: dict[str, Any]) -> dict[str, np.ndarray]:
+  """The [S, S] rows per (sender, server) of an ``experiments/exchange_bench.py`` row's plan,
+  replanned on the host as the bench planned it (``configs/gpu_bench.py``, the row's workload,
+  tokens, servers and batch, the caps it recorded): ``{'q': ..., 'kv': ...}``. Raises when the
+  replanned busiest device's bytes differ from the ones the row recorded (another plan)."""
+  from distca_jax import configs_io, trainer  # pylint: disable=import-outside-toplevel
+  from distca_jax.data import make_source  # pylint: disable=import-outside-toplevel
+  c = configs_io.load_config(GPU_BENCH_CONFIG, [
+      f"data.workload={row['workload']}", f"tokens_per_rank={row['tokens']}",
+      f"mesh.data={row['servers']}",
+      *[f"attention.distca.{k}={v}" for k, v in row["caps"].items()]])
+  m = c.model
+  src = make_source(c.data, rows=row["servers"] * c.rows_per_rank, tokens_per_row=row["tokens"],
+                    vocab_size=m.vocab_size, seed=c.seed)
+  (hp,) = trainer.make_backend(c).host_plans(src.doclens(row["step"]), row["tokens"])
+  out = {"q": hp.plan.pair_q_rows, "kv": hp.plan.pair_kv_rows}
+  for part, heads in (("q", m.n_heads), ("kv", 2 * m.n_kv_heads)):
+    g = out[part]
+    busiest = max(g.sum(0).max(), g.sum(1).max()) * heads * m.head_dim * 2 / 1e6
+    if abs(busiest - row[f"{part}_busiest_mb"]) > 1e-6:
+      raise ValueError(f"replanned {row['workload']} batch {row['step']} {part}: busiest "
+                       f"{busiest} MB != the recorded {row[f'{part}_busiest_mb']} MB; the planner "
+                       "no longer makes the plan the bench timed")
+  return out
 
 
 def four_exchange_rows() -> list[dict[str, Any]]:
   """The exchange alone on 4 x H100 (``FOUR_EXCHANGE_LOG``, ``FOUR_EXCHANGE_ONESHOT``), one row
   per (run, batch, part): wire bytes of the dense exchange as it ran then (every block the full
   ``min(send cap, recv cap)``: ``S`` blocks per device), the busiest device's useful bytes
-  (the ragged exchange's), and both measured times."""
+  (the ragged exchange's wire), the largest (sender, server) group's bytes (replanned:
+  ``exchange_bench_groups``) and both measured times."""
   blobs = []
   with open(os.path.join(RESULTS, FOUR_EXCHANGE_LOG)) as f:
     blobs += [("default flags", json.loads(x)) for x in f if x.startswith("{")]
@@ -334,12 +381,28 @@ def four_exchange_rows() -> list[dict[str, Any]]:
   out = []
   for flags, r in blobs:
     c, s = r["caps"], r["servers"]
+    groups = exchange_bench_groups(r)
     for part, full, row in (("q", min(c["q_send"], c["q_recv"]), bq),
                             ("kv", min(c["kv_send"], c["kv_recv"]), dims.kv_row_bytes)):
       out.append(dict(name=f"{r['workload']} {r['tokens'] // 1024}K batch {r['step']} "
                       f"{part.upper()} on {s} x H100 ({flags})", wire=float(s * full * row),
-                      useful=r[f"{part}_busiest_mb"] * 1e6, dense_s=r[f"{part}_dense_ms"] / 1e3,
-                      ragged_s=r[f"{part}_ragged_ms"] / 1e3))
+                      useful=r[f"{part}_busiest_mb"] * 1e6,
+                      largest_group=float(groups[part].max()) * row,
+                      dense_s=r[f"{part}_dense_ms"] / 1e3, ragged_s=r[f"{part}_ragged_ms"] / 1e3))
+  return out
+
+
+def ragged_probe_rows() -> list[dict[str, Any]]:
+  """``experiments/ragged_probe.py``'s synthetic group matrices on 4 x H100 (``RAGGED_PROBE``):
+  per pattern the largest group's bytes and the measured seconds; ``role`` 'fit' for the call
+  that moves no rows (it sets ``ragged_latency_s``), 'held-out' for the others."""
+  blob = _json(RAGGED_PROBE)
+  out = []
+  for r in blob["rows"]:
+    largest = float(np.max(r["groups"])) * r["row_bytes"]
+    out.append(dict(name=f"ragged exchange probe: {r['pattern']} on {blob['device']}",
+                    largest_group=largest, ragged_s=r["ms"] / 1e3,
+                    role="fit" if largest == 0 else "held-out"))
   return out
 
 
@@ -367,14 +430,28 @@ def remote_exchange_rows() -> list[dict[str, Any]]:
   return out
 
 
+def ragged_fit(rows: list[dict[str, Any]], probe: list[dict[str, Any]]) -> tuple[float, float]:
+  """(latency s, bytes/s) of XLA's ragged all-to-all: the latency is the measured time of a call
+  that moves no rows (``probe``'s 'fit' rows, their mean); the per-group rate is least squares
+  of ``time - latency = largest group's bytes / bw`` on ``rows`` (``four_exchange_rows``)."""
+  empty = [r["ragged_s"] for r in probe if r["role"] == "fit"]
+  if not empty:
+    raise ValueError(f"{RAGGED_PROBE}.json has no call that moves no rows; it sets the ragged "
+                     "latency (rerun experiments/ragged_probe.py)")
+  lat = float(np.mean(empty))
+  x = np.array([r["largest_group"] for r in rows])
+  y = np.array([r["ragged_s"] for r in rows]) - lat
+  return lat, float((x @ x) / (x @ y))
+
+
 def exchange_calibration(base: costs.Calibration) -> costs.Calibration:
-  """``dense_*`` and ``ragged_*`` fitted on ``four_exchange_rows``, ``remote_*`` on the fit rows
-  of ``remote_exchange_rows`` (latency + bytes / bw)."""
+  """``dense_*`` (latency + wire bytes / bw) fitted on ``four_exchange_rows``, ``ragged_*``
+  (latency + largest group's bytes / bw) by ``ragged_fit``, ``remote_*`` (latency + useful bytes
+  / bw) on the fit rows of ``remote_exchange_rows``."""
   rows = four_exchange_rows()
   dl, dbw = costs.fit_alpha_beta([r["wire"] / 1e6 for r in rows],
                                  [r["dense_s"] * 1e3 for r in rows])
-  rl, rbw = costs.fit_alpha_beta([r["useful"] / 1e6 for r in rows],
-                                 [r["ragged_s"] * 1e3 for r in rows])
+  rl, rbw = ragged_fit(rows, ragged_probe_rows())
   fit = [r for r in remote_exchange_rows() if r["role"] == "fit"]
   ml, mbw = costs.fit_alpha_beta([r["useful"] / 1e6 for r in fit],
                                  [r["remote_s"] * 1e3 for r in fit])
@@ -506,12 +583,14 @@ def exchange_cases(cal: costs.Calibration) -> list[dict[str, Any]]:
     out.append(_case("exchange", f"dense exchange {r['name']}", cal.dense_latency_s
                      + r["wire"] / cal.dense_bw, r["dense_s"], "fit", era="h100"))
     out.append(_case("exchange", f"ragged exchange {r['name']}", cal.ragged_latency_s
-                     + r["useful"] / cal.ragged_bw, r["ragged_s"], "fit", era="h100"))
-  for stem, role in (("collective_bench", "fit"), ("collective_bench_lhs", "held-out")):
-    for r in _json(stem)["rows"]:
-      pred = float(cal.collective_s(r["mb_off_device"] * 1e6, 2))
-      out.append(_case("exchange", f"all_to_all {r['mb_off_device']:.0f} MB ({stem})", pred,
-                       r["a2a_ms"] / 1e3, role))
+                     + r["largest_group"] / cal.ragged_bw, r["ragged_s"], "fit", era="h100"))
+  for r in ragged_probe_rows():
+    out.append(_case("exchange", r["name"], cal.ragged_latency_s + r["largest_group"]
+                     / cal.ragged_bw, r["ragged_s"], r["role"], era="h100"))
+  for role in COLLECTIVE_RUNS:
+    for r in collective_rows(role):
+      out.append(_case("exchange", r["name"], float(cal.collective_s(r["mb"] * 1e6, 2)),
+                       r["mean_s"], role, samples_ms=r["samples_ms"]))
   return out
 
 

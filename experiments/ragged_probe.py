@@ -40,7 +40,8 @@ def main(argv=None):
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  from jax.sharding import (  # pylint: disable=import-outside-toplevel
+      Mesh, NamedSharding, PartitionSpec as P)
   from distca_jax import dataplane  # pylint: disable=import-outside-toplevel
   from distca_jax.plan import metadata  # pylint: disable=import-outside-toplevel
   from distca_jax.profiling import time_call  # pylint: disable=import-outside-toplevel

@@ -201,17 +201,21 @@ class KernelModel:
   """Core-attention seconds of tasks (one layer, forward + backward) from the measured table
   (``Calibration.attention_scale`` is applied by the step model).
 
-  Tasks whose key range is shorter than the table's smallest ``kv_len`` are outside what was
-  measured: the table scales them from the grid by causal pairs, which assumes a long task's
-  efficiency; ``small_task_s`` adds a fixed time to each of them (fitted on real task tables,
-  ``sim.validate.fit_small_task_seconds``; 0 = the table alone).
+  ``task_s`` adds a fixed time to every task: what one more sequence of a varlen FA3 launch
+  costs beyond the table (each grid point times identical tasks fused into one launch, and
+  outside the grid the table scales short tasks down by causal pairs). Fitted on real task
+  tables as launched (``sim.validate.fit_task_seconds``; 0 = the table alone). On the wlb
+  backend's calls (results/micro/wlb_kernel_check.md) the measured excess over the table
+  levels off with the number of tasks (ProLong ranks: 31, 46 and 45 ms for 85, 170 and 204
+  tasks), so any fixed time per task over-charges the most tasks; charged on every task it
+  stays within 9.1% there, charged on tasks below the grid only it was 14% over.
   """
 
-  def __init__(self, table: plan_lib.CostTable | str | None = None, small_task_s: float = 0.0):
+  def __init__(self, table: plan_lib.CostTable | str | None = None, task_s: float = 0.0):
     if table is None or isinstance(table, (str, os.PathLike)):
       table = plan_lib.CostTable.from_json(os.fspath(table or DEFAULT_COST_TABLE))
     self.table = table
-    self.small_task_s = float(small_task_s)
+    self.task_s = float(task_s)
 
   def task_seconds(self, q_len, kv_len, dims: ModelDims) -> np.ndarray:
     """[N] seconds of tasks with ``q_len`` queries ending ``kv_len`` keys."""
@@ -220,8 +224,7 @@ class KernelModel:
       return np.zeros(0)
     kv = np.asarray(kv_len, np.float64)
     heads = dims.q_heads * dims.head_dim / _TABLE_HEADS_X_DIM
-    small = (kv < self.table.kv_lens[0]) * self.small_task_s
-    return (self.table.time(q, kv) + small) * heads
+    return (self.table.time(q, kv) + self.task_s) * heads
 
   def docs_seconds(self, doc_lens, dims: ModelDims) -> float:
     """Seconds of whole documents computed where they are (one task each)."""

@@ -6,12 +6,15 @@ Cases (files under results/):
   re-sampled (same workload, seed 0, rows, steps) and simulated with the run's strategy, layers,
   remat policy and GPU count; the measured value is the mean step (tokens / tokens/s over the
   timed steps);
-* kernel: the FA3 fwd+bwd of real task tables (``micro/flash3_grid_bench.json``, launch buckets) vs the
-  cost table on the same tasks (the own-documents tables fit the time of tasks below the table's
-  grid, the CAD tables are held out), and the wlb backend's calls on WLB-ideal packings
-  (``micro/wlb_kernel_check.json``, held out, once committed);
-* exchange: all_to_all times of ``collective_bench*.json`` vs the fitted latency + bandwidth, and
-  distca's exchange alone on 4 x H100 ('remote', 'dense', 'ragged') vs its fitted line;
+* kernel: the FA3 fwd+bwd of real task tables (``micro/flash3_grid_bench.json``, launch
+  buckets) vs the cost table on the same tasks (the own-documents tables fit the fixed time per
+  task, ``KernelModel.task_s``; the CAD tables are held out), and the wlb backend's calls on
+  WLB-ideal packings (``micro/wlb_kernel_check.json``, held out);
+* exchange: all_to_all on 2 GPUs vs the fitted latency + bandwidth, each case the mean of its
+  runs (``COLLECTIVE_RUNS``: the default-flag and latency-hiding-scheduler runs time one
+  program); distca's exchange alone on 4 x H100 vs its fitted line: 'remote' on useful bytes,
+  'dense' on wire bytes, 'ragged' on its largest (sender, server) group (real plans replanned
+  on the host, and ``experiments/ragged_probe.py``'s group matrices held out);
 * memory: the compiled step's per-device bytes (XLA's plan) vs the memory model, single-stream
   runs (activations fitted on one-GPU runs at 2, 4 and 16 layers, ``MEMORY_RUNS``);
 * speedup: distca's measured speedup over packed_dp / wlb in the same multi-GPU run, or in runs
@@ -127,12 +130,6 @@ MISS_NOTES = {
         "than the model's state, fitted activations of Lmax rows and one gathered K/V buffer per "
         "layer; the rest of that plan (the arranged batch's copies, the gathers' backward "
         "temporaries) is not broken down, and no current-code wlb run has been measured"),
-    "fa3 wlb-ideal prolong step 1: busiest of 8 ranks (cp 4, alpha 1)": (
-        "the kernel model charges a fixed time per task below the cost table's grid (fitted on "
-        "own-document tables of fewer, longer tasks); this rank holds 204 short pieces of "
-        "ProLong's documents (cp 4 cuts them), where that constant is ~78 of the 129 ms "
-        "predicted, and one FA3 launch runs such short tasks side by side, so the model "
-        "over-charges them; step 0's ranks (170-174 tasks, more pairs) are within 3.2%"),
 }
 UNEXPLAINED = "not explained"
 # experiments/wlb_kernel_check.py's result under results/ (replayed once committed).
@@ -320,7 +317,8 @@ def collective_rows(role: str) -> list[dict[str, Any]]:
   devices = {b["device"] for b in runs}
   if len(devices) != 1:
     raise ValueError(f"COLLECTIVE_RUNS[{role!r}] mixes devices {sorted(devices)}; one per role")
-  flags = sorted({b["xla_flags"] or "default flags" for b in runs}, key=lambda f: f != "default flags")
+  flags = sorted({b["xla_flags"] or "default flags" for b in runs},
+                 key=lambda f: f != "default flags")
   out = []
   for i, r in enumerate(runs[0]["rows"]):
     ms = [b["rows"][i]["a2a_ms"] for b in runs]
@@ -523,29 +521,29 @@ def kernel_tables() -> list[dict[str, Any]]:
   return out
 
 
-def fit_small_task_seconds(tables: list[dict[str, Any]], km: costs.KernelModel) -> float:
-  """Seconds per task below the cost table's grid: the measured excess over the table on the
-  own-documents tables, per such task (the CAD tables are held out)."""
+def fit_task_seconds(tables: list[dict[str, Any]], km: costs.KernelModel) -> float:
+  """Seconds per task beyond the cost table (``KernelModel.task_s``): the measured excess over
+  the table on the own-documents tables, per task (the CAD tables are held out)."""
   dims = costs.model_spec("llama3_8b").dims
   bare = costs.KernelModel(km.table)
   fit = [x for x in tables if x["table"] == "own"]
   excess = sum(x["measured_s"] - bare.task_seconds(x["q"], x["kv"], dims).sum() for x in fit)
-  small = sum(int((x["kv"] < km.table.kv_lens[0]).sum()) for x in fit)
-  return max(0.0, excess / small) if small else 0.0
+  tasks = sum(len(x["kv"]) for x in fit)
+  return max(0.0, excess / tasks) if tasks else 0.0
 
 
 def kernel_cases(km: costs.KernelModel, tables: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  """FA3 fwd+bwd on real task tables vs the kernel model (own tables fit ``small_task_s``)."""
+  """FA3 fwd+bwd on real task tables vs the kernel model (own tables fit ``task_s``)."""
   dims = costs.model_spec("llama3_8b").dims
   return [_case("kernel", x["name"], float(km.task_seconds(x["q"], x["kv"], dims).sum()),
                 x["measured_s"], "fit" if x["table"] == "own" else "held-out") for x in tables]
 
 
 def kernel_model() -> tuple[costs.KernelModel, list[dict[str, Any]]]:
-  """The cost table with its below-grid task time fitted on the real tables."""
+  """The cost table with its per-task time fitted on the real tables."""
   km = costs.KernelModel()
   tables = kernel_tables()
-  return costs.KernelModel(km.table, fit_small_task_seconds(tables, km)), tables
+  return costs.KernelModel(km.table, fit_task_seconds(tables, km)), tables
 
 
 def wlb_kernel_cases(km: costs.KernelModel, path: str | None = None) -> list[dict[str, Any]]:
@@ -573,24 +571,25 @@ def wlb_kernel_cases(km: costs.KernelModel, path: str | None = None) -> list[dic
 
 
 def exchange_cases(cal: costs.Calibration) -> list[dict[str, Any]]:
-  """all_to_all of N MB per device on 2 H200s: fitted rows (default flags) and held-out rows
-  (latency-hiding scheduler flag); distca's exchange alone on 4 H100s: 'remote'
-  (``remote_exchange_rows``' roles), dense and ragged (fit: they set ``dense_*`` and
-  ``ragged_*``)."""
+  """distca's exchange alone on 4 H100s: 'remote' (``remote_exchange_rows``' roles), dense and
+  ragged on real plans (fit: they set ``dense_*`` and ``ragged_*``), ragged on the probe's group
+  matrices (``ragged_probe_rows``' roles); all_to_all of N MB per device on 2 GPUs, each case
+  the mean of a role's runs (``COLLECTIVE_RUNS``: 2 x H200 fit, 2 x H100 held out)."""
   out = [_case("exchange", r["name"], cal.remote_latency_s + r["useful"] / cal.remote_bw,
-                r["remote_s"], r["role"], era="h100") for r in remote_exchange_rows()]
+                r["remote_s"], r["role"], era="h100", devices=4) for r in remote_exchange_rows()]
   for r in four_exchange_rows():
     out.append(_case("exchange", f"dense exchange {r['name']}", cal.dense_latency_s
-                     + r["wire"] / cal.dense_bw, r["dense_s"], "fit", era="h100"))
+                     + r["wire"] / cal.dense_bw, r["dense_s"], "fit", era="h100", devices=4))
     out.append(_case("exchange", f"ragged exchange {r['name']}", cal.ragged_latency_s
-                     + r["largest_group"] / cal.ragged_bw, r["ragged_s"], "fit", era="h100"))
+                     + r["largest_group"] / cal.ragged_bw, r["ragged_s"], "fit", era="h100",
+                     devices=4))
   for r in ragged_probe_rows():
     out.append(_case("exchange", r["name"], cal.ragged_latency_s + r["largest_group"]
-                     / cal.ragged_bw, r["ragged_s"], r["role"], era="h100"))
+                     / cal.ragged_bw, r["ragged_s"], r["role"], era="h100", devices=4))
   for role in COLLECTIVE_RUNS:
     for r in collective_rows(role):
       out.append(_case("exchange", r["name"], float(cal.collective_s(r["mb"] * 1e6, 2)),
-                       r["mean_s"], role, samples_ms=r["samples_ms"]))
+                       r["mean_s"], role, devices=2, samples_ms=r["samples_ms"]))
   return out
 
 
@@ -616,7 +615,8 @@ def e2e_cases(cals: dict[str, costs.Calibration], km: costs.KernelModel
             pred = res["memory_gb"]["total" if ws is not None else "xla_plan"]
             out.append(_case("memory", name + (" + kernel workspace" if ws is not None else ""),
                              pred, run.memory_gb + (ws or 0.0),
-                             "fit" if fitted else "held-out", era=era, unit="GB"))
+                             "fit" if fitted else "held-out", era=era, unit="GB",
+                             devices=run.devices))
   return out
 
 
@@ -643,7 +643,7 @@ def speedup_cases(e2e: list[dict[str, Any]]) -> list[dict[str, Any]]:
                        f"{c['tokens'] // 1024}K x{c['rows']}: {c['backend']} over {b['backend']}, "
                        f"{c['layers']} layers, {c['devices']} GPU",
                        b["predicted_s"] / c["predicted_s"], b["measured_s"] / c["measured_s"],
-                       "held-out", era=c["era"]))
+                       "held-out", era=c["era"], devices=c["devices"]))
   return out
 
 
@@ -665,11 +665,13 @@ def validate() -> dict[str, Any]:
       "misses": sorted(missed),
       "unexplained": sorted(n for n in missed if n not in MISS_NOTES),
       "stale_notes": sorted(n for n in MISS_NOTES if n not in missed),
-      "four_gpu_current_cases": sum(c["role"] == "held-out" and (
-          c.get("era") == "h100" or c["name"].startswith("four/")) for c in cases),
+      # Current code (eras 'current' and 'h100') on 4 GPUs: e2e, memory and speedup cases of
+      # 4-GPU runs, and the exchange alone on 4 x H100.
+      "four_gpu_current_cases": sum(c["role"] == "held-out" and c.get("era") in ("current", "h100")
+                                    and c.get("devices") == 4 for c in cases),
       "max_abs_error": max(abs(c["error"]) for c in cases),
       "max_abs_error_held_out": max(abs(c["error"]) for c in held),
       "within_10pct": sum(c["within_10pct"] for c in cases),
       "calibrations": {k: dataclasses.asdict(v) for k, v in cals.items()},
-      "small_task_s": km.small_task_s,
+      "task_s": km.task_s,
   }

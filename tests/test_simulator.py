@@ -316,7 +316,11 @@ def test_validation_explains_every_miss(validation):
   assert all(c["note"] != validate.UNEXPLAINED for c in misses), [c["name"] for c in misses]
   # Notes are attached by a case's full name only: none left over for a case that passes.
   assert validation["stale_notes"] == [] and validation["unexplained"] == []
-  assert all(c["note"] == validate.MISS_NOTES[c["name"]] for c in misses)
+  assert all(c["note"] == validate.MISS_NOTES[c["kind"], c["name"]] for c in misses)
+  # Keyed by kind too: an e2e case and a memory case of one run share a name, and only the
+  # memory case of the old-code wlb run carries its note.
+  named = [c for c in validation["cases"] if (c["kind"], c["name"]) in validate.MISS_NOTES]
+  assert {c["kind"] for c in named} == {"memory"} and all(c.get("note") for c in named)
   # Current code on 4 GPUs: held-out step, speedup and memory cases.
   assert validation["four_gpu_current_cases"] >= 8
   # The 16-layer one-GPU steps (remat 'save_attention' at 64K, 'full' at 128K) are held out.

@@ -7,7 +7,10 @@
 
 The simulator (``distca_jax.sim``) runs the project's sampler, packers and CAD planner on sampled
 batches and times them with costs calibrated on committed measurements (``--validate`` replays
-those measurements; the calibration used is printed). One config prints a table of step time,
+those measurements; the calibration used is printed): FA3 tasks by the measured cost table plus
+a fitted fixed time per task, collectives by latency + bytes / bandwidth (distca's exchange as
+built: 'remote' on the busiest device's useful bytes, 'dense' on its padded wire bytes, 'ragged'
+on the largest (sender, server) group, the one its time follows). One config prints a table of step time,
 the fraction of the balance bound (packed_dp's mean per-rank compute) each strategy reaches,
 speedups, imbalance, bytes and memory per strategy and writes ``{"strategies": {name: {...}}}``
 with per-rank breakdowns. Without ``--tensor`` / ``--pipe`` it picks the first layout (fewest
@@ -288,11 +291,11 @@ def _range(vals):
   return f"{min(vals):.2f}-{max(vals):.2f}" if vals else "n/a"
 
 
-def write_paper(a, blob, cal, km_small: float) -> None:
+def write_paper(a, blob, cal, task_s: float) -> None:
   cmd = command_line(__file__)
   stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   blob = dict(blob, command=cmd, date=stamp, calibration=dataclasses.asdict(cal),
-              small_task_s=km_small)
+              task_s=task_s)
   with open(a.out + ".json", "w") as f:
     json.dump(blob, f, indent=1)
   L = [f"# Simulated scale: the paper's 3D / 4D experiments replayed (SIMULATED, not measured)\n",
@@ -300,8 +303,8 @@ def write_paper(a, blob, cal, km_small: float) -> None:
        "per configuration",
        f"- calibration (fitted on committed one-GPU steps and the 2-GPU collective bench; "
        f"`--validate`): matmul {cal.matmul_tflops:.0f} TF/s effective, attention "
-       f"{cal.attention_scale:.3f} x the FA3 cost table (+ {km_small * 1e3:.2f} ms per task below "
-       f"its grid, fitted), fixed {cal.step_fixed_s * 1e3:.0f} ms, "
+       f"{cal.attention_scale:.3f} x the FA3 cost table (+ {task_s * 1e3:.2f} ms per task, "
+       f"fitted), fixed {cal.step_fixed_s * 1e3:.0f} ms, "
        f"all_to_all {cal.a2a_latency_s * 1e3:.2f} ms + bytes / {cal.intra_node_bw / 1e9:.0f} GB/s "
        f"in a node; inter-node {cal.inter_node_bw / 1e9:.0f} GB/s per GPU (stated)",
        "- tokens/rank: the largest power of two <= the context whose packed_dp activations fit "
@@ -475,7 +478,8 @@ def main(argv=None):
         json.dump(v, f, indent=1)
       cals = "\n".join(f"- era `{k}`: " + ", ".join(f"{f} {c[f]:.4g}" for f in (
           "matmul_tflops", "attention_scale", "step_fixed_s", "a2a_latency_s", "intra_node_bw",
-          "remote_latency_s", "remote_bw", "dense_latency_s", "dense_bw"))
+          "remote_latency_s", "remote_bw", "dense_latency_s", "dense_bw", "ragged_latency_s",
+          "ragged_bw"))
                        for k, c in v["calibrations"].items())
       with open(os.path.splitext(a.json)[0] + ".md", "w") as f:
         f.write(f"# Simulator validation: predicted vs measured\n\n- command: `{v['command']}`\n"
@@ -485,7 +489,7 @@ def main(argv=None):
   cal, km = calibration(a)
   if a.paper:
     blob = paper(a, cal, km)
-    write_paper(a, blob, cal, km.small_task_s)
+    write_paper(a, blob, cal, km.task_s)
     return blob
   r = pick_layout(a, cal, km)
   print(format_config(r))

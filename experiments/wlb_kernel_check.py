@@ -13,7 +13,7 @@ times forward + backward of the call ``baselines.device.group_attention`` makes 
 all-gather and the gather into the key buffer are left out) with ``profiling.time_call``.
 
 Next to each rank: the simulator's kernel model on the same tasks (``sim.validate.kernel_model``:
-the FA3 cost table plus the fitted time of tasks below its grid; one layer, forward + backward),
+the FA3 cost table plus the fitted time per task; one layer, forward + backward),
 and ``sim.step.run_wlb``'s per-rank seconds (the simulator's own packing of the same documents,
 which must give the same tasks). Per batch: the imbalance (max / mean over ranks) measured and
 predicted. Writes OUT.json (with every rank's task lengths, so ``sim.validate`` can replay the tables with
@@ -227,7 +227,7 @@ def markdown(res: dict) -> str:
            "'tight' the same tasks in one flash3 launch shape whose bounds are the next power of two "
            "above the longest task. Predicted: "
            "the simulator's kernel model (cost table + "
-           f"{res['small_task_s'] * 1e6:.0f} us per below-grid task). Imbalance: max / mean "
+           f"{res['task_s'] * 1e6:.0f} us per task). Imbalance: max / mean "
            "over ranks, mean over batches.", "",
            "| workload | cp | alpha | Lmax | rank rows | "
            + " | ".join(f"mean / max abs err ({v})" for v in vs)
@@ -270,7 +270,7 @@ def main(argv=None) -> dict:
   km, _ = validate.kernel_model()
   res = dict(command=experiments.command_line(__file__, argv), device=jax.devices()[0].device_kind,
              date=datetime.datetime.now().isoformat(timespec="seconds"), kernel=a.kernel,
-             ranks=a.ranks, tokens=a.tokens, layers=a.layers, small_task_s=km.small_task_s,
+             ranks=a.ranks, tokens=a.tokens, layers=a.layers, task_s=km.task_s,
              summary={}, workloads=[])
   for w in a.workloads.split(","):
     res["workloads"].append(check_workload(a, w, km))

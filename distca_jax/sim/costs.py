@@ -119,7 +119,9 @@ class Calibration:
       (fitted; 1 = the table as measured).
     step_fixed_s: per-step time independent of tokens and layers (optimizer, launch), fitted.
     a2a_latency_s, intra_node_bw: all_to_all time = latency + bytes / bw inside a node, fitted on
-      results/collective_bench.json (2 x H200 NVLink).
+      the mean of two runs on 2 x H200 (results/collective_bench.json and its latency-hiding
+      scheduler twin, one program: ``sim.validate.COLLECTIVE_RUNS``); six runs on 2 x H100
+      (results/collective_bench_h100/) are held out.
     inter_node_bw: bytes/s per GPU once a collective spans nodes (stated: 50 GB/s, 400 Gb/s NICs).
     gpus_per_node: GPUs of one NVLink domain.
     hbm_bytes: memory a GPU gives the step (H200 141 GB x 0.92, the launcher's fraction).
@@ -141,8 +143,13 @@ class Calibration:
       the exchange alone on real 4-server Pretrain 128K plans, 4 x H100 of one host
       (results/four/raw/exchange_bench.log and exb_oneshot.json; ``sim.validate``); across nodes
       every exchange's bandwidth is scaled by ``inter_node_bw / intra_node_bw``.
-    ragged_latency_s, ragged_bw: the same for XLA's ragged all-to-all on the busiest device's
-      useful bytes (same measurements; its time follows host round trips more than bytes).
+    ragged_latency_s, ragged_bw: XLA's ragged all-to-all: seconds of one exchange = latency +
+      the largest (sender, server) group's bytes / bw. Each group moves at that rate (about
+      2.6 GB/s on H100s), the groups of one call side by side, so a call lasts as long as its
+      largest group, whatever the other groups, the row size or the buffers hold. The latency is
+      a call that moves no rows (results/micro/ragged_probe.json); the rate is fitted on the
+      same 4 x H100 rows as ``dense_*`` with each row's groups replanned on the host
+      (``sim.validate.ragged_fit``); the probe's other group matrices are held out.
     exchange_hidden: fraction of distca's exchange hidden behind compute: 0, since no overlap
       of the exchange has been measured on GPUs (the 4-GPU runs are single stream; ping-pong's
       overlap on several GPUs is unmeasured), so all of it is charged.
@@ -151,8 +158,8 @@ class Calibration:
   remat_factor: float = 4.0 / 3.0
   attention_scale: float = 1.0
   step_fixed_s: float = 0.0
-  a2a_latency_s: float = 3.5e-4
-  intra_node_bw: float = 300e9
+  a2a_latency_s: float = 3.3e-4
+  intra_node_bw: float = 281e9
   inter_node_bw: float = 50e9
   gpus_per_node: int = 8
   hbm_bytes: float = 141e9 * 0.92
@@ -163,8 +170,8 @@ class Calibration:
   remote_bw: float = 344e9
   dense_latency_s: float = 8.1e-4
   dense_bw: float = 361e9
-  ragged_latency_s: float = 0.044
-  ragged_bw: float = 6.3e9
+  ragged_latency_s: float = 2.4e-4
+  ragged_bw: float = 2.58e9
   exchange_hidden: float = 0.0
 
   def bandwidth(self, span_gpus: int) -> float:
@@ -194,17 +201,21 @@ class KernelModel:
   """Core-attention seconds of tasks (one layer, forward + backward) from the measured table
   (``Calibration.attention_scale`` is applied by the step model).
 
-  Tasks whose key range is shorter than the table's smallest ``kv_len`` are outside what was
-  measured: the table scales them from the grid by causal pairs, which assumes a long task's
-  efficiency; ``small_task_s`` adds a fixed time to each of them (fitted on real task tables,
-  ``sim.validate.fit_small_task_seconds``; 0 = the table alone).
+  ``task_s`` adds a fixed time to every task: what one more sequence of a varlen FA3 launch
+  costs beyond the table (each grid point times identical tasks fused into one launch, and
+  outside the grid the table scales short tasks down by causal pairs). Fitted on real task
+  tables as launched (``sim.validate.fit_task_seconds``; 0 = the table alone). On the wlb
+  backend's calls (results/micro/wlb_kernel_check.md) the measured excess over the table
+  levels off with the number of tasks (ProLong ranks: 31, 46 and 45 ms for 85, 170 and 204
+  tasks), so any fixed time per task over-charges the most tasks; charged on every task it
+  stays within 9.1% there, charged on tasks below the grid only it was 14% over.
   """
 
-  def __init__(self, table: plan_lib.CostTable | str | None = None, small_task_s: float = 0.0):
+  def __init__(self, table: plan_lib.CostTable | str | None = None, task_s: float = 0.0):
     if table is None or isinstance(table, (str, os.PathLike)):
       table = plan_lib.CostTable.from_json(os.fspath(table or DEFAULT_COST_TABLE))
     self.table = table
-    self.small_task_s = float(small_task_s)
+    self.task_s = float(task_s)
 
   def task_seconds(self, q_len, kv_len, dims: ModelDims) -> np.ndarray:
     """[N] seconds of tasks with ``q_len`` queries ending ``kv_len`` keys."""
@@ -213,8 +224,7 @@ class KernelModel:
       return np.zeros(0)
     kv = np.asarray(kv_len, np.float64)
     heads = dims.q_heads * dims.head_dim / _TABLE_HEADS_X_DIM
-    small = (kv < self.table.kv_lens[0]) * self.small_task_s
-    return (self.table.time(q, kv) + small) * heads
+    return (self.table.time(q, kv) + self.task_s) * heads
 
   def docs_seconds(self, doc_lens, dims: ModelDims) -> float:
     """Seconds of whole documents computed where they are (one task each)."""

@@ -16,8 +16,9 @@ system resolves 'auto' (``resolve_collective``): 'remote' (device-initiated copi
 driving every GPU: a job within one node) puts the busiest device's useful rows on the wire,
 each row once; 'dense' (multi-process jobs: every job that spans nodes) ``S`` blocks of the
 bucket ``dense_wire_rows`` picks per exchange (caps: the envelope of the sampled plans x
-``caps_headroom``, as training samples them); 'ragged' the useful rows. Seconds from the 4-GPU
-exchange measurements (``Calibration.remote_*``, ``dense_*``, ``ragged_*``), with
+``caps_headroom``, as training samples them); 'ragged' the useful rows, its time set by the
+largest (sender, server) group (``ragged_group_bytes``). Seconds from the 4-GPU exchange
+measurements (``Calibration.remote_*``, ``dense_*``, ``ragged_*``), with
 ``Calibration.exchange_hidden`` of them hidden (0: no overlap measured). The memory mode is
 resolved as the trainer's pre-flight resolves 'auto' ('keep' with ``AUTO_KEEP_SPARE`` of the
 device to spare, else 'resend', whose backward runs the Q and K/V exchanges once more).
@@ -293,11 +294,22 @@ def exchange_wire_bytes(plan: plan_lib.Plan, caps: plan_lib.Capacity, dims, coll
   return (nq * q * bq + nkv * kv * bkv).astype(np.float64)
 
 
+def ragged_group_bytes(plan: plan_lib.Plan, dims, memory_mode: str = "keep") -> float:
+  """Bytes of the largest (sender, server) group of each of one layer's exchanges, summed:
+  what XLA's ragged all-to-all's time follows (``Calibration.ragged_bw``). The return and the
+  backward run the groups transposed: the same largest group."""
+  nq, nkv = exchange_counts(memory_mode)
+  bq = dims.q_heads * dims.head_dim * dims.dtype_bytes
+  return float(nq * plan.pair_q_rows.max(initial=0) * bq
+               + nkv * plan.pair_kv_rows.max(initial=0) * dims.kv_row_bytes)
+
+
 def exchange_seconds(wire_S: np.ndarray, servers: int, cal: costs.Calibration, collective: str,
                      tp: int, memory_mode: str = "keep") -> np.ndarray:
   """[S] seconds of one layer's exchanges: every device waits for the busiest (an all-to-all,
   and the remote exchange's exit barrier, complete together); heads are split over ``tp``;
-  across nodes the measured in-node bandwidth is scaled by ``inter_node_bw / intra_node_bw``."""
+  across nodes the measured in-node bandwidth is scaled by ``inter_node_bw / intra_node_bw``.
+  'ragged': ``wire_S`` holds the largest groups' bytes (``ragged_group_bytes``), not the wire."""
   if servers <= 1:
     return np.zeros_like(wire_S)
   latency, bw = {"remote": (cal.remote_latency_s, cal.remote_bw),
@@ -335,8 +347,11 @@ def rank_seconds(mr: MicroResult, spec: costs.ModelSpec, cal: costs.Calibration,
   if m.strategy == "distca":
     if caps is None:
       raise ValueError("rank_seconds: distca needs caps (distca_caps of the run's plans)")
-    wire = exchange_wire_bytes(mr.plan, caps, d, opts.collective, opts.exchange_buckets,
-                               opts.memory_mode)
+    if opts.collective == "ragged":  # its time follows the largest group, not the wire
+      wire = np.full(m.num_ranks, ragged_group_bytes(mr.plan, d, opts.memory_mode))
+    else:
+      wire = exchange_wire_bytes(mr.plan, caps, d, opts.collective, opts.exchange_buckets,
+                                 opts.memory_mode)
     comm = exchange_seconds(wire, m.num_ranks, cal, opts.collective, tp, opts.memory_mode)
     exposed = comm * (1.0 - cal.exchange_hidden)
   elif m.strategy in ("cp", "wlb"):

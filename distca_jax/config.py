@@ -170,6 +170,10 @@ def base_config() -> ml_collections.ConfigDict:
                                   # gradient norm) above its running mean is a spike; 0: off
   c.train.spike_warmup_steps = 5  # good steps that build the running statistics before spikes
                                   # are looked for
+  c.train.stop_timeout_s = 120.0  # after SIGINT / SIGTERM the run saves at the next step
+                                  # boundary; if none comes within this many seconds (a stuck
+                                  # device call or process, or a long compile), it exits at once
+                                  # with one line, as a second signal does
   c.profile_step = -1             # -1: off. N: profile step N (0-based; N = 0 also traces the
                                   # compilation on the host) into WORKDIR/profile, write
                                   # report.json / report.md there (distca_jax.profiling: per-rank
@@ -223,6 +227,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.train.max_bad_steps < 1:
     raise UserError(f"train.max_bad_steps={c.train.max_bad_steps} must be >= 1 (consecutive "
                     "skipped steps before the run stops)")
+  if not c.train.stop_timeout_s > 0:
+    raise UserError(f"train.stop_timeout_s={c.train.stop_timeout_s} must be > 0 (seconds from a "
+                    "stop signal to the next step boundary before the run exits without saving)")
   if c.train.spike_sigmas < 0 or c.train.spike_warmup_steps < 1:
     raise UserError(f"train.spike_sigmas={c.train.spike_sigmas} must be >= 0 (0: off) and "
                     f"train.spike_warmup_steps={c.train.spike_warmup_steps} >= 1")

@@ -125,15 +125,44 @@ class Distributed:
 
 class StopRequest:
   """A signal handler that records the first signal; the train loop saves the current step and
-  stops when it is set (`stop_signal`)."""
+  stops when it is set (`stop_signal`), and calls `acknowledge` as it starts to save.
 
-  def __init__(self):
+  Two ways out that end the process at once (``os._exit(128 + signal)``) with one
+  'interrupted' line naming the newest verified checkpoint in ``workdir``: a second signal (a
+  second Ctrl-C: stop now, the save in progress, if any, is ignored on restore), and no
+  acknowledgement within ``timeout_s`` seconds of the first (the loop did not reach a step
+  boundary: a device call or a peer is stuck)."""
+
+  def __init__(self, timeout_s: float = 120.0, workdir: str | None = None):
     self.signum: int | None = None
+    self.timeout_s = timeout_s
+    self.workdir = workdir
+    self._timer: threading.Timer | None = None
 
   def __call__(self, signum, frame=None) -> None:
     del frame
-    if self.signum is None:
-      self.signum = signum
+    if self.signum is not None:
+      self._exit(signum, f"a second {signal.Signals(signum).name}: stopping now, without "
+                 "saving the current step")
+    self.signum = signum
+    self._timer = threading.Timer(self.timeout_s, self._exit, (
+        signum, f"the run reached no step boundary within train.stop_timeout_s="
+        f"{self.timeout_s:g} s of the signal (still compiling, or a device call or another "
+        "process is stuck): stopping without saving"))
+    self._timer.daemon = True
+    self._timer.start()
+
+  def acknowledge(self) -> None:
+    """The loop reached a step boundary and saves (or stops): the deadline no longer holds."""
+    if self._timer is not None:
+      self._timer.cancel()
+
+  def _exit(self, signum: int, why: str) -> None:
+    where = newest_checkpoint(self.workdir) if self.workdir else "no checkpoint yet"
+    print(f"interrupted: interrupted by {signal.Signals(self.signum or signum).name}; {why}; "
+          f"rerun the same command to resume from the newest verified checkpoint ({where})",
+          file=sys.stderr, flush=True)
+    os._exit(128 + (self.signum or signum))
 
 
 def _client():
@@ -246,6 +275,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, multihost: bool = Fa
   configure_environment()
   distributed = distributed or Distributed()
   distributed.check()
+  if stop is not None:
+    stop.workdir = workdir
+    stop.timeout_s = float(config.train.stop_timeout_s)
   if not verbose:
     from absl import logging
     logging.set_verbosity(logging.WARNING)

@@ -626,6 +626,7 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
     for step in range(start, c.num_steps):
       signum = launch.stop_signal(step, stop.signum)
       if signum is not None:
+        stop.acknowledge()
         _save_on_interrupt(signum, step, state, manager, watch, abstract)
       step_, np_batch, flops, tokens = prefetch.next()
       assert step_ == step, (step_, step)

@@ -406,6 +406,63 @@ def test_a_signal_saves_and_verifies_the_current_step(tmp_path, sig):
   assert rc == 0 and f"resumed from checkpoint at step {step}" in out, out + err
 
 
+@pytest.mark.slow
+def test_a_second_signal_stops_at_once_and_the_rerun_trains(tmp_path):
+  workdir = str(tmp_path)
+  proc = subprocess.Popen(_cmd(workdir, _with(num_steps=400)), cwd=ROOT,
+                          env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.time() + 300
+  while not (os.path.exists(metrics) and len(open(metrics).read().splitlines()) >= 6):
+    assert time.time() < deadline and proc.poll() is None, proc.communicate()
+    time.sleep(0.1)
+  proc.send_signal(signal.SIGINT)
+  time.sleep(0.05)  # two pending signals of one kind merge into one
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=120)
+  lines = [l for l in err.splitlines() if l.strip()]
+  assert proc.returncode == 130 and len(lines) == 1, out + err
+  assert (lines[0].startswith("interrupted: interrupted by SIGINT") and
+          "rerun the same command to resume" in lines[0]), lines[0]
+  rc, out, err = _run(workdir, _with(num_steps=8))  # a save cut short is never restored
+  assert rc == 0, out + err
+
+
+_STOP_SCRIPT = """
+import signal, sys, time
+from distca_jax import launch
+stop = launch.StopRequest(timeout_s=0.3, workdir=sys.argv[1])
+for sig in sys.argv[2].split(","):
+  stop(getattr(signal, sig))
+if sys.argv[3] == "ack":
+  stop.acknowledge()
+time.sleep(1.5)
+print("went on")
+"""
+
+
+@pytest.mark.parametrize("sigs,ack,rc,says", [
+    ("SIGINT", "", 130, "reached no step boundary within train.stop_timeout_s=0.3 s"),
+    ("SIGTERM,SIGINT", "", 143, "a second SIGINT: stopping now"),
+    ("SIGTERM", "ack", 0, None)])
+def test_a_stop_that_reaches_no_step_boundary_ends_in_one_line(tmp_path, sigs, ack, rc, says):
+  p = subprocess.run([sys.executable, "-c", _STOP_SCRIPT, str(tmp_path), sigs, ack], cwd=ROOT,
+                     env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                     timeout=60)
+  assert p.returncode == rc, p.stdout + p.stderr
+  if says is None:
+    assert p.stdout.strip() == "went on" and not p.stderr.strip(), p.stdout + p.stderr
+  else:
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and "(no checkpoint yet)" in lines[0], p.stderr
+
+
+def test_stop_timeout_must_be_positive():
+  with pytest.raises(UserError, match=r"train.stop_timeout_s=0.0 must be > 0"):
+    from distca_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+    config_lib.validate(small_config("train.stop_timeout_s=0.0"))
+
+
 def _read_only_dir(path):
   """Makes ``path`` read-only (chmod, or chattr +i for root); False when neither works here."""
   os.makedirs(path)

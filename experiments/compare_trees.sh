@@ -2,7 +2,8 @@
 # One-GPU training steps of two source trees on the same batches, in one call, alternating:
 #   bash experiments/compare_trees.sh OLD_TREE OUTDIR [e2e_bench arguments]
 # OLD_TREE is an export of another commit (e.g. `git archive REV distca_jax custom_ops configs
-# experiments | tar -x -C .carry/old`); this tree is the new one. Each tree runs
+# experiments data | tar -x -C .carry/old`); the new one is this tree, or NEW_TREE when set (another
+# export). Run from the repository root (the wheels in .whl/). Each tree runs
 # experiments/e2e_bench.py (default: packed_dp and distca, Pretrain, 64K tokens, 4 layers of
 # configs/gpu_bench.py) REPEATS times, old and new alternating, and OUTDIR/compare_trees.md gets
 # each run's median step, the new/old ratio and whether the losses agree.
@@ -14,7 +15,7 @@ shift 2
 ARGS=("$@")
 [ ${#ARGS[@]} -eq 0 ] && ARGS=(--backends packed_dp,distca --workloads pretrain --tokens 65536
                                 --layers 4 --steps 10 --warmup 2)
-NEW=$PWD
+NEW=$(cd "${NEW_TREE:-$PWD}" && pwd)
 OLD=$(cd "$OLD" && pwd)
 mkdir -p "$OUT"
 SITE=

@@ -5,8 +5,8 @@
 #   SUITE=one bash experiments/gpu_suite.sh OUTDIR       # one group: one | two | derived | tests
 #   SUITE=four-a bash experiments/gpu_suite.sh OUTDIR    # 4-GPU host: four-a | four-r1..r5 |
 #                                                         # four-b | four-4d | four-f | four-8b;
-#                                                         # not yet run: four-n1 | four-n3
-#                                                         # (not in 'all')
+#                                                         # not yet run: four-n1 | four-n3;
+#                                                         # one GPU: one-trees (not in 'all')
 # 'one': single-GPU tables (CUDA_VISIBLE_DEVICES=0); 'two': the 2-GPU tables; 'derived': tables
 # computed from the e2e JSONs of 'two' (plot, per-batch bound); 'tests': the GPU-only tests.
 # Needs the wheels the GPU image lacks in .whl/ (flash-attn3-jax, ml_collections, tensorboardX).
@@ -102,6 +102,13 @@ for b in packed_dp distca; do
   stage "e2e_4gpu_pretrain_128k_$b" 140 python3 -m experiments.e2e_bench --backends $b --workloads pretrain --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_pretrain_128k_$b"
 done
 stage e2e_4gpu_prolong_128k 150 python3 -m experiments.e2e_bench --backends packed_dp,distca --workloads prolong --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_prolong_128k"
+;;& one-trees)
+# Issue 39's gate: one-GPU step time of the trees before (b1678cf^1) and after (b170395) the
+# plan-boundary refactor, same batches, old and new alternating (experiments/compare_trees.sh).
+# Export both trees before the call and carry them with the wheels (carry: .whl, .carry):
+#   for t in old:b1678cf^1 new:b170395; do mkdir -p .carry/${t%%:*}; git archive ${t#*:} \
+#     distca_jax custom_ops configs experiments data | tar -x -C .carry/${t%%:*}; done
+stage compare_trees_39 580 env CUDA_VISIBLE_DEVICES=0 NEW_TREE=.carry/new bash experiments/compare_trees.sh .carry/old "$OUT/compare_trees_39"
 ;;& four-r5)
 # Pretrain 128K with CUDA's stream-ordered allocator (XLA's BFC allocator needs the step's
 # temporaries as one contiguous block; buffers made during a step split it): distca then

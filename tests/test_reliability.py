@@ -382,17 +382,23 @@ def test_diverging_after_a_checkpoint_resumes_from_the_one_before(tmp_path):
   assert _every_checkpoint_verifies(workdir, small_config(*RUN))[-1] == 12
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_saves_and_verifies_the_current_step(tmp_path, sig):
-  workdir = str(tmp_path)
+def _start_and_wait(workdir, steps):
+  """A long tiny run started in the background, once it has logged ``steps`` steps."""
   proc = subprocess.Popen(_cmd(workdir, _with(num_steps=400)), cwd=ROOT,
                           env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   metrics = os.path.join(workdir, "metrics.jsonl")
   deadline = time.time() + 300
-  while not (os.path.exists(metrics) and len(open(metrics).read().splitlines()) >= 6):
+  while not (os.path.exists(metrics) and len(open(metrics).read().splitlines()) >= steps):
     assert time.time() < deadline and proc.poll() is None, proc.communicate()
     time.sleep(0.1)
+  return proc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_and_verifies_the_current_step(tmp_path, sig):
+  workdir = str(tmp_path)
+  proc = _start_and_wait(workdir, steps=6)
   proc.send_signal(sig)
   out, err = proc.communicate(timeout=120)
   assert proc.returncode == 128 + sig, out + err
@@ -409,13 +415,7 @@ def test_a_signal_saves_and_verifies_the_current_step(tmp_path, sig):
 @pytest.mark.slow
 def test_a_second_signal_stops_at_once_and_the_rerun_trains(tmp_path):
   workdir = str(tmp_path)
-  proc = subprocess.Popen(_cmd(workdir, _with(num_steps=400)), cwd=ROOT,
-                          env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  metrics = os.path.join(workdir, "metrics.jsonl")
-  deadline = time.time() + 300
-  while not (os.path.exists(metrics) and len(open(metrics).read().splitlines()) >= 6):
-    assert time.time() < deadline and proc.poll() is None, proc.communicate()
-    time.sleep(0.1)
+  proc = _start_and_wait(workdir, steps=6)
   proc.send_signal(signal.SIGINT)
   time.sleep(0.05)  # two pending signals of one kind merge into one
   proc.send_signal(signal.SIGINT)

@@ -428,7 +428,7 @@ def markdown(report: dict, out: str) -> str:
       "| candidate | overrides | CPU AOT GiB | est. GPU plan GiB (low-high) | FA3 workspace GiB "
       "| need GiB (high) | fits | counted GFLOP/token (attention share) | linear rerun "
       "| executed / counted FLOPs | est. MFU (F hidden / exposed) | est. MFU / shipped "
-      "| est. tokens/s |",
+      "| est. tokens/s (F hidden) |",
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in report["rows"]:
     over = " ".join(f"`{o}`" for o in r["overrides"]) or "(shipped)"

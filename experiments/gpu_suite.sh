@@ -5,8 +5,9 @@
 #   SUITE=one bash experiments/gpu_suite.sh OUTDIR       # one group: one | two | derived | tests
 #   SUITE=four-a bash experiments/gpu_suite.sh OUTDIR    # 4-GPU host: four-a | four-r1..r5 |
 #                                                         # four-b | four-4d | four-f | four-8b;
-#                                                         # not yet run: four-n1 | four-n3;
-#                                                         # one GPU: one-trees (not in 'all')
+#                                                         # not yet run: four-n1 | four-n3 |
+#                                                         # four-8b-mfu; one GPU: one-trees
+#                                                         # (not in 'all')
 # 'one': single-GPU tables (CUDA_VISIBLE_DEVICES=0); 'two': the 2-GPU tables; 'derived': tables
 # computed from the e2e JSONs of 'two' (plot, per-batch bound); 'tests': the GPU-only tests.
 # Needs the wheels the GPU image lacks in .whl/ (flash-attn3-jax, ml_collections, tensorboardX).
@@ -153,6 +154,17 @@ stage e2e_8b_pretrain_packed_dp 170 $E8 --backends packed_dp --workloads pretrai
 for b in packed_dp distca; do
   stage "e2e_8b_prolong_$b" 150 $E8 --backends $b --workloads prolong --steps 6 --out "$OUT/e2e_8b_prolong_$b"
 done
+;;& four-8b-mfu)
+# The 8B with FSDP at the layouts results/fsdp/mfu_candidates.md estimates to fit 80 GB and
+# change MFU, Pretrain, each run in its own process, most informative first: remat
+# 'save_attention' at 16K tokens per GPU (estimated 70.2 GiB of 72.85 with distca) with distca
+# and packed_dp, full remat at 64K (68.9 GiB), and full remat at 16K (the same batches without
+# the policy). A run over the card stops at the pre-flight with one line.
+M8="python3 -m experiments.e2e_bench --config configs/llama3_8b_4gpu.py --layers 32 --warmup 2 --steps 6 --plan-stats --workloads pretrain"
+stage e2e_8b_mfu_sa16k_distca 130 $M8 --tokens 16384 --backends distca --extra model.remat=save_attention --out "$OUT/e2e_8b_mfu_sa16k_distca"
+stage e2e_8b_mfu_sa16k_packed_dp 120 $M8 --tokens 16384 --backends packed_dp --extra model.remat=save_attention --out "$OUT/e2e_8b_mfu_sa16k_packed_dp"
+stage e2e_8b_mfu_full64k_distca 210 $M8 --tokens 65536 --backends distca --out "$OUT/e2e_8b_mfu_full64k_distca"
+stage e2e_8b_mfu_full16k_distca 100 $M8 --tokens 16384 --backends distca --out "$OUT/e2e_8b_mfu_full16k_distca"
 ;;& four-f)
 # Faults under NCCL (4 processes x 1 GPU, a 2-layer model small enough that a checkpoint of the
 # interrupted step is quick), then the 'remote' kernel's GPU tests and its zeroing CTAs on a

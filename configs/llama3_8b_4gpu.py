@@ -23,7 +23,7 @@ Expect (measured on 4 x H100 80GB, results/fsdp/e2e_8b_4gpu.md): loss starting n
 falling; about 8.1 s per step on Pretrain (40% MFU, document-masked; 1.21x packed_dp on the same
 batches) and 5.7 s on ProLong (42%; packed_dp is 6% faster there, its batches being nearly
 balanced already); allocator peak about 65 GB. MFU stays under 50%, likely (not profiled)
-because remat 'full' reruns each layer's forward (about 4/3 of the counted FLOPs are executed)
+because remat 'full' reruns each layer's forward (1.30x the counted FLOPs are executed)
 and each layer all-gathers its weights (0.44 GB bf16, forward and rematerialized backward) and
 reduce-scatters its gradients.
 """

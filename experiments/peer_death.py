@@ -20,8 +20,8 @@ Faults (``--faults``; ``--victims I ...`` is ``kill:I ...``), each one job in a 
             a path below a regular file): one line, exit 2.
 The clock starts at the signal (signal faults) or at the launch (the others). Writes
 DIR/peer_death.json and DIR/peer_death.md, and the processes' logs as DIR/<fault>_<process>.log
-(+ .err). Extra arguments after ``--`` go to every process (e.g. ``-- --heartbeat_timeout_s=20
---config.model.n_layers=2``).
+(+ .err; a fault listed twice: DIR/<index>_<fault>_<process>.log). Extra arguments after ``--``
+go to every process (e.g. ``-- --heartbeat_timeout_s=20 --config.model.n_layers=2``).
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ def _workdir(kind: str, name: str) -> tuple[str, str, str]:
   return ro, top, "mode 555"
 
 
-def run_one(args, spec: str, extra: list[str]) -> dict:
+def run_one(args, spec: str, extra: list[str], name: str | None = None) -> dict:
   kind, who = _fault(spec, args.procs)
-  name = spec.replace(":", "_")
+  name = name or spec.replace(":", "_")
   workdir, top, how = _workdir(kind, name)
   port = _free_port()
   overrides = GPU_OVERRIDES if args.gpu else CPU_OVERRIDES + [
@@ -182,10 +182,12 @@ def main(argv=None):
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   results = []
-  for spec in faults:
+  for i, spec in enumerate(faults):
     print(f"fault {spec} ...", flush=True)
+    # Log names: the fault, with its place in the list when it repeats (kill_1 or 2_int_all).
+    name = spec.replace(":", "_") if faults.count(spec) == 1 else f"{i}_{spec.replace(':', '_')}"
     try:
-      results.append(run_one(args, spec, extra))
+      results.append(run_one(args, spec, extra, name))
     except RuntimeError as e:  # the job ended before the fault: its row says so, the rest run
       results.append({"fault": spec, "error": str(e), "processes": []})
   kind = "GPU (NCCL)" if args.gpu else f"CPU (gloo, {args.cpu_devices} devices each)"

@@ -542,3 +542,13 @@ def test_runtime_shutdown_warnings_start_what_the_supervisor_keeps():
   assert launch._DUMP_START.match("W1127 12:00:00.0 1 coordination_service_agent.cc:1] x")
   assert not launch._DUMP_START.match("W1127 12:00:00.0 1 pjrt_client.cc:9] another warning")
   assert not launch._DUMP_START.match("interrupted: interrupted by SIGINT after step 3")
+
+
+def test_fault_specs_parse_and_a_bad_one_names_the_fix():
+  from experiments import peer_death  # pylint: disable=import-outside-toplevel
+  assert peer_death._fault("kill:1", 2) == ("kill", 1)
+  assert peer_death._fault("int:all", 4) == ("int", "all")
+  assert peer_death._fault("diverge", 2) == ("diverge", None)
+  for bad in ("kill:2", "kill:all", "term:x", "diverge:1", "boom"):
+    with pytest.raises(ValueError, match=r"not a fault of 2 processes: use kill:I"):
+      peer_death._fault(bad, 2)

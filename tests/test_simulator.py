@@ -366,12 +366,22 @@ def test_dense_wire_bytes_equal_the_data_planes_block_choice(seed):
   assert np.all(ragged <= step.exchange_wire_bytes(hp.plan, cap, dims, "dense", 8) + 1e-6)
 
 
-def test_layout_picker_says_when_nothing_fits():
+def test_layout_picker_says_when_nothing_fits(monkeypatch, capsys):
+  """No layout fits: the picker raises NoLayoutFits; the command prints its one line on stderr
+  and exits 2 (the docstring's contract); a large memory fits the first layout."""
   from experiments import simulate
-  a = simulate.parse_args(["--gpus", "2", "--tokens", "8192", "--batches", "1"])
+  argv = ["--gpus", "2", "--tokens", "8192", "--batches", "1"]
+  a = simulate.parse_args(argv)
   km = _flat_table()
-  with pytest.raises(SystemExit, match="no layout of 2 GPUs fits every strategy"):
+  with pytest.raises(simulate.NoLayoutFits, match="no layout of 2 GPUs fits every strategy"):
     simulate.pick_layout(a, _cal(hbm_bytes=1e9), km)
+  monkeypatch.setattr(simulate, "calibration", lambda _: (_cal(hbm_bytes=1e9), km))
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as exit_info:
+    simulate.main(argv)
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: no layout of 2 GPUs fits every strategy") and err.count("\n") == 1
   r = simulate.pick_layout(a, _cal(hbm_bytes=1e15), km)
   assert r["fits_every_strategy"] and r["layout"]["tensor"] * r["layout"]["pipe"] == 1
 

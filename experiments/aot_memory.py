@@ -7,7 +7,7 @@ this script sets XLA_FLAGS itself). On a GPU host the real devices are used and 
 match their count. A 'flash3' config compiles off a Hopper GPU with the kernel's shape-only
 stand-in (``flash3_attention.shape_only``): its outputs in XLA's plan, FA3's backward workspace
 counted by ``memory.kernel_workspace_bytes``; XLA:CPU's plan of the rest runs above the GPU's
-(results/wlb_memory_choice.md). Prints a table and writes JSON to --out if given.
+(results/micro/wlb_memory_choice.md). Prints a table and writes JSON to --out if given.
 """
 
 import argparse

@@ -200,7 +200,7 @@ def wlb_config(c, over) -> dict:
       fit += "; faster but over it: " + ", ".join(
           f"cp {cp} alpha {a:g} ({gib(n)})" for cp, a, _, n in out)
   how = (f"choose_wlb on steps {steps.start}-{steps.stop - 1} (never trained or timed) over "
-         f"{len(choice.candidates)} candidates, predicted {1e3 * choice.layer_seconds:.1f} ms "
+         f"{len(choice.candidates)} candidates, predicted {1e3 * choice.layer_seconds:.3g} ms "
          f"per layer; {fit}" + (f"; {' and '.join(fixed)} given" if fixed else ""))
   return {"cp_size": choice.cp_size, "alpha": choice.alpha, "how": how,
           "tasks_per_row": choice.tasks_per_row, "layer_seconds": choice.layer_seconds,

@@ -11,6 +11,7 @@ CPU emulator of the bindings' contract.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import math
@@ -43,7 +44,9 @@ def import_flash3():
 
 def check_available() -> None:
   """A KernelUnavailableError saying why 'flash3' cannot run here: its bindings do not import, or
-  JAX's default platform is not a GPU."""
+  JAX's default platform is not a GPU (nothing inside ``shape_only``)."""
+  if _SHAPE_ONLY:
+    return
   import_flash3()
   if jax.default_backend() != "gpu":
     raise KernelUnavailableError(
@@ -115,7 +118,8 @@ def flash3_attention(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_se
         f"{FLASH3_HEAD_DIMS}; got {head_dim=} (build flash-attn3-jax from source for others)")
   return flash3_masked(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale,
                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                        grid_levels=grid_levels, impl=_FA3_IMPL)
+                        grid_levels=grid_levels,
+                        impl=SHAPE_ONLY_IMPL if _SHAPE_ONLY else _FA3_IMPL)
 
 
 def flash3_masked(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k,
@@ -158,6 +162,75 @@ def _fa3_bwd(do, q, k, v, o, lse, cu_q, cu_k, **config):
 
 
 _FA3_IMPL = (_fa3_fwd, _fa3_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# A shape-only stand-in of the bindings, for memory analysis off a Hopper GPU.
+# ----------------------------------------------------------------------------------------------
+_SHAPE_ONLY: list[bool] = []  # non-empty inside ``shape_only``
+
+
+@contextlib.contextmanager
+def shape_only():
+  """Inside: 'flash3' traces and compiles on any platform with ``SHAPE_ONLY_IMPL`` in place of
+  the bindings, so XLA's buffer assignment of a flash3 step (the kernel's outputs, no scratch)
+  and ``distca_jax.memory.kernel_workspace_bytes`` (the backward's FFI scratch, found by the
+  primitive's name) can be read on a CPU. A step compiled this way must never run."""
+  _SHAPE_ONLY.append(True)
+  try:
+    yield
+  finally:
+    _SHAPE_ONLY.pop()
+
+
+def _never_run(*_):
+  raise RuntimeError("a flash3 step compiled under flash3_attention.shape_only ran; it is for "
+                     "memory analysis only")
+
+
+def _shape_only_primitive(name: str, out_avals):
+  """A primitive named like the bindings' FFI call whose outputs have the bindings' shapes; it
+  lowers to a host callback that raises (the outputs are buffers of the plan, as the real
+  call's are; nothing else is allocated inside XLA's plan)."""
+  from jax.extend.core import Primitive  # noqa: PLC0415
+  from jax.interpreters import mlir  # noqa: PLC0415
+  prim = Primitive(name)
+  prim.multiple_results = True
+  prim.def_abstract_eval(lambda *avals, **kw: out_avals(*avals, **kw))
+  shapes = lambda *avals, **kw: [jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                 for a in out_avals(*avals, **kw)]
+  mlir.register_lowering(prim, mlir.lower_fun(
+      lambda *args, **kw: jax.pure_callback(_never_run, shapes(*args, **kw), *args),
+      multiple_results=True))
+  return prim
+
+
+def _fwd_avals(q, k, v, cu_q, cu_k, *, max_seqlen_q, max_seqlen_k, softmax_scale):
+  del k, v, cu_k, max_seqlen_k, softmax_scale
+  return [jax.core.ShapedArray(q.shape, q.dtype),
+          jax.core.ShapedArray((cu_q.shape[0] - 1, q.shape[1], max_seqlen_q), jnp.float32)]
+
+
+def _bwd_avals(do, q, k, v, o, lse, cu_q, cu_k, **_):
+  del do, o, lse, cu_q, cu_k
+  return [jax.core.ShapedArray(x.shape, x.dtype) for x in (q, k, v)]
+
+
+@functools.cache
+def _shape_only_prims():
+  return (_shape_only_primitive("flash_mha_varlen_fwd", _fwd_avals),
+          _shape_only_primitive("flash_mha_varlen_bwd", _bwd_avals))
+
+
+def _shape_only_fwd(q, k, v, cu_q, cu_k, **config):
+  return tuple(_shape_only_prims()[0].bind(q, k, v, cu_q, cu_k, **config))
+
+
+def _shape_only_bwd(do, q, k, v, o, lse, cu_q, cu_k, **config):
+  return tuple(_shape_only_prims()[1].bind(do, q, k, v, o, lse, cu_q, cu_k, **config))
+
+
+SHAPE_ONLY_IMPL = (_shape_only_fwd, _shape_only_bwd)
 
 
 def switch_or_call(index, fns, *operands):

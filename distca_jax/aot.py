@@ -10,9 +10,13 @@ scheduling), so use a GPU host of the target kind for the final word.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import ml_collections
 
+from custom_ops import KernelUnavailableError
+from custom_ops import flash3_attention as fa3
 from distca_jax import config as config_lib
 from distca_jax import memory
 from distca_jax import trainer
@@ -43,10 +47,32 @@ def compile_train_step(c: ml_collections.ConfigDict, devices=None):
   return compiled, info
 
 
-def _variant(c: ml_collections.ConfigDict, over: dict) -> ml_collections.ConfigDict:
-  v = ml_collections.ConfigDict(c.to_dict())
-  v.update_from_flattened_dict(over)
-  return v
+_variant = config_lib.with_overrides
+
+
+def wlb_need_bytes(c: ml_collections.ConfigDict, cp_size: int, alpha: float, tasks: int,
+                   devices=None) -> int:
+  """Bytes per device the train step of config ``c`` needs as ``wlb`` with CP size ``cp_size``,
+  alpha ``alpha`` and ``tasks`` task slots per row: XLA's buffer assignment plus the kernels'
+  workspace (``compile_train_step``'s ``need_per_device_bytes``, what the trainer's pre-flight
+  checks). A 'flash3' step is compiled with the kernel's shape-only stand-in
+  (``flash3_attention.shape_only``) where FlashAttention-3 cannot run (CPU AOT: XLA:CPU's plan
+  approximates the GPU's)."""
+  v = config_lib.with_overrides(c, {"attention.backend": "wlb",
+                                    "attention.baselines.cp_size": int(cp_size),
+                                    "attention.baselines.wlb_alpha": float(alpha),
+                                    "attention.baselines.wlb_tasks_per_row": int(tasks)})
+  stand_in = contextlib.nullcontext()
+  if v.attention.kernel == "flash3":
+    try:
+      fa3.check_available()
+    except KernelUnavailableError:
+      stand_in = fa3.shape_only()
+  with stand_in:
+    _, info = compile_train_step(v, devices=devices)
+  if "need_per_device_bytes" not in info:
+    raise ValueError("wlb_need_bytes: this platform's compiler reports no memory analysis")
+  return int(info["need_per_device_bytes"])
 
 
 def knob_variants(c: ml_collections.ConfigDict, n_devices: int) -> list[tuple[str, dict]]:

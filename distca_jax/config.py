@@ -100,9 +100,18 @@ def base_config() -> ml_collections.ConfigDict:
   c.attention.baselines.wlb_alpha = 1.0        # wlb: per-rank token cap Lmax = alpha x
                                                # tokens_per_rank (>= 1; > 1 trades memory balance
                                                # for attention balance); 0 = WLB-ideal's pick
-  c.attention.baselines.max_docs_per_row = 128  # task-table slots per row (documents or pieces;
-                                               # unused ones cost flash3 launch work); packing
-                                               # errors name the need
+  c.attention.baselines.max_docs_per_row = 128  # packed_dp / cp: task-table slots per row
+                                               # (documents or pieces; unused ones cost flash3
+                                               # launch work); packing errors name the need
+  c.attention.baselines.wlb_tasks_per_row = 0  # wlb: task-table slots per row (document pieces:
+                                               # a head and a tail chunk per document and rank);
+                                               # 0 = sized at startup from sampled batches at
+                                               # wlb's configuration (baselines.ideal.
+                                               # wlb_tasks_needed: x1.25 over the most seen)
+  c.attention.baselines.wlb_memory_gib = 0.0   # wlb with cp_size or wlb_alpha 0: the memory per
+                                               # device the chosen configuration's step must fit
+                                               # (GiB; 0 = the device's bytes_limit, as the
+                                               # pre-flight; no check where none is reported)
 
   # --- mesh: named axes; data x tensor x pipe must equal the device count.
   c.mesh = ml_collections.ConfigDict()
@@ -180,6 +189,13 @@ def base_config() -> ml_collections.ConfigDict:
                                   # busy, attention, matmul, exposed-communication time) and log
                                   # the straggler table; that step is left out of step_time_s
   return c
+
+
+def with_overrides(c: ml_collections.ConfigDict, over: dict) -> ml_collections.ConfigDict:
+  """A copy of ``c`` with the flattened ``over`` (``{"a.b": value}``) applied."""
+  v = ml_collections.ConfigDict(c.to_dict())
+  v.update_from_flattened_dict(over)
+  return v
 
 
 def model_config(c: ml_collections.ConfigDict) -> ModelConfig:

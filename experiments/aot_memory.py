@@ -4,7 +4,10 @@
 
 --devices N fakes N CPU devices when no accelerator is present (must come before jax starts, so
 this script sets XLA_FLAGS itself). On a GPU host the real devices are used and --devices must
-match their count. Prints a table and writes JSON to --out if given.
+match their count. A 'flash3' config compiles off a Hopper GPU with the kernel's shape-only
+stand-in (``flash3_attention.shape_only``): its outputs in XLA's plan, FA3's backward workspace
+counted by ``memory.kernel_workspace_bytes``; XLA:CPU's plan of the rest runs above the GPU's
+(results/micro/wlb_memory_choice.md). Prints a table and writes JSON to --out if given.
 """
 
 import argparse
@@ -26,8 +29,11 @@ def main():
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
       os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={a.devices}"
+  import contextlib
   import jax
   from ml_collections import config_flags  # noqa: F401  (ensures ml_collections is present)
+  from custom_ops import KernelUnavailableError
+  from custom_ops import flash3_attention as fa3
   from distca_jax import aot
   from distca_jax.launch import configure_environment
   from distca_jax import configs_io
@@ -43,7 +49,16 @@ def main():
                       "devices are visible")
     devices = devices[:a.devices]
     print(f"compiling {a.config} for {a.devices} x {devices[0].device_kind} ...", flush=True)
-    _, info = aot.compile_train_step(c, devices=devices)
+    stand_in = contextlib.nullcontext()
+    if c.attention.kernel == "flash3":
+      try:
+        fa3.check_available()
+      except KernelUnavailableError:
+        print("flash3 cannot run here: compiled with its shape-only stand-in (the kernel's outputs "
+              "in XLA's plan, FA3's backward workspace by its formula)", flush=True)
+        stand_in = fa3.shape_only()
+    with stand_in:
+      _, info = aot.compile_train_step(c, devices=devices)
   except (UserError, FileNotFoundError) as e:  # bad config file, override, mesh or kernel: one line
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
     sys.exit(2)

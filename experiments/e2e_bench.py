@@ -38,9 +38,13 @@ Variants and ablations (paper Sec. 6 style), all in the same process on the same
 Planning runs on the input thread (trainer.Prefetcher): the table shows host planning ms per batch
 next to the main thread's wait for its batch (planning off the critical path = wait ~ 0).
 `wlb` runs take their CP size and alpha from `baselines.ideal.choose_wlb` (CP 1-8 dividing the
-data ranks, alpha from 1.0) on batches the run never trains or times (`ideal.choice_steps`),
-unless `--extra attention.baselines.cp_size=N` / `wlb_alpha=A` fix them; the table shows the
-configuration, how it was chosen and the linear work its padded rows cost.
+data ranks, alpha from 1.0) on batches the run never trains or times (`ideal.choice_steps`):
+the fastest predicted configuration whose train step fits the device (each candidate compiled
+ahead of time, fastest first, until one fits: `aot.wlb_need_bytes`, the pre-flight's count),
+unless `--extra attention.baselines.cp_size=N` / `wlb_alpha=A` fix them; its task slots are
+sized from sampled batches (`ideal.wlb_tasks_needed`). The table shows the configuration, how
+it was chosen (predicted time, memory need, the faster ones excluded for memory) and the linear
+work its padded rows cost.
 `--tiny` shrinks everything for a CPU smoke test. Writes OUT.json and OUT.md (the command at the
 top); `experiments/plot_e2e.py OUT.json` draws OUT.png.
 """
@@ -176,16 +180,32 @@ def wlb_overrides(over) -> list[str]:
 
 
 def wlb_config(c, over) -> dict:
-  """wlb's configuration of run config ``c`` and how it was chosen (``over``: the overrides)."""
+  """wlb's configuration of run config ``c`` and how it was chosen (``over``: the overrides): the
+  backend's own choice (``backends.wlb.wlb_choice``, memoized: the run's), its task slots, and
+  the memory need of every candidate checked (those faster than the choice did not fit)."""
+  from distca_jax.backends import wlb
   from distca_jax.baselines import ideal
   given = {o.partition("=")[0]: o.partition("=")[2] for o in over}
-  choice = ideal.wlb_choice_from_config(c)
+  choice = wlb.wlb_choice(c)
   steps = ideal.choice_steps(c)
   fixed = [k.rsplit(".", 1)[1] for k in WLB_KEYS if given.get(k, "0") not in ("0", "0.0")]
+  gib = lambda b: f"{b / 2**30:.2f} GiB"
+  if choice.capacity_bytes is None:
+    fit = ("memory not checked before the pre-flight (configuration given, or no device limit: "
+           "attention.baselines.wlb_memory_gib sets one)")
+  else:
+    fit = f"fits {gib(choice.capacity_bytes)}: needs {gib(choice.memory[-1][3])}"
+    out = choice.excluded_for_memory()
+    if out:
+      fit += "; faster but over it: " + ", ".join(
+          f"cp {cp} alpha {a:g} ({gib(n)})" for cp, a, _, n in out)
   how = (f"choose_wlb on steps {steps.start}-{steps.stop - 1} (never trained or timed) over "
-         f"{len(choice.candidates)} candidates"
-         + (f"; {' and '.join(fixed)} given" if fixed else ""))
+         f"{len(choice.candidates)} candidates, predicted {1e3 * choice.layer_seconds:.3g} ms "
+         f"per layer; {fit}" + (f"; {' and '.join(fixed)} given" if fixed else ""))
   return {"cp_size": choice.cp_size, "alpha": choice.alpha, "how": how,
+          "tasks_per_row": choice.tasks_per_row, "layer_seconds": choice.layer_seconds,
+          "capacity_bytes": choice.capacity_bytes,
+          "memory_checked": [list(x) for x in choice.memory],
           "padding_linear_fraction": choice.alpha - 1.0,
           "candidates": [list(x) for x in choice.candidates]}
 
@@ -524,13 +544,14 @@ def write(a, results, quiet: bool = False):
   wlbs = [r for r in results if "wlb_config" in r]
   if wlbs:
     lines += ["\n## wlb's configuration\n",
-              "| workload | tokens/GPU | backend | CP size | alpha | how chosen | linear work on "
-              "padding (rows of alpha x T slots) |", "|---|---|---|---|---|---|---|"]
+              "| workload | tokens/GPU | backend | CP size | alpha | task slots per row | how chosen "
+              "| linear work on padding (rows of alpha x T slots) |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in wlbs:
       w = r["wlb_config"]
       lines.append(f"| {r['workload']} | {r['tokens']} | {r['backend']} | {w['cp_size']} | "
-                   f"{w['alpha']:g} | {w['how']} | {100 * w['padding_linear_fraction']:.0f}% "
-                   "of T per rank |")
+                   f"{w['alpha']:g} | {w.get('tasks_per_row', 'n/a')} | {w['how']} | "
+                   f"{100 * w['padding_linear_fraction']:.0f}% of T per rank |")
   planned = [r for r in results if "plan_imbalance_after" in r]
   if planned:
     lines += ["\n## distca plans of the timed batches (host replan; means over plans)\n",

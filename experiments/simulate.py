@@ -161,9 +161,14 @@ def layouts(gpus: int, a) -> list[dict]:
   return sorted(out, key=lambda x: (x["tensor"] * x["pipe"], x["pipe"]))
 
 
+class NoLayoutFits(ValueError):
+  """No layout the picker tries fits every strategy in memory; ``main`` prints its one line on
+  stderr and exits 2."""
+
+
 def pick_layout(a, cal, km) -> dict:
   """The first of ``layouts`` where every strategy fits memory (``run_config``'s result), with a
-  one-line ``layout_note``; SystemExit(2) with one line when none does."""
+  one-line ``layout_note``; ``NoLayoutFits`` (one line) when none does."""
   tried = []
   for lay in layouts(a.gpus, a):
     r = run_config(a.model, a.workload, a.gpus, a.tokens, lay, a, cal, km, context=a.context)
@@ -180,10 +185,10 @@ def pick_layout(a, cal, km) -> dict:
                         f"layout given ({tried[0]}); see 'fits' per strategy")
     print(r["layout_note"])
     return r
-  raise SystemExit(f"error: no layout of {a.gpus} GPUs fits every strategy in "
-                   f"{cal.hbm_bytes / 1e9:.0f} GB per GPU at --tokens {a.tokens} (tried tensor x "
-                   f"pipe x micro-batches, largest need: {', '.join(tried)}); lower --tokens or "
-                   "add GPUs")
+  raise NoLayoutFits(f"no layout of {a.gpus} GPUs fits every strategy in "
+                     f"{cal.hbm_bytes / 1e9:.0f} GB per GPU at --tokens {a.tokens} (tried tensor "
+                     f"x pipe x micro-batches, largest need: {', '.join(tried)}); lower --tokens "
+                     "or add GPUs")
 
 
 def format_config(r) -> str:
@@ -491,7 +496,11 @@ def main(argv=None):
     blob = paper(a, cal, km)
     write_paper(a, blob, cal, km.task_s)
     return blob
-  r = pick_layout(a, cal, km)
+  try:
+    r = pick_layout(a, cal, km)
+  except NoLayoutFits as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
   print(format_config(r))
   if a.json:
     with open(a.json, "w") as f:

@@ -49,9 +49,9 @@ def parse_args(argv=None):
   p.add_argument("--steps", type=int, default=2, help="sampled batches (training steps 0..)")
   p.add_argument("--iters", type=int, default=3, help="timed trials per rank")
   p.add_argument("--kernel", default="flash3", help="ops.core_attention kernel")
-  p.add_argument("--max-docs-per-row", type=int, default=256,
-                 help="attention.baselines.max_docs_per_row (ProLong at 8 x 128K packs 174 "
-                      "pieces on a rank: the default 128 fails there)")
+  p.add_argument("--tasks-per-row", type=int, default=0,
+                 help="attention.baselines.wlb_tasks_per_row (0: sized by the backend from "
+                      "sampled batches at its configuration)")
   p.add_argument("--config", default=os.path.join(ROOT, "configs", "gpu_bench.py"))
   p.add_argument("--tiny", action="store_true",
                  help="tiny model, 4 ranks of 1024 tokens, kernel 'auto' (CPU)")
@@ -69,7 +69,7 @@ def run_config(a, workload: str):
           f"model.n_layers={a.layers}", f"mesh.data={a.ranks}", "attention.backend=wlb",
           "attention.baselines.cp_size=0", "attention.baselines.wlb_alpha=0",
           f"attention.kernel={a.kernel}",
-          f"attention.baselines.max_docs_per_row={a.max_docs_per_row}"]
+          f"attention.baselines.wlb_tasks_per_row={a.tasks_per_row}"]
   return configs_io.load_config(a.config, over + (list(TINY_MODEL) if a.tiny else []))
 
 

@@ -403,3 +403,58 @@ def test_rank_metrics_from_trainer_rows_and_model_dims(seed):
   assert all(v["layer_seconds"] > 0 for v in out.values())
   with pytest.raises(ValueError, match="strategy"):
     bl.rank_metrics("ring", rows, t)
+
+
+def _named_key(err: str) -> str:
+  """The config key an overflow error asks to raise (``raise config.X to at least N``)."""
+  return err.split("raise ")[1].split(" to at least")[0].removeprefix("config.")
+
+
+def test_task_overflow_errors_name_a_real_config_key():
+  """A packed_dp, cp or wlb row with more pieces than task slots names a key the config has
+  (passing it is no 'unknown config key'): max_docs_per_row for packed_dp / cp,
+  wlb_tasks_per_row for wlb."""
+  from distca_jax import configs_io
+  with pytest.raises(ValueError, match="max_docs_per_row") as e_pdp:
+    backends.get("packed_dp", max_docs_per_row=2).host_prepare([[1, 1, 1]], 8)
+  with pytest.raises(ValueError, match="max_docs_per_row") as e_cp:
+    packing.task_tables(packing.cp_placement([[16]], 2, 8), max_tasks=1)
+  rows = [[1] * 6, [1] * 6]
+  batch = {"inputs": np.zeros((2, 8), np.int32), "segment_ids": np.zeros((2, 8), np.int32)}
+  with pytest.raises(ValueError, match="wlb_tasks_per_row") as e_wlb:
+    bl.arrange_batch("wlb", batch, rows, cp_size=2, balance_len=4.0, max_docs_per_row=3)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for err in (e_pdp, e_cp, e_wlb):
+    key = _named_key(str(err.value))
+    configs_io.load_config(os.path.join(root, "configs", "tiny_cpu.py"), [f"{key}=256"])
+
+
+def test_wlb_sizes_its_task_tables_for_its_configuration(seed):
+  """wlb_tasks_per_row = 0: the backend sizes its task slots for the configuration it runs from
+  batches the run never trains on, so every trained batch of the run arranges without overflow,
+  on data whose rows hold more pieces than the packed_dp default (128)."""
+  from distca_jax import configs_io
+  from distca_jax.backends import wlb
+  from distca_jax.baselines import ideal
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  c = configs_io.load_config(os.path.join(root, "configs", "tiny_cpu.py"), [
+      "attention.backend=wlb", "attention.baselines.cp_size=4", "attention.baselines.wlb_alpha=1",
+      "mesh.data=4", "tokens_per_rank=4096", "rows_per_rank=2", "num_steps=6",
+      f"seed={seed % 1000}"])
+  assert c.attention.baselines.wlb_tasks_per_row == 0
+  options = wlb.from_first_batches(c, wlb.Options.from_config(c))
+  m = config_lib.model_config(c)
+  src = make_source(c.data, rows=8, tokens_per_row=c.tokens_per_rank, vocab_size=m.vocab_size,
+                    seed=c.seed)
+  dims = bl.ModelDims.from_model(m)
+  sized = [ideal.wlb_row_tasks(src.doclens(s), c.tokens_per_rank, 4, 1.0, dims.balance_len,
+                               rows_per_rank=2) for s in ideal.sizing_steps(c)]
+  assert options.max_docs_per_row == ideal.tasks_with_headroom(max(sized)), seed
+  assert options.max_docs_per_row % ideal.TASKS_MULTIPLE == 0
+  backend = wlb.make(options)
+  for step in range(c.num_steps):  # the trained batches: none overflows
+    out = trainer.add_host_plan(src.batch(step), backend, src.doclens(step), c.tokens_per_rank)
+    assert out[bl.EXTRA_PREFIX + "cu_seqlens_q"].shape[1] == options.max_docs_per_row + 1
+  # A given size stays as given.
+  c.attention.baselines.wlb_tasks_per_row = 48
+  assert wlb.from_first_batches(c, wlb.Options.from_config(c)).max_docs_per_row == 48

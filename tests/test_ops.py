@@ -811,3 +811,33 @@ def test_flash3_max_seqlen_hints_with_long_padding():
     check_against_oracle("flash3-hinted", case, q, k, v, cu_q, cu_k, do, np.zeros_like(dlse))
   finally:
     FNS.pop("flash3-hinted")
+
+
+@pytest.mark.skipif(ON_GPU and HAS_FLASH3, reason="flash3 runs here: no stand-in needed")
+def test_flash3_shape_only_stand_in_compiles_off_gpu_and_never_runs(seed):
+  """Inside fa3.shape_only, 'flash3' traces and compiles on the CPU (for memory analysis): the
+  gradient's outputs have the inputs' shapes, memory.kernel_workspace_bytes finds the backward
+  by its name with FA3's accumulators for these shapes, and running the step raises. Outside,
+  the kernel still says it cannot run here."""
+  from distca_jax import memory
+  rng = np.random.default_rng(seed)
+  t, u, h, kh, d, slots = 96, 160, 4, 2, 128, 6
+  q = jnp.asarray(rng.normal(size=(t, h, d)), jnp.bfloat16)
+  k, v = (jnp.asarray(rng.normal(size=(u, kh, d)), jnp.bfloat16) for _ in range(2))
+  cu = jnp.asarray(np.linspace(0, t, slots + 1).astype(np.int32))
+  cu_k = jnp.asarray(np.linspace(0, u, slots + 1).astype(np.int32))
+  loss = lambda q, k, v: jnp.sum(ops.core_attention(q, k, v, cu, cu_k, kernel="flash3",
+                                                    softmax_scale=0.1).astype(jnp.float32))
+  with pytest.raises(Exception, match="flash3"):
+    ops.check_kernel_runs("flash3")
+  with fa3.shape_only():
+    ops.check_kernel_runs("flash3")
+    traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v)
+    compiled = traced.lower().compile()
+  assert [g.shape for g in traced.out_info] == [q.shape, k.shape, v.shape]
+  assert memory.kernel_workspace_bytes(traced.jaxpr.jaxpr) == (
+      memory.flash3_bwd_workspace_bytes(t, u, h, kh, d, slots)), seed
+  with pytest.raises(Exception, match="shape_only"):
+    jax.block_until_ready(compiled(q, k, v))
+  with pytest.raises(Exception, match="flash3"):
+    ops.check_kernel_runs("flash3")

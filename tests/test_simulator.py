@@ -156,6 +156,89 @@ def test_validation_replays_committed_runs(validation):
   assert validation["max_abs_error"] == max(abs(c["error"]) for c in cases)
 
 
+def test_wlb_choice_takes_the_fastest_candidate_that_fits_memory(seed):
+  """fastest_that_fits walks the candidates fastest predicted first, estimating each one's need
+  at its own task slots, and takes the first within the capacity; the faster ones it skipped are
+  reported as excluded for memory; none fitting is one line naming the least needs."""
+  rng = np.random.default_rng(seed)
+  cands = [(c, a, float(rng.uniform(1, 2)), True) for c in (1, 2, 4) for a in (1.0, 1.2)]
+  cands.append((8, 1.0, 0.5, False))  # over the token cap: never tried
+  need = {(c, a): int(rng.integers(50, 100)) << 30 for c, a, _, _ in cands}
+  choice = ideal.WlbChoice(0, 0.0, 0.0, tuple(cands))
+  order = ideal.ranked(choice)
+  assert [x[0] for x in order if x[0] == 8] == [] and len(order) == 6
+  cap = need[order[2][:2]]  # the third fastest fits exactly; make the first two not fit
+  for x in order[:2]:
+    need[x[:2]] = cap + (1 << 30)
+  calls = []
+  tasks_fn = lambda c, a: 8 * c
+  need_fn = lambda c, a, t: calls.append((c, a, t)) or need[(c, a)]
+  got = ideal.fastest_that_fits(choice, tasks_fn, need_fn, cap)
+  assert (got.cp_size, got.alpha, got.layer_seconds) == order[2][:3], seed
+  assert got.tasks_per_row == 8 * got.cp_size and got.capacity_bytes == cap
+  assert calls == [(c, a, 8 * c) for c, a, _, _ in order[:3]]
+  assert [m[:2] for m in got.excluded_for_memory()] == [x[:2] for x in order[:2]]
+  assert got.memory[-1][3] <= cap
+  # No capacity: the fastest, sized, nothing estimated.
+  free = ideal.fastest_that_fits(choice, tasks_fn, need_fn, None)
+  assert (free.cp_size, free.alpha) == order[0][:2] and free.memory == ()
+  with pytest.raises(ValueError, match=r"no wlb configuration fits .*cp_size=\d wlb_alpha="):
+    ideal.fastest_that_fits(choice, tasks_fn, need_fn, 1)
+
+
+@pytest.mark.slow
+def test_wlb_need_is_the_compiled_step_and_excludes_what_does_not_fit(monkeypatch):
+  """aot.wlb_need_bytes compiles a flash3 wlb step on the CPU with the kernel's shape-only
+  stand-in: its workspace is FA3's backward accumulators at the configuration's rows, key buffer
+  and task slots (memory.flash3_bwd_workspace_bytes); and the backend's choice, given a capacity just under the fastest candidate's need, takes another one
+  that fits and reports the fastest as excluded."""
+  import os
+  import jax
+  from custom_ops import flash3_attention as fa3
+  from distca_jax import aot, configs_io, memory
+  from distca_jax import config as config_lib
+  from distca_jax.backends import wlb
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  c = configs_io.load_config(os.path.join(root, "configs", "tiny_cpu.py"), [
+      "attention.backend=wlb", "attention.kernel=flash3", "model.head_dim=128", "model.dim=256",
+      "model.n_heads=2", "model.n_kv_heads=1", "model.dtype=bfloat16", "model.n_layers=2",
+      "mesh.data=4", "rows_per_rank=1", "attention.baselines.cp_size=0",
+      "attention.baselines.wlb_alpha=1", "attention.baselines.wlb_memory_gib=0"])
+  devices = jax.devices()[:4]
+  need = aot.wlb_need_bytes(c, 2, 1.0, 24, devices=devices)
+  with fa3.shape_only():
+    v = config_lib.with_overrides(c, {"attention.baselines.cp_size": 2,
+                                      "attention.baselines.wlb_alpha": 1.0,
+                                      "attention.baselines.wlb_tasks_per_row": 24})
+    _, info = aot.compile_train_step(v, devices=devices)
+  t = c.tokens_per_rank
+  assert info["kernel_workspace_bytes"] == memory.flash3_bwd_workspace_bytes(t, 3 * t, 2, 1, 128,
+                                                                             24)
+  assert need == info["need_per_device_bytes"] > info["kernel_workspace_bytes"] > 0
+  # The tables grow the workspace by 128 rows per slot.
+  assert aot.wlb_need_bytes(c, 2, 1.0, 32, devices=devices) > need
+  # CP 1, 2, 4 at alpha 1. A tiny model's time model ranks CP 1 first, which also needs the
+  # least memory; ranked here by CP, largest first (the largest key buffers, the most memory),
+  # so the walk must skip the fastest.
+  real = ideal.choose_wlb
+
+  def by_cp(*a, **kw):
+    ch = real(*a, **kw)
+    return dataclasses.replace(ch, candidates=tuple((x[0], x[1], 1.0 / x[0], x[3])
+                                                    for x in ch.candidates))
+
+  monkeypatch.setattr(ideal, "choose_wlb", by_cp)
+  monkeypatch.setattr(wlb, "_CHOICES", {})  # the backend's memo: nothing from other tests
+  choice = ideal.wlb_choice_from_config(c)
+  assert ideal.ranked(choice)[0][0] == 4, choice.candidates
+  first = aot.wlb_need_bytes(c, 4, 1.0, choice.tasks_per_row, devices=devices)
+  c.attention.baselines.wlb_memory_gib = (first - 1) / 2**30
+  got = wlb.wlb_choice(c)
+  assert got.memory[0][:2] == (4, 1.0) and got.memory[0][3] == first > got.capacity_bytes
+  assert got.cp_size in (1, 2) and got.memory[-1][3] <= got.capacity_bytes
+  assert [m[:2] for m in got.excluded_for_memory()] == [m[:2] for m in got.memory[:-1]]
+
+
 def test_wlb_ideal_from_config_reaches_the_backend():
   """attention.baselines.cp_size = wlb_alpha = 0: the wlb backend takes choose_wlb's pick on the
   batches the run never trains on (steps from num_steps on)."""
@@ -317,10 +400,10 @@ def test_validation_explains_every_miss(validation):
   # Notes are attached by a case's full name only: none left over for a case that passes.
   assert validation["stale_notes"] == [] and validation["unexplained"] == []
   assert all(c["note"] == validate.MISS_NOTES[c["kind"], c["name"]] for c in misses)
-  # Keyed by kind too: an e2e case and a memory case of one run share a name, and only the
-  # memory case of the old-code wlb run carries its note.
+  # Keyed by kind too: an e2e case and a memory case of one run share a name, and a note
+  # reaches only the miss of its own kind.
   named = [c for c in validation["cases"] if (c["kind"], c["name"]) in validate.MISS_NOTES]
-  assert {c["kind"] for c in named} == {"memory"} and all(c.get("note") for c in named)
+  assert all(c.get("note") == validate.MISS_NOTES[c["kind"], c["name"]] for c in named)
   # Current code on 4 GPUs: held-out step, speedup and memory cases.
   assert validation["four_gpu_current_cases"] >= 8
   # The 16-layer one-GPU steps (remat 'save_attention' at 64K, 'full' at 128K) are held out.
@@ -366,12 +449,22 @@ def test_dense_wire_bytes_equal_the_data_planes_block_choice(seed):
   assert np.all(ragged <= step.exchange_wire_bytes(hp.plan, cap, dims, "dense", 8) + 1e-6)
 
 
-def test_layout_picker_says_when_nothing_fits():
+def test_layout_picker_says_when_nothing_fits(monkeypatch, capsys):
+  """No layout fits: the picker raises NoLayoutFits; the command prints its one line on stderr
+  and exits 2 (the docstring's contract); a large memory fits the first layout."""
   from experiments import simulate
-  a = simulate.parse_args(["--gpus", "2", "--tokens", "8192", "--batches", "1"])
+  argv = ["--gpus", "2", "--tokens", "8192", "--batches", "1"]
+  a = simulate.parse_args(argv)
   km = _flat_table()
-  with pytest.raises(SystemExit, match="no layout of 2 GPUs fits every strategy"):
+  with pytest.raises(simulate.NoLayoutFits, match="no layout of 2 GPUs fits every strategy"):
     simulate.pick_layout(a, _cal(hbm_bytes=1e9), km)
+  monkeypatch.setattr(simulate, "calibration", lambda _: (_cal(hbm_bytes=1e9), km))
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as exit_info:
+    simulate.main(argv)
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: no layout of 2 GPUs fits every strategy") and err.count("\n") == 1
   r = simulate.pick_layout(a, _cal(hbm_bytes=1e15), km)
   assert r["fits_every_strategy"] and r["layout"]["tensor"] * r["layout"]["pipe"] == 1
 
@@ -572,3 +665,26 @@ def test_collective_cases_are_means_of_runs_of_one_device(monkeypatch):
                       ["collective_bench", "collective_bench_h100/default_1"])
   with pytest.raises(ValueError, match="mixes devices"):
     validate.collective_rows("held-out")
+
+
+@pytest.mark.parametrize("cp_size,alpha", [(1, 1.2), (2, 1.0)])
+def test_wlb_memory_keeps_the_key_buffer_as_built(seed, cp_size, alpha):
+  """cp / wlb memory: every layer keeps the backend's key buffer, task_tables' default
+  (cp + 1) x the row's slots (the lane's gathered K/V plus the row's own), and FA3's backward
+  workspace reads that many key rows."""
+  from distca_jax.baselines import packing
+  from distca_jax.memory import flash3_bwd_workspace_bytes
+  spec = costs.model_spec("llama3_8b", n_layers=2)
+  lay, t = step.Layout(gpus=4), 8192
+  rows = step.sample_batches("pretrain", t, lay, 1, seed=seed % 1000)[0][0]
+  mr = step.run_wlb(rows, t, spec, _flat_table(), cp_size, alpha)
+  mem = step.strategy_memory([mr], spec, _cal(), lay, t, alpha=alpha)
+  lmax = bm.wlb_row_tokens(alpha, t)
+  kv_rows = packing.task_tables(packing.wlb_placement(packing.wlb_pack(
+      [x for r in rows for x in r], 4 // cp_size, cp_size, lmax, spec.dims.balance_len)),
+      max_tasks=4096)["kv_index"].shape[1]
+  assert kv_rows == (cp_size + 1) * lmax
+  d = spec.dims
+  assert mem["group_kv_kept"] == pytest.approx(2 * kv_rows * d.kv_row_bytes), seed
+  assert mem["kernel_workspace"] == pytest.approx(flash3_bwd_workspace_bytes(
+      lmax, kv_rows, d.q_heads, d.kv_heads, d.head_dim, 128))

@@ -78,8 +78,9 @@ def packed_dp_backend(kernel: str = "auto",
 # ----------------------------------------------------------------------------------------------
 # cp and wlb
 # ----------------------------------------------------------------------------------------------
-def _tables_with_prefix(pl: Placement, max_tasks: int) -> dict[str, np.ndarray]:
-  return {EXTRA_PREFIX + k: v for k, v in task_tables(pl, max_tasks=max_tasks).items()}
+def _tables_with_prefix(pl: Placement, max_tasks: int, cap_key: str) -> dict[str, np.ndarray]:
+  return {EXTRA_PREFIX + k: v
+          for k, v in task_tables(pl, max_tasks=max_tasks, cap_key=cap_key).items()}
 
 
 def arrange_batch(strategy: str, np_batch: dict[str, np.ndarray],
@@ -129,7 +130,8 @@ def arrange_batch(strategy: str, np_batch: dict[str, np.ndarray],
   else:
     raise ValueError(f"arrange_batch: {strategy=} must be 'cp' or 'wlb'")
   out = packing.arrange_arrays(np_batch, nat, pl, src_doc, src_off)
-  out.update(_tables_with_prefix(pl, max_docs_per_row))
+  out.update(_tables_with_prefix(pl, max_docs_per_row, packing.WLB_TASKS_KEY
+                                 if strategy == "wlb" else packing.MAX_DOCS_KEY))
   return out, pl
 
 

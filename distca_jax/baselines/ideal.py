@@ -6,13 +6,25 @@ picks them (host, NumPy).
 traffic not hidden, linear layers on the padded ``Lmax = alpha T`` rows the backend runs) and
 returns the best one whose rows fit a token cap. ``wlb_options_from_config`` does it for a
 training config (``attention.baselines.cp_size = 0`` or ``wlb_alpha = 0`` ask for it) on batches
-the run never trains on (steps from ``num_steps`` on: no hindsight on timed or trained batches).
+the run never trains on (steps from ``num_steps`` on: no hindsight on timed or trained batches),
+and keeps only a configuration whose train step fits the device: given a memory estimate
+(``need_fn``: ``distca_jax.aot.wlb_need_bytes``, the compiled step's buffers plus the kernels'
+workspace, as the trainer's pre-flight counts them) it walks the candidates fastest first and
+takes the first that fits, recording the need of every one it tried.
+
+The task tables (``attention.baselines.wlb_tasks_per_row``, 0 = sized here) hold every document
+piece of a row; per-document CP cuts each document into a head and a tail chunk per rank, so a
+row holds up to twice its lane's documents. ``wlb_tasks_needed`` sizes them for a configuration
+from ``TASK_SAMPLE_STEPS`` batches the run never trains on either (``sizing_steps``: the most
+pieces a row held, times ``TASKS_HEADROOM``, rounded up to ``TASKS_MULTIPLE``); a trained batch
+that still needs more stops with one line naming ``wlb_tasks_per_row``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+import math
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -20,6 +32,10 @@ from distca_jax.baselines import metrics, packing
 
 DEFAULT_ALPHAS = (1.0, 1.1, 1.2, 1.5, 2.0)
 DEFAULT_BATCHES = 4
+# Task-table sizing (wlb_tasks_needed): batches sampled (never trained), headroom, rounding.
+TASK_SAMPLE_STEPS = 32
+TASKS_HEADROOM = 1.25
+TASKS_MULTIPLE = 8
 # CP sizes tried by default: the divisors of the data ranks up to this (WLB-LLM's range).
 MAX_CP_SIZE = 8
 
@@ -31,12 +47,25 @@ class WlbChoice:
   Attributes:
     cp_size, alpha: the fastest candidate that fits.
     layer_seconds: its predicted seconds of the slowest rank's layer, mean over batches.
-    candidates: (cp_size, alpha, layer seconds, fits) of every candidate tried.
+    candidates: (cp_size, alpha, layer seconds, fits the token cap) of every candidate tried.
+    tasks_per_row: the chosen configuration's task slots per row (0: not sized).
+    memory: (cp_size, alpha, tasks_per_row, need bytes per device) of every candidate whose
+      memory was estimated, fastest first (the last one fits unless none did); empty when no
+      memory estimate was made.
+    capacity_bytes: the device memory the candidates had to fit (None: not checked).
   """
   cp_size: int
   alpha: float
   layer_seconds: float
   candidates: tuple[tuple[int, float, float, bool], ...]
+  tasks_per_row: int = 0
+  memory: tuple[tuple[int, float, int, int], ...] = ()
+  capacity_bytes: int | None = None
+
+  def excluded_for_memory(self) -> tuple[tuple[int, float, int, int], ...]:
+    """The ``memory`` entries over ``capacity_bytes`` (faster than the choice, did not fit)."""
+    cap = self.capacity_bytes
+    return tuple(m for m in self.memory if cap is not None and m[3] > cap)
 
 
 def choose_wlb(batches: Sequence[Sequence[Sequence[int]]], tokens_per_row: int,
@@ -85,35 +114,122 @@ def choose_wlb(batches: Sequence[Sequence[Sequence[int]]], tokens_per_row: int,
   return WlbChoice(best[0], best[1], best[2], tuple(cands))
 
 
+def ranked(choice: WlbChoice) -> list[tuple[int, float, float, bool]]:
+  """The candidates within the token cap, fastest predicted first (ties: smaller CP, alpha)."""
+  return sorted((x for x in choice.candidates if x[3]), key=lambda x: (x[2], x[0], x[1]))
+
+
+def wlb_row_tasks(row_doclens: Sequence[Sequence[int]], tokens_per_row: int, cp_size: int,
+                  alpha: float, balance_len: float, rows_per_rank: int = 1) -> int:
+  """The most task-table entries (document pieces) a row holds once ``arrange_batch`` packs a
+  batch of per-row document lengths for ``wlb`` with this CP size and alpha."""
+  flat = [int(x) for r in row_doclens for x in r]
+  pk = packing.wlb_pack(flat, len(row_doclens) // cp_size, cp_size,
+                        metrics.wlb_row_tokens(alpha, tokens_per_row), balance_len)
+  pl = packing.wlb_placement(pk, rows_per_rank=rows_per_rank)
+  return int(np.bincount(pl.row_P, minlength=pl.num_rows).max(initial=0))
+
+
+def tasks_with_headroom(most: int) -> int:
+  """Task slots for a largest sampled count ``most``: x ``TASKS_HEADROOM``, rounded up to a
+  multiple of ``TASKS_MULTIPLE``."""
+  return max(TASKS_MULTIPLE, -(-math.ceil(most * TASKS_HEADROOM) // TASKS_MULTIPLE)
+             * TASKS_MULTIPLE)
+
+
+def wlb_tasks_needed(batches: Sequence[Sequence[Sequence[int]]], tokens_per_row: int,
+                     cp_size: int, alpha: float, balance_len: float,
+                     rows_per_rank: int = 1) -> int:
+  """``tasks_with_headroom`` of the most pieces a row of any of ``batches`` (per-row document
+  lengths) holds under this configuration."""
+  return tasks_with_headroom(max(wlb_row_tasks(b, tokens_per_row, cp_size, alpha, balance_len,
+                                               rows_per_rank) for b in batches))
+
+
+NeedFn = Callable[[int, float, int], int]
+
+
+def fastest_that_fits(choice: WlbChoice, tasks_fn: Callable[[int, float], int],
+                      need_fn: NeedFn | None, capacity: int | None) -> WlbChoice:
+  """``choice`` moved to the fastest candidate whose step fits ``capacity`` bytes per device.
+
+  Candidates are tried fastest first (``ranked``): each is sized (``tasks_fn(cp, alpha)``) and
+  its need estimated (``need_fn(cp, alpha, tasks)``) until one fits; every estimate is kept in
+  ``memory``. Without ``need_fn`` or ``capacity`` the fastest stays, sized and unchecked. A
+  ValueError names each candidate's need when none fits.
+  """
+  order = ranked(choice)
+  if need_fn is None or capacity is None:
+    best = order[0]
+    return dataclasses.replace(choice, cp_size=best[0], alpha=best[1], layer_seconds=best[2],
+                               tasks_per_row=tasks_fn(best[0], best[1]))
+  tried = []
+  for cp, alpha, secs, _ in order:
+    tasks = tasks_fn(cp, alpha)
+    need = int(need_fn(cp, alpha, tasks))
+    tried.append((cp, alpha, tasks, need))
+    if need <= capacity:
+      return dataclasses.replace(choice, cp_size=cp, alpha=alpha, layer_seconds=secs,
+                                 tasks_per_row=tasks, memory=tuple(tried),
+                                 capacity_bytes=int(capacity))
+  gib = lambda b: f"{b / 2**30:.2f} GiB"
+  least = sorted(tried, key=lambda x: x[3])[:3]
+  raise ValueError(
+      f"no wlb configuration fits {gib(capacity)} per device ({len(tried)} tried; the least: "
+      + ", ".join(f"cp_size={c} wlb_alpha={a:g} needs {gib(n)}" for c, a, _, n in least)
+      + "); lower tokens_per_rank, set model.remat='full' or raise mesh.tensor")
+
+
 def choice_steps(c) -> range:
   """The steps whose batches ``wlb_choice_from_config`` scores: from ``num_steps`` on, which the
   run never trains or times (batches are a pure function of config, seed and step)."""
   return range(int(c.num_steps), int(c.num_steps) + DEFAULT_BATCHES)
 
 
-def wlb_choice_from_config(c, data_ranks: int | None = None) -> WlbChoice:
+def sizing_steps(c) -> range:
+  """The steps whose batches size the task tables: ``TASK_SAMPLE_STEPS`` from ``num_steps`` on
+  (never trained or timed; the choice batches among them)."""
+  return range(int(c.num_steps), int(c.num_steps) + TASK_SAMPLE_STEPS)
+
+
+def wlb_choice_from_config(c, data_ranks: int | None = None, need_fn: NeedFn | None = None,
+                           capacity: int | None = None) -> WlbChoice:
   """``choose_wlb`` for a training config on the batches of ``choice_steps`` (CP sizes up to
   ``MAX_CP_SIZE`` dividing the data ranks, ``DEFAULT_ALPHAS`` from 1.0); a positive
-  ``attention.baselines.cp_size`` or ``wlb_alpha`` stays as given. ``data_ranks`` defaults to
-  the mesh's data axis."""
+  ``attention.baselines.cp_size`` or ``wlb_alpha`` stays as given. Then ``fastest_that_fits``
+  with ``need_fn`` and ``capacity`` (bytes per device), each candidate's task slots
+  ``attention.baselines.wlb_tasks_per_row`` or, when 0, ``wlb_tasks_needed`` over the batches of
+  ``sizing_steps``. ``data_ranks`` defaults to the mesh's data axis."""
   from distca_jax import config as config_lib  # pylint: disable=import-outside-toplevel
   from distca_jax.data import make_source  # pylint: disable=import-outside-toplevel
   b = c.attention.baselines
   if data_ranks is None:
     data_ranks = config_lib.data_ranks(c)
   m = config_lib.model_config(c)
-  rows = data_ranks * c.rows_per_rank
-  src = make_source(c.data, rows=rows, tokens_per_row=c.tokens_per_rank, vocab_size=m.vocab_size,
-                    seed=c.seed)
-  per_rank = lambda r: [[x for row in r[k * c.rows_per_rank:(k + 1) * c.rows_per_rank]
-                         for x in row] for k in range(data_ranks)]
-  batches = [per_rank(src.doclens(s)) for s in choice_steps(c)]
-  return choose_wlb(batches, c.tokens_per_rank * c.rows_per_rank, metrics.ModelDims.from_model(m),
-                    alphas=(b.wlb_alpha,) if b.wlb_alpha else DEFAULT_ALPHAS,
-                    cp_sizes=(b.cp_size,) if b.cp_size else None)
+  r = int(c.rows_per_rank)
+  src = make_source(c.data, rows=data_ranks * r, tokens_per_row=c.tokens_per_rank,
+                    vocab_size=m.vocab_size, seed=c.seed)
+  per_rank = lambda rows: [[x for row in rows[k * r:(k + 1) * r] for x in row]
+                           for k in range(data_ranks)]
+  dims = metrics.ModelDims.from_model(m)
+  choice = choose_wlb([per_rank(src.doclens(s)) for s in choice_steps(c)],
+                      c.tokens_per_rank * r, dims,
+                      alphas=(b.wlb_alpha,) if b.wlb_alpha else DEFAULT_ALPHAS,
+                      cp_sizes=(b.cp_size,) if b.cp_size else None)
+  sized = [src.doclens(s) for s in sizing_steps(c)]
+
+  def tasks_fn(cp, alpha):
+    if b.wlb_tasks_per_row:
+      return int(b.wlb_tasks_per_row)
+    return wlb_tasks_needed(sized, c.tokens_per_rank, cp, alpha, dims.balance_len, r)
+
+  return fastest_that_fits(choice, tasks_fn, need_fn, capacity)
 
 
-def wlb_options_from_config(c, data_ranks: int | None = None) -> dict[str, Any]:
-  """``cp_size`` and ``alpha`` of ``wlb_choice_from_config`` (the wlb backend's options)."""
-  choice = wlb_choice_from_config(c, data_ranks)
-  return {"cp_size": choice.cp_size, "alpha": choice.alpha}
+def wlb_options_from_config(c, data_ranks: int | None = None, need_fn: NeedFn | None = None,
+                            capacity: int | None = None) -> dict[str, Any]:
+  """``cp_size``, ``alpha`` and ``max_docs_per_row`` (task slots) of ``wlb_choice_from_config``
+  (the wlb backend's options)."""
+  choice = wlb_choice_from_config(c, data_ranks, need_fn, capacity)
+  return {"cp_size": choice.cp_size, "alpha": choice.alpha,
+          "max_docs_per_row": choice.tasks_per_row}

@@ -444,8 +444,12 @@ def default_kv_rows(cp_size: int, tokens_per_row: int) -> int:
   return (int(cp_size) + 1) * int(tokens_per_row)
 
 
-def task_tables(placement: Placement, *, max_tasks: int, kv_rows: int | None = None
-                ) -> dict[str, np.ndarray]:
+MAX_DOCS_KEY = "config.attention.baselines.max_docs_per_row"
+WLB_TASKS_KEY = "config.attention.baselines.wlb_tasks_per_row"
+
+
+def task_tables(placement: Placement, *, max_tasks: int, kv_rows: int | None = None,
+                cap_key: str = MAX_DOCS_KEY) -> dict[str, np.ndarray]:
   """Fixed-shape int32 task tables of a placement, leading axis = batch row.
 
   For row ``b`` (group rank ``i``): task ``n`` is the row's ``n``-th piece, queries
@@ -459,6 +463,7 @@ def task_tables(placement: Placement, *, max_tasks: int, kv_rows: int | None = N
     placement: from ``cp_placement`` / ``wlb_placement`` / ``natural_placement``.
     max_tasks: task slots per row (``Nt``): pieces a row may hold.
     kv_rows: key-buffer rows per row (``Nkv``); default ``default_kv_rows``.
+    cap_key: the config key of ``max_tasks`` that an overflow's error names.
 
   Returns:
     ``kv_index`` [B, Nkv], ``cu_seqlens_q`` [B, Nt + 1], ``cu_seqlens_k`` [B, Nt + 1].
@@ -471,7 +476,7 @@ def task_tables(placement: Placement, *, max_tasks: int, kv_rows: int | None = N
   if ntask.max(initial=0) > nt:
     r = int(np.argmax(ntask))
     raise ValueError(f"row {r} holds {int(ntask[r])} document pieces > max_tasks={nt}; raise "
-                     f"config.attention.max_docs_per_row to at least {int(ntask[r])}")
+                     f"{cap_key} to at least {int(ntask[r])}")
   keys_P = p.end_P
   keys_row = np.bincount(p.row_P, weights=keys_P, minlength=b).astype(np.int64)
   if keys_row.max(initial=0) > nkv:
@@ -514,7 +519,7 @@ def packed_doc_lens(row_doclens: Sequence[Sequence[int]], tokens_per_row: int,
     lens = [int(x) for x in lens]
     if len(lens) > nd:
       raise ValueError(f"row {r} holds {len(lens)} documents > max_docs={nd}; raise "
-                       f"config.attention.max_docs_per_row to at least {len(lens)}")
+                       f"{MAX_DOCS_KEY} to at least {len(lens)}")
     if any(x < 1 for x in lens) or sum(lens) > tokens_per_row:
       raise ValueError(f"row {r}: document lengths {lens[:8]}... must be >= 1 and sum to at most "
                        f"{tokens_per_row=}")

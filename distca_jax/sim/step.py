@@ -409,7 +409,8 @@ def strategy_memory(mr_list: Sequence[MicroResult], spec: costs.ModelSpec,
   the pipeline keeps), the strategy's buffers, and the attention kernel's backward workspace
   (outside XLA's plan: ``memory.flash3_bwd_workspace_bytes``).
 
-  cp / wlb keep each layer's gathered group K/V (``cp x`` the rows held) for the backward.
+  cp / wlb keep each layer's key buffer (``(cp + 1) x`` the rows held: the lane's gathered K/V
+  plus the row's own, ``packing.default_kv_rows``) for the backward.
   distca (``caps``, ``collective`` and ``memory_mode`` resolved): with 'keep' each layer keeps
   its server's attention inputs and outputs (``Capacity.memory_bytes`` ``attention_*`` and
   ``lse``) beyond the own rows' Q/K/V/O the fitted activations hold, with 'resend' its outputs
@@ -427,8 +428,12 @@ def strategy_memory(mr_list: Sequence[MicroResult], spec: costs.ModelSpec,
   keep = layers * layout.in_flight
   parts: dict[str, float] = {}
   if m0.strategy in ("cp", "wlb"):
-    parts["group_kv_kept"] = keep * m0.cp * held * d.kv_row_bytes / tp
-    workspace = _workspace(held, m0.cp * held, DEFAULT_MAX_DOCS_PER_ROW, d, tp)
+    # The backends' key buffer as built (packing.default_kv_rows: (cp + 1) x the row, the
+    # lane's tokens plus the row's own), a kernel input every layer keeps for the backward and
+    # the backward's key rows.
+    kv_rows = packing.default_kv_rows(m0.cp, int(held))
+    parts["group_kv_kept"] = keep * kv_rows * d.kv_row_bytes / tp
+    workspace = _workspace(held, kv_rows, DEFAULT_MAX_DOCS_PER_ROW, d, tp)
   elif m0.strategy == "distca":
     if caps is None:
       raise ValueError("strategy_memory: distca needs caps (distca_caps of the run's plans)")

@@ -125,15 +125,7 @@ MEMORY_RUNS = [("e2e_1gpu_64k_v7", None), ("e2e_1gpu_pingpong_v6_final", "packed
 # e2e case and a memory case of one run share a name). A miss
 # without an entry is "not explained"; an entry whose case is within 10% (or absent) is listed
 # as stale by ``validate``.
-MISS_NOTES = {
-    ("memory", "e2e_2gpu_prolong_128k_v5b: prolong 128K x1 wlb, 2 layers, 2 GPU"): (
-        "old code (v5 era, cp 1, alpha 1.2 as the suite passed): its XLA plan holds 15.8 GB "
-        "more than packed_dp's in the same run (7.9 GB at 64K: linear in the tokens), the "
-        "model 8.8 GB (4.4): activations of alpha x T rows and one gathered K/V buffer per "
-        "layer; the other 3.5 GB per 64K tokens (the arranged batch's copies, the gathers' "
-        "backward temporaries) are not broken down, and no current-code wlb run has been "
-        "measured"),
-}
+MISS_NOTES: dict[tuple[str, str], str] = {}
 UNEXPLAINED = "not explained"
 # experiments/wlb_kernel_check.py's result under results/ (replayed once committed).
 WLB_KERNEL_CHECK = os.path.join("micro", "wlb_kernel_check")

@@ -4,9 +4,10 @@
 #   bash experiments/gpu_suite.sh OUTDIR                 # every stage
 #   SUITE=one bash experiments/gpu_suite.sh OUTDIR       # one group: one | two | derived | tests
 #   SUITE=four-a bash experiments/gpu_suite.sh OUTDIR    # 4-GPU host: four-a | four-r1..r5 |
-#                                                         # four-b | four-4d | four-f | four-8b;
-#                                                         # not yet run: four-n1 | four-n3 |
-#                                                         # four-8b-mfu; one GPU: one-trees
+#                                                         # four-b | four-4d | four-f | four-8b |
+#                                                         # four-n3; not yet run: four-n1 |
+#                                                         # four-base | four-8b-mfu; one GPU:
+#                                                         # one-trees
 #                                                         # (not in 'all')
 # 'one': single-GPU tables (CUDA_VISIBLE_DEVICES=0); 'two': the 2-GPU tables; 'derived': tables
 # computed from the e2e JSONs of 'two' (plot, per-batch bound); 'tests': the GPU-only tests.
@@ -118,32 +119,42 @@ for b in distca packed_dp; do
   stage "e2e_4gpu_pretrain_128k_async_$b" 120 env TF_GPU_ALLOCATOR=cuda_malloc_async python3 -m experiments.e2e_bench --backends $b --workloads pretrain --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_pretrain_128k_async_$b"
 done
 ;;& four-n1)
-# Not yet run (each group sized for one call of <= 10 minutes on a 4-GPU host): ProLong 128K
-# with the launcher's defaults, each backend in its own process; ping-pong vs single stream.
-for b in packed_dp distca; do
-  stage "e2e_4gpu_prolong_128k_$b" 140 python3 -m experiments.e2e_bench --backends $b --workloads prolong --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_prolong_128k_$b"
-done
+# Not yet run (one call of <= 10 minutes on a 4-GPU host): ping-pong vs single stream on both
+# workloads; then the faults whose GPU rows predate the supervisor keeping JAX's task-watch
+# warning (divergence, read-only workdir) and SIGINT to every process once more.
 stage e2e_4gpu_pingpong 280 python3 -m experiments.e2e_bench --backends packed_dp,distca --nano-batches 1,2 --workloads pretrain,prolong --tokens 65536 --rows-per-rank 2 --layers 2 --steps 6 --warmup 2 --out "$OUT/e2e_4gpu_pingpong"
+SMALL="--config.model.n_layers=2 --config.model.dim=2048 --config.model.mlp_dim=7168 --config.model.n_heads=16 --config.model.n_kv_heads=4 --config.model.vocab_size=32768 --config.tokens_per_rank=16384"
+stage faults_4gpu_rerun 200 python3 -m experiments.peer_death --procs 4 --gpu --faults diverge readonly int:all --timeout 60 --config configs/gpu_bench.py --out "$OUT/faults_4gpu_rerun" -- $SMALL
+;;& four-base)
+# Not yet run: the baselines at 128K per GPU, each in its own process: wlb at the configuration
+# its backend chooses (fastest first among those whose compiled step fits the device) and cp at
+# e2e_bench's default, Pretrain and ProLong (packed_dp and distca: stage four-r5 and four-n1's
+# predecessor, results/four/README.md).
+for w in pretrain prolong; do
+  for b in wlb cp; do
+    stage "e2e_4gpu_${w}_128k_$b" 140 python3 -m experiments.e2e_bench --backends $b --workloads $w --tokens 131072 --layers 2 --steps 6 --warmup 2 --out "$OUT/e2e_4gpu_${w}_128k_$b"
+  done
+done
 ;;& four-n3)
-# Multi-process on one host: 1 x 4, 4 x 1 and 2 x 2 processes x GPUs train the same 10 steps
-# (losses compared from metrics.jsonl), then a peer's death under NCCL.
-T="python3 -m distca_jax.train --config configs/gpu_bench.py --config.model.n_layers=2 --config.tokens_per_rank=32768 --config.num_steps=10 --config.optim.warmup_steps=2 --config.log_every=1 --config.checkpoint_every=0"
+# Multi-process on one host: 1 x 4, 4 x 1 and 2 x 2 processes x GPUs train the same 10 steps of
+# a small model (losses compared from metrics.jsonl; results/four/README.md ran these commands
+# one by one). Faults under NCCL: stage four-f.
+T="python3 -m distca_jax.train --config configs/gpu_bench.py --config.model.n_layers=2 --config.model.dim=2048 --config.model.mlp_dim=7168 --config.model.n_heads=16 --config.model.n_kv_heads=4 --config.model.vocab_size=32768 --config.tokens_per_rank=32768 --config.num_steps=10 --config.optim.warmup_steps=2 --config.log_every=1 --config.checkpoint_every=0 --config.tensorboard=False"
 mp() {  # mp NAME PROCS GPUS_PER_PROC
   local n=$2 g=$3 i
   for ((i = 0; i < n; i++)); do
     CUDA_VISIBLE_DEVICES=$(seq -s, $((i * g)) $((i * g + g - 1))) $T --workdir "$OUT/mp_$1" \
-      --coordinator_address=127.0.0.1:12355 --num_processes=$n --process_id=$i > "$OUT/mp_$1_$i.log" 2>&1 &
+      --coordinator_address=127.0.0.1:1235$n --num_processes=$n --process_id=$i > "$OUT/mp_$1_$i.log" 2>&1 &
   done
   wait
 }
-stage mp_1x4 150 $T --workdir "$OUT/mp_1x4"
-stage mp_4x1 150 bash -c "$(declare -f mp); T='$T' OUT='$OUT'; mp 4x1 4 1"
-stage mp_2x2 150 bash -c "$(declare -f mp); T='$T' OUT='$OUT'; mp 2x2 2 2"
+stage mp_1x4 110 $T --workdir "$OUT/mp_1x4"
+stage mp_4x1 110 bash -c "$(declare -f mp); T='$T' OUT='$OUT'; mp 4x1 4 1"
+stage mp_2x2 110 bash -c "$(declare -f mp); T='$T' OUT='$OUT'; mp 2x2 2 2"
 stage mp_losses 30 python3 -c "
 import json,sys
 l={k:[json.loads(x)['loss'] for x in open(f'$OUT/mp_{k}/metrics.jsonl') if 'loss' in x] for k in ('1x4','4x1','2x2')}
 print(json.dumps(l)); r=max(abs(a-b)/abs(a) for k in ('4x1','2x2') for a,b in zip(l['1x4'],l[k])); print('max relative difference', r)"
-stage peer_death_4gpu 200 python3 -m experiments.peer_death --procs 4 --gpu --victims 1 0 --config configs/gpu_bench.py --out "$OUT/peer_death_4gpu" -- --heartbeat_timeout_s=20 --config.model.n_layers=2
 ;;& four-8b)
 # The whole Llama-3-8B with FSDP (configs/llama3_8b_4gpu.py), each run in its own process (the
 # state of one run must be gone before the next): distca trains 20 steps of Pretrain; packed_dp

@@ -552,3 +552,24 @@ def test_fault_specs_parse_and_a_bad_one_names_the_fix():
   for bad in ("kill:2", "kill:all", "term:x", "diverge:1", "boom"):
     with pytest.raises(ValueError, match=r"not a fault of 2 processes: use kill:I"):
       peer_death._fault(bad, 2)
+
+
+def test_the_supervisor_prints_only_the_line_when_the_gpu_client_warns_after_it(tmp_path, capfd):
+  """A process that ends with its own line and then JAX's task-watch warning (as 4 processes x
+  1 GPU did at every end) shows one stderr line; the supervisor keeps the rest."""
+  child = tmp_path / "child.py"
+  child.write_text(
+      "import sys\n"
+      f"print({launch.JOINED_MARK!r} + '1/4', file=sys.stderr, flush=True)\n"
+      "print('error: the run diverged: rerun with a lower learning rate', file=sys.stderr)\n"
+      "print('W1127 18:16:17.848929   13069 pjrt_client.cc:1605] WatchTasksAsync failed for task "
+      "1: CANCELLED: CANCELLED', file=sys.stderr)\n"
+      "print('Additional GRPC error information from remote target coordination_service while "
+      "calling /xla.coordination.CoordinationService/WatchTasks:', file=sys.stderr)\n"
+      "print(\":CANCELLED:CANCELLED [type.googleapis.com/tensorflow.DerivedStatus='']\", "
+      "file=sys.stderr)\n"
+      "sys.exit(2)\n")
+  rc = launch.supervise([str(child)], str(tmp_path / "w"), verbose=False)
+  err = capfd.readouterr().err
+  assert rc == 2 and err.strip().splitlines() == [
+      "error: the run diverged: rerun with a lower learning rate"], err

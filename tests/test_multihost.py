@@ -554,7 +554,7 @@ def test_fault_specs_parse_and_a_bad_one_names_the_fix():
       peer_death._fault(bad, 2)
 
 
-def test_the_supervisor_prints_only_the_line_when_the_gpu_client_warns_after_it(tmp_path, capfd):
+def test_the_supervisor_prints_only_the_line_when_the_gpu_client_warns_after_it(tmp_path):
   """A process that ends with its own line and then JAX's task-watch warning (as 4 processes x
   1 GPU did at every end) shows one stderr line; the supervisor keeps the rest."""
   child = tmp_path / "child.py"
@@ -569,7 +569,10 @@ def test_the_supervisor_prints_only_the_line_when_the_gpu_client_warns_after_it(
       "print(\":CANCELLED:CANCELLED [type.googleapis.com/tensorflow.DerivedStatus='']\", "
       "file=sys.stderr)\n"
       "sys.exit(2)\n")
-  rc = launch.supervise([str(child)], str(tmp_path / "w"), verbose=False)
-  err = capfd.readouterr().err
-  assert rc == 2 and err.strip().splitlines() == [
-      "error: the run diverged: rerun with a lower learning rate"], err
+  # In a fresh interpreter: the supervisor forks, which this JAX-threaded process should not.
+  p = subprocess.run([sys.executable, "-c", "import sys; from distca_jax import launch; "
+                      f"sys.exit(launch.supervise([{str(child)!r}], {str(tmp_path / 'w')!r}, "
+                      "verbose=False))"], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                     capture_output=True, text=True, timeout=60)
+  assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+      "error: the run diverged: rerun with a lower learning rate"], p.stderr

@@ -145,11 +145,11 @@ def _kernel(routes_ref, x_ref, y_ref, tiles, zero, bars, *, axes, sizes, lines_p
   @pl.when(b < blocks)
   def _():
     _copy_blocks(routes_ref, x_ref, y_ref, tiles, zero, bars, b, axes=axes, sizes=sizes, ll=ll,
-                 blocks=blocks, chunk=chunk, slots=slots, zero=not zero_blocks)
+                 blocks=blocks, chunk=chunk, slots=slots, zero_after=not zero_blocks)
 
 
 def _copy_blocks(routes_ref, x_ref, y_ref, tiles, zero_tile, bars, b, *, axes, sizes, ll: int,
-                 blocks: int, chunk: int, slots: int, zero: bool):
+                 blocks: int, chunk: int, slots: int, zero_after: bool):
   s = math.prod(sizes)
   ready = pl.get_global(plgpu.SemaphoreType.REGULAR((s,)))
   done = pl.get_global(plgpu.SemaphoreType.REGULAR((s,)))
@@ -182,7 +182,7 @@ def _copy_blocks(routes_ref, x_ref, y_ref, tiles, zero_tile, bars, b, *, axes, s
     i = _spread(copy, b, blocks, chunk, routes_ref[0, p] * ll, routes_ref[4, p] * ll,
                 routes_ref[1, p] * ll, k, i)
 
-  if zero:
+  if zero_after:  # no zeroing blocks: this block zeroes its share after its copies
     _zero_tail(routes_ref, y_ref, zero_tile, b, blocks, chunk, s, ll)
 
   plgpu.wait_smem_to_gmem(0)  # 3. this block's writes have landed

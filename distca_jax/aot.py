@@ -47,7 +47,18 @@ def compile_train_step(c: ml_collections.ConfigDict, devices=None):
   return compiled, info
 
 
-_variant = config_lib.with_overrides
+
+def flash3_stand_in(c: ml_collections.ConfigDict):
+  """A context for compiling config ``c`` ahead of time: ``flash3_attention.shape_only`` when
+  ``c`` names the 'flash3' kernel and this host cannot run it (its outputs in XLA's plan, its
+  backward workspace by ``memory.kernel_workspace_bytes``), else nothing. The compiled step
+  must not run under the stand-in."""
+  if c.attention.kernel == "flash3":
+    try:
+      fa3.check_available()
+    except KernelUnavailableError:
+      return fa3.shape_only()
+  return contextlib.nullcontext()
 
 
 def wlb_need_bytes(c: ml_collections.ConfigDict, cp_size: int, alpha: float, tasks: int,
@@ -62,13 +73,7 @@ def wlb_need_bytes(c: ml_collections.ConfigDict, cp_size: int, alpha: float, tas
                                     "attention.baselines.cp_size": int(cp_size),
                                     "attention.baselines.wlb_alpha": float(alpha),
                                     "attention.baselines.wlb_tasks_per_row": int(tasks)})
-  stand_in = contextlib.nullcontext()
-  if v.attention.kernel == "flash3":
-    try:
-      fa3.check_available()
-    except KernelUnavailableError:
-      stand_in = fa3.shape_only()
-  with stand_in:
+  with flash3_stand_in(v):
     _, info = compile_train_step(v, devices=devices)
   if "need_per_device_bytes" not in info:
     raise ValueError("wlb_need_bytes: this platform's compiler reports no memory analysis")
@@ -110,11 +115,11 @@ def explain_does_not_fit(c: ml_collections.ConfigDict, err: memory.DoesNotFit,
   tried 'resend' before failing, so its changes are estimated on top of 'resend'."""
   devices = devices if devices is not None else jax.devices()
   if c.attention.backend == "distca" and c.attention.distca.memory_mode == "auto":
-    c = _variant(c, {"attention.distca.memory_mode": "resend"})
+    c = config_lib.with_overrides(c, {"attention.distca.memory_mode": "resend"})
   parts = []
   for label, over in knob_variants(c, len(devices)):
     try:
-      _, info = compile_train_step(_variant(c, over), devices=devices)
+      _, info = compile_train_step(config_lib.with_overrides(c, over), devices=devices)
       need = info.get("need_per_device_bytes")
       parts.append(f"{label} needs {memory.format_bytes(need)}"
                    + (" (fits)" if need <= err.capacity else ""))

@@ -32,8 +32,6 @@ def main():
   import contextlib
   import jax
   from ml_collections import config_flags  # noqa: F401  (ensures ml_collections is present)
-  from custom_ops import KernelUnavailableError
-  from custom_ops import flash3_attention as fa3
   from distca_jax import aot
   from distca_jax.launch import configure_environment
   from distca_jax import configs_io
@@ -49,14 +47,10 @@ def main():
                       "devices are visible")
     devices = devices[:a.devices]
     print(f"compiling {a.config} for {a.devices} x {devices[0].device_kind} ...", flush=True)
-    stand_in = contextlib.nullcontext()
-    if c.attention.kernel == "flash3":
-      try:
-        fa3.check_available()
-      except KernelUnavailableError:
-        print("flash3 cannot run here: compiled with its shape-only stand-in (the kernel's outputs "
-              "in XLA's plan, FA3's backward workspace by its formula)", flush=True)
-        stand_in = fa3.shape_only()
+    stand_in = aot.flash3_stand_in(c)
+    if not isinstance(stand_in, contextlib.nullcontext):
+      print("flash3 cannot run here: compiled with its shape-only stand-in (the kernel's outputs "
+            "in XLA's plan, FA3's backward workspace by its formula)", flush=True)
     with stand_in:
       _, info = aot.compile_train_step(c, devices=devices)
   except (UserError, FileNotFoundError) as e:  # bad config file, override, mesh or kernel: one line

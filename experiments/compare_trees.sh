@@ -17,7 +17,7 @@ ARGS=("$@")
                                 --layers 4 --steps 10 --warmup 2)
 NEW=$(cd "${NEW_TREE:-$PWD}" && pwd)
 OLD=$(cd "$OLD" && pwd)
-mkdir -p "$OUT"
+OUT=$(mkdir -p "$OUT" && cd "$OUT" && pwd)  # each run works in its own tree
 SITE=
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

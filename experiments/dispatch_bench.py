@@ -154,10 +154,9 @@ def resolve_collectives(names: list[str] | None, platform: str) -> list[str]:
   if len(set(out)) != len(out):
     raise ValueError(f"--collectives={','.join(names)} names one implementation twice on "
                      f"{platform} (resolved: {out})")
-  for gpu_only in ("remote", "ragged"):
-    if gpu_only in out and not gpu:
-      raise ValueError(f"--collectives: {gpu_only!r} needs a GPU; this backend is {platform}: "
-                       "use ring,dense")
+  if "ragged" in out and not gpu:  # 'remote' off GPUs: resolve_collective raised above
+    raise ValueError(f"--collectives: 'ragged' (lax.ragged_all_to_all) needs a GPU; this backend "
+                     f"is {platform}: use ring,dense")
   return out
 
 

@@ -57,11 +57,14 @@ def measure(a) -> list[dict]:
   variants = {col: lambda x, r, cr, col=col: dataplane.ragged_exchange(x, r, cr, "data", col)
               for col in a.collectives.split(",")}
   for grid in filter(None, a.remote_grids.split(",")):
-    from custom_ops.remote_exchange import remote_exchange  # pylint: disable=import-outside-toplevel
-    parts = [int(v) for v in grid.split("x")]
-    blocks, chunk, slots, zero_blocks = (parts + [2, 0][len(parts) - 2:])[:4]
+    from custom_ops import remote_exchange as rx  # pylint: disable=import-outside-toplevel
+    parts = [int(v) for v in grid.split("x")]  # the kernel's defaults where the grid stops
+    if not 2 <= len(parts) <= 4:
+      raise SystemExit(f"--remote-grids {grid!r}: expected BLOCKSxCHUNK[xSLOTS[xZERO_BLOCKS]]")
+    blocks, chunk, slots, zero_blocks = parts + [rx.DEFAULT_SLOTS,
+                                                 rx.DEFAULT_ZERO_BLOCKS][len(parts) - 2:]
     variants[f"remote_{grid}"] = functools.partial(
-        lambda x, r, cr, **kw: remote_exchange(x, r, cr, "data", **kw), blocks=blocks,
+        lambda x, r, cr, **kw: rx.remote_exchange(x, r, cr, "data", **kw), blocks=blocks,
         chunk=chunk, slots=slots, zero_blocks=zero_blocks)
   rows = []
   for workload in a.workloads.split(","):
@@ -141,8 +144,8 @@ def main(argv=None):
                  help="batches the backend samples to size its caps (training samples 32)")
   p.add_argument("--remote-grids", default="",
                  help="BLOCKSxCHUNK[xSLOTS[xZERO_BLOCKS]],... : also time the 'remote' kernel "
-                      "with these CTA counts, chunk lines, SMEM slots (default 2) and zeroing "
-                      "CTAs (default 0), e.g. 132x128,264x64x1,132x128x2x132")
+                      "with these CTA counts, chunk lines, SMEM slots and zeroing CTAs (those "
+                      "left out: the kernel's defaults, 2 and 66), e.g. 132x128,132x128x2x0")
   p.add_argument("--config", default=os.path.join(ROOT, "configs", "gpu_bench.py"))
   p.add_argument("--xla-flags", default=None,
                  help="';'-separated XLA flag sets, one child process each")

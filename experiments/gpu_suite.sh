@@ -43,6 +43,9 @@ E2E20="--layers 2 --steps 20 --warmup 2"  # gpu_bench defaults: flash3 kernels f
 WLB=""
 # Compiled programs persist across the suite's processes (Pretrain and ProLong share shapes).
 export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
+# The faults' and multi-process runs' model: 2 layers small enough that a checkpoint of an
+# interrupted step is quick (the tokens per GPU differ per stage).
+SMALL_MODEL="--config.model.n_layers=2 --config.model.dim=2048 --config.model.mlp_dim=7168 --config.model.n_heads=16 --config.model.n_kv_heads=4 --config.model.vocab_size=32768"
 case "${SUITE:-all}" in
   tests|all)
 stage gpu_tests 150 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_ops.py -k "flash3 or hints or buckets"
@@ -123,8 +126,7 @@ done
 # workloads; then the faults whose GPU rows predate the supervisor keeping JAX's task-watch
 # warning (divergence, read-only workdir) and SIGINT to every process once more.
 stage e2e_4gpu_pingpong 280 python3 -m experiments.e2e_bench --backends packed_dp,distca --nano-batches 1,2 --workloads pretrain,prolong --tokens 65536 --rows-per-rank 2 --layers 2 --steps 6 --warmup 2 --out "$OUT/e2e_4gpu_pingpong"
-SMALL="--config.model.n_layers=2 --config.model.dim=2048 --config.model.mlp_dim=7168 --config.model.n_heads=16 --config.model.n_kv_heads=4 --config.model.vocab_size=32768 --config.tokens_per_rank=16384"
-stage faults_4gpu_rerun 200 python3 -m experiments.peer_death --procs 4 --gpu --faults diverge readonly int:all --timeout 60 --config configs/gpu_bench.py --out "$OUT/faults_4gpu_rerun" -- $SMALL
+stage faults_4gpu_rerun 200 python3 -m experiments.peer_death --procs 4 --gpu --faults diverge readonly int:all --timeout 60 --config configs/gpu_bench.py --out "$OUT/faults_4gpu_rerun" -- $SMALL_MODEL --config.tokens_per_rank=16384
 ;;& four-base)
 # Not yet run: the baselines at 128K per GPU, each in its own process: wlb at the configuration
 # its backend chooses (fastest first among those whose compiled step fits the device) and cp at
@@ -139,7 +141,7 @@ done
 # Multi-process on one host: 1 x 4, 4 x 1 and 2 x 2 processes x GPUs train the same 10 steps of
 # a small model (losses compared from metrics.jsonl; results/four/README.md ran these commands
 # one by one). Faults under NCCL: stage four-f.
-T="python3 -m distca_jax.train --config configs/gpu_bench.py --config.model.n_layers=2 --config.model.dim=2048 --config.model.mlp_dim=7168 --config.model.n_heads=16 --config.model.n_kv_heads=4 --config.model.vocab_size=32768 --config.tokens_per_rank=32768 --config.num_steps=10 --config.optim.warmup_steps=2 --config.log_every=1 --config.checkpoint_every=0 --config.tensorboard=False"
+T="python3 -m distca_jax.train --config configs/gpu_bench.py $SMALL_MODEL --config.tokens_per_rank=32768 --config.num_steps=10 --config.optim.warmup_steps=2 --config.log_every=1 --config.checkpoint_every=0 --config.tensorboard=False"
 mp() {  # mp NAME PROCS GPUS_PER_PROC
   local n=$2 g=$3 i
   for ((i = 0; i < n; i++)); do
@@ -180,8 +182,7 @@ stage e2e_8b_mfu_full16k_distca 100 $M8 --tokens 16384 --backends distca --out "
 # Faults under NCCL (4 processes x 1 GPU, a 2-layer model small enough that a checkpoint of the
 # interrupted step is quick), then the 'remote' kernel's GPU tests and its zeroing CTAs on a
 # real Pretrain 128K plan.
-SMALL="--config.model.n_layers=2 --config.model.dim=2048 --config.model.mlp_dim=7168 --config.model.n_heads=16 --config.model.n_kv_heads=4 --config.model.vocab_size=32768 --config.tokens_per_rank=16384"
-stage faults_4gpu 320 python3 -m experiments.peer_death --procs 4 --gpu --faults term:1 int:all diverge readonly kill:1 kill:0 --config configs/gpu_bench.py --out "$OUT/faults_4gpu" -- $SMALL
+stage faults_4gpu 320 python3 -m experiments.peer_death --procs 4 --gpu --faults term:1 int:all diverge readonly kill:1 kill:0 --config configs/gpu_bench.py --out "$OUT/faults_4gpu" -- $SMALL_MODEL --config.tokens_per_rank=16384
 stage gpu_remote_tests 120 env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_remote_exchange.py
 stage exchange_zero_blocks 120 python3 -m experiments.exchange_bench --workloads pretrain --tokens 131072 --batches 1 --iters 10 --caps-from-batches 4 --collectives remote --remote-grids 132x128x2x33,132x128x2x66,132x128x2x132 --out "$OUT/exchange_zero_blocks"
 ;;& four-b)

@@ -31,6 +31,7 @@ Per candidate (a remat policy, tokens per GPU, the backend; overrides of the shi
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -163,6 +164,7 @@ def packed_dp_ceiling(c, steps: range) -> float:
   return ceiling(m, [rows_by_rank(src.doclens(s), DEVICES, c.rows_per_rank) for s in steps])
 
 
+@functools.cache  # one trace per distinct policy
 def linear_rerun_fraction(remat: str, mlp_layers: int, n_layers: int = 2) -> float:
   """The fraction of the layers' linear forward FLOPs the backward reruns under ``remat`` with
   the first ``mlp_layers`` of the model's layers keeping their MLP activations: the dot_general
@@ -245,7 +247,7 @@ def workspace_bytes(c, measured_packed_dp_ws: float) -> int:
   m = config_lib.model_config(c)
   h, k, d = m.n_heads, m.n_kv_heads, m.head_dim
   if c.attention.backend == "distca":
-    caps = capacity.resolve_capacity(dict(trainer.setup_run(c).backend.caps), c.tokens_per_rank,
+    caps = capacity.resolve_capacity(dict(trainer.make_backend(c).caps), c.tokens_per_rank,
                                      c.rows_per_rank)
     return memory.flash3_bwd_workspace_bytes(caps.q_tokens, caps.kv_tokens, h, k, d, caps.tasks)
   per_row = 4 * d * (h + 2 * k)  # packed_dp: Nq = Nk = tokens, b sequences of the task table
@@ -373,7 +375,7 @@ def main():
   os.makedirs(a.aot_dir, exist_ok=True)
   aot = {k.key: aot_report(k, a.aot_dir, a.run) for k in sorted(need, key=lambda k: k.key)}
   reruns = {(c.remat, c.mlp_layers): linear_rerun_fraction(c.remat, c.mlp_layers)
-            for c in cands + [Candidate("full", BASE_TOKENS, 0, 0, "distca")]}
+            for c in cands + [cands[0].reference()]}
   points = measured_points()
   peak = metrics.PEAK_TFLOPS["H100"] * 1e12
   fixed = fsdp_fixed_seconds(load_config(cands[0]))

@@ -88,7 +88,7 @@ def _workdir(kind: str, name: str) -> tuple[str, str, str]:
 
 
 def run_one(args, spec: str, extra: list[str], name: str | None = None) -> dict:
-  kind, who = _fault(spec, args.procs)
+  kind, who = _fault(spec, args.procs)  # checked by main before any job started
   name = name or spec.replace(":", "_")
   workdir, top, how = _workdir(kind, name)
   port = _free_port()
@@ -144,7 +144,7 @@ def run_one(args, spec: str, extra: list[str], name: str | None = None) -> dict:
       rows.append({"fault": spec, "process": i, "exit": rc,
                    "seconds": None if took is None else round(took, 1),
                    "stderr_lines": len(err), "last_line": err[-1] if err else ""})
-    return {"fault": spec, "victim": who, "workdir": how or None, "processes": rows}
+    return {"fault": spec, "victim": who, "unwritable_workdir": how or None, "processes": rows}
   finally:
     for p in procs:
       if p.poll() is None:

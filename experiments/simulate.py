@@ -71,8 +71,9 @@ def parse_args(argv=None):
                  "job within one node, one process; 'dense' across nodes, several processes), "
                  "'remote', 'dense' or 'ragged'")
   p.add_argument("--memory-mode", default="auto", choices=step.SIM_MEMORY_MODES,
-                 help="distca's memory mode: 'auto' as the trainer's pre-flight ('keep' with 4%% "
-                 "of the device spare, else 'resend'), 'keep' or 'resend'")
+                 help="distca's memory mode: 'auto' as the trainer's pre-flight ('keep' with "
+                 "trainer.AUTO_KEEP_SPARE of the device spare, else 'resend'), 'keep' or "
+                 "'resend'")
   p.add_argument("--batches", type=int, default=3, help="sampled batches averaged")
   p.add_argument("--tolerance", type=float, default=None, help="CAD epsilon (default: config's)")
   p.add_argument("--nano-batches", type=int, default=2, help="2: CAD with ping-pong")
@@ -297,6 +298,7 @@ def _range(vals):
 
 
 def write_paper(a, blob, cal, task_s: float) -> None:
+  from distca_jax.trainer import AUTO_KEEP_SPARE  # pylint: disable=import-outside-toplevel
   cmd = command_line(__file__)
   stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   blob = dict(blob, command=cmd, date=stamp, calibration=dataclasses.asdict(cal),
@@ -340,7 +342,8 @@ def write_paper(a, blob, cal, task_s: float) -> None:
        "GPUs); memory per layer as compiled (server buffers kept per layer in 'keep', the "
        "kernel's outputs only in 'resend', one layer's exchange buffers, FlashAttention-3's "
        f"backward workspace); memory mode '{a.memory_mode}' (the pre-flight's rule: 'keep' "
-       "with 4% of the GPU spare, else 'resend', whose backward sends Q and K/V once more); "
+       f"with {AUTO_KEEP_SPARE:.0%} of the GPU spare, else 'resend', whose backward sends Q and "
+       "K/V once more); "
        f"tolerance {options(a).tolerance}, gate (min_gain) {options(a).min_gain}",
        "- 4D: the GPipe scan the system runs (M + S - 1 ticks in lockstep, every tick's "
        "activations kept), distca planned once per tick over every stage's rows (pipe x data "

@@ -248,15 +248,15 @@ def test_wlb_ideal_from_config_reaches_the_backend():
   c = configs_io.load_config(os.path.join(root, "configs", "tiny_cpu.py"), [
       "attention.backend=wlb", "attention.baselines.cp_size=0", "attention.baselines.wlb_alpha=0",
       "mesh.data=4"])
-  opts = ideal.wlb_options_from_config(c)
-  assert 4 % opts["cp_size"] == 0 and opts["alpha"] in ideal.DEFAULT_ALPHAS
+  opts = ideal.wlb_choice_from_config(c)
+  assert 4 % opts.cp_size == 0 and opts.alpha in ideal.DEFAULT_ALPHAS
   from distca_jax.backends import wlb
   options = wlb.from_first_batches(c, wlb.Options.from_config(c))
-  assert (options.cp_size, options.alpha) == (opts["cp_size"], opts["alpha"])
+  assert (options.cp_size, options.alpha) == (opts.cp_size, opts.alpha)
   assert trainer.make_backend(c).host_arrange is not None
   # A field given stays as given.
   c.attention.baselines.cp_size = 2
-  assert ideal.wlb_options_from_config(c)["cp_size"] == 2
+  assert ideal.wlb_choice_from_config(c).cp_size == 2
 
 
 def test_cli_writes_every_strategy(tmp_path):

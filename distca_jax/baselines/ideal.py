@@ -4,7 +4,7 @@ picks them (host, NumPy).
 ``choose_wlb`` scores every (CP size dividing the data ranks, alpha) on sampled batches with
 ``metrics.estimate_layer_seconds`` (the shared work model over the stated hardware model, K/V
 traffic not hidden, linear layers on the padded ``Lmax = alpha T`` rows the backend runs) and
-returns the best one whose rows fit a token cap. ``wlb_options_from_config`` does it for a
+returns the best one whose rows fit a token cap. ``wlb_choice_from_config`` does it for a
 training config (``attention.baselines.cp_size = 0`` or ``wlb_alpha = 0`` ask for it) on batches
 the run never trains on (steps from ``num_steps`` on: no hindsight on timed or trained batches),
 and keeps only a configuration whose train step fits the device: given a memory estimate
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -216,20 +216,12 @@ def wlb_choice_from_config(c, data_ranks: int | None = None, need_fn: NeedFn | N
                       c.tokens_per_rank * r, dims,
                       alphas=(b.wlb_alpha,) if b.wlb_alpha else DEFAULT_ALPHAS,
                       cp_sizes=(b.cp_size,) if b.cp_size else None)
-  sized = [src.doclens(s) for s in sizing_steps(c)]
+  sized = []  # the sizing batches, read when a candidate's task slots are sized
 
   def tasks_fn(cp, alpha):
     if b.wlb_tasks_per_row:
       return int(b.wlb_tasks_per_row)
+    sized[:] = sized or [src.doclens(s) for s in sizing_steps(c)]
     return wlb_tasks_needed(sized, c.tokens_per_rank, cp, alpha, dims.balance_len, r)
 
   return fastest_that_fits(choice, tasks_fn, need_fn, capacity)
-
-
-def wlb_options_from_config(c, data_ranks: int | None = None, need_fn: NeedFn | None = None,
-                            capacity: int | None = None) -> dict[str, Any]:
-  """``cp_size``, ``alpha`` and ``max_docs_per_row`` (task slots) of ``wlb_choice_from_config``
-  (the wlb backend's options)."""
-  choice = wlb_choice_from_config(c, data_ranks, need_fn, capacity)
-  return {"cp_size": choice.cp_size, "alpha": choice.alpha,
-          "max_docs_per_row": choice.tasks_per_row}

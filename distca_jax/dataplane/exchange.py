@@ -107,8 +107,8 @@ def resolve_collective(collective: str, platform: str | None = None,
   'ring' elsewhere; the others pass through, checked.
 
   On 4 H100s of one host, real Pretrain 128K plans (results/four/README.md): 'remote' moved the
-  busiest device's rows at 69-79% of a raw all-to-all's bandwidth on the same bytes, 'dense' at
-  23-27% (its blocks are padded), XLA's ragged all-to-all at 1-2% (each (sender, server) group
+  busiest device's rows at 70-86% of a raw all-to-all's bandwidth on the same bytes (two hosts),
+  'dense' at 27-30% (its blocks are padded), XLA's ragged all-to-all at 1-2% (each (sender, server) group
   moves at about 2.6 GB/s, a call as long as its largest group: results/micro/ragged_probe.md).
   'remote' needs the peer addresses XLA shares between the devices of one process, so a
   multi-process job uses 'dense'.

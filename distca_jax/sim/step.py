@@ -50,6 +50,7 @@ from distca_jax.baselines import metrics as bm
 from distca_jax.baselines import packing
 from distca_jax.checks import check_int
 from distca_jax.data.workloads import WorkloadSampler
+from distca_jax.dataplane import exchange as exchange_lib
 from distca_jax.dataplane.exchange import DEFAULT_EXCHANGE_BUCKETS, dense_block_rows, dense_wire_rows
 from distca_jax.memory import flash3_bwd_workspace_bytes
 from distca_jax.sim import costs
@@ -257,7 +258,8 @@ def resolve_collective(collective: str, layout: Layout, cal: costs.Calibration) 
                      f"{SIM_COLLECTIVES}")
   if collective != "auto":
     return collective
-  return "remote" if layout.gpus <= cal.gpus_per_node else "dense"
+  return exchange_lib.resolve_collective("auto", platform="gpu",
+                                         one_process=layout.gpus <= cal.gpus_per_node)
 
 
 def exchange_counts(memory_mode: str) -> tuple[int, int]:

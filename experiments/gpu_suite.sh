@@ -6,7 +6,8 @@
 #   SUITE=four-a bash experiments/gpu_suite.sh OUTDIR    # 4-GPU host: four-a | four-r1..r5 |
 #                                                         # four-b | four-4d | four-f | four-8b |
 #                                                         # four-n3; not yet run: four-n1 |
-#                                                         # four-base | four-8b-mfu; one GPU:
+#                                                         # four-f2 | four-base | four-8b-mfu;
+#                                                         # one GPU:
 #                                                         # one-trees
 #                                                         # (not in 'all')
 # 'one': single-GPU tables (CUDA_VISIBLE_DEVICES=0); 'two': the 2-GPU tables; 'derived': tables
@@ -123,20 +124,22 @@ for b in distca packed_dp; do
 done
 ;;& four-n1)
 # Not yet run (one call of <= 10 minutes on a 4-GPU host): ping-pong vs single stream on both
-# workloads; then the faults whose GPU rows predate the supervisor keeping JAX's task-watch
-# warning (divergence, read-only workdir) and SIGINT to every process once more.
+# workloads.
 stage e2e_4gpu_pingpong 280 python3 -m experiments.e2e_bench --backends packed_dp,distca --nano-batches 1,2 --workloads pretrain,prolong --tokens 65536 --rows-per-rank 2 --layers 2 --steps 6 --warmup 2 --out "$OUT/e2e_4gpu_pingpong"
+;;& four-f2)
+# The faults whose GPU rows predate the supervisor keeping JAX's task-watch warning (divergence,
+# read-only workdir) and SIGINT to every process once more.
 stage faults_4gpu_rerun 200 python3 -m experiments.peer_death --procs 4 --gpu --faults diverge readonly int:all --timeout 60 --config configs/gpu_bench.py --out "$OUT/faults_4gpu_rerun" -- $SMALL_MODEL --config.tokens_per_rank=16384
 ;;& four-base)
-# Not yet run: the baselines at 128K per GPU, each in its own process: wlb at the configuration
-# its backend chooses (fastest first among those whose compiled step fits the device) and cp at
-# e2e_bench's default, Pretrain and ProLong (packed_dp and distca: stage four-r5 and four-n1's
-# predecessor, results/four/README.md).
-for w in pretrain prolong; do
-  for b in wlb cp; do
-    stage "e2e_4gpu_${w}_128k_$b" 140 python3 -m experiments.e2e_bench --backends $b --workloads $w --tokens 131072 --layers 2 --steps 6 --warmup 2 --out "$OUT/e2e_4gpu_${w}_128k_$b"
-  done
-done
+# Issue 36's table: the four strategies at 128K per GPU on the same batches, one process per
+# backend (the allocator peak is per process), both workloads in each: packed_dp, wlb at the
+# configuration its backend chooses (fastest first among those whose compiled step fits the
+# device), distca and cp at e2e_bench's default; wlb and distca also profile one more step.
+B128="--workloads pretrain,prolong --tokens 131072 --layers 2 --steps 6 --warmup 2"
+stage e2e_4gpu_128k_packed_dp 110 python3 -m experiments.e2e_bench --backends packed_dp $B128 --out "$OUT/e2e_4gpu_128k_packed_dp"
+stage e2e_4gpu_128k_wlb 190 python3 -m experiments.e2e_bench --backends wlb $B128 --profile --out "$OUT/e2e_4gpu_128k_wlb"
+stage e2e_4gpu_128k_distca 160 python3 -m experiments.e2e_bench --backends distca $B128 --profile --plan-stats --out "$OUT/e2e_4gpu_128k_distca"
+stage e2e_4gpu_128k_cp 120 python3 -m experiments.e2e_bench --backends cp $B128 --out "$OUT/e2e_4gpu_128k_cp"
 ;;& four-n3)
 # Multi-process on one host: 1 x 4, 4 x 1 and 2 x 2 processes x GPUs train the same 10 steps of
 # a small model (losses compared from metrics.jsonl; results/four/README.md ran these commands

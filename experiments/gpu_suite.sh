@@ -123,9 +123,9 @@ for b in distca packed_dp; do
   stage "e2e_4gpu_pretrain_128k_async_$b" 120 env TF_GPU_ALLOCATOR=cuda_malloc_async python3 -m experiments.e2e_bench --backends $b --workloads pretrain --tokens 131072 --layers 2 --steps 8 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_pretrain_128k_async_$b"
 done
 ;;& four-n1)
-# Not yet run (one call of <= 10 minutes on a 4-GPU host): ping-pong vs single stream on both
-# workloads.
-stage e2e_4gpu_pingpong 280 python3 -m experiments.e2e_bench --backends packed_dp,distca --nano-batches 1,2 --workloads pretrain,prolong --tokens 65536 --rows-per-rank 2 --layers 2 --steps 6 --warmup 2 --out "$OUT/e2e_4gpu_pingpong"
+# Ping-pong vs single stream on both workloads, 2 rows of 32K per GPU (at 2 x 64K distca with
+# ping-pong needs 75.07 GiB of an H100's 72.84).
+stage e2e_4gpu_pingpong 200 python3 -m experiments.e2e_bench --backends packed_dp,distca --nano-batches 1,2 --workloads pretrain,prolong --tokens 32768 --rows-per-rank 2 --layers 2 --steps 6 --warmup 2 --out "$OUT/e2e_4gpu_pingpong"
 ;;& four-f2)
 # The faults whose GPU rows predate the supervisor keeping JAX's task-watch warning (divergence,
 # read-only workdir) and SIGINT to every process once more.
@@ -196,7 +196,7 @@ done
 # The 4D row: pipe 2 x data 2, Pretrain, on the same batches in one process: packed_dp, distca
 # with CAD pooled over both stages per tick, and distca+perstage (each stage's 2 data ranks its
 # own servers). A row per microbatch (M = 4), 32K tokens each: 128K tokens per data rank.
-stage e2e_4gpu_4d_pretrain 500 python3 -m experiments.e2e_bench --backends packed_dp,distca --variant perstage@distca:attention.distca.pool_stages=false --workloads pretrain --tokens 32768 --layers 4 --steps 8 --warmup 2 --extra mesh.pipe=2 --extra mesh.data=2 --plan-stats --out "$OUT/e2e_4gpu_4d_pretrain"
+stage e2e_4gpu_4d_pretrain 330 python3 -m experiments.e2e_bench --backends packed_dp,distca --variant perstage@distca:attention.distca.pool_stages=false --workloads pretrain --tokens 32768 --layers 4 --steps 5 --warmup 2 --extra mesh.pipe=2 --extra mesh.data=2 --plan-stats --out "$OUT/e2e_4gpu_4d_pretrain"
 ;;& derived|all)
 E2E_JSON="$OUT/e2e_2gpu_64k.json $OUT/e2e_2gpu_128k.json $OUT/e2e_2gpu_128k_wlb.json $OUT/e2e_2gpu_prolong_128k.json"
 stage e2e_2gpu_plot 60 python3 -m experiments.plot_e2e $E2E_JSON --out "$OUT/e2e_2gpu.png"

@@ -688,3 +688,103 @@ def test_wlb_memory_keeps_the_key_buffer_as_built(seed, cp_size, alpha):
   assert mem["group_kv_kept"] == pytest.approx(2 * kv_rows * d.kv_row_bytes), seed
   assert mem["kernel_workspace"] == pytest.approx(flash3_bwd_workspace_bytes(
       lmax, kv_rows, d.q_heads, d.kv_heads, d.head_dim, 128))
+
+
+def test_per_stage_ticks_plan_each_stage_on_its_data_ranks():
+  batch = [[[1], [2]], [[3], [4]], [[5], [6]]]  # 3 micro-batches x 2 data ranks
+  # Tick-major, one row set per (tick, stage); a bubble stage holds empty rows.
+  assert step.tick_rows(batch, 2, pooled=False) == [
+      [[1], [2]], [[], []], [[3], [4]], [[1], [2]], [[5], [6]], [[3], [4]], [[], []], [[5], [6]]]
+  spec = costs.model_spec("llama3_8b", n_layers=4)
+  lay, t = step.Layout(gpus=4, pipe=2, micro_batches=4), 4096
+  batches = step.sample_batches("pretrain", t, lay, 1)
+  opts = step.Options(pool_stages=False, nano_batches=1)
+  res = step.simulate(batches, spec, lay, t, cal=_cal(), km=_flat_table(), opts=opts,
+                      strategies=("distca",))["distca"]
+  assert not res["pooled_ticks"] and res["servers"] == 2
+  # A tick lasts as long as its slowest stage plan; the LM head runs once after the scan.
+  secs = [step.rank_seconds(step.run_distca(rows, t, spec, _flat_table(), opts), spec, _cal(),
+                            lay, dataclasses.replace(opts, collective="remote",
+                                                     memory_mode="keep"), t,
+                            plan_lib.Capacity(**res["caps"]))
+          for rows in step.tick_rows(batches[0], 2, pooled=False)]
+  ticks = sum(max(secs[i]["layers_total"].max(), secs[i + 1]["layers_total"].max())
+              for i in range(0, len(secs), 2))
+  head = lay.micro_batches * secs[0]["lm_head"].max() / lay.pipe
+  assert res["step_s"] == pytest.approx(ticks + head, rel=1e-9)
+
+
+def test_pipeline_memory_holds_embedding_and_head_on_every_stage():
+  spec, cal = costs.model_spec("llama3_8b", n_layers=4), _cal()
+  d = spec.dims
+  outside = spec.total_params - d.n_layers * d.layer_matmul_params  # embedding, head, norms
+  t, m = 32768, 4
+  pipe = costs.memory_bytes(spec, cal, tokens=t, layers=2, tp=1, pp=2, in_flight=m + 1,
+                            micro_batches=m)
+  assert pipe["state"] == pytest.approx((2 * d.layer_matmul_params + outside)
+                                        * cal.state_bytes_per_param)
+  # Every tick's layer activations are kept; the head's run once on the rank's M micro-batches
+  # split over the stages.
+  assert pipe["activations"] == pytest.approx(
+      t * (m + 1) * 2 * cal.act_bytes_per_token_layer + t * m / 2 * cal.act_bytes_per_token_fixed)
+  flat = costs.memory_bytes(spec, cal, tokens=t, layers=4, tp=1, pp=1, micro_batches=m)
+  assert flat["state"] == pytest.approx(spec.total_params * cal.state_bytes_per_param)
+  assert flat["activations"] == pytest.approx(
+      t * (4 * cal.act_bytes_per_token_layer + cal.act_bytes_per_token_fixed))
+
+
+def test_dispatch_is_priced_over_the_capped_buffers():
+  res, plan, spec, cal = _four_gpu_distca(memory_mode="keep")
+  caps, d = plan_lib.Capacity(**res["caps"]), spec.dims
+  bq = d.q_heads * d.head_dim * d.dtype_bytes
+  want = (4 * (caps.q_send + caps.q_recv) * bq + 2 * (caps.kv_send + caps.kv_recv)
+          * d.kv_row_bytes)
+  assert step.dispatch_buffer_bytes(caps, d, "keep") == pytest.approx(want)
+  assert step.dispatch_buffer_bytes(caps, d, "resend") == pytest.approx(
+      want + (caps.q_send + caps.q_recv) * bq + (caps.kv_send + caps.kv_recv) * d.kv_row_bytes)
+  assert res["per_rank_s"]["dispatch"] == pytest.approx([2 * want / cal.dispatch_bw] * 4)
+  # Half the rate, twice the seconds; one server moves nothing.
+  slow, *_ = _four_gpu_distca(memory_mode="keep", dispatch_bw=cal.dispatch_bw / 2)
+  assert slow["per_rank_s"]["dispatch"][0] == pytest.approx(2 * res["per_rank_s"]["dispatch"][0])
+  one, *_ = _four_gpu_distca(memory_mode="keep", gpus=1)
+  assert one["per_rank_s"]["dispatch"] == [0.0]
+
+
+def test_replayed_runs_read_the_pipeline_wlb_choice_and_last_override():
+  (pd, dist, per) = validate.load_runs("four/raw/s4/e2e_4gpu_4d_pretrain")
+  # e2e_bench's rows_per_rank=1 comes first, the run's --extra rows_per_rank=4 last (it wins).
+  assert (pd.rows_per_rank, pd.pipe, pd.micro_batches, pd.data) == (4, 2, 4, 2)
+  assert dist.override("attention.distca.pool_stages", "true") == "true"
+  assert per.override("attention.distca.pool_stages", "true") == "false"
+  # The micro-batches the trainer's pipeline plans per tick (plan.ticks.tick_rows).
+  from distca_jax.data.synthetic import SyntheticSource
+  from distca_jax.plan import ticks
+  src = SyntheticSource("pretrain", rows=8, tokens_per_row=32768, vocab_size=2, seed=0)
+  (batch,) = validate.run_batches(pd, [pd.steps[0]])
+  assert step.tick_rows(batch, 2) == ticks.tick_rows(src.doclens(pd.steps[0]), stages=2,
+                                                     rows_per_rank=4, microbatches=4)
+  wlb = {r.workload: (r.wlb_cp, r.wlb_alpha)
+         for r in validate.load_runs("four/raw/s4/e2e_4gpu_128k_wlb")}
+  assert wlb == {"pretrain": (4, 1.0), "prolong": (2, 1.0)}
+  opts = validate._options(validate.load_runs("four/raw/s4/e2e_4gpu_128k_wlb")[0], "h100")
+  assert (tuple(opts.cp_sizes), tuple(opts.wlb_alphas)) == ((4,), (1.0,))
+
+
+def test_four_gpu_runs_of_every_strategy_are_held_out_cases(validation):
+  s4 = [c for c in validation["cases"] if "four/raw/s4/" in c["name"]]
+  e2e = {c["backend"] for c in s4 if c["kind"] == "e2e"}
+  assert {"packed_dp", "wlb", "cp", "distca", "distca+perstage", "distca+pingpong"} <= e2e
+  assert all(c["role"] == "held-out" for c in s4)
+  over_packed = {c["name"].split(": ")[2].split(" over")[0] for c in s4
+                 if c["kind"] == "speedup" and "over packed_dp" in c["name"]}
+  assert {"wlb", "cp", "distca", "distca+perstage"} <= over_packed
+  assert any(c["kind"] == "memory" and "4d_pretrain" in c["name"] for c in s4)
+  assert validation["gate_met"] == all(c["within_10pct"] for c in validation["cases"])
+  # One dispatch rate for every era, fitted on the profiles (not on a case's timed steps).
+  rates = {c["dispatch_bw"] for c in validation["calibrations"].values()}
+  km, _ = validate.kernel_model()
+  base = validate.fit_memory([r for s, b in validate.MEMORY_RUNS
+                              for r in validate.load_runs(s, b)],
+                             validate.exchange_calibration(validate.collective_calibration()))
+  (rate,) = rates
+  assert rate == pytest.approx(validate.dispatch_fit(base, km))

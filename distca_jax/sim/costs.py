@@ -153,6 +153,11 @@ class Calibration:
     exchange_hidden: fraction of distca's exchange hidden behind compute: 0, since no overlap
       of the exchange has been measured on GPUs (the 4-GPU runs are single stream; ping-pong's
       overlap on several GPUs is unmeasured), so all of it is charged.
+    dispatch_bw: bytes/s of distca's on-device data plane around its exchanges: the row
+      gathers into the send buffers and the scatters and selects over the receive buffers run
+      over the whole capped buffers (static shapes), whatever the plan fills; fitted on the
+      profiled steps of the 4 x H100 128K runs, distca's elementwise kernel time over wlb's
+      in the same workload (results/four/raw/s4/profiles; ``sim.validate.dispatch_fit``).
   """
   matmul_tflops: float = 585.0
   remat_factor: float = 4.0 / 3.0
@@ -173,6 +178,7 @@ class Calibration:
   ragged_latency_s: float = 2.4e-4
   ragged_bw: float = 2.58e9
   exchange_hidden: float = 0.0
+  dispatch_bw: float = 5.1e11
 
   def bandwidth(self, span_gpus: int) -> float:
     """Bytes/s per GPU of a collective over ``span_gpus`` consecutive GPUs."""
@@ -259,26 +265,34 @@ def attention_remat_factor(remat: str) -> float:
 # Memory.
 # ----------------------------------------------------------------------------------------------
 def memory_bytes(spec: ModelSpec, cal: Calibration, *, tokens: float, layers: int, tp: int,
-                 pp: int, in_flight: int = 1, extra_bytes: float = 0.0,
+                 pp: int, in_flight: int = 1, micro_batches: int = 1, extra_bytes: float = 0.0,
                  remat: str = "save_attention", workspace_bytes: float = 0.0) -> dict[str, float]:
-  """Per-GPU bytes of one rank: state, activations (``tokens`` held, ``layers`` of its stage,
-  ``in_flight`` micro-batches kept by the pipeline schedule), strategy buffers and the
-  kernels' workspace outside XLA's plan (``workspace_bytes``); ``xla_plan`` is the total less
-  that workspace (what a compiled step reports).
+  """Per-GPU bytes of one rank: state, activations (``tokens`` of one micro-batch, ``layers`` of
+  its stage, ``in_flight`` micro-batches kept by the pipeline schedule), strategy buffers and
+  the kernels' workspace outside XLA's plan (``workspace_bytes``); ``xla_plan`` is the total
+  less that workspace (what a compiled step reports).
 
-  Activations per token: ``act_bytes_per_token_fixed`` plus, per layer, what ``remat`` keeps:
-  'save_attention' ``act_bytes_per_token_layer`` (fitted); 'full' the layer's input (E values
-  of the compute dtype), with one layer's ``act_bytes_per_token_layer`` live at a time while the
-  backward recomputes it.
+  State: the stage's ``layers`` plus the embedding and LM head, which every pipeline stage
+  holds (``distca_jax.pipeline`` replicates them over ``pipe``). Activations per token, per
+  layer, what ``remat`` keeps: 'save_attention' ``act_bytes_per_token_layer`` (fitted); 'full'
+  the layer's input (E values of the compute dtype), with one layer's
+  ``act_bytes_per_token_layer`` live at a time while the backward recomputes it. Outside the
+  layers (embedding, final norm, LM head and loss: ``act_bytes_per_token_fixed``) on the
+  tokens the device runs the head on: one micro-batch's without a pipeline (micro-batches
+  accumulate); under one (``pp > 1``) the head runs once after the scan on the rank's
+  ``micro_batches`` micro-batches split over the ``pp`` stages.
   """
   width = spec.dim / 4096.0
-  state = spec.total_params / (tp * pp) * cal.state_bytes_per_param
+  outside = spec.total_params - spec.dims.n_layers * spec.dims.layer_matmul_params
+  state = (layers * spec.dims.layer_matmul_params + outside) / tp * cal.state_bytes_per_param
   if check_remat(remat) == "full":
-    per_token = (layers * spec.dim * spec.dims.dtype_bytes
-                 + (cal.act_bytes_per_token_layer + cal.act_bytes_per_token_fixed) * width)
+    per_layer = (layers * spec.dim * spec.dims.dtype_bytes
+                 + cal.act_bytes_per_token_layer * width)
   else:
-    per_token = (layers * cal.act_bytes_per_token_layer + cal.act_bytes_per_token_fixed) * width
-  act = tokens * in_flight * per_token / tp
+    per_layer = layers * cal.act_bytes_per_token_layer * width
+  head_tokens = tokens * micro_batches / pp if pp > 1 else tokens
+  act = (tokens * in_flight * per_layer
+         + head_tokens * cal.act_bytes_per_token_fixed * width) / tp
   plan = state + act + extra_bytes
   total = plan + workspace_bytes
   return {"state": state, "activations": act, "buffers": float(extra_bytes),

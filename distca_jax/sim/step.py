@@ -8,7 +8,7 @@ fitted matmul rate, fitted collectives, stated inter-node bandwidth):
 
   layer_r  = linear (6 N_layer x remat x tokens / rate) + attention (kernel table on the rank's
              tasks, plus one forward under remat 'full') + tensor-parallel traffic + the exposed
-             part of the strategy's communication
+             part of the strategy's communication (+ distca's dispatch over its buffers)
   stage_r  = layers of the stage x layer_r (+ LM head)
 
 distca's exchange is priced as built (``dataplane.exchange``), the collective resolved as the
@@ -19,7 +19,9 @@ bucket ``dense_wire_rows`` picks per exchange (caps: the envelope of the sampled
 ``caps_headroom``, as training samples them); 'ragged' the useful rows, its time set by the
 largest (sender, server) group (``ragged_group_bytes``). Seconds from the 4-GPU exchange
 measurements (``Calibration.remote_*``, ``dense_*``, ``ragged_*``), with
-``Calibration.exchange_hidden`` of them hidden (0: no overlap measured). The memory mode is
+``Calibration.exchange_hidden`` of them hidden (0: no overlap measured); around them the data
+plane's gathers, scatters and selects run over the whole capped send and receive buffers
+(``dispatch_buffer_bytes`` / ``Calibration.dispatch_bw``). The memory mode is
 resolved as the trainer's pre-flight resolves 'auto' ('keep' with ``AUTO_KEEP_SPARE`` of the
 device to spare, else 'resend', whose backward runs the Q and K/V exchanges once more).
 cp / wlb overlap their K/V all-gather with attention when ``cp_overlap`` (ring attention, the
@@ -29,7 +31,8 @@ Steps: ranks that synchronize inside a layer (a CP group; every server of a CAD 
 their slowest member; without a pipeline micro-batches accumulate; with ``pipe = S > 1`` the
 step is a GPipe scan of ``M + S - 1`` ticks in lockstep (``distca_jax.pipeline``), each tick as
 long as its slowest device, and distca plans each tick once over every stage's rows (pipe x data
-servers, bubble slots serve the others), as the trainer does; the LM head runs after the
+servers, bubble slots serve the others), as the trainer does, or per stage on its data ranks
+(``Options.pool_stages`` False); the LM head runs after the
 pipeline over pipe x data. The balance bound of a step is the same schedule with every rank at
 the mean of packed_dp's per-rank compute (no communication): every strategy's
 ``bound_fraction`` is bound / step. Gradient synchronization is the same for every strategy and
@@ -131,6 +134,9 @@ class Options:
       linear layers run on the padding too); False = variable-length rows (the paper's WLB).
     remat: the model's rematerialization policy (``costs.REMAT_POLICIES``): what the backward
       reruns (time) and what the layers keep (memory).
+    pool_stages: under a pipeline, distca plans each tick once over every stage's rows (pipe x
+      data servers: ``attention.distca.pool_stages``, the default); False plans each stage's rows
+      of the tick on that stage's data ranks alone (per-stage CAD).
   """
   tolerance: float = plan_lib.DEFAULT_TOLERANCE
   min_gain: float = 0.0
@@ -144,6 +150,7 @@ class Options:
   cp_overlap: bool = True
   wlb_padded: bool = False
   remat: str = "save_attention"
+  pool_stages: bool = True
 
   def __post_init__(self):
     costs.check_remat(self.remat)
@@ -225,13 +232,18 @@ def run_distca(rows, tokens, spec, km, opts: Options) -> MicroResult:
   return MicroResult(bm.distca_metrics(plan), attn, len(rows), plan)
 
 
-def tick_rows(batch: Sequence[Sequence[Sequence[int]]], stages: int) -> list[list[list[int]]]:
-  """[tick][stage x data rank] -> document lengths: at tick ``t`` stage ``s`` holds micro-batch
-  ``t - s`` (none in the bubble: an empty row), the rows distca plans together per tick; the
-  schedule is the pipeline's own (``plan.ticks.schedule_table``)."""
+def tick_rows(batch: Sequence[Sequence[Sequence[int]]], stages: int, pooled: bool = True
+              ) -> list[list[list[int]]]:
+  """The row sets distca plans under a pipeline: at tick ``t`` stage ``s`` holds micro-batch
+  ``t - s`` (none in the bubble: an empty row); the schedule is the pipeline's own
+  (``plan.ticks.schedule_table``). ``pooled``: [tick][stage x data rank], one plan per tick;
+  else [tick x stage][data rank], one plan per stage and tick (tick-major)."""
   m, data = len(batch), len(batch[0])
-  return [[list(batch[mb][r]) if mb >= 0 else [] for mb in held for r in range(data)]
-          for held in ticks.schedule_table(stages, m)]
+  stage_rows = lambda mb: [list(batch[mb][r]) if mb >= 0 else [] for r in range(data)]
+  table = ticks.schedule_table(stages, m)
+  if pooled:
+    return [[row for mb in held for row in stage_rows(mb)] for held in table]
+  return [stage_rows(mb) for held in table for mb in held]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,6 +318,16 @@ def ragged_group_bytes(plan: plan_lib.Plan, dims, memory_mode: str = "keep") -> 
                + nkv * plan.pair_kv_rows.max(initial=0) * dims.kv_row_bytes)
 
 
+def dispatch_buffer_bytes(caps: plan_lib.Capacity, dims, memory_mode: str = "keep") -> float:
+  """Bytes of the send and receive buffers one layer's exchanges (``exchange_counts``) fill and
+  drain on a device: the capped totals, whatever the plan uses (static shapes), which the data
+  plane's gathers, scatters and selects run over (``Calibration.dispatch_bw``)."""
+  nq, nkv = exchange_counts(memory_mode)
+  bq = dims.q_heads * dims.head_dim * dims.dtype_bytes
+  return float(nq * (caps.q_send + caps.q_recv) * bq
+               + nkv * (caps.kv_send + caps.kv_recv) * dims.kv_row_bytes)
+
+
 def exchange_seconds(wire_S: np.ndarray, servers: int, cal: costs.Calibration, collective: str,
                      tp: int, memory_mode: str = "keep") -> np.ndarray:
   """[S] seconds of one layer's exchanges: every device waits for the busiest (an all-to-all,
@@ -338,6 +360,7 @@ def rank_seconds(mr: MicroResult, spec: costs.ModelSpec, cal: costs.Calibration,
   """
   m, d, tp = mr.metrics, spec.dims, layout.tensor
   rate = cal.matmul_tflops * 1e12 * tp
+  dispatch = np.zeros(m.num_ranks)
   tokens = np.full(m.num_ranks, float(tokens_per_rank))
   if m.strategy == "wlb":
     tokens = (np.full_like(tokens, float(m.info["row_tokens"])) if opts.wlb_padded
@@ -356,6 +379,9 @@ def rank_seconds(mr: MicroResult, spec: costs.ModelSpec, cal: costs.Calibration,
                                  opts.memory_mode)
     comm = exchange_seconds(wire, m.num_ranks, cal, opts.collective, tp, opts.memory_mode)
     exposed = comm * (1.0 - cal.exchange_hidden)
+    if m.num_ranks > 1:  # one server moves nothing: no exchange, no dispatch
+      dispatch = np.full(m.num_ranks, dispatch_buffer_bytes(caps, d, opts.memory_mode)
+                         / tp / cal.dispatch_bw)
   elif m.strategy in ("cp", "wlb"):
     comm = cal.collective_s(2.0 * m.bytes_S / tp, m.comm_span * tp, calls=2)
     exposed = np.maximum(0.0, comm - attn) if opts.cp_overlap else comm
@@ -364,9 +390,10 @@ def rank_seconds(mr: MicroResult, spec: costs.ModelSpec, cal: costs.Calibration,
   layers = costs.ceil_div(d.n_layers, layout.pipe)
   head = 6.0 * spec.head_params * tokens / rate
   out = {"linear": layers * linear, "attention": layers * attn, "tp_comm": layers * tp_comm,
-         "exchange": layers * comm, "exchange_exposed": layers * exposed, "lm_head": head}
+         "exchange": layers * comm, "exchange_exposed": layers * exposed,
+         "dispatch": layers * dispatch, "lm_head": head}
   out["layers_total"] = (out["linear"] + out["attention"] + out["tp_comm"]
-                         + out["exchange_exposed"])
+                         + out["exchange_exposed"] + out["dispatch"])
   out["total"] = out["layers_total"] + head
   return out
 
@@ -462,17 +489,22 @@ def strategy_memory(mr_list: Sequence[MicroResult], spec: costs.ModelSpec,
   else:
     workspace = _workspace(held, held, DEFAULT_MAX_DOCS_PER_ROW, d, tp)
   out = costs.memory_bytes(spec, cal, tokens=held, layers=layers, tp=tp, pp=layout.pipe,
-                           in_flight=layout.in_flight, extra_bytes=sum(parts.values()),
+                           in_flight=layout.in_flight,
+                           micro_batches=layout.micro_batches,
+                           extra_bytes=sum(parts.values()),
                            remat=remat, workspace_bytes=workspace)
   out.update({k: float(v) for k, v in parts.items()})
   return out
 
 
 def _step_of_batch(secs: Sequence[dict[str, np.ndarray]], group: int, layout: Layout,
-                   pooled: bool) -> float:
-  """One batch's step from its micro-batches' (or pooled ticks') ``rank_seconds``."""
-  if pooled:  # distca under a pipeline: one plan per tick over every device
-    ticks = sum(float(np.max(x["layers_total"])) for x in secs)
+                   per_tick: int) -> float:
+  """One batch's step from its micro-batches' (or distca's ticks') ``rank_seconds``.
+  ``per_tick`` > 0: distca under a pipeline, ``per_tick`` plans per tick (1 pooled over every
+  device, ``pipe`` per stage), tick-major; a tick lasts as long as its slowest device."""
+  if per_tick:
+    ticks = sum(max(float(np.max(x["layers_total"])) for x in secs[i:i + per_tick])
+                for i in range(0, len(secs), per_tick))
     return ticks + layout.micro_batches * float(np.max(secs[0]["lm_head"])) / layout.pipe
   if layout.pipe > 1:
     body = step_seconds(np.stack([x["layers_total"] for x in secs]), group, layout.pipe)
@@ -508,10 +540,11 @@ def evaluate(results: Sequence[Sequence[MicroResult]], spec, cal, layout, opts, 
       caps = distca_caps([mr.plan for mr in flat], tokens, opts.caps_headroom)
     opts = resolve_distca(flat, spec, cal, layout, opts, tokens, caps)
   pooled = m0.strategy == "distca" and layout.pipe > 1
+  per_tick = (1 if opts.pool_stages else layout.pipe) if pooled else 0
   steps, parts, ranks = [], {}, []
   for batch in results:
     secs = [rank_seconds(mr, spec, cal, layout, opts, tokens, caps) for mr in batch]
-    steps.append(_step_of_batch(secs, batch[0].group, layout, pooled) + cal.step_fixed_s)
+    steps.append(_step_of_batch(secs, batch[0].group, layout, per_tick) + cal.step_fixed_s)
     for k in secs[0]:
       parts.setdefault(k, []).append(np.mean([x[k] for x in secs], axis=0))
     ranks.append(np.stack([x["total"] for x in secs]).sum(0))
@@ -540,7 +573,7 @@ def evaluate(results: Sequence[Sequence[MicroResult]], spec, cal, layout, opts, 
     out.update(tolerance=opts.tolerance, nano_batches=opts.nano_batches,
                collective=opts.collective, collective_asked=asked,
                memory_mode=opts.memory_mode, caps=dataclasses.asdict(caps),
-               pooled_ticks=pooled, servers=plans[0].num_servers,
+               pooled_ticks=per_tick == 1, servers=plans[0].num_servers,
                wire_bytes_per_layer_mb=float(np.mean([w.max() for w in wire]) / 1e6),
                imbalance_before=float(np.mean([p.imbalance_before for p in plans])),
                degraded_plans=int(sum(p.degraded for p in plans)),
@@ -594,7 +627,8 @@ def simulate(batches, spec: costs.ModelSpec, layout: Layout, tokens: int, *,
   if "packed_dp" in strategies:
     out["packed_dp"] = ev(run(batches, run_packed_dp))
   if "distca" in strategies:
-    as_ticks = lambda bs: bs if layout.pipe == 1 else [tick_rows(b, layout.pipe) for b in bs]
+    as_ticks = lambda bs: bs if layout.pipe == 1 else [tick_rows(b, layout.pipe,
+                                                                 opts.pool_stages) for b in bs]
     scored = run(as_ticks(batches), run_distca, opts)
     sizing = list(batches) + (list(select_batches or []) if caps_batches is None
                               else list(caps_batches))

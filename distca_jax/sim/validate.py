@@ -4,8 +4,10 @@ Cases (files under results/):
 
 * end-to-end steps (``experiments/e2e_bench.py`` JSONs): the very batches the run timed are
   re-sampled (same workload, seed 0, rows, steps) and simulated with the run's strategy, layers,
-  remat policy and GPU count; the measured value is the mean step (tokens / tokens/s over the
-  timed steps);
+  remat policy, GPU count and pipeline (``mesh.pipe``: its micro-batches, distca pooled per
+  tick or per stage, ``attention.distca.pool_stages``); wlb at the CP size and alpha the run
+  recorded (``wlb_config``: chosen by ``choose_wlb`` or fixed); the measured value is the mean
+  step (the mean of the timed steps);
 * kernel: the FA3 fwd+bwd of real task tables (``micro/flash3_grid_bench.json``, launch
   buckets) vs the cost table on the same tasks (the own-documents tables fit the fixed time per
   task, ``KernelModel.task_s``; the CAD tables are held out), and the wlb backend's calls on
@@ -15,21 +17,29 @@ Cases (files under results/):
   program); distca's exchange alone on 4 x H100 vs its fitted line: 'remote' on useful bytes,
   'dense' on wire bytes, 'ragged' on its largest (sender, server) group (real plans replanned
   on the host, and ``experiments/ragged_probe.py``'s group matrices held out);
-* memory: the compiled step's per-device bytes (XLA's plan) vs the memory model, single-stream
-  runs (activations fitted on one-GPU runs at 2, 4 and 16 layers, ``MEMORY_RUNS``);
-* speedup: distca's measured speedup over packed_dp / wlb in the same multi-GPU run, or in runs
-  of one call on one machine (the 4-GPU runs: one process per backend), vs the predicted one
-  (ratios in place of seconds).
+* memory: the compiled step's per-device bytes (XLA's plan, plus the kernels' workspace where
+  the run recorded it) vs the memory model, single-stream runs (activations fitted on one-GPU
+  runs at 2, 4 and 16 layers, ``MEMORY_RUNS``);
+* speedup: cp's, wlb's and distca's measured speedup over packed_dp, and distca's over wlb, in
+  the same multi-GPU run, or in runs of one call on one machine (the 4-GPU runs: one process
+  per backend, ``PAIRED_RUNS``), vs the predicted one (ratios in place of seconds).
 
 Three code generations / devices ("eras") are in the committed runs: the 2-GPU runs (``*_v5*``)
 were made without two single-stream fixes (FA3's forward no longer cloned, no raw LSE buffer
 copy), which change step times; 'current' is
 one H200 of the current code (its held-out runs include one on 4 x H200, the same device); 'h100'
-is 4 x H100 of the current code (results/four/raw/). distca's runs are priced with the exchange
-and memory mode they ran (an override, else what 'auto' ran as: ``AUTO_RAN_AS``). Each
-era is calibrated on packed_dp or one-GPU runs of its own (``CALIBRATION_RUNS``) and every other
-case of that era is held out. ``role`` says which. A case above 10% carries the note written for
-that very case in ``MISS_NOTES`` (by its kind and full name), or "not explained".
+is 4 x H100 of the current code (results/four/raw/: calibrated on three packed_dp runs of
+356931f; held out, its distca runs of that code and the runs of ff00a0c / 2adb8bc under
+results/four/raw/s4: packed_dp, wlb (CP 4 / CP 2, alpha 1.0), cp (CP 1) and distca at 128K,
+pipe 2 x data 2 with distca pooled and per stage, 2 rows per GPU with and without ping-pong at
+32K and 64K). distca's runs are priced with the exchange and memory mode they ran (an override,
+else what 'auto' ran as: ``AUTO_RAN_AS``). Each era is calibrated on packed_dp or one-GPU runs
+of its own (``CALIBRATION_RUNS``) and every other case of that era is held out. ``role`` says
+which. distca's dispatch rate (``Calibration.dispatch_bw``, every era) is fitted on the
+profiled extra step of the s4 128K distca and wlb runs (``DISPATCH_PROFILES``), not on any
+case's timed steps. A case above 10% carries the note written for that very case in
+``MISS_NOTES`` (by its kind and full name), or "not explained"; the summary says whether the
+gate (every case within 10%) is met.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from distca_jax import plan as plan_lib
+from distca_jax.plan import ticks
 from distca_jax.sim import costs, step
 
 RESULTS = os.path.join(costs.ROOT, "results")
@@ -72,7 +83,17 @@ HELD_OUT_RUNS = {
              # backend) and Pretrain 64K with 'dense' and 'remote' (one process, another host).
              ("four/raw/e2e_128k_cuda_async_packed_dp", None),
              ("four/raw/e2e_128k_cuda_async", None),
-             ("four/raw/e2e_4gpu_pretrain_64k_remote", None)],
+             ("four/raw/e2e_4gpu_pretrain_64k_remote", None),
+             # results/four/raw/s4 (code of ff00a0c / 2adb8bc): the four strategies at 128K (one
+             # process per backend, same batches; wlb at its recorded configuration, cp at the
+             # config's CP size 1), pipe 2 x data 2 (distca pooled per tick and per stage), and
+             # 2 rows per GPU with and without ping-pong at 32K and (another host) 64K.
+             *[(f"four/raw/s4/e2e_4gpu_128k_{b}", None) for b in ("packed_dp", "wlb", "cp",
+                                                                  "distca")],
+             ("four/raw/s4/e2e_4gpu_4d_pretrain", None),
+             ("four/raw/s4/e2e_4gpu_pingpong", None),
+             ("four/raw/s4/e2e_4gpu_pingpong_prolong_distca", None),
+             ("four/raw/s4/e2e_4gpu_pingpong_64k", None)],
 }
 # What 'auto' ran as in runs of the distca backend that set no override (the exchange's
 # ``collective``, ``memory_mode``), where it is not ('dense', 'keep'): the runs made at 356931f
@@ -82,15 +103,25 @@ HELD_OUT_RUNS = {
 AUTO_RAN_AS = {
     "four/raw/e2e_128k_cuda_async": {"collective": "remote", "memory_mode": "resend"},
     "four/raw/h200_e2e_prolong_64k": {"collective": "remote", "memory_mode": "keep"},
+    # results/four/raw/s4 (one process, 'auto' = 'remote'): 128K logged "'keep' needs 71.63
+    # (71.41) GiB per device, leaves less than 4% of 72.84 GiB spare; running 'resend'"; the
+    # others need at most 71.5 GB (XLA's plan + workspace), so 'keep'.
+    "four/raw/s4/e2e_4gpu_128k_distca": {"collective": "remote", "memory_mode": "resend"},
+    **{f"four/raw/s4/{stem}": {"collective": "remote", "memory_mode": "keep"}
+       for stem in ("e2e_4gpu_4d_pretrain", "e2e_4gpu_pingpong",
+                    "e2e_4gpu_pingpong_prolong_distca", "e2e_4gpu_pingpong_64k")},
 }
 # Runs of one backend each (one process per backend, same host and session) paired for
 # distca's speedup; runs of one call pair within their file.
 PAIRED_RUNS = {"four/raw/e2e_bk_pretrain_distca": "four/raw/e2e_bk_pretrain_packed_dp",
                "four/raw/e2e_bk_prolong_distca": "four/raw/e2e_bk_prolong_packed_dp",
-               "four/raw/e2e_128k_cuda_async": "four/raw/e2e_128k_cuda_async_packed_dp"}
+               "four/raw/e2e_128k_cuda_async": "four/raw/e2e_128k_cuda_async_packed_dp",
+               **{f"four/raw/s4/e2e_4gpu_128k_{b}": "four/raw/s4/e2e_4gpu_128k_packed_dp"
+                  for b in ("wlb", "cp", "distca")},
+               "four/raw/s4/e2e_4gpu_pingpong_prolong_distca": "four/raw/s4/e2e_4gpu_pingpong"}
 # e2e_bench variants that change only distca (no packed_dp twin): their speedup is over the
 # plain baseline of the same call.
-DISTCA_ONLY_VARIANTS = ("+remote", "+dense", "+ragged")
+DISTCA_ONLY_VARIANTS = ("+remote", "+dense", "+ragged", "+perstage")
 # The exchange alone on 4 x H100 (results/four/README.md): JSON lines of the default-flag run and
 # the one-shot-flag run; they fit ``Calibration.dense_*`` and ``ragged_*``.
 FOUR_EXCHANGE_LOG = os.path.join("four", "raw", "exchange_bench.log")
@@ -129,6 +160,12 @@ MISS_NOTES: dict[tuple[str, str], str] = {}
 UNEXPLAINED = "not explained"
 # experiments/wlb_kernel_check.py's result under results/ (replayed once committed).
 WLB_KERNEL_CHECK = os.path.join("micro", "wlb_kernel_check")
+# Profiled steps (one more step of the same run, jax.profiler) of distca and wlb on 4 x H100,
+# 128K (results/four/raw/s4/profiles): workload -> (distca run, distca profile, wlb profile).
+# distca's elementwise kernels beyond wlb's fit ``Calibration.dispatch_bw``; the runs' timed
+# steps stay held-out cases.
+DISPATCH_PROFILES = {w: ("four/raw/s4/e2e_4gpu_128k_distca", f"four/raw/s4/profiles/{w}_128k_distca",
+                         f"four/raw/s4/profiles/{w}_128k_wlb") for w in ("pretrain", "prolong")}
 # The planner's gate (min_gain) each code era ran with: 0 = no gate.
 _ERA_MIN_GAIN = {"current": 0.02, "v5": 0.0, "h100": 0.02}
 
@@ -149,6 +186,9 @@ class E2eRun:
   overrides: tuple[str, ...]
   memory_gb: float | None = None
   workspace_gb: float | None = None
+  # wlb's configuration as the run recorded it (``wlb_config``: chosen or fixed): CP size, alpha.
+  wlb_cp: int | None = None
+  wlb_alpha: float | None = None
 
   @property
   def strategy(self) -> str:
@@ -163,8 +203,28 @@ class E2eRun:
   def nano_batches(self) -> int:
     return 2 if self.backend.endswith("+pingpong") else 1
 
+  @property
+  def pipe(self) -> int:
+    """Pipeline stages (``mesh.pipe``)."""
+    return int(self.override("mesh.pipe", "1"))
+
+  @property
+  def micro_batches(self) -> int:
+    """Pipeline micro-batches per data rank (``plan.ticks.resolve_microbatches``); 1 without a
+    pipeline."""
+    if self.pipe == 1:
+      return 1
+    return ticks.resolve_microbatches(int(self.override("pipeline.microbatches", "0")), self.pipe)
+
+  @property
+  def data(self) -> int:
+    """Data ranks (GPUs / pipe stages; no tensor parallelism in the replayed runs)."""
+    return self.devices // self.pipe
+
   def override(self, key: str, default: str) -> str:
-    for o in self.overrides:
+    """The run's value of ``key``: its last override (later overrides win, as the config
+    loader applies them in order), else ``default``."""
+    for o in reversed(self.overrides):
       k, _, v = o.partition("=")
       if k == key:
         return v
@@ -200,28 +260,35 @@ def load_runs(stem: str, backend: str | None = None) -> list[E2eRun]:
     if "error" in r or (backend is not None and r["backend"] != backend):
       continue
     ov = tuple(r["overrides"])
-    get = lambda k: next(o.split("=", 1)[1] for o in ov if o.startswith(k + "="))
+    # The last override of a key wins (an --extra after e2e_bench's own, as the loader applies).
+    get = lambda k: next(o.split("=", 1)[1] for o in reversed(ov) if o.startswith(k + "="))
+    w = r.get("wlb_config") or {}
     out.append(E2eRun(stem, r["workload"], r["backend"], int(r["tokens"]),
                       int(get("model.n_layers")), int(get("rows_per_rank")), int(r["devices"]),
                       tuple(range(warmup, warmup + steps)),
                       sum(r["step_ms_all"]) / len(r["step_ms_all"]) / 1e3,
                       r["step_ms_median"] / 1e3, ov, r.get("memory_gb", {}).get("total"),
-                      r.get("memory_gb", {}).get("kernel_workspace")))
+                      r.get("memory_gb", {}).get("kernel_workspace"),
+                      w.get("cp_size"), w.get("alpha")))
   return out
 
 
 def run_batches(run: E2eRun, steps=None) -> list[list[list[list[int]]]]:
-  """The timed batches (or ``steps``): [step][micro-batch = 1][rank] -> lengths (a rank's rows
-  concatenated; documents never span rows, so a rank's documents are its rows' documents)."""
+  """The timed batches (or ``steps``): [step][micro-batch][data rank] -> lengths. Data rank
+  ``k`` owns rows ``[k R, (k + 1) R)``; micro-batch ``i`` of a pipeline holds rows
+  ``[i R / M, (i + 1) R / M)`` of every rank's block (``pipeline.to_microbatches``); without a
+  pipeline there is one micro-batch and a rank's rows are concatenated (documents never span
+  rows, so a rank's documents are its rows' documents)."""
   from distca_jax.data.synthetic import SyntheticSource  # pylint: disable=import-outside-toplevel
-  src = SyntheticSource(run.workload, rows=run.devices * run.rows_per_rank,
+  src = SyntheticSource(run.workload, rows=run.data * run.rows_per_rank,
                         tokens_per_row=run.tokens, vocab_size=2, seed=0)
+  m, r = run.micro_batches, run.rows_per_rank
+  per = r // m
   out = []
   for s in (run.steps if steps is None else steps):
     rows = src.doclens(s)
-    r = run.rows_per_rank
-    out.append([[[x for row in rows[k * r:(k + 1) * r] for x in row]
-                 for k in range(run.devices)]])
+    out.append([[[x for row in rows[k * r + i * per:k * r + (i + 1) * per] for x in row]
+                 for k in range(run.data)] for i in range(m)])
   return out
 
 
@@ -237,17 +304,18 @@ def _options(run: E2eRun, era: str) -> step.Options:
       exchange_buckets=int(run.override("attention.distca.exchange_buckets", "8")),
       tolerance=float(run.override("attention.distca.tolerance", str(plan_lib.DEFAULT_TOLERANCE))),
       min_gain=_ERA_MIN_GAIN[era], nano_batches=2 if run.backend.endswith("+pingpong") else 1,
-      wlb_alphas=(float(run.override("attention.baselines.wlb_alpha", "1.0")),),
-      cp_sizes=(int(run.override("attention.baselines.cp_size", "1")),),
-      cp_overlap=False, wlb_padded=True, remat=run.remat)
+      wlb_alphas=(run.wlb_alpha or float(run.override("attention.baselines.wlb_alpha", "1.0")),),
+      cp_sizes=(run.wlb_cp or int(run.override("attention.baselines.cp_size", "1")),),
+      cp_overlap=False, wlb_padded=True, remat=run.remat,
+      pool_stages=run.override("attention.distca.pool_stages", "true").lower() == "true")
 
 
 def predict_run(run: E2eRun, cal: costs.Calibration, km: costs.KernelModel, era: str
                 ) -> dict[str, Any]:
   """The simulator's mean step over the run's batches (its strategy, layers, GPUs)."""
   spec = costs.model_spec("llama3_8b", n_layers=run.layers)
-  layout = step.Layout(gpus=run.devices)
-  tokens = run.tokens * run.rows_per_rank
+  layout = step.Layout(gpus=run.devices, pipe=run.pipe, micro_batches=run.micro_batches)
+  tokens = run.tokens * run.rows_per_rank // run.micro_batches
   opts = _options(run, era)
   if "+signal" in run.backend:  # signal-only twin: the exchange carries no rows
     cal = dataclasses.replace(cal, exchange_hidden=1.0)
@@ -452,11 +520,34 @@ def exchange_calibration(base: costs.Calibration) -> costs.Calibration:
                              ragged_bw=rbw, remote_latency_s=ml, remote_bw=mbw)
 
 
+def dispatch_fit(base: costs.Calibration, km: costs.KernelModel) -> float:
+  """``Calibration.dispatch_bw``: per workload of ``DISPATCH_PROFILES``, the distca run's
+  exchange buffer bytes per layer (``step.dispatch_buffer_bytes`` of the caps it sized, in the
+  memory mode it ran) over its profiled step's elementwise kernel time beyond the wlb run's on
+  the same workload (means over devices, per layer); the ratio of the sums."""
+  dims = costs.model_spec("llama3_8b").dims
+  num = den = 0.0
+  for workload, (stem, distca_prof, wlb_prof) in DISPATCH_PROFILES.items():
+    (run,) = [r for r in load_runs(stem) if r.workload == workload]
+    res = predict_run(run, base, km, "h100")
+    caps = plan_lib.Capacity(**res["caps"])
+    elementwise = lambda prof: float(np.mean([d["elementwise"] for d in _json(prof)["breakdown"]]))
+    extra_s = (elementwise(distca_prof) - elementwise(wlb_prof)) / 1e3 / run.layers
+    if extra_s <= 0:
+      raise ValueError(f"{distca_prof}: distca's elementwise time is not above wlb's "
+                       f"({wlb_prof}); the dispatch rate cannot be fitted from these profiles")
+    num += step.dispatch_buffer_bytes(caps, dims, res["memory_mode"])
+    den += extra_s
+  return num / den
+
+
 def calibrations(km: costs.KernelModel) -> dict[str, costs.Calibration]:
-  """Per era: collectives from the collective bench and the 4-GPU exchange bench, compute from
-  its own calibration runs."""
+  """Per era: collectives from the collective bench and the 4-GPU exchange bench, distca's
+  dispatch rate from the 4 x H100 profiles (``dispatch_fit``), compute from its own
+  calibration runs."""
   base = fit_memory([r for stem, b in MEMORY_RUNS for r in load_runs(stem, b)],
                     exchange_calibration(collective_calibration()))
+  base = dataclasses.replace(base, dispatch_bw=dispatch_fit(base, km))
   return {era: fit_calibration([r for stem, b in runs for r in load_runs(stem, b)], km, base)
           for era, runs in CALIBRATION_RUNS.items()}
 
@@ -616,19 +707,20 @@ def e2e_cases(cals: dict[str, costs.Calibration], km: costs.KernelModel
 
 
 def speedup_cases(e2e: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  """distca's speedup over packed_dp and wlb in multi-GPU runs of one era with the same
-  workload, tokens, rows, layers and GPUs, measured in the same file or in the file
-  ``PAIRED_RUNS`` names: predicted vs measured ratio (``predicted_s`` / ``measured_s`` hold the
-  ratios). A distca-only variant (``DISTCA_ONLY_VARIANTS``) is paired with the plain baseline."""
+  """Speedups in multi-GPU runs of one era with the same workload, tokens, rows, layers and
+  GPUs, measured in the same file or in the file ``PAIRED_RUNS`` names: cp's, wlb's and
+  distca's over packed_dp, and distca's over wlb; predicted vs measured ratio (``predicted_s``
+  / ``measured_s`` hold the ratios). A variant (``+pingpong``) is paired with the baseline's
+  same variant; a distca-only variant (``DISTCA_ONLY_VARIANTS``) with the plain baseline."""
   out = []
   e2e = [c for c in e2e if c["kind"] == "e2e" and c["devices"] > 1]
   same = lambda a, b: all(a[k] == b[k] for k in ("era", "workload", "tokens", "rows", "layers",
                                                   "devices"))
   for c in e2e:
-    head, sep, variant = c["backend"].partition("distca")
-    if head or not sep:
+    strategy, variant = _split_backend(c["backend"])
+    if strategy == "packed_dp":
       continue
-    for base in ("packed_dp", "wlb"):
+    for base in ("packed_dp", "wlb") if strategy == "distca" else ("packed_dp",):
       want = base + ("" if variant in DISTCA_ONLY_VARIANTS else variant)
       b = next((x for x in e2e if same(x, c) and x["backend"] == want
                 and x["stem"] in (c["stem"], PAIRED_RUNS.get(c["stem"]))), None)
@@ -640,6 +732,12 @@ def speedup_cases(e2e: list[dict[str, Any]]) -> list[dict[str, Any]]:
                        b["predicted_s"] / c["predicted_s"], b["measured_s"] / c["measured_s"],
                        "held-out", era=c["era"], devices=c["devices"]))
   return out
+
+
+def _split_backend(backend: str) -> tuple[str, str]:
+  """('distca', '+pingpong') of 'distca+pingpong'."""
+  head, sep, tail = backend.partition("+")
+  return head, sep + tail
 
 
 def validate() -> dict[str, Any]:
@@ -665,6 +763,7 @@ def validate() -> dict[str, Any]:
       "four_gpu_current_cases": sum(c["role"] == "held-out" and c.get("era") in ("current", "h100")
                                     and c.get("devices") == 4 for c in cases),
       "max_abs_error": max(abs(c["error"]) for c in cases),
+      "gate_met": not missed,
       "max_abs_error_held_out": max(abs(c["error"]) for c in held),
       "within_10pct": sum(c["within_10pct"] for c in cases),
       "calibrations": {k: dataclasses.asdict(v) for k, v in cals.items()},

@@ -88,13 +88,6 @@ def baseline_need_bytes(c: ml_collections.ConfigDict, backend: str, cp_size: int
   return int(info["need_per_device_bytes"])
 
 
-def wlb_need_bytes(c: ml_collections.ConfigDict, cp_size: int, alpha: float, tasks: int,
-                   devices=None) -> int:
-  """``baseline_need_bytes`` of ``wlb`` with CP size ``cp_size``, alpha ``alpha`` and ``tasks``
-  task slots per row."""
-  return baseline_need_bytes(c, "wlb", cp_size, alpha, tasks, devices=devices)
-
-
 def knob_variants(c: ml_collections.ConfigDict, n_devices: int) -> list[tuple[str, dict]]:
   """(label, overrides) of the single-knob changes that lower a step's memory: FSDP (weights and
   optimizer state over `data`, when there are several data ranks and they divide model.dim),

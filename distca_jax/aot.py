@@ -61,22 +61,30 @@ def flash3_stand_in(c: ml_collections.ConfigDict):
   return contextlib.nullcontext()
 
 
-def wlb_need_bytes(c: ml_collections.ConfigDict, cp_size: int, alpha: float, tasks: int,
-                   devices=None) -> int:
-  """Bytes per device the train step of config ``c`` needs as ``wlb`` with CP size ``cp_size``,
-  alpha ``alpha`` and ``tasks`` task slots per row: XLA's buffer assignment plus the kernels'
-  workspace (``compile_train_step``'s ``need_per_device_bytes``, what the trainer's pre-flight
-  checks). A 'flash3' step is compiled with the kernel's shape-only stand-in
-  (``flash3_attention.shape_only``) where FlashAttention-3 cannot run (CPU AOT: XLA:CPU's plan
-  approximates the GPU's)."""
-  v = config_lib.with_overrides(c, {"attention.backend": "wlb",
-                                    "attention.baselines.cp_size": int(cp_size),
-                                    "attention.baselines.wlb_alpha": float(alpha),
-                                    "attention.baselines.wlb_tasks_per_row": int(tasks)})
+def baseline_need_bytes(c: ml_collections.ConfigDict, backend: str, cp_size: int,
+                        alpha: float = 1.0, tasks: int = 0, devices=None) -> int:
+  """Bytes per device the train step of config ``c`` needs as the ``backend`` baseline ('wlb'
+  or 'cp') with CP size ``cp_size`` and ``tasks`` task slots per row (wlb:
+  ``wlb_tasks_per_row``, with alpha ``alpha``; cp: ``max_docs_per_row``, alpha unused): XLA's
+  buffer assignment plus the kernels' workspace (``compile_train_step``'s
+  ``need_per_device_bytes``, what the trainer's pre-flight checks). A 'flash3' step is compiled
+  with the kernel's shape-only stand-in (``flash3_stand_in``) where FlashAttention-3 cannot run
+  (CPU AOT: XLA:CPU's plan approximates the GPU's)."""
+  over = {"attention.backend": backend, "attention.baselines.cp_size": int(cp_size)}
+  if backend == "wlb":
+    over.update({"attention.baselines.wlb_alpha": float(alpha),
+                 "attention.baselines.wlb_tasks_per_row": int(tasks)})
+  elif backend == "cp":
+    over["attention.baselines.max_docs_per_row"] = int(tasks)
+  else:
+    raise ValueError(f"baseline_need_bytes: backend={backend!r} must be 'wlb' or 'cp'")
+  v = config_lib.with_overrides(c, over)
   with flash3_stand_in(v):
     _, info = compile_train_step(v, devices=devices)
   if "need_per_device_bytes" not in info:
-    raise ValueError("wlb_need_bytes: this platform's compiler reports no memory analysis")
+    raise ValueError(f"{backend}'s memory check: this platform's compiler reports no memory "
+                     "analysis; give the configuration (attention.baselines.cp_size, and "
+                     "wlb_alpha for wlb) instead of 0")
   return int(info["need_per_device_bytes"])
 
 

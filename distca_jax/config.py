@@ -95,8 +95,11 @@ def base_config() -> ml_collections.ConfigDict:
   # 'cp' and 'wlb' rearrange each batch on the host (Backend.host_arrange, called by the trainer's
   # input thread through trainer.add_host_plan).
   c.attention.baselines = ml_collections.ConfigDict()
-  c.attention.baselines.cp_size = 1            # cp / wlb: ranks per CP group (divides mesh.data);
-                                               # wlb: 0 = WLB-ideal's pick (baselines.ideal)
+  c.attention.baselines.cp_size = 0            # cp / wlb: ranks per CP group (divides mesh.data);
+                                               # 0 = chosen at startup (baselines.ideal: the
+                                               # fastest predicted on never-trained batches whose
+                                               # step fits memory; cp_size 1 computes what
+                                               # packed_dp does)
   c.attention.baselines.wlb_alpha = 1.0        # wlb: per-rank token cap Lmax = alpha x
                                                # tokens_per_rank (>= 1; > 1 trades memory balance
                                                # for attention balance); 0 = WLB-ideal's pick
@@ -108,10 +111,11 @@ def base_config() -> ml_collections.ConfigDict:
                                                # 0 = sized at startup from sampled batches at
                                                # wlb's configuration (baselines.ideal.
                                                # wlb_tasks_needed: x1.25 over the most seen)
-  c.attention.baselines.wlb_memory_gib = 0.0   # wlb with cp_size or wlb_alpha 0: the memory per
-                                               # device the chosen configuration's step must fit
-                                               # (GiB; 0 = the device's bytes_limit, as the
-                                               # pre-flight; no check where none is reported)
+  c.attention.baselines.memory_gib = 0.0       # cp / wlb choosing (cp_size or wlb_alpha 0):
+                                               # the memory per device the chosen
+                                               # configuration's step must fit (GiB; 0 = the
+                                               # device's bytes_limit, as the pre-flight; no
+                                               # check where none is reported)
 
   # --- mesh: named axes; data x tensor x pipe must equal the device count.
   c.mesh = ml_collections.ConfigDict()

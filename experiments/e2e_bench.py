@@ -38,13 +38,15 @@ Variants and ablations (paper Sec. 6 style), all in the same process on the same
 Planning runs on the input thread (trainer.Prefetcher): the table shows host planning ms per batch
 next to the main thread's wait for its batch (planning off the critical path = wait ~ 0).
 `wlb` runs take their CP size and alpha from `baselines.ideal.choose_wlb` (CP 1-8 dividing the
-data ranks, alpha from 1.0) on batches the run never trains or times (`ideal.choice_steps`):
-the fastest predicted configuration whose train step fits the device (each candidate compiled
-ahead of time, fastest first, until one fits: `aot.wlb_need_bytes`, the pre-flight's count),
-unless `--extra attention.baselines.cp_size=N` / `wlb_alpha=A` fix them; its task slots are
-sized from sampled batches (`ideal.wlb_tasks_needed`). The table shows the configuration, how
-it was chosen (predicted time, memory need, the faster ones excluded for memory) and the linear
-work its padded rows cost.
+data ranks, alpha from 1.0), and `cp` runs their CP size from `ideal.choose_cp` (CP 1-8 dividing
+the data ranks), both on batches the run never trains or times (`ideal.choice_steps`) with the
+same layer-time model (`ideal.slowest_layer_seconds`): the fastest predicted configuration whose
+train step fits the device (each candidate compiled ahead of time, fastest first, until one fits:
+`aot.baseline_need_bytes`, the pre-flight's count), unless `--extra
+attention.baselines.cp_size=N` (both) / `wlb_alpha=A` (wlb) fix them; wlb's task slots are
+sized from sampled batches (`ideal.wlb_tasks_needed`), cp's are `max_docs_per_row`. The table
+("Baselines' configuration") shows each configuration, how it was chosen (predicted time, memory
+need, the faster ones excluded for memory) and the linear work wlb's padded rows cost.
 `--tiny` shrinks everything for a CPU smoke test. Writes OUT.json and OUT.md (the command at the
 top); `experiments/plot_e2e.py OUT.json` draws OUT.png.
 """
@@ -170,38 +172,47 @@ def backend_overrides(over):
   return out
 
 
-WLB_KEYS = ("attention.baselines.cp_size", "attention.baselines.wlb_alpha")
+CHOSEN_KEYS = {"wlb": ("attention.baselines.cp_size", "attention.baselines.wlb_alpha"),
+               "cp": ("attention.baselines.cp_size",)}
 
 
-def wlb_overrides(over) -> list[str]:
-  """``over`` plus, for each of wlb's CP size and alpha not given there, 0 = choose_wlb's pick."""
+def choice_overrides(backend: str, over) -> list[str]:
+  """``over`` plus, for each key the ``backend`` chooses (``CHOSEN_KEYS``: wlb's CP size and
+  alpha, cp's CP size) not given there, 0 = the backend's pick (``baselines.ideal``)."""
   given = {o.partition("=")[0] for o in over}
-  return list(over) + [f"{k}=0" for k in WLB_KEYS if k not in given]
+  return list(over) + [f"{k}=0" for k in CHOSEN_KEYS.get(backend, ()) if k not in given]
 
 
-def wlb_config(c, over) -> dict:
-  """wlb's configuration of run config ``c`` and how it was chosen (``over``: the overrides): the
-  backend's own choice (``backends.wlb.wlb_choice``, memoized: the run's), its task slots, and
-  the memory need of every candidate checked (those faster than the choice did not fit)."""
+def baseline_config(c, over) -> dict:
+  """The configuration of run config ``c``'s baseline (``attention.backend`` 'wlb' or 'cp') and
+  how it was chosen (``over``: the overrides): the backend's own choice
+  (``backends.wlb.baseline_choice``, memoized: the run's), its task slots, and the memory need of
+  every candidate checked (those faster than the choice did not fit)."""
   from distca_jax.backends import wlb
   from distca_jax.baselines import ideal
+  backend = c.attention.backend
   given = {o.partition("=")[0]: o.partition("=")[2] for o in over}
-  choice = wlb.wlb_choice(c)
+  choice = wlb.baseline_choice(c, backend)
   steps = ideal.choice_steps(c)
-  fixed = [k.rsplit(".", 1)[1] for k in WLB_KEYS if given.get(k, "0") not in ("0", "0.0")]
+  fixed = [k.rsplit(".", 1)[1] for k in CHOSEN_KEYS[backend]
+           if given.get(k, "0") not in ("0", "0.0")]
   gib = lambda b: f"{b / 2**30:.2f} GiB"
   if choice.capacity_bytes is None:
     fit = ("memory not checked before the pre-flight (configuration given, or no device limit: "
-           "attention.baselines.wlb_memory_gib sets one)")
+           "attention.baselines.memory_gib sets one)")
   else:
     fit = f"fits {gib(choice.capacity_bytes)}: needs {gib(choice.memory[-1][3])}"
     out = choice.excluded_for_memory()
     if out:
       fit += "; faster but over it: " + ", ".join(
-          f"cp {cp} alpha {a:g} ({gib(n)})" for cp, a, _, n in out)
-  how = (f"choose_wlb on steps {steps.start}-{steps.stop - 1} (never trained or timed) over "
-         f"{len(choice.candidates)} candidates, predicted {1e3 * choice.layer_seconds:.3g} ms "
-         f"per layer; {fit}" + (f"; {' and '.join(fixed)} given" if fixed else ""))
+          f"{choice.label(cp, a)} ({gib(n)})" for cp, a, _, n in out)
+  if backend == "cp":  # few candidates: each one's prediction
+    scored = "CP " + ", ".join(f"{x[0]}: {1e3 * x[2]:.3g} ms" for x in choice.candidates)
+  else:
+    scored = f"{len(choice.candidates)} candidates"
+  how = (f"choose_{backend} on steps {steps.start}-{steps.stop - 1} (never trained or timed) "
+         f"over {scored}, predicted {1e3 * choice.layer_seconds:.3g} ms per layer; {fit}"
+         + (f"; {' and '.join(fixed)} given" if fixed else ""))
   return {"cp_size": choice.cp_size, "alpha": choice.alpha, "how": how,
           "tasks_per_row": choice.tasks_per_row, "layer_seconds": choice.layer_seconds,
           "capacity_bytes": choice.capacity_bytes,
@@ -385,8 +396,7 @@ def main(argv=None):
                     f"attention.nano_batches={nano}",
                     f"rows_per_rank={a.rows_per_rank or nano}", "checkpoint_every=0",
                     f"num_steps={a.warmup + a.steps}"] + a.extra + vover
-            if backend == "wlb":
-              over = wlb_overrides(over)
+            over = choice_overrides(backend, over)
             if a.tiny:
               over += ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
                        "model.mlp_dim=128", "model.vocab_size=256", "model.dtype=float32",
@@ -418,8 +428,8 @@ def main(argv=None):
                   r["model_cfg"], r["doclens"], stages=c.mesh.pipe,
                   microbatches=c.pipeline.microbatches, tokens_per_row=c.tokens_per_rank,
                   pool_stages=False)
-            if backend == "wlb":
-              s["wlb_config"] = wlb_config(c, over)
+            if backend in CHOSEN_KEYS:  # wlb_config / cp_config
+              s[f"{backend}_config"] = baseline_config(c, over)
             if a.plan_stats and backend == "distca":
               s.update(plan_stats(c, r["backend"], r["doclens"]))
             s.update(workload=workload, tokens=tokens, backend=name, nano_batches=nano,
@@ -541,14 +551,13 @@ def write(a, results, quiet: bool = False):
     for r in twins:
       lines.append(f"| {r['workload']} | {r['tokens']} | {r['backend']} | "
                    f"{_fmt(r.get('step_over_signal_only'))} | {_fmt(r.get('pingpong_speedup'))} |")
-  wlbs = [r for r in results if "wlb_config" in r]
-  if wlbs:
-    lines += ["\n## wlb's configuration\n",
+  chosen = [(r, r[f"{b}_config"]) for r in results for b in CHOSEN_KEYS if f"{b}_config" in r]
+  if chosen:
+    lines += ["\n## Baselines' configuration (wlb, cp)\n",
               "| workload | tokens/GPU | backend | CP size | alpha | task slots per row | how chosen "
               "| linear work on padding (rows of alpha x T slots) |",
               "|---|---|---|---|---|---|---|---|"]
-    for r in wlbs:
-      w = r["wlb_config"]
+    for r, w in chosen:
       lines.append(f"| {r['workload']} | {r['tokens']} | {r['backend']} | {w['cp_size']} | "
                    f"{w['alpha']:g} | {w.get('tasks_per_row', 'n/a')} | {w['how']} | "
                    f"{100 * w['padding_linear_fraction']:.0f}% of T per rank |")

@@ -167,6 +167,24 @@ def test_wlb_equals_reference(seed, cp_size, rows_per_rank, alpha):
   _check_group_backend(rng, "wlb", pl, dict(cp_size=cp_size, alpha=alpha, balance_len=24.0))
 
 
+def _host_arranged(backend, batch, doclens):
+  """The backend's host step on a trainer batch [S, t] whose token ids tag where each token
+  went (a token's id is its natural flat index + 1): (arranged batch, natural flat index of
+  each arranged slot (-1 at padding), the arranged layout, natural [S, t, ...] -> arranged)."""
+  seg = batch["segment_ids"]
+  s, t = seg.shape
+  tagged = dict(batch, inputs=np.where(seg > 0, np.arange(s * t).reshape(s, t) + 1, 0))
+  out = backend.host_arrange(tagged, doclens)
+  src = out["inputs"].astype(np.int64) - 1
+  extra = {kk[len(bl.EXTRA_PREFIX):]: jnp.asarray(vv) for kk, vv in out.items()
+           if kk.startswith(bl.EXTRA_PREFIX)}
+  layout = attn.Layout(jnp.asarray(out["segment_ids"]), jnp.asarray(out["positions"]), extra)
+  src_j = jnp.asarray(src.reshape(-1))
+  take = lambda x: jnp.take(x.reshape(s * t, *x.shape[2:]), src_j, axis=0, mode="fill",
+                            fill_value=0).reshape(*src.shape, *x.shape[2:])
+  return out, src, layout, take
+
+
 def test_arrange_batch_feeds_the_backend_and_keeps_every_token(seed):
   """Trainer batch -> arrange_batch -> the backend equals the reference on the natural rows."""
   rng = np.random.default_rng(seed)
@@ -182,24 +200,48 @@ def test_arrange_batch_feeds_the_backend_and_keeps_every_token(seed):
   for name, opts in (("cp", dict(cp_size=4)), ("wlb", dict(cp_size=2, alpha=1.2,
                                                            balance_len=20.0))):
     backend = backends.get(name, **opts)
-    # Token ids tag where each token went: a token's id is its natural flat index + 1.
-    tagged = dict(batch, inputs=np.where(seg > 0, np.arange(S * t).reshape(S, t) + 1, 0))
-    out = backend.host_arrange(tagged, doclens)
-    src = out["inputs"].astype(np.int64) - 1  # natural flat index, -1 at padding
+    out, src, layout, take = _host_arranged(backend, batch, doclens)
     real = src >= 0
     assert sorted(src[real].tolist()) == np.flatnonzero(seg.reshape(-1) > 0).tolist()
     assert np.array_equal(out["positions"][real], pos.reshape(-1)[src[real]])
-    extra = {kk[len(bl.EXTRA_PREFIX):]: jnp.asarray(vv) for kk, vv in out.items()
-             if kk.startswith(bl.EXTRA_PREFIX)}
-    layout = attn.Layout(jnp.asarray(out["segment_ids"]), jnp.asarray(out["positions"]), extra)
-    src_j = jnp.asarray(src.reshape(-1))
-    take = lambda x: jnp.take(x.reshape(S * t, *x.shape[2:]), src_j, axis=0, mode="fill",
-                              fill_value=0).reshape(*src.shape, *x.shape[2:])
     with jax.set_mesh(_mesh()):
       o = jax.jit(lambda q, k, v: backend.fn(take(q), take(k), take(v), layout,
                                              softmax_scale=SCALE))(q, k, v)
     _close(np.asarray(o)[real], o_ref.reshape(S * t, H, D)[src[real]])
   assert bl.EXTRA_PREFIX == trainer.EXTRA_PREFIX
+
+
+def test_cp_at_its_chosen_size_equals_reference(seed):
+  """The CP size ``ideal.choose_cp`` picks for a trainer batch (a model whose attention
+  dominates and whose K/V traffic is cheap, so a size > 1 wins) runs that batch, arranged by the
+  backend's own host step, with the dense reference's outputs and gradients."""
+  from distca_jax.baselines import ideal
+  rng = np.random.default_rng(seed)
+  t = 32
+  # Rank 0 holds one whole-row document, the others short ones: packed_dp's split is slow.
+  doclens = [[t]] + [_rand_lens(rng, t, 6) for _ in range(S - 1)]
+  dims = bl.ModelDims(q_heads=H, kv_heads=K, head_dim=D, n_layers=1, matmul_params=1,
+                      layer_matmul_params=1, dtype_bytes=4)
+  choice = ideal.choose_cp([doclens], t, dims, hw=bl.Hardware(intra_node_bw=1e15))
+  assert [x[0] for x in choice.candidates] == [1, 2, 4, 8]
+  assert choice.cp_size > 1, (choice.candidates, seed)
+  seg, pos = layout_arrays(doclens, t)
+  backend = backends.get("cp", cp_size=choice.cp_size)
+  batch = {"segment_ids": seg, "positions": pos, "inputs": np.zeros_like(seg)}
+  _, src, layout, take = _host_arranged(backend, batch, doclens)
+  q, k, v, w = _qkvw(rng, S, t)
+  w = w * jnp.asarray(seg > 0, jnp.float32)[:, :, None, None]  # no weight on padding
+  run = lambda q, k, v: backend.fn(take(q), take(k), take(v), layout, softmax_scale=SCALE)
+  ref_layout = attn.Layout(jnp.asarray(seg), jnp.asarray(pos))
+  ref = lambda q, k, v: attn.dense_reference(q, k, v, ref_layout, softmax_scale=SCALE)
+  with jax.set_mesh(_mesh()):
+    o, g = jax.jit(lambda *a: (run(*a), jax.grad(lambda *x: (run(*x) * take(w)).sum(),
+                                                 argnums=(0, 1, 2))(*a)))(q, k, v)
+  g_ref = jax.jit(jax.grad(lambda *x: (ref(*x) * w).sum(), argnums=(0, 1, 2)))(q, k, v)
+  real = src >= 0
+  _close(np.asarray(o)[real], np.asarray(ref(q, k, v)).reshape(S * t, H, D)[src[real]])
+  for a, r in zip(g, g_ref):
+    _close(a, r, atol=5e-5)
 
 
 @pytest.mark.slow

@@ -188,7 +188,7 @@ def test_wlb_choice_takes_the_fastest_candidate_that_fits_memory(seed):
 
 @pytest.mark.slow
 def test_wlb_need_is_the_compiled_step_and_excludes_what_does_not_fit(monkeypatch):
-  """aot.wlb_need_bytes compiles a flash3 wlb step on the CPU with the kernel's shape-only
+  """aot.baseline_need_bytes compiles a flash3 wlb step on the CPU with the kernel's shape-only
   stand-in: its workspace is FA3's backward accumulators at the configuration's rows, key buffer
   and task slots (memory.flash3_bwd_workspace_bytes); and the backend's choice, given a capacity just under the fastest candidate's need, takes another one
   that fits and reports the fastest as excluded."""
@@ -203,9 +203,9 @@ def test_wlb_need_is_the_compiled_step_and_excludes_what_does_not_fit(monkeypatc
       "attention.backend=wlb", "attention.kernel=flash3", "model.head_dim=128", "model.dim=256",
       "model.n_heads=2", "model.n_kv_heads=1", "model.dtype=bfloat16", "model.n_layers=2",
       "mesh.data=4", "rows_per_rank=1", "attention.baselines.cp_size=0",
-      "attention.baselines.wlb_alpha=1", "attention.baselines.wlb_memory_gib=0"])
+      "attention.baselines.wlb_alpha=1", "attention.baselines.memory_gib=0"])
   devices = jax.devices()[:4]
-  need = aot.wlb_need_bytes(c, 2, 1.0, 24, devices=devices)
+  need = aot.baseline_need_bytes(c, "wlb", 2, 1.0, 24, devices=devices)
   with fa3.shape_only():
     v = config_lib.with_overrides(c, {"attention.baselines.cp_size": 2,
                                       "attention.baselines.wlb_alpha": 1.0,
@@ -216,7 +216,7 @@ def test_wlb_need_is_the_compiled_step_and_excludes_what_does_not_fit(monkeypatc
                                                                              24)
   assert need == info["need_per_device_bytes"] > info["kernel_workspace_bytes"] > 0
   # The tables grow the workspace by 128 rows per slot.
-  assert aot.wlb_need_bytes(c, 2, 1.0, 32, devices=devices) > need
+  assert aot.baseline_need_bytes(c, "wlb", 2, 1.0, 32, devices=devices) > need
   # CP 1, 2, 4 at alpha 1. A tiny model's time model ranks CP 1 first, which also needs the
   # least memory; ranked here by CP, largest first (the largest key buffers, the most memory),
   # so the walk must skip the fastest.
@@ -231,8 +231,8 @@ def test_wlb_need_is_the_compiled_step_and_excludes_what_does_not_fit(monkeypatc
   monkeypatch.setattr(wlb, "_CHOICES", {})  # the backend's memo: nothing from other tests
   choice = ideal.wlb_choice_from_config(c)
   assert ideal.ranked(choice)[0][0] == 4, choice.candidates
-  first = aot.wlb_need_bytes(c, 4, 1.0, choice.tasks_per_row, devices=devices)
-  c.attention.baselines.wlb_memory_gib = (first - 1) / 2**30
+  first = aot.baseline_need_bytes(c, "wlb", 4, 1.0, choice.tasks_per_row, devices=devices)
+  c.attention.baselines.memory_gib = (first - 1) / 2**30
   got = wlb.wlb_choice(c)
   assert got.memory[0][:2] == (4, 1.0) and got.memory[0][3] == first > got.capacity_bytes
   assert got.cp_size in (1, 2) and got.memory[-1][3] <= got.capacity_bytes
@@ -509,21 +509,22 @@ def test_e2e_bench_wlb_choice_never_sees_trained_batches(monkeypatch):
   from distca_jax.data import synthetic
   from experiments import e2e_bench
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  over = e2e_bench.wlb_overrides(["attention.backend=wlb", "mesh.data=4", "num_steps=5"])
+  over = e2e_bench.choice_overrides("wlb", ["attention.backend=wlb", "mesh.data=4",
+                                           "num_steps=5"])
   assert "attention.baselines.cp_size=0" in over and "attention.baselines.wlb_alpha=0" in over
   c = configs_io.load_config(os.path.join(root, "configs", "tiny_cpu.py"), over)
   steps = []
   real = synthetic.SyntheticSource.doclens
   monkeypatch.setattr(synthetic.SyntheticSource, "doclens",
                       lambda self, s: steps.append(s) or real(self, s))
-  w = e2e_bench.wlb_config(c, over)
+  w = e2e_bench.baseline_config(c, over)
   assert steps and min(steps) >= 5, steps
   assert 4 % w["cp_size"] == 0 and w["cp_size"] <= ideal.MAX_CP_SIZE and w["alpha"] >= 1.0
   assert "never trained or timed" in w["how"]
   # A CP size given stays as given and is named.
-  fixed = e2e_bench.wlb_overrides(over[:-2] + ["attention.baselines.cp_size=2"])
+  fixed = e2e_bench.choice_overrides("wlb", over[:-2] + ["attention.baselines.cp_size=2"])
   c2 = configs_io.load_config(os.path.join(root, "configs", "tiny_cpu.py"), fixed)
-  w2 = e2e_bench.wlb_config(c2, fixed)
+  w2 = e2e_bench.baseline_config(c2, fixed)
   assert w2["cp_size"] == 2 and "cp_size given" in w2["how"]
 
 

@@ -53,10 +53,11 @@ __all__ = [
 
 
 def _check_cp(cp_size, name: str) -> int:
-  if cp_size is None:
-    raise ValueError(f"backend {name!r} needs cp_size (ranks per context-parallel group, a divisor "
-                     "of mesh.data); set config.attention.cp_size")
-  return packing.check_pos_int("cp_size", cp_size)
+  if isinstance(cp_size, bool) or not isinstance(cp_size, (int, np.integer)) or cp_size < 1:
+    raise ValueError(f"backend {name!r}: cp_size={cp_size!r} must be an int >= 1 dividing "
+                     "mesh.data; set attention.baselines.cp_size, or 0 there to have "
+                     "backends.build(config) choose it")
+  return int(cp_size)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -126,7 +126,8 @@ def group_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *,
   s = mesh.shape[DATA_AXIS]
   if c < 1 or s % c:
     raise ValueError(f"{name}: cp_size={cp_size} must divide the {s} ranks of the "
-                     f"{DATA_AXIS!r} axis; set config.attention.cp_size to a divisor of mesh.data")
+                     f"{DATA_AXIS!r} axis; set attention.baselines.cp_size to a divisor of "
+                     "mesh.data")
   groups = [list(range(g * c, (g + 1) * c)) for g in range(s // c)]
 
   def per_rank(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, kv_index_RxU, cu_q_RxN1, cu_k_RxN1):

@@ -290,7 +290,8 @@ def lanes_from_rows(row_doclens: Sequence[Sequence[int]], cp_size: int,
                     rows_per_rank: int = 1) -> list[list[int]]:
   """The ``cp`` lane sequences of the trainer's rows: a lane concatenates its group's rows."""
   b = len(row_doclens)
-  c, r = int(cp_size), int(rows_per_rank)
+  c = packing.check_pos_int("cp_size", cp_size)
+  r = packing.check_pos_int("rows_per_rank", rows_per_rank)
   if b % (c * r):
     raise ValueError(f"{b} rows do not split into groups of cp_size={c} x rows_per_rank={r}")
   lanes = []

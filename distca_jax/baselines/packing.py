@@ -355,7 +355,8 @@ def wlb_pack(doc_lens: Sequence[int], num_lanes: int, cp_size: int, row_tokens: 
     raise ValueError(f"document lengths must be >= 1; got {lens[lens < 1][:4].tolist()}")
   if lens.sum() > lanes * c * cap:
     raise ValueError(f"the batch holds {int(lens.sum())} tokens > num_lanes={lanes} x "
-                     f"cp_size={c} x row_tokens={cap}; raise row_tokens (alpha)")
+                     f"cp_size={c} x row_tokens={cap}; raise row_tokens "
+                     "(attention.baselines.wlb_alpha)")
   tokens = np.zeros((lanes, c), np.int64)
   free = np.full(lanes, c * cap, np.int64)
   load = np.zeros(lanes, np.float64)
@@ -387,7 +388,8 @@ def wlb_pack(doc_lens: Sequence[int], num_lanes: int, cp_size: int, row_tokens: 
           hi = mid - 1
       if lo == 0:
         raise ValueError(f"wlb_pack: a {m}-token piece fits in no lane (free tokens per lane "
-                         f"{free.tolist()[:8]}...); raise row_tokens (alpha)")
+                         f"{free.tolist()[:8]}...); raise row_tokens "
+                         "(attention.baselines.wlb_alpha)")
       share = _distribute(cap - tokens[lane], tokens[lane], lo, c)
       heapq.heappush(queue, (-(m - lo), src, off + lo))
       split_src.add(src)

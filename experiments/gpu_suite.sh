@@ -134,7 +134,7 @@ stage faults_4gpu_rerun 200 python3 -m experiments.peer_death --procs 4 --gpu --
 # Issue 36's table: the four strategies at 128K per GPU on the same batches, one process per
 # backend (the allocator peak is per process), both workloads in each: packed_dp, wlb at the
 # configuration its backend chooses (fastest first among those whose compiled step fits the
-# device), distca and cp at e2e_bench's default; wlb and distca also profile one more step.
+# device; cp likewise its CP size), distca at its defaults; wlb and distca also profile one more step.
 B128="--workloads pretrain,prolong --tokens 131072 --layers 2 --steps 6 --warmup 2"
 stage e2e_4gpu_128k_packed_dp 110 python3 -m experiments.e2e_bench --backends packed_dp $B128 --out "$OUT/e2e_4gpu_128k_packed_dp"
 stage e2e_4gpu_128k_wlb 190 python3 -m experiments.e2e_bench --backends wlb $B128 --profile --out "$OUT/e2e_4gpu_128k_wlb"

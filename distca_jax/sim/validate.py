@@ -262,7 +262,9 @@ def load_runs(stem: str, backend: str | None = None) -> list[E2eRun]:
     ov = tuple(r["overrides"])
     # The last override of a key wins (an --extra after e2e_bench's own, as the loader applies).
     get = lambda k: next(o.split("=", 1)[1] for o in reversed(ov) if o.startswith(k + "="))
-    w = r.get("wlb_config") or {}
+    # The baselines' configuration as chosen by the run (runs of code whose cp_size default was 1
+    # and chose nothing record neither).
+    w = r.get("wlb_config") or r.get("cp_config") or {}
     out.append(E2eRun(stem, r["workload"], r["backend"], int(r["tokens"]),
                       int(get("model.n_layers")), int(get("rows_per_rank")), int(r["devices"]),
                       tuple(range(warmup, warmup + steps)),

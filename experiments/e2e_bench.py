@@ -186,13 +186,13 @@ def choice_overrides(backend: str, over) -> list[str]:
 def baseline_config(c, over) -> dict:
   """The configuration of run config ``c``'s baseline (``attention.backend`` 'wlb' or 'cp') and
   how it was chosen (``over``: the overrides): the backend's own choice
-  (``backends.wlb.baseline_choice``, memoized: the run's), its task slots, and the memory need of
+  (``baselines.baseline_choice``, memoized: the run's), its task slots, and the memory need of
   every candidate checked (those faster than the choice did not fit)."""
-  from distca_jax.backends import wlb
+  from distca_jax import baselines
   from distca_jax.baselines import ideal
   backend = c.attention.backend
   given = {o.partition("=")[0]: o.partition("=")[2] for o in over}
-  choice = wlb.baseline_choice(c, backend)
+  choice = baselines.baseline_choice(c, backend)
   steps = ideal.choice_steps(c)
   fixed = [k.rsplit(".", 1)[1] for k in CHOSEN_KEYS[backend]
            if given.get(k, "0") not in ("0", "0.0")]

@@ -62,7 +62,7 @@ def test_cp_choice_scores_every_size_and_takes_the_fastest_that_fits(seed, monke
     return (3 << 30) if size == order[0][0] else (1 << 30)
 
   monkeypatch.setattr(aot, "baseline_need_bytes", need)
-  monkeypatch.setattr(wlb, "_CHOICES", {})
+  monkeypatch.setattr(bl, "_CHOICES", {})
   c.attention.baselines.memory_gib = 2.0
   options = cp.from_first_batches(c, cp.Options.from_config(c))
   assert options.cp_size == order[1][0], (order, seed)
@@ -98,7 +98,7 @@ def test_e2e_bench_cp_choice_never_sees_the_timed_batches(seed, monkeypatch):
   real = synthetic.SyntheticSource.doclens
   monkeypatch.setattr(synthetic.SyntheticSource, "doclens",
                       lambda self, s: steps.append(s) or real(self, s))
-  monkeypatch.setattr(wlb, "_CHOICES", {})
+  monkeypatch.setattr(bl, "_CHOICES", {})
   w = e2e_bench.baseline_config(c, over)
   assert steps and min(steps) >= 5, steps
   assert w["cp_size"] in (1, 2, 4) and w["alpha"] == 1.0 and w["padding_linear_fraction"] == 0

@@ -197,6 +197,7 @@ def test_wlb_need_is_the_compiled_step_and_excludes_what_does_not_fit(monkeypatc
   from custom_ops import flash3_attention as fa3
   from distca_jax import aot, configs_io, memory
   from distca_jax import config as config_lib
+  from distca_jax import baselines
   from distca_jax.backends import wlb
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   c = configs_io.load_config(os.path.join(root, "configs", "tiny_cpu.py"), [
@@ -228,7 +229,7 @@ def test_wlb_need_is_the_compiled_step_and_excludes_what_does_not_fit(monkeypatc
                                                     for x in ch.candidates))
 
   monkeypatch.setattr(ideal, "choose_wlb", by_cp)
-  monkeypatch.setattr(wlb, "_CHOICES", {})  # the backend's memo: nothing from other tests
+  monkeypatch.setattr(baselines, "_CHOICES", {})  # the choice memo: nothing from other tests
   choice = ideal.wlb_choice_from_config(c)
   assert ideal.ranked(choice)[0][0] == 4, choice.candidates
   first = aot.baseline_need_bytes(c, "wlb", 4, 1.0, choice.tasks_per_row, devices=devices)

@@ -11,7 +11,6 @@ import ml_collections
 
 from distca_jax import attention as attn_lib
 from distca_jax import baselines
-from distca_jax.backends import wlb
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +41,10 @@ def from_first_batches(c: ml_collections.ConfigDict, options: Options) -> Option
 
 
 def cp_choice(c: ml_collections.ConfigDict):
-  """``backends.wlb.baseline_choice(c, 'cp')``: the CP size chosen for config ``c`` (memoized),
+  """``baselines.baseline_choice(c, 'cp')``: the CP size chosen for config ``c`` (memoized),
   each candidate's memory estimated by ``aot.baseline_need_bytes`` against
-  ``wlb.memory_capacity(c)`` when it chooses."""
-  return wlb.baseline_choice(c, "cp")
+  ``baselines.memory_capacity(c)`` when it chooses."""
+  return baselines.baseline_choice(c, "cp")
 
 
 def make(options: Options) -> attn_lib.Backend:

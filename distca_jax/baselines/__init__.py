@@ -158,3 +158,47 @@ def group_backend(name: str, cp_size=None, kernel: str = "auto",
   fn = functools.partial(device.group_attention, cp_size=c, kernel=kernel, name=name)
   return attn_lib.Backend(fn, host_arrange=host_arrange)
 
+# The choice of a baseline configuration left to the run (cp: its CP size; wlb: its CP size and
+# alpha), shared by backends.cp and backends.wlb.
+def baseline_choice(c: "ml_collections.ConfigDict", backend: str):
+  """``baselines.ideal.wlb_choice_from_config`` (``backend`` 'wlb') or ``cp_choice_from_config``
+  ('cp') of config ``c``, memoized per (backend, config); when it chooses (``cp_size`` 0, or
+  wlb's ``wlb_alpha`` 0) its candidates must fit ``memory_capacity(c)``, each estimated by
+  ``aot.baseline_need_bytes`` (compiled ahead of time on this process's devices)."""
+  key = (backend, c.to_json_best_effort(sort_keys=True))
+  if key not in _CHOICES:
+    from distca_jax import aot  # pylint: disable=import-outside-toplevel
+    from distca_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+    from distca_jax.baselines import ideal  # pylint: disable=import-outside-toplevel
+    import jax  # pylint: disable=import-outside-toplevel
+    b = c.attention.baselines
+    if backend == "wlb":
+      given, from_config = b.cp_size and b.wlb_alpha, ideal.wlb_choice_from_config
+    elif backend == "cp":
+      given, from_config = b.cp_size, ideal.cp_choice_from_config
+    else:
+      raise ValueError(f"baseline_choice: backend={backend!r} must be 'wlb' or 'cp'")
+    cap = memory_capacity(c) if not given else None
+    # The run's devices: the mesh's count, from the first (setup_run's default).
+    devices = jax.devices()[:config_lib.data_ranks(c) * int(c.mesh.tensor) * int(c.mesh.pipe)]
+    need = ((lambda cp, alpha, tasks: aot.baseline_need_bytes(c, backend, cp, alpha, tasks,
+                                                              devices=devices))
+            if cap else None)
+    _CHOICES[key] = from_config(c, need_fn=need, capacity=cap)
+  return _CHOICES[key]
+
+
+_CHOICES: dict = {}
+
+
+def memory_capacity(c: "ml_collections.ConfigDict") -> int | None:
+  """Bytes per device a chosen wlb or cp configuration must fit:
+  ``attention.baselines.memory_gib`` when positive, else the first device's ``bytes_limit``
+  (None where it reports none: not checked)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from distca_jax import memory  # pylint: disable=import-outside-toplevel
+  gib = float(c.attention.baselines.memory_gib)
+  if gib < 0:
+    raise ValueError(f"config.attention.baselines.memory_gib={gib} must be >= 0 (0: the "
+                     "device's bytes_limit)")
+  return int(gib * 2**30) if gib else memory.device_capacity_bytes(jax.devices()[0])

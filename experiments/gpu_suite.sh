@@ -4,12 +4,10 @@
 #   bash experiments/gpu_suite.sh OUTDIR                 # every stage
 #   SUITE=one bash experiments/gpu_suite.sh OUTDIR       # one group: one | two | derived | tests
 #   SUITE=four-a bash experiments/gpu_suite.sh OUTDIR    # 4-GPU host: four-a | four-r1..r5 |
-#                                                         # four-b | four-4d | four-f | four-8b |
-#                                                         # four-n3; not yet run: four-n1 |
-#                                                         # four-f2 | four-base | four-8b-mfu;
-#                                                         # one GPU:
-#                                                         # one-trees
-#                                                         # (not in 'all')
+#                                                         # four-b | four-4d | four-f | four-f2 |
+#                                                         # four-8b | four-n1 | four-n3 |
+#                                                         # four-base; not yet run: four-8b-mfu;
+#                                                         # one GPU: one-trees (not in 'all')
 # 'one': single-GPU tables (CUDA_VISIBLE_DEVICES=0); 'two': the 2-GPU tables; 'derived': tables
 # computed from the e2e JSONs of 'two' (plot, per-batch bound); 'tests': the GPU-only tests.
 # Needs the wheels the GPU image lacks in .whl/ (flash-attn3-jax, ml_collections, tensorboardX).
@@ -124,8 +122,8 @@ for b in distca packed_dp; do
 done
 ;;& four-n1)
 # Ping-pong vs single stream on both workloads, 2 rows of 32K per GPU (at 2 x 64K distca with
-# ping-pong needs 75.07 GiB of an H100's 72.84).
-stage e2e_4gpu_pingpong 200 python3 -m experiments.e2e_bench --backends packed_dp,distca --nano-batches 1,2 --workloads pretrain,prolong --tokens 32768 --rows-per-rank 2 --layers 2 --steps 6 --warmup 2 --out "$OUT/e2e_4gpu_pingpong"
+# ping-pong needs 75.07 GiB of an H100's 72.84). Needs about 240 s on 4 x H100.
+stage e2e_4gpu_pingpong 260 python3 -m experiments.e2e_bench --backends packed_dp,distca --nano-batches 1,2 --workloads pretrain,prolong --tokens 32768 --rows-per-rank 2 --layers 2 --steps 6 --warmup 2 --out "$OUT/e2e_4gpu_pingpong"
 ;;& four-f2)
 # The faults whose GPU rows predate the supervisor keeping JAX's task-watch warning (divergence,
 # read-only workdir) and SIGINT to every process once more.

@@ -279,7 +279,10 @@ class Backend:
       ranks (`cp`, `wlb`): `host_arrange(np_batch, doclens) -> np_batch'`, the trainer's batch
       (arrays [B, T]) in the strategy's token arrangement [B, T'], with `fn`'s tables under
       `EXTRA_PREFIX` keys. The per-token loss terms are only permuted, so the loss is unchanged.
+    chosen: the options the run's startup step chose from sampled batches because the config
+      left them at 0, as (name, value) pairs (`backends.build`; empty when the config set them).
   """
   fn: Callable[..., jax.Array]
   host_prepare: Callable[..., dict] | None = None
   host_arrange: Callable[..., dict] | None = None
+  chosen: tuple[tuple[str, Any], ...] = ()

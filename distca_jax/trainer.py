@@ -572,6 +572,11 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
             if c.attention.distca.caps_from_batches else "")
     log.info("distca caps per device and call (0 = plan.default_capacity): "
              + ", ".join(f"{k}={v}" for k, v in backend.caps.items()) + auto)
+  elif backend.chosen:  # a baseline's configuration chosen at startup (cp, wlb)
+    log.info(f"attention backend '{c.attention.backend}' options chosen at startup on sampled "
+             "batches the run never trains (a positive value in the config keeps its own): "
+             + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                         for k, v in backend.chosen))
   model_cfg = model.cfg
   log.info(f"model: {model_cfg.num_params() / 1e6:.2f}M params; attention backend "
            f"'{c.attention.backend}'; data: {source.describe()}")

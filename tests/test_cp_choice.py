@@ -174,3 +174,15 @@ def test_cp_need_is_the_compiled_step_and_the_walk_skips_what_does_not_fit():
   assert got.memory[0] == (4, 1.0, 128, need[4]) and got.capacity_bytes == need[4] - 1
   assert got.cp_size == 2 if need[2] < need[4] else got.cp_size == 1
   assert [m[0] for m in got.excluded_for_memory()] == [4] + ([2] if need[2] >= need[4] else [])
+
+
+def test_build_reports_the_options_its_startup_step_chose():
+  """``backends.build`` records what ``from_first_batches`` set (the trainer logs it); a
+  configuration given in full records nothing."""
+  from distca_jax import backends, configs_io
+  c = configs_io.load_config(os.path.join(ROOT, "configs", "tiny_cpu.py"), [
+      "attention.backend=cp", "mesh.data=4", "attention.baselines.cp_size=0"])
+  chosen = dict(backends.build(c).chosen)
+  assert set(chosen) == {"cp_size"} and 4 % chosen["cp_size"] == 0, chosen
+  c.attention.baselines.cp_size = 2
+  assert backends.build(c).chosen == ()

@@ -59,14 +59,17 @@ def build(c: ml_collections.ConfigDict, **overrides) -> attn_lib.Backend:
   form the pipeline's microbatches), whichever caller builds the backend."""
   config_lib.validate(c)
   m = module(c.attention.backend)
-  options = dataclasses.replace(m.Options.from_config(c), **overrides)
+  given = dataclasses.replace(m.Options.from_config(c), **overrides)
+  options = given
   if hasattr(m, "from_first_batches"):  # the startup step: sample the run's first batches
-    options = m.from_first_batches(c, options)
+    options = m.from_first_batches(c, given)
   backend = m.make(options)
   if c.mesh.pipe > 1:  # one core-attention call is one pipeline tick: host plans per tick
     backend = pipeline.per_tick_backend(backend, stages=c.mesh.pipe, rows_per_rank=c.rows_per_rank,
                                         microbatches=c.pipeline.microbatches)
-  return backend
+  chosen = tuple((f.name, getattr(options, f.name)) for f in dataclasses.fields(options)
+                 if getattr(options, f.name) != getattr(given, f.name))
+  return dataclasses.replace(backend, chosen=chosen) if chosen else backend
 
 
 def kernel_of(c: ml_collections.ConfigDict) -> str | None:

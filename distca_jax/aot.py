@@ -48,17 +48,23 @@ def compile_train_step(c: ml_collections.ConfigDict, devices=None):
 
 
 
+def needs_flash3_stand_in(c: ml_collections.ConfigDict) -> bool:
+  """Whether config ``c`` names the 'flash3' kernel and this host cannot run it."""
+  if c.attention.kernel != "flash3":
+    return False
+  try:
+    fa3.check_available()
+  except KernelUnavailableError:
+    return True
+  return False
+
+
 def flash3_stand_in(c: ml_collections.ConfigDict):
-  """A context for compiling config ``c`` ahead of time: ``flash3_attention.shape_only`` when
-  ``c`` names the 'flash3' kernel and this host cannot run it (its outputs in XLA's plan, its
-  backward workspace by ``memory.kernel_workspace_bytes``), else nothing. The compiled step
-  must not run under the stand-in."""
-  if c.attention.kernel == "flash3":
-    try:
-      fa3.check_available()
-    except KernelUnavailableError:
-      return fa3.shape_only()
-  return contextlib.nullcontext()
+  """A context for compiling config ``c`` ahead of time: ``flash3_attention.shape_only`` where
+  ``needs_flash3_stand_in`` (the kernel's outputs in XLA's plan, its backward workspace by
+  ``memory.kernel_workspace_bytes``), else nothing. The compiled step must not run under the
+  stand-in."""
+  return fa3.shape_only() if needs_flash3_stand_in(c) else contextlib.nullcontext()
 
 
 def baseline_need_bytes(c: ml_collections.ConfigDict, backend: str, cp_size: int,

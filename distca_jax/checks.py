@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 
-def check_int(name: str, v, lo: int) -> int:
-  """``int(v)``, or a ValueError naming ``name`` unless ``v`` is an int (not a bool) >= ``lo``."""
+def check_int(name: str, v, lo: int, hint: str = "") -> int:
+  """``int(v)``, or a ValueError naming ``name`` (and ``hint``, the fix) unless ``v`` is an int
+  (not a bool) >= ``lo``."""
   if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-    raise ValueError(f"{name}={v!r} must be an int >= {lo}")
+    raise ValueError(f"{name}={v!r} must be an int >= {lo}" + (f" ({hint})" if hint else ""))
   return int(v)
 
 

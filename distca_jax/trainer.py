@@ -41,7 +41,7 @@ from distca_jax import profiling
 from distca_jax import sharding as shard_lib
 from distca_jax.health import (HEALTH_FIELDS, BadStepWatch, TrainingDiverged,
                                spike_check)
-from distca_jax.data import BATCH_KEYS, make_source
+from distca_jax.data import BATCH_KEYS, run_source
 from distca_jax.errors import UserError
 from distca_jax.model import Transformer, execution_plan
 
@@ -176,9 +176,7 @@ def setup_run(c: ml_collections.ConfigDict, devices=None, **backend_overrides) -
   model = make_model(c, backend)
   tx = make_optimizer(c)
   abstract, state_sh = state_shardings(c, model, tx, mesh)
-  source = make_source(c.data, rows=mesh.shape["data"] * c.rows_per_rank,
-                       tokens_per_row=c.tokens_per_rank, vocab_size=model.cfg.vocab_size,
-                       seed=c.seed)
+  source = run_source(c, mesh.shape["data"])
   return RunSetup(mesh, backend, model, tx, abstract, state_sh, source)
 
 

@@ -4,6 +4,7 @@
 import argparse
 import os
 import shlex
+import subprocess
 import sys
 
 
@@ -13,6 +14,14 @@ def command_line(module_file: str, argv=None) -> str:
   name = os.path.splitext(os.path.basename(module_file))[0]
   args = sys.argv[1:] if argv is None else list(argv)
   return " ".join(["python", "-m", f"experiments.{name}", *map(shlex.quote, args)])
+
+
+def git_commit() -> str:
+  """The repository's short HEAD commit, as a results table records it ('n/a' outside git)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                       text=True)
+  return out.stdout.strip() or "n/a"
 
 
 def module_argv(module_file: str) -> list[str]:

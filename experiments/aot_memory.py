@@ -29,7 +29,6 @@ def main():
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
       os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={a.devices}"
-  import contextlib
   import jax
   from ml_collections import config_flags  # noqa: F401  (ensures ml_collections is present)
   from distca_jax import aot
@@ -47,11 +46,10 @@ def main():
                       "devices are visible")
     devices = devices[:a.devices]
     print(f"compiling {a.config} for {a.devices} x {devices[0].device_kind} ...", flush=True)
-    stand_in = aot.flash3_stand_in(c)
-    if not isinstance(stand_in, contextlib.nullcontext):
+    if aot.needs_flash3_stand_in(c):
       print("flash3 cannot run here: compiled with its shape-only stand-in (the kernel's outputs "
             "in XLA's plan, FA3's backward workspace by its formula)", flush=True)
-    with stand_in:
+    with aot.flash3_stand_in(c):
       _, info = aot.compile_train_step(c, devices=devices)
   except (UserError, FileNotFoundError) as e:  # bad config file, override, mesh or kernel: one line
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)

@@ -53,13 +53,12 @@ def _plan_bytes(devices: int, overrides: list[str], batches: int) -> dict:
   """Exchange bytes per device of the run's first batches, planned by its own backend."""
   from distca_jax import configs_io, trainer
   from distca_jax import plan as plan_lib
-  from distca_jax.data import make_source
+  from distca_jax.data import run_source
   c = configs_io.load_config(os.path.join(ROOT, "configs", "gpu_bench.py"),
                              [f"attention.backend=distca", *overrides])
   c.mesh.data = devices
   backend = trainer.make_backend(c)
-  src = make_source(c.data, rows=devices * c.rows_per_rank, tokens_per_row=c.tokens_per_rank,
-                    vocab_size=c.model.vocab_size, seed=c.seed)
+  src = run_source(c, devices)
   useful, busiest, buf = [], [], 0.0
   for step in range(batches):
     for hp in backend.host_plans(src.doclens(step), c.tokens_per_rank):

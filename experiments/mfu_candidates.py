@@ -37,6 +37,8 @@ import os
 import subprocess
 import sys
 
+import experiments
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/llama3_8b_4gpu.py"
 DEVICES = 4
@@ -141,10 +143,9 @@ def flops_shares(c, steps: range) -> dict:
   """MFU's counted FLOPs per token over the batches of ``steps`` and the linear / attention / LM
   head shares of them (``metrics.step_flops``' model)."""
   from distca_jax import config as config_lib, metrics
-  from distca_jax.data import make_source
+  from distca_jax.data import run_source
   m = config_lib.model_config(c)
-  src = make_source(c.data, rows=DEVICES * c.rows_per_rank, tokens_per_row=c.tokens_per_rank,
-                    vocab_size=m.vocab_size, seed=c.seed)
+  src = run_source(c, DEVICES)
   docs = [l for s in steps for row in src.doclens(s) for l in row]
   total = metrics.step_flops(m, docs)
   tokens = float(sum(docs))
@@ -156,11 +157,10 @@ def flops_shares(c, steps: range) -> dict:
 
 def packed_dp_ceiling(c, steps: range) -> float:
   from distca_jax import config as config_lib
-  from distca_jax.data import make_source
+  from distca_jax.data import run_source
   from experiments.e2e_bench import ceiling, rows_by_rank
   m = config_lib.model_config(c)
-  src = make_source(c.data, rows=DEVICES * c.rows_per_rank, tokens_per_row=c.tokens_per_rank,
-                    vocab_size=m.vocab_size, seed=c.seed)
+  src = run_source(c, DEVICES)
   return ceiling(m, [rows_by_rank(src.doclens(s), DEVICES, c.rows_per_rank) for s in steps])
 
 
@@ -353,11 +353,6 @@ def estimate(cand: Candidate, aot: dict, points: dict, models: list, reruns: dic
       tokens_per_s_est=[round(t) for t in tokens_s])
 
 
-def commit() -> str:
-  return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                        text=True).stdout.strip()
-
-
 def main():
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -391,7 +386,7 @@ def main():
     r["mfu_est_over_shipped"] = round(r["mfu_est_hidden_fixed"]
                                       / shipped[r["backend"]]["mfu_est_hidden_fixed"], 3)
   report = dict(
-      commit=commit(), device=f"CPU AOT, {DEVICES} fake devices (XLA:CPU buffer assignment); "
+      commit=experiments.git_commit(), device=f"CPU AOT, {DEVICES} fake devices (XLA:CPU buffer assignment); "
       "GPU figures are estimates from the measured 4 x H100 run", config=CONFIG,
       limit_gib=round(LIMIT_BYTES / 2**30, 2), margin=MARGIN, fixed_s_max=round(fixed, 4),
       rates=[dict(fixed_s=round(m.fixed_s, 4), r_lin=round(1 / m.inv_lin, 4),

@@ -62,11 +62,10 @@ def parse_args(argv=None):
 def batch_doclens(config_path: str, overrides, devices: int, warmup: int, steps: int):
   """Per timed batch: the document lengths of each data rank's rows (as e2e_bench saw them)."""
   from distca_jax import configs_io
-  from distca_jax.data import make_source
+  from distca_jax.data import run_source
   c = configs_io.load_config(config_path, list(overrides))
   r = int(c.rows_per_rank)
-  src = make_source(c.data, rows=devices * r, tokens_per_row=c.tokens_per_rank,
-                    vocab_size=c.model.vocab_size, seed=c.seed)
+  src = run_source(c, devices)
   return c, [e2e_bench.rows_by_rank(src.doclens(step), devices, r)
              for step in range(warmup, warmup + steps)]
 

@@ -82,8 +82,7 @@ def main():
                  help="output prefix (.json and .md)")
   args = p.parse_args()
   command = experiments.command_line(__file__)
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True, check=True).stdout.strip()
+  commit = experiments.git_commit()
 
   runs = []
   with tempfile.TemporaryDirectory() as tmp:

@@ -200,8 +200,7 @@ def main(argv=None):
 def write(a, cmd: str, rows: list[dict], commit: str | None = None) -> None:
   stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
   if commit is None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                            capture_output=True).stdout.strip() or "n/a"
+    commit = experiments.git_commit()
   os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
   with open(a.out + ".json", "w") as f:
     json.dump({"command": cmd, "date": stamp, "commit": commit, "rows": rows}, f, indent=1)

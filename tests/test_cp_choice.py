@@ -31,7 +31,7 @@ def test_cp_size_defaults_to_the_choice(seed):
   assert config_lib.base_config().attention.baselines.cp_size == 0
   assert c.attention.baselines.cp_size == 0
   options = cp.from_first_batches(c, cp.Options.from_config(c))
-  assert options.cp_size == cp.cp_choice(c).cp_size in (1, 2, 4)
+  assert options.cp_size == bl.baseline_choice(c, "cp").cp_size in (1, 2, 4)
 
 
 def test_cp_choice_scores_every_size_and_takes_the_fastest_that_fits(seed, monkeypatch):
@@ -67,7 +67,7 @@ def test_cp_choice_scores_every_size_and_takes_the_fastest_that_fits(seed, monke
   options = cp.from_first_batches(c, cp.Options.from_config(c))
   assert options.cp_size == order[1][0], (order, seed)
   assert calls == [("cp", x[0], 1.0, 128, 4) for x in order[:2]]
-  got = cp.cp_choice(c)
+  got = bl.baseline_choice(c, "cp")
   assert [x[:2] for x in got.excluded_for_memory()] == [(order[0][0], 1.0)]
   assert got.capacity_bytes == 2 << 30 and got.memory[-1][3] == 1 << 30
   # None fits: one line naming the sizes and their needs.

@@ -55,8 +55,7 @@ def identical(a, b):
 def test_nonfinite_step_is_skipped_inside_the_step():
   c = small_config("optim.warmup_steps=0")  # lr > 0 from the first step
   mesh, model, tx, _, state_sh = one_device_setup(c)
-  source = trainer.make_source(c.data, rows=c.rows_per_rank, tokens_per_row=c.tokens_per_rank,
-                               vocab_size=c.model.vocab_size, seed=c.seed)
+  source = trainer.run_source(c, 1)
   batch = trainer.device_batch(source.batch(0), mesh)
   put = lambda host: jax.device_put(host, state_sh)
   start = jax.device_get(trainer.create_train_state(c, model, tx, mesh))
@@ -123,8 +122,7 @@ def test_spikes_are_measured_against_the_running_statistics(seed):
 def test_a_spiking_step_is_skipped_inside_the_step():
   c = small_config("optim.warmup_steps=0", "train.spike_sigmas=6", "train.spike_warmup_steps=1")
   mesh, model, tx, _, state_sh = one_device_setup(c)
-  source = trainer.make_source(c.data, rows=c.rows_per_rank, tokens_per_row=c.tokens_per_rank,
-                               vocab_size=c.model.vocab_size, seed=c.seed)
+  source = trainer.run_source(c, 1)
   batch = trainer.device_batch(source.batch(0), mesh)
   start = jax.device_get(trainer.create_train_state(c, model, tx, mesh))
   with trainer.mesh_context(mesh):

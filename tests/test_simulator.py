@@ -198,7 +198,6 @@ def test_wlb_need_is_the_compiled_step_and_excludes_what_does_not_fit(monkeypatc
   from distca_jax import aot, configs_io, memory
   from distca_jax import config as config_lib
   from distca_jax import baselines
-  from distca_jax.backends import wlb
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   c = configs_io.load_config(os.path.join(root, "configs", "tiny_cpu.py"), [
       "attention.backend=wlb", "attention.kernel=flash3", "model.head_dim=128", "model.dim=256",
@@ -234,7 +233,7 @@ def test_wlb_need_is_the_compiled_step_and_excludes_what_does_not_fit(monkeypatc
   assert ideal.ranked(choice)[0][0] == 4, choice.candidates
   first = aot.baseline_need_bytes(c, "wlb", 4, 1.0, choice.tasks_per_row, devices=devices)
   c.attention.baselines.memory_gib = (first - 1) / 2**30
-  got = wlb.wlb_choice(c)
+  got = baselines.baseline_choice(c, "wlb")
   assert got.memory[0][:2] == (4, 1.0) and got.memory[0][3] == first > got.capacity_bytes
   assert got.cp_size in (1, 2) and got.memory[-1][3] <= got.capacity_bytes
   assert [m[:2] for m in got.excluded_for_memory()] == [m[:2] for m in got.memory[:-1]]

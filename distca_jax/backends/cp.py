@@ -34,17 +34,10 @@ class Options:
 def from_first_batches(c: ml_collections.ConfigDict, options: Options) -> Options:
   """The startup step (``backends.build`` calls this once per run, after ``from_config``): a
   ``cp_size`` of 0 (or None) takes the fastest predicted CP size whose train step fits the
-  device (``cp_choice``); a given one stays."""
+  device (``baselines.baseline_choice``, memoized per config); a given one stays."""
   if options.cp_size:
     return options
-  return dataclasses.replace(options, cp_size=cp_choice(c).cp_size)
-
-
-def cp_choice(c: ml_collections.ConfigDict):
-  """``baselines.baseline_choice(c, 'cp')``: the CP size chosen for config ``c`` (memoized),
-  each candidate's memory estimated by ``aot.baseline_need_bytes`` against
-  ``baselines.memory_capacity(c)`` when it chooses."""
-  return baselines.baseline_choice(c, "cp")
+  return dataclasses.replace(options, cp_size=baselines.baseline_choice(c, "cp").cp_size)
 
 
 def make(options: Options) -> attn_lib.Backend:

@@ -23,7 +23,7 @@ from distca_jax import config as config_lib
 from distca_jax import metrics as metrics_lib
 from distca_jax import pipeline
 from distca_jax.checks import check_float, check_int
-from distca_jax.data import make_source
+from distca_jax.data import run_source
 from distca_jax.dataplane import (DEFAULT_EXCHANGE_BUCKETS, MEMORY_MODES, DispatchOptions,
                                   ExchangeOptions, dispatch_attention, mesh_and_servers)
 from distca_jax.plan import cost, ticks
@@ -347,8 +347,7 @@ def suggest_config_capacity(c: ml_collections.ConfigDict, options: Options | Non
   t, rn = int(c.tokens_per_rank), _call_rows(o)
   groups = int(o.server_groups)
   servers = data * max(int(c.mesh.pipe), 1) // groups
-  src = make_source(c.data, rows=data * int(c.rows_per_rank), tokens_per_row=t,
-                    vocab_size=c.model.vocab_size, seed=c.seed)
+  src = run_source(c, data)
   spec = PlanSpec(num_servers=servers, tokens_per_row=t, rows_per_device=rn,
                   capacity=default_capacity(rn * t, rn))
   layouts = [device_layout(rows, spec)[0]

@@ -38,23 +38,18 @@ class Options:
 def from_first_batches(c: ml_collections.ConfigDict, options: Options) -> Options:
   """WLB-ideal at startup (``backends.build`` calls this once per run, after ``from_config``):
   a ``cp_size`` or ``alpha`` of 0 (or None) takes the fastest predicted split / alpha whose
-  train step fits the device (``wlb_choice``), and task slots of 0 are sized for the
-  configuration from sampled batches (``baselines.ideal.wlb_tasks_needed``)."""
+  train step fits the device (``baselines.baseline_choice``, memoized per config), and task
+  slots of 0 are sized for the configuration from sampled batches
+  (``baselines.ideal.wlb_tasks_needed``)."""
   if options.cp_size and options.alpha and options.max_docs_per_row:
     return options
   if options.cp_size and options.alpha:  # the configuration is given: only its task tables
     c = config_lib.with_overrides(c, {"attention.baselines.cp_size": options.cp_size,
                                       "attention.baselines.wlb_alpha": options.alpha})
-  choice = wlb_choice(c)
+  choice = baselines.baseline_choice(c, "wlb")
   best = {"cp_size": choice.cp_size, "alpha": choice.alpha,
           "max_docs_per_row": choice.tasks_per_row}
   return dataclasses.replace(options, **{k: v for k, v in best.items() if not getattr(options, k)})
-
-
-def wlb_choice(c: ml_collections.ConfigDict):
-  """``baselines.baseline_choice(c, 'wlb')``: WLB-ideal's (CP size, alpha) and task slots of
-  config ``c``."""
-  return baselines.baseline_choice(c, "wlb")
 
 
 def make(options: Options) -> attn_lib.Backend:

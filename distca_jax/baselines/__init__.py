@@ -31,6 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from distca_jax import attention as attn_lib
+from distca_jax import checks
 from distca_jax import ops
 from distca_jax.baselines import device, metrics, packing
 from distca_jax.baselines.metrics import (ModelDims, RankMetrics, Hardware, cp_metrics,
@@ -53,11 +54,9 @@ __all__ = [
 
 
 def _check_cp(cp_size, name: str) -> int:
-  if isinstance(cp_size, bool) or not isinstance(cp_size, (int, np.integer)) or cp_size < 1:
-    raise ValueError(f"backend {name!r}: cp_size={cp_size!r} must be an int >= 1 dividing "
-                     "mesh.data; set attention.baselines.cp_size, or 0 there to have "
-                     "backends.build(config) choose it")
-  return int(cp_size)
+  return checks.check_int(f"backend {name!r}: cp_size", cp_size, 1,
+                          "dividing mesh.data; set attention.baselines.cp_size, or 0 there to have "
+                          "backends.build(config) choose it")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,8 +157,11 @@ def group_backend(name: str, cp_size=None, kernel: str = "auto",
   fn = functools.partial(device.group_attention, cp_size=c, kernel=kernel, name=name)
   return attn_lib.Backend(fn, host_arrange=host_arrange)
 
+
+# ----------------------------------------------------------------------------------------------
 # The choice of a baseline configuration left to the run (cp: its CP size; wlb: its CP size and
 # alpha), shared by backends.cp and backends.wlb.
+# ----------------------------------------------------------------------------------------------
 def baseline_choice(c: "ml_collections.ConfigDict", backend: str):
   """``baselines.ideal.wlb_choice_from_config`` (``backend`` 'wlb') or ``cp_choice_from_config``
   ('cp') of config ``c``, memoized per (backend, config); when it chooses (``cp_size`` 0, or

@@ -247,14 +247,11 @@ def _choice_source(c, data_ranks: int | None):
   """(the run's data source, rows per rank, ``ModelDims``, data ranks) of a training config:
   the batches a choice samples are the trainer's own (config, seed and step)."""
   from distca_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-  from distca_jax.data import make_source  # pylint: disable=import-outside-toplevel
+  from distca_jax.data import run_source  # pylint: disable=import-outside-toplevel
   if data_ranks is None:
     data_ranks = config_lib.data_ranks(c)
-  m = config_lib.model_config(c)
-  r = int(c.rows_per_rank)
-  src = make_source(c.data, rows=data_ranks * r, tokens_per_row=c.tokens_per_rank,
-                    vocab_size=m.vocab_size, seed=c.seed)
-  return src, r, metrics.ModelDims.from_model(m), data_ranks
+  dims = metrics.ModelDims.from_model(config_lib.model_config(c))
+  return run_source(c, data_ranks), int(c.rows_per_rank), dims, data_ranks
 
 
 def wlb_choice_from_config(c, data_ranks: int | None = None, need_fn: NeedFn | None = None,

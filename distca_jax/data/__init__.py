@@ -3,6 +3,7 @@
 ``make_source(config.data, rows=..., tokens_per_row=..., vocab_size=..., seed=...)`` returns a
 ``Source``; ``source.batch(step)`` is a dict of [B, T] NumPy arrays (``BATCH_KEYS``) and
 ``source.doclens(step)`` the per-row piece lengths, both pure functions of (config, seed, step).
+``run_source(c, data_ranks)`` is the one a run config trains on.
 
 The text tokenizer is a command-line tool, ``python -m distca_jax.data.tokenize`` (not imported
 here, so running it with ``-m`` does not import it twice).
@@ -23,7 +24,7 @@ SOURCES = ("synthetic", "files")
 
 __all__ = [
     "BATCH_DTYPES", "BATCH_KEYS", "DataError", "FileSource", "SOURCES", "Source",
-    "SyntheticSource", "WORKLOADS", "WorkloadSampler", "layout_arrays", "make_source",
+    "SyntheticSource", "WORKLOADS", "WorkloadSampler", "layout_arrays", "make_source", "run_source",
     "open_dataset", "pack_documents", "validate_batch",
 ]
 
@@ -79,3 +80,13 @@ def make_source(data_config: Any, *, rows: int, tokens_per_row: int, vocab_size:
     return FileSource(path, rows=rows, tokens_per_row=tokens_per_row, vocab_size=vocab_size,
                       seed=seed, shuffle=shuffle)
   raise DataError(f"unknown config.data.{source=}; choose one of {list(SOURCES)}")
+
+
+def run_source(c: Any, data_ranks: int) -> Source:
+  """The data source of run config ``c`` over ``data_ranks`` data ranks: ``make_source`` of
+  ``c.data`` with ``data_ranks x c.rows_per_rank`` rows of ``c.tokens_per_rank`` tokens, the
+  model's vocabulary and ``c.seed`` (the trainer's batches: a pure function of config, seed and
+  step)."""
+  return make_source(c.data, rows=int(data_ranks) * int(c.rows_per_rank),
+                     tokens_per_row=int(c.tokens_per_rank), vocab_size=int(c.model.vocab_size),
+                     seed=c.seed)

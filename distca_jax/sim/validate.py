@@ -408,14 +408,13 @@ def exchange_bench_groups(row: dict[str, Any]) -> dict[str, np.ndarray]:
   tokens, servers and batch, the caps it recorded): ``{'q': ..., 'kv': ...}``. Raises when the
   replanned busiest device's bytes differ from the ones the row recorded (another plan)."""
   from distca_jax import configs_io, trainer  # pylint: disable=import-outside-toplevel
-  from distca_jax.data import make_source  # pylint: disable=import-outside-toplevel
+  from distca_jax.data import run_source  # pylint: disable=import-outside-toplevel
   c = configs_io.load_config(GPU_BENCH_CONFIG, [
       f"data.workload={row['workload']}", f"tokens_per_rank={row['tokens']}",
       f"mesh.data={row['servers']}",
       *[f"attention.distca.{k}={v}" for k, v in row["caps"].items()]])
   m = c.model
-  src = make_source(c.data, rows=row["servers"] * c.rows_per_rank, tokens_per_row=row["tokens"],
-                    vocab_size=m.vocab_size, seed=c.seed)
+  src = run_source(c, row["servers"])
   (hp,) = trainer.make_backend(c).host_plans(src.doclens(row["step"]), row["tokens"])
   out = {"q": hp.plan.pair_q_rows, "kv": hp.plan.pair_kv_rows}
   for part, heads in (("q", m.n_heads), ("kv", 2 * m.n_kv_heads)):

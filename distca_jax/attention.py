@@ -262,6 +262,10 @@ def check_shapes(q, k, v, layout: Layout):
 # What a backend is (the backends themselves: distca_jax.backends).
 # ----------------------------------------------------------------------------------------------
 EXTRA_PREFIX = "extra/"  # batch keys holding a backend's host-made arrays (`Layout.extra`)
+# The `host_prepare` array [B] int32 that picks the step's branch when the backend has a
+# `local_fn`: any nonzero, some row of the batch crosses devices (the step runs `fn`); all zero,
+# the step runs `local_fn`.
+CROSSES_KEY = "crosses"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,8 +285,13 @@ class Backend:
       `EXTRA_PREFIX` keys. The per-token loss terms are only permuted, so the loss is unchanged.
     chosen: the options the run's startup step chose from sampled batches because the config
       left them at 0, as (name, value) pairs (`backends.build`; empty when the config set them).
+    local_fn: optional device function for batches in which no row crosses devices
+      (`host_prepare`'s `CROSSES_KEY` all zero): the train step holds a second branch, the
+      whole step (forward, backward, update) with `local_fn`, and one `lax.cond` per step picks
+      it for such a batch (distca: `packed_dp`'s attention when no plan moves a row).
   """
   fn: Callable[..., jax.Array]
   host_prepare: Callable[..., dict] | None = None
   host_arrange: Callable[..., dict] | None = None
   chosen: tuple[tuple[str, Any], ...] = ()
+  local_fn: Callable[..., jax.Array] | None = None

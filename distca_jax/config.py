@@ -89,6 +89,9 @@ def base_config() -> ml_collections.ConfigDict:
                                           # runs over 'data' within the stage)
   c.attention.distca.exchange_buckets = 8  # 'dense': per batch the smallest of n block sizes
                                           # that holds its largest group (1 = the largest)
+  c.attention.distca.local_steps = True   # a batch whose plans move no row runs the step's
+                                          # second branch, packed_dp's attention (no exchange);
+                                          # mesh.pipe = 1 only
   # Baselines (distca_jax/baselines): 'packed_dp' (each rank its own documents, one fused varlen
   # call), 'cp' (per-sequence context parallelism: groups of cp_size consecutive data ranks, head-
   # tail chunks, K/V all-gathered) and 'wlb' (WLB-LLM packing over DP groups + per-document CP).

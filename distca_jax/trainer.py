@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import queue
@@ -199,8 +200,23 @@ def add_host_plan(np_batch: dict, backend: attn_lib.Backend, doclens, tokens_per
   return {**np_batch, **{EXTRA_PREFIX + k: v for k, v in extra.items()}}
 
 
-def make_train_step(c, model, tx) -> Callable:
+def runs_local(np_batch: dict | list) -> bool:
+  """Whether a host batch (a dict, or a process's ``LocalBatch`` blocks) takes the train step's
+  local branch (``make_train_step``): its backend's ``attention.CROSSES_KEY`` rows are all
+  zero; False for a batch without them."""
+  key = EXTRA_PREFIX + attn_lib.CROSSES_KEY
+  blocks = [np_batch] if isinstance(np_batch, dict) else [b for _, _, b in np_batch]
+  return all(key in b for b in blocks) and not any(np.any(b[key]) for b in blocks)
+
+
+def make_train_step(c, model, tx, local_model=None) -> Callable:
   """Pure `train_step(state, batch) -> (state, metrics)`; jit and shardings go at the call site.
+
+  With ``local_model`` (the model with its backend's ``local_fn``: distca without a pipeline)
+  the step has two branches, each a whole step (forward, backward, update): a batch whose
+  ``attention.CROSSES_KEY`` rows are all zero runs ``local_model`` (no row crosses devices), any
+  other ``model``. One ``lax.cond`` per step, one compiled program: nothing is live across the
+  branch boundary but the state and the batch.
 
   A step is skipped inside the step when its loss or gradient norm is not finite or spikes
   (`spike_check`, `train.spike_sigmas`): parameters and optimizer state stay as they were (a
@@ -216,7 +232,7 @@ def make_train_step(c, model, tx) -> Callable:
   long document whose pieces fill several consecutive batches, a harder stretch of data) widens
   the band after one skip instead of ending the run as if it had diverged."""
 
-  def loss_fn(params, batch):
+  def loss_fn(params, batch, model):
     # The config's rules table, whatever rules the caller traces under: with mesh.fsdp the layers
     # gather their weights (sharding.gathered).
     with nn.logical_axis_rules(shard_lib.rules(c.mesh.fsdp)):
@@ -225,7 +241,14 @@ def make_train_step(c, model, tx) -> Callable:
     return total / jnp.maximum(count, 1.0), count
 
   def train_step(state: TrainState, batch):
-    (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+    if local_model is None:
+      return model_step(state, batch, model)
+    crosses = jnp.any(batch[EXTRA_PREFIX + attn_lib.CROSSES_KEY] != 0)
+    return jax.lax.cond(crosses, functools.partial(model_step, model=model),
+                        functools.partial(model_step, model=local_model), state, batch)
+
+  def model_step(state: TrainState, batch, model):
+    (loss, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, model)
     with jax.named_scope(profiling.OPTIMIZER_SCOPE):  # the step breakdown's 'optimizer' class
       grad_norm = optax.tree.norm(grads)
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -252,8 +275,8 @@ def make_train_step(c, model, tx) -> Callable:
   return train_step
 
 
-def jit_train_step(c, model, tx, mesh, state_sh, batch_keys=BATCH_KEYS):
-  return jax.jit(make_train_step(c, model, tx),
+def jit_train_step(c, model, tx, mesh, state_sh, batch_keys=BATCH_KEYS, local_model=None):
+  return jax.jit(make_train_step(c, model, tx, local_model),
                  in_shardings=(state_sh, {k: rows_sharding(mesh) for k in batch_keys}),
                  out_shardings=(state_sh, shard_lib.replicated(mesh)), donate_argnums=(0,))
 
@@ -263,10 +286,12 @@ def compile_train_step(c, run: RunSetup, state, batch: dict, rows: int | None = 
   compiled (loop pre-flight, `aot`, benchmarks); `batch` as `rows` rows (default its own)."""
   batch = {k: jax.ShapeDtypeStruct((rows or a.shape[0],) + a.shape[1:], a.dtype,
                                    sharding=rows_sharding(run.mesh)) for k, a in batch.items()}
+  local_fn = getattr(run.backend, "local_fn", None)
+  local_model = run.model.clone(attend=local_fn) if local_fn is not None else None
   t0 = time.perf_counter()
   with mesh_context(run.mesh, c.mesh.fsdp):
     traced = jit_train_step(c, run.model, run.tx, run.mesh, run.state_shardings,
-                            tuple(batch)).trace(state, batch)
+                            tuple(batch), local_model).trace(state, batch)
     lowered, t1 = traced.lower(), time.perf_counter()
   return (lowered.compile(), memory_lib.kernel_workspace_bytes(traced.jaxpr.jaxpr),
           {"lower_s": t1 - t0, "compile_s": time.perf_counter() - t1})
@@ -530,6 +555,9 @@ def preflight(c, run: RunSetup, state, batch: dict, rows: int | None = None,
   either way one line says which mode runs. Returns (compiled step, workspace bytes, need
   bytes, the run whose model the step runs)."""
   device, resend_fn = run.mesh.devices.flat[0], getattr(run.backend, "resend_fn", None)
+  if getattr(run.backend, "local_fn", None) is not None:
+    log("distca: a batch whose plans move no row runs the step's branch without the exchange "
+        "(packed_dp's attention)")
   step_fn, workspace, _ = compile_train_step(c, run, state, batch, rows)
   if resend_fn is None:
     return step_fn, workspace, memory_lib.check_fits(step_fn, device, capacity, workspace), run

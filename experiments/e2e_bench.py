@@ -231,6 +231,7 @@ def run_one(c, steps, warmup, log, profile_dir=None, backend_options=None):
   state = trainer.create_train_state(c, model, tx, mesh)
   prefetch = trainer.Prefetcher(source, model.cfg, 0, warmup + steps, backend=backend)
   step_fn, times, flops, tokens, losses, doclens, waits = None, [], [], [], [], [], []
+  local = []  # per timed step: took distca's branch without the exchange (trainer.runs_local)
   for i in range(warmup + steps):
     t_wait = time.perf_counter()
     step, np_batch, fl, tok = prefetch.next()
@@ -253,6 +254,7 @@ def run_one(c, steps, warmup, log, profile_dir=None, backend_options=None):
       tokens.append(tok)
       losses.append(float(m["loss"]))
       waits.append(waited)
+      local.append(trainer.runs_local(np_batch))
       doclens.append(rows_by_rank(source.doclens(step), mesh.shape["data"], c.rows_per_rank))
     log(f"    step {i + 1}/{warmup + steps}: {dt * 1e3:.1f} ms, loss {float(m['loss']):.3f}")
   report = None
@@ -282,7 +284,7 @@ def run_one(c, steps, warmup, log, profile_dir=None, backend_options=None):
   return dict(times=times, flops=flops, tokens=tokens, losses=losses, doclens=doclens,
               input_wait_s=waits, host_plan_s=plan_s, devices=jax.device_count(), peak=peak,
               device_kind=jax.devices()[0].device_kind, model_cfg=model.cfg, profile=report,
-              backend=backend, memory_gb=mem)
+              backend=backend, memory_gb=mem, local_steps=local)
 
 
 def allocator_peak_gb() -> float | None:
@@ -324,6 +326,8 @@ def summarize(r):
       "step_ms_all": [t * 1e3 for t in r["times"]],
       "losses": r["losses"],
       "final_loss": r["losses"][-1],
+      # share of the timed steps that ran distca's step without the exchange (no plan moved)
+      "local_steps": statistics.fmean(r["local_steps"]) if r.get("local_steps") else 0.0,
   }
   if r.get("memory_gb"):
     out["memory_gb"] = r["memory_gb"]
@@ -565,13 +569,13 @@ def write(a, results, quiet: bool = False):
   if planned:
     lines += ["\n## distca plans of the timed batches (host replan; means over plans)\n",
               "| workload | tokens/GPU | backend | tolerance | imbalance before | after | "
-              "plans that moved rows | dispatch MB/device useful (= ragged wire) | buffers | "
-              "degraded plans | step ms |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "plans that moved rows | steps without the exchange | dispatch MB/device useful "
+              "(= ragged wire) | buffers | degraded plans | step ms |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in planned:
       lines.append(f"| {r['workload']} | {r['tokens']} | {r['backend']} | {r['plan_tolerance']} | "
                    f"{r['plan_imbalance_before']:.3f} | {r['plan_imbalance_after']:.3f} | "
-                   f"{r.get('plan_moved', float('nan')):.0%} | "
+                   f"{r.get('plan_moved', float('nan')):.0%} | {r.get('local_steps', 0.0):.0%} | "
                    f"{r['plan_dispatch_useful_mb']:.1f} | {r['plan_dispatch_buffer_mb']:.1f} | "
                    f"{r['plan_degraded']} | "
                    f"{r['step_ms_median']:.1f} |")

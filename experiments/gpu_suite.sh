@@ -7,7 +7,8 @@
 #                                                         # four-b | four-4d | four-f | four-f2 |
 #                                                         # four-8b | four-n1 | four-n3 |
 #                                                         # four-base; not yet run: four-8b-mfu;
-#                                                         # one GPU: one-trees (not in 'all')
+#                                                         # one GPU: one-trees (not in 'all');
+#                                                         # two GPUs: two-skip (not in 'all')
 # 'one': single-GPU tables (CUDA_VISIBLE_DEVICES=0); 'two': the 2-GPU tables; 'derived': tables
 # computed from the e2e JSONs of 'two' (plot, per-batch bound); 'tests': the GPU-only tests.
 # Needs the wheels the GPU image lacks in .whl/ (flash-attn3-jax, ml_collections, tensorboardX).
@@ -113,6 +114,17 @@ stage e2e_4gpu_prolong_128k 150 python3 -m experiments.e2e_bench --backends pack
 #   for t in old:b1678cf^1 new:b170395; do mkdir -p .carry/${t%%:*}; git archive ${t#*:} \
 #     distca_jax custom_ops configs experiments data | tar -x -C .carry/${t%%:*}; done
 stage compare_trees_39 580 env CUDA_VISIBLE_DEVICES=0 NEW_TREE=.carry/new bash experiments/compare_trees.sh .carry/old "$OUT/compare_trees_39"
+;;& two-skip)
+# A batch whose plans move no row runs the step's branch without the exchange (packed_dp's
+# attention; trainer.make_train_step): the tree before (.carry/old, an export of
+# the commit before it: git archive REV distca_jax custom_ops configs experiments data | tar -x
+# -C .carry/old; carry .whl and .carry) against this one on the same batches, 2 GPUs, 128K per
+# GPU, 2 layers, one workload per call (WORKLOAD, default prolong): the old distca, then
+# packed_dp, distca and distca with the gate at min_gain 0.06. About 80 s per run on 2 x H100.
+W=${WORKLOAD:-prolong}
+SKIP="--workloads $W --tokens 131072 --layers 2 --steps 6 --warmup 2 --plan-stats"
+stage "e2e_2gpu_skip_old_$W" 170 bash -c "cd .carry/old && PYTHONPATH=/tmp/site:\$PWD python3 -m experiments.e2e_bench --backends distca $SKIP --out $OUT/e2e_2gpu_skip_old_$W"
+stage "e2e_2gpu_skip_new_$W" 400 python3 -m experiments.e2e_bench --backends packed_dp,distca --variant gate06@distca:attention.distca.min_gain=0.06 $SKIP --out "$OUT/e2e_2gpu_skip_new_$W"
 ;;& four-r5)
 # Pretrain 128K with CUDA's stream-ordered allocator (XLA's BFC allocator needs the step's
 # temporaries as one contiguous block; buffers made during a step split it): distca then

@@ -810,3 +810,81 @@ def test_row_copies_as_words_are_bit_exact_and_differentiate_like_take(seed):
   placed = dataplane.place_unique(own, recv, uidx, fill=-1.0)
   want = jnp.take(jnp.concatenate([own, recv]), uidx, axis=0, mode="fill", fill_value=-1.0)
   np.testing.assert_array_equal(np.asarray(placed), np.asarray(want))
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches whose plans move no row: the step without the exchange.
+# ---------------------------------------------------------------------------------------------
+def test_a_batch_whose_plans_move_nothing_runs_the_local_step(seed):
+  """distca's host_prepare says whether a batch's plans move a row (attention.CROSSES_KEY); the
+  train step holds two branches (CAD, and packed_dp's attention) and a gated batch takes the
+  second: its loss and updated parameters equal the CAD branch's on the same batch (the flag
+  forced on), and a balanced batch crosses. Ping-pong: a batch is local only when no
+  nano-batch's plan moves."""
+  from distca_jax import attention as attn
+  key = "extra/" + attn.CROSSES_KEY
+  c = _tiny_config("distca", 4, 1, seed, rows_per_rank=2, nano_batches=2)
+  c.optim.warmup_steps = 0  # the first step updates the parameters
+  run = trainer.setup_run(c, devices=jax.devices()[:4])
+  src = make_source(c.data, rows=8, tokens_per_row=c.tokens_per_rank,
+                    vocab_size=c.model.vocab_size, seed=seed)
+  step = int(np.random.default_rng(seed).integers(1000))
+  gated = dataclasses.replace(run, backend=backends.get(
+      "distca", **{**dataclasses.asdict(distca_backend.Options.from_config(c)), "min_gain": 1e9,
+                   **run.backend.caps}))
+  moved = trainer.add_host_plan(src.batch(step), run.backend, src.doclens(step),
+                                c.tokens_per_rank)
+  still = trainer.add_host_plan(src.batch(step), gated.backend, src.doclens(step),
+                                c.tokens_per_rank)
+  assert moved[key].tolist() == [1] * 8, [
+      hp.plan.summary() for hp in run.backend.host_plans(src.doclens(step), c.tokens_per_rank)]
+  assert still[key].tolist() == [0] * 8
+  assert trainer.runs_local(still) and not trainer.runs_local(moved)
+  assert trainer.runs_local([(0, 4, {k: v[:4] for k, v in still.items()}),
+                             (4, 8, {k: v[4:] for k, v in still.items()})])
+  assert not trainer.runs_local(src.batch(step))  # no flag: the backend has no local branch
+  lines = []
+  state = trainer.create_train_state(c, run.model, run.tx, run.mesh)
+  step_fn, _, need, _ = trainer.preflight(c, gated, state, still, log=lines.append)
+  assert need > 0 and any("without the exchange" in line for line in lines), lines
+  assert "conditional" in step_fn.as_text()
+  forced = {**still, key: np.ones_like(still[key])}  # the CAD branch on the same plans
+  with trainer.mesh_context(run.mesh):
+    copy = lambda s: jax.tree.map(lambda x: x.copy(), s)  # the step donates its state
+    s_local, m_local = step_fn(copy(state), trainer.device_batch(still, run.mesh))
+    s_cad, m_cad = step_fn(copy(state), trainer.device_batch(forced, run.mesh))
+  np.testing.assert_allclose(float(m_local["loss"]), float(m_cad["loss"]), rtol=1e-5,
+                             err_msg=f"seed={seed}")
+  for a, b in zip(jax.tree.leaves(s_local.params), jax.tree.leaves(s_cad.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6,
+                               err_msg=f"seed={seed}")
+  # The flag picks the branch: with a local attention that outputs zeros, only the all-zero
+  # flag changes the update (the q, k, v projections get no gradient, so Adam leaves them).
+  zeros = dataclasses.replace(gated, backend=dataclasses.replace(
+      gated.backend, local_fn=lambda q, k, v, layout, softmax_scale: jnp.zeros_like(q)))
+  step_z, _, _, _ = trainer.preflight(c, zeros, state, still, log=lines.append)
+  with trainer.mesh_context(run.mesh):
+    s_zero, _ = step_z(copy(state), trainer.device_batch(still, run.mesh))
+    s_flag, _ = step_z(copy(state), trainer.device_batch(forced, run.mesh))
+  diff = lambda x, y: max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                          for a, b in zip(jax.tree.leaves(x.params), jax.tree.leaves(y.params)))
+  lr = float(trainer.learning_rate(c, 0))
+  assert lr > 0 and diff(s_zero, s_cad) > lr / 2 and diff(s_flag, s_cad) < 1e-6, (
+      lr, diff(s_zero, s_cad), diff(s_flag, s_cad))
+
+
+def test_local_steps_off_or_under_a_pipeline_leave_one_step():
+  """attention.distca.local_steps=False, or a pipeline (rows over (pipe, data)), builds no
+  local step and no host flag; a bad value names the fix."""
+  from distca_jax import attention as attn
+  for kw in ({"local_steps": False}, {"data_axis": ("pipe", "data")}):
+    b = backends.get("distca", q_heads=H, kv_heads=KH, head_dim=D, **kw)
+    assert b.local_fn is None
+    extra = b.host_prepare([[100, 28], [60, 60, 8]], 128)
+    assert attn.CROSSES_KEY not in extra and "doc_lens" not in extra, sorted(extra)
+  b = backends.get("distca", q_heads=H, kv_heads=KH, head_dim=D)
+  assert b.local_fn is not None
+  assert b.host_prepare([[64, 64], [64, 64]], 128)[attn.CROSSES_KEY].tolist() == [0, 0]
+  with pytest.raises(ValueError, match=r"local_steps='yes' must be True or False"):
+    backends.get("distca", local_steps="yes")

@@ -22,6 +22,8 @@ from distca_jax import attention as attn_lib
 from distca_jax import config as config_lib
 from distca_jax import metrics as metrics_lib
 from distca_jax import pipeline
+from distca_jax.baselines import device as baselines_device
+from distca_jax.baselines import packing
 from distca_jax.checks import check_float, check_int
 from distca_jax.data import run_source
 from distca_jax.dataplane import (DEFAULT_EXCHANGE_BUCKETS, MEMORY_MODES, DispatchOptions,
@@ -33,7 +35,8 @@ from distca_jax.plan.options import PlanOptions
 from distca_jax.plan.spec import (HostPlan, PlanSpec, device_layout, host_plan, nano_batch_rows,
                                   suggest_capacity)
 
-PLAN_KEY = "distca_plan"  # the one key of ``layout.extra`` this backend reads
+PLAN_KEY = "distca_plan"  # the key of ``layout.extra`` the CAD step reads
+DOC_LENS_KEY = "doc_lens"  # the local step's (``packed_dp``'s) table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,9 @@ class Options:
       ``backends.build(c, ...)``.
     cost_table: a measured ``plan.CostTable`` JSON: plans then also predict per-server kernel
       time (benchmarks pass it to ``backends.build``; balancing stays in pairs).
+    local_steps: a batch whose plans move no row runs the train step's second branch, with
+      ``packed_dp``'s attention (each device its own rows, no exchange, no plan buffers);
+      without a pipeline only (``data_axis`` 'data').
   """
   tolerance: float = cost.DEFAULT_TOLERANCE
   min_shard: int | None = None
@@ -94,6 +100,7 @@ class Options:
   exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS
   signal_only: bool = False
   cost_table: str = ""
+  local_steps: bool = True
 
   @classmethod
   def from_config(cls, c: ml_collections.ConfigDict) -> "Options":
@@ -118,7 +125,8 @@ class Options:
                q_heads=m.n_heads, kv_heads=m.n_kv_heads, head_dim=m.head_dim,
                dtype_bytes=jnp.dtype(m.dtype).itemsize,
                linear_pairs_per_token=metrics_lib.linear_pairs_per_token(m),
-               collective=d.collective, exchange_buckets=d.exchange_buckets)
+               collective=d.collective, exchange_buckets=d.exchange_buckets,
+               local_steps=d.local_steps)
 
   @property
   def plan_options(self) -> PlanOptions:
@@ -140,7 +148,12 @@ def make(options: Options) -> "DistcaBackend":
   ``host_prepare(doclens, tokens_per_row)`` plans each batch on the input thread (one list of
   document lengths per row; ``len(doclens) = data ranks x rows_per_rank``) and returns
   ``{'distca_plan': int32 [rows, W]}``; ``fn`` reads it from ``layout.extra`` and runs
-  ``dataplane.dispatch_attention`` over the mesh set by ``trainer.mesh_context``.
+  ``dataplane.dispatch_attention`` over the mesh set by ``trainer.mesh_context``. With
+  ``local_steps`` (no pipeline) it also returns each row's document lengths (``'doc_lens'``)
+  and ``attention.CROSSES_KEY``: a batch in which no plan moves a row (every plan gated or
+  balanced as it lies) runs ``local_fn``, ``packed_dp``'s attention, in a second compiled step
+  (the train step's second branch, ``trainer.make_train_step``): no exchange and no pass over
+  the plan's buffers.
 
   With ``nano_batches = n`` (ping-pong, ``model.split_rows``) the model calls core attention once
   per nano-batch, on rows ``[i R/n, (i+1) R/n)`` of every rank's block; each nano-batch is planned
@@ -198,6 +211,12 @@ def make(options: Options) -> "DistcaBackend":
             for k in range(g) for i in range(n)]
 
   warned = []
+  if not isinstance(o.local_steps, (bool, np.bool_)):
+    raise ValueError(f"config.attention.distca.local_steps={o.local_steps!r} must be True or "
+                     "False (True: batches whose plans move nothing run without the exchange)")
+  # The step branch of batches in which no row crosses: packed_dp's attention (rows over 'data'
+  # only).
+  local = bool(o.local_steps) and data_axis == "data"
 
   def host_prepare(doclens, tokens_per_row: int) -> dict[str, np.ndarray]:
     plans = host_plans(doclens, tokens_per_row)
@@ -215,7 +234,14 @@ def make(options: Options) -> "DistcaBackend":
     for j, hp in enumerate(plans):  # group-major: plan j is group j // n, nano-batch j % n
       i = j % n
       out[j // n, :, i * rn:(i + 1) * rn] = hp.packed.reshape(s, rn, spec.width)
-    return {PLAN_KEY: out.reshape(g * s * r, spec.width)}
+    extra = {PLAN_KEY: out.reshape(g * s * r, spec.width)}
+    if local:  # what the local step reads: each row's document lengths (no row has more
+      # documents than a device's task slots), and whether any plan of the step crosses
+      extra[DOC_LENS_KEY] = packing.packed_doc_lens(doclens, tokens_per_row,
+                                                    spec.capacity.tasks)
+      extra[attn_lib.CROSSES_KEY] = np.full(len(doclens), any(hp.crosses for hp in plans),
+                                            np.int32)
+    return extra
 
   def fn(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *, softmax_scale: float,
          memory_mode: str | None = None):
@@ -246,8 +272,10 @@ def make(options: Options) -> "DistcaBackend":
                               call)
 
   resend = functools.partial(fn, memory_mode="resend") if o.memory_mode == "auto" else None
+  local_fn = (functools.partial(baselines_device.packed_dp_attention, kernel=o.kernel)
+              if local else None)
   return DistcaBackend(fn=fn, host_prepare=host_prepare, host_plans=host_plans, caps=caps,
-                       memory_mode=dispatch.memory_mode, resend_fn=resend)
+                       memory_mode=dispatch.memory_mode, resend_fn=resend, local_fn=local_fn)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,10 +53,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.attention.distca.tolerance = cost.DEFAULT_TOLERANCE
                                           # every server within (1 + tolerance) x mean pairs;
                                           # default: plan.cost.DEFAULT_TOLERANCE says why
-  c.attention.distca.min_gain = 0.02      # the gate: a plan moves nothing when perfect balance
+  c.attention.distca.min_gain = 0.05      # the gate: a plan moves nothing when perfect balance
                                           # would speed the step up by less than this
-                                          # (plan.predicted_step_gain); 0.02 keeps most of the
-                                          # per-batch bound's gain (results/per_batch_bound.md)
+                                          # (plan.predicted_step_gain), and a batch whose plans
+                                          # all move nothing runs without the exchange. On H100s
+                                          # at 128K, batches below 0.04 ran slower through CAD
+                                          # than packed_dp, those above 0.10 faster
+                                          # (results/skip/README.md)
   c.attention.distca.min_shard = 0        # shortest query piece a split may create; 0 = auto
                                           # (512, or tokens_per_rank / 16 for short rows)
   c.attention.distca.q_send = 0           # query rows a rank sends to all other servers

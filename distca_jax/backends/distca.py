@@ -178,7 +178,7 @@ def make(options: Options) -> "DistcaBackend":
   g = check_int("server_groups", o.server_groups, 1)
   # Checked here, not only by each plan's schedule(): a bad value fails at startup.
   check_float("config.attention.distca.min_gain", o.min_gain,
-              hint="0 = always balance; default 0.02")
+              hint="0 = always balance; default 0.05")
   check_float("linear_pairs_per_token", o.linear_pairs_per_token,
               hint="the trainer derives it: metrics.linear_pairs_per_token")
   if r % n:

@@ -21,7 +21,11 @@ speedups, imbalance, bytes and memory per strategy and writes ``{"strategies": {
 with per-rank breakdowns. Without ``--tensor`` / ``--pipe`` it picks the first layout (fewest
 model-parallel GPUs: tensor 1-8 inside a node, pipe 1-4 with 2 x pipe micro-batches) where every
 strategy fits memory, says which in one line, and says so in one line (exit 2) when none fits.
-cp's and wlb's settings are chosen on other batches than the scored ones. ``--paper`` replays the DistCA paper's 3D (no pipeline) and 4D
+cp's and wlb's settings are chosen on other batches than the scored ones. distca's tolerance,
+gate and local steps are the training config's defaults (``attention.distca.tolerance``,
+``min_gain``, ``local_steps``) unless ``--tolerance`` / ``--min-gain`` / ``--no-local-steps`` say
+otherwise: without a pipeline a step whose plans all move nothing is priced as packed_dp's (the
+train step's local branch). ``--paper`` replays the DistCA paper's 3D (no pipeline) and 4D
 (pipeline) experiments on Llama-3-8B at 16/32/64 GPUs and a 34B-class model at 128/256/512 GPUs,
 contexts 128K-512K, both workloads, plus an epsilon sweep and per-rank imbalance; it writes
 OUT.md, OUT.json and OUT.png.
@@ -81,6 +85,11 @@ def parse_args(argv=None):
                  "'resend'")
   p.add_argument("--batches", type=int, default=3, help="sampled batches averaged")
   p.add_argument("--tolerance", type=float, default=None, help="CAD epsilon (default: config's)")
+  p.add_argument("--min-gain", type=float, default=None,
+                 help="CAD's gate, attention.distca.min_gain (default: config's; 0 = no gate)")
+  p.add_argument("--no-local-steps", action="store_true",
+                 help="price every distca step through the exchange (default: the config's "
+                 "attention.distca.local_steps, a step whose plans move nothing runs without it)")
   p.add_argument("--nano-batches", type=int, default=2, help="2: CAD with ping-pong")
   p.add_argument("--remat", default="save_attention", choices=costs.REMAT_POLICIES,
                  help="model.remat: what the backward reruns and the layers keep")
@@ -91,7 +100,10 @@ def parse_args(argv=None):
   p.add_argument("--json", default=None, help="write the result JSON here")
   p.add_argument("--out", default=os.path.join(ROOT, "results", "simulated_scale"),
                  help="--paper: output stem")
-  return p.parse_args(argv)
+  a = p.parse_args(argv)
+  if a.min_gain is not None and not 0.0 <= a.min_gain < float("inf"):
+    p.error(f"--min-gain {a.min_gain} must be a finite number >= 0 (0: no gate)")
+  return a
 
 
 def calibration(a) -> tuple[costs.Calibration, costs.KernelModel]:
@@ -101,15 +113,19 @@ def calibration(a) -> tuple[costs.Calibration, costs.KernelModel]:
 
 
 def options(a, **kw) -> step.Options:
-  """The strategies' options: CAD's tolerance and gate as the training config's defaults."""
+  """The strategies' options: CAD's tolerance, gate and local steps as the training config's
+  defaults, unless ``--tolerance`` / ``--min-gain`` / ``--no-local-steps`` say otherwise."""
   from distca_jax import config as config_lib  # pylint: disable=import-outside-toplevel
   ca = config_lib.base_config().attention.distca
   o = step.Options(tolerance=ca.tolerance, min_gain=ca.min_gain, nano_batches=a.nano_batches,
                    collective=a.collective, memory_mode=a.memory_mode,
                    exchange_buckets=ca.exchange_buckets,
-                   caps_headroom=ca.caps_headroom, cp_overlap=not a.no_cp_overlap, remat=a.remat)
+                   caps_headroom=ca.caps_headroom, cp_overlap=not a.no_cp_overlap, remat=a.remat,
+                   local_steps=bool(ca.local_steps) and not a.no_local_steps)
   if a.tolerance is not None:
     o = dataclasses.replace(o, tolerance=a.tolerance)
+  if a.min_gain is not None:
+    o = dataclasses.replace(o, min_gain=a.min_gain)
   return dataclasses.replace(o, **kw)
 
 
@@ -217,7 +233,9 @@ def format_config(r) -> str:
                f"{r['strategies']['packed_dp']['balance_bound_s']:.3f} s")
   d = r["strategies"]["distca"]
   line = (f"distca exchange '{d['collective']}' (asked '{d['collective_asked']}'), memory mode "
-          f"'{d['memory_mode']}', {d['wire_bytes_per_layer_mb']:.0f} MB per layer on the wire")
+          f"'{d['memory_mode']}', {d['wire_bytes_per_layer_mb']:.0f} MB per layer on the wire; "
+          f"{d['local_batches']} of {len(d['step_s_per_batch'])} steps on the local branch (plans "
+          "that move nothing)")
   if "priced_as_remote" in d:
     alt = d["priced_as_remote"]
     line += (f"; the same plans priced with 'remote' (one process only: not built across "
@@ -352,7 +370,10 @@ def write_paper(a, blob, cal, task_s: float) -> None:
        f"backward workspace); memory mode '{a.memory_mode}' (the pre-flight's rule: 'keep' "
        f"with {AUTO_KEEP_SPARE:.0%} of the GPU spare, else 'resend', whose backward sends Q and "
        "K/V once more); "
-       f"tolerance {options(a).tolerance}, gate (min_gain) {options(a).min_gain}",
+       f"tolerance {options(a).tolerance}, gate (min_gain) {options(a).min_gain}; without a "
+       "pipeline a step whose plans all move nothing runs the step's local branch, priced as "
+       "packed_dp's step (no exchange, no dispatch): "
+       + ("on" if options(a).local_steps else "off (--no-local-steps)"),
        "- 4D: the GPipe scan the system runs (M + S - 1 ticks in lockstep, every tick's "
        "activations kept), distca planned once per tick over every stage's rows (pipe x data "
        "servers, bubble slots serve the others); LM head after the pipeline over pipe x data",

@@ -45,7 +45,8 @@ def test_more_imbalance_means_longer_packed_dp_steps():
   km, cal, lay, t = _flat_table(), _cal(), step.Layout(gpus=2), 8192
   balanced = [[[[4096, 4096], [4096, 4096]]]]
   skewed = [[[[8192], [1024] * 8]]]
-  sim = lambda b: step.simulate(b, spec, lay, t, cal=cal, km=km,
+  # No gate: the skewed batch's gain is below the default's (its step would be packed_dp's).
+  sim = lambda b: step.simulate(b, spec, lay, t, cal=cal, km=km, opts=step.Options(min_gain=0.0),
                                 strategies=("packed_dp", "distca"))
   bal, skw = sim(balanced), sim(skewed)
   assert skw["packed_dp"]["step_s"] > bal["packed_dp"]["step_s"]
@@ -453,7 +454,8 @@ def test_layout_picker_says_when_nothing_fits(monkeypatch, capsys):
   """No layout fits: the picker raises NoLayoutFits; the command prints its one line on stderr
   and exits 2 (the docstring's contract); a large memory fits the first layout."""
   from experiments import simulate
-  argv = ["--gpus", "2", "--tokens", "8192", "--batches", "1"]
+  # No gate: a gated distca keeps its buffers at their smallest, and wlb's budget is distca's need.
+  argv = ["--gpus", "2", "--tokens", "8192", "--batches", "1", "--min-gain", "0"]
   a = simulate.parse_args(argv)
   km = _flat_table()
   with pytest.raises(simulate.NoLayoutFits, match="no layout of 2 GPUs fits every strategy"):
@@ -532,7 +534,9 @@ def _four_gpu_distca(collective="auto", memory_mode="keep", gpus=4, **cal_kw):
   spec = costs.model_spec("llama3_8b", n_layers=2)
   lay, t = step.Layout(gpus=gpus), 16384
   batches = step.sample_batches("pretrain", t, lay, 1, seed=5)
-  opts = step.Options(collective=collective, memory_mode=memory_mode, nano_batches=1)
+  # No gate: the exchange's pricing is checked on a plan that moves rows.
+  opts = step.Options(collective=collective, memory_mode=memory_mode, nano_batches=1,
+                      min_gain=0.0)
   cal = _cal(**cal_kw)
   res = step.simulate(batches, spec, lay, t, cal=cal, km=_flat_table(), opts=opts,
                       strategies=("distca",))["distca"]
@@ -789,3 +793,81 @@ def test_four_gpu_runs_of_every_strategy_are_held_out_cases(validation):
                              validate.exchange_calibration(validate.collective_calibration()))
   (rate,) = rates
   assert rate == pytest.approx(validate.dispatch_fit(base, km))
+
+
+def test_a_step_whose_plans_move_nothing_is_priced_as_packed_dp_when_local_steps_are_on(seed):
+  """Without a pipeline, a distca step whose plans all move nothing (gated, or balanced as it
+  lies) runs the train step's local branch: packed_dp's step, no exchange, no dispatch. With
+  local steps off (the code before that branch), or under a pipeline, the same plans pay both;
+  one plan of the step that moves rows sends the whole step through the exchange."""
+  spec = costs.model_spec("llama3_8b", n_layers=2)
+  km, cal, t = _flat_table(), _cal(), 16384
+  lay = step.Layout(gpus=2)
+  gated = step.sample_batches("prolong", t, lay, 2, seed=seed)  # every plan gated below
+  balanced = [[[[4096] * 4, [4096] * 4]]]  # nothing to move, whatever the gate
+  for batches, min_gain in ((gated, 1e9), (balanced, 0.0)):
+    sim = lambda local, lay=lay, b=batches: step.simulate(
+        b if lay.pipe == 1 else [b[0] * lay.micro_batches], spec, lay, t, cal=cal, km=km,
+        opts=step.Options(min_gain=min_gain, nano_batches=1, local_steps=local),
+        strategies=("packed_dp", "distca"))
+    on, off = sim(True), sim(False)
+    assert on["distca"]["local_batches"] == len(batches) and off["distca"]["local_batches"] == 0
+    assert on["distca"]["step_s"] == pytest.approx(on["packed_dp"]["step_s"], rel=1e-12)
+    for part in ("exchange", "exchange_exposed", "dispatch"):
+      assert max(on["distca"]["per_rank_s"][part]) == 0.0, (part, seed)
+      assert min(off["distca"]["per_rank_s"][part]) > 0.0, (part, seed)
+    assert off["distca"]["step_s"] > on["distca"]["step_s"]
+    # Memory is the exchange branch's either way (XLA plans the larger branch).
+    assert on["distca"]["memory_gb"] == off["distca"]["memory_gb"]
+    # Under a pipeline every tick runs the exchange.
+    piped = sim(True, step.Layout(gpus=4, pipe=2, micro_batches=2))["distca"]
+    assert piped["local_batches"] == 0 and min(piped["per_rank_s"]["dispatch"]) > 0.0
+  # A step of two micro-batches, one of which moves rows: the whole step pays the exchange.
+  skewed = [[8192] * 2, [1024] * 16]
+  two = step.Layout(gpus=2, micro_batches=2)
+  opts = step.Options(min_gain=0.0, nano_batches=1)
+  mixed = [[balanced[0][0], skewed]]
+  res = [[step.run_distca(rows, t, spec, km, opts) for rows in b] for b in mixed]
+  assert [step.plan_crosses(mr.plan) for mr in res[0]] == [False, True]
+  assert not step.step_is_local(res[0], two, opts)
+  out = step.simulate(mixed, spec, two, t, cal=cal, km=km, opts=opts, strategies=("distca",))
+  assert out["distca"]["local_batches"] == 0 and min(out["distca"]["per_rank_s"]["dispatch"]) > 0
+  # plan_crosses is the system's flag (HostPlan.crosses) on the backend's own plans.
+  from distca_jax import backends
+  for min_gain in (0.0, 1e9):
+    b = backends.get("distca", q_heads=32, kv_heads=8, head_dim=128, min_gain=min_gain)
+    for rows in (gated[0][0], skewed, balanced[0][0]):
+      for hp in b.host_plans(rows, t):
+        assert step.plan_crosses(hp.plan) == hp.crosses
+  with pytest.raises(ValueError, match="local_steps='yes' must be True or False"):
+    step.Options(local_steps="yes")
+  with pytest.raises(ValueError, match="min_gain=-0.1 must be a finite number >= 0"):
+    step.Options(min_gain=-0.1)
+
+
+def test_runs_are_priced_with_the_local_branch_of_their_code(validation):
+  """The runs before bcacbbe sent every batch through the exchange; the 2 x H100 runs of
+  results/skip are held out, the old tree's priced without the local branch, the new tree's with
+  it at the gate each ran (0.02, or its min_gain override): the simulator's local steps are the
+  ones each run counted."""
+  assert not any(validate._ERA_LOCAL_STEPS[e] for e in ("current", "v5", "h100"))
+  assert validate._ERA_LOCAL_STEPS["h100-local"]
+  # Priced with the 4 x H100 packed_dp calibration (fitted on runs made before these).
+  assert validation["calibrations"]["h100-local"] == validation["calibrations"]["h100"]
+  skip = [c for c in validation["cases"] if "skip/raw/step_cond/" in c["name"]]
+  assert {c["kind"] for c in skip} == {"e2e", "memory", "speedup"}
+  assert all(c["role"] == "held-out" and c["devices"] == 2 for c in skip)
+  km, _ = validate.kernel_model()
+  cal = costs.Calibration(**validation["calibrations"]["h100"])
+  for era, (stem, _) in [("h100", s) for s in validate.HELD_OUT_RUNS["h100"][-2:]] + [
+      ("h100-local", s) for s in validate.HELD_OUT_RUNS["h100-local"]]:
+    recorded = {r["backend"]: r for r in validate._json(stem)["results"]}
+    for run in validate.load_runs(stem):
+      if run.strategy != "distca":
+        continue
+      opts = validate._options(run, era)
+      assert opts.local_steps == (era == "h100-local")
+      assert opts.min_gain == (0.06 if run.backend.endswith("+gate06") else 0.02)
+      res = validate.predict_run(run, cal, km, era)
+      share = recorded[run.backend].get("local_steps", 0.0)
+      assert res["local_batches"] == round(share * len(run.steps)), (stem, run.backend)

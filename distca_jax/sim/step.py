@@ -27,6 +27,13 @@ device to spare, else 'resend', whose backward runs the Q and K/V exchanges once
 cp / wlb overlap their K/V all-gather with attention when ``cp_overlap`` (ring attention, the
 paper's WLB-ideal), else expose it (this project's backend).
 
+distca without a pipeline runs a step in which no plan moves a row (``plan_crosses`` False for
+every plan of the step: each gated by ``min_gain``, or balanced as it lies) on the train step's
+local branch (``attention.distca.local_steps``, ``Options.local_steps``): packed_dp's attention
+on each device's own rows, so it is priced as packed_dp's step (the plans' loads, which equal
+packed_dp's; no exchange, no dispatch; every rank its own sync group). Memory is the exchange
+branch's either way (XLA plans the larger branch). Under a pipeline every tick runs the exchange.
+
 Steps: ranks that synchronize inside a layer (a CP group; every server of a CAD plan) wait for
 their slowest member; without a pipeline micro-batches accumulate; with ``pipe = S > 1`` the
 step is a GPipe scan of ``M + S - 1`` ticks in lockstep (``distca_jax.pipeline``), each tick as
@@ -46,12 +53,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from distca_jax import config as config_lib
 from distca_jax import plan as plan_lib
 from distca_jax.plan import ticks
 from distca_jax.baselines import DEFAULT_MAX_DOCS_PER_ROW
 from distca_jax.baselines import metrics as bm
 from distca_jax.baselines import packing
-from distca_jax.checks import check_int
+from distca_jax.checks import check_float, check_int
 from distca_jax.data.workloads import WorkloadSampler
 from distca_jax.dataplane import exchange as exchange_lib
 from distca_jax.dataplane.exchange import DEFAULT_EXCHANGE_BUCKETS, dense_block_rows, dense_wire_rows
@@ -59,6 +67,11 @@ from distca_jax.memory import flash3_bwd_workspace_bytes
 from distca_jax.sim import costs
 
 STRATEGIES = ("packed_dp", "cp", "wlb", "distca")
+# CAD's gate and local branch as the training config sets them by default
+# (``attention.distca.min_gain``, ``attention.distca.local_steps``).
+_DISTCA_DEFAULTS = config_lib.base_config().attention.distca
+DEFAULT_MIN_GAIN = float(_DISTCA_DEFAULTS.min_gain)
+DEFAULT_LOCAL_STEPS = bool(_DISTCA_DEFAULTS.local_steps)
 WLB_ALPHAS = (1.0, 1.1, 1.2, 1.5, 2.0)
 # distca's exchange implementations the simulator prices (``dataplane.exchange``); 'auto' is
 # resolved per layout (``resolve_collective``).
@@ -137,9 +150,13 @@ class Options:
     pool_stages: under a pipeline, distca plans each tick once over every stage's rows (pipe x
       data servers: ``attention.distca.pool_stages``, the default); False plans each stage's rows
       of the tick on that stage's data ranks alone (per-stage CAD).
+    local_steps: without a pipeline, a distca step whose plans all move nothing
+      (``step_is_local``) is priced as the system's local branch runs it: packed_dp's step, no
+      exchange and no dispatch (``attention.distca.local_steps``, on by default); False: every
+      step through the exchange, as the code before that branch ran.
   """
   tolerance: float = plan_lib.DEFAULT_TOLERANCE
-  min_gain: float = 0.0
+  min_gain: float = DEFAULT_MIN_GAIN
   nano_batches: int = 2
   collective: str = "auto"
   memory_mode: str = "auto"
@@ -151,9 +168,14 @@ class Options:
   wlb_padded: bool = False
   remat: str = "save_attention"
   pool_stages: bool = True
+  local_steps: bool = DEFAULT_LOCAL_STEPS
 
   def __post_init__(self):
     costs.check_remat(self.remat)
+    if not isinstance(self.local_steps, (bool, np.bool_)):
+      raise ValueError(f"local_steps={self.local_steps!r} must be True or False (True: a step "
+                       "whose plans move nothing is priced without the exchange)")
+    check_float("min_gain", self.min_gain, 0.0, "0: no gate")
     if self.collective not in SIM_COLLECTIVES:
       raise ValueError(f"collective={self.collective!r} is not priced by the simulator; use one "
                        f"of {SIM_COLLECTIVES}")
@@ -244,6 +266,19 @@ def tick_rows(batch: Sequence[Sequence[Sequence[int]]], stages: int, pooled: boo
   if pooled:
     return [[row for mb in held for row in stage_rows(mb)] for held in table]
   return [stage_rows(mb) for held in table for mb in held]
+
+
+def plan_crosses(plan: plan_lib.Plan) -> bool:
+  """Whether any row of ``plan`` crosses devices (``plan.HostPlan.crosses`` of the same plan):
+  some (sender, server) pair sends query or key/value rows."""
+  return bool(plan.pair_q_rows.any() or plan.pair_kv_rows.any())
+
+
+def step_is_local(step_results: Sequence[MicroResult], layout: Layout, opts: Options) -> bool:
+  """Whether a distca step runs the train step's local branch: ``opts.local_steps``, no
+  pipeline, and no plan of the step (one per micro-batch) moves a row (``plan_crosses``)."""
+  return (opts.local_steps and layout.pipe == 1
+          and not any(plan_crosses(mr.plan) for mr in step_results))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -350,13 +385,16 @@ def exchange_seconds(wire_S: np.ndarray, servers: int, cal: costs.Calibration, c
 # ----------------------------------------------------------------------------------------------
 def rank_seconds(mr: MicroResult, spec: costs.ModelSpec, cal: costs.Calibration, layout: Layout,
                  opts: Options, tokens_per_rank: int,
-                 caps: plan_lib.Capacity | None = None) -> dict[str, np.ndarray]:
+                 caps: plan_lib.Capacity | None = None, local: bool = False
+                 ) -> dict[str, np.ndarray]:
   """[S] seconds of one micro-batch (distca under a pipeline: one tick) on each rank's stage,
   by part.
 
   The linear layers and the LM head run on every token slot of a rank's rows, padding included
   (``tokens_per_rank``; ``wlb``: ``Lmax`` slots when padded, its tokens when variable-length).
   ``caps``: distca's buffers (``distca_caps``), which set the dense exchange's blocks.
+  ``local``: distca on the step's local branch (``step_is_local``): its plan's attention, no
+  exchange and no dispatch (packed_dp's seconds).
   """
   m, d, tp = mr.metrics, spec.dims, layout.tensor
   rate = cal.matmul_tflops * 1e12 * tp
@@ -369,7 +407,9 @@ def rank_seconds(mr: MicroResult, spec: costs.ModelSpec, cal: costs.Calibration,
   attn = mr.attn_s * cal.attention_scale * costs.attention_remat_factor(opts.remat) / tp
   tp_bytes = 8.0 * (tp - 1) / tp * tokens * spec.dim * d.dtype_bytes
   tp_comm = cal.collective_s(tp_bytes, tp, calls=8)
-  if m.strategy == "distca":
+  if m.strategy == "distca" and local:  # packed_dp's attention: nothing moves, no buffers
+    comm = exposed = np.zeros_like(linear)
+  elif m.strategy == "distca":
     if caps is None:
       raise ValueError("rank_seconds: distca needs caps (distca_caps of the run's plans)")
     if opts.collective == "ragged":  # its time follows the largest group, not the wire
@@ -531,7 +571,9 @@ def evaluate(results: Sequence[Sequence[MicroResult]], spec, cal, layout, opts, 
              alpha: float = 1.0, caps: plan_lib.Capacity | None = None) -> dict[str, Any]:
   """Aggregates one strategy setting over batches [batch][micro-batch] (distca under a
   pipeline: [batch][tick]) -> the report dict. distca: ``caps`` (default: ``distca_caps`` of
-  these plans); its collective and memory mode as ``resolve_distca`` resolves them."""
+  these plans); its collective and memory mode as ``resolve_distca`` resolves them; a batch whose
+  plans all move nothing priced on the local branch (``step_is_local``; ``local_batches``
+  counts them)."""
   flat = [mr for b in results for mr in b]
   m0 = flat[0].metrics
   asked = opts.collective
@@ -541,10 +583,14 @@ def evaluate(results: Sequence[Sequence[MicroResult]], spec, cal, layout, opts, 
     opts = resolve_distca(flat, spec, cal, layout, opts, tokens, caps)
   pooled = m0.strategy == "distca" and layout.pipe > 1
   per_tick = (1 if opts.pool_stages else layout.pipe) if pooled else 0
-  steps, parts, ranks = [], {}, []
+  steps, parts, ranks, n_local = [], {}, [], 0
   for batch in results:
-    secs = [rank_seconds(mr, spec, cal, layout, opts, tokens, caps) for mr in batch]
-    steps.append(_step_of_batch(secs, batch[0].group, layout, per_tick) + cal.step_fixed_s)
+    # distca's step on its local branch: packed_dp's, every rank its own sync group.
+    local = m0.strategy == "distca" and step_is_local(batch, layout, opts)
+    n_local += local
+    secs = [rank_seconds(mr, spec, cal, layout, opts, tokens, caps, local) for mr in batch]
+    group = 1 if local else batch[0].group
+    steps.append(_step_of_batch(secs, group, layout, per_tick) + cal.step_fixed_s)
     for k in secs[0]:
       parts.setdefault(k, []).append(np.mean([x[k] for x in secs], axis=0))
     ranks.append(np.stack([x["total"] for x in secs]).sum(0))
@@ -577,7 +623,8 @@ def evaluate(results: Sequence[Sequence[MicroResult]], spec, cal, layout, opts, 
                wire_bytes_per_layer_mb=float(np.mean([w.max() for w in wire]) / 1e6),
                imbalance_before=float(np.mean([p.imbalance_before for p in plans])),
                degraded_plans=int(sum(p.degraded for p in plans)),
-               gated_plans=int(sum(p.gated for p in plans)))
+               gated_plans=int(sum(p.gated for p in plans)), min_gain=opts.min_gain,
+               local_steps=opts.local_steps, local_batches=n_local)
   return out
 
 

@@ -24,7 +24,7 @@ Cases (files under results/):
   the same multi-GPU run, or in runs of one call on one machine (the 4-GPU runs: one process
   per backend, ``PAIRED_RUNS``), vs the predicted one (ratios in place of seconds).
 
-Three code generations / devices ("eras") are in the committed runs: the 2-GPU runs (``*_v5*``)
+Four code generations / devices ("eras") are in the committed runs: the 2-GPU runs (``*_v5*``)
 were made without two single-stream fixes (FA3's forward no longer cloned, no raw LSE buffer
 copy), which change step times; 'current' is
 one H200 of the current code (its held-out runs include one on 4 x H200, the same device); 'h100'
@@ -32,12 +32,18 @@ is 4 x H100 of the current code (results/four/raw/: calibrated on three packed_d
 356931f; held out, its distca runs of that code and the runs of ff00a0c / 2adb8bc under
 results/four/raw/s4: packed_dp, wlb (CP 4 / CP 2, alpha 1.0), cp (CP 1) and distca at 128K,
 pipe 2 x data 2 with distca pooled and per stage, 2 rows per GPU with and without ping-pong at
-32K and 64K). distca's runs are priced with the exchange and memory mode they ran (an override,
-else what 'auto' ran as: ``AUTO_RAN_AS``). Each era is calibrated on packed_dp or one-GPU runs
-of its own (``CALIBRATION_RUNS``) and every other case of that era is held out. ``role`` says
-which. distca's dispatch rate (``Calibration.dispatch_bw``, every era) is fitted on the
-profiled extra step of the s4 128K distca and wlb runs (``DISPATCH_PROFILES``), not on any
-case's timed steps. A case above 10% carries the note written for that very case in
+32K and 64K; and the distca runs of 8051464 on 2 x H100 under results/skip, Pretrain and ProLong
+128K); 'h100-local' is the H100 code with the train step's local branch (bcacbbe: results/skip's
+packed_dp, distca and distca with the gate at 0.06 of the same call), priced with the 'h100'
+calibration (``CALIBRATED_AS``: fitted on runs made before its own). distca's runs are priced
+with the exchange and memory mode they ran (an override, else what 'auto' ran as:
+``AUTO_RAN_AS``), the gate and the local branch of their era (``_ERA_MIN_GAIN``,
+``_ERA_LOCAL_STEPS``: the runs before bcacbbe sent every batch through the exchange) unless an
+override set them. Each era is calibrated on packed_dp or one-GPU runs of its own
+(``CALIBRATION_RUNS``) or priced with an earlier era's calibration (``CALIBRATED_AS``), and
+every other case of that era is held out. ``role`` says which. distca's dispatch rate
+(``Calibration.dispatch_bw``, every era) is fitted on the profiled extra step of the s4 128K
+distca and wlb runs (``DISPATCH_PROFILES``), not on any case's timed steps. A case above 10% carries the note written for that very case in
 ``MISS_NOTES`` (by its kind and full name), or "not explained"; the summary says whether the
 gate (every case within 10%) is met.
 """
@@ -67,6 +73,12 @@ CALIBRATION_RUNS = {
              ("four/raw/e2e_bk_prolong_packed_dp", None),
              ("four/raw/e2e_4gpu_pretrain_128k_packed_dp", None)],
 }
+# Eras without calibration runs of their own, priced with another era's calibration (fitted on
+# runs made before theirs): 'h100-local' is H100 code with the train step's local branch
+# (bcacbbe on), the device and compute of 'h100'.
+CALIBRATED_AS = {"h100-local": "h100"}
+# The eras of the current code (the summary's 4-GPU count).
+CURRENT_ERAS = ("current", "h100", "h100-local")
 HELD_OUT_RUNS = {
     "current": [("e2e_1gpu_pingpong_v6_fixed_4l", None), ("e2e_1gpu_64k_nodsf", None),
                 ("e2e_1gpu_2x64k_nodsf", None),
@@ -93,7 +105,15 @@ HELD_OUT_RUNS = {
              ("four/raw/s4/e2e_4gpu_4d_pretrain", None),
              ("four/raw/s4/e2e_4gpu_pingpong", None),
              ("four/raw/s4/e2e_4gpu_pingpong_prolong_distca", None),
-             ("four/raw/s4/e2e_4gpu_pingpong_64k", None)],
+             ("four/raw/s4/e2e_4gpu_pingpong_64k", None),
+             # results/skip (2 x H100, one call): distca of the tree before the step's local
+             # branch (8051464; every batch through the exchange), Pretrain and ProLong 128K.
+             ("skip/raw/step_cond/e2e_2gpu_skip_old_pretrain", None),
+             ("skip/raw/step_cond/e2e_2gpu_skip_old_prolong", None)],
+    # results/skip (the same call): the tree with the step's local branch (bcacbbe): packed_dp,
+    # distca and distca with the gate at 0.06 (its override), Pretrain and ProLong 128K.
+    "h100-local": [("skip/raw/step_cond/e2e_2gpu_skip_new_pretrain", None),
+                   ("skip/raw/step_cond/e2e_2gpu_skip_new_prolong", None)],
 }
 # What 'auto' ran as in runs of the distca backend that set no override (the exchange's
 # ``collective``, ``memory_mode``), where it is not ('dense', 'keep'): the runs made at 356931f
@@ -110,6 +130,11 @@ AUTO_RAN_AS = {
     **{f"four/raw/s4/{stem}": {"collective": "remote", "memory_mode": "keep"}
        for stem in ("e2e_4gpu_4d_pretrain", "e2e_4gpu_pingpong",
                     "e2e_4gpu_pingpong_prolong_distca", "e2e_4gpu_pingpong_64k")},
+    # results/skip/raw/step_cond (one process, 'auto' = 'remote'): every distca run logged
+    # "memory_mode 'auto': 'keep' (fits: 64.89-65.43 GiB per device)".
+    **{f"skip/raw/step_cond/e2e_2gpu_skip_{tree}_{w}": {"collective": "remote",
+                                                       "memory_mode": "keep"}
+       for tree in ("old", "new") for w in ("pretrain", "prolong")},
 }
 # Runs of one backend each (one process per backend, same host and session) paired for
 # distca's speedup; runs of one call pair within their file.
@@ -121,7 +146,7 @@ PAIRED_RUNS = {"four/raw/e2e_bk_pretrain_distca": "four/raw/e2e_bk_pretrain_pack
                "four/raw/s4/e2e_4gpu_pingpong_prolong_distca": "four/raw/s4/e2e_4gpu_pingpong"}
 # e2e_bench variants that change only distca (no packed_dp twin): their speedup is over the
 # plain baseline of the same call.
-DISTCA_ONLY_VARIANTS = ("+remote", "+dense", "+ragged", "+perstage")
+DISTCA_ONLY_VARIANTS = ("+remote", "+dense", "+ragged", "+perstage", "+gate06")
 # The exchange alone on 4 x H100 (results/four/README.md): JSON lines of the default-flag run and
 # the one-shot-flag run; they fit ``Calibration.dense_*`` and ``ragged_*``.
 FOUR_EXCHANGE_LOG = os.path.join("four", "raw", "exchange_bench.log")
@@ -166,8 +191,11 @@ WLB_KERNEL_CHECK = os.path.join("micro", "wlb_kernel_check")
 # steps stay held-out cases.
 DISPATCH_PROFILES = {w: ("four/raw/s4/e2e_4gpu_128k_distca", f"four/raw/s4/profiles/{w}_128k_distca",
                          f"four/raw/s4/profiles/{w}_128k_wlb") for w in ("pretrain", "prolong")}
-# The planner's gate (min_gain) each code era ran with: 0 = no gate.
-_ERA_MIN_GAIN = {"current": 0.02, "v5": 0.0, "h100": 0.02}
+# The planner's gate (min_gain) each code era ran with (a run's override wins): 0 = no gate.
+_ERA_MIN_GAIN = {"current": 0.02, "v5": 0.0, "h100": 0.02, "h100-local": 0.02}
+# Whether each code era had the train step's local branch (``step.Options.local_steps``; a run's
+# override wins): the runs before bcacbbe sent every batch through the exchange.
+_ERA_LOCAL_STEPS = {"current": False, "v5": False, "h100": False, "h100-local": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,7 +333,10 @@ def _options(run: E2eRun, era: str) -> step.Options:
       memory_mode=run.override("attention.distca.memory_mode", auto.get("memory_mode", "keep")),
       exchange_buckets=int(run.override("attention.distca.exchange_buckets", "8")),
       tolerance=float(run.override("attention.distca.tolerance", str(plan_lib.DEFAULT_TOLERANCE))),
-      min_gain=_ERA_MIN_GAIN[era], nano_batches=2 if run.backend.endswith("+pingpong") else 1,
+      min_gain=float(run.override("attention.distca.min_gain", str(_ERA_MIN_GAIN[era]))),
+      local_steps=run.override("attention.distca.local_steps",
+                               str(_ERA_LOCAL_STEPS[era])).lower() == "true",
+      nano_batches=2 if run.backend.endswith("+pingpong") else 1,
       wlb_alphas=(run.wlb_alpha or float(run.override("attention.baselines.wlb_alpha", "1.0")),),
       cp_sizes=(run.wlb_cp or int(run.override("attention.baselines.cp_size", "1")),),
       cp_overlap=False, wlb_padded=True, remat=run.remat,
@@ -549,8 +580,9 @@ def calibrations(km: costs.KernelModel) -> dict[str, costs.Calibration]:
   base = fit_memory([r for stem, b in MEMORY_RUNS for r in load_runs(stem, b)],
                     exchange_calibration(collective_calibration()))
   base = dataclasses.replace(base, dispatch_bw=dispatch_fit(base, km))
-  return {era: fit_calibration([r for stem, b in runs for r in load_runs(stem, b)], km, base)
-          for era, runs in CALIBRATION_RUNS.items()}
+  out = {era: fit_calibration([r for stem, b in runs for r in load_runs(stem, b)], km, base)
+         for era, runs in CALIBRATION_RUNS.items()}
+  return out | {era: out[src] for era, src in CALIBRATED_AS.items()}
 
 
 def _json(stem: str) -> dict:
@@ -683,9 +715,9 @@ def exchange_cases(cal: costs.Calibration) -> list[dict[str, Any]]:
 def e2e_cases(cals: dict[str, costs.Calibration], km: costs.KernelModel
               ) -> list[dict[str, Any]]:
   out = []
-  for era in CALIBRATION_RUNS:
+  for era in (*CALIBRATION_RUNS, *CALIBRATED_AS):
     for role, table in (("fit", CALIBRATION_RUNS), ("held-out", HELD_OUT_RUNS)):
-      for stem, backend in table[era]:
+      for stem, backend in table.get(era, ()):
         for run in load_runs(stem, backend):
           res = predict_run(run, cals[era], km, era)
           name = (f"{run.stem}: {run.workload} {run.tokens // 1024}K x{run.rows_per_rank} "
@@ -759,9 +791,9 @@ def validate() -> dict[str, Any]:
       "misses": [f"{k}: {n}" for k, n in sorted(missed)],
       "unexplained": [f"{k}: {n}" for k, n in sorted(missed) if (k, n) not in MISS_NOTES],
       "stale_notes": [f"{k}: {n}" for k, n in sorted(MISS_NOTES) if (k, n) not in missed],
-      # Current code (eras 'current' and 'h100') on 4 GPUs: e2e, memory and speedup cases of
+      # Current code (``CURRENT_ERAS``) on 4 GPUs: e2e, memory and speedup cases of
       # 4-GPU runs, and the exchange alone on 4 x H100.
-      "four_gpu_current_cases": sum(c["role"] == "held-out" and c.get("era") in ("current", "h100")
+      "four_gpu_current_cases": sum(c["role"] == "held-out" and c.get("era") in CURRENT_ERAS
                                     and c.get("devices") == 4 for c in cases),
       "max_abs_error": max(abs(c["error"]) for c in cases),
       "gate_met": not missed,

@@ -153,7 +153,7 @@ class Options:
     local_steps: without a pipeline, a distca step whose plans all move nothing
       (``step_is_local``) is priced as the system's local branch runs it: packed_dp's step, no
       exchange and no dispatch (``attention.distca.local_steps``, on by default); False: every
-      step through the exchange, as the code before that branch ran.
+      step through the exchange.
   """
   tolerance: float = plan_lib.DEFAULT_TOLERANCE
   min_gain: float = DEFAULT_MIN_GAIN
@@ -276,7 +276,8 @@ def plan_crosses(plan: plan_lib.Plan) -> bool:
 
 def step_is_local(step_results: Sequence[MicroResult], layout: Layout, opts: Options) -> bool:
   """Whether a distca step runs the train step's local branch: ``opts.local_steps``, no
-  pipeline, and no plan of the step (one per micro-batch) moves a row (``plan_crosses``)."""
+  pipeline, and no plan of the step moves a row (``plan_crosses``). The simulator plans each
+  micro-batch once (its nano-batches together), where the system plans every nano-batch."""
   return (opts.local_steps and layout.pipe == 1
           and not any(plan_crosses(mr.plan) for mr in step_results))
 

@@ -53,13 +53,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.attention.distca.tolerance = cost.DEFAULT_TOLERANCE
                                           # every server within (1 + tolerance) x mean pairs;
                                           # default: plan.cost.DEFAULT_TOLERANCE says why
-  c.attention.distca.min_gain = 0.05      # the gate: a plan moves nothing when perfect balance
+  c.attention.distca.min_gain = 0.02      # the gate: a plan moves nothing when perfect balance
                                           # would speed the step up by less than this
-                                          # (plan.predicted_step_gain), and a batch whose plans
-                                          # all move nothing runs without the exchange. On H100s
-                                          # at 128K, batches below 0.04 ran slower through CAD
-                                          # than packed_dp, those above 0.10 faster
-                                          # (results/skip/README.md)
+                                          # (plan.predicted_step_gain); 0.02 keeps most of the
+                                          # per-batch bound's gain (results/per_batch_bound.md)
   c.attention.distca.min_shard = 0        # shortest query piece a split may create; 0 = auto
                                           # (512, or tokens_per_rank / 16 for short rows)
   c.attention.distca.q_send = 0           # query rows a rank sends to all other servers
@@ -95,6 +92,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.attention.distca.local_steps = True   # a batch whose plans move no row runs the step's
                                           # second branch, packed_dp's attention (no exchange);
                                           # mesh.pipe = 1 only
+  c.attention.distca.local_gain = 0.05    # with local_steps: a batch whose every plan could gain
+                                          # less than this moves nothing and runs that branch.
+                                          # On H100s at 128K, batches below 0.04 ran slower
+                                          # through CAD than packed_dp, those above 0.10 faster
+                                          # (results/skip/README.md)
   # Baselines (distca_jax/baselines): 'packed_dp' (each rank its own documents, one fused varlen
   # call), 'cp' (per-sequence context parallelism: groups of cp_size consecutive data ranks, head-
   # tail chunks, K/V all-gathered) and 'wlb' (WLB-LLM packing over DP groups + per-document CP).

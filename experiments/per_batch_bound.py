@@ -72,12 +72,14 @@ def batch_doclens(config_path: str, overrides, devices: int, warmup: int, steps:
 
 def gated_batches(c, doclens, min_gain) -> list[bool]:
   """Per batch: whether the distca backend of the distca run's config ``c`` moves nothing in
-  any of its plans (one per nano-batch)."""
+  any of its plans (one per nano-batch). A ``min_gain`` given is the only gate: the local
+  branch's ``local_gain`` is set to 0."""
   from distca_jax import trainer
   c = c.copy_and_resolve_references()
   c.mesh.data = len(doclens[0])  # the run's data ranks (its startup caps are planned for them)
   if min_gain is not None:
     c.attention.distca.min_gain = float(min_gain)
+    c.attention.distca.local_gain = 0.0
   backend = trainer.make_backend(c)
   out = []
   for per_rank in doclens:

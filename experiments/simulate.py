@@ -121,7 +121,8 @@ def options(a, **kw) -> step.Options:
                    collective=a.collective, memory_mode=a.memory_mode,
                    exchange_buckets=ca.exchange_buckets,
                    caps_headroom=ca.caps_headroom, cp_overlap=not a.no_cp_overlap, remat=a.remat,
-                   local_steps=bool(ca.local_steps) and not a.no_local_steps)
+                   local_steps=bool(ca.local_steps) and not a.no_local_steps,
+                   local_gain=ca.local_gain)
   if a.tolerance is not None:
     o = dataclasses.replace(o, tolerance=a.tolerance)
   if a.min_gain is not None:
@@ -371,8 +372,9 @@ def write_paper(a, blob, cal, task_s: float) -> None:
        f"with {AUTO_KEEP_SPARE:.0%} of the GPU spare, else 'resend', whose backward sends Q and "
        "K/V once more); "
        f"tolerance {options(a).tolerance}, gate (min_gain) {options(a).min_gain}; without a "
-       "pipeline a step whose plans all move nothing runs the step's local branch, priced as "
-       "packed_dp's step (no exchange, no dispatch): "
+       "pipeline a step whose plans all move nothing (every micro-batch's predicted gain below "
+       f"local_gain {options(a).local_gain}, or balanced as it lies) runs the step's local "
+       "branch, priced as packed_dp's step (no exchange, no dispatch): "
        + ("on" if options(a).local_steps else "off (--no-local-steps)"),
        "- 4D: the GPipe scan the system runs (M + S - 1 ticks in lockstep, every tick's "
        "activations kept), distca planned once per tick over every stage's rows (pipe x data "

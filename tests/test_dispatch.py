@@ -365,6 +365,7 @@ def _tiny_config(backend, data, tensor, seed, rows_per_rank=None, nano_batches=1
   c.attention.backend = backend
   c.attention.distca.tolerance = 0.05
   c.attention.distca.min_gain = 0.0  # tiny models' batches are near-balanced: balance them anyway
+  c.attention.distca.local_gain = 0.0
   c.mesh.data, c.mesh.tensor = data, tensor
   c.data.context_length = 256  # documents up to a few rows long, cut at row boundaries
   c.seed = seed
@@ -872,6 +873,42 @@ def test_a_batch_whose_plans_move_nothing_runs_the_local_step(seed):
   lr = float(trainer.learning_rate(c, 0))
   assert lr > 0 and diff(s_zero, s_cad) > lr / 2 and diff(s_flag, s_cad) < 1e-6, (
       lr, diff(s_zero, s_cad), diff(s_flag, s_cad))
+
+
+def test_local_gain_sends_a_batch_that_cannot_win_enough_to_the_local_branch(seed):
+  """attention.distca.local_gain: a batch whose every plan could gain less than it moves nothing
+  (the local branch); a batch with one plan above it is planned with min_gain only, so its other
+  plans still balance. The backend's gain of a layout is the planner's."""
+  from distca_jax import attention as attn
+  from distca_jax.backends.distca import _layout_gain
+  rng = np.random.default_rng(seed)
+  opts = dict(q_heads=H, kv_heads=KH, head_dim=D, rows_per_rank=2, nano_batches=2,
+              linear_pairs_per_token=4.0)
+  t = 128
+  base = backends.get("distca", **opts)
+  ws = WorkloadSampler("pretrain", t, seed=int(rng.integers(1 << 20)))
+  rows = [r for _ in range(4) for r in ws.step_doclens(int(rng.integers(100)), 2)]  # 8 rows
+  plans = base.host_plans(rows, t)
+  gains = [hp.plan.predicted_gain for hp in plans]
+  for i, hp in enumerate(plans):
+    call = [rows[x] for x in plan_lib.nano_batch_rows(4, 2, 2, i)]
+    assert _layout_gain(call, 4, 1, t, 4.0) == pytest.approx(hp.plan.predicted_gain)
+  lo, hi = sorted(gains)
+  assert hi > lo > 0, gains
+  # Above both: every plan moves nothing, the batch runs the local branch.
+  above = backends.get("distca", **opts, local_gain=hi * 1.01)
+  assert [hp.plan.gated for hp in above.host_plans(rows, t)] == [True, True]
+  assert above.host_prepare(rows, t)[attn.CROSSES_KEY].tolist() == [0] * 8
+  # Between them: min_gain (0) alone gates, so both plans balance as without local_gain.
+  between = backends.get("distca", **opts, local_gain=(lo + hi) / 2)
+  assert [hp.plan.num_moves for hp in between.host_plans(rows, t)] == [
+      hp.plan.num_moves for hp in plans]
+  # Under a pipeline (no local branch) local_gain changes nothing.
+  piped = backends.get("distca", **opts, local_gain=hi * 1.01, data_axis=("pipe", "data"))
+  assert [hp.plan.num_moves for hp in piped.host_plans(rows, t)] == [
+      hp.plan.num_moves for hp in plans]
+  with pytest.raises(ValueError, match=r"local_gain=-1.0 must be a finite number >= 0"):
+    backends.get("distca", local_gain=-1.0)
 
 
 def test_local_steps_off_or_under_a_pipeline_leave_one_step():

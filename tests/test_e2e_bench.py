@@ -212,6 +212,7 @@ def test_plan_stats_report_after_equal_to_before_when_no_plan_moves(seed):
   src = make_source(c.data, rows=data * rows, tokens_per_row=c.tokens_per_rank,
                     vocab_size=c.model.vocab_size, seed=c.seed)
   c.attention.distca.min_gain = 0.0
+  c.attention.distca.local_gain = 0.0
   free = trainer.make_backend(c)
   # Batches the balancer has work on, so the ungated plans must move rows.
   steps = [s for s in range(60) if free.host_plans(src.doclens(s), c.tokens_per_rank)[0]

@@ -24,6 +24,7 @@ from test_train import _with_heads, tiny_config
 # CAD and baseline options of the tests (as tests/test_pipeline.py): balance every batch, CP
 # groups of 2 data ranks.
 BACKEND_OPTIONS = {"attention.distca.tolerance": 0.05, "attention.distca.min_gain": 0.0,
+                   "attention.distca.local_gain": 0.0,
                    "attention.baselines.cp_size": 2, "attention.baselines.wlb_alpha": 1.25}
 
 

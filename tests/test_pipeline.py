@@ -33,6 +33,7 @@ def test_schedule_table(stages, microbatches):
 # CAD options of the tests: balance every batch (no gate), a tolerance tiny batches can meet;
 # the baselines' CP groups of 2 data ranks (wlb: rows of 1.25 x tokens_per_rank).
 DISTCA = {"attention.distca.tolerance": 0.05, "attention.distca.min_gain": 0.0,
+          "attention.distca.local_gain": 0.0,
           "attention.baselines.cp_size": 2, "attention.baselines.wlb_alpha": 1.25}
 
 

@@ -46,7 +46,8 @@ def test_more_imbalance_means_longer_packed_dp_steps():
   balanced = [[[[4096, 4096], [4096, 4096]]]]
   skewed = [[[[8192], [1024] * 8]]]
   # No gate: the skewed batch's gain is below the default's (its step would be packed_dp's).
-  sim = lambda b: step.simulate(b, spec, lay, t, cal=cal, km=km, opts=step.Options(min_gain=0.0),
+  sim = lambda b: step.simulate(b, spec, lay, t, cal=cal, km=km,
+                                opts=step.Options(min_gain=0.0, local_gain=0.0),
                                 strategies=("packed_dp", "distca"))
   bal, skw = sim(balanced), sim(skewed)
   assert skw["packed_dp"]["step_s"] > bal["packed_dp"]["step_s"]
@@ -536,7 +537,7 @@ def _four_gpu_distca(collective="auto", memory_mode="keep", gpus=4, **cal_kw):
   batches = step.sample_batches("pretrain", t, lay, 1, seed=5)
   # No gate: the exchange's pricing is checked on a plan that moves rows.
   opts = step.Options(collective=collective, memory_mode=memory_mode, nano_batches=1,
-                      min_gain=0.0)
+                      min_gain=0.0, local_gain=0.0)
   cal = _cal(**cal_kw)
   res = step.simulate(batches, spec, lay, t, cal=cal, km=_flat_table(), opts=opts,
                       strategies=("distca",))["distca"]
@@ -825,7 +826,7 @@ def test_a_step_whose_plans_move_nothing_is_priced_as_packed_dp_when_local_steps
   # A step of two micro-batches, one of which moves rows: the whole step pays the exchange.
   skewed = [[8192] * 2, [1024] * 16]
   two = step.Layout(gpus=2, micro_batches=2)
-  opts = step.Options(min_gain=0.0, nano_batches=1)
+  opts = step.Options(min_gain=0.0, local_gain=0.0, nano_batches=1)
   mixed = [[balanced[0][0], skewed]]
   res = [[step.run_distca(rows, t, spec, km, opts) for rows in b] for b in mixed]
   assert [step.plan_crosses(mr.plan) for mr in res[0]] == [False, True]
@@ -871,3 +872,21 @@ def test_runs_are_priced_with_the_local_branch_of_their_code(validation):
       res = validate.predict_run(run, cal, km, era)
       share = recorded[run.backend].get("local_steps", 0.0)
       assert res["local_batches"] == round(share * len(run.steps)), (stem, run.backend)
+
+
+def test_local_gain_plans_a_step_that_cannot_win_enough_to_move_nothing():
+  """Options.local_gain (attention.distca.local_gain): a step whose predicted gain is below it
+  is planned to move nothing and priced on the local branch; just above it, CAD balances."""
+  spec = costs.model_spec("llama3_8b", n_layers=2)
+  km, cal, lay, t = _flat_table(), _cal(), step.Layout(gpus=2), 8192
+  skewed = [[[[8192], [1024] * 8]]]
+  gain = plan_lib.predicted_step_gain([8192 * 8193 // 2, 8 * (1024 * 1025 // 2)], t,
+                                      costs.linear_pairs_per_token(spec.dims))
+  run = lambda lg: step.simulate(skewed, spec, lay, t, cal=cal, km=km,
+                                 opts=step.Options(min_gain=0.0, local_gain=lg, nano_batches=1),
+                                 strategies=("distca",))["distca"]
+  above, below = run(gain * 1.01), run(gain * 0.99)
+  assert gain > 0.01 and above["local_batches"] == 1 and above["gated_plans"] == 1, above
+  assert below["local_batches"] == 0 and below["gated_plans"] == 0, below
+  with pytest.raises(ValueError, match=r"local_gain=-1.0 must be a finite number >= 0"):
+    step.Options(local_gain=-1.0)

@@ -29,6 +29,7 @@ from distca_jax.data import run_source
 from distca_jax.dataplane import (DEFAULT_EXCHANGE_BUCKETS, MEMORY_MODES, DispatchOptions,
                                   ExchangeOptions, dispatch_attention, mesh_and_servers)
 from distca_jax.plan import cost, ticks
+from distca_jax.plan.cost import predicted_step_gain
 from distca_jax.plan.capacity import (CAP_FIELDS, EXCHANGE_FIELDS, caps_with_headroom,
                                       default_capacity, resolve_capacity, row_multiple)
 from distca_jax.plan.options import PlanOptions
@@ -72,6 +73,10 @@ class Options:
     local_steps: a batch whose plans move no row runs the train step's second branch, with
       ``packed_dp``'s attention (each device its own rows, no exchange, no plan buffers);
       without a pipeline only (``data_axis`` 'data').
+    local_gain: with the local branch, a batch whose every plan (nano-batch, server group)
+      could gain less than this (``plan.predicted_step_gain`` of its layout) moves nothing and
+      runs that branch; 0 = only batches whose plans move nothing anyway. ``min_gain`` gates
+      each plan of the other batches, whose exchange runs whatever their plans move.
   """
   tolerance: float = cost.DEFAULT_TOLERANCE
   min_shard: int | None = None
@@ -101,6 +106,7 @@ class Options:
   signal_only: bool = False
   cost_table: str = ""
   local_steps: bool = True
+  local_gain: float = 0.0
 
   @classmethod
   def from_config(cls, c: ml_collections.ConfigDict) -> "Options":
@@ -126,7 +132,7 @@ class Options:
                dtype_bytes=jnp.dtype(m.dtype).itemsize,
                linear_pairs_per_token=metrics_lib.linear_pairs_per_token(m),
                collective=d.collective, exchange_buckets=d.exchange_buckets,
-               local_steps=d.local_steps)
+               local_steps=d.local_steps, local_gain=d.local_gain)
 
   @property
   def plan_options(self) -> PlanOptions:
@@ -150,10 +156,10 @@ def make(options: Options) -> "DistcaBackend":
   ``{'distca_plan': int32 [rows, W]}``; ``fn`` reads it from ``layout.extra`` and runs
   ``dataplane.dispatch_attention`` over the mesh set by ``trainer.mesh_context``. With
   ``local_steps`` (no pipeline) it also returns each row's document lengths (``'doc_lens'``)
-  and ``attention.CROSSES_KEY``: a batch in which no plan moves a row (every plan gated or
-  balanced as it lies) runs ``local_fn``, ``packed_dp``'s attention, in a second compiled step
-  (the train step's second branch, ``trainer.make_train_step``): no exchange and no pass over
-  the plan's buffers.
+  and ``attention.CROSSES_KEY``: a batch in which no plan moves a row (every plan gated, or
+  balanced as it lies; a batch whose every plan could gain less than ``local_gain`` is planned
+  that way) runs ``local_fn``, ``packed_dp``'s attention, on the train step's second branch
+  (``trainer.make_train_step``): no exchange and no pass over the plan's buffers.
 
   With ``nano_batches = n`` (ping-pong, ``model.split_rows``) the model calls core attention once
   per nano-batch, on rows ``[i R/n, (i+1) R/n)`` of every rank's block; each nano-batch is planned
@@ -178,9 +184,11 @@ def make(options: Options) -> "DistcaBackend":
   g = check_int("server_groups", o.server_groups, 1)
   # Checked here, not only by each plan's schedule(): a bad value fails at startup.
   check_float("config.attention.distca.min_gain", o.min_gain,
-              hint="0 = always balance; default 0.05")
+              hint="0 = always balance; default 0.02")
   check_float("linear_pairs_per_token", o.linear_pairs_per_token,
               hint="the trainer derives it: metrics.linear_pairs_per_token")
+  check_float("config.attention.distca.local_gain", o.local_gain,
+              hint="0 = only batches whose plans move nothing anyway; default 0.05")
   if r % n:
     raise ValueError(f"rows_per_rank={o.rows_per_rank!r} must be a multiple of "
                      f"nano_batches={o.nano_batches!r}")
@@ -197,6 +205,13 @@ def make(options: Options) -> "DistcaBackend":
     return PlanSpec(num_servers=num_servers, tokens_per_row=tokens_per_row, rows_per_device=rn,
                     capacity=resolve_capacity(caps, rn * tokens_per_row, rn))
 
+  if not isinstance(o.local_steps, (bool, np.bool_)):
+    raise ValueError(f"config.attention.distca.local_steps={o.local_steps!r} must be True or "
+                     "False (True: batches whose plans move nothing run without the exchange)")
+  # The step branch of batches in which no row crosses: packed_dp's attention (rows over 'data'
+  # only).
+  local = bool(o.local_steps) and data_axis == "data"
+
   def host_plans(doclens, tokens_per_row: int) -> list[HostPlan]:
     rows = len(doclens)
     if rows % (r * g):
@@ -206,17 +221,17 @@ def make(options: Options) -> "DistcaBackend":
     spec = spec_for(s, int(tokens_per_row))
     # Group k: devices [k s, (k + 1) s); its nano-batch i: rows [i rn, (i + 1) rn) of every
     # device's block (model.split_rows).
-    return [host_plan([list(doclens[k * s * r + x]) for x in nano_batch_rows(s, r, n, i)], spec,
-                      plan_options)
-            for k in range(g) for i in range(n)]
+    calls = [[list(doclens[k * s * r + x]) for x in nano_batch_rows(s, r, n, i)]
+             for k in range(g) for i in range(n)]
+    options = plan_options
+    if local and o.local_gain > 0.0 and max(
+        _layout_gain(c, s, rn, spec.tokens_per_device, o.linear_pairs_per_token)
+        for c in calls) < o.local_gain:
+      # Too little to win anywhere in the batch: every plan moves nothing (the local branch).
+      options = dataclasses.replace(plan_options, min_gain=float(o.local_gain))
+    return [host_plan(c, spec, options) for c in calls]
 
   warned = []
-  if not isinstance(o.local_steps, (bool, np.bool_)):
-    raise ValueError(f"config.attention.distca.local_steps={o.local_steps!r} must be True or "
-                     "False (True: batches whose plans move nothing run without the exchange)")
-  # The step branch of batches in which no row crosses: packed_dp's attention (rows over 'data'
-  # only).
-  local = bool(o.local_steps) and data_axis == "data"
 
   def host_prepare(doclens, tokens_per_row: int) -> dict[str, np.ndarray]:
     plans = host_plans(doclens, tokens_per_row)
@@ -276,6 +291,16 @@ def make(options: Options) -> "DistcaBackend":
               if local else None)
   return DistcaBackend(fn=fn, host_prepare=host_prepare, host_plans=host_plans, caps=caps,
                        memory_mode=dispatch.memory_mode, resend_fn=resend, local_fn=local_fn)
+
+
+def _layout_gain(rows, servers: int, rows_per_device: int, tokens_per_device: int,
+                 linear_pairs_per_token: float) -> float:
+  """``plan.predicted_step_gain`` of one call's rows (device-major, ``rows_per_device`` each)
+  as they lie: what the planner computes for its gate (``Plan.predicted_gain``)."""
+  loads = [sum(int(x) * (int(x) + 1) // 2 for row in rows[d * rows_per_device:
+                                                         (d + 1) * rows_per_device] for x in row)
+           for d in range(servers)]
+  return predicted_step_gain(loads, tokens_per_device, linear_pairs_per_token)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,6 +72,7 @@ STRATEGIES = ("packed_dp", "cp", "wlb", "distca")
 _DISTCA_DEFAULTS = config_lib.base_config().attention.distca
 DEFAULT_MIN_GAIN = float(_DISTCA_DEFAULTS.min_gain)
 DEFAULT_LOCAL_STEPS = bool(_DISTCA_DEFAULTS.local_steps)
+DEFAULT_LOCAL_GAIN = float(_DISTCA_DEFAULTS.local_gain)
 WLB_ALPHAS = (1.0, 1.1, 1.2, 1.5, 2.0)
 # distca's exchange implementations the simulator prices (``dataplane.exchange``); 'auto' is
 # resolved per layout (``resolve_collective``).
@@ -154,6 +155,10 @@ class Options:
       (``step_is_local``) is priced as the system's local branch runs it: packed_dp's step, no
       exchange and no dispatch (``attention.distca.local_steps``, on by default); False: every
       step through the exchange.
+    local_gain: with ``local_steps`` and no pipeline, a step whose every micro-batch could gain
+      less than this (``plan.predicted_step_gain`` of its layout) is planned to move nothing,
+      so it runs the local branch (``attention.distca.local_gain``); 0 = only steps whose plans
+      move nothing anyway.
   """
   tolerance: float = plan_lib.DEFAULT_TOLERANCE
   min_gain: float = DEFAULT_MIN_GAIN
@@ -169,6 +174,7 @@ class Options:
   remat: str = "save_attention"
   pool_stages: bool = True
   local_steps: bool = DEFAULT_LOCAL_STEPS
+  local_gain: float = DEFAULT_LOCAL_GAIN
 
   def __post_init__(self):
     costs.check_remat(self.remat)
@@ -176,6 +182,7 @@ class Options:
       raise ValueError(f"local_steps={self.local_steps!r} must be True or False (True: a step "
                        "whose plans move nothing is priced without the exchange)")
     check_float("min_gain", self.min_gain, 0.0, "0: no gate")
+    check_float("local_gain", self.local_gain, 0.0, "0: only steps whose plans move nothing")
     if self.collective not in SIM_COLLECTIVES:
       raise ValueError(f"collective={self.collective!r} is not priced by the simulator; use one "
                        f"of {SIM_COLLECTIVES}")
@@ -252,6 +259,19 @@ def run_distca(rows, tokens, spec, km, opts: Options) -> MicroResult:
   sec = km.task_seconds(t[:, 2] - t[:, 1], t[:, 2], d)
   attn = np.bincount(t[:, 3], weights=sec, minlength=plan.num_servers)
   return MicroResult(bm.distca_metrics(plan), attn, len(rows), plan)
+
+
+def run_distca_step(batch, tokens, spec, km, opts: Options, layout) -> list[MicroResult]:
+  """``run_distca`` over a step's micro-batches (or a pipeline's ticks); without a pipeline and
+  with ``opts.local_steps``, a step whose every micro-batch could gain less than
+  ``opts.local_gain`` is planned to move nothing (the system's ``attention.distca.local_gain``)."""
+  if opts.local_steps and layout.pipe == 1 and opts.local_gain > 0.0:
+    lin = costs.linear_pairs_per_token(spec.dims)
+    gain = max(plan_lib.predicted_step_gain([sum(int(x) * (int(x) + 1) // 2 for x in r)
+                                             for r in rows], tokens, lin) for rows in batch)
+    if gain < opts.local_gain:
+      opts = dataclasses.replace(opts, min_gain=max(opts.min_gain, opts.local_gain))
+  return [run_distca(rows, tokens, spec, km, opts) for rows in batch]
 
 
 def tick_rows(batch: Sequence[Sequence[Sequence[int]]], stages: int, pooled: bool = True
@@ -677,10 +697,15 @@ def simulate(batches, spec: costs.ModelSpec, layout: Layout, tokens: int, *,
   if "distca" in strategies:
     as_ticks = lambda bs: bs if layout.pipe == 1 else [tick_rows(b, layout.pipe,
                                                                  opts.pool_stages) for b in bs]
-    scored = run(as_ticks(batches), run_distca, opts)
+    scored = [run_distca_step(b, tokens, spec, km, opts, layout) for b in as_ticks(batches)]
     sizing = list(batches) + (list(select_batches or []) if caps_batches is None
                               else list(caps_batches))
-    sized = scored + run(as_ticks(sizing[len(batches):]), run_distca, opts)
+    # Training sizes its caps on plans without the gate (backends.distca.startup_capacity):
+    # the caps also hold the batches a gate leaves unmoved.
+    ungated = dataclasses.replace(opts, min_gain=0.0)
+    sized = (scored if opts.min_gain == 0.0 and opts.local_gain == 0.0
+             else run(as_ticks(batches), run_distca, ungated))
+    sized = sized + run(as_ticks(sizing[len(batches):]), run_distca, ungated)
     caps = distca_caps([mr.plan for b in sized for mr in b], tokens, opts.caps_headroom)
     out["distca"] = evaluate(scored, spec, cal, layout, opts, tokens, caps=caps)
     out["distca"]["caps_from_batches"] = len(sized)

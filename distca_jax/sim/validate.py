@@ -24,28 +24,27 @@ Cases (files under results/):
   the same multi-GPU run, or in runs of one call on one machine (the 4-GPU runs: one process
   per backend, ``PAIRED_RUNS``), vs the predicted one (ratios in place of seconds).
 
-Four code generations / devices ("eras") are in the committed runs: the 2-GPU runs (``*_v5*``)
-were made without two single-stream fixes (FA3's forward no longer cloned, no raw LSE buffer
-copy), which change step times; 'current' is
-one H200 of the current code (its held-out runs include one on 4 x H200, the same device); 'h100'
-is 4 x H100 of the current code (results/four/raw/: calibrated on three packed_dp runs of
-356931f; held out, its distca runs of that code and the runs of ff00a0c / 2adb8bc under
-results/four/raw/s4: packed_dp, wlb (CP 4 / CP 2, alpha 1.0), cp (CP 1) and distca at 128K,
-pipe 2 x data 2 with distca pooled and per stage, 2 rows per GPU with and without ping-pong at
-32K and 64K; and the distca runs of 8051464 on 2 x H100 under results/skip, Pretrain and ProLong
-128K); 'h100-local' is the H100 code with the train step's local branch (bcacbbe: results/skip's
-packed_dp, distca and distca with the gate at 0.06 of the same call), priced with the 'h100'
-calibration (``CALIBRATED_AS``: fitted on runs made before its own). distca's runs are priced
-with the exchange and memory mode they ran (an override, else what 'auto' ran as:
-``AUTO_RAN_AS``), the gate and the local branch of their era (``_ERA_MIN_GAIN``,
+Four code generations / devices ("eras") are in the committed runs: the 2-GPU runs (``*_v5*``) were
+made without two single-stream fixes (FA3's forward no longer cloned, no raw LSE buffer copy),
+which change step times; 'current' is one H200 of the current code (its held-out runs include one
+on 4 x H200, the same device); 'h100' is 4 x H100 of the current code (results/four/raw/:
+calibrated on three packed_dp runs of 356931f; held out, its distca runs of that code and the runs
+of ff00a0c / 2adb8bc under results/four/raw/s4: packed_dp, wlb (CP 4 / CP 2, alpha 1.0), cp (CP 1)
+and distca at 128K, pipe 2 x data 2 with distca pooled and per stage, 2 rows per GPU with and
+without ping-pong at 32K and 64K; and the distca runs of 8051464 on 2 x H100 under results/skip,
+Pretrain and ProLong 128K); 'h100-local' is the H100 code with the train step's local branch
+(bcacbbe: results/skip's packed_dp, distca and distca with the gate at 0.06 of the same call),
+priced with the 'h100' calibration (``CALIBRATED_AS``: fitted on runs made before its own).
+distca's runs are priced with the exchange and memory mode they ran (an override, else what 'auto'
+ran as: ``AUTO_RAN_AS``), the gate and the local branch of their era (``_ERA_MIN_GAIN``,
 ``_ERA_LOCAL_STEPS``: the runs before bcacbbe sent every batch through the exchange) unless an
 override set them. Each era is calibrated on packed_dp or one-GPU runs of its own
-(``CALIBRATION_RUNS``) or priced with an earlier era's calibration (``CALIBRATED_AS``), and
-every other case of that era is held out. ``role`` says which. distca's dispatch rate
-(``Calibration.dispatch_bw``, every era) is fitted on the profiled extra step of the s4 128K
-distca and wlb runs (``DISPATCH_PROFILES``), not on any case's timed steps. A case above 10% carries the note written for that very case in
-``MISS_NOTES`` (by its kind and full name), or "not explained"; the summary says whether the
-gate (every case within 10%) is met.
+(``CALIBRATION_RUNS``) or priced with an earlier era's calibration (``CALIBRATED_AS``), and every
+other case of that era is held out. ``role`` says which. distca's dispatch rate
+(``Calibration.dispatch_bw``, every era) is fitted on the profiled extra step of the s4 128K distca
+and wlb runs (``DISPATCH_PROFILES``), not on any case's timed steps. A case above 10% carries the
+note written for that very case in ``MISS_NOTES`` (by its kind and full name), or "not explained";
+the summary says whether the gate (every case within 10%) is met.
 """
 
 from __future__ import annotations
@@ -73,9 +72,8 @@ CALIBRATION_RUNS = {
              ("four/raw/e2e_bk_prolong_packed_dp", None),
              ("four/raw/e2e_4gpu_pretrain_128k_packed_dp", None)],
 }
-# Eras without calibration runs of their own, priced with another era's calibration (fitted on
-# runs made before theirs): 'h100-local' is H100 code with the train step's local branch
-# (bcacbbe on), the device and compute of 'h100'.
+# Eras priced with another era's calibration (fitted on runs made before theirs): 'h100-local'
+# is the H100 code with the train step's local branch (bcacbbe on).
 CALIBRATED_AS = {"h100-local": "h100"}
 # The eras of the current code (the summary's 4-GPU count).
 CURRENT_ERAS = ("current", "h100", "h100-local")
@@ -130,11 +128,9 @@ AUTO_RAN_AS = {
     **{f"four/raw/s4/{stem}": {"collective": "remote", "memory_mode": "keep"}
        for stem in ("e2e_4gpu_4d_pretrain", "e2e_4gpu_pingpong",
                     "e2e_4gpu_pingpong_prolong_distca", "e2e_4gpu_pingpong_64k")},
-    # results/skip/raw/step_cond (one process, 'auto' = 'remote'): every distca run logged
-    # "memory_mode 'auto': 'keep' (fits: 64.89-65.43 GiB per device)".
-    **{f"skip/raw/step_cond/e2e_2gpu_skip_{tree}_{w}": {"collective": "remote",
-                                                       "memory_mode": "keep"}
-       for tree in ("old", "new") for w in ("pretrain", "prolong")},
+    # results/skip/raw/step_cond: every distca run logged "'auto': 'keep' (fits: ...)".
+    **{f"skip/raw/step_cond/e2e_2gpu_skip_{t}_{w}": {"collective": "remote", "memory_mode": "keep"}
+       for t in ("old", "new") for w in ("pretrain", "prolong")},
 }
 # Runs of one backend each (one process per backend, same host and session) paired for
 # distca's speedup; runs of one call pair within their file.
@@ -193,8 +189,7 @@ DISPATCH_PROFILES = {w: ("four/raw/s4/e2e_4gpu_128k_distca", f"four/raw/s4/profi
                          f"four/raw/s4/profiles/{w}_128k_wlb") for w in ("pretrain", "prolong")}
 # The planner's gate (min_gain) each code era ran with (a run's override wins): 0 = no gate.
 _ERA_MIN_GAIN = {"current": 0.02, "v5": 0.0, "h100": 0.02, "h100-local": 0.02}
-# Whether each code era had the train step's local branch (``step.Options.local_steps``; a run's
-# override wins): the runs before bcacbbe sent every batch through the exchange.
+# Each era's train step had the local branch (a run's override wins): not before bcacbbe.
 _ERA_LOCAL_STEPS = {"current": False, "v5": False, "h100": False, "h100-local": True}
 
 
@@ -336,6 +331,7 @@ def _options(run: E2eRun, era: str) -> step.Options:
       min_gain=float(run.override("attention.distca.min_gain", str(_ERA_MIN_GAIN[era]))),
       local_steps=run.override("attention.distca.local_steps",
                                str(_ERA_LOCAL_STEPS[era])).lower() == "true",
+      local_gain=float(run.override("attention.distca.local_gain", "0")),  # no run had one
       nano_batches=2 if run.backend.endswith("+pingpong") else 1,
       wlb_alphas=(run.wlb_alpha or float(run.override("attention.baselines.wlb_alpha", "1.0")),),
       cp_sizes=(run.wlb_cp or int(run.override("attention.baselines.cp_size", "1")),),

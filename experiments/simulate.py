@@ -22,10 +22,11 @@ with per-rank breakdowns. Without ``--tensor`` / ``--pipe`` it picks the first l
 model-parallel GPUs: tensor 1-8 inside a node, pipe 1-4 with 2 x pipe micro-batches) where every
 strategy fits memory, says which in one line, and says so in one line (exit 2) when none fits.
 cp's and wlb's settings are chosen on other batches than the scored ones. distca's tolerance,
-gate and local steps are the training config's defaults (``attention.distca.tolerance``,
-``min_gain``, ``local_steps``) unless ``--tolerance`` / ``--min-gain`` / ``--no-local-steps`` say
-otherwise: without a pipeline a step whose plans all move nothing is priced as packed_dp's (the
-train step's local branch). ``--paper`` replays the DistCA paper's 3D (no pipeline) and 4D
+gates and local steps are the training config's defaults (``attention.distca.tolerance``,
+``min_gain``, ``local_gain``, ``local_steps``) unless ``--tolerance`` / ``--min-gain`` /
+``--no-local-steps`` say otherwise: without a pipeline a step whose plans all move nothing (or
+whose every plan could gain less than ``local_gain``) is priced as packed_dp's (the train step's
+local branch). ``--paper`` replays the DistCA paper's 3D (no pipeline) and 4D
 (pipeline) experiments on Llama-3-8B at 16/32/64 GPUs and a 34B-class model at 128/256/512 GPUs,
 contexts 128K-512K, both workloads, plus an epsilon sweep and per-rank imbalance; it writes
 OUT.md, OUT.json and OUT.png.

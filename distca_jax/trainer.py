@@ -555,9 +555,6 @@ def preflight(c, run: RunSetup, state, batch: dict, rows: int | None = None,
   either way one line says which mode runs. Returns (compiled step, workspace bytes, need
   bytes, the run whose model the step runs)."""
   device, resend_fn = run.mesh.devices.flat[0], getattr(run.backend, "resend_fn", None)
-  if getattr(run.backend, "local_fn", None) is not None:
-    log("distca: a batch whose plans move no row runs the step's branch without the exchange "
-        "(packed_dp's attention)")
   step_fn, workspace, _ = compile_train_step(c, run, state, batch, rows)
   if resend_fn is None:
     return step_fn, workspace, memory_lib.check_fits(step_fn, device, capacity, workspace), run
@@ -597,7 +594,10 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
             f"{c.attention.distca.caps_headroom})"
             if c.attention.distca.caps_from_batches else "")
     log.info("distca caps per device and call (0 = plan.default_capacity): "
-             + ", ".join(f"{k}={v}" for k, v in backend.caps.items()) + auto)
+             + ", ".join(f"{k}={v}" for k, v in backend.caps.items()) + auto
+             + ("; a batch whose plans move no row (every plan's gain below local_gain="
+                f"{c.attention.distca.local_gain:g}, or none moved) runs the step without the "
+                "exchange (packed_dp's attention)" if backend.local_fn is not None else ""))
   elif backend.chosen:  # a baseline's configuration chosen at startup (cp, wlb)
     log.info(f"attention backend '{c.attention.backend}' options chosen at startup on sampled "
              "batches the run never trains (a positive value in the config keeps its own): "
@@ -643,6 +643,7 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
   step_fn = None
   log.info(f"compiling the train step (first step includes compilation) ...")
   window_t0, window_flops, window_tokens, window_steps = None, 0.0, 0, 0
+  window_local = 0  # steps of the window on the train step's local branch (runs_local)
   profile_dir = os.path.join(workdir, "profile")
   if jax.process_count() > 1:  # each process traces (and reports) its own devices
     profile_dir = os.path.join(profile_dir, f"process_{jax.process_index()}")
@@ -690,10 +691,12 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
       if window_t0 is None or profiled:  # time from the end of the first (compiling) or
         jax.block_until_ready(m)         # profiled step: those are not representative
         window_t0, window_flops, window_tokens, window_steps = time.time(), 0.0, 0, 0
+        window_local = 0
       else:
         window_flops += flops
         window_tokens += tokens
         window_steps += 1
+        window_local += runs_local(np_batch)
       done = step + 1
       if done % c.log_every == 0 or done == c.num_steps:
         m = jax.device_get(m)
@@ -704,10 +707,13 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
           rec["tokens_per_s"] = window_tokens / elapsed
           if peak:
             rec["mfu"] = window_flops / elapsed / (peak * jax.device_count())
+          if getattr(run.backend, "local_fn", None) is not None:  # distca's local branch
+            rec["local_step_share"] = window_local / window_steps
         log.write(done, rec)
         records.append({"step": done, **rec})
         last_step_time_s = rec.get("step_time_s", last_step_time_s)
         window_t0, window_flops, window_tokens, window_steps = time.time(), 0.0, 0, 0
+        window_local = 0
       if manager is not None and (done % c.checkpoint_every == 0 or done == c.num_steps):
         watch.poll(wait=True)
         if watch.streak:  # the state may come from the update that started the streak

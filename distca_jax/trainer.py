@@ -286,7 +286,7 @@ def compile_train_step(c, run: RunSetup, state, batch: dict, rows: int | None = 
   compiled (loop pre-flight, `aot`, benchmarks); `batch` as `rows` rows (default its own)."""
   batch = {k: jax.ShapeDtypeStruct((rows or a.shape[0],) + a.shape[1:], a.dtype,
                                    sharding=rows_sharding(run.mesh)) for k, a in batch.items()}
-  local_fn = getattr(run.backend, "local_fn", None)
+  local_fn = run.backend.local_fn
   local_model = run.model.clone(attend=local_fn) if local_fn is not None else None
   t0 = time.perf_counter()
   with mesh_context(run.mesh, c.mesh.fsdp):
@@ -642,8 +642,8 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
   closers.callback(wait_for_dispatched_work)  # runs first
   step_fn = None
   log.info(f"compiling the train step (first step includes compilation) ...")
-  window_t0, window_flops, window_tokens, window_steps = None, 0.0, 0, 0
-  window_local = 0  # steps of the window on the train step's local branch (runs_local)
+  # window_local: steps of the window on the train step's local branch (runs_local)
+  window_t0, window_flops, window_tokens, window_steps, window_local = None, 0.0, 0, 0, 0
   profile_dir = os.path.join(workdir, "profile")
   if jax.process_count() > 1:  # each process traces (and reports) its own devices
     profile_dir = os.path.join(profile_dir, f"process_{jax.process_index()}")
@@ -690,8 +690,8 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
       watch.poll()
       if window_t0 is None or profiled:  # time from the end of the first (compiling) or
         jax.block_until_ready(m)         # profiled step: those are not representative
-        window_t0, window_flops, window_tokens, window_steps = time.time(), 0.0, 0, 0
-        window_local = 0
+        window_t0, window_flops, window_tokens, window_steps, window_local = (
+            time.time(), 0.0, 0, 0, 0)
       else:
         window_flops += flops
         window_tokens += tokens
@@ -707,13 +707,13 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
           rec["tokens_per_s"] = window_tokens / elapsed
           if peak:
             rec["mfu"] = window_flops / elapsed / (peak * jax.device_count())
-          if getattr(run.backend, "local_fn", None) is not None:  # distca's local branch
+          if run.backend.local_fn is not None:  # distca's local branch
             rec["local_step_share"] = window_local / window_steps
         log.write(done, rec)
         records.append({"step": done, **rec})
         last_step_time_s = rec.get("step_time_s", last_step_time_s)
-        window_t0, window_flops, window_tokens, window_steps = time.time(), 0.0, 0, 0
-        window_local = 0
+        window_t0, window_flops, window_tokens, window_steps, window_local = (
+            time.time(), 0.0, 0, 0, 0)
       if manager is not None and (done % c.checkpoint_every == 0 or done == c.num_steps):
         watch.poll(wait=True)
         if watch.streak:  # the state may come from the update that started the streak

@@ -118,12 +118,11 @@ def options(a, **kw) -> step.Options:
   defaults, unless ``--tolerance`` / ``--min-gain`` / ``--no-local-steps`` say otherwise."""
   from distca_jax import config as config_lib  # pylint: disable=import-outside-toplevel
   ca = config_lib.base_config().attention.distca
-  o = step.Options(tolerance=ca.tolerance, min_gain=ca.min_gain, nano_batches=a.nano_batches,
+  o = step.Options(tolerance=ca.tolerance, nano_batches=a.nano_batches,
                    collective=a.collective, memory_mode=a.memory_mode,
                    exchange_buckets=ca.exchange_buckets,
                    caps_headroom=ca.caps_headroom, cp_overlap=not a.no_cp_overlap, remat=a.remat,
-                   local_steps=bool(ca.local_steps) and not a.no_local_steps,
-                   local_gain=ca.local_gain)
+                   local_steps=step.DEFAULT_LOCAL_STEPS and not a.no_local_steps)
   if a.tolerance is not None:
     o = dataclasses.replace(o, tolerance=a.tolerance)
   if a.min_gain is not None:

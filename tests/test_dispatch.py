@@ -882,7 +882,6 @@ def test_local_gain_sends_a_batch_that_cannot_win_enough_to_the_local_branch(see
   (the local branch); a batch with one plan above it is planned with min_gain only, so its other
   plans still balance. The backend's gain of a layout is the planner's."""
   from distca_jax import attention as attn
-  from distca_jax.backends.distca import _layout_gain
   rng = np.random.default_rng(seed)
   opts = dict(q_heads=H, kv_heads=KH, head_dim=D, rows_per_rank=2, nano_batches=2,
               linear_pairs_per_token=4.0)
@@ -894,7 +893,7 @@ def test_local_gain_sends_a_batch_that_cannot_win_enough_to_the_local_branch(see
   gains = [hp.plan.predicted_gain for hp in plans]
   for i, hp in enumerate(plans):
     call = [rows[x] for x in plan_lib.nano_batch_rows(4, 2, 2, i)]
-    assert _layout_gain(call, 4, 1, t, 4.0) == pytest.approx(hp.plan.predicted_gain)
+    assert plan_lib.layout_step_gain(call, t, 4.0) == pytest.approx(hp.plan.predicted_gain)
   lo, hi = sorted(gains)
   assert hi > lo > 0, gains
   # Above both: every plan moves nothing, the batch runs the local branch.

@@ -829,17 +829,17 @@ def test_a_step_whose_plans_move_nothing_is_priced_as_packed_dp_when_local_steps
   opts = step.Options(min_gain=0.0, local_gain=0.0, nano_batches=1)
   mixed = [[balanced[0][0], skewed]]
   res = [[step.run_distca(rows, t, spec, km, opts) for rows in b] for b in mixed]
-  assert [step.plan_crosses(mr.plan) for mr in res[0]] == [False, True]
+  assert [mr.plan.crosses for mr in res[0]] == [False, True]
   assert not step.step_is_local(res[0], two, opts)
   out = step.simulate(mixed, spec, two, t, cal=cal, km=km, opts=opts, strategies=("distca",))
   assert out["distca"]["local_batches"] == 0 and min(out["distca"]["per_rank_s"]["dispatch"]) > 0
-  # plan_crosses is the system's flag (HostPlan.crosses) on the backend's own plans.
+  # Plan.crosses is what the backend's routing tables send, on its own plans.
   from distca_jax import backends
   for min_gain in (0.0, 1e9):
     b = backends.get("distca", q_heads=32, kv_heads=8, head_dim=128, min_gain=min_gain)
     for rows in (gated[0][0], skewed, balanced[0][0]):
       for hp in b.host_plans(rows, t):
-        assert step.plan_crosses(hp.plan) == hp.crosses
+        assert hp.plan.crosses == bool(hp.meta.q_send_len.any() or hp.meta.kv_send_len.any())
   with pytest.raises(ValueError, match="local_steps='yes' must be True or False"):
     step.Options(local_steps="yes")
   with pytest.raises(ValueError, match="min_gain=-0.1 must be a finite number >= 0"):

@@ -29,7 +29,6 @@ from distca_jax.data import run_source
 from distca_jax.dataplane import (DEFAULT_EXCHANGE_BUCKETS, MEMORY_MODES, DispatchOptions,
                                   ExchangeOptions, dispatch_attention, mesh_and_servers)
 from distca_jax.plan import cost, ticks
-from distca_jax.plan.cost import predicted_step_gain
 from distca_jax.plan.capacity import (CAP_FIELDS, EXCHANGE_FIELDS, caps_with_headroom,
                                       default_capacity, resolve_capacity, row_multiple)
 from distca_jax.plan.options import PlanOptions
@@ -225,7 +224,8 @@ def make(options: Options) -> "DistcaBackend":
              for k in range(g) for i in range(n)]
     options = plan_options
     if local and o.local_gain > 0.0 and max(
-        _layout_gain(c, s, rn, spec.tokens_per_device, o.linear_pairs_per_token)
+        cost.layout_step_gain([sum(c[d * rn:(d + 1) * rn], []) for d in range(s)],
+                              spec.tokens_per_device, o.linear_pairs_per_token)
         for c in calls) < o.local_gain:
       # Too little to win anywhere in the batch: every plan moves nothing (the local branch).
       options = dataclasses.replace(plan_options, min_gain=max(o.min_gain, o.local_gain))
@@ -254,7 +254,7 @@ def make(options: Options) -> "DistcaBackend":
       # documents than a device's task slots), and whether any plan of the step crosses
       extra[DOC_LENS_KEY] = packing.packed_doc_lens(doclens, tokens_per_row,
                                                     spec.capacity.tasks)
-      extra[attn_lib.CROSSES_KEY] = np.full(len(doclens), any(hp.crosses for hp in plans),
+      extra[attn_lib.CROSSES_KEY] = np.full(len(doclens), any(hp.plan.crosses for hp in plans),
                                             np.int32)
     return extra
 
@@ -291,16 +291,6 @@ def make(options: Options) -> "DistcaBackend":
               if local else None)
   return DistcaBackend(fn=fn, host_prepare=host_prepare, host_plans=host_plans, caps=caps,
                        memory_mode=dispatch.memory_mode, resend_fn=resend, local_fn=local_fn)
-
-
-def _layout_gain(rows, servers: int, rows_per_device: int, tokens_per_device: int,
-                 linear_pairs_per_token: float) -> float:
-  """``plan.predicted_step_gain`` of one call's rows (device-major, ``rows_per_device`` each)
-  as they lie: what the planner computes for its gate (``Plan.predicted_gain``)."""
-  loads = [sum(int(x) * (int(x) + 1) // 2 for row in rows[d * rows_per_device:
-                                                         (d + 1) * rows_per_device] for x in row)
-           for d in range(servers)]
-  return predicted_step_gain(loads, tokens_per_device, linear_pairs_per_token)
 
 
 @dataclasses.dataclass(frozen=True)

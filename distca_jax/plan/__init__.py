@@ -22,7 +22,8 @@ from distca_jax.plan.cost import (BWD_FWD_RATIO, DEFAULT_DTYPE_BYTES, DEFAULT_HE
                                   DEFAULT_KV_HEADS, DEFAULT_MIN_SHARD, DEFAULT_Q_HEADS,
                                   DEFAULT_TOLERANCE, FWD_FLOPS_PER_PAIR, MFU_FWD_BWD_FACTOR,
                                   CostTable, as_cost_table, attention_pairs,
-                                  core_attention_flops, imbalance, pairs, predicted_step_gain,
+                                  core_attention_flops, imbalance, layout_step_gain, pairs,
+                                  predicted_step_gain,
                                   task_flops)
 from distca_jax.plan.diagnostics import (diagnostics, exchange_bytes, pair_bytes, plot_loads,
                                          server_loads, traffic_rows)
@@ -40,8 +41,8 @@ __all__ = [
     "Plan", "PlanMetadata", "PlanOptions", "PlanSpec", "ROUTE_ROWS", "SPLITS", "as_cost_table",
     "attention_pairs", "auto_min_shard", "caps_with_headroom", "core_attention_flops",
     "default_capacity", "device_layout", "diagnostics", "exchange_bytes", "fit_host_plan",
-    "host_plan", "imbalance", "nano_batch_rows", "pair_bytes", "pairs", "parse_layout",
-    "plan_to_metadata", "plot_loads", "predicted_step_gain", "ranges",
+    "host_plan", "imbalance", "layout_step_gain", "nano_batch_rows", "pair_bytes", "pairs",
+    "parse_layout", "plan_to_metadata", "plot_loads", "predicted_step_gain", "ranges",
     "reference_document_attention", "reference_execute", "required_capacity", "resolve_capacity",
     "reverse_routes", "row_multiple", "schedule", "server_loads", "split_at", "suggest_capacity",
     "task_flops", "traffic_rows",

@@ -210,6 +210,15 @@ def imbalance(loads) -> float:
 
 
 
+def layout_step_gain(server_doc_lens, tokens_per_rank: int,
+                     linear_pairs_per_token: float) -> float:
+  """``predicted_step_gain`` of documents as they lie: one list of document lengths per server
+  (every document computed where it lives), as the planner's gate computes it
+  (``Plan.predicted_gain``) without planning."""
+  loads = [int(pairs(0, np.asarray(lens, np.int64)).sum()) for lens in server_doc_lens]
+  return predicted_step_gain(loads, tokens_per_rank, linear_pairs_per_token)
+
+
 def predicted_step_gain(loads, tokens_per_rank: int, linear_pairs_per_token: float) -> float:
   """The speedup a perfect attention balance would bring, minus 1, from per-server pairs.
 

@@ -197,6 +197,12 @@ class Plan:
   gated: bool = False
 
   @property
+  def crosses(self) -> bool:
+    """Whether any row crosses devices (a plan that moves nothing and splits no document over
+    devices does not): some (sender, server) pair sends query or key/value rows."""
+    return bool(self.pair_q_rows.any() or self.pair_kv_rows.any())
+
+  @property
   def bytes_total(self) -> int:
     """Dispatch bytes, query plus key/value (add ``bytes_q`` for the output's return)."""
     return self.bytes_q + self.bytes_kv

@@ -179,12 +179,6 @@ class HostPlan:
   packed: np.ndarray
   spec: PlanSpec
 
-  @property
-  def crosses(self) -> bool:
-    """Whether any row crosses devices (a plan that moves nothing and splits no document over
-    devices does not)."""
-    return bool(self.meta.q_send_len.any() or self.meta.kv_send_len.any())
-
 
 def device_layout(doc_lens, spec: PlanSpec):
   """Scheduler layout over devices and the per-device packing permutation ``[S, R * T]``.

@@ -27,7 +27,7 @@ device to spare, else 'resend', whose backward runs the Q and K/V exchanges once
 cp / wlb overlap their K/V all-gather with attention when ``cp_overlap`` (ring attention, the
 paper's WLB-ideal), else expose it (this project's backend).
 
-distca without a pipeline runs a step in which no plan moves a row (``plan_crosses`` False for
+distca without a pipeline runs a step in which no plan moves a row (``Plan.crosses`` False for
 every plan of the step: each gated by ``min_gain``, or balanced as it lies) on the train step's
 local branch (``attention.distca.local_steps``, ``Options.local_steps``): packed_dp's attention
 on each device's own rows, so it is priced as packed_dp's step (the plans' loads, which equal
@@ -267,8 +267,7 @@ def run_distca_step(batch, tokens, spec, km, opts: Options, layout) -> list[Micr
   ``opts.local_gain`` is planned to move nothing (the system's ``attention.distca.local_gain``)."""
   if opts.local_steps and layout.pipe == 1 and opts.local_gain > 0.0:
     lin = costs.linear_pairs_per_token(spec.dims)
-    gain = max(plan_lib.predicted_step_gain([sum(int(x) * (int(x) + 1) // 2 for x in r)
-                                             for r in rows], tokens, lin) for rows in batch)
+    gain = max(plan_lib.layout_step_gain(rows, tokens, lin) for rows in batch)
     if gain < opts.local_gain:
       opts = dataclasses.replace(opts, min_gain=max(opts.min_gain, opts.local_gain))
   return [run_distca(rows, tokens, spec, km, opts) for rows in batch]
@@ -288,18 +287,12 @@ def tick_rows(batch: Sequence[Sequence[Sequence[int]]], stages: int, pooled: boo
   return [stage_rows(mb) for held in table for mb in held]
 
 
-def plan_crosses(plan: plan_lib.Plan) -> bool:
-  """Whether any row of ``plan`` crosses devices (``plan.HostPlan.crosses`` of the same plan):
-  some (sender, server) pair sends query or key/value rows."""
-  return bool(plan.pair_q_rows.any() or plan.pair_kv_rows.any())
-
-
 def step_is_local(step_results: Sequence[MicroResult], layout: Layout, opts: Options) -> bool:
   """Whether a distca step runs the train step's local branch: ``opts.local_steps``, no
-  pipeline, and no plan of the step moves a row (``plan_crosses``). The simulator plans each
+  pipeline, and no plan of the step moves a row (``Plan.crosses``). The simulator plans each
   micro-batch once (its nano-batches together), where the system plans every nano-batch."""
   return (opts.local_steps and layout.pipe == 1
-          and not any(plan_crosses(mr.plan) for mr in step_results))
+          and not any(mr.plan.crosses for mr in step_results))
 
 
 # ----------------------------------------------------------------------------------------------

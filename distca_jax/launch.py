@@ -406,13 +406,30 @@ def join_failed_line(who: str, distributed: Distributed | None) -> str:
           "its host must be reachable on that port)")
 
 
+def _keep_dump(text: str, workdir: str, me: int | None) -> str:
+  """Writes a child's kept output (its dump) to ``workdir/crash/process<me>-<time>.log``, next
+  to the run's other files, or to a temporary file where the workdir cannot take it (e.g. read
+  only); returns the path."""
+  name = f"process{me if me is not None else ''}-{time.strftime('%Y%m%dT%H%M%S')}-"
+  try:
+    folder = os.path.join(workdir, "crash")
+    os.makedirs(folder, exist_ok=True)
+    fd, path = tempfile.mkstemp(prefix=name, suffix=".log", dir=folder)
+  except OSError:
+    fd, path = tempfile.mkstemp(prefix=f"distca-{name}", suffix=".log")
+  with os.fdopen(fd, "w") as f:
+    f.write(text)
+  return path
+
+
 def supervise(argv: list[str], workdir: str, verbose: bool, me: int | None = None,
               count: int | None = None, distributed: Distributed | None = None) -> int:
   """Runs this command again as a child process and returns the exit status to end with.
 
   The child's stdout passes through. Its stderr passes through up to the first line of a dump
   (``_DUMP_START``: an abort of JAX's runtime or an internal error's traceback); the rest is kept
-  in a log file, named in the last line, and shown with ``verbose``. When the child ends without
+  in a log file under the workdir (``crash/``), named in the last line, and shown with
+  ``verbose``. When the child ends without
   its own 'error:' or 'interrupted' line, the supervisor prints one (the lost process, read from
   the dump, or a job it could not join) and returns 2, or 1 for an internal error. SIGINT and
   SIGTERM are passed on once the child has joined the job; before that (JAX's join does not
@@ -466,11 +483,7 @@ def supervise(argv: list[str], workdir: str, verbose: bool, me: int | None = Non
   text = "".join(kept)
   log = ""
   if kept:
-    fd, path = tempfile.mkstemp(prefix=f"distca-process{me if me is not None else ''}-",
-                                suffix=".log")
-    with os.fdopen(fd, "w") as f:
-      f.write(text)
-    log = f"; its output: {path}"
+    log = f"; its output: {_keep_dump(text, workdir, me)}"
   lost, why = explain_abort(text, me, count)
   if lost is not None:
     line = lost_line(me if me is not None else -1, count or 0, lost, why, workdir)

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -576,3 +577,31 @@ def test_the_supervisor_prints_only_the_line_when_the_gpu_client_warns_after_it(
                      capture_output=True, text=True, timeout=60)
   assert p.returncode == 2 and p.stderr.strip().splitlines() == [
       "error: the run diverged: rerun with a lower learning rate"], p.stderr
+
+
+def test_the_supervisor_keeps_an_aborted_childs_dump_in_the_workdir(tmp_path):
+  """A child that aborts (as a process with heap corruption does) leaves its Python stacks in
+  the run's workdir, named in the supervisor's one line; a workdir that cannot take it falls
+  back to a temporary file."""
+  child = tmp_path / "child.py"
+  child.write_text(
+      "import faulthandler, os, sys\n"
+      f"print({launch.JOINED_MARK!r} + '1/2', file=sys.stderr, flush=True)\n"
+      "print('free(): unaligned chunk detected in tcache 2', file=sys.stderr, flush=True)\n"
+      "faulthandler.enable()\n"
+      "os.abort()\n")
+  workdir = tmp_path / "w"
+  blocked = tmp_path / "file"
+  blocked.write_text("")  # a workdir under a file: its crash/ folder cannot be made
+  for wd in (workdir, blocked / "w"):
+    p = subprocess.run([sys.executable, "-c", "import sys; from distca_jax import launch; "
+                        f"sys.exit(launch.supervise([{str(child)!r}], {str(wd)!r}, "
+                        "verbose=False))"], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                       capture_output=True, text=True, timeout=60)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1 and last.startswith("error: process 1/2 failed (killed by SIGABRT)"), (
+        p.stderr)
+    path = last.split("its output: ")[1].split(";")[0]
+    assert "Fatal Python error: Aborted" in open(path).read(), path
+    assert os.path.dirname(path) == (str(workdir / "crash") if wd == workdir else
+                                     tempfile.gettempdir()), path

@@ -26,19 +26,20 @@ Cases (files under results/):
   per backend, ``PAIRED_RUNS``), vs the predicted one (ratios in place of seconds).
 
 Five code generations / devices ("eras") are in the committed runs, listed with their runs in
-``sim.eras``: 'v5' (the 2-GPU runs ``*_v5*``, before two single-stream fixes), 'current' (one H200 of the current code, and one run
-on 4 x H200), 'h100' (4 x H100 of the current code and 2 x H100 of 8051464), 'h100-local' (2 x
-H100 with the train step's local branch, priced with the 'h100' calibration) and 'h200' (4 x H200
-of 63a9720: the local branch at ``local_gain`` 0.05; results/four/raw/s6). Each era is
-calibrated on packed_dp or one-GPU runs of its own (``CALIBRATION_RUNS``) or priced with an
-earlier era's calibration (``CALIBRATED_AS``), and every other case of that era is held out;
-``role`` says which. distca's runs are priced with the exchange and memory mode they ran (an
-override, else ``AUTO_RAN_AS``) and the gates and local branch of their era (``ERA_MIN_GAIN``,
-``ERA_LOCAL_GAIN``, ``ERA_LOCAL_STEPS``) unless an override set them. distca's dispatch rate
-(``Calibration.dispatch_bw``, every era) is fitted on the profiled extra step of the s4 128K distca
-and wlb runs (``DISPATCH_PROFILES``), not on any case's timed steps. A case above 10% carries the
-note written for that very case in ``MISS_NOTES`` (by its kind and full name), or "not explained";
-the summary says whether the gate (every case within 10%) is met.
+``sim.eras``: 'v5' (the 2-GPU runs ``*_v5*``, before two single-stream fixes), 'current' (one H200
+of the current code, and one run on 4 x H200), 'h100' (4 x H100 of the current code and 2 x H100
+of 8051464), 'h100-local' (2 x H100 with the train step's local branch, priced with the 'h100'
+calibration) and 'h200' (4 x H200 of 63a9720: the local branch at ``local_gain`` 0.05;
+results/four/raw/s6). Each era is calibrated on packed_dp or one-GPU runs of its own
+(``CALIBRATION_RUNS``) or priced with an earlier era's calibration (``CALIBRATED_AS``), and every
+other case of that era is held out; ``role`` says which. distca's runs are priced with the
+exchange and memory mode they ran (an override, else ``AUTO_RAN_AS``) and the gates and local
+branch of their era (``ERA_MIN_GAIN``, ``ERA_LOCAL_GAIN``, ``ERA_LOCAL_STEPS``) unless an override
+set them. distca's dispatch rate (``Calibration.dispatch_bw``, every era) is fitted on the
+profiled extra step of the s4 128K distca and wlb runs (``DISPATCH_PROFILES``), not on any case's
+timed steps. A case above 10% carries the note written for that very case in ``MISS_NOTES`` (by
+its kind and full name), or "not explained"; the summary says whether the gate (every case within
+10%) is met.
 """
 
 from __future__ import annotations

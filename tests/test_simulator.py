@@ -851,8 +851,8 @@ def test_runs_are_priced_with_the_local_branch_of_their_code(validation):
   results/skip are held out, the old tree's priced without the local branch, the new tree's with
   it at the gate each ran (0.02, or its min_gain override): the simulator's local steps are the
   ones each run counted."""
-  assert not any(validate._ERA_LOCAL_STEPS[e] for e in ("current", "v5", "h100"))
-  assert validate._ERA_LOCAL_STEPS["h100-local"]
+  assert not any(validate.ERA_LOCAL_STEPS[e] for e in ("current", "v5", "h100"))
+  assert validate.ERA_LOCAL_STEPS["h100-local"]
   # Priced with the 4 x H100 packed_dp calibration (fitted on runs made before these).
   assert validation["calibrations"]["h100-local"] == validation["calibrations"]["h100"]
   skip = [c for c in validation["cases"] if "skip/raw/step_cond/" in c["name"]]
@@ -871,6 +871,40 @@ def test_runs_are_priced_with_the_local_branch_of_their_code(validation):
       assert opts.min_gain == (0.06 if run.backend.endswith("+gate06") else 0.02)
       res = validate.predict_run(run, cal, km, era)
       share = recorded[run.backend].get("local_steps", 0.0)
+      assert res["local_batches"] == round(share * len(run.steps)), (stem, run.backend)
+
+
+def test_h200_era_is_its_own_calibration_on_packed_dp_and_holds_out_the_rest(validation):
+  """4 x H200 of 63a9720 (results/four/raw/s6): a current-code era of its own, calibrated on
+  its single-stream packed_dp runs without a pipeline; every other case of it is held out, its
+  distca runs priced as they ran ('remote', 'keep', the local branch at local_gain 0.05, gate
+  0.02): the simulator's local steps are the ones each single-stream run counted."""
+  assert "h200" in validate.CURRENT_ERAS and "h200" not in validate.CALIBRATED_AS
+  assert validation["calibrations"]["h200"] != validation["calibrations"]["h100"]
+  cases = [c for c in validation["cases"] if c.get("era") == "h200"]
+  fit = [c for c in cases if c["role"] == "fit"]
+  assert fit and all(c["kind"] == "e2e" and c["backend"] == "packed_dp" for c in fit)
+  assert {c["stem"] for c in fit} == {s for s, _ in validate.CALIBRATION_RUNS["h200"]}
+  e2e = {c["backend"] for c in cases if c["kind"] == "e2e" and c["role"] == "held-out"}
+  assert {"wlb", "cp", "distca", "distca+perstage", "distca+pingpong",
+          "packed_dp+pingpong"} <= e2e
+  assert {c["kind"] for c in cases if c["role"] == "held-out"} == {"e2e", "memory", "speedup",
+                                                                   "exchange"}
+  # issue35's command left --steps / --warmup at e2e_bench's defaults.
+  run = validate.load_runs("four/raw/s6/e2e_4gpu_128k_issue35", "packed_dp")[0]
+  assert run.steps == tuple(range(2, 22))
+  km, _ = validate.kernel_model()
+  cal = costs.Calibration(**validation["calibrations"]["h200"])
+  for stem, backend in validate.HELD_OUT_RUNS["h200"]:
+    recorded = {(r["workload"], r["backend"]): r for r in validate._json(stem)["results"]}
+    for run in validate.load_runs(stem, backend):
+      if run.strategy != "distca" or run.nano_batches != 1:
+        continue  # the simulator plans a micro-batch's nano-batches together
+      opts = validate._options(run, "h200")
+      assert (opts.collective, opts.memory_mode, opts.local_steps, opts.local_gain,
+              opts.min_gain) == ("remote", "keep", True, 0.05, 0.02)
+      res = validate.predict_run(run, cal, km, "h200")
+      share = recorded[run.workload, run.backend]["local_steps"]
       assert res["local_batches"] == round(share * len(run.steps)), (stem, run.backend)
 
 

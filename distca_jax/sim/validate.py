@@ -14,9 +14,10 @@ Cases (files under results/):
   WLB-ideal packings (``micro/wlb_kernel_check.json``, held out);
 * exchange: all_to_all on 2 GPUs vs the fitted latency + bandwidth, each case the mean of its
   runs (``COLLECTIVE_RUNS``: the default-flag and latency-hiding-scheduler runs time one
-  program); distca's exchange alone on 4 x H100 vs its fitted line: 'remote' on useful bytes,
-  'dense' on wire bytes, 'ragged' on its largest (sender, server) group (real plans replanned
-  on the host, and ``experiments/ragged_probe.py``'s group matrices held out);
+  program); distca's exchange alone on 4 x H100 vs its fitted line: 'remote' on useful bytes
+  (and on 4 x H200, held out), 'dense' on wire bytes, 'ragged' on its largest (sender, server)
+  group (real plans replanned on the host, and ``experiments/ragged_probe.py``'s group matrices
+  held out);
 * memory: the compiled step's per-device bytes (XLA's plan, plus the kernels' workspace where
   the run recorded it) vs the memory model, single-stream runs (activations fitted on one-GPU
   runs at 2, 4 and 16 layers, ``MEMORY_RUNS``);
@@ -24,27 +25,21 @@ Cases (files under results/):
   the same multi-GPU run, or in runs of one call on one machine (the 4-GPU runs: one process
   per backend, ``PAIRED_RUNS``), vs the predicted one (ratios in place of seconds).
 
-Four code generations / devices ("eras") are in the committed runs: the 2-GPU runs (``*_v5*``) were
-made without two single-stream fixes (FA3's forward no longer cloned, no raw LSE buffer copy),
-which change step times; 'current' is one H200 of the current code (its held-out runs include one
-on 4 x H200, the same device); 'h100' is 4 x H100 of the current code (results/four/raw/:
-calibrated on three packed_dp runs of 356931f; held out, its distca runs of that code and the runs
-of ff00a0c / 2adb8bc under results/four/raw/s4: packed_dp, wlb (CP 4 / CP 2, alpha 1.0), cp (CP 1)
-and distca at 128K, pipe 2 x data 2 with distca pooled and per stage, 2 rows per GPU with and
-without ping-pong at 32K and 64K; and the distca runs of 8051464 on 2 x H100 under results/skip,
-Pretrain and ProLong 128K); 'h100-local' is the H100 code with the train step's local branch
-(bcacbbe: results/skip's packed_dp, distca and distca with the gate at 0.06 of the same call),
-priced with the 'h100' calibration (``CALIBRATED_AS``: fitted on runs made before its own).
-distca's runs are priced with the exchange and memory mode they ran (an override, else what 'auto'
-ran as: ``AUTO_RAN_AS``), the gate and the local branch of their era (``_ERA_MIN_GAIN``,
-``_ERA_LOCAL_STEPS``: the runs before bcacbbe sent every batch through the exchange) unless an
-override set them. Each era is calibrated on packed_dp or one-GPU runs of its own
+Five code generations / devices ("eras") are in the committed runs, listed with their runs in
+``sim.eras``: 'v5' (the 2-GPU runs ``*_v5*``, before two single-stream fixes), 'current' (one H200
+of the current code, and one run on 4 x H200), 'h100' (4 x H100 of the current code and 2 x H100
+of 8051464), 'h100-local' (2 x H100 with the train step's local branch, priced with the 'h100'
+calibration) and 'h200' (4 x H200 of 63a9720: the local branch at ``local_gain`` 0.05;
+results/four/raw/s6). Each era is calibrated on packed_dp or one-GPU runs of its own
 (``CALIBRATION_RUNS``) or priced with an earlier era's calibration (``CALIBRATED_AS``), and every
-other case of that era is held out. ``role`` says which. distca's dispatch rate
-(``Calibration.dispatch_bw``, every era) is fitted on the profiled extra step of the s4 128K distca
-and wlb runs (``DISPATCH_PROFILES``), not on any case's timed steps. A case above 10% carries the
-note written for that very case in ``MISS_NOTES`` (by its kind and full name), or "not explained";
-the summary says whether the gate (every case within 10%) is met.
+other case of that era is held out; ``role`` says which. distca's runs are priced with the
+exchange and memory mode they ran (an override, else ``AUTO_RAN_AS``) and the gates and local
+branch of their era (``ERA_MIN_GAIN``, ``ERA_LOCAL_GAIN``, ``ERA_LOCAL_STEPS``) unless an override
+set them. distca's dispatch rate (``Calibration.dispatch_bw``, every era) is fitted on the
+profiled extra step of the s4 128K distca and wlb runs (``DISPATCH_PROFILES``), not on any case's
+timed steps. A case above 10% carries the note written for that very case in ``MISS_NOTES`` (by
+its kind and full name), or "not explained"; the summary says whether the gate (every case within
+10%) is met.
 """
 
 from __future__ import annotations
@@ -59,90 +54,11 @@ import numpy as np
 from distca_jax import plan as plan_lib
 from distca_jax.plan import ticks
 from distca_jax.sim import costs, step
+from distca_jax.sim.eras import (AUTO_RAN_AS, CALIBRATED_AS, CALIBRATION_RUNS, CURRENT_ERAS,
+                                 DISTCA_ONLY_VARIANTS, ERA_LOCAL_GAIN, ERA_LOCAL_STEPS,
+                                 ERA_MIN_GAIN, ERAS, HELD_OUT_RUNS, PAIRED_RUNS)
 
 RESULTS = os.path.join(costs.ROOT, "results")
-# era -> (calibration runs, held-out runs); a run is (file stem, backend or None for all).
-CALIBRATION_RUNS = {
-    "current": [("e2e_1gpu_64k_v7", None), ("e2e_1gpu_pingpong_v6_final", "packed_dp"),
-                ("e2e_1gpu_pingpong_v6_final", "distca")],
-    "v5": [("e2e_1gpu_probe_v6", None)],
-    # packed_dp moves nothing: its 4-GPU steps calibrate the H100's compute (fixed, matmul rate,
-    # attention scale: three runs, three parameters); distca's runs are held out.
-    "h100": [("four/raw/e2e_bk_pretrain_packed_dp", None),
-             ("four/raw/e2e_bk_prolong_packed_dp", None),
-             ("four/raw/e2e_4gpu_pretrain_128k_packed_dp", None)],
-}
-# Eras priced with another era's calibration (fitted on runs made before theirs): 'h100-local'
-# is the H100 code with the train step's local branch (bcacbbe on).
-CALIBRATED_AS = {"h100-local": "h100"}
-# The eras of the current code (the summary's 4-GPU count).
-CURRENT_ERAS = ("current", "h100", "h100-local")
-HELD_OUT_RUNS = {
-    "current": [("e2e_1gpu_pingpong_v6_fixed_4l", None), ("e2e_1gpu_64k_nodsf", None),
-                ("e2e_1gpu_2x64k_nodsf", None),
-                ("e2e_1gpu_pingpong_v6_final", "packed_dp+pingpong"),
-                ("e2e_1gpu_pingpong_v6_final", "distca+pingpong"),
-                ("one_gpu/e2e_16l_64k", None), ("one_gpu/e2e_16l_128k", None),
-                # 4 x H200 (results/four/README.md at 356931f): ProLong 64K, 'auto' = 'remote'.
-                ("four/raw/h200_e2e_prolong_64k", None)],
-    "v5": [("e2e_2gpu_64k_v5c", None), ("e2e_2gpu_128k_v5b", None),
-           ("e2e_2gpu_prolong_128k_v5b", None), ("e2e_2gpu_128k_v5_sa", None),
-           ("e2e_2gpu_pingpong_2x64k_v5", None)],
-    "h100": [("four/raw/e2e_bk_pretrain_distca", None), ("four/raw/e2e_bk_prolong_distca", None),
-             # results/four/README.md at 356931f: Pretrain 128K with cuda_async (one process per
-             # backend) and Pretrain 64K with 'dense' and 'remote' (one process, another host).
-             ("four/raw/e2e_128k_cuda_async_packed_dp", None),
-             ("four/raw/e2e_128k_cuda_async", None),
-             ("four/raw/e2e_4gpu_pretrain_64k_remote", None),
-             # results/four/raw/s4 (code of ff00a0c / 2adb8bc): the four strategies at 128K (one
-             # process per backend, same batches; wlb at its recorded configuration, cp at the
-             # config's CP size 1), pipe 2 x data 2 (distca pooled per tick and per stage), and
-             # 2 rows per GPU with and without ping-pong at 32K and (another host) 64K.
-             *[(f"four/raw/s4/e2e_4gpu_128k_{b}", None) for b in ("packed_dp", "wlb", "cp",
-                                                                  "distca")],
-             ("four/raw/s4/e2e_4gpu_4d_pretrain", None),
-             ("four/raw/s4/e2e_4gpu_pingpong", None),
-             ("four/raw/s4/e2e_4gpu_pingpong_prolong_distca", None),
-             ("four/raw/s4/e2e_4gpu_pingpong_64k", None),
-             # results/skip (2 x H100, one call): distca of the tree before the step's local
-             # branch (8051464; every batch through the exchange), Pretrain and ProLong 128K.
-             ("skip/raw/step_cond/e2e_2gpu_skip_old_pretrain", None),
-             ("skip/raw/step_cond/e2e_2gpu_skip_old_prolong", None)],
-    # results/skip (the same call): the tree with the step's local branch (bcacbbe): packed_dp,
-    # distca and distca with the gate at 0.06 (its override), Pretrain and ProLong 128K.
-    "h100-local": [("skip/raw/step_cond/e2e_2gpu_skip_new_pretrain", None),
-                   ("skip/raw/step_cond/e2e_2gpu_skip_new_prolong", None)],
-}
-# What 'auto' ran as in runs of the distca backend that set no override (the exchange's
-# ``collective``, ``memory_mode``), where it is not ('dense', 'keep'): the runs made at 356931f
-# on one process ('auto' = 'remote'); the pre-flight's choice for Pretrain 128K on 4 x H100
-# ("'keep' needs 71.63 GiB per device, leaves less than 4% of 72.85 GiB spare; running
-# 'resend'", results/four/README.md).
-AUTO_RAN_AS = {
-    "four/raw/e2e_128k_cuda_async": {"collective": "remote", "memory_mode": "resend"},
-    "four/raw/h200_e2e_prolong_64k": {"collective": "remote", "memory_mode": "keep"},
-    # results/four/raw/s4 (one process, 'auto' = 'remote'): 128K logged "'keep' needs 71.63
-    # (71.41) GiB per device, leaves less than 4% of 72.84 GiB spare; running 'resend'"; the
-    # others need at most 71.5 GB (XLA's plan + workspace), so 'keep'.
-    "four/raw/s4/e2e_4gpu_128k_distca": {"collective": "remote", "memory_mode": "resend"},
-    **{f"four/raw/s4/{stem}": {"collective": "remote", "memory_mode": "keep"}
-       for stem in ("e2e_4gpu_4d_pretrain", "e2e_4gpu_pingpong",
-                    "e2e_4gpu_pingpong_prolong_distca", "e2e_4gpu_pingpong_64k")},
-    # results/skip/raw/step_cond: every distca run logged "'auto': 'keep' (fits: ...)".
-    **{f"skip/raw/step_cond/e2e_2gpu_skip_{t}_{w}": {"collective": "remote", "memory_mode": "keep"}
-       for t in ("old", "new") for w in ("pretrain", "prolong")},
-}
-# Runs of one backend each (one process per backend, same host and session) paired for
-# distca's speedup; runs of one call pair within their file.
-PAIRED_RUNS = {"four/raw/e2e_bk_pretrain_distca": "four/raw/e2e_bk_pretrain_packed_dp",
-               "four/raw/e2e_bk_prolong_distca": "four/raw/e2e_bk_prolong_packed_dp",
-               "four/raw/e2e_128k_cuda_async": "four/raw/e2e_128k_cuda_async_packed_dp",
-               **{f"four/raw/s4/e2e_4gpu_128k_{b}": "four/raw/s4/e2e_4gpu_128k_packed_dp"
-                  for b in ("wlb", "cp", "distca")},
-               "four/raw/s4/e2e_4gpu_pingpong_prolong_distca": "four/raw/s4/e2e_4gpu_pingpong"}
-# e2e_bench variants that change only distca (no packed_dp twin): their speedup is over the
-# plain baseline of the same call.
-DISTCA_ONLY_VARIANTS = ("+remote", "+dense", "+ragged", "+perstage", "+gate06")
 # The exchange alone on 4 x H100 (results/four/README.md): JSON lines of the default-flag run and
 # the one-shot-flag run; they fit ``Calibration.dense_*`` and ``ragged_*``.
 FOUR_EXCHANGE_LOG = os.path.join("four", "raw", "exchange_bench.log")
@@ -152,6 +68,9 @@ FOUR_EXCHANGE_ONESHOT = os.path.join("four", "raw", "exb_oneshot")
 # the one-slot draft's run on another host (JSON lines) are held out.
 FOUR_REMOTE_GRID = os.path.join("four", "raw", "exchange_bench_grid")
 FOUR_REMOTE_SLOTS1 = os.path.join("four", "raw", "exchange_bench_remote_slots1.log")
+# The same bench on 4 x H200 (results/four/raw/s6, code of 63a9720): default grid and one other,
+# Pretrain 128K batch 0; held out (another device than the fit).
+FOUR_REMOTE_H200 = os.path.join("four", "raw", "s6", "exchange_h200")
 # The config ``experiments/exchange_bench.py`` plans with (``exchange_bench_groups``).
 GPU_BENCH_CONFIG = os.path.join(costs.ROOT, "configs", "gpu_bench.py")
 # ``experiments/ragged_probe.py`` on 4 x H100 (code of bc4c535): its call that moves no rows
@@ -187,11 +106,6 @@ WLB_KERNEL_CHECK = os.path.join("micro", "wlb_kernel_check")
 # steps stay held-out cases.
 DISPATCH_PROFILES = {w: ("four/raw/s4/e2e_4gpu_128k_distca", f"four/raw/s4/profiles/{w}_128k_distca",
                          f"four/raw/s4/profiles/{w}_128k_wlb") for w in ("pretrain", "prolong")}
-# The planner's gate (min_gain) each code era ran with (a run's override wins): 0 = no gate.
-_ERA_MIN_GAIN = {"current": 0.02, "v5": 0.0, "h100": 0.02, "h100-local": 0.02}
-# Each era's train step had the local branch (a run's override wins): not before bcacbbe.
-_ERA_LOCAL_STEPS = {"current": False, "v5": False, "h100": False, "h100-local": True}
-
 
 @dataclasses.dataclass(frozen=True)
 class E2eRun:
@@ -271,12 +185,18 @@ def results_path(stem: str, root: str | None = None) -> str:
   raise FileNotFoundError(f"no measured run {stem}.json under {root} (nor in archive/moves.tsv)")
 
 
+# ``experiments/e2e_bench.py``'s defaults of the flags that say which steps were timed.
+E2E_BENCH_DEFAULTS = {"--steps": 20, "--warmup": 2}
+
+
 def load_runs(stem: str, backend: str | None = None) -> list[E2eRun]:
   """The runs of ``results/STEM.json`` (one backend, or all that did not fail)."""
   with open(results_path(stem)) as f:
     blob = json.load(f)
   words = blob["command"].split()
-  arg = lambda name: int(words[words.index(name) + 1])
+  # A flag the command left out ran at e2e_bench's default (``E2E_BENCH_DEFAULTS``).
+  arg = lambda name: (int(words[words.index(name) + 1]) if name in words
+                      else E2E_BENCH_DEFAULTS[name])
   warmup, steps = arg("--warmup"), arg("--steps")
   out = []
   for r in blob["results"]:
@@ -328,10 +248,10 @@ def _options(run: E2eRun, era: str) -> step.Options:
       memory_mode=run.override("attention.distca.memory_mode", auto.get("memory_mode", "keep")),
       exchange_buckets=int(run.override("attention.distca.exchange_buckets", "8")),
       tolerance=float(run.override("attention.distca.tolerance", str(plan_lib.DEFAULT_TOLERANCE))),
-      min_gain=float(run.override("attention.distca.min_gain", str(_ERA_MIN_GAIN[era]))),
+      min_gain=float(run.override("attention.distca.min_gain", str(ERA_MIN_GAIN[era]))),
       local_steps=run.override("attention.distca.local_steps",
-                               str(_ERA_LOCAL_STEPS[era])).lower() == "true",
-      local_gain=float(run.override("attention.distca.local_gain", "0")),  # no run had one
+                               str(ERA_LOCAL_STEPS[era])).lower() == "true",
+      local_gain=float(run.override("attention.distca.local_gain", str(ERA_LOCAL_GAIN[era]))),
       nano_batches=2 if run.backend.endswith("+pingpong") else 1,
       wlb_alphas=(run.wlb_alpha or float(run.override("attention.baselines.wlb_alpha", "1.0")),),
       cp_sizes=(run.wlb_cp or int(run.override("attention.baselines.cp_size", "1")),),
@@ -496,26 +416,31 @@ def ragged_probe_rows() -> list[dict[str, Any]]:
 
 
 def remote_exchange_rows() -> list[dict[str, Any]]:
-  """The 'remote' exchange alone on 4 x H100: one row per (run, grid, part) with the busiest
-  device's useful bytes (what 'remote' puts on the wire) and the measured seconds; ``role``
-  'fit' for the default grid of ``FOUR_REMOTE_GRID``, 'held-out' for its other grids and for
-  ``FOUR_REMOTE_SLOTS1`` (another host, the one-slot draft of the kernel)."""
-  blobs = [("default grid", "fit", r, "") for rows in _json(FOUR_REMOTE_GRID)["results"].values()
-           for r in rows]
-  blobs += [(f"grid {g}", "held-out", r, f"_{g}") for _, _, r, _ in list(blobs)
-            for g in sorted({k[len("q_remote_"):-len("_ms")] for k in r
-                             if k.startswith("q_remote_") and k.endswith("_ms")
-                             and k != "q_remote_ms"})]
+  """The 'remote' exchange alone on 4 GPUs: one row per (run, grid, part) with the busiest
+  device's useful bytes (what 'remote' puts on the wire), the measured seconds, the device and
+  era; ``role`` 'fit' for the default grid of ``FOUR_REMOTE_GRID`` (4 x H100), 'held-out' for
+  its other grids, for ``FOUR_REMOTE_SLOTS1`` (another host, the one-slot draft of the kernel)
+  and for every grid of ``FOUR_REMOTE_H200`` (4 x H200)."""
+  def grids(stem, role, device, era):
+    rows = [r for rows in _json(stem)["results"].values() for r in rows]
+    out = [("default grid", role, r, "", device, era) for r in rows]
+    return out + [(f"grid {g}", "held-out", r, f"_{g}", device, era) for r in rows
+                  for g in sorted({k[len("q_remote_"):-len("_ms")] for k in r
+                                   if k.startswith("q_remote_") and k.endswith("_ms")
+                                   and k != "q_remote_ms"})]
+  blobs = grids(FOUR_REMOTE_GRID, "fit", "H100", "h100")
   with open(os.path.join(RESULTS, FOUR_REMOTE_SLOTS1)) as f:
-    blobs += [("one-slot draft, another host", "held-out", json.loads(x), "") for x in f
-              if x.startswith("{")]
+    blobs += [("one-slot draft, another host", "held-out", json.loads(x), "", "H100", "h100")
+              for x in f if x.startswith("{")]
+  blobs += grids(FOUR_REMOTE_H200, "held-out", "H200", "h200")
   out = []
-  for label, role, r, grid in blobs:
+  for label, role, r, grid, device, era in blobs:
     for part in ("q", "kv"):
       out.append(dict(name=f"remote exchange {r['workload']} {r['tokens'] // 1024}K batch "
-                      f"{r['step']} {part.upper()} on {r['servers']} x H100 ({label})",
+                      f"{r['step']} {part.upper()} on {r['servers']} x {device} ({label})",
                       useful=r[f"{part}_busiest_mb"] * 1e6,
-                      remote_s=r[f"{part}_remote{grid}_ms"] / 1e3, role=role))
+                      remote_s=r[f"{part}_remote{grid}_ms"] / 1e3, role=role, era=era,
+                      devices=r["servers"]))
   return out
 
 
@@ -686,12 +611,13 @@ def wlb_kernel_cases(km: costs.KernelModel, path: str | None = None) -> list[dic
 
 
 def exchange_cases(cal: costs.Calibration) -> list[dict[str, Any]]:
-  """distca's exchange alone on 4 H100s: 'remote' (``remote_exchange_rows``' roles), dense and
+  """distca's exchange alone on 4 GPUs: 'remote' (``remote_exchange_rows``' roles), dense and
   ragged on real plans (fit: they set ``dense_*`` and ``ragged_*``), ragged on the probe's group
   matrices (``ragged_probe_rows``' roles); all_to_all of N MB per device on 2 GPUs, each case
   the mean of a role's runs (``COLLECTIVE_RUNS``: 2 x H200 fit, 2 x H100 held out)."""
   out = [_case("exchange", r["name"], cal.remote_latency_s + r["useful"] / cal.remote_bw,
-                r["remote_s"], r["role"], era="h100", devices=4) for r in remote_exchange_rows()]
+                r["remote_s"], r["role"], era=r["era"], devices=r["devices"])
+         for r in remote_exchange_rows()]
   for r in four_exchange_rows():
     out.append(_case("exchange", f"dense exchange {r['name']}", cal.dense_latency_s
                      + r["wire"] / cal.dense_bw, r["dense_s"], "fit", era="h100", devices=4))
@@ -711,7 +637,7 @@ def exchange_cases(cal: costs.Calibration) -> list[dict[str, Any]]:
 def e2e_cases(cals: dict[str, costs.Calibration], km: costs.KernelModel
               ) -> list[dict[str, Any]]:
   out = []
-  for era in (*CALIBRATION_RUNS, *CALIBRATED_AS):
+  for era in ERAS:
     for role, table in (("fit", CALIBRATION_RUNS), ("held-out", HELD_OUT_RUNS)):
       for stem, backend in table.get(era, ()):
         for run in load_runs(stem, backend):

@@ -143,11 +143,47 @@ def flash3_masked(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqle
   bucket, fits = flash3_bucket(cu_q, cu_k, buckets)
   o, lse_HxT = _flash3_attention(q, k, v, cu_q, cu_k, bucket, (buckets, scale, impl))
   _, _, q_valid = va.rows_to_tasks(cu_q, num_q_rows)
-  o = jnp.where(q_valid[:, None, None], o, jnp.zeros((), o.dtype))
-  # A task longer than the caller's bounds would be cut short by FA3 without a word: make it NaN.
-  o = jnp.where(fits, o, jnp.asarray(jnp.nan, o.dtype))
-  lse_TxH = jnp.where(q_valid[:, None], lse_HxT.T, -jnp.inf)
+  o = mask_output(o, q_valid, fits)
+  lse_TxH = jnp.where(q_valid[:, None], lse_HxT.T, fills_of(lse_HxT, -jnp.inf)[0])
   return o, lse_TxH
+
+
+def fills_of(x, *values):
+  """Scalars ``values`` in ``x``'s dtype that depend on ``x`` (through an optimization barrier).
+
+  A ``jnp.where`` filling with a constant scalar broadcasts it to the full shape; under a scan
+  whose body is differentiated, JAX computes that broadcast, a loop invariant, once before the
+  loop and holds it at full size for the whole step. A fill that depends on ``x`` stays inside
+  the loop, where XLA fuses its broadcast into the select."""
+  *fills, _ = jax.lax.optimization_barrier((*(jnp.asarray(v, x.dtype) for v in values), x))
+  return fills
+
+
+@jax.custom_vjp
+def mask_output(o, valid, fits):
+  """``o`` with rows outside every task 0 and all of it NaN unless ``fits`` (a task longer than
+  the caller's bounds, which FA3 would cut short without a word).
+
+  The values of two ``jnp.where``; the backward keeps only ``valid`` [rows] and ``fits``.
+  ``jnp.where``'s own transpose keeps its predicate broadcast to ``o``'s shape: under the layer
+  scan that predicate (the plan's, the same in every layer) is a loop invariant, which the scan
+  computes once before the loop and holds, at ``o``'s size, for the whole step; the fills are
+  kept in the loop the same way (``fills_of``)."""
+  zero, nan = fills_of(o, 0, jnp.nan)
+  return jnp.where(fits, jnp.where(valid[:, None, None], o, zero), nan)
+
+
+def _mask_output_fwd(o, valid, fits):
+  return mask_output(o, valid, fits), (valid, fits)
+
+
+def _mask_output_bwd(res, g):
+  valid, fits = res
+  return (jnp.where(valid[:, None, None] & fits, g, jnp.zeros((), g.dtype)),
+          np.zeros(valid.shape, jax.dtypes.float0), np.zeros(fits.shape, jax.dtypes.float0))
+
+
+mask_output.defvjp(_mask_output_fwd, _mask_output_bwd)
 
 
 def _fa3_fwd(q, k, v, cu_q, cu_k, **config):

@@ -16,6 +16,7 @@ import zlib
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -841,3 +842,40 @@ def test_flash3_shape_only_stand_in_compiles_off_gpu_and_never_runs(seed):
     jax.block_until_ready(compiled(q, k, v))
   with pytest.raises(Exception, match="flash3"):
     ops.check_kernel_runs("flash3")
+
+
+def test_flash3_masking_holds_nothing_of_o_size_across_the_layer_loop():
+  """The masking of rows outside every task keeps only the row mask and the fits flag for the
+  backward: a predicate broadcast to O's shape is a loop invariant under the layer scan, which
+  held it (with full-size zero and NaN fills) for the whole step."""
+  rng = np.random.default_rng(5)
+  lq = rng.integers(1, 20, size=3)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lq)]), jnp.int32)
+  t, h, kh, d = int(cu[-1]) + 7, 4, 2, 16
+  ks = jax.random.split(jax.random.key(5), 3)
+  q = jax.random.normal(ks[0], (t, h, d))
+  k, v = (jax.random.normal(x, (t, kh, d)) for x in ks[1:])
+  emu = FA3Emulator()
+  flash = lambda q: fa3.flash3_masked(q, k, v, cu, cu, softmax_scale=0.3, max_seqlen_q=64,
+                                      max_seqlen_k=64, grid_levels=1, impl=(emu.fwd, emu.bwd))[0]
+  from jax._src.ad_checkpoint import saved_residuals  # pylint: disable=import-outside-toplevel
+  res = saved_residuals(lambda q: jnp.sum(flash(q)), q)
+  full_preds = [a for a, _ in res if a.dtype == jnp.bool_ and a.shape == q.shape]
+  assert not full_preds, res
+  assert any(a.dtype == jnp.bool_ and a.shape == (t,) for a, _ in res), res
+  # Under a differentiated layer scan nothing of O's shape is computed before the loop (a
+  # loop-invariant mask or fill would be, and held for the whole step). The kernel here is an
+  # opaque stand-in (the emulator's own NaN padding would be hoisted; FA3's FFI call is not).
+  def fwd(q, k, v, cu_q, cu_k, *, max_seqlen_q, max_seqlen_k, softmax_scale):
+    return q * softmax_scale, jnp.zeros((cu_q.shape[0] - 1, q.shape[1], max_seqlen_q))
+  def bwd(do, q, k, v, o, lse, cu_q, cu_k, **_):
+    return do * 2, k * 0, v * 0
+  opaque = lambda q: fa3.flash3_masked(q, k, v, cu, cu, softmax_scale=0.3, max_seqlen_q=64,
+                                       max_seqlen_k=64, grid_levels=1, impl=(fwd, bwd))[0]
+  def layers(ws, q):
+    return jnp.sum(lax.scan(lambda x, w: (opaque(x * w), None), q, ws)[0])
+  jaxpr = jax.make_jaxpr(jax.grad(layers, argnums=1))(jnp.ones((3,)), q).jaxpr
+  first_scan = next(i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "scan")
+  hoisted = [e for e in jaxpr.eqns[:first_scan] if any(
+      getattr(v.aval, "shape", None) == q.shape for v in e.outvars)]
+  assert not hoisted, hoisted

@@ -11,6 +11,9 @@ Mosaic GPU; not imported by the package either).
 contract; it imports the bindings only when a call is traced, so it imports without them.
 """
 
+import jax
+import jax.numpy as jnp
+
 # ``checkpoint_name`` of a kernel's forward outputs that its backward takes (O, LSE): remat
 # policies that keep attention save values of this name instead of rerunning the kernel
 # (``distca_jax.ops.saves_kernel_outputs``).
@@ -20,9 +23,21 @@ KERNEL_OUTPUTS_NAME = "ca_kernel_out"
 class KernelUnavailableError(RuntimeError):
   """The requested attention kernel cannot run here; the message says how to get it."""
 
-from custom_ops import blockwise_attention  # noqa: E402  (after the constant the kernels import)
+
+def fills_of(x, *values):
+  """Scalars ``values`` in ``x``'s dtype that depend on ``x`` (through an optimization barrier).
+
+  A ``jnp.where`` filling with a constant scalar broadcasts it to the full shape; under a scan
+  whose body is differentiated, JAX computes that broadcast, a loop invariant, once before the
+  loop and holds it at full size for the whole step. A fill that depends on ``x`` stays inside
+  the loop, where XLA fuses its broadcast into the select."""
+  *fills, _ = jax.lax.optimization_barrier((*(jnp.asarray(v, x.dtype) for v in values), x))
+  return fills
+
+
+from custom_ops import blockwise_attention  # noqa: E402  (after the names the kernels import)
 from custom_ops import varlen_attention
 from custom_ops.varlen_attention import varlen_attention_reference
 
-__all__ = ["KERNEL_OUTPUTS_NAME", "KernelUnavailableError", "blockwise_attention",
+__all__ = ["KERNEL_OUTPUTS_NAME", "KernelUnavailableError", "blockwise_attention", "fills_of",
            "varlen_attention", "varlen_attention_reference"]

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from custom_ops import KERNEL_OUTPUTS_NAME, KernelUnavailableError
+from custom_ops import KERNEL_OUTPUTS_NAME, KernelUnavailableError, fills_of
 from custom_ops import varlen_attention as va
 
 FLASH3_PIP_SPEC = "flash-attn3-jax==0.2.3"
@@ -146,17 +146,6 @@ def flash3_masked(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqle
   o = mask_output(o, q_valid, fits)
   lse_TxH = jnp.where(q_valid[:, None], lse_HxT.T, fills_of(lse_HxT, -jnp.inf)[0])
   return o, lse_TxH
-
-
-def fills_of(x, *values):
-  """Scalars ``values`` in ``x``'s dtype that depend on ``x`` (through an optimization barrier).
-
-  A ``jnp.where`` filling with a constant scalar broadcasts it to the full shape; under a scan
-  whose body is differentiated, JAX computes that broadcast, a loop invariant, once before the
-  loop and holds it at full size for the whole step. A fill that depends on ``x`` stays inside
-  the loop, where XLA fuses its broadcast into the select."""
-  *fills, _ = jax.lax.optimization_barrier((*(jnp.asarray(v, x.dtype) for v in values), x))
-  return fills
 
 
 @jax.custom_vjp

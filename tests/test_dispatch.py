@@ -13,6 +13,7 @@ import os
 import chex
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -926,3 +927,31 @@ def test_local_steps_off_or_under_a_pipeline_leave_one_step():
   assert b.host_prepare([[64, 64], [64, 64]], 128)[attn.CROSSES_KEY].tolist() == [0, 0]
   with pytest.raises(ValueError, match=r"local_steps='yes' must be True or False"):
     backends.get("distca", local_steps="yes")
+
+
+@pytest.mark.parametrize("collective", ["ring", "dense"])
+def test_a_layer_scan_holds_no_exchange_buffer_across_its_loop(collective):
+  """Differentiated under a layer scan, the exchange computes nothing of a buffer's size before
+  the loop: a constant receive buffer would be, and held for the whole step."""
+  spec = plan_lib.PlanSpec(num_servers=S, tokens_per_row=T, rows_per_device=1, capacity=CAP)
+  mesh = _mesh(data=S)
+  qs = jax.ShapeDtypeStruct((S, T, H, D), jnp.float32)
+  plan = jax.ShapeDtypeStruct((S, spec.width), jnp.int32)
+  opts = _options(collective=collective)
+
+  def layers(ws, q, plan):
+    body = lambda x, w: (dataplane.dispatch_attention(x * w, x, x, plan, spec, opts,
+                                                      mesh=mesh), None)
+    return jnp.sum(lax.scan(body, q, ws)[0])
+
+  jaxpr = jax.make_jaxpr(jax.grad(layers, argnums=1))(
+      jax.ShapeDtypeStruct((2,), jnp.float32), qs, plan).jaxpr
+  first_scan = next(i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "scan")
+  # Send and receive buffers of every device, as the shard_map's global outputs (the CPU
+  # kernel's own masks have the attention buffers' rows, q_tokens / kv_tokens: not these).
+  rows = {S * c for c in (CAP.q_send, CAP.q_recv, CAP.kv_send, CAP.kv_recv)}
+  assert not rows & {S * CAP.q_tokens, S * CAP.kv_tokens}
+  before = [(e.primitive.name, v.aval.shape) for e in jaxpr.eqns[:first_scan] for v in e.outvars
+            if len(getattr(v.aval, "shape", ())) == 3 and v.aval.shape[0] in rows
+            and v.aval.shape[-1] == D]
+  assert not before, before

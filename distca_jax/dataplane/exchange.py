@@ -58,6 +58,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from custom_ops import fills_of
 from distca_jax.checks import check_int
 from distca_jax.dataplane.copies import gather_two, place_unique, take_rows
 from distca_jax.plan.metadata import reverse_routes
@@ -240,7 +241,9 @@ def _exchange(x, routes, recv_rows: int, axis, collective: str, buckets: int):
   if collective == "remote":  # writes every row of its own output (unfilled rows: zeros)
     from custom_ops.remote_exchange import remote_exchange  # pylint: disable=import-outside-toplevel
     return remote_exchange(x, routes, recv_rows, axis)  # loads Mosaic GPU: only when used
-  out = jnp.zeros((recv_rows,) + x.shape[1:], x.dtype)
+  # Zeros that depend on x: a constant receive buffer would be computed before a differentiated
+  # layer scan and held for the whole step (``custom_ops.fills_of``).
+  out = jnp.broadcast_to(fills_of(x, 0)[0], (recv_rows,) + x.shape[1:])
   if collective == "ragged":
     return _ragged(x, out, routes, axis)
   if collective == "ring":

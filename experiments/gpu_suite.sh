@@ -7,6 +7,7 @@
 #                                                         # four-b | four-4d | four-f | four-f2 |
 #                                                         # four-8b | four-n1 | four-n3 |
 #                                                         # four-base | four-x | four-64k;
+#                                                         # four-trees (not in 'all');
 #                                                         # not yet run: four-8b-mfu;
 #                                                         # one GPU: one-trees (not in 'all');
 #                                                         # two GPUs: two-skip (not in 'all')
@@ -130,6 +131,18 @@ W=${WORKLOAD:-prolong}
 SKIP="--workloads $W --tokens 131072 --layers 2 --steps 6 --warmup 2 --plan-stats"
 stage "e2e_2gpu_skip_old_$W" 170 bash -c "cd .carry/old && PYTHONPATH=/tmp/site:\$PWD python3 -m experiments.e2e_bench --backends distca $SKIP --out $OUT/e2e_2gpu_skip_old_$W"
 stage "e2e_2gpu_skip_new_$W" 400 python3 -m experiments.e2e_bench --backends packed_dp,distca --variant gate06@distca:attention.distca.min_gain=0.06 $SKIP --out "$OUT/e2e_2gpu_skip_new_$W"
+;;& four-trees)
+# Two trees on the same batches, 4 GPUs, 128K per GPU, 2 layers, both workloads: the tree in
+# .carry/old (an export of an earlier commit: git archive REV distca_jax custom_ops configs
+# experiments data | tar -x -C .carry/old; carry .whl and .carry) runs packed_dp and distca, then
+# this tree runs them (old and new in turn per backend, each in its own process: the allocator
+# peak is per process). First use: the masking and fills kept in the layer loop (896cb7a,
+# a50bd43) against 63a9720. About 9 minutes on 4 x H100.
+T128="--workloads pretrain,prolong --tokens 131072 --layers 2 --steps 6 --warmup 2 --plan-stats"
+for b in distca packed_dp; do
+  stage "e2e_4gpu_trees_old_$b" 140 bash -c "cd .carry/old && PYTHONPATH=/tmp/site:\$PWD python3 -m experiments.e2e_bench --backends $b $T128 --out $OUT/e2e_4gpu_trees_old_$b"
+  stage "e2e_4gpu_trees_new_$b" 140 python3 -m experiments.e2e_bench --backends $b $T128 --out "$OUT/e2e_4gpu_trees_new_$b"
+done
 ;;& four-r5)
 # Pretrain 128K with CUDA's stream-ordered allocator (XLA's BFC allocator needs the step's
 # temporaries as one contiguous block; buffers made during a step split it): distca then

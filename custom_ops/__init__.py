@@ -29,7 +29,7 @@ def fills_of(x, *values):
 
   A ``jnp.where`` filling with a constant scalar broadcasts it to the full shape; under a scan
   whose body is differentiated, JAX computes that broadcast, a loop invariant, once before the
-  loop and holds it at full size for the whole step. A fill that depends on ``x`` stays inside
+  loop and holds it at full size while the loop runs (an input of the loop). A fill that depends on ``x`` stays inside
   the loop, where XLA fuses its broadcast into the select."""
   *fills, _ = jax.lax.optimization_barrier((*(jnp.asarray(v, x.dtype) for v in values), x))
   return fills

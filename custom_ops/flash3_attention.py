@@ -156,7 +156,7 @@ def mask_output(o, valid, fits):
   The values of two ``jnp.where``; the backward keeps only ``valid`` [rows] and ``fits``.
   ``jnp.where``'s own transpose keeps its predicate broadcast to ``o``'s shape: under the layer
   scan that predicate (the plan's, the same in every layer) is a loop invariant, which the scan
-  computes once before the loop and holds, at ``o``'s size, for the whole step; the fills are
+  computes once before the loop and holds, at ``o``'s size, while the loop runs; the fills are
   kept in the loop the same way (``fills_of``)."""
   zero, nan = fills_of(o, 0, jnp.nan)
   return jnp.where(fits, jnp.where(valid[:, None, None], o, zero), nan)

@@ -932,7 +932,7 @@ def test_local_steps_off_or_under_a_pipeline_leave_one_step():
 @pytest.mark.parametrize("collective", ["ring", "dense"])
 def test_a_layer_scan_holds_no_exchange_buffer_across_its_loop(collective):
   """Differentiated under a layer scan, the exchange computes nothing of a buffer's size before
-  the loop: a constant receive buffer would be, and held for the whole step."""
+  the loop: a constant receive buffer would be, and held while the loop runs."""
   spec = plan_lib.PlanSpec(num_servers=S, tokens_per_row=T, rows_per_device=1, capacity=CAP)
   mesh = _mesh(data=S)
   qs = jax.ShapeDtypeStruct((S, T, H, D), jnp.float32)

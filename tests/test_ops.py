@@ -847,7 +847,7 @@ def test_flash3_shape_only_stand_in_compiles_off_gpu_and_never_runs(seed):
 def test_flash3_masking_holds_nothing_of_o_size_across_the_layer_loop():
   """The masking of rows outside every task keeps only the row mask and the fits flag for the
   backward: a predicate broadcast to O's shape is a loop invariant under the layer scan, which
-  held it (with full-size zero and NaN fills) for the whole step."""
+  held it (with full-size zero and NaN fills) while the loop ran."""
   rng = np.random.default_rng(5)
   lq = rng.integers(1, 20, size=3)
   cu = jnp.asarray(np.concatenate([[0], np.cumsum(lq)]), jnp.int32)
@@ -864,7 +864,7 @@ def test_flash3_masking_holds_nothing_of_o_size_across_the_layer_loop():
   assert not full_preds, res
   assert any(a.dtype == jnp.bool_ and a.shape == (t,) for a, _ in res), res
   # Under a differentiated layer scan nothing of O's shape is computed before the loop (a
-  # loop-invariant mask or fill would be, and held for the whole step). The kernel here is an
+  # loop-invariant mask or fill would be, and held while the loop runs). The kernel here is an
   # opaque stand-in (the emulator's own NaN padding would be hoisted; FA3's FFI call is not).
   def fwd(q, k, v, cu_q, cu_k, *, max_seqlen_q, max_seqlen_k, softmax_scale):
     return q * softmax_scale, jnp.zeros((cu_q.shape[0] - 1, q.shape[1], max_seqlen_q))

@@ -242,7 +242,7 @@ def _exchange(x, routes, recv_rows: int, axis, collective: str, buckets: int):
     from custom_ops.remote_exchange import remote_exchange  # pylint: disable=import-outside-toplevel
     return remote_exchange(x, routes, recv_rows, axis)  # loads Mosaic GPU: only when used
   # Zeros that depend on x: a constant receive buffer would be computed before a differentiated
-  # layer scan and held for the whole step (``custom_ops.fills_of``).
+  # layer scan and held while the loop runs (``custom_ops.fills_of``).
   out = jnp.broadcast_to(fills_of(x, 0)[0], (recv_rows,) + x.shape[1:])
   if collective == "ragged":
     return _ragged(x, out, routes, axis)

@@ -25,14 +25,20 @@ class KernelUnavailableError(RuntimeError):
 
 
 def fills_of(x, *values):
-  """Scalars ``values`` in ``x``'s dtype that depend on ``x`` (through an optimization barrier).
+  """Scalars ``values`` in ``x``'s dtype computed from ``x`` (its first element's bits, masked
+  to zero, plus the value).
 
   A ``jnp.where`` filling with a constant scalar broadcasts it to the full shape; under a scan
   whose body is differentiated, JAX computes that broadcast, a loop invariant, once before the
-  loop and holds it at full size while the loop runs (an input of the loop). A fill that depends on ``x`` stays inside
-  the loop, where XLA fuses its broadcast into the select."""
-  *fills, _ = jax.lax.optimization_barrier((*(jnp.asarray(v, x.dtype) for v in values), x))
-  return fills
+  loop and holds it at full size while the loop runs (an input of the loop). A fill computed
+  from ``x`` stays inside the loop, where XLA folds it back to a constant and fuses its
+  broadcast into the select."""
+  word = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}.get(jnp.dtype(x.dtype).itemsize)
+  if word is None or x.size == 0 or x.dtype == jnp.bool_:
+    return [jnp.asarray(v, x.dtype) for v in values]
+  bits = jax.lax.bitcast_convert_type(x.reshape(-1)[0], word) & word(0)
+  zero = jax.lax.bitcast_convert_type(bits, x.dtype)
+  return [zero + jnp.asarray(v, x.dtype) for v in values]
 
 
 from custom_ops import blockwise_attention  # noqa: E402  (after the names the kernels import)

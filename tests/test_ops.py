@@ -20,6 +20,7 @@ from jax import lax
 import numpy as np
 import pytest
 
+import custom_ops
 from custom_ops import blockwise_attention as bw
 from custom_ops import flash3_attention as fa3
 from custom_ops import mosaic_worklists
@@ -879,3 +880,16 @@ def test_flash3_masking_holds_nothing_of_o_size_across_the_layer_loop():
   hoisted = [e for e in jaxpr.eqns[:first_scan] if any(
       getattr(v.aval, "shape", None) == q.shape for v in e.outvars)]
   assert not hoisted, hoisted
+
+
+def test_fills_of_gives_the_values_whatever_the_data_holds():
+  """``custom_ops.fills_of``: the fill values in the data's dtype even when the element they are
+  computed from is NaN or infinite; bool data gets constants."""
+  for dtype in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.int32):
+    for first in (np.nan, np.inf, -3.0) if jnp.issubdtype(dtype, jnp.floating) else (-7,):
+      x = jnp.full((3, 2), first, dtype)
+      values = (0, np.nan, -np.inf) if jnp.issubdtype(dtype, jnp.floating) else (0, 5)
+      got = jax.jit(lambda x, values=values: custom_ops.fills_of(x, *values))(x)
+      assert [g.dtype for g in got] == [jnp.dtype(dtype)] * len(values)
+      np.testing.assert_array_equal(np.asarray(got, np.float64), np.asarray(values, np.float64))
+  assert custom_ops.fills_of(jnp.ones((2,), jnp.bool_), False)[0].dtype == jnp.bool_

@@ -25,19 +25,11 @@ Cases (files under results/):
   the same multi-GPU run, or in runs of one call on one machine (the 4-GPU runs: one process
   per backend, ``PAIRED_RUNS``), vs the predicted one (ratios in place of seconds).
 
-Five code generations / devices ("eras") are in the committed runs, listed with their runs in
-``sim.eras``: 'v5' (the 2-GPU runs ``*_v5*``, before two single-stream fixes), 'current' (one H200
-of the current code, and one run on 4 x H200), 'h100' (4 x H100 of the current code and 2 x H100
-of 8051464), 'h100-local' (2 x H100 with the train step's local branch, priced with the 'h100'
-calibration) and 'h200' (4 x H200 of 63a9720: the local branch at ``local_gain`` 0.05;
-results/four/raw/s6). Each era is calibrated on packed_dp or one-GPU runs of its own
-(``CALIBRATION_RUNS``) or priced with an earlier era's calibration (``CALIBRATED_AS``), and every
-other case of that era is held out; ``role`` says which. distca's runs are priced with the
-exchange and memory mode they ran (an override, else ``AUTO_RAN_AS``) and the gates and local
-branch of their era (``ERA_MIN_GAIN``, ``ERA_LOCAL_GAIN``, ``ERA_LOCAL_STEPS``) unless an override
-set them. distca's dispatch rate (``Calibration.dispatch_bw``, every era) is fitted on the
-profiled extra step of the s4 128K distca and wlb runs (``DISPATCH_PROFILES``), not on any case's
-timed steps. A case above 10% carries the note written for that very case in ``MISS_NOTES`` (by
+The committed runs belong to code generations / devices ("eras"); ``sim.eras`` lists each era's
+runs, how each is calibrated and how its distca runs are priced; ``role`` says whether a case
+calibrates or is held out. distca's dispatch rate (``Calibration.dispatch_bw``, every era) is
+fitted on the profiled extra step of the s4 128K distca and wlb runs (``DISPATCH_PROFILES``),
+not on any case's timed steps. A case above 10% carries the note written for that very case in ``MISS_NOTES`` (by
 its kind and full name), or "not explained"; the summary says whether the gate (every case within
 10%) is met.
 """
@@ -185,19 +177,11 @@ def results_path(stem: str, root: str | None = None) -> str:
   raise FileNotFoundError(f"no measured run {stem}.json under {root} (nor in archive/moves.tsv)")
 
 
-# ``experiments/e2e_bench.py``'s defaults of the flags that say which steps were timed.
-E2E_BENCH_DEFAULTS = {"--steps": 20, "--warmup": 2}
-
-
 def load_runs(stem: str, backend: str | None = None) -> list[E2eRun]:
-  """The runs of ``results/STEM.json`` (one backend, or all that did not fail)."""
+  """The runs of ``results/STEM.json`` (one backend, or all that did not fail). The timed steps
+  are each run's own: as many as it timed, after the warm-up its ``num_steps`` override adds."""
   with open(results_path(stem)) as f:
     blob = json.load(f)
-  words = blob["command"].split()
-  # A flag the command left out ran at e2e_bench's default (``E2E_BENCH_DEFAULTS``).
-  arg = lambda name: (int(words[words.index(name) + 1]) if name in words
-                      else E2E_BENCH_DEFAULTS[name])
-  warmup, steps = arg("--warmup"), arg("--steps")
   out = []
   for r in blob["results"]:
     if "error" in r or (backend is not None and r["backend"] != backend):
@@ -205,6 +189,8 @@ def load_runs(stem: str, backend: str | None = None) -> list[E2eRun]:
     ov = tuple(r["overrides"])
     # The last override of a key wins (an --extra after e2e_bench's own, as the loader applies).
     get = lambda k: next(o.split("=", 1)[1] for o in reversed(ov) if o.startswith(k + "="))
+    steps = len(r["step_ms_all"])
+    warmup = int(get("num_steps")) - steps
     # The baselines' configuration as chosen by the run (runs of code whose cp_size default was 1
     # and chose nothing record neither).
     w = r.get("wlb_config") or r.get("cp_config") or {}

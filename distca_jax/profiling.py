@@ -116,7 +116,8 @@ DERIVED_LINE_NAMES = frozenset({
 })
 TRACE_GLOB = "*.trace.json.gz"
 TRACE_EVENT_CAP = 1_000_000         # the exporter keeps the earliest this many events
-OTHER_TOP = 10                      # 'other' names listed in a report
+OTHER_TOP = 10                      # 'other' names listed in a report's text
+OTHER_KEPT = 60                     # names kept per class in the report's dict (its JSON)
 OTHER_TOP_OPS = 3                   # HLO instructions listed per 'other' name
 TOP_NAMED = ("attention", "other")   # categories whose top kernel names a report lists
 _NEST_EPS_US = 1e-2                 # trace timestamps are rounded to the ns: containment slack
@@ -371,10 +372,11 @@ def step_report(events: Sequence[DeviceEvent], *, step_time_s: float | None = No
   rank because its peers' collectives wait (and stay busy) until it arrives.
   `attention_top`: the same for the attention kernels (forward, backward and their pre- and
   post-processing kernels, to see which part of attention a change moved).
-  `other_top`: the 'other' names with the most summed time over all devices (digit suffixes such
-  as `.12` / `_3` dropped), to grow CATEGORY_PATTERNS from a real trace, each with its
-  `bytes`: the summed size of its memcpys (0 for kernels), and `hlo_ops`: the HLO instructions
-  behind it with the most time ([name, us]; look them up in the
+  `other_top`: the 'other' names with the most summed time over all devices, at most
+  `OTHER_KEPT` (the text report lists `OTHER_TOP`; digit suffixes such as `.12` / `_3`
+  dropped), to grow CATEGORY_PATTERNS from a real trace, each with its `bytes`: the summed
+  size of its memcpys (0 for kernels), and `hlo_ops`: the HLO instructions behind it with the
+  most time ([name, us]; look them up in the
   compiled step's HLO text, e.g. `e2e_bench.py --profile` writes it next to the trace; names
   made later, at thunk emission, are not in that text: `command_buffer_N` groups, and on an H200
   dynamic-update-slice fusions run as memcpys).
@@ -422,7 +424,7 @@ def step_report(events: Sequence[DeviceEvent], *, step_time_s: float | None = No
   straggler["slowest_device"] = straggler["compute_us"]["argmax"]
   out = {"devices": rows, "straggler": straggler, "step_us": step_us}
   for category, totals in named_total.items():
-    ranked = sorted(totals.items(), key=lambda kv: (-kv[1]["total_us"], kv[0]))[:OTHER_TOP]
+    ranked = sorted(totals.items(), key=lambda kv: (-kv[1]["total_us"], kv[0]))[:OTHER_KEPT]
     out[f"{category}_top"] = [
         {**agg, "name": name, "devices": len(agg["devices"]),
          "hlo_ops": [[op, us] for op, us in agg["hlo_ops"].most_common(OTHER_TOP_OPS)]}
@@ -573,7 +575,7 @@ def format_report(report: dict) -> str:
   if report.get("attention_top"):
     lines += ["", "Attention kernels by summed time:", "", "| name | total ms | count | devices |",
               "|---|---:|---:|---:|"]
-    for o in report["attention_top"]:
+    for o in report["attention_top"][:OTHER_TOP]:
       lines.append(f"| `{o['name'][:120].replace('|', chr(92) + '|')}` | "
                    f"{o['total_us'] / 1e3:.3f} | {o['count']} | {o['devices']} |")
   if report["other_top"]:
@@ -581,7 +583,7 @@ def format_report(report: dict) -> str:
               "profiling.CATEGORY_PATTERNS for kernels that belong elsewhere):", "",
               "| name | total ms | count | devices | memcpy GB (GB/s) | top HLO ops (ms) |",
               "|---|---:|---:|---:|---:|---|"]
-    for o in report["other_top"]:
+    for o in report["other_top"][:OTHER_TOP]:
       name = o["name"].replace("|", "\\|")
       ops = ", ".join(f"`{op}` {us / 1e3:.1f}" for op, us in o.get("hlo_ops", []))
       nbytes = o.get("bytes", 0)

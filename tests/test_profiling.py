@@ -405,6 +405,20 @@ def test_other_top_names_the_hlo_ops_behind_each_name():
       profiling.step_report(events))
 
 
+def test_the_report_keeps_more_other_names_than_its_text_lists():
+  """The dict (the report's JSON) ranks up to OTHER_KEPT 'other' names by summed time; the text
+  lists the first OTHER_TOP of them."""
+  n = profiling.OTHER_TOP + 5
+  # Names without digits (digit suffixes fold together); kernel k runs k + 1 us.
+  names = [f"kernel_{chr(ord('a') + k)}" for k in range(n)]
+  events = [DeviceEvent(0, "s", name, 10.0 * k, 10.0 * k + k + 1) for k, name in enumerate(names)]
+  report = profiling.step_report(events)
+  assert [o["name"] for o in report["other_top"]] == names[::-1]
+  text = profiling.format_report(report)
+  shown = [name for name in names if f"`{name}`" in text]
+  assert shown == names[-profiling.OTHER_TOP:]
+
+
 @pytest.mark.parametrize("min_trial_s", [0.0, 0.02])
 def test_time_call_counts_calls_and_times_per_call(min_trial_s):
   """One compiling call and `warmup` more, one sizing call when trials batch calls, then `iters`

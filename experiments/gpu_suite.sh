@@ -5,15 +5,17 @@
 #   SUITE=one bash experiments/gpu_suite.sh OUTDIR       # one group: one | two | derived | tests
 #   SUITE=four-a bash experiments/gpu_suite.sh OUTDIR    # 4-GPU host: four-a | four-r1..r5 |
 #                                                         # four-b | four-4d | four-f | four-f2 |
-#                                                         # four-8b | four-n1 | four-n3 |
-#                                                         # four-base | four-x | four-64k;
-#                                                         # four-trees (not in 'all');
-#                                                         # not yet run: four-8b-mfu;
+#                                                         # four-8b | four-8b-mfu | four-n1 |
+#                                                         # four-n3 | four-base | four-x |
+#                                                         # four-64k; four-trees (not in 'all');
+#                                                         # not yet run: four-n3x, four-n1p,
+#                                                         # four-keep;
 #                                                         # one GPU: one-trees (not in 'all');
 #                                                         # two GPUs: two-skip (not in 'all')
 # Several groups in one call: SUITE=four-base,four-4d,four-x (run in that order). The 4-GPU tables
 # of results/four/README.md in two calls of about 9 minutes each on 4 x H100:
-# SUITE=four-base,four-4d,four-x and SUITE=four-n1,four-64k,four-n3.
+# SUITE=four-base,four-4d,four-x and SUITE=four-n1,four-64k,four-n3; the 2 x 2 aborts' and the
+# ping-pong shortfall's diagnostics in one more: SUITE=four-n3x,four-n1p (about 8 minutes).
 # 'one': single-GPU tables (CUDA_VISIBLE_DEVICES=0); 'two': the 2-GPU tables; 'derived': tables
 # computed from the e2e JSONs of 'two' (plot, per-batch bound); 'tests': the GPU-only tests.
 # Needs the wheels the GPU image lacks in .whl/ (flash-attn3-jax, ml_collections, tensorboardX).
@@ -51,6 +53,16 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE
 # The faults' and multi-process runs' model: 2 layers small enough that a checkpoint of an
 # interrupted step is quick (the tokens per GPU differ per stage).
 SMALL_MODEL="--config.model.n_layers=2 --config.model.dim=2048 --config.model.mlp_dim=7168 --config.model.n_heads=16 --config.model.n_kv_heads=4 --config.model.vocab_size=32768"
+# The multi-process stages' run: 10 steps of that model at 32K tokens per GPU, distca.
+MP_T="python3 -m distca_jax.train --config configs/gpu_bench.py $SMALL_MODEL --config.tokens_per_rank=32768 --config.num_steps=10 --config.optim.warmup_steps=2 --config.log_every=1 --config.checkpoint_every=0 --config.tensorboard=False"
+mp() {  # mp NAME PROCS GPUS_PER_PROC: PROCS processes of $MP_T, workdir $OUT/mp_NAME
+  local n=$2 g=$3 i
+  for ((i = 0; i < n; i++)); do
+    CUDA_VISIBLE_DEVICES=$(seq -s, $((i * g)) $((i * g + g - 1))) $MP_T --workdir "$OUT/mp_$1" \
+      --coordinator_address=127.0.0.1:1235$n --num_processes=$n --process_id=$i > "$OUT/mp_$1_$i.log" 2>&1 &
+  done
+  wait
+}
 run_group() {
 case "$1" in
   tests|all)
@@ -155,6 +167,15 @@ done
 # ping-pong needs 75.07 GiB of an H100's 72.84). Needs about 240 s on 4 x H100, over 270 s on
 # 4 x H200 (s6: the limit stopped the last run).
 stage e2e_4gpu_pingpong 360 python3 -m experiments.e2e_bench --backends packed_dp,distca --nano-batches 1,2 --workloads pretrain,prolong --tokens 32768 --rows-per-rank 2 --layers 2 --steps 6 --warmup 2 --out "$OUT/e2e_4gpu_pingpong"
+;;& four-keep)
+# 'keep' against 'resend' at 4 servers, 128K per GPU, Pretrain, one process, the same batches:
+# 'keep' stacks the server's Q, O, K and V buffers in the layer scan (5.5 GB per layer each way,
+# results/four/README.md s7), 'resend' moves them again in the backward.
+stage e2e_4gpu_keep_resend 260 python3 -m experiments.e2e_bench --backends packed_dp,distca --variant resend@distca:attention.distca.memory_mode=resend --extra attention.distca.memory_mode=keep --workloads pretrain --tokens 131072 --layers 2 --steps 6 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_keep_resend"
+;;& four-n1p)
+# Profiles of the ping-pong step against its single stream, ProLong 2 x 32K, distca (s7: its
+# ping-pong 1.1% slower than its single stream) and packed_dp, one more step each.
+stage e2e_4gpu_pingpong_profile 300 python3 -m experiments.e2e_bench --backends packed_dp,distca --nano-batches 1,2 --workloads prolong --tokens 32768 --rows-per-rank 2 --layers 2 --steps 6 --warmup 2 --profile --out "$OUT/e2e_4gpu_pingpong_profile"
 ;;& four-f2)
 # The faults whose GPU rows predate the supervisor keeping JAX's task-watch warning (divergence,
 # read-only workdir) and SIGINT to every process once more.
@@ -173,21 +194,12 @@ stage e2e_4gpu_128k_cp 120 python3 -m experiments.e2e_bench --backends cp $B128 
 # Multi-process on one host: 1 x 4, 4 x 1 and 2 x 2 processes x GPUs train the same 10 steps of
 # a small model (losses compared from metrics.jsonl; results/four/README.md ran these commands
 # one by one). Faults under NCCL: stage four-f.
-T="python3 -m distca_jax.train --config configs/gpu_bench.py $SMALL_MODEL --config.tokens_per_rank=32768 --config.num_steps=10 --config.optim.warmup_steps=2 --config.log_every=1 --config.checkpoint_every=0 --config.tensorboard=False"
-mp() {  # mp NAME PROCS GPUS_PER_PROC
-  local n=$2 g=$3 i
-  for ((i = 0; i < n; i++)); do
-    CUDA_VISIBLE_DEVICES=$(seq -s, $((i * g)) $((i * g + g - 1))) $T --workdir "$OUT/mp_$1" \
-      --coordinator_address=127.0.0.1:1235$n --num_processes=$n --process_id=$i > "$OUT/mp_$1_$i.log" 2>&1 &
-  done
-  wait
-}
-stage mp_1x4 110 $T --workdir "$OUT/mp_1x4"
-stage mp_4x1 110 bash -c "$(declare -f mp); T='$T' OUT='$OUT'; mp 4x1 4 1"
-# 2 x 2 aborted with heap corruption in 2 of 3 attempts on 4 x H200 (results/four/README.md, s6):
-# three attempts, each in its own workdir (an abort's dump lands in its crash/ folder).
+stage mp_1x4 110 $MP_T --workdir "$OUT/mp_1x4"
+stage mp_4x1 110 bash -c "$(declare -f mp); MP_T='$MP_T' OUT='$OUT'; mp 4x1 4 1"
+# 2 x 2 aborts in about 4 of 10 attempts on 4 x H200 (results/four/README.md, s6-s7): three
+# attempts, each in its own workdir (an abort's dump lands in its crash/ folder).
 for a in 1 2 3; do
-  stage "mp_2x2_$a" 110 bash -c "$(declare -f mp); T='$T' OUT='$OUT'; mp 2x2_$a 2 2"
+  stage "mp_2x2_$a" 110 bash -c "$(declare -f mp); MP_T='$MP_T' OUT='$OUT'; mp 2x2_$a 2 2"
 done
 stage mp_losses 30 python3 -c "
 import json, os
@@ -200,6 +212,16 @@ for k in ('4x1', '2x2_1', '2x2_2', '2x2_3'):
   full = len(l[k]) == len(l['1x4']) > 0
   r = max((abs(a - b) / abs(a) for a, b in zip(l['1x4'], l[k])), default=float('nan'))
   print(k, 'steps', len(l[k]), 'of', len(l['1x4']), 'max relative difference', r if full else 'n/a')"
+;;& four-n3x)
+# Where the 2 x 2 aborts come from: 2 x 2 with packed_dp (no exchange), 1 x 4 with the 'dense'
+# exchange (the multi-process exchange in one process), 2 x 2 distca under glibc's heap checks
+# and NCCL's warnings; three attempts each (the aborts came in about 4 of 10). About 5 minutes.
+for a in 1 2 3; do
+  stage "mpx_2x2_packed_dp_$a" 90 bash -c "$(declare -f mp); MP_T='$MP_T --config.attention.backend=packed_dp' OUT='$OUT'; mp x2x2_packed_dp_$a 2 2"
+  stage "mpx_1x4_dense_$a" 90 $MP_T --config.attention.distca.collective=dense --workdir "$OUT/mp_x1x4_dense_$a"
+  stage "mpx_2x2_checked_$a" 90 env MALLOC_CHECK_=3 NCCL_DEBUG=WARN bash -c "$(declare -f mp); MP_T='$MP_T' OUT='$OUT'; mp x2x2_checked_$a 2 2"
+done
+stage mpx_summary 30 bash -c "for d in $OUT/mp_x*/; do echo \"\$(basename \$d): \$(grep -c loss \$d/metrics.jsonl 2>/dev/null) logged losses, \$(ls \$d/crash 2>/dev/null | wc -l) crash dumps\"; done"
 ;;& four-x)
 # The exchange alone on a real 4-server Pretrain 128K plan ('remote' at its default grid against
 # a raw all-to-all of the same bytes).

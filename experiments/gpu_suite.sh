@@ -9,7 +9,7 @@
 #                                                         # four-n3 | four-base | four-x |
 #                                                         # four-64k; four-trees (not in 'all');
 #                                                         # not yet run: four-n3x, four-n1p,
-#                                                         # four-keep;
+#                                                         # four-keep, four-8b-xla;
 #                                                         # one GPU: one-trees (not in 'all');
 #                                                         # two GPUs: two-skip (not in 'all')
 # Several groups in one call: SUITE=four-base,four-4d,four-x (run in that order). The 4-GPU tables
@@ -215,8 +215,14 @@ for k in ('4x1', '2x2_1', '2x2_2', '2x2_3'):
 ;;& four-n3x)
 # Where the 2 x 2 aborts come from: 2 x 2 with packed_dp (no exchange), 1 x 4 with the 'dense'
 # exchange (the multi-process exchange in one process), 2 x 2 distca under glibc's heap checks
-# and NCCL's warnings; three attempts each (the aborts came in about 4 of 10). About 5 minutes.
+# and NCCL's warnings, and 2 x 2 distca without the watchdog's polls of the coordination service
+# (a thread beside XLA's; the run's script sets its poll interval past the run); three attempts
+# each (the aborts came in about 4 of 10). About 7 minutes.
+printf '%s\n' 'import runpy' 'from distca_jax import launch' \
+  'launch.Watchdog.__init__.__defaults__ = (1e9,)  # poll_s: no poll within the run' \
+  'runpy.run_module("distca_jax.train", run_name="__main__")' > "$OUT/train_no_watchdog.py"
 for a in 1 2 3; do
+  stage "mpx_2x2_no_watchdog_$a" 90 bash -c "$(declare -f mp); MP_T='${MP_T/-m distca_jax.train/$OUT/train_no_watchdog.py}' OUT='$OUT'; mp x2x2_no_watchdog_$a 2 2"
   stage "mpx_2x2_packed_dp_$a" 90 bash -c "$(declare -f mp); MP_T='$MP_T --config.attention.backend=packed_dp' OUT='$OUT'; mp x2x2_packed_dp_$a 2 2"
   stage "mpx_1x4_dense_$a" 90 $MP_T --config.attention.distca.collective=dense --workdir "$OUT/mp_x1x4_dense_$a"
   stage "mpx_2x2_checked_$a" 90 env MALLOC_CHECK_=3 NCCL_DEBUG=WARN bash -c "$(declare -f mp); MP_T='$MP_T' OUT='$OUT'; mp x2x2_checked_$a 2 2"
@@ -250,6 +256,17 @@ stage e2e_8b_mfu_sa16k_distca 130 $M8 --tokens 16384 --backends distca --extra m
 stage e2e_8b_mfu_sa16k_packed_dp 120 $M8 --tokens 16384 --backends packed_dp --extra model.remat=save_attention --out "$OUT/e2e_8b_mfu_sa16k_packed_dp"
 stage e2e_8b_mfu_full64k_distca 210 $M8 --tokens 65536 --backends distca --out "$OUT/e2e_8b_mfu_full64k_distca"
 stage e2e_8b_mfu_full16k_distca 100 $M8 --tokens 16384 --backends distca --out "$OUT/e2e_8b_mfu_full16k_distca"
+;;& four-8b-xla)
+# The whole 8B's FSDP collectives: save_attention at 16K per GPU (the best MFU of four-8b-mfu,
+# 42.5%), packed_dp then distca, each profiled for one more step (how much of the all-gathers
+# and reduce-scatters is exposed), with XLA's defaults and with the collectives pipelined
+# across the layer scan's iterations (the next layer's gather beside this layer's compute).
+M8="python3 -m experiments.e2e_bench --config configs/llama3_8b_4gpu.py --layers 32 --warmup 2 --steps 6 --plan-stats --workloads pretrain --tokens 16384 --extra model.remat=save_attention --profile"
+PIPELINED="--xla_gpu_enable_pipelined_all_gather=true --xla_gpu_enable_pipelined_reduce_scatter=true --xla_gpu_enable_pipelined_all_reduce=true --xla_gpu_enable_while_loop_double_buffering=true"
+for b in packed_dp distca; do
+  stage "e2e_8b_xla_default_$b" 150 $M8 --backends $b --out "$OUT/e2e_8b_xla_default_$b"
+  stage "e2e_8b_xla_pipelined_$b" 150 env XLA_FLAGS="$PIPELINED" $M8 --backends $b --out "$OUT/e2e_8b_xla_pipelined_$b"
+done
 ;;& four-f)
 # Faults under NCCL (4 processes x 1 GPU, a 2-layer model small enough that a checkpoint of the
 # interrupted step is quick), then the 'remote' kernel's GPU tests and its zeroing CTAs on a

@@ -908,6 +908,33 @@ def test_h200_era_is_its_own_calibration_on_packed_dp_and_holds_out_the_rest(val
       assert res["local_batches"] == round(share * len(run.steps)), (stem, run.backend)
 
 
+def test_h200_s7_era_is_another_machine_priced_with_h200s_calibration(validation):
+  """4 x H200 of 231bdf7 on another machine (results/four/raw/s7): priced with the 'h200'
+  calibration, every case held out (packed_dp too); distca as it ran ('remote', 'keep', the
+  local branch at local_gain 0.05, gate 0.02), each single-stream run's local steps as counted."""
+  assert "h200-s7" in validate.CURRENT_ERAS and validate.CALIBRATED_AS["h200-s7"] == "h200"
+  assert validation["calibrations"]["h200-s7"] == validation["calibrations"]["h200"]
+  cases = [c for c in validation["cases"] if c.get("era") == "h200-s7"]
+  assert cases and all(c["role"] == "held-out" for c in cases)
+  assert all(c["name"].startswith("four/raw/s7/") for c in cases)
+  assert {c["backend"] for c in cases if c["kind"] == "e2e"} >= {
+      "packed_dp", "wlb", "cp", "distca", "distca+perstage", "packed_dp+pingpong",
+      "distca+pingpong"}
+  km, _ = validate.kernel_model()
+  cal = costs.Calibration(**validation["calibrations"]["h200-s7"])
+  for stem, backend in validate.HELD_OUT_RUNS["h200-s7"]:
+    recorded = {(r["workload"], r["backend"]): r for r in validate._json(stem)["results"]}
+    for run in validate.load_runs(stem, backend):
+      if run.strategy != "distca" or run.nano_batches != 1:
+        continue
+      opts = validate._options(run, "h200-s7")
+      assert (opts.collective, opts.memory_mode, opts.local_steps, opts.local_gain,
+              opts.min_gain) == ("remote", "keep", True, 0.05, 0.02), stem
+      res = validate.predict_run(run, cal, km, "h200-s7")
+      share = recorded[run.workload, run.backend]["local_steps"]
+      assert res["local_batches"] == round(share * len(run.steps)), (stem, run.backend)
+
+
 def test_local_gain_plans_a_step_that_cannot_win_enough_to_move_nothing():
   """Options.local_gain (attention.distca.local_gain): a step whose predicted gain is below it
   is planned to move nothing and priced on the local branch; just above it, CAD balances."""

@@ -22,7 +22,13 @@ calibration (``CALIBRATED_AS``); every other case of that era is held out (``HEL
   the 2 x 32K call's packed_dp: 128K and 2 x 32K rows, three parameters on six runs); held out,
   everything else: wlb (CP 4 / CP 2, alpha 1.0), cp (CP 4 / CP 2) and distca at 128K, issue35's
   distca, pipe 2 x data 2 (packed_dp, distca pooled and per stage), and the 2 x 32K call's
-  ping-pong and distca runs (its ProLong distca+pingpong run was cut by a time limit).
+  ping-pong and distca runs (its ProLong distca+pingpong run was cut by a time limit);
+* 'h200-s7': another 4 x H200 machine, the code of 231bdf7 (results/four/raw/s7: 'h200''s code
+  with the flash3 masking and the exchange's receive buffer built inside the layer loop, which
+  the cost model does not see), priced with the 'h200' calibration (fitted on another machine's
+  runs): every run held out, packed_dp included: the four strategies at 128K, packed_dp and
+  distca at 64K, pipe 2 x data 2, the 2 x 32K ping-pong call, and the two trees' runs (63a9720
+  and 231bdf7, same batches).
 
 distca's runs are priced with the exchange and memory mode they ran (an override, else what
 'auto' ran as: ``AUTO_RAN_AS``), the gates and the local branch of their era (``ERA_MIN_GAIN``,
@@ -50,11 +56,11 @@ CALIBRATION_RUNS = {
 }
 # Eras priced with another era's calibration (fitted on runs made before theirs): 'h100-local'
 # is the H100 code with the train step's local branch (bcacbbe on).
-CALIBRATED_AS = {"h100-local": "h100"}
+CALIBRATED_AS = {"h100-local": "h100", "h200-s7": "h200"}
 # Every era, in the order the cases are listed.
-ERAS = ("current", "v5", "h100", "h100-local", "h200")
+ERAS = ("current", "v5", "h100", "h100-local", "h200", "h200-s7")
 # The eras of the current code (the summary's 4-GPU count).
-CURRENT_ERAS = ("current", "h100", "h100-local", "h200")
+CURRENT_ERAS = ("current", "h100", "h100-local", "h200", "h200-s7")
 HELD_OUT_RUNS = {
     "current": [("e2e_1gpu_pingpong_v6_fixed_4l", None), ("e2e_1gpu_64k_nodsf", None),
                 ("e2e_1gpu_2x64k_nodsf", None),
@@ -99,6 +105,16 @@ HELD_OUT_RUNS = {
              ("four/raw/s6/e2e_4gpu_4d_pretrain", None),
              *[("four/raw/s6/e2e_4gpu_pingpong", b) for b in ("packed_dp+pingpong", "distca",
                                                               "distca+pingpong")]],
+    # results/four/raw/s7 (another 4 x H200, code of 231bdf7): every run (one process per
+    # backend at 128K on the packed_dp run's batches, wlb and cp at their recorded
+    # configuration; the 64K, 4D and 2 x 32K calls; each tree's packed_dp and distca).
+    "h200-s7": [*[(f"four/raw/s7/e2e_4gpu_128k_{b}", None) for b in ("packed_dp", "wlb", "cp",
+                                                                     "distca")],
+                ("four/raw/s7/e2e_4gpu_64k", None),
+                ("four/raw/s7/e2e_4gpu_4d_pretrain", None),
+                ("four/raw/s7/e2e_4gpu_pingpong", None),
+                *[(f"four/raw/s7/e2e_4gpu_trees_{t}_{b}", None) for t in ("old", "new")
+                  for b in ("packed_dp", "distca")]],
 }
 # What 'auto' ran as in runs of the distca backend that set no override (the exchange's
 # ``collective``, ``memory_mode``), where it is not ('dense', 'keep'): the runs made at 356931f
@@ -123,6 +139,10 @@ AUTO_RAN_AS = {
     **{f"four/raw/s6/{stem}": {"collective": "remote", "memory_mode": "keep"}
        for stem in ("e2e_4gpu_128k_distca", "e2e_4gpu_128k_issue35", "e2e_4gpu_4d_pretrain",
                     "e2e_4gpu_pingpong")},
+    # results/four/raw/s7 (one process, 'auto' = 'remote'): every distca run logged "'keep'".
+    **{f"four/raw/s7/{stem}": {"collective": "remote", "memory_mode": "keep"}
+       for stem in ("e2e_4gpu_128k_distca", "e2e_4gpu_64k", "e2e_4gpu_4d_pretrain",
+                    "e2e_4gpu_pingpong", "e2e_4gpu_trees_old_distca", "e2e_4gpu_trees_new_distca")},
 }
 # Runs of one backend each (one process per backend, same host and session) paired for
 # distca's speedup; runs of one call pair within their file.
@@ -130,16 +150,20 @@ PAIRED_RUNS = {"four/raw/e2e_bk_pretrain_distca": "four/raw/e2e_bk_pretrain_pack
                "four/raw/e2e_bk_prolong_distca": "four/raw/e2e_bk_prolong_packed_dp",
                "four/raw/e2e_128k_cuda_async": "four/raw/e2e_128k_cuda_async_packed_dp",
                **{f"four/raw/{s}/e2e_4gpu_128k_{b}": f"four/raw/{s}/e2e_4gpu_128k_packed_dp"
-                  for s in ("s4", "s6") for b in ("wlb", "cp", "distca")},
+                  for s in ("s4", "s6", "s7") for b in ("wlb", "cp", "distca")},
+               **{f"four/raw/s7/e2e_4gpu_trees_{t}_distca":
+                  f"four/raw/s7/e2e_4gpu_trees_{t}_packed_dp" for t in ("old", "new")},
                "four/raw/s4/e2e_4gpu_pingpong_prolong_distca": "four/raw/s4/e2e_4gpu_pingpong"}
 # e2e_bench variants that change only distca (no packed_dp twin): their speedup is over the
 # plain baseline of the same call.
 DISTCA_ONLY_VARIANTS = ("+remote", "+dense", "+ragged", "+perstage", "+gate06")
 # The planner's gate (min_gain) each code era ran with (a run's override wins): 0 = no gate.
-ERA_MIN_GAIN = {"current": 0.02, "v5": 0.0, "h100": 0.02, "h100-local": 0.02, "h200": 0.02}
+ERA_MIN_GAIN = {"current": 0.02, "v5": 0.0, "h100": 0.02, "h100-local": 0.02, "h200": 0.02,
+                "h200-s7": 0.02}
 # Each era's train step had the local branch (a run's override wins): not before bcacbbe.
 ERA_LOCAL_STEPS = {"current": False, "v5": False, "h100": False, "h100-local": True,
-                   "h200": True}
+                   "h200": True, "h200-s7": True}
 # The local branch's own threshold (``attention.distca.local_gain``; a run's override wins):
 # 0 before 4fc4057 (a step ran locally only when its gated plans moved nothing), 0.05 since.
-ERA_LOCAL_GAIN = {"current": 0.0, "v5": 0.0, "h100": 0.0, "h100-local": 0.0, "h200": 0.05}
+ERA_LOCAL_GAIN = {"current": 0.0, "v5": 0.0, "h100": 0.0, "h100-local": 0.0, "h200": 0.05,
+                  "h200-s7": 0.05}

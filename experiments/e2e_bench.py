@@ -343,7 +343,8 @@ def plan_stats(c, backend, doclens_per_step):
   per nano-batch or pipeline tick): mean imbalance (pairs) before/after over the same plans (a
   plan that moves nothing counts the same value twice, so when no plan moves, after = before),
   the share of plans that moved rows, dispatch bytes per device (useful: what the ragged exchange
-  moves; buffer: the send and receive buffers the caps allocate), degraded plans. Per-stage CAD
+  moves; buffer: the send and receive buffers the caps allocate), degraded plans, the number of
+  plans (``plan_count``). Per-stage CAD
   (``attention.distca.pool_stages=False``) plans each tick once per stage group, so its
   imbalances are within a stage (a bubble stage's empty plan counts 1.0), not over the tick."""
   from distca_jax import plan as plan_lib
@@ -367,6 +368,7 @@ def plan_stats(c, backend, doclens_per_step):
       out["moved"].append(float(eb["dispatch_useful"] > 0))
       out["degraded"] += int(p.degraded)
   out["tolerance"] = float(c.attention.distca.tolerance)
+  out["count"] = len(out["moved"])
   return {"plan_" + k: (statistics.fmean(v) if isinstance(v, list) else v)
           for k, v in out.items()}
 

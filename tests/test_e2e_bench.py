@@ -227,3 +227,29 @@ def test_plan_stats_report_after_equal_to_before_when_no_plan_moves(seed):
   assert still["plan_moved"] == 0 and still["plan_dispatch_useful_mb"] == 0, still
   assert still["plan_imbalance_after"] == still["plan_imbalance_before"], still
   assert still["plan_imbalance_before"] == moving["plan_imbalance_before"], (still, moving)
+
+
+def test_replan_plans_each_nano_batch_of_the_timed_batches(tmp_path):
+  """experiments.replan: the timed batches' plans per (workload, nano-batches), one plan per
+  nano-batch per step; per-step bytes are the per-plan mean times the plans per step; the table
+  has a row per record."""
+  from experiments import replan
+  a = replan.parse_args(["--config", "configs/tiny_cpu.py", "--workloads", "pretrain",
+                         "--tokens", "256", "--rows-per-rank", "2", "--nano-batches", "1,2",
+                         "--warmup", "1", "--steps", "3", "--out", str(tmp_path / "replan")])
+  records = replan.replan(a)
+  assert [(r["nano_batches"], r["plans_per_step"]) for r in records] == [(1, 1.0), (2, 2.0)]
+  for r in records:
+    assert r["plan_count"] == 3 * r["nano_batches"], r
+    assert r["plan_imbalance_after"] <= r["plan_imbalance_before"] + 1e-9, r
+    assert r["useful_mb_per_step"] == pytest.approx(r["plan_dispatch_useful_mb"]
+                                                    * r["nano_batches"])
+  replan.write(a, records)
+  rows = [l for l in (tmp_path / "replan.md").read_text().splitlines() if l.startswith("| pretrain")]
+  assert len(rows) == 2
+
+
+def test_replan_rejects_a_negative_device_count():
+  from experiments import replan
+  with pytest.raises(SystemExit):
+    replan.parse_args(["--devices", "-1"])

@@ -55,10 +55,12 @@ export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE
 SMALL_MODEL="--config.model.n_layers=2 --config.model.dim=2048 --config.model.mlp_dim=7168 --config.model.n_heads=16 --config.model.n_kv_heads=4 --config.model.vocab_size=32768"
 # The multi-process stages' run: 10 steps of that model at 32K tokens per GPU, distca.
 MP_T="python3 -m distca_jax.train --config configs/gpu_bench.py $SMALL_MODEL --config.tokens_per_rank=32768 --config.num_steps=10 --config.optim.warmup_steps=2 --config.log_every=1 --config.checkpoint_every=0 --config.tensorboard=False"
+# Each process has its own time limit (85 s): a stage's limit ends only its shell, and a process
+# left waiting on a lost peer (no watchdog) would keep its GPUs and port from the next stage.
 mp() {  # mp NAME PROCS GPUS_PER_PROC: PROCS processes of $MP_T, workdir $OUT/mp_NAME
   local n=$2 g=$3 i
   for ((i = 0; i < n; i++)); do
-    CUDA_VISIBLE_DEVICES=$(seq -s, $((i * g)) $((i * g + g - 1))) $MP_T --workdir "$OUT/mp_$1" \
+    CUDA_VISIBLE_DEVICES=$(seq -s, $((i * g)) $((i * g + g - 1))) timeout -k 5 85 $MP_T --workdir "$OUT/mp_$1" \
       --coordinator_address=127.0.0.1:1235$n --num_processes=$n --process_id=$i > "$OUT/mp_$1_$i.log" 2>&1 &
   done
   wait

@@ -92,6 +92,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.attention.distca.local_steps = True   # a batch whose plans move no row runs the step's
                                           # second branch, packed_dp's attention (no exchange);
                                           # mesh.pipe = 1 only
+  c.attention.distca.nano_rows = "given"  # attention.nano_batches=2: 'given' keeps each rank's
+                                          # row order (nano-batch i takes its i-th share);
+                                          # 'heavy_first' orders each rank's rows by attention
+                                          # work first, so each nano-batch pairs rows of like
+                                          # weight across ranks (less to move per nano-batch)
   c.attention.distca.local_gain = 0.05    # with local_steps: a batch whose every plan could gain
                                           # less than this moves nothing and runs that branch.
                                           # On H100s at 128K, batches below 0.04 ran slower
@@ -249,6 +254,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.profile_step != -1 and not 0 <= c.profile_step < c.num_steps:
     raise UserError(f"profile_step={c.profile_step} must be -1 (off) or a step in [0, num_steps="
                     f"{c.num_steps})")
+  if c.attention.distca.nano_rows not in ("given", "heavy_first"):
+    raise UserError(f"attention.distca.nano_rows={c.attention.distca.nano_rows!r}; use 'given' "
+                    "(each rank's rows as sampled) or 'heavy_first'")
   if c.rows_per_rank % c.attention.nano_batches:
     raise UserError(f"rows_per_rank={c.rows_per_rank} must be a multiple of attention."
                     f"nano_batches={c.attention.nano_batches} (each nano-batch is whole rows)")

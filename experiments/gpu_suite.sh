@@ -15,7 +15,7 @@
 # Several groups in one call: SUITE=four-base,four-4d,four-x (run in that order). The 4-GPU tables
 # of results/four/README.md in two calls of about 9 minutes each on 4 x H100:
 # SUITE=four-base,four-4d,four-x and SUITE=four-n1,four-64k,four-n3; the 2 x 2 aborts' and the
-# ping-pong shortfall's diagnostics in one more: SUITE=four-n3x,four-n1p (about 8 minutes).
+# ping-pong shortfall's diagnostics in two more: SUITE=four-n3x (7 min) and SUITE=four-n1p (9 min).
 # 'one': single-GPU tables (CUDA_VISIBLE_DEVICES=0); 'two': the 2-GPU tables; 'derived': tables
 # computed from the e2e JSONs of 'two' (plot, per-batch bound); 'tests': the GPU-only tests.
 # Needs the wheels the GPU image lacks in .whl/ (flash-attn3-jax, ml_collections, tensorboardX).
@@ -176,8 +176,12 @@ stage e2e_4gpu_pingpong 360 python3 -m experiments.e2e_bench --backends packed_d
 stage e2e_4gpu_keep_resend 260 python3 -m experiments.e2e_bench --backends packed_dp,distca --variant resend@distca:attention.distca.memory_mode=resend --extra attention.distca.memory_mode=keep --workloads pretrain --tokens 131072 --layers 2 --steps 6 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_keep_resend"
 ;;& four-n1p)
 # Profiles of the ping-pong step against its single stream, ProLong 2 x 32K, distca (s7: its
-# ping-pong 1.1% slower than its single stream) and packed_dp, one more step each.
+# ping-pong 1.1% slower than its single stream) and packed_dp, one more step each; then
+# ping-pong with 'heavy_first' rows. About 9 minutes.
 stage e2e_4gpu_pingpong_profile 300 python3 -m experiments.e2e_bench --backends packed_dp,distca --nano-batches 1,2 --workloads prolong --tokens 32768 --rows-per-rank 2 --layers 2 --steps 6 --warmup 2 --profile --out "$OUT/e2e_4gpu_pingpong_profile"
+# Ping-pong with each rank's rows heaviest first (attention.distca.nano_rows): its plans move
+# less per step (experiments.replan); its step time against 'given', the same batches.
+stage e2e_4gpu_pingpong_heavy_first 240 python3 -m experiments.e2e_bench --backends packed_dp,distca --nano-batches 2 --variant hf@distca:attention.distca.nano_rows=heavy_first --workloads pretrain,prolong --tokens 32768 --rows-per-rank 2 --layers 2 --steps 6 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_pingpong_heavy_first"
 ;;& four-f2)
 # The faults whose GPU rows predate the supervisor keeping JAX's task-watch warning (divergence,
 # read-only workdir) and SIGINT to every process once more.

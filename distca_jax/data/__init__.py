@@ -17,13 +17,14 @@ from typing import Any
 from distca_jax.data.batch import (BATCH_DTYPES, BATCH_KEYS, DataError, Source, layout_arrays,
                                    pack_documents, validate_batch)
 from distca_jax.data.files import FileSource, open_dataset
+from distca_jax.data.order import HeavyFirst
 from distca_jax.data.synthetic import SyntheticSource
 from distca_jax.data.workloads import WORKLOADS, WorkloadSampler
 
 SOURCES = ("synthetic", "files")
 
 __all__ = [
-    "BATCH_DTYPES", "BATCH_KEYS", "DataError", "FileSource", "SOURCES", "Source",
+    "BATCH_DTYPES", "BATCH_KEYS", "DataError", "FileSource", "HeavyFirst", "SOURCES", "Source",
     "SyntheticSource", "WORKLOADS", "WorkloadSampler", "layout_arrays", "make_source", "run_source",
     "open_dataset", "pack_documents", "validate_batch",
 ]
@@ -86,7 +87,12 @@ def run_source(c: Any, data_ranks: int) -> Source:
   """The data source of run config ``c`` over ``data_ranks`` data ranks: ``make_source`` of
   ``c.data`` with ``data_ranks x c.rows_per_rank`` rows of ``c.tokens_per_rank`` tokens, the
   model's vocabulary and ``c.seed`` (the trainer's batches: a pure function of config, seed and
-  step)."""
-  return make_source(c.data, rows=int(data_ranks) * int(c.rows_per_rank),
-                     tokens_per_row=int(c.tokens_per_rank), vocab_size=int(c.model.vocab_size),
-                     seed=c.seed)
+  step). distca with ping-pong and ``attention.distca.nano_rows='heavy_first'``: each rank's
+  rows heaviest first (``order.HeavyFirst``), for the trainer and the caps' sampled plans alike."""
+  source = make_source(c.data, rows=int(data_ranks) * int(c.rows_per_rank),
+                       tokens_per_row=int(c.tokens_per_rank), vocab_size=int(c.model.vocab_size),
+                       seed=c.seed)
+  if (c.attention.backend == "distca" and c.attention.nano_batches > 1
+      and c.attention.distca.get("nano_rows", "given") == "heavy_first"):
+    return HeavyFirst(source, int(c.rows_per_rank))
+  return source

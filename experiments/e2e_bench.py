@@ -338,6 +338,33 @@ def summarize(r):
   return out
 
 
+def run_overrides(workload: str, tokens: int, layers: int, backend: str, nano: int,
+                  rows_per_rank: int, num_steps: int) -> list[str]:
+  """The config overrides of one run (before ``--extra`` and a variant's): ``rows_per_rank`` 0
+  is ``nano`` rows (``run_config`` sets it under a pipeline)."""
+  return [f"data.workload={workload}", f"tokens_per_rank={tokens}", f"model.n_layers={layers}",
+          f"attention.backend={backend}", f"attention.nano_batches={nano}",
+          f"rows_per_rank={rows_per_rank or nano}", "checkpoint_every=0",
+          f"num_steps={num_steps}"]
+
+
+def run_config(path: str, over: list[str], rows_per_rank: int):
+  """(config ``path`` with ``over``, ``over`` plus what the run then sets): a short run's
+  schedule warmup fits it; under a pipeline, ``rows_per_rank`` 0 is one row per microbatch
+  (and nano-batch). ``backend.*`` items are the backend's options, not config keys."""
+  from distca_jax import configs_io
+  over = list(over)
+  c = configs_io.load_config(path, [x for x in over if not x.startswith("backend.")])
+  if c.optim.warmup_steps > c.num_steps:  # a short run: the schedule's warmup fits it
+    c.optim.warmup_steps = c.num_steps
+    over.append(f"optim.warmup_steps={c.num_steps}")
+  if c.mesh.pipe > 1 and not rows_per_rank:  # one row per microbatch by default
+    c.rows_per_rank = c.attention.nano_batches * ticks.resolve_microbatches(
+        c.pipeline.microbatches, c.mesh.pipe)
+    over.append(f"rows_per_rank={c.rows_per_rank}")
+  return c, over
+
+
 def plan_stats(c, backend, doclens_per_step):
   """The timed batches planned again by the run's own `distca` backend (`host_plans`, one plan
   per nano-batch or pipeline tick): mean imbalance (pairs) before/after over the same plans (a
@@ -378,7 +405,6 @@ def main(argv=None):
   if a.tiny:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
   import jax  # noqa: F401  (after XLA_FLAGS)
-  from distca_jax import configs_io
   from distca_jax.launch import configure_environment
   configure_environment()
   log = lambda m: print(m, flush=True)
@@ -397,11 +423,8 @@ def main(argv=None):
           for vname, vonly, vover in variants:
             if vonly is not None and vonly != backend:
               continue
-            over = [f"data.workload={workload}", f"tokens_per_rank={tokens}",
-                    f"model.n_layers={a.layers}", f"attention.backend={backend}",
-                    f"attention.nano_batches={nano}",
-                    f"rows_per_rank={a.rows_per_rank or nano}", "checkpoint_every=0",
-                    f"num_steps={a.warmup + a.steps}"] + a.extra + vover
+            over = run_overrides(workload, tokens, a.layers, backend, nano, a.rows_per_rank,
+                                 a.warmup + a.steps) + a.extra + vover
             over = choice_overrides(backend, over)
             if a.tiny:
               over += ["model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.head_dim=16",
@@ -410,14 +433,7 @@ def main(argv=None):
                        "attention.kernel=reference"]
             name = backend + (f"+{vname}" if vname else "") + ("+pingpong" if nano == 2 else "")
             log(f"== {workload} {tokens} tokens/GPU {name}")
-            c = configs_io.load_config(a.config, [x for x in over if not x.startswith("backend.")])
-            if c.optim.warmup_steps > c.num_steps:  # a short run: the schedule's warmup fits it
-              c.optim.warmup_steps = c.num_steps
-              over.append(f"optim.warmup_steps={c.num_steps}")
-            if c.mesh.pipe > 1 and not a.rows_per_rank:  # one row per microbatch by default
-              c.rows_per_rank = nano * ticks.resolve_microbatches(c.pipeline.microbatches,
-                                                                  c.mesh.pipe)
-              over.append(f"rows_per_rank={c.rows_per_rank}")
+            c, over = run_config(a.config, over, a.rows_per_rank)
             backend_options = backend_overrides(over)
             pdir = (os.path.join(a.out + "_profiles", f"{workload}_{tokens}_{name}")
                     if a.profile else None)

@@ -9,9 +9,10 @@ same timed batches (steps `--warmup` .. `--warmup + --steps - 1`) and plans them
 run's own backend (`e2e_bench.plan_stats`: one plan per nano-batch or pipeline tick). It reports
 the means over plans (imbalance before and after, share of plans that moved rows, useful and
 buffer bytes per device, degraded plans) and per step the plans (nano-batches, or pipeline
-ticks) and the useful bytes they carry. With `--nano-batches 1,2` this compares the single stream's plans with ping-pong's,
-which plan each nano-batch alone. The mesh needs as many devices as the GPU run had: on a CPU
-set `JAX_NUM_CPU_DEVICES` (or `--devices N`, which sets it). Writes OUT.json and OUT.md.
+ticks) and the useful bytes they carry. With `--nano-batches 1,2` this compares the single
+stream's plans with ping-pong's, which plan each nano-batch alone. The mesh needs as many
+devices as the GPU run had: on a CPU set `JAX_NUM_CPU_DEVICES` (or `--devices N`, which sets
+it). Writes OUT.json and OUT.md.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def parse_args(argv=None):
   p.add_argument("--workloads", default="pretrain,prolong")
   p.add_argument("--tokens", default="131072", help="tokens per GPU (comma list)")
   p.add_argument("--nano-batches", default="1", help="comma list: 1 single stream, 2 ping-pong")
-  p.add_argument("--rows-per-rank", type=int, default=0, help="0: nano-batches")
+  p.add_argument("--rows-per-rank", type=int, default=0,
+                 help="0: nano-batches (x the pipeline's microbatches under mesh.pipe > 1)")
   p.add_argument("--steps", type=int, default=20, help="timed steps of the e2e_bench run")
   p.add_argument("--warmup", type=int, default=2, help="its untimed steps first")
   p.add_argument("--layers", type=int, default=2)
@@ -49,19 +51,16 @@ def parse_args(argv=None):
 
 def replan(a) -> list[dict]:
   """One record per (workload, tokens, nano-batches): the plan means and per-step totals."""
-  from distca_jax import configs_io, trainer
+  from distca_jax import trainer
   from experiments import e2e_bench
   out = []
   for workload in a.workloads.split(","):
     for tokens in [int(t) for t in a.tokens.split(",")]:
       for nano in [int(n) for n in a.nano_batches.split(",")]:
-        over = [f"data.workload={workload}", f"tokens_per_rank={tokens}",
-                f"model.n_layers={a.layers}", "attention.backend=distca",
-                f"attention.nano_batches={nano}", f"rows_per_rank={a.rows_per_rank or nano}",
-                "checkpoint_every=0", f"num_steps={a.warmup + a.steps}",
-                "optim.warmup_steps=0",  # no training: any schedule fits
-                "attention.kernel=blockwise"] + a.extra
-        c = configs_io.load_config(a.config, over)
+        over = e2e_bench.run_overrides(workload, tokens, a.layers, "distca", nano,
+                                       a.rows_per_rank, a.warmup + a.steps)
+        c, _ = e2e_bench.run_config(a.config, over + ["attention.kernel=blockwise"] + a.extra,
+                                    a.rows_per_rank)
         run = trainer.setup_run(c)
         data = run.mesh.shape["data"]
         doclens = [e2e_bench.rows_by_rank(run.source.doclens(s), data, c.rows_per_rank)
@@ -92,8 +91,9 @@ def write(a, records) -> None:
            "|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in records:
     lines.append(f"| {r['workload']} | {r['tokens']} | {r['nano_batches']} | "
-                 f"{r['rows_per_rank']} | {r['plans_per_step']:g} | {r['plan_imbalance_before']:.3f} -> "
-                 f"{r['plan_imbalance_after']:.3f} | {r['plan_moved']:.0%} | "
+                 f"{r['rows_per_rank']} | {r['plans_per_step']:g} | "
+                 f"{r['plan_imbalance_before']:.3f} -> {r['plan_imbalance_after']:.3f} | "
+                 f"{r['plan_moved']:.0%} | "
                  f"{r['plan_dispatch_useful_mb']:.1f} | {r['useful_mb_per_step']:.1f} | "
                  f"{r['plan_dispatch_buffer_mb']:.1f} | {r['plan_degraded']} |")
   with open(a.out + ".md", "w") as f:

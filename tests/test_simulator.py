@@ -874,6 +874,24 @@ def test_runs_are_priced_with_the_local_branch_of_their_code(validation):
       assert res["local_batches"] == round(share * len(run.steps)), (stem, run.backend)
 
 
+def _assert_h200_distca_priced_as_it_ran(validation, era):
+  """Each held-out single-stream distca run of ``era`` priced as it ran ('remote', 'keep', the
+  local branch at local_gain 0.05, gate 0.02), with the local steps the run counted."""
+  km, _ = validate.kernel_model()
+  cal = costs.Calibration(**validation["calibrations"][era])
+  for stem, backend in validate.HELD_OUT_RUNS[era]:
+    recorded = {(r["workload"], r["backend"]): r for r in validate._json(stem)["results"]}
+    for run in validate.load_runs(stem, backend):
+      if run.strategy != "distca" or run.nano_batches != 1:
+        continue  # the simulator plans a micro-batch's nano-batches together
+      opts = validate._options(run, era)
+      assert (opts.collective, opts.memory_mode, opts.local_steps, opts.local_gain,
+              opts.min_gain) == ("remote", "keep", True, 0.05, 0.02), stem
+      res = validate.predict_run(run, cal, km, era)
+      share = recorded[run.workload, run.backend]["local_steps"]
+      assert res["local_batches"] == round(share * len(run.steps)), (stem, run.backend)
+
+
 def test_h200_era_is_its_own_calibration_on_packed_dp_and_holds_out_the_rest(validation):
   """4 x H200 of 63a9720 (results/four/raw/s6): a current-code era of its own, calibrated on
   its single-stream packed_dp runs without a pipeline; every other case of it is held out, its
@@ -893,19 +911,7 @@ def test_h200_era_is_its_own_calibration_on_packed_dp_and_holds_out_the_rest(val
   # issue35's command left --steps / --warmup at e2e_bench's defaults.
   run = validate.load_runs("four/raw/s6/e2e_4gpu_128k_issue35", "packed_dp")[0]
   assert run.steps == tuple(range(2, 22))
-  km, _ = validate.kernel_model()
-  cal = costs.Calibration(**validation["calibrations"]["h200"])
-  for stem, backend in validate.HELD_OUT_RUNS["h200"]:
-    recorded = {(r["workload"], r["backend"]): r for r in validate._json(stem)["results"]}
-    for run in validate.load_runs(stem, backend):
-      if run.strategy != "distca" or run.nano_batches != 1:
-        continue  # the simulator plans a micro-batch's nano-batches together
-      opts = validate._options(run, "h200")
-      assert (opts.collective, opts.memory_mode, opts.local_steps, opts.local_gain,
-              opts.min_gain) == ("remote", "keep", True, 0.05, 0.02)
-      res = validate.predict_run(run, cal, km, "h200")
-      share = recorded[run.workload, run.backend]["local_steps"]
-      assert res["local_batches"] == round(share * len(run.steps)), (stem, run.backend)
+  _assert_h200_distca_priced_as_it_ran(validation, "h200")
 
 
 def test_h200_s7_era_is_another_machine_priced_with_h200s_calibration(validation):
@@ -920,19 +926,7 @@ def test_h200_s7_era_is_another_machine_priced_with_h200s_calibration(validation
   assert {c["backend"] for c in cases if c["kind"] == "e2e"} >= {
       "packed_dp", "wlb", "cp", "distca", "distca+perstage", "packed_dp+pingpong",
       "distca+pingpong"}
-  km, _ = validate.kernel_model()
-  cal = costs.Calibration(**validation["calibrations"]["h200-s7"])
-  for stem, backend in validate.HELD_OUT_RUNS["h200-s7"]:
-    recorded = {(r["workload"], r["backend"]): r for r in validate._json(stem)["results"]}
-    for run in validate.load_runs(stem, backend):
-      if run.strategy != "distca" or run.nano_batches != 1:
-        continue
-      opts = validate._options(run, "h200-s7")
-      assert (opts.collective, opts.memory_mode, opts.local_steps, opts.local_gain,
-              opts.min_gain) == ("remote", "keep", True, 0.05, 0.02), stem
-      res = validate.predict_run(run, cal, km, "h200-s7")
-      share = recorded[run.workload, run.backend]["local_steps"]
-      assert res["local_batches"] == round(share * len(run.steps)), (stem, run.backend)
+  _assert_h200_distca_priced_as_it_ran(validation, "h200-s7")
 
 
 def test_local_gain_plans_a_step_that_cannot_win_enough_to_move_nothing():

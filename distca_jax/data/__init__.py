@@ -93,6 +93,6 @@ def run_source(c: Any, data_ranks: int) -> Source:
                        tokens_per_row=int(c.tokens_per_rank), vocab_size=int(c.model.vocab_size),
                        seed=c.seed)
   if (c.attention.backend == "distca" and c.attention.nano_batches > 1
-      and c.attention.distca.get("nano_rows", "given") == "heavy_first"):
+      and c.attention.distca.nano_rows == "heavy_first"):
     return HeavyFirst(source, int(c.rows_per_rank))
   return source

@@ -192,23 +192,42 @@ class Watchdog:
   is lost (its heartbeats stopped for the heartbeat timeout) or the coordinator stops answering,
   prints ``lost_line`` on stderr and ends the process with exit status 2.
 
+  It polls only once armed (`arm`; ``armed=True`` arms it at once). `run` arms it after the first
+  train step has completed: that step's first execution sets up the NCCL communicators through
+  the coordination service's key-value store, and with polls beside that setup 2 processes x
+  2 GPUs aborted (glibc's heap checks, or a hang at exit) in about 4 of 10 attempts on 4 x H200;
+  without them none of 11 did (docs/design.md, "The watchdog"). A process lost before then ends
+  the others through JAX's own coordination-service error (the supervisor names it from that
+  message).
+
   It ends the process with ``os._exit``: the main thread may be inside a collective that waits
   for the lost process forever (NCCL) or that JAX aborts on, so no clean exit is possible; the
   line is flushed first and nothing else is written after it."""
 
-  def __init__(self, workdir: str, heartbeat_timeout_s: float, poll_s: float = 1.0):
+  def __init__(self, workdir: str, heartbeat_timeout_s: float, poll_s: float = 1.0,
+               armed: bool = False):
     import jax
     self.me, self.count = jax.process_index(), jax.process_count()
     self._workdir, self._poll_s = workdir, poll_s
     self._timeout_s = heartbeat_timeout_s
     self._stop = threading.Event()
+    self._armed = threading.Event()
+    if armed:
+      self._armed.set()
     self.fired = threading.Event()
     self._thread = threading.Thread(target=self._run, daemon=True, name="distca-watchdog")
     self._thread.start()
 
+  def arm(self) -> None:
+    """Starts the polling (idempotent)."""
+    self._armed.set()
+
   def _run(self) -> None:
     client = _client().client
     everyone = list(range(self.count))
+    while not self._armed.wait(0.05):
+      if self._stop.is_set():
+        return
     while not self._stop.wait(self._poll_s):
       try:
         live = client.get_live_nodes(everyone)
@@ -295,8 +314,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, multihost: bool = Fa
   from distca_jax import memory, trainer
   try:
     try:
-      out = trainer.train_and_evaluate(config, workdir, device_memory_bytes=_injected_capacity(),
-                                       stop=stop)
+      out = trainer.train_and_evaluate(
+          config, workdir, device_memory_bytes=_injected_capacity(), stop=stop,
+          on_first_step=None if watchdog is None else watchdog.arm)
     except memory.DoesNotFit as e:  # add what each knob would need (compiles variants: slow path)
       from distca_jax import aot
       raise aot.explain_does_not_fit(config, e) from e.__cause__
@@ -306,6 +326,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, multihost: bool = Fa
       raise
   except jax.errors.JaxRuntimeError:
     if watchdog is not None:  # a lost peer: the watchdog ends the process naming it
+      watchdog.arm()
       watchdog.fired.wait(distributed.heartbeat_timeout_s + 15)
       watchdog.close()
     raise

@@ -512,7 +512,8 @@ def check_workdir(workdir: str) -> None:
 
 def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str,
                        device_memory_bytes: int | None = None,
-                       stop: StopRequest | None = None) -> list[dict]:
+                       stop: StopRequest | None = None,
+                       on_first_step: Callable[[], None] | None = None) -> list[dict]:
   """Trains for `c.num_steps` steps in `workdir` (resuming if it holds a checkpoint).
 
   Returns the log records written during this call (one per `log_every` steps). The workdir is
@@ -520,7 +521,8 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str,
   prefetcher stops, a pending save completes, and the checkpoint manager and the log close, in
   that order. `device_memory_bytes` replaces the device's memory for the pre-flight check
   (tests). When `stop` is set (by a signal handler) the loop saves the current step, verifies
-  that checkpoint and raises `Interrupted`.
+  that checkpoint and raises `Interrupted`. `on_first_step` is called once the first step of
+  this call has completed on the devices (`launch` arms its watchdog there).
   """
   workdir = os.path.abspath(workdir)
   check_workdir(workdir)
@@ -533,7 +535,8 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str,
   with contextlib.ExitStack() as closers:
     log = metrics_lib.RunLog(workdir, c.num_steps, tensorboard=c.tensorboard)
     closers.callback(log.close)
-    return _train(c, run, workdir, log, closers, device_memory_bytes, stop or StopRequest())
+    return _train(c, run, workdir, log, closers, device_memory_bytes, stop or StopRequest(),
+                  on_first_step)
 
 
 # memory_mode 'auto' runs 'keep' only with this fraction of the device's memory to spare (else
@@ -581,7 +584,8 @@ def preflight(c, run: RunSetup, state, batch: dict, rows: int | None = None,
   return resend_step, resend_ws, need, resend_run
 
 
-def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dict]:
+def _train(c, run, workdir, log, closers, device_memory_bytes, stop,
+           on_first_step) -> list[dict]:
 
   # Mesh, model, optimizer, data
   mesh, backend, model, tx, source = run.mesh, run.backend, run.model, run.tx, run.source
@@ -686,6 +690,9 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
             memory_lib.raise_if_out_of_memory(e, memory_need, mesh.devices.flat[0],
                                               device_memory_bytes, workspace)
             raise
+      if on_first_step is not None and step == start:
+        jax.block_until_ready(m)
+        on_first_step()
       watch.add(step, m)
       watch.poll()
       if window_t0 is None or profiled:  # time from the end of the first (compiling) or

@@ -8,8 +8,8 @@
 #                                                         # four-8b | four-8b-mfu | four-n1 |
 #                                                         # four-n3 | four-base | four-x |
 #                                                         # four-64k; four-trees (not in 'all');
-#                                                         # not yet run: four-n3x, four-n1p,
-#                                                         # four-keep, four-8b-xla;
+#                                                         # four-n3x, four-n1p, four-keep,
+#                                                         # four-n3w; not yet run: four-8b-xla;
 #                                                         # one GPU: one-trees (not in 'all');
 #                                                         # two GPUs: two-skip (not in 'all')
 # Several groups in one call: SUITE=four-base,four-4d,four-x (run in that order). The 4-GPU tables
@@ -225,7 +225,7 @@ for k in ('4x1', '2x2_1', '2x2_2', '2x2_3'):
 # (a thread beside XLA's; the run's script sets its poll interval past the run); three attempts
 # each (the aborts came in about 4 of 10). About 7 minutes.
 printf '%s\n' 'import runpy' 'from distca_jax import launch' \
-  'launch.Watchdog.__init__.__defaults__ = (1e9,)  # poll_s: no poll within the run' \
+  'launch.Watchdog.__init__.__defaults__ = (1e9, True)  # poll_s, armed: no poll in the run' \
   'runpy.run_module("distca_jax.train", run_name="__main__")' > "$OUT/train_no_watchdog.py"
 for a in 1 2 3; do
   stage "mpx_2x2_no_watchdog_$a" 90 bash -c "$(declare -f mp); MP_T='${MP_T/-m distca_jax.train/$OUT/train_no_watchdog.py}' OUT='$OUT'; mp x2x2_no_watchdog_$a 2 2"
@@ -262,6 +262,19 @@ stage e2e_8b_mfu_sa16k_distca 130 $M8 --tokens 16384 --backends distca --extra m
 stage e2e_8b_mfu_sa16k_packed_dp 120 $M8 --tokens 16384 --backends packed_dp --extra model.remat=save_attention --out "$OUT/e2e_8b_mfu_sa16k_packed_dp"
 stage e2e_8b_mfu_full64k_distca 210 $M8 --tokens 65536 --backends distca --out "$OUT/e2e_8b_mfu_full64k_distca"
 stage e2e_8b_mfu_full16k_distca 100 $M8 --tokens 16384 --backends distca --out "$OUT/e2e_8b_mfu_full16k_distca"
+;;& four-n3w)
+# The watchdog armed after the first step (the default) against armed from the start (its
+# polls beside the first step's NCCL setup), 2 x 2 processes, distca, interleaved attempts.
+printf '%s\n' 'import runpy' 'from distca_jax import launch' \
+  'launch.Watchdog.__init__.__defaults__ = (1.0, True)  # poll_s, armed: polls from the start' \
+  'runpy.run_module("distca_jax.train", run_name="__main__")' > "$OUT/train_armed_at_start.py"
+for a in 1 2 3 4 5 6 7; do
+  stage "mpw_2x2_armed_after_first_$a" 60 bash -c "$(declare -f mp); MP_T='$MP_T' OUT='$OUT'; mp w2x2_armed_after_first_$a 2 2"
+  if [ $a -le 5 ]; then
+    stage "mpw_2x2_armed_at_start_$a" 60 bash -c "$(declare -f mp); MP_T='${MP_T/-m distca_jax.train/$OUT/train_armed_at_start.py}' OUT='$OUT'; mp w2x2_armed_at_start_$a 2 2"
+  fi
+done
+stage mpw_summary 30 bash -c "for d in $OUT/mp_w*/; do echo \"\$(basename \$d): \$(grep -c loss \$d/metrics.jsonl 2>/dev/null) logged losses, \$(ls \$d/crash 2>/dev/null | wc -l) crash dumps\"; done"
 ;;& four-8b-xla)
 # The whole 8B's FSDP collectives: save_attention at 16K per GPU (the best MFU of four-8b-mfu,
 # 42.5%), packed_dp then distca, each profiled for one more step (how much of the all-gathers

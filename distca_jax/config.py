@@ -92,11 +92,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.attention.distca.local_steps = True   # a batch whose plans move no row runs the step's
                                           # second branch, packed_dp's attention (no exchange);
                                           # mesh.pipe = 1 only
-  c.attention.distca.nano_rows = "given"  # attention.nano_batches=2: 'given' keeps each rank's
-                                          # row order (nano-batch i takes its i-th share);
-                                          # 'heavy_first' orders each rank's rows by attention
-                                          # work first, so each nano-batch pairs rows of like
-                                          # weight across ranks (less to move per nano-batch)
+  c.attention.distca.nano_rows = "heavy_first"  # attention.nano_batches=2: 'heavy_first'
+                                          # orders each rank's rows by attention work first,
+                                          # so each nano-batch pairs rows of like weight across
+                                          # ranks (less to move per nano-batch); 'given' keeps
+                                          # each rank's row order (nano-batch i takes its i-th
+                                          # share)
   c.attention.distca.local_gain = 0.05    # with local_steps: a batch whose every plan could gain
                                           # less than this moves nothing and runs that branch.
                                           # On H100s at 128K, batches below 0.04 ran slower

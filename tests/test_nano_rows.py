@@ -55,6 +55,8 @@ def test_run_source_reorders_only_distca_ping_pong_with_heavy_first():
   on = {"attention.backend": "distca", "attention.nano_batches": 2,
         "attention.distca.nano_rows": "heavy_first"}
   assert isinstance(source(**on), HeavyFirst)
+  default = {k: v for k, v in on.items() if k != "attention.distca.nano_rows"}
+  assert isinstance(source(**default), HeavyFirst)  # the default
   assert not isinstance(source(**{**on, "attention.distca.nano_rows": "given"}), HeavyFirst)
   assert not isinstance(source(**{**on, "attention.nano_batches": 1}), HeavyFirst)
   assert not isinstance(source(**{**on, "attention.backend": "packed_dp"}), HeavyFirst)

@@ -9,7 +9,8 @@
 #                                                         # four-n3 | four-base | four-x |
 #                                                         # four-64k; four-trees (not in 'all');
 #                                                         # four-n3x, four-n1p, four-keep,
-#                                                         # four-n3w; not yet run: four-8b-xla;
+#                                                         # four-n3w; not yet run: four-8b-xla,
+#                                                         # four-deep-a, four-deep-b;
 #                                                         # one GPU: one-trees (not in 'all');
 #                                                         # two GPUs: two-skip (not in 'all')
 # Several groups in one call: SUITE=four-base,four-4d,four-x (run in that order). The 4-GPU tables
@@ -275,6 +276,17 @@ for a in 1 2 3 4 5 6 7; do
   fi
 done
 stage mpw_summary 30 bash -c "for d in $OUT/mp_w*/; do echo \"\$(basename \$d): \$(grep -c loss \$d/metrics.jsonl 2>/dev/null) logged losses, \$(ls \$d/crash 2>/dev/null | wc -l) crash dumps\"; done"
+;;& four-deep-a|four-deep-b)
+# 128K per GPU with enough layers that the LM head is under 25% of the counted FLOPs, packed_dp
+# and distca at their defaults, each backend in its own process (the allocator peak is per
+# process), the same batches: four-deep-a Pretrain with 4 layers (LM head about 23%),
+# four-deep-b ProLong with 6 (about 23%), one call each. An H200 only: CPU AOT (4 fake devices,
+# scaled by the 2-layer runs' measured peaks) puts distca at about 97 GB (Pretrain, 4 layers)
+# and 116 GB (ProLong, 6 layers).
+case "$1" in four-deep-a) WL=pretrain:4 ;; *) WL=prolong:6 ;; esac
+for b in packed_dp distca; do
+  stage "e2e_4gpu_deep_${WL%:*}_$b" 280 python3 -m experiments.e2e_bench --backends $b --workloads ${WL%:*} --tokens 131072 --layers ${WL#*:} --steps 6 --warmup 2 --plan-stats --out "$OUT/e2e_4gpu_deep_${WL%:*}_$b"
+done
 ;;& four-8b-xla)
 # The whole 8B's FSDP collectives: save_attention at 16K per GPU (the best MFU of four-8b-mfu,
 # 42.5%), packed_dp then distca, each profiled for one more step (how much of the all-gathers

@@ -929,6 +929,34 @@ def test_h200_s7_era_is_another_machine_priced_with_h200s_calibration(validation
   _assert_h200_distca_priced_as_it_ran(validation, "h200-s7")
 
 
+def test_h200_s8_era_prices_keep_and_resend_as_they_ran(validation):
+  """4 x H200 of 8ec3962 (results/four/raw/s8, host A): the 'h200' calibration, every
+  case held out; distca's 'keep' and 'resend' runs priced with the memory mode each ran, ping-pong
+  with 'heavy_first' rows priced as 'given' (nano-batches planned together), 'resend' alone
+  paired with its call's packed_dp for the speedup."""
+  assert "h200-s8" in validate.CURRENT_ERAS and validate.CALIBRATED_AS["h200-s8"] == "h200"
+  assert validation["calibrations"]["h200-s8"] == validation["calibrations"]["h200"]
+  cases = [c for c in validation["cases"] if c.get("era") == "h200-s8"]
+  assert cases and all(c["role"] == "held-out" and c["name"].startswith("four/raw/s8/")
+                       for c in cases)
+  modes = {}
+  for stem, backend in validate.HELD_OUT_RUNS["h200-s8"]:
+    for run in validate.load_runs(stem, backend):
+      opts = validate._options(run, "h200-s8")
+      if run.strategy == "distca":
+        modes[stem.split("/")[-1], run.backend] = (opts.collective, opts.memory_mode)
+  assert modes["e2e_4gpu_keep_resend", "distca"] == ("remote", "keep")
+  assert modes["e2e_4gpu_keep_resend", "distca+resend"] == ("remote", "resend")
+  assert modes["e2e_4gpu_resend_alone", "distca"] == ("remote", "resend")
+  e2e = {(c["stem"].split("/")[-1], c["backend"]): c["predicted_s"]
+         for c in cases if c["kind"] == "e2e"}
+  stem = "e2e_4gpu_pingpong_heavy_first_prolong"
+  assert e2e[stem, "distca+hf+pingpong"] == e2e[stem, "distca+pingpong"]
+  assert e2e["e2e_4gpu_keep_resend", "distca+resend"] > e2e["e2e_4gpu_keep_resend", "distca"]
+  assert any(c["kind"] == "speedup" and c["name"].startswith("four/raw/s8/e2e_4gpu_resend_alone:")
+             and "distca over packed_dp" in c["name"] for c in cases)
+
+
 def test_local_gain_plans_a_step_that_cannot_win_enough_to_move_nothing():
   """Options.local_gain (attention.distca.local_gain): a step whose predicted gain is below it
   is planned to move nothing and priced on the local branch; just above it, CAD balances."""

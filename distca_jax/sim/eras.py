@@ -29,6 +29,11 @@ calibration (``CALIBRATED_AS``); every other case of that era is held out (``HEL
   runs): every run held out, packed_dp included: the four strategies at 128K, packed_dp and
   distca at 64K, pipe 2 x data 2, the 2 x 32K ping-pong call, and the two trees' runs (63a9720
   and 231bdf7, same batches).
+* 'h200-s8': a 4 x H200 host, the code of 8ec3962 (results/four/raw/s8, host A), priced
+  with the 'h200' calibration, every run held out: Pretrain 128K with 'keep' and 'resend' (and
+  'resend' alone), ProLong 2 x 32K with and without ping-pong (the profiled call), and ping-pong
+  with 'given' and 'heavy_first' rows (the simulator plans a micro-batch's nano-batches together,
+  so it prices both row orders alike).
 
 distca's runs are priced with the exchange and memory mode they ran (an override, else what
 'auto' ran as: ``AUTO_RAN_AS``), the gates and the local branch of their era (``ERA_MIN_GAIN``,
@@ -56,11 +61,14 @@ CALIBRATION_RUNS = {
 }
 # Eras priced with another era's calibration (fitted on runs made before theirs): 'h100-local'
 # is the H100 code with the train step's local branch (bcacbbe on).
-CALIBRATED_AS = {"h100-local": "h100", "h200-s7": "h200"}
+CALIBRATED_AS = {"h100-local": "h100", "h200-s7": "h200", "h200-s8": "h200"}
 # Every era, in the order the cases are listed.
-ERAS = ("current", "v5", "h100", "h100-local", "h200", "h200-s7")
+ERAS = ("current", "v5", "h100", "h100-local", "h200", "h200-s7", "h200-s8")
 # The eras of the current code (the summary's 4-GPU count).
-CURRENT_ERAS = ("current", "h100", "h100-local", "h200", "h200-s7")
+CURRENT_ERAS = ("current", "h100", "h100-local", "h200", "h200-s7", "h200-s8")
+# results/four/raw/s8's e2e_bench runs (the heavy-first call's ProLong part ran again alone).
+S8_STEMS = ("e2e_4gpu_keep_resend", "e2e_4gpu_resend_alone", "e2e_4gpu_pingpong_profile",
+            "e2e_4gpu_pingpong_heavy_first", "e2e_4gpu_pingpong_heavy_first_prolong")
 HELD_OUT_RUNS = {
     "current": [("e2e_1gpu_pingpong_v6_fixed_4l", None), ("e2e_1gpu_64k_nodsf", None),
                 ("e2e_1gpu_2x64k_nodsf", None),
@@ -115,6 +123,8 @@ HELD_OUT_RUNS = {
                 ("four/raw/s7/e2e_4gpu_pingpong", None),
                 *[(f"four/raw/s7/e2e_4gpu_trees_{t}_{b}", None) for t in ("old", "new")
                   for b in ("packed_dp", "distca")]],
+    # results/four/raw/s8 (a 4 x H200 host, code of 8ec3962): every run of host A.
+    "h200-s8": [(f"four/raw/s8/{stem}", None) for stem in S8_STEMS],
 }
 # What 'auto' ran as in runs of the distca backend that set no override (the exchange's
 # ``collective``, ``memory_mode``), where it is not ('dense', 'keep'): the runs made at 356931f
@@ -143,6 +153,10 @@ AUTO_RAN_AS = {
     **{f"four/raw/s7/{stem}": {"collective": "remote", "memory_mode": "keep"}
        for stem in ("e2e_4gpu_128k_distca", "e2e_4gpu_64k", "e2e_4gpu_4d_pretrain",
                     "e2e_4gpu_pingpong", "e2e_4gpu_trees_old_distca", "e2e_4gpu_trees_new_distca")},
+    # results/four/raw/s8 (one process, 'auto' = 'remote'; the memory mode an override where
+    # set, else "'keep' (fits: ...)" as logged).
+    **{f"four/raw/s8/{stem}": {"collective": "remote", "memory_mode": "keep"}
+       for stem in S8_STEMS},
 }
 # Runs of one backend each (one process per backend, same host and session) paired for
 # distca's speedup; runs of one call pair within their file.
@@ -153,17 +167,18 @@ PAIRED_RUNS = {"four/raw/e2e_bk_pretrain_distca": "four/raw/e2e_bk_pretrain_pack
                   for s in ("s4", "s6", "s7") for b in ("wlb", "cp", "distca")},
                **{f"four/raw/s7/e2e_4gpu_trees_{t}_distca":
                   f"four/raw/s7/e2e_4gpu_trees_{t}_packed_dp" for t in ("old", "new")},
-               "four/raw/s4/e2e_4gpu_pingpong_prolong_distca": "four/raw/s4/e2e_4gpu_pingpong"}
+               "four/raw/s4/e2e_4gpu_pingpong_prolong_distca": "four/raw/s4/e2e_4gpu_pingpong",
+               "four/raw/s8/e2e_4gpu_resend_alone": "four/raw/s8/e2e_4gpu_keep_resend"}
 # e2e_bench variants that change only distca (no packed_dp twin): their speedup is over the
 # plain baseline of the same call.
 DISTCA_ONLY_VARIANTS = ("+remote", "+dense", "+ragged", "+perstage", "+gate06")
 # The planner's gate (min_gain) each code era ran with (a run's override wins): 0 = no gate.
 ERA_MIN_GAIN = {"current": 0.02, "v5": 0.0, "h100": 0.02, "h100-local": 0.02, "h200": 0.02,
-                "h200-s7": 0.02}
+                "h200-s7": 0.02, "h200-s8": 0.02}
 # Each era's train step had the local branch (a run's override wins): not before bcacbbe.
 ERA_LOCAL_STEPS = {"current": False, "v5": False, "h100": False, "h100-local": True,
-                   "h200": True, "h200-s7": True}
+                   "h200": True, "h200-s7": True, "h200-s8": True}
 # The local branch's own threshold (``attention.distca.local_gain``; a run's override wins):
 # 0 before 4fc4057 (a step ran locally only when its gated plans moved nothing), 0.05 since.
 ERA_LOCAL_GAIN = {"current": 0.0, "v5": 0.0, "h100": 0.0, "h100-local": 0.0, "h200": 0.05,
-                  "h200-s7": 0.05}
+                  "h200-s7": 0.05, "h200-s8": 0.05}

@@ -44,7 +44,7 @@ stage() {  # stage NAME SECONDS CMD...
   echo "=== $name rc=$rc in $((SECONDS - t0))s"; tail -n 25 "$OUT/$name.log"
   pack
 }
-nvidia-smi -L
+nvidia-smi -L | tee "$OUT/gpus.txt"  # the GPUs' UUIDs: which host ran the call
 ONE="env CUDA_VISIBLE_DEVICES=0"
 E2E20="--layers 2 --steps 20 --warmup 2"  # gpu_bench defaults: flash3 kernels for every backend
 # wlb's CP size and alpha: e2e_bench's default, choose_wlb on batches the run never times.

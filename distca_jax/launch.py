@@ -192,45 +192,58 @@ class Watchdog:
   is lost (its heartbeats stopped for the heartbeat timeout) or the coordinator stops answering,
   prints ``lost_line`` on stderr and ends the process with exit status 2.
 
-  It polls only once armed (`arm`; ``armed=True`` arms it at once). `run` arms it after the first
-  train step has completed: that step's first execution sets up the NCCL communicators through
-  the coordination service's key-value store, and with polls beside that setup 2 processes x
-  2 GPUs aborted (glibc's heap checks, or a hang at exit) in about 4 of 10 attempts on 4 x H200;
-  without them none of 11 did (docs/design.md, "The watchdog"). A process lost before then ends
-  the others through JAX's own coordination-service error (the supervisor names it from that
-  message).
+  Until it is armed (`arm`; ``armed=True`` arms it at once) it polls only after ``quiet_s``
+  seconds (default: the heartbeat timeout) without a `progress` call: a process stalled that
+  long before its first step completes is waiting on a lost peer. The trainer calls `progress`
+  just before each first execution of a multi-process program (the first ones set up the NCCL
+  communicators through the coordination service's key-value store; with polls beside that
+  setup, 2 processes x 2 GPUs aborted in about 4 of 10 attempts on 4 x H200, without them none
+  of 11: docs/design.md, "The watchdog") and `arm` once the first step has completed.
 
   It ends the process with ``os._exit``: the main thread may be inside a collective that waits
   for the lost process forever (NCCL) or that JAX aborts on, so no clean exit is possible; the
   line is flushed first and nothing else is written after it."""
 
   def __init__(self, workdir: str, heartbeat_timeout_s: float, poll_s: float = 1.0,
-               armed: bool = False):
+               armed: bool = False, quiet_s: float | None = None):
     import jax
     self.me, self.count = jax.process_index(), jax.process_count()
     self._workdir, self._poll_s = workdir, poll_s
     self._timeout_s = heartbeat_timeout_s
+    self._quiet_s = float(heartbeat_timeout_s if quiet_s is None else quiet_s)
     self._stop = threading.Event()
     self._armed = threading.Event()
     if armed:
       self._armed.set()
+    self._mark = time.monotonic()
+    self._lock = threading.Lock()  # held while a poll is in flight
     self.fired = threading.Event()
     self._thread = threading.Thread(target=self._run, daemon=True, name="distca-watchdog")
     self._thread.start()
 
   def arm(self) -> None:
-    """Starts the polling (idempotent)."""
+    """Polls from now on (idempotent)."""
     self._armed.set()
+
+  def progress(self) -> None:
+    """Until armed: no poll starts from now until ``quiet_s`` seconds after this returns, which
+    is once a poll in flight has finished."""
+    self._mark = time.monotonic()
+    with self._lock:
+      self._mark = time.monotonic()
+
+  def _due(self) -> bool:
+    return self._armed.is_set() or time.monotonic() - self._mark >= self._quiet_s
 
   def _run(self) -> None:
     client = _client().client
     everyone = list(range(self.count))
-    while not self._armed.wait(0.05):
-      if self._stop.is_set():
-        return
     while not self._stop.wait(self._poll_s):
       try:
-        live = client.get_live_nodes(everyone)
+        with self._lock:
+          if not self._due():
+            continue
+          live = client.get_live_nodes(everyone)
       except Exception as e:  # pylint: disable=broad-except  # the coordinator's RPC failed
         if self._stop.is_set():
           return
@@ -316,6 +329,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, multihost: bool = Fa
     try:
       out = trainer.train_and_evaluate(
           config, workdir, device_memory_bytes=_injected_capacity(), stop=stop,
+          before_first_run=None if watchdog is None else watchdog.progress,
           on_first_step=None if watchdog is None else watchdog.arm)
     except memory.DoesNotFit as e:  # add what each knob would need (compiles variants: slow path)
       from distca_jax import aot

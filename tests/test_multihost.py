@@ -503,6 +503,36 @@ def test_killing_one_process_stops_the_other_within_60s(tmp_path, victim):
 
 
 @pytest.mark.slow
+def test_a_process_lost_before_the_first_step_stops_the_other_within_60s(tmp_path):
+  """A peer killed while the survivor compiles and runs its first step (the watchdog is not yet
+  armed: it polls only after a stall of the heartbeat timeout) still ends the survivor with
+  status 2 within 60 s and one line naming the lost process."""
+  args = ["--config.attention.backend=local", "--config.num_steps=100000",
+          "--config.checkpoint_every=0"]
+  ps = _start(2, 4, args, tmp_path / "w", tmp_path, heartbeat_s=None, stderr_apart=True)
+  log = tmp_path / "w_0.log"
+  try:
+    deadline = time.time() + 120
+    while "compiling the train step" not in (log.read_text() if log.exists() else ""):
+      assert time.time() < deadline and all(p.poll() is None for p in ps), (
+          [p.poll() for p in ps], log.read_text() if log.exists() else "")
+      time.sleep(0.05)
+    ps[1].send_signal(signal.SIGKILL)
+    t0 = time.time()
+    rc = ps[0].wait(timeout=90)
+    took = time.time() - t0
+  finally:
+    for p in ps:
+      if p.poll() is None:
+        p.kill()
+  err = (tmp_path / "w_0.err").read_text()
+  print(f"survivor exit {rc} after {took:.1f} s: {err.strip()}")
+  lines = [l for l in err.splitlines() if l.strip()]
+  assert rc == 2 and took < 60, (rc, took, err)
+  assert len(lines) == 1 and lines[0].startswith("error: process 0/2: lost process 1 ("), err
+
+
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_at_one_verified_step(tmp_path):
   """A signal that reaches one process of two stops both before the same step, each saving and
   verifying that step's checkpoint and printing its one 'interrupted' line; the job rerun as it

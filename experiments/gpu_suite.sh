@@ -226,7 +226,8 @@ for k in ('4x1', '2x2_1', '2x2_2', '2x2_3'):
 # (a thread beside XLA's; the run's script sets its poll interval past the run); three attempts
 # each (the aborts came in about 4 of 10). About 7 minutes.
 printf '%s\n' 'import runpy' 'from distca_jax import launch' \
-  'launch.Watchdog.__init__.__defaults__ = (1e9, True, None)  # poll_s, armed, quiet_s: no poll' \
+  'init = launch.Watchdog.__init__  # poll_s past the run: no poll' \
+  'launch.Watchdog.__init__ = lambda self, *a, **k: init(self, *a, **{**k, "poll_s": 1e9})' \
   'runpy.run_module("distca_jax.train", run_name="__main__")' > "$OUT/train_no_watchdog.py"
 for a in 1 2 3; do
   stage "mpx_2x2_no_watchdog_$a" 90 bash -c "$(declare -f mp); MP_T='${MP_T/-m distca_jax.train/$OUT/train_no_watchdog.py}' OUT='$OUT'; mp x2x2_no_watchdog_$a 2 2"
@@ -268,7 +269,8 @@ stage e2e_8b_mfu_full16k_distca 100 $M8 --tokens 16384 --backends distca --out "
 # progress) against armed from the start (its polls beside the first executions' NCCL setup),
 # 2 x 2 processes, distca, interleaved attempts.
 printf '%s\n' 'import runpy' 'from distca_jax import launch' \
-  'launch.Watchdog.__init__.__defaults__ = (1.0, True, None)  # poll_s, armed, quiet_s: from the start' \
+  'init = launch.Watchdog.__init__  # armed: polls from the start' \
+  'launch.Watchdog.__init__ = lambda self, *a, **k: init(self, *a, **{**k, "armed": True})' \
   'runpy.run_module("distca_jax.train", run_name="__main__")' > "$OUT/train_armed_at_start.py"
 for a in 1 2 3 4 5 6 7; do
   stage "mpw_2x2_armed_after_first_$a" 60 bash -c "$(declare -f mp); MP_T='$MP_T' OUT='$OUT'; mp w2x2_armed_after_first_$a 2 2"

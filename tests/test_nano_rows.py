@@ -49,6 +49,22 @@ def test_heavy_first_source_builds_the_rows_its_doclens_name():
   assert hf.rows == 8 and hf.tokens_per_row == 256 and "heaviest first" in hf.describe()
 
 
+def test_heavy_first_reads_the_wrapped_lengths_once_per_step():
+  """The input thread asks doclens(step) then batch(step): one read of the wrapped lengths."""
+  src = SyntheticSource("pretrain", rows=8, tokens_per_row=256, vocab_size=97, seed=3)
+  reads = []
+  wrapped = src.doclens
+  src.doclens = lambda step: reads.append(step) or wrapped(step)
+  hf = HeavyFirst(src, rows_per_rank=2)
+  for step in range(3):
+    lens = hf.doclens(step)
+    batch = hf.batch(step)
+    lens[0].append(1)  # a caller's change does not reach the kept order
+    assert hf.doclens(step) == [wrapped(step)[i] for i in hf.order(step)]
+    assert batch["inputs"].shape[0] == 8
+  assert reads == [0, 1, 2], reads
+
+
 def test_run_source_reorders_only_distca_ping_pong_with_heavy_first():
   def source(**over):
     return run_source(tiny_config(**{"rows_per_rank": 2, **over}), 4)

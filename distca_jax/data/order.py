@@ -22,8 +22,7 @@ def heavy_first(doclens: list[list[int]], rows_per_rank: int) -> np.ndarray:
   Within each block of ``rows_per_rank`` rows, rows by attention work (sum of squared piece
   lengths) from heaviest to lightest, ties in their original order; blocks keep their place."""
   rows = len(doclens)
-  if rows_per_rank <= 0 or rows % rows_per_rank:
-    raise ValueError(f"{rows} rows do not split into blocks of rows_per_rank={rows_per_rank}")
+  _check_blocks(rows, rows_per_rank)
   work = np.asarray([sum(int(x) * int(x) for x in row) for row in doclens], np.float64)
   perm = np.arange(rows)
   for a in range(0, rows, rows_per_rank):
@@ -32,37 +31,47 @@ def heavy_first(doclens: list[list[int]], rows_per_rank: int) -> np.ndarray:
   return perm
 
 
+def _check_blocks(rows: int, rows_per_rank: int) -> None:
+  if rows_per_rank <= 0 or rows % rows_per_rank:
+    raise ValueError(f"{rows} rows do not split into blocks of rows_per_rank={rows_per_rank}")
+
+
 class HeavyFirst:
   """A ``Source`` whose rows are ``source``'s, reordered within each rank's block by
   ``heavy_first``: ``doclens(step)`` and ``batch(step)`` in that order. ``batch(step, rows=(a,
   b))`` needs whole blocks (``a`` and ``b`` multiples of ``rows_per_rank``, as each process and
-  device asks) and builds only those rows."""
+  device asks) and builds only those rows. The other attributes (``rows``, ``tokens_per_row``,
+  ``vocab_size``, ...) are the wrapped source's. The last step's order is kept, so the input
+  thread's ``doclens(step)`` then ``batch(step)`` read the wrapped lengths once."""
 
   def __init__(self, source, rows_per_rank: int):
-    if rows_per_rank <= 0 or source.rows % rows_per_rank:
-      raise ValueError(f"{source.rows} rows do not split into blocks of rows_per_rank="
-                       f"{rows_per_rank}")
+    _check_blocks(source.rows, rows_per_rank)
     self.source = source
     self.rows_per_rank = int(rows_per_rank)
-    self.rows = source.rows
-    self.tokens_per_row = source.tokens_per_row
-    self.vocab_size = source.vocab_size
+    self._last = None  # (step, permutation, reordered document lengths)
 
-  def __getattr__(self, name):  # the wrapped source's other attributes (workload, ...)
+  def __getattr__(self, name):  # the wrapped source's attributes
     if name == "source":
       raise AttributeError(name)
     return getattr(self.source, name)
 
+  def _ordered(self, step: int) -> tuple[np.ndarray, list[list[int]]]:
+    last = self._last
+    if last is None or last[0] != step:
+      rows = self.source.doclens(step)
+      perm = heavy_first(rows, self.rows_per_rank)
+      last = self._last = (step, perm, [rows[i] for i in perm])
+    return last[1], last[2]
+
   def order(self, step: int) -> np.ndarray:
     """Step ``step``'s permutation (``heavy_first`` of the wrapped source's document lengths)."""
-    return heavy_first(self.source.doclens(step), self.rows_per_rank)
+    return self._ordered(step)[0].copy()
 
   def doclens(self, step: int) -> list[list[int]]:
-    rows = self.source.doclens(step)
-    return [rows[i] for i in heavy_first(rows, self.rows_per_rank)]
+    return [list(row) for row in self._ordered(step)[1]]
 
   def batch(self, step: int, rows: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
-    perm = self.order(step)
+    perm = self._ordered(step)[0]
     if rows is None:
       return {k: v[perm] for k, v in self.source.batch(step).items()}
     a, b = (int(x) for x in rows)

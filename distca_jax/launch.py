@@ -188,72 +188,75 @@ def lost_line(me: int, count: int, lost: list[int], why: str, workdir: str) -> s
 
 
 class Watchdog:
-  """Asks the coordination service every ``poll_s`` seconds which processes are live; when one
-  is lost (its heartbeats stopped for the heartbeat timeout) or the coordinator stops answering,
-  prints ``lost_line`` on stderr and ends the process with exit status 2.
+  """Ends this process (exit status 2, one line on stderr naming the lost process) when another
+  process of the job is lost or the coordinator stops answering.
 
-  Until it is armed (`arm`; ``armed=True`` arms it at once) it polls only after ``quiet_s``
-  seconds (default: the heartbeat timeout) without a `progress` call: a process stalled that
-  long before its first step completes is waiting on a lost peer. The trainer calls `progress`
-  just before each first execution of a multi-process program (the first ones set up the NCCL
-  communicators through the coordination service's key-value store; with polls beside that
-  setup, 2 processes x 2 GPUs aborted in about 4 of 10 attempts on 4 x H200, without them none
-  of 11: docs/design.md, "The watchdog") and `arm` once the first step has completed.
+  Every ``poll_s`` seconds its thread writes this process's heartbeat (a counter) to the
+  coordination service's key-value store and reads every process's: a process whose counter
+  has not moved for ``heartbeat_timeout_s`` seconds is lost, and a failed write or read means
+  the coordinator is. Both calls return at once: no process waits on another. (The service's
+  own liveness query, ``get_live_nodes``, is a barrier of every live process: a poll of it
+  returns only once every live process polls too, so one process's poll blocks while the others
+  train, and a poll started as the others stop their watchdogs never returns.) A process that
+  has finished (``close(finished=True)``) writes a last 'closed' beat, so while it waits at the
+  exit barrier it is not lost; one that stops on an error writes none.
 
   It ends the process with ``os._exit``: the main thread may be inside a collective that waits
   for the lost process forever (NCCL) or that JAX aborts on, so no clean exit is possible; the
   line is flushed first and nothing else is written after it."""
 
-  def __init__(self, workdir: str, heartbeat_timeout_s: float, poll_s: float = 1.0,
-               armed: bool = False, quiet_s: float | None = None):
+  KEY = "distca/beat/"
+  CLOSED = "closed"
+
+  def __init__(self, workdir: str, heartbeat_timeout_s: float, poll_s: float = 1.0, *,
+               client=None, me: int | None = None, count: int | None = None):
+    """``client``, ``me`` and ``count`` default to this process's JAX distributed client, index
+    and process count (tests pass clients of an in-process service)."""
     import jax
-    self.me, self.count = jax.process_index(), jax.process_count()
+    self.me = jax.process_index() if me is None else me
+    self.count = jax.process_count() if count is None else count
+    self._client = client or _client().client
+    self._where = "" if client else f" at {_client().coordinator_address}"
     self._workdir, self._poll_s = workdir, poll_s
     self._timeout_s = heartbeat_timeout_s
-    self._quiet_s = float(heartbeat_timeout_s if quiet_s is None else quiet_s)
     self._stop = threading.Event()
-    self._armed = threading.Event()
-    if armed:
-      self._armed.set()
-    self._mark = time.monotonic()
-    self._lock = threading.Lock()  # held while a poll is in flight
+    self._lock = threading.Lock()  # one key-value call at a time (the thread's, or close's)
     self.fired = threading.Event()
     self._thread = threading.Thread(target=self._run, daemon=True, name="distca-watchdog")
     self._thread.start()
 
-  def arm(self) -> None:
-    """Polls from now on (idempotent)."""
-    self._armed.set()
-
-  def progress(self) -> None:
-    """Until armed: no poll starts from now until ``quiet_s`` seconds after this returns, which
-    is once a poll in flight has finished."""
-    self._mark = time.monotonic()
-    with self._lock:
-      self._mark = time.monotonic()
-
-  def _due(self) -> bool:
-    return self._armed.is_set() or time.monotonic() - self._mark >= self._quiet_s
-
   def _run(self) -> None:
-    client = _client().client
-    everyone = list(range(self.count))
-    while not self._stop.wait(self._poll_s):
+    client = self._client
+    beat, start = 0, time.monotonic()
+    seen: dict[str, tuple[str, float]] = {}  # key -> (its last value, when that value came)
+    while True:
       try:
         with self._lock:
-          if not self._due():
-            continue
-          live = client.get_live_nodes(everyone)
+          if self._stop.is_set():
+            return
+          beat += 1
+          client.key_value_set(f"{self.KEY}{self.me}", str(beat), allow_overwrite=True)
+          got = dict(client.key_value_dir_get(self.KEY))
       except Exception as e:  # pylint: disable=broad-except  # the coordinator's RPC failed
         if self._stop.is_set():
           return
         why = " ".join(str(e).split())[:160]
-        self._exit([0], f"the coordinator at {_client().coordinator_address} does not answer: "
-                        f"{why}")
+        self._exit([0], f"the coordinator{self._where} does not answer: {why}")
         return
-      lost = sorted(set(everyone) - set(live))
+      now = time.monotonic()
+      lost = []
+      for p in range(self.count):
+        key, value = f"{self.KEY}{p}", got.get(f"{self.KEY}{p}")
+        if p == self.me or value == self.CLOSED:
+          continue
+        if value is not None and (key not in seen or seen[key][0] != value):
+          seen[key] = (value, now)
+        if now - seen.get(key, (None, start))[1] >= self._timeout_s:
+          lost.append(p)
       if lost and not self._stop.is_set():
         self._exit(lost, f"no heartbeat for {self._timeout_s:g} s")
+        return
+      if self._stop.wait(self._poll_s):
         return
 
   def _exit(self, lost: list[int], why: str) -> None:
@@ -263,12 +266,17 @@ class Watchdog:
     sys.stdout.flush()
     os._exit(2)  # see the class docstring
 
-  def close(self, wait: bool = True) -> None:
-    """Stops the polling; ``wait=False`` does not wait for a poll in flight (an error is on its
-    way out and must be printed before the coordinator, maybe ending too, takes the job down)."""
+  def close(self, wait: bool = True, finished: bool = False) -> None:
+    """Stops the heartbeats; ``wait=False`` does not wait for a key-value call in flight (an
+    error is on its way out and must be printed before the coordinator, maybe ending too, takes
+    the job down). ``finished`` (this process is done and leaves cleanly) then writes the
+    'closed' beat."""
     self._stop.set()
     if wait:
       self._thread.join()
+    if finished:
+      with self._lock:
+        self._client.key_value_set(f"{self.KEY}{self.me}", self.CLOSED, allow_overwrite=True)
 
 
 def stop_signal(step: int, signum: int | None) -> int | None:
@@ -328,9 +336,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, multihost: bool = Fa
   try:
     try:
       out = trainer.train_and_evaluate(
-          config, workdir, device_memory_bytes=_injected_capacity(), stop=stop,
-          before_first_run=None if watchdog is None else watchdog.progress,
-          on_first_step=None if watchdog is None else watchdog.arm)
+          config, workdir, device_memory_bytes=_injected_capacity(), stop=stop)
     except memory.DoesNotFit as e:  # add what each knob would need (compiles variants: slow path)
       from distca_jax import aot
       raise aot.explain_does_not_fit(config, e) from e.__cause__
@@ -340,7 +346,6 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, multihost: bool = Fa
       raise
   except jax.errors.JaxRuntimeError:
     if watchdog is not None:  # a lost peer: the watchdog ends the process naming it
-      watchdog.arm()
       watchdog.fired.wait(distributed.heartbeat_timeout_s + 15)
       watchdog.close()
     raise
@@ -355,18 +360,19 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, multihost: bool = Fa
 
 def _finish(watchdog: Watchdog, timeout_s: float = 600) -> None:
   """Leaves the job: every process waits for the others at a barrier; then the others
-  disconnect, and the coordinator (process 0, which hosts the service) waits until they have
-  before it stops the service (a process still connected when the service stops is aborted by
-  JAX's runtime)."""
+  disconnect, and the coordinator (process 0, which hosts the service) waits up to ``timeout_s``
+  until they have before it stops the service (a process still connected when the service
+  stops is aborted by JAX's runtime). The wait is ``get_live_nodes``: a barrier of the live
+  processes, which the others never enter, so it returns once they have disconnected."""
   import jax
-  watchdog.close()
+  watchdog.close(finished=True)
   client = _client().client
   client.wait_at_barrier("distca_exit", int(timeout_s * 1000))
-  if jax.process_index() == 0:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline and len(client.get_live_nodes(
-        list(range(jax.process_count())))) > 1:
-      time.sleep(0.05)
+  if jax.process_index() == 0 and jax.process_count() > 1:
+    gone = threading.Thread(target=client.get_live_nodes, args=(list(range(jax.process_count())),),
+                            daemon=True)
+    gone.start()
+    gone.join(timeout_s)
   jax.distributed.shutdown()
 
 

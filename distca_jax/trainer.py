@@ -512,9 +512,7 @@ def check_workdir(workdir: str) -> None:
 
 def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str,
                        device_memory_bytes: int | None = None,
-                       stop: StopRequest | None = None,
-                       before_first_run: Callable[[], None] | None = None,
-                       on_first_step: Callable[[], None] | None = None) -> list[dict]:
+                       stop: StopRequest | None = None) -> list[dict]:
   """Trains for `c.num_steps` steps in `workdir` (resuming if it holds a checkpoint).
 
   Returns the log records written during this call (one per `log_every` steps). The workdir is
@@ -522,9 +520,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str,
   prefetcher stops, a pending save completes, and the checkpoint manager and the log close, in
   that order. `device_memory_bytes` replaces the device's memory for the pre-flight check
   (tests). When `stop` is set (by a signal handler) the loop saves the current step, verifies
-  that checkpoint and raises `Interrupted`. `before_first_run` runs just before each first
-  execution of a multi-process program (the weights' RMS, the first step), `on_first_step` once
-  this call's first step has completed on the devices (both for `launch`'s watchdog).
+  that checkpoint and raises `Interrupted`.
   """
   workdir = os.path.abspath(workdir)
   check_workdir(workdir)
@@ -537,8 +533,7 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str,
   with contextlib.ExitStack() as closers:
     log = metrics_lib.RunLog(workdir, c.num_steps, tensorboard=c.tensorboard)
     closers.callback(log.close)
-    return _train(c, run, workdir, log, closers, device_memory_bytes, stop or StopRequest(),
-                  before_first_run or (lambda: None), on_first_step or (lambda: None))
+    return _train(c, run, workdir, log, closers, device_memory_bytes, stop or StopRequest())
 
 
 # memory_mode 'auto' runs 'keep' only with this fraction of the device's memory to spare (else
@@ -586,8 +581,7 @@ def preflight(c, run: RunSetup, state, batch: dict, rows: int | None = None,
   return resend_step, resend_ws, need, resend_run
 
 
-def _train(c, run, workdir, log, closers, device_memory_bytes, stop, before_first_run,
-           on_first_step) -> list[dict]:
+def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dict]:
   # Mesh, model, optimizer, data
   mesh, backend, model, tx, source = run.mesh, run.backend, run.model, run.tx, run.source
   rows = mesh.shape["data"] * c.rows_per_rank
@@ -657,7 +651,6 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop, before_firs
              "not profiling")
   last_step_time_s = None  # of the last logged window: the unprofiled step time for idle time
   watch = BadStepWatch(c.train.max_bad_steps)
-  before_first_run()
   weight_rms = float(np.median(jax.device_get(_leaf_rms(state.params))))
   memory_need, workspace = None, 0
   try:
@@ -675,7 +668,6 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop, before_firs
         step_fn, workspace, memory_need, run = preflight(c, run, state, np_batch[0][2], rows,
                                                          device_memory_bytes, log.info)
         model = run.model
-        before_first_run()
       profiled = step == c.profile_step
       with mesh_context(mesh, c.mesh.fsdp):
         if profiled:  # idle time against the last unprofiled step time when there is one
@@ -697,8 +689,6 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop, before_firs
       watch.poll()
       if window_t0 is None or profiled:  # time from the end of the first (compiling) or
         jax.block_until_ready(m)         # profiled step: those are not representative
-        if step == start:
-          on_first_step()
         window_t0, window_flops, window_tokens, window_steps, window_local = (
             time.time(), 0.0, 0, 0, 0)
       else:

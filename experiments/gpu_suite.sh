@@ -265,17 +265,18 @@ stage e2e_8b_mfu_sa16k_packed_dp 120 $M8 --tokens 16384 --backends packed_dp --e
 stage e2e_8b_mfu_full64k_distca 210 $M8 --tokens 65536 --backends distca --out "$OUT/e2e_8b_mfu_full64k_distca"
 stage e2e_8b_mfu_full16k_distca 100 $M8 --tokens 16384 --backends distca --out "$OUT/e2e_8b_mfu_full16k_distca"
 ;;& four-n3w)
-# The watchdog's default (before the first step completes, a poll only after a stall without
-# progress) against armed from the start (its polls beside the first executions' NCCL setup),
-# 2 x 2 processes, distca, interleaved attempts.
+# The key-value watchdog (launch.Watchdog's heartbeats) on 2 x 2 processes, distca, 9 attempts,
+# with 3 interleaved attempts without it (its poll interval past the run: one beat, then none)
+# as the control: s8 saw aborts in about 4 of 10 attempts while the earlier watchdog polled the
+# service's liveness barrier from the start. About 5 minutes.
 printf '%s\n' 'import runpy' 'from distca_jax import launch' \
-  'init = launch.Watchdog.__init__  # armed: polls from the start' \
-  'launch.Watchdog.__init__ = lambda self, *a, **k: init(self, *a, **{**k, "armed": True})' \
-  'runpy.run_module("distca_jax.train", run_name="__main__")' > "$OUT/train_armed_at_start.py"
-for a in 1 2 3 4 5 6 7; do
-  stage "mpw_2x2_armed_after_first_$a" 60 bash -c "$(declare -f mp); MP_T='$MP_T' OUT='$OUT'; mp w2x2_armed_after_first_$a 2 2"
-  if [ $a -le 5 ]; then
-    stage "mpw_2x2_armed_at_start_$a" 60 bash -c "$(declare -f mp); MP_T='${MP_T/-m distca_jax.train/$OUT/train_armed_at_start.py}' OUT='$OUT'; mp w2x2_armed_at_start_$a 2 2"
+  'init = launch.Watchdog.__init__  # poll_s past the run: one beat, then none' \
+  'launch.Watchdog.__init__ = lambda self, *a, **k: init(self, *a, **{**k, "poll_s": 1e9})' \
+  'runpy.run_module("distca_jax.train", run_name="__main__")' > "$OUT/train_no_watchdog.py"
+for a in 1 2 3 4 5 6 7 8 9; do
+  stage "mpw_2x2_watchdog_$a" 60 bash -c "$(declare -f mp); MP_T='$MP_T' OUT='$OUT'; mp w2x2_watchdog_$a 2 2"
+  if [ $((a % 3)) -eq 0 ]; then
+    stage "mpw_2x2_no_watchdog_$a" 60 bash -c "$(declare -f mp); MP_T='${MP_T/-m distca_jax.train/$OUT/train_no_watchdog.py}' OUT='$OUT'; mp w2x2_no_watchdog_$a 2 2"
   fi
 done
 stage mpw_summary 30 bash -c "for d in $OUT/mp_w*/; do echo \"\$(basename \$d): \$(grep -c loss \$d/metrics.jsonl 2>/dev/null) logged losses, \$(ls \$d/crash 2>/dev/null | wc -l) crash dumps\"; done"

@@ -504,8 +504,7 @@ def test_killing_one_process_stops_the_other_within_60s(tmp_path, victim):
 
 @pytest.mark.slow
 def test_a_process_lost_before_the_first_step_stops_the_other_within_60s(tmp_path):
-  """A peer killed while the survivor compiles and runs its first step (the watchdog is not yet
-  armed: it polls only after a stall of the heartbeat timeout) still ends the survivor with
+  """A peer killed while the survivor compiles and runs its first step ends the survivor with
   status 2 within 60 s and one line naming the lost process."""
   args = ["--config.attention.backend=local", "--config.num_steps=100000",
           "--config.checkpoint_every=0"]

@@ -1,94 +1,112 @@
-"""launch.Watchdog: before it is armed it polls the coordination service only after a stall
-(no `progress` for ``quiet_s``); `progress` waits for a poll in flight; armed, it polls always.
-The trainer calls `progress` before each first execution and arms it after the first step."""
+"""launch.Watchdog on a real coordination service (in this process, one client per pretend
+process): its heartbeats are key-value calls that return at once whatever the other processes
+do; a peer whose heartbeats stop, or never start, is named lost after the heartbeat timeout; a
+peer that finished cleanly is not; and the service's own liveness query is a barrier (the reason
+the watchdog does not poll it)."""
 
+import socket
 import threading
 import time
-import types
 
 import pytest
 
-from distca_jax import launch, trainer
-from test_train import tiny_config
-
-
-class FakeClient:
-  def __init__(self, poll_s=0.0):
-    self.calls, self.in_flight, self.poll_s = 0, False, poll_s
-    self.lock = threading.Lock()
-
-  def get_live_nodes(self, everyone):
-    self.in_flight = True
-    time.sleep(self.poll_s)
-    with self.lock:
-      self.calls += 1
-    self.in_flight = False
-    return list(everyone)
+from distca_jax import launch
+from jax._src.lib import _jax
 
 
 @pytest.fixture
-def client(monkeypatch):
-  fake = FakeClient()
-  monkeypatch.setattr(launch, "_client", lambda: types.SimpleNamespace(
-      client=fake, coordinator_address="127.0.0.1:0"))
-  return fake
+def clients():
+  """A coordination service for 2 processes and a connected client for each."""
+  s = socket.socket()
+  s.bind(("127.0.0.1", 0))
+  address = f"127.0.0.1:{s.getsockname()[1]}"
+  s.close()
+  service = _jax.get_distributed_runtime_service(address, 2, heartbeat_timeout=30,
+                                                 shutdown_timeout=5, recoverable=True)
+  cs = [_jax.get_distributed_runtime_client(address, i, init_timeout=30, heartbeat_timeout=30,
+                                            use_compression=True) for i in range(2)]
+  joins = [threading.Thread(target=c.connect) for c in cs]
+  for t in joins:
+    t.start()
+  for t in joins:
+    t.join()
+  yield cs
+  for c in cs:
+    c.shutdown()
+  service.shutdown()
 
 
-def wait_for(predicate, timeout_s=10.0):
-  deadline = time.time() + timeout_s
-  while time.time() < deadline and not predicate():
+class Dog(launch.Watchdog):
+  """Records what it would print and exit with instead of ending the test process."""
+
+  def _exit(self, lost, why):
+    self.lost, self.why = lost, why
+    self.fired.set()
+
+
+def dog(tmp_path, clients, me, timeout_s=30.0, poll_s=0.01):
+  return Dog(str(tmp_path), heartbeat_timeout_s=timeout_s, poll_s=poll_s, client=clients[me],
+             me=me, count=len(clients))
+
+
+def beats(client, me):
+  return client.key_value_try_get(f"{launch.Watchdog.KEY}{me}")
+
+
+def test_its_calls_return_while_the_other_process_makes_none(clients, tmp_path):
+  d = dog(tmp_path, clients, 0)
+  deadline = time.time() + 10
+  while time.time() < deadline and int(beats(clients[1], 0)) < 20:
     time.sleep(0.01)
-  return predicate()
-
-
-def test_unarmed_it_polls_only_after_quiet_s_without_progress(client, tmp_path):
-  dog = launch.Watchdog(str(tmp_path), heartbeat_timeout_s=30, poll_s=0.01, quiet_s=0.5)
-  t_end = time.monotonic() + 1.0
-  while time.monotonic() < t_end:  # progress every 0.1 s: never a stall
-    dog.progress()
-    time.sleep(0.1)
-  assert client.calls == 0, f"{client.calls} polls while the process made progress"
-  assert wait_for(lambda: client.calls >= 3), f"{client.calls} polls after a stall"
-  dog.progress()
-  calls = client.calls
-  time.sleep(0.25)
-  assert client.calls == calls, "a poll within quiet_s of progress()"
-  dog.close()
-  assert not dog.fired.is_set()
-
-
-def test_armed_it_polls_at_once_even_after_progress(client, tmp_path):
-  dog = launch.Watchdog(str(tmp_path), heartbeat_timeout_s=30, poll_s=0.01, quiet_s=60)
-  time.sleep(0.2)
-  assert client.calls == 0
-  dog.arm()
-  dog.progress()
-  assert wait_for(lambda: client.calls >= 3), f"{client.calls} polls once armed"
-  dog.close()
-  calls = client.calls
-  time.sleep(0.1)
-  assert client.calls == calls
-
-
-def test_progress_returns_after_the_poll_in_flight(client, tmp_path):
-  client.poll_s = 0.3  # a slow RPC
-  dog = launch.Watchdog(str(tmp_path), heartbeat_timeout_s=30, poll_s=0.01, quiet_s=0.2)
-  assert wait_for(lambda: client.in_flight)  # a stall poll
+  assert int(beats(clients[1], 0)) >= 20, "the watchdog's heartbeats waited on process 1"
   t0 = time.monotonic()
-  dog.progress()
-  assert not client.in_flight and client.calls >= 1, "progress() returned beside a poll"
-  assert time.monotonic() - t0 > 0.05
-  time.sleep(0.1)
-  assert not client.in_flight, "a poll started within quiet_s of progress()"
-  dog.close()
+  d.close()
+  assert time.monotonic() - t0 < 2 and not d.fired.is_set()
 
 
-def test_the_trainer_marks_each_first_run_then_arms_after_the_first_step(tmp_path):
-  calls = []
-  c = tiny_config(num_steps=3, log_every=1, checkpoint_every=0, tensorboard=False,
-                  **{"optim.warmup_steps": 1})
-  records = trainer.train_and_evaluate(
-      c, str(tmp_path), before_first_run=lambda: calls.append("before"),
-      on_first_step=lambda: calls.append("first step"))
-  assert calls == ["before", "before", "first step"], calls
-  assert [r["step"] for r in records][-1] == 3
+def test_get_live_nodes_is_a_barrier_of_the_live_processes(clients):
+  """Why the watchdog does not poll it: one process's call returns only once the other calls."""
+  got = []
+  t = threading.Thread(target=lambda: got.append(clients[0].get_live_nodes([0, 1])), daemon=True)
+  t.start()
+  t.join(1.0)
+  assert t.is_alive() and not got
+  clients[1].get_live_nodes([0, 1])
+  t.join(10)
+  assert got and sorted(got[0]) == [0, 1]
+
+
+def test_a_peer_whose_heartbeats_stop_is_named_lost_after_the_timeout(clients, tmp_path):
+  d0, d1 = dog(tmp_path, clients, 0, timeout_s=1.0), dog(tmp_path, clients, 1, timeout_s=1.0)
+  time.sleep(1.5)  # both beat: neither is lost
+  assert not d0.fired.is_set() and not d1.fired.is_set()
+  d1.close()  # stops beating without finishing (an error, or the process is gone)
+  t0 = time.monotonic()
+  assert d0.fired.wait(10), "process 1's silence went unnoticed"
+  assert 0.8 <= time.monotonic() - t0 <= 3.0, time.monotonic() - t0
+  assert d0.lost == [1] and d0.why == "no heartbeat for 1 s"
+  line = launch.lost_line(0, 2, d0.lost, d0.why, str(tmp_path))
+  assert line.startswith("process 0/2: lost process 1 (no heartbeat for 1 s); rerun"), line
+  d0.close()
+
+
+def test_a_peer_that_never_beats_is_lost_and_one_that_finished_is_not(clients, tmp_path):
+  d0 = dog(tmp_path, clients, 0, timeout_s=1.0)
+  assert d0.fired.wait(10) and d0.lost == [1]
+  d0.close()
+  d0, d1 = dog(tmp_path, clients, 0, timeout_s=1.0), dog(tmp_path, clients, 1, timeout_s=1.0)
+  d1.close(finished=True)
+  assert beats(clients[0], 1) == launch.Watchdog.CLOSED
+  time.sleep(2.5)
+  assert not d0.fired.is_set(), "a process that finished cleanly was named lost"
+  d0.close()
+
+
+def test_a_coordinator_that_stops_answering_is_named(tmp_path):
+  class Gone:
+    def key_value_set(self, *a, **k):
+      raise RuntimeError("UNAVAILABLE: failed to connect to all addresses")
+
+  d = Dog(str(tmp_path), heartbeat_timeout_s=30, poll_s=0.01, client=Gone(), me=1, count=2)
+  assert d.fired.wait(10) and d.lost == [0]
+  assert d.why.startswith("the coordinator does not answer: UNAVAILABLE"), d.why

@@ -875,15 +875,16 @@ def test_runs_are_priced_with_the_local_branch_of_their_code(validation):
 
 
 def _assert_h200_distca_priced_as_it_ran(validation, era):
-  """Each held-out single-stream distca run of ``era`` priced as it ran ('remote', 'keep', the
-  local branch at local_gain 0.05, gate 0.02), with the local steps the run counted."""
+  """Each held-out distca run of ``era`` priced as it ran ('remote', 'keep', the local branch at
+  local_gain 0.05, gate 0.02), with the local steps the run counted (ping-pong's too: its
+  nano-batches planned apart, as the backend plans them)."""
   km, _ = validate.kernel_model()
   cal = costs.Calibration(**validation["calibrations"][era])
   for stem, backend in validate.HELD_OUT_RUNS[era]:
     recorded = {(r["workload"], r["backend"]): r for r in validate._json(stem)["results"]}
     for run in validate.load_runs(stem, backend):
-      if run.strategy != "distca" or run.nano_batches != 1:
-        continue  # the simulator plans a micro-batch's nano-batches together
+      if run.strategy != "distca":
+        continue
       opts = validate._options(run, era)
       assert (opts.collective, opts.memory_mode, opts.local_steps, opts.local_gain,
               opts.min_gain) == ("remote", "keep", True, 0.05, 0.02), stem
@@ -931,9 +932,9 @@ def test_h200_s7_era_is_another_machine_priced_with_h200s_calibration(validation
 
 def test_h200_s8_era_prices_keep_and_resend_as_they_ran(validation):
   """4 x H200 of 8ec3962 (results/four/raw/s8, host A): the 'h200' calibration, every
-  case held out; distca's 'keep' and 'resend' runs priced with the memory mode each ran, ping-pong
-  with 'heavy_first' rows priced as 'given' (nano-batches planned together), 'resend' alone
-  paired with its call's packed_dp for the speedup."""
+  case held out; distca's 'keep' and 'resend' runs priced with the memory mode each ran, ping-pong's
+  nano-batches planned apart, so 'heavy_first' rows price faster than 'given' (as they ran),
+  'resend' alone paired with its call's packed_dp for the speedup."""
   assert "h200-s8" in validate.CURRENT_ERAS and validate.CALIBRATED_AS["h200-s8"] == "h200"
   assert validation["calibrations"]["h200-s8"] == validation["calibrations"]["h200"]
   cases = [c for c in validation["cases"] if c.get("era") == "h200-s8"]
@@ -950,11 +951,41 @@ def test_h200_s8_era_prices_keep_and_resend_as_they_ran(validation):
   assert modes["e2e_4gpu_resend_alone", "distca"] == ("remote", "resend")
   e2e = {(c["stem"].split("/")[-1], c["backend"]): c["predicted_s"]
          for c in cases if c["kind"] == "e2e"}
-  stem = "e2e_4gpu_pingpong_heavy_first_prolong"
-  assert e2e[stem, "distca+hf+pingpong"] == e2e[stem, "distca+pingpong"]
+  for stem in ("e2e_4gpu_pingpong_heavy_first", "e2e_4gpu_pingpong_heavy_first_prolong"):
+    assert e2e[stem, "distca+hf+pingpong"] < e2e[stem, "distca+pingpong"], stem
   assert e2e["e2e_4gpu_keep_resend", "distca+resend"] > e2e["e2e_4gpu_keep_resend", "distca"]
   assert any(c["kind"] == "speedup" and c["name"].startswith("four/raw/s8/e2e_4gpu_resend_alone:")
              and "distca over packed_dp" in c["name"] for c in cases)
+
+
+def test_a_ping_pong_runs_nano_batches_are_the_rows_the_backend_plans():
+  """``validate.run_batches(nano=True)`` of a distca ping-pong run: nano-batch ``i`` holds rows
+  ``[i R/n, (i+1) R/n)`` of every rank's block (``plan.spec.nano_batch_rows``), after the run's
+  row order ('heavy_first': ``data.order.heavy_first``); other runs keep one micro-batch."""
+  from distca_jax.data import order
+  from distca_jax.data.synthetic import SyntheticSource
+  from distca_jax.plan.spec import nano_batch_rows
+  base = dict(stem="x", workload="prolong", tokens=8192, layers=2, rows_per_rank=4, devices=2,
+              steps=(3, 7), mean_step_s=1.0, median_step_s=1.0)
+  given = validate.E2eRun(backend="distca+pingpong", overrides=(), **base)
+  hf = validate.E2eRun(backend="distca+hf+pingpong",
+                       overrides=("attention.distca.nano_rows=heavy_first",), **base)
+  src = SyntheticSource("prolong", rows=8, tokens_per_row=8192, vocab_size=2, seed=0)
+  for run in (given, hf):
+    assert validate.nano_split(run)
+    got = validate.run_batches(run, nano=True)
+    for s, batch in zip(run.steps, got):
+      rows = src.doclens(s)
+      if run is hf:
+        rows = [rows[i] for i in order.heavy_first(rows, 4)]
+      want = [[[x for j in nano_batch_rows(2, 4, 2, i)[k * 2:(k + 1) * 2] for x in rows[j]]
+               for k in range(2)] for i in range(2)]
+      assert batch == want, (run.backend, s)
+  one = validate.run_batches(given)  # one micro-batch: each rank's rows concatenated
+  rows = src.doclens(3)
+  assert one[0] == [[[x for j in range(k * 4, (k + 1) * 4) for x in rows[j]] for k in range(2)]]
+  assert not validate.nano_split(validate.E2eRun(backend="packed_dp+pingpong", overrides=(),
+                                                 **base))
 
 
 def test_local_gain_plans_a_step_that_cannot_win_enough_to_move_nothing():

@@ -32,8 +32,8 @@ calibration (``CALIBRATED_AS``); every other case of that era is held out (``HEL
 * 'h200-s8': a 4 x H200 host, the code of 8ec3962 (results/four/raw/s8, host A), priced
   with the 'h200' calibration, every run held out: Pretrain 128K with 'keep' and 'resend' (and
   'resend' alone), ProLong 2 x 32K with and without ping-pong (the profiled call), and ping-pong
-  with 'given' and 'heavy_first' rows (the simulator plans a micro-batch's nano-batches together,
-  so it prices both row orders alike).
+  with 'given' and 'heavy_first' rows (each nano-batch planned apart, as the backend plans it:
+  ``validate.run_batches``).
 
 distca's runs are priced with the exchange and memory mode they ran (an override, else what
 'auto' ran as: ``AUTO_RAN_AS``), the gates and the local branch of their era (``ERA_MIN_GAIN``,
@@ -176,6 +176,9 @@ DISTCA_ONLY_VARIANTS = ("+remote", "+dense", "+ragged", "+perstage", "+gate06")
 ERA_MIN_GAIN = {"current": 0.02, "v5": 0.0, "h100": 0.02, "h100-local": 0.02, "h200": 0.02,
                 "h200-s7": 0.02, "h200-s8": 0.02}
 # Each era's train step had the local branch (a run's override wins): not before bcacbbe.
+# The rows of each nano-batch of the recorded ping-pong runs without an override
+# (attention.distca.nano_rows): every one ran the rows as sampled.
+RUNS_NANO_ROWS = "given"
 ERA_LOCAL_STEPS = {"current": False, "v5": False, "h100": False, "h100-local": True,
                    "h200": True, "h200-s7": True, "h200-s8": True}
 # The local branch's own threshold (``attention.distca.local_gain``; a run's override wins):

@@ -132,7 +132,9 @@ class Options:
     tolerance: CAD's epsilon.
     min_gain: CAD's gate (0 = always balance).
     nano_batches: CAD's nano-batches (1 single stream, 2 ping-pong); the exchange's exposure is
-      ``Calibration.exchange_hidden`` either way (no overlap has been measured on GPUs).
+      ``Calibration.exchange_hidden`` either way (no overlap has been measured on GPUs). The
+      nano-batches' plans are the batches' micro-batches when the caller splits them
+      (``step_is_local``).
     collective: distca's exchange (``SIM_COLLECTIVES``): 'auto' (the system's default:
       ``resolve_collective``), 'remote', 'dense' or 'ragged'.
     memory_mode: distca's 'keep' / 'resend' / 'auto' (the pre-flight's choice:
@@ -289,8 +291,10 @@ def tick_rows(batch: Sequence[Sequence[Sequence[int]]], stages: int, pooled: boo
 
 def step_is_local(step_results: Sequence[MicroResult], layout: Layout, opts: Options) -> bool:
   """Whether a distca step runs the train step's local branch: ``opts.local_steps``, no
-  pipeline, and no plan of the step moves a row (``Plan.crosses``). The simulator plans each
-  micro-batch once (its nano-batches together), where the system plans every nano-batch."""
+  pipeline, and no plan of the step moves a row (``Plan.crosses``). Each micro-batch is planned
+  once: a ping-pong step's nano-batches are planned apart, as the system plans them, when the
+  caller gives them as the step's micro-batches (``validate.run_batches(nano=True)``), and
+  together otherwise (``sample_batches``: one row per rank)."""
   return (opts.local_steps and layout.pipe == 1
           and not any(mr.plan.crosses for mr in step_results))
 

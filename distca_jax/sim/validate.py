@@ -44,11 +44,12 @@ from typing import Any
 import numpy as np
 
 from distca_jax import plan as plan_lib
+from distca_jax.data import order
 from distca_jax.plan import ticks
 from distca_jax.sim import costs, step
 from distca_jax.sim.eras import (AUTO_RAN_AS, CALIBRATED_AS, CALIBRATION_RUNS, CURRENT_ERAS,
                                  DISTCA_ONLY_VARIANTS, ERA_LOCAL_GAIN, ERA_LOCAL_STEPS,
-                                 ERA_MIN_GAIN, ERAS, HELD_OUT_RUNS, PAIRED_RUNS)
+                                 ERA_MIN_GAIN, ERAS, HELD_OUT_RUNS, PAIRED_RUNS, RUNS_NANO_ROWS)
 
 RESULTS = os.path.join(costs.ROOT, "results")
 # The exchange alone on 4 x H100 (results/four/README.md): JSON lines of the default-flag run and
@@ -133,6 +134,12 @@ class E2eRun:
     return 2 if self.backend.endswith("+pingpong") else 1
 
   @property
+  def nano_rows(self) -> str:
+    """Which rows form each nano-batch (``attention.distca.nano_rows``): an override, else
+    ``RUNS_NANO_ROWS``."""
+    return self.override("attention.distca.nano_rows", RUNS_NANO_ROWS)
+
+  @property
   def pipe(self) -> int:
     """Pipeline stages (``mesh.pipe``)."""
     return int(self.override("mesh.pipe", "1"))
@@ -204,23 +211,37 @@ def load_runs(stem: str, backend: str | None = None) -> list[E2eRun]:
   return out
 
 
-def run_batches(run: E2eRun, steps=None) -> list[list[list[list[int]]]]:
+def run_batches(run: E2eRun, steps=None, nano: bool = False) -> list[list[list[list[int]]]]:
   """The timed batches (or ``steps``): [step][micro-batch][data rank] -> lengths. Data rank
   ``k`` owns rows ``[k R, (k + 1) R)``; micro-batch ``i`` of a pipeline holds rows
   ``[i R / M, (i + 1) R / M)`` of every rank's block (``pipeline.to_microbatches``); without a
   pipeline there is one micro-batch and a rank's rows are concatenated (documents never span
-  rows, so a rank's documents are its rows' documents)."""
+  rows, so a rank's documents are its rows' documents).
+
+  ``nano`` (a distca ping-pong run without a pipeline, ``nano_split``): the step's nano-batches
+  in place of the one micro-batch, each planned on its own as the backend plans them (rows
+  ``[i R / n, (i + 1) R / n)`` of every rank's block, after the run's ``nano_rows`` order)."""
   from distca_jax.data.synthetic import SyntheticSource  # pylint: disable=import-outside-toplevel
   src = SyntheticSource(run.workload, rows=run.data * run.rows_per_rank,
                         tokens_per_row=run.tokens, vocab_size=2, seed=0)
-  m, r = run.micro_batches, run.rows_per_rank
+  split = nano and nano_split(run)
+  m, r = (run.nano_batches if split else run.micro_batches), run.rows_per_rank
   per = r // m
   out = []
   for s in (run.steps if steps is None else steps):
     rows = src.doclens(s)
+    if split and run.nano_rows == "heavy_first":
+      rows = [rows[i] for i in order.heavy_first(rows, r)]
     out.append([[[x for row in rows[k * r + i * per:k * r + (i + 1) * per] for x in row]
                  for k in range(run.data)] for i in range(m)])
   return out
+
+
+def nano_split(run: E2eRun) -> bool:
+  """Whether the simulator plans ``run``'s nano-batches apart: distca with ping-pong, no
+  pipeline, each rank's rows dividing into the nano-batches."""
+  return (run.strategy == "distca" and run.nano_batches > 1 and run.pipe == 1
+          and run.rows_per_rank % run.nano_batches == 0)
 
 
 # Batches whose plans size distca's caps in training (``attention.distca.caps_from_batches``).
@@ -249,14 +270,18 @@ def predict_run(run: E2eRun, cal: costs.Calibration, km: costs.KernelModel, era:
                 ) -> dict[str, Any]:
   """The simulator's mean step over the run's batches (its strategy, layers, GPUs)."""
   spec = costs.model_spec("llama3_8b", n_layers=run.layers)
-  layout = step.Layout(gpus=run.devices, pipe=run.pipe, micro_batches=run.micro_batches)
-  tokens = run.tokens * run.rows_per_rank // run.micro_batches
+  # A distca ping-pong step's nano-batches price as micro-batches that every device runs in
+  # step (distca's sync group is every server): each plan's straggler, one after the other.
+  m = run.nano_batches if nano_split(run) else run.micro_batches
+  layout = step.Layout(gpus=run.devices, pipe=run.pipe, micro_batches=m)
+  tokens = run.tokens * run.rows_per_rank // m
   opts = _options(run, era)
   if "+signal" in run.backend:  # signal-only twin: the exchange carries no rows
     cal = dataclasses.replace(cal, exchange_hidden=1.0)
-  caps = run_batches(run, range(CAPS_FROM_BATCHES)) if run.strategy == "distca" else None
-  res = step.simulate(run_batches(run), spec, layout, tokens, cal=cal, km=km, opts=opts,
-                      strategies=(run.strategy,), caps_batches=caps)[run.strategy]
+  caps = (run_batches(run, range(CAPS_FROM_BATCHES), nano=True) if run.strategy == "distca"
+          else None)
+  res = step.simulate(run_batches(run, nano=True), spec, layout, tokens, cal=cal, km=km,
+                      opts=opts, strategies=(run.strategy,), caps_batches=caps)[run.strategy]
   return res
 
 

@@ -197,16 +197,15 @@ class Watchdog:
   the coordinator is. Both calls return at once: no process waits on another. (The service's
   own liveness query, ``get_live_nodes``, is a barrier of every live process: a poll of it
   returns only once every live process polls too, so one process's poll blocks while the others
-  train, and a poll started as the others stop their watchdogs never returns.) A process that
-  has finished (``close(finished=True)``) writes a last 'closed' beat, so while it waits at the
-  exit barrier it is not lost; one that stops on an error writes none.
+  train, and a poll started as the others stop their watchdogs never returns.) It runs until
+  every process has reached the job's exit barrier (`_finish`), so a process lost after the
+  others finished is named too.
 
   It ends the process with ``os._exit``: the main thread may be inside a collective that waits
   for the lost process forever (NCCL) or that JAX aborts on, so no clean exit is possible; the
   line is flushed first and nothing else is written after it."""
 
   KEY = "distca/beat/"
-  CLOSED = "closed"
 
   def __init__(self, workdir: str, heartbeat_timeout_s: float, poll_s: float = 1.0, *,
                client=None, me: int | None = None, count: int | None = None):
@@ -247,7 +246,7 @@ class Watchdog:
       lost = []
       for p in range(self.count):
         key, value = f"{self.KEY}{p}", got.get(f"{self.KEY}{p}")
-        if p == self.me or value == self.CLOSED:
+        if p == self.me:
           continue
         if value is not None and (key not in seen or seen[key][0] != value):
           seen[key] = (value, now)
@@ -266,17 +265,13 @@ class Watchdog:
     sys.stdout.flush()
     os._exit(2)  # see the class docstring
 
-  def close(self, wait: bool = True, finished: bool = False) -> None:
+  def close(self, wait: bool = True) -> None:
     """Stops the heartbeats; ``wait=False`` does not wait for a key-value call in flight (an
     error is on its way out and must be printed before the coordinator, maybe ending too, takes
-    the job down). ``finished`` (this process is done and leaves cleanly) then writes the
-    'closed' beat."""
+    the job down)."""
     self._stop.set()
     if wait:
       self._thread.join()
-    if finished:
-      with self._lock:
-        self._client.key_value_set(f"{self.KEY}{self.me}", self.CLOSED, allow_overwrite=True)
 
 
 def stop_signal(step: int, signum: int | None) -> int | None:
@@ -359,15 +354,16 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, multihost: bool = Fa
 
 
 def _finish(watchdog: Watchdog, timeout_s: float = 600) -> None:
-  """Leaves the job: every process waits for the others at a barrier; then the others
-  disconnect, and the coordinator (process 0, which hosts the service) waits up to ``timeout_s``
-  until they have before it stops the service (a process still connected when the service
-  stops is aborted by JAX's runtime). The wait is ``get_live_nodes``: a barrier of the live
-  processes, which the others never enter, so it returns once they have disconnected."""
+  """Leaves the job: every process waits for the others at a barrier, its watchdog still
+  running (a process lost before it reaches the barrier is named); then the others disconnect,
+  and the coordinator (process 0, which hosts the service) waits up to ``timeout_s`` until they
+  have before it stops the service (a process still connected when the service stops is aborted
+  by JAX's runtime). That wait is ``get_live_nodes``: a barrier of the live processes, which the
+  others never enter, so it returns once they have disconnected."""
   import jax
-  watchdog.close(finished=True)
   client = _client().client
   client.wait_at_barrier("distca_exit", int(timeout_s * 1000))
+  watchdog.close()
   if jax.process_index() == 0 and jax.process_count() > 1:
     gone = threading.Thread(target=client.get_live_nodes, args=(list(range(jax.process_count())),),
                             daemon=True)

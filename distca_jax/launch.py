@@ -219,44 +219,35 @@ class Watchdog:
     self._workdir, self._poll_s = workdir, poll_s
     self._timeout_s = heartbeat_timeout_s
     self._stop = threading.Event()
-    self._lock = threading.Lock()  # one key-value call at a time (the thread's, or close's)
     self.fired = threading.Event()
     self._thread = threading.Thread(target=self._run, daemon=True, name="distca-watchdog")
     self._thread.start()
 
   def _run(self) -> None:
-    client = self._client
-    beat, start = 0, time.monotonic()
-    seen: dict[str, tuple[str, float]] = {}  # key -> (its last value, when that value came)
-    while True:
+    client, beat = self._client, 0
+    peers = [p for p in range(self.count) if p != self.me]
+    changed = dict.fromkeys(peers, time.monotonic())  # when each peer's counter last moved
+    value: dict[int, str] = {}
+    while not self._stop.is_set():
+      beat += 1
       try:
-        with self._lock:
-          if self._stop.is_set():
-            return
-          beat += 1
-          client.key_value_set(f"{self.KEY}{self.me}", str(beat), allow_overwrite=True)
-          got = dict(client.key_value_dir_get(self.KEY))
+        client.key_value_set(f"{self.KEY}{self.me}", str(beat), allow_overwrite=True)
+        got = dict(client.key_value_dir_get(self.KEY))
       except Exception as e:  # pylint: disable=broad-except  # the coordinator's RPC failed
-        if self._stop.is_set():
-          return
-        why = " ".join(str(e).split())[:160]
-        self._exit([0], f"the coordinator{self._where} does not answer: {why}")
+        if not self._stop.is_set():
+          why = " ".join(str(e).split())[:160]
+          self._exit([0], f"the coordinator{self._where} does not answer: {why}")
         return
       now = time.monotonic()
-      lost = []
-      for p in range(self.count):
-        key, value = f"{self.KEY}{p}", got.get(f"{self.KEY}{p}")
-        if p == self.me:
-          continue
-        if value is not None and (key not in seen or seen[key][0] != value):
-          seen[key] = (value, now)
-        if now - seen.get(key, (None, start))[1] >= self._timeout_s:
-          lost.append(p)
+      for p in peers:
+        v = got.get(f"{self.KEY}{p}")
+        if v is not None and v != value.get(p):
+          value[p], changed[p] = v, now
+      lost = [p for p in peers if now - changed[p] >= self._timeout_s]
       if lost and not self._stop.is_set():
         self._exit(lost, f"no heartbeat for {self._timeout_s:g} s")
         return
-      if self._stop.wait(self._poll_s):
-        return
+      self._stop.wait(self._poll_s)
 
   def _exit(self, lost: list[int], why: str) -> None:
     self.fired.set()

@@ -66,6 +66,14 @@ mp() {  # mp NAME PROCS GPUS_PER_PROC: PROCS processes of $MP_T, workdir $OUT/mp
   done
   wait
 }
+# $OUT/train_no_watchdog.py: the trainer with the watchdog's poll interval past the run (one
+# heartbeat, then none), the control of the multi-process stages.
+no_watchdog_script() {
+  printf '%s\n' 'import runpy' 'from distca_jax import launch' \
+    'init = launch.Watchdog.__init__  # poll_s past the run: one beat, then none' \
+    'launch.Watchdog.__init__ = lambda self, *a, **k: init(self, *a, **{**k, "poll_s": 1e9})' \
+    'runpy.run_module("distca_jax.train", run_name="__main__")' > "$OUT/train_no_watchdog.py"
+}
 run_group() {
 case "$1" in
   tests|all)
@@ -225,10 +233,7 @@ for k in ('4x1', '2x2_1', '2x2_2', '2x2_3'):
 # and NCCL's warnings, and 2 x 2 distca without the watchdog's polls of the coordination service
 # (a thread beside XLA's; the run's script sets its poll interval past the run); three attempts
 # each (the aborts came in about 4 of 10). About 7 minutes.
-printf '%s\n' 'import runpy' 'from distca_jax import launch' \
-  'init = launch.Watchdog.__init__  # poll_s past the run: no poll' \
-  'launch.Watchdog.__init__ = lambda self, *a, **k: init(self, *a, **{**k, "poll_s": 1e9})' \
-  'runpy.run_module("distca_jax.train", run_name="__main__")' > "$OUT/train_no_watchdog.py"
+no_watchdog_script
 for a in 1 2 3; do
   stage "mpx_2x2_no_watchdog_$a" 90 bash -c "$(declare -f mp); MP_T='${MP_T/-m distca_jax.train/$OUT/train_no_watchdog.py}' OUT='$OUT'; mp x2x2_no_watchdog_$a 2 2"
   stage "mpx_2x2_packed_dp_$a" 90 bash -c "$(declare -f mp); MP_T='$MP_T --config.attention.backend=packed_dp' OUT='$OUT'; mp x2x2_packed_dp_$a 2 2"
@@ -269,10 +274,7 @@ stage e2e_8b_mfu_full16k_distca 100 $M8 --tokens 16384 --backends distca --out "
 # with 3 interleaved attempts without it (its poll interval past the run: one beat, then none)
 # as the control: s8 saw aborts in about 4 of 10 attempts while the earlier watchdog polled the
 # service's liveness barrier from the start. About 5 minutes.
-printf '%s\n' 'import runpy' 'from distca_jax import launch' \
-  'init = launch.Watchdog.__init__  # poll_s past the run: one beat, then none' \
-  'launch.Watchdog.__init__ = lambda self, *a, **k: init(self, *a, **{**k, "poll_s": 1e9})' \
-  'runpy.run_module("distca_jax.train", run_name="__main__")' > "$OUT/train_no_watchdog.py"
+no_watchdog_script
 for a in 1 2 3 4 5 6 7 8 9; do
   stage "mpw_2x2_watchdog_$a" 60 bash -c "$(declare -f mp); MP_T='$MP_T' OUT='$OUT'; mp w2x2_watchdog_$a 2 2"
   if [ $((a % 3)) -eq 0 ]; then

@@ -175,10 +175,10 @@ DISTCA_ONLY_VARIANTS = ("+remote", "+dense", "+ragged", "+perstage", "+gate06")
 # The planner's gate (min_gain) each code era ran with (a run's override wins): 0 = no gate.
 ERA_MIN_GAIN = {"current": 0.02, "v5": 0.0, "h100": 0.02, "h100-local": 0.02, "h200": 0.02,
                 "h200-s7": 0.02, "h200-s8": 0.02}
-# Each era's train step had the local branch (a run's override wins): not before bcacbbe.
 # The rows of each nano-batch of the recorded ping-pong runs without an override
 # (attention.distca.nano_rows): every one ran the rows as sampled.
 RUNS_NANO_ROWS = "given"
+# Each era's train step had the local branch (a run's override wins): not before bcacbbe.
 ERA_LOCAL_STEPS = {"current": False, "v5": False, "h100": False, "h100-local": True,
                    "h200": True, "h200-s7": True, "h200-s8": True}
 # The local branch's own threshold (``attention.distca.local_gain``; a run's override wins):

@@ -226,12 +226,12 @@ def run_batches(run: E2eRun, steps=None, nano: bool = False) -> list[list[list[l
                         tokens_per_row=run.tokens, vocab_size=2, seed=0)
   split = nano and nano_split(run)
   m, r = (run.nano_batches if split else run.micro_batches), run.rows_per_rank
+  if split and run.nano_rows == "heavy_first":
+    src = order.HeavyFirst(src, r)  # the trainer's source for these runs (data.run_source)
   per = r // m
   out = []
   for s in (run.steps if steps is None else steps):
     rows = src.doclens(s)
-    if split and run.nano_rows == "heavy_first":
-      rows = [rows[i] for i in order.heavy_first(rows, r)]
     out.append([[[x for row in rows[k * r + i * per:k * r + (i + 1) * per] for x in row]
                  for k in range(run.data)] for i in range(m)])
   return out
@@ -272,7 +272,8 @@ def predict_run(run: E2eRun, cal: costs.Calibration, km: costs.KernelModel, era:
   spec = costs.model_spec("llama3_8b", n_layers=run.layers)
   # A distca ping-pong step's nano-batches price as micro-batches that every device runs in
   # step (distca's sync group is every server): each plan's straggler, one after the other.
-  m = run.nano_batches if nano_split(run) else run.micro_batches
+  batches = run_batches(run, nano=True)
+  m = len(batches[0])
   layout = step.Layout(gpus=run.devices, pipe=run.pipe, micro_batches=m)
   tokens = run.tokens * run.rows_per_rank // m
   opts = _options(run, era)
@@ -280,8 +281,8 @@ def predict_run(run: E2eRun, cal: costs.Calibration, km: costs.KernelModel, era:
     cal = dataclasses.replace(cal, exchange_hidden=1.0)
   caps = (run_batches(run, range(CAPS_FROM_BATCHES), nano=True) if run.strategy == "distca"
           else None)
-  res = step.simulate(run_batches(run, nano=True), spec, layout, tokens, cal=cal, km=km,
-                      opts=opts, strategies=(run.strategy,), caps_batches=caps)[run.strategy]
+  res = step.simulate(batches, spec, layout, tokens, cal=cal, km=km, opts=opts,
+                      strategies=(run.strategy,), caps_batches=caps)[run.strategy]
   return res
 
 

@@ -955,3 +955,29 @@ def test_a_layer_scan_holds_no_exchange_buffer_across_its_loop(collective):
             if len(getattr(v.aval, "shape", ())) == 3 and v.aval.shape[0] in rows
             and v.aval.shape[-1] == D]
   assert not before, before
+
+
+def test_one_server_runs_no_exchange_and_equals_per_document_attention(seed, monkeypatch):
+  """One device on the servers' axis (a one-GPU job, where 'auto' resolves to 'remote'): the data
+  plane lowers for CUDA with no exchange kernel and no collective (nothing crosses a wire; one GPU
+  has no peers), and, run on CPU as on a GPU ('auto' -> 'remote'), outputs and gradients equal
+  each document's attention alone."""
+  from distca_jax.dataplane import exchange  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(exchange.jax, "default_backend", lambda: "gpu")
+  assert exchange.resolve_collective("auto") == "remote"
+  rng = np.random.default_rng(seed)
+  t = 4 * T
+  lens, left = [], t - int(rng.integers(0, 40))  # documents, then a padded tail
+  while left:
+    lens.append(int(min(left, rng.integers(1, t // 2))))
+    left -= lens[-1]
+  spec = plan_lib.PlanSpec(num_servers=1, tokens_per_row=t, rows_per_device=1,
+                           capacity=plan_lib.default_capacity(t))
+  hp = plan_lib.host_plan([lens], spec, options=plan_lib.PlanOptions(
+      q_heads=H, kv_heads=KH, head_dim=D, dtype_bytes=4, min_shard=None))
+  run = _make_run(_mesh(data=1), spec)
+  q, k, v, ct = _inputs(rng, rows=1, t=t)
+  text = run.trace(q, k, v, hp.packed, ct).lower(lowering_platforms=("cuda",)).as_text()
+  assert "remote_exchange" not in text and "all_to_all" not in text, "one server moves nothing"
+  _check(run(q, k, v, hp.packed, ct), _reference(q, k, v, _segments([lens], 1, t), ct),
+         f"one server seed={seed} lens={lens}")

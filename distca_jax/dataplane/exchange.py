@@ -37,7 +37,9 @@ Implementations (``collective=``), one contract (``ragged_exchange``):
             nothing skips the all-to-all). Runs everywhere; its buffers and wire grow with
             ``S``.
 'auto' is 'remote' on the GPUs of a one-process job, 'dense' on those of a multi-process job
-(``resolve_collective``: measured fastest at 4 servers) and 'ring' elsewhere. The backward of
+(``resolve_collective``: measured fastest at 4 servers) and 'ring' elsewhere. With one server
+(one device on the servers' axis) every implementation is the same local copy of the device's
+own group: no collective and no kernel run, so one GPU needs no peer-access support. The backward of
 the exchange is the exchange of the cotangents with the routes reversed (a custom VJP shared by
 every implementation).
 
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Mapping
 
 import jax
@@ -236,8 +239,16 @@ def ragged_exchange(x, routes, recv_rows: int, axis, collective: str,
   return _exchange(x, routes, recv_rows, axis, collective, int(buckets))
 
 
+def num_servers(axis) -> int:
+  """Devices over the servers' ``axis`` (a name or a tuple of names), inside ``shard_map``."""
+  axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+  return math.prod(int(lax.axis_size(a)) for a in axes)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _exchange(x, routes, recv_rows: int, axis, collective: str, buckets: int):
+  if num_servers(axis) == 1:  # one server: its own group is all there is, no wire, no kernel
+    return _ring(x, jnp.broadcast_to(fills_of(x, 0)[0], (recv_rows,) + x.shape[1:]), routes, axis)
   if collective == "remote":  # writes every row of its own output (unfilled rows: zeros)
     from custom_ops.remote_exchange import remote_exchange  # pylint: disable=import-outside-toplevel
     return remote_exchange(x, routes, recv_rows, axis)  # loads Mosaic GPU: only when used

@@ -11,7 +11,8 @@
 #                                                         # four-n3x, four-n1p, four-keep,
 #                                                         # four-n3w; not yet run: four-8b-xla,
 #                                                         # four-deep-a, four-deep-b, four-lean;
-#                                                         # one GPU: one-trees (not in 'all');
+#                                                         # one GPU: one-trees, one-defaults
+#                                                         # (not in 'all');
 #                                                         # two GPUs: two-skip (not in 'all')
 # Several groups in one call: SUITE=four-base,four-4d,four-x (run in that order). The 4-GPU tables
 # of results/four/README.md in two calls of about 9 minutes each on 4 x H100:
@@ -89,6 +90,11 @@ stage row_copy_bench 120 $ONE python3 -m experiments.row_copy_bench --out "$OUT/
 stage placement_bench 120 $ONE python3 -m experiments.placement_bench --servers 2 --batches 2 --iters 30 --out "$OUT/placement_bench"
 stage e2e_1gpu_64k 200 $ONE python3 -m experiments.e2e_bench --backends packed_dp,distca --workloads prolong,pretrain --tokens 65536 --layers 2 --steps 6 --warmup 2 --out "$OUT/e2e_1gpu_64k"
 stage e2e_1gpu_pingpong 240 $ONE python3 -m experiments.e2e_bench --backends packed_dp,distca --nano-batches 1,2 --workloads pretrain --tokens 65536 --rows-per-rank 2 --warmup 2 --steps 6 --layers 2 --out "$OUT/e2e_1gpu_pingpong"
+;;& one-defaults)
+# distca with every setting at its default on one GPU ('auto' -> 'remote', one server: no
+# exchange kernel): the tests of tests/test_one_gpu.py, then the shipped GPU config for 6 steps.
+stage one_gpu_defaults 420 $ONE env JAX_PLATFORMS=cuda python3 -m pytest -q -s -rA tests/test_one_gpu.py
+stage one_gpu_smoke 200 $ONE python3 -m distca_jax.train --config configs/gpu_bench.py --workdir "$OUT/one_gpu_smoke" --config.num_steps=6 --config.log_every=1 --config.optim.warmup_steps=2 --config.tensorboard=False
 ;;& two|all)
 stage collective_bench 90 python3 -m experiments.collective_bench --out "$OUT/collective_bench"
 stage dispatch_bench 150 python3 -m experiments.dispatch_bench --kernel flash3 --iters 20 --batches 2 --exchange-only --caps suggest --collective ppermute --out "$OUT/dispatch_bench"

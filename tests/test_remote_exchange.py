@@ -2,15 +2,16 @@
 
 On CPU: the kernel cross-lowers for CUDA inside ``shard_map`` (Mosaic GPU's layout inference and
 TMA checks run without a GPU), for the row shapes the data plane sends (query / key-value rows,
-LSE rows), over one axis and over a pooled pair of axes, in host groups of 4 of 8 devices; the
-lowered call zeroes its semaphores in XLA before the call and keeps XLA's barrier before the
-kernel (the kernel's safety argument); bad row widths, grids, groups and cross-group routes name
+LSE rows), over one axis and over a pooled pair of axes, in host groups of 4 of 8 devices and in
+the signal-only data plane; the lowered call zeroes its semaphores in XLA before the call and
+keeps XLA's barrier before the kernel (the kernel's safety argument); signal-only routes never
+zero a row a sender writes (NumPy); bad row widths, grids, groups and cross-group routes name
 the fix.
 On GPUs (all visible devices as servers, one process): random routes, self groups included,
 every group lands where its routes say, bit for bit against the NumPy oracle, rows no group fills
 are zero, the VJP sends the cotangents back, and repeated calls stay correct (each call's
-semaphores are zeroed before it, behind XLA's barrier); host groups; a skewed peer (one device
-busy with matrix products before each of several calls) in a child process with a
+semaphores are zeroed before it, behind XLA's barrier); host groups; signal-only; a skewed peer
+(one device busy with matrix products before each of several calls) in a child process with a
 time limit, so a lost signal fails instead of hanging.
 
 Run: .venv/bin/python -m pytest -q tests/test_remote_exchange.py
@@ -31,6 +32,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from distca_jax import dataplane
 from distca_jax import plan as plan_lib
+from distca_jax.dataplane.exchange import signal_only_routes
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -159,6 +161,10 @@ def test_remote_exchange_over_two_axes_on_gpus(seed):
 def test_dispatch_with_remote_lowers_for_cuda(monkeypatch):
   """The whole data plane (forward and VJP) with collective 'remote' on a (data 4, tensor 2)
   mesh: the kernel runs over the data axis inside the map over both axes."""
+  _dispatch_lowers(monkeypatch, signal_only=False)
+
+
+def _dispatch_lowers(monkeypatch, signal_only: bool):
   # Lowered for CUDA from CPU: the collective's platform check must see the target platform.
   from distca_jax.dataplane import exchange  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(exchange.jax, "default_backend", lambda: "gpu")
@@ -167,8 +173,9 @@ def test_dispatch_with_remote_lowers_for_cuda(monkeypatch):
                           q_tokens=3 * t // 2, kv_tokens=2 * s * t, tasks=48)
   spec = plan_lib.PlanSpec(num_servers=s, tokens_per_row=t, rows_per_device=1, capacity=cap)
   mesh = _mesh((s, 2), ("data", "tensor"))
-  opts = dataplane.DispatchOptions(exchange=dataplane.ExchangeOptions(collective="remote"),
-                                   head_axis="tensor")
+  opts = dataplane.DispatchOptions(
+      exchange=dataplane.ExchangeOptions(collective="remote", signal_only=signal_only),
+      head_axis="tensor")
 
   def run(q, k, v, plan):
     o, vjp = jax.vjp(lambda q, k, v: dataplane.dispatch_attention(q, k, v, plan, spec, opts,
@@ -280,6 +287,44 @@ def test_group_routes_are_checked_on_the_host(seed):
     rx.check_group_routes(ln, 4)
 
 
+def test_signal_only_zeroing_never_meets_a_row_a_sender_writes(seed):
+  """Which rows the kernel writes on server ``d`` (NumPy): senders ``p`` write rows
+  ``[peer_recv_off, + send_len)`` of ``d``'s buffer by their (cut) routes, ``d`` zeroes rows
+  ``[keep, Cr)``. Signal-only's ``keep`` (the uncut groups' rows) never meets a written row;
+  the cut routes' own total (the kernel's default keep for them) does, on these routes."""
+  rng = np.random.default_rng(seed)
+  s, cr = 4, 900
+  routes, ln = _routes(rng, s, 700, cr, fill=1.0)
+  assert (ln >= 2).sum(axis=0).min() >= 2, "every server receives two groups of 2+ rows"
+  raced = 0
+  for signal in (False, True):
+    if signal:
+      cut, keep = zip(*(signal_only_routes(jnp.asarray(routes[d])) for d in range(s)))
+      cut = np.asarray(cut)
+    else:  # the real exchange: the kernel's default keep
+      cut, keep = routes, routes[:, 3].sum(axis=1)
+    for d in range(s):
+      written = np.zeros(cr, np.int64)
+      for p in range(s):  # sender p's group for d: its send_len[d] rows at its peer_recv_off[d]
+        start, n = cut[p, 4, d], cut[p, 1, d]
+        written[start:start + n] += 1
+      zeroed = np.arange(cr) >= int(keep[d])
+      assert written.max() <= 1 and not (written.astype(bool) & zeroed).any(), (signal, d)
+      if not signal:  # the real exchange: every row written exactly once
+        np.testing.assert_array_equal(written + zeroed, 1)
+      else:  # one row per group, at the group's start; the cut total would zero written rows
+        assert written.sum() == (ln[:, d] > 0).sum()
+        raced += (written.astype(bool) & (np.arange(cr) >= cut[d, 3].sum())).any()
+  assert raced == s, "the cut routes' total zeroes a signal row on every server"
+
+
+@pytest.mark.skipif(ON_GPU, reason="cross-lowering on 8 fake CPU devices")
+def test_signal_only_remote_dispatch_lowers_for_cuda(monkeypatch):
+  """Signal-only with 'remote' (forward and VJP): the kernel gets the cut routes and the uncut
+  total."""
+  _dispatch_lowers(monkeypatch, signal_only=True)
+
+
 @pytest.mark.skipif(not ON_GPU or jax.device_count() < 4 or jax.device_count() % 2,
                     reason="needs an even number (4+) of GPUs")
 def test_host_groups_equal_the_oracle_on_gpus(seed):
@@ -296,6 +341,30 @@ def test_host_groups_equal_the_oracle_on_gpus(seed):
     want = plan_lib.executor._exchange(list(np.asarray(x.astype(jnp.float32))), routes, cr)
     for d in range(s):
       np.testing.assert_array_equal(y[d], want[d], err_msg=f"device {d} call {call} seed={seed}")
+
+
+@pytest.mark.skipif(not ON_GPU or jax.device_count() < 2, reason="needs 2+ GPUs")
+def test_signal_only_on_gpus(seed):
+  """One row per group at its start; rows past the uncut groups zero."""
+  s = jax.device_count()
+  mesh = _mesh((s,), ("data",))
+  rng = np.random.default_rng(seed)
+  cs, cr = 700, 900
+  routes, ln = _routes(rng, s, cs, cr)
+  x = rng.standard_normal((s, cs, 2, 128)).astype(np.float32)
+  spec = P("data")
+  f = jax.jit(jax.shard_map(
+      lambda x, r: dataplane.ragged_exchange(x[0], r[0], cr, "data", "remote",
+                                             signal_only=True)[None],
+      mesh=mesh, in_specs=(spec, spec), out_specs=spec, check_vma=False))
+  y = np.asarray(f(jnp.asarray(x, jnp.bfloat16), jnp.asarray(routes)).astype(jnp.float32))
+  xs = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+  for d in range(s):
+    for p in range(s):
+      if ln[p, d]:
+        np.testing.assert_array_equal(y[d, routes[d, 2, p]], xs[p, routes[p, 0, d]],
+                                      err_msg=f"{p} -> {d} seed={seed}")
+    assert not y[d, ln[:, d].sum():].any(), f"device {d} seed={seed}"
 
 
 def _skewed_fn(s: int, calls: int, cr: int, rounds: int):

@@ -44,9 +44,10 @@ the exchange is the exchange of the cotangents with the routes reversed (a custo
 every implementation).
 
 Signal-only (``signal_only=True``; benchmarks only, results are WRONG by design): every group
-carries at most one row (the rest of the receive buffer stays zero), so gathers, kernel and
-return keep their shapes and data dependences, and timing the step against the real one
-measures what the wire costs (the paper's "signal-only" ablation).
+carries at most one row (``signal_only_routes``), so gathers, kernel and return keep their shapes
+and data dependences, and timing the step against the real one measures what the wire costs
+(the paper's "signal-only" ablation). 'remote' zeroes the rows past the unclipped groups, as in
+the real exchange, and leaves a group's other rows unwritten; the others leave them zero.
 """
 
 from __future__ import annotations
@@ -229,14 +230,22 @@ def _dense(x, out, routes, axis, buckets: int):
 
 
 def ragged_exchange(x, routes, recv_rows: int, axis, collective: str,
-                    buckets: int = DEFAULT_EXCHANGE_BUCKETS):
+                    buckets: int = DEFAULT_EXCHANGE_BUCKETS, signal_only: bool = False):
   """Moves this device's send buffer ``x [Cs, ...]`` by ``routes`` (int32 ``[6, S]``,
   ``plan.ROUTE_ROWS``) into a receive buffer ``[recv_rows, ...]`` (rows no group fills are
   zero). Inside ``shard_map`` over ``axis``; ``collective`` names the implementation ('ragged',
   'ring' or 'dense', already resolved); ``buckets``: the dense exchange's block sizes
-  (``dense_block_rows``). Differentiable in ``x``: the cotangents go back by the routes
-  reversed."""
-  return _exchange(x, routes, recv_rows, axis, collective, int(buckets))
+  (``dense_block_rows``); ``signal_only``: at most one row per group (module docstring).
+  Differentiable in ``x``: the cotangents go back by the routes reversed."""
+  return _exchange(x, routes, recv_rows, axis, collective, int(buckets), bool(signal_only))
+
+
+def signal_only_routes(routes):
+  """Signal-only (module docstring): ``routes`` with every group cut to at most one row, and the
+  receive rows the uncut groups cover (``sum(recv_len)``, where the real exchange's zeroing
+  starts)."""
+  cut = routes.at[1].set(jnp.minimum(routes[1], 1)).at[3].set(jnp.minimum(routes[3], 1))
+  return cut, jnp.sum(routes[3])
 
 
 def num_servers(axis) -> int:
@@ -245,13 +254,16 @@ def num_servers(axis) -> int:
   return math.prod(int(lax.axis_size(a)) for a in axes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _exchange(x, routes, recv_rows: int, axis, collective: str, buckets: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _exchange(x, routes, recv_rows: int, axis, collective: str, buckets: int, signal_only: bool):
+  keep = None
+  if signal_only:
+    routes, keep = signal_only_routes(routes)
   if num_servers(axis) == 1:  # one server: its own group is all there is, no wire, no kernel
     return _ring(x, jnp.broadcast_to(fills_of(x, 0)[0], (recv_rows,) + x.shape[1:]), routes, axis)
   if collective == "remote":  # writes every row of its own output (unfilled rows: zeros)
     from custom_ops.remote_exchange import remote_exchange  # pylint: disable=import-outside-toplevel
-    return remote_exchange(x, routes, recv_rows, axis)  # loads Mosaic GPU: only when used
+    return remote_exchange(x, routes, recv_rows, axis, keep=keep)  # Mosaic GPU: only when used
   # Zeros that depend on x: a constant receive buffer would be computed before a differentiated
   # layer scan and held while the loop runs (``custom_ops.fills_of``).
   out = jnp.broadcast_to(fills_of(x, 0)[0], (recv_rows,) + x.shape[1:])
@@ -262,14 +274,15 @@ def _exchange(x, routes, recv_rows: int, axis, collective: str, buckets: int):
   return _dense(x, out, routes, axis, buckets)
 
 
-def _exchange_fwd(x, routes, recv_rows, axis, collective, buckets):
-  return _exchange(x, routes, recv_rows, axis, collective, buckets), (
+def _exchange_fwd(x, routes, recv_rows, axis, collective, buckets, signal_only):
+  return _exchange(x, routes, recv_rows, axis, collective, buckets, signal_only), (
       routes, jnp.zeros((x.shape[0], 0), x.dtype))
 
 
-def _exchange_bwd(recv_rows, axis, collective, buckets, res, dy):
+def _exchange_bwd(recv_rows, axis, collective, buckets, signal_only, res, dy):
   routes, like = res
-  dx = _exchange(dy, reverse_routes(routes), like.shape[0], axis, collective, buckets)
+  dx = _exchange(dy, reverse_routes(routes), like.shape[0], axis, collective, buckets,
+                 signal_only)
   return dx, None
 
 
@@ -280,9 +293,8 @@ def _move(x, routes, recv_rows: int, axis, exchange: ExchangeOptions):
   """``ragged_exchange`` under the options; signal-only (module docstring) sends at most one row
   per group."""
   collective = resolve_collective(exchange.collective)
-  if exchange.signal_only:
-    routes = routes.at[1].set(jnp.minimum(routes[1], 1)).at[3].set(jnp.minimum(routes[3], 1))
-  return ragged_exchange(x, routes, recv_rows, axis, collective, exchange.buckets)
+  return ragged_exchange(x, routes, recv_rows, axis, collective, exchange.buckets,
+                         exchange.signal_only)
 
 
 def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec: PlanSpec,

@@ -141,9 +141,10 @@ def check_group(group, servers: int) -> int:
   return g
 
 
-def check_group_routes(send_len_SxS, group: int):
+def check_group_routes(send_len_SxS, group: int | None):
   """Host check of a plan's ``[S, S]`` group lengths (sender, server) for ``group``: a ValueError
-  naming the first pair of devices of different groups with rows between them."""
+  naming the first pair of devices of different groups with rows between them (``None``: one
+  group, nothing to check)."""
   ln = np.asarray(send_len_SxS)
   s = ln.shape[0]
   g = check_group(group, s)

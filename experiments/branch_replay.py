@@ -1,7 +1,7 @@
 """The price rule (``plan.choice``) replayed step by step over committed runs that timed both
 branches on the same batches.
 
-  python -m experiments.branch_replay --out results/branch_replay
+  python -m experiments.branch_replay --out results/skip/branch_replay
 
 A replayed run is a distca run without a pipeline and a packed_dp run (packed_dp+pingpong for a
 ping-pong run) of the same call or session, on the same batches (``e2e_bench`` samples them from
@@ -389,7 +389,7 @@ def parse_args(argv=None):
   for f in dataclasses.fields(d):
     p.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=getattr(d, f.name),
                    help=f"ChoiceOptions.{f.name} (default {getattr(d, f.name)})")
-  p.add_argument("--out", default=os.path.join(ROOT, "results", "branch_replay"))
+  p.add_argument("--out", default=os.path.join(ROOT, "results", "skip", "branch_replay"))
   return p.parse_args(argv)
 
 

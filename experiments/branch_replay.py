@@ -188,7 +188,7 @@ def replay_run(cad_t, local_t, p_cad, p_local, options: choice.ChoiceOptions
   for tc, tl, pc, pl in zip(cad_t, local_t, p_cad, p_local):
     c = chooser.choose(pc, pl)
     t = tc if c.branch == "cad" else tl
-    chooser.observe(t)
+    chooser.observe(c, t)
     chosen.append(c.branch)
     reasons.append(c.reason)
     rule += t

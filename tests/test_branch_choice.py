@@ -39,10 +39,10 @@ def test_a_drifting_ratio_is_corrected(seed):
     pc, pl = 0.9 * (1 + 0.01 * rng.standard_normal()), 1.0
     c = ch.choose(pc, pl)
     if c.branch == "cad":
-      ch.observe(q * pc)
+      ch.observe(c, q * pc)
       assert ch.ratio["cad"] == pytest.approx(q, abs=0.06)
     else:
-      ch.observe(pl)
+      ch.observe(c, pl)
       local_after = k if local_after is None else local_after
   # Once CAD's corrected price (ratio x 0.9) exceeds local's, the rule stays local.
   assert local_after is not None and drift[local_after] > 1.05
@@ -52,13 +52,15 @@ def test_a_drifting_ratio_is_corrected(seed):
 
 def test_a_branch_ratio_is_not_borrowed():
   ch = choice.BranchChooser(choice.ChoiceOptions(sigma0=0.02, margin=0.0))
-  assert ch.choose(0.5, 1.0).branch == "cad"
-  ch.observe(0.75)  # CAD 1.5x its price
+  c = ch.choose(0.5, 1.0)
+  assert c.branch == "cad"
+  ch.observe(c, 0.75)  # CAD 1.5x its price
   assert ch.ratio == {"cad": 1.5, "local": 1.0}
   # CAD's price is now 1.5x the model's and its sigma grew (0.26): 0.6 -> 0.9 x 1.24 > 1.
-  assert ch.choose(0.6, 1.0).branch == "local"
+  c = ch.choose(0.6, 1.0)
+  assert c.branch == "local"
   assert ch.sigma == pytest.approx(0.5 * 0.02 + 0.5 * 0.5)
-  ch.observe(1.0)
+  ch.observe(c, 1.0)
   assert ch.state()["local_steps"] == 1 and ch.state()["cad_steps"] == 1
 
 
@@ -81,9 +83,9 @@ def test_the_guard_bounds_regret_when_cad_lands_within_sigma(seed, budget):
     margins.append(c.margin)
     if c.branch == "cad":
       cad_steps += 1
-      ch.observe(c.cad_s * (1.0 + sigma if cad_steps % 2 else 1.0 - sigma))
+      ch.observe(c, c.cad_s * (1.0 + sigma if cad_steps % 2 else 1.0 - sigma))
     else:
-      ch.observe(c.local_s)
+      ch.observe(c, c.local_s)
     assert ch.regret_s <= o.budget * ch.elapsed_s + 1e-12
   assert cad_steps > 10
   assert max(margins) > o.margin  # the guard was active
@@ -99,7 +101,7 @@ def test_the_guard_stops_a_cad_branch_that_always_loses(seed):
   for _ in range(200):
     pl = float(rng.uniform(0.8, 1.2))
     c = ch.choose(pl * float(rng.uniform(0.8, 0.95)), pl)
-    ch.observe(1.1 * pl if c.branch == "cad" else pl)
+    ch.observe(c, 1.1 * pl if c.branch == "cad" else pl)
   s = ch.state()
   assert s["cad_steps"] <= 2
   assert s["regret_fraction"] < 0.001
@@ -111,11 +113,11 @@ def test_bad_input_names_the_value():
     ch.choose(-1, 1.0)
   with pytest.raises(ValueError, match="predicted_local_s=nan"):
     ch.choose(1.0, float("nan"))
-  with pytest.raises(ValueError, match="observe\\(\\) without a choose"):
-    ch.observe(1.0)
-  ch.choose(1.0, 1.0)
+  with pytest.raises(ValueError, match="must be the Choice"):
+    ch.observe(None, 1.0)
+  c = ch.choose(1.0, 1.0)
   with pytest.raises(ValueError, match="measured_s=0"):
-    ch.observe(0)
+    ch.observe(c, 0)
   with pytest.raises(ValueError, match="ema=0"):
     choice.ChoiceOptions(ema=0)
   with pytest.raises(ValueError, match="budget=-0.1"):
@@ -144,3 +146,63 @@ def test_replay_sums_on_a_hand_made_run():
   assert r["chosen"][1:] == ["local", "local"]
   # No step where CAD wins: gain kept is undefined.
   assert branch_replay.totals([1.1], [1.0], 1.0)["gain_kept"] is None
+
+
+PRICE_RUN = {"mesh.data": 4, "mesh.tensor": 2, "num_steps": 5, "log_every": 1,
+             "checkpoint_every": 0, "tensorboard": False, "optim.warmup_steps": 1,
+             "attention.backend": "distca", "attention.distca.tolerance": 0.0,
+             "attention.distca.min_gain": 0.0, "attention.distca.local_gain": 0.0,
+             "model.remat": "save_attention", "model.n_kv_heads": 4, "model.n_heads": 8,
+             "model.head_dim": 16}
+
+
+@pytest.mark.slow
+def test_price_branch_trains_like_cad_and_logs_each_step(tmp_path, monkeypatch):
+  """attention.distca.branch='price' in the real loop: with the rule's choices flipped to
+  alternate (so both branches run whatever the CPU's prices say), the losses equal the run that
+  sends every batch through CAD (both branches compute exact attention); every step's branch
+  and reason is in branches.jsonl, the logged records carry the guard's regret, and the steps
+  sent to the local branch are the ones metrics count as local."""
+  import dataclasses
+  import json
+  import os
+  from distca_jax import trainer
+  from tests.test_train import tiny_config
+
+  cad = [r["loss"] for r in trainer.train_and_evaluate(tiny_config(**PRICE_RUN),
+                                                       str(tmp_path / "cad"))]
+  real_choose = choice.BranchChooser.choose
+  flips = []
+
+  def alternate(self, p_cad, p_local):
+    c = real_choose(self, p_cad, p_local)
+    flips.append("cad" if len(flips) % 2 else "local")
+    return dataclasses.replace(c, branch=flips[-1])
+
+  monkeypatch.setattr(choice.BranchChooser, "choose", alternate)
+  workdir = str(tmp_path / "price")
+  recs = trainer.train_and_evaluate(
+      tiny_config(**PRICE_RUN, **{"attention.distca.branch": "price"}), workdir)
+  np.testing.assert_allclose([r["loss"] for r in recs], cad, rtol=2e-5)
+  with open(os.path.join(workdir, "branches.jsonl")) as f:
+    lines = [json.loads(x) for x in f]
+  assert [x["step"] for x in lines] == [1, 2, 3, 4, 5]
+  moved = [x for x in lines if x["reason"] != "no plan moves a row"]
+  assert [x["branch"] for x in moved] == flips and {"cad", "local"} <= set(flips)
+  assert all(x["cad_ms"] > 0 and x["local_ms"] > 0 for x in moved)
+  # Steps after the first (compiling) one are timed: metrics count the local ones.
+  local = [x["branch"] == "local" for x in lines]
+  assert [r["local_step_share"] for r in recs[1:]] == [float(v) for v in local[1:]]
+  assert all("branch_regret_fraction" in r for r in recs)
+
+
+def test_price_branch_config_errors():
+  from distca_jax import config as config_lib
+  from distca_jax.errors import UserError
+  from tests.test_train import tiny_config
+  with pytest.raises(UserError, match="attention.distca.branch='fast'"):
+    config_lib.validate(tiny_config(**{"attention.distca.branch": "fast"}))
+  with pytest.raises(UserError, match="needs attention.distca.local_steps=True"):
+    config_lib.validate(tiny_config(**{"attention.backend": "distca",
+                                       "attention.distca.branch": "price",
+                                       "attention.distca.local_steps": False}))

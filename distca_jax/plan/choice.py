@@ -2,8 +2,9 @@
 
 A distca train step has two branches (``trainer.make_train_step``): CAD (the plan's exchange,
 the servers' attention) and the local branch (packed_dp's attention on each device's own rows).
-Before each step the host prices both with the calibrated step model (``sim.validate``'s
-``predict_branches``: the run's layers, remat, memory mode, exchange, caps, GPUs, device), and a
+Before each step the host prices both with the calibrated step model (in training
+``sim.price.BranchPricer`` on the step's plans, in the replay ``sim.validate.predict_branches``:
+the run's layers, remat, memory mode, exchange, caps, GPUs, device), and a
 ``BranchChooser`` turns the two predictions into a choice, then learns from the measured time of
 the branch that ran. The rule, exactly (step ``k``; ``p_cad``, ``p_local`` the model's
 predictions in seconds):
@@ -54,7 +55,8 @@ BRANCHES = ("cad", "local")
 
 @dataclasses.dataclass(frozen=True)
 class ChoiceOptions:
-  """The rule's constants (``attention.distca.price_*`` in the config).
+  """The rule's constants (the trainer's ``attention.distca.branch='price'`` uses the defaults;
+  ``experiments/branch_replay.py`` takes each as a flag).
 
   Attributes:
     margin: the base margin: CAD runs when its corrected price is below the local one by more
@@ -84,18 +86,23 @@ class ChoiceOptions:
 @dataclasses.dataclass(frozen=True)
 class Choice:
   """One step's decision: the branch, the corrected prices it compared, the margin and slack
-  it used, and a one-line reason (what the trainer logs)."""
+  it used, a one-line reason (what the trainer logs), and the model's two predictions (what
+  ``BranchChooser.observe`` divides the measured time by)."""
   branch: str
   cad_s: float
   local_s: float
   margin: float
   slack_s: float
   reason: str
+  predicted_cad_s: float
+  predicted_local_s: float
 
 
 class BranchChooser:
   """The rule of the module docstring, one instance per run: ``choose`` before a step,
-  ``observe`` with that step's measured time after it."""
+  ``observe(choice, seconds)`` with that step's measured time once known. Choices may be
+  observed later than the next ``choose`` (a trainer that learns a step's time only after
+  dispatching the next); each updates the state when observed."""
 
   def __init__(self, options: ChoiceOptions | None = None):
     self.options = options or ChoiceOptions()
@@ -105,7 +112,6 @@ class BranchChooser:
     self.elapsed_s = 0.0
     self.regret_s = 0.0
     self.steps = {b: 0 for b in BRANCHES}
-    self._pending: tuple[Choice, float, float] | None = None
 
   def choose(self, predicted_cad_s: float, predicted_local_s: float) -> Choice:
     """The branch of the next step from the model's two predictions (seconds)."""
@@ -124,21 +130,19 @@ class BranchChooser:
     reason = (f"cad {cad * 1e3:.1f} ms vs local {local * 1e3:.1f} ms (gain {gain:+.3f}, "
               f"margin {margin:.3f}, regret {self.regret_s * 1e3:.1f} ms of budget "
               f"{o.budget * (self.elapsed_s + local) * 1e3:.1f} ms)")
-    choice = Choice("cad" if run_cad else "local", cad, local, margin, slack, reason)
-    self._pending = (choice, float(predicted_cad_s), float(predicted_local_s))
-    return choice
+    return Choice("cad" if run_cad else "local", cad, local, margin, slack, reason,
+                  float(predicted_cad_s), float(predicted_local_s))
 
-  def observe(self, measured_s: float) -> None:
-    """The measured time of the step ``choose`` last decided: updates the ratio of the branch
-    that ran (and CAD's ``sigma``), the elapsed time and the regret."""
-    if self._pending is None:
-      raise ValueError("observe() without a choose() before it: call choose(predicted_cad_s, "
-                       "predicted_local_s) for the step, run it, then observe its time")
+  def observe(self, choice: Choice, measured_s: float) -> None:
+    """The measured time of the step ``choice`` decided: updates the ratio of the branch that
+    ran (and CAD's ``sigma``), the elapsed time and the regret."""
+    if not isinstance(choice, Choice):
+      raise ValueError(f"choice={choice!r} must be the Choice that choose() returned for the "
+                       "step")
     if not (isinstance(measured_s, (int, float)) and measured_s > 0):
       raise ValueError(f"measured_s={measured_s!r} must be the step's positive wall time in "
                        "seconds")
-    choice, p_cad, p_local = self._pending
-    self._pending = None
+    p_cad, p_local = choice.predicted_cad_s, choice.predicted_local_s
     b = choice.branch
     q = float(measured_s) / (p_cad if b == "cad" else p_local)
     self.count[b] += 1

@@ -1,12 +1,15 @@
 """plan.choice: the per-step choice between CAD and the local branch, and the replay's sums."""
 
 import math
+import os
 
 import numpy as np
 import pytest
 
 from distca_jax.plan import choice
 from experiments import branch_replay
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_predicted_faster_cad_is_chosen_beyond_the_margin():
@@ -206,3 +209,47 @@ def test_price_branch_config_errors():
     config_lib.validate(tiny_config(**{"attention.backend": "distca",
                                        "attention.distca.branch": "price",
                                        "attention.distca.local_steps": False}))
+
+
+def test_pricer_prices_a_step_as_the_simulator():
+  """sim.price.BranchPricer on a batch's host plans (gpu_bench shapes, 4 servers, Pretrain 128K)
+  equals the simulator's price of the same batch: packed_dp exactly, CAD with caps sized from
+  the run's first 32 batches as the backend sizes them."""
+  from distca_jax import config as config_lib
+  from distca_jax import configs_io, trainer
+  from distca_jax.data import run_source
+  from distca_jax.sim import costs, price, step
+  c = configs_io.load_config(os.path.join(ROOT, "configs", "gpu_bench.py"), [
+      "data.workload=pretrain", "tokens_per_rank=131072", "mesh.data=4", "model.n_layers=2",
+      "model.remat=save_attention"])
+  be, src = trainer.make_backend(c), run_source(c, 4)
+  pr = price.BranchPricer(config_lib.model_config(c), remat="save_attention", nano_batches=1,
+                          collective="auto", memory_mode="keep", exchange_buckets=8,
+                          device_kind="NVIDIA H200")
+  assert pr.era == "h200"
+  d = src.doclens(3)
+  cad, local = pr.prices(be.host_plans(d, 131072), d, 131072)
+  spec = costs.spec_of_model("run", config_lib.model_config(c))
+  opts = step.Options(collective="auto", memory_mode="keep", remat="save_attention",
+                      local_steps=False)
+  kw = dict(cal=pr.cal, km=pr.km, opts=opts)
+  sim = step.simulate([[d]], spec, step.Layout(gpus=4), 131072, strategies=("packed_dp",), **kw)
+  assert local == pytest.approx(sim["packed_dp"]["step_s"], rel=1e-9)
+  sim = step.simulate([[d]], spec, step.Layout(gpus=4), 131072, strategies=("distca",),
+                      caps_batches=[[src.doclens(s)] for s in range(32)], **kw)
+  assert cad == pytest.approx(sim["distca"]["step_s"], rel=0.01)
+  assert cad < local  # Pretrain 128K: CAD priced faster (measured 1.27-1.31x, four/README)
+
+
+def test_pricer_errors_name_the_setting():
+  from distca_jax.model import ModelConfig
+  from distca_jax.sim import price
+  kw = dict(nano_batches=1, memory_mode="keep", exchange_buckets=8, device_kind="cpu")
+  cfg = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=128,
+                    vocab_size=256)
+  with pytest.raises(ValueError, match="collective='ring' is not priced"):
+    price.BranchPricer(cfg, remat="full", collective="ring", **kw)
+  with pytest.raises(ValueError, match="remat='none'.*branch='gain'"):
+    price.BranchPricer(cfg, remat="none", collective="auto", **kw)
+  with pytest.raises(FileNotFoundError, match="branch='gain'"):
+    price.load_calibration("h100", path="/nonexistent.json")

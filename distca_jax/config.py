@@ -103,6 +103,16 @@ def base_config() -> ml_collections.ConfigDict:
                                           # On H100s at 128K, batches below 0.04 ran slower
                                           # through CAD than packed_dp, those above 0.10 faster
                                           # (results/skip/README.md)
+  c.attention.distca.branch = "gain"     # with local_steps, which branch a batch whose plans
+                                          # move rows runs: 'gain' (local when every plan could
+                                          # gain less than local_gain); 'price' (plan.choice:
+                                          # both branches priced by the calibrated step model,
+                                          # corrected per branch by measured / predicted step
+                                          # times, CAD only when priced faster by a margin, a
+                                          # 1% regret guard; one process, no pipeline; each
+                                          # step's branch and reason in WORKDIR/branches.jsonl).
+                                          # Replayed on committed runs it matched 'gain' on
+                                          # average (results/skip/branch_replay.md)
   # Baselines (distca_jax/baselines): 'packed_dp' (each rank its own documents, one fused varlen
   # call), 'cp' (per-sequence context parallelism: groups of cp_size consecutive data ranks, head-
   # tail chunks, K/V all-gathered) and 'wlb' (WLB-LLM packing over DP groups + per-document CP).
@@ -255,6 +265,15 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.profile_step != -1 and not 0 <= c.profile_step < c.num_steps:
     raise UserError(f"profile_step={c.profile_step} must be -1 (off) or a step in [0, num_steps="
                     f"{c.num_steps})")
+  if c.attention.distca.branch not in ("gain", "price"):
+    raise UserError(f"attention.distca.branch={c.attention.distca.branch!r}; use 'gain' (the "
+                    "local_gain threshold) or 'price' (the calibrated step model, plan.choice)")
+  if (c.attention.backend == "distca" and c.attention.distca.branch == "price"
+      and (c.mesh.pipe > 1 or not c.attention.distca.local_steps)):
+    raise UserError("attention.distca.branch='price' chooses between CAD and the step's local "
+                    f"branch, which needs attention.distca.local_steps=True (got "
+                    f"{c.attention.distca.local_steps}) and mesh.pipe=1 (got {c.mesh.pipe}); "
+                    "or set attention.distca.branch='gain'")
   if c.attention.distca.nano_rows not in ("given", "heavy_first"):
     raise UserError(f"attention.distca.nano_rows={c.attention.distca.nano_rows!r}; use 'given' "
                     "(each rank's rows as sampled) or 'heavy_first'")

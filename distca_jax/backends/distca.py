@@ -131,7 +131,10 @@ class Options:
                dtype_bytes=jnp.dtype(m.dtype).itemsize,
                linear_pairs_per_token=metrics_lib.linear_pairs_per_token(m),
                collective=d.collective, exchange_buckets=d.exchange_buckets,
-               local_steps=d.local_steps, local_gain=d.local_gain)
+               local_steps=d.local_steps,
+               # 'price' (trainer.PriceBranch) decides the branch of batches whose plans move
+               # rows by the step model, in place of the local_gain threshold.
+               local_gain=d.local_gain if d.branch == "gain" else 0.0)
 
   @property
   def plan_options(self) -> PlanOptions:

@@ -257,10 +257,17 @@ def run_distca(rows, tokens, spec, km, opts: Options) -> MicroResult:
                                  linear_pairs_per_token=costs.linear_pairs_per_token(d))
   plan = plan_lib.schedule([list(r) for r in rows], len(rows), tokens_per_rank=tokens,
                            options=options)
+  return distca_result(plan, spec, km)
+
+
+def distca_result(plan: plan_lib.Plan, spec: costs.ModelSpec, km: costs.KernelModel
+                  ) -> MicroResult:
+  """A distca plan's ``MicroResult``: each server's kernel-model seconds over its tasks; every
+  server is in one sync group."""
   t = plan.tasks
-  sec = km.task_seconds(t[:, 2] - t[:, 1], t[:, 2], d)
+  sec = km.task_seconds(t[:, 2] - t[:, 1], t[:, 2], spec.dims)
   attn = np.bincount(t[:, 3], weights=sec, minlength=plan.num_servers)
-  return MicroResult(bm.distca_metrics(plan), attn, len(rows), plan)
+  return MicroResult(bm.distca_metrics(plan), attn, plan.num_servers, plan)
 
 
 def run_distca_step(batch, tokens, spec, km, opts: Options, layout) -> list[MicroResult]:

@@ -286,6 +286,48 @@ def predict_run(run: E2eRun, cal: costs.Calibration, km: costs.KernelModel, era:
   return res
 
 
+def predict_branches(run: E2eRun, local_run: E2eRun, cal: costs.Calibration,
+                     km: costs.KernelModel, era: str) -> dict[str, list]:
+  """Per timed step of a distca run (no pipeline): the simulator's price of each branch the
+  train step could run (``plan.choice``'s inputs) and what the run's own gates did.
+
+  ``cad_s``: the step through the exchange (the run's plans at its ``min_gain``, no local
+  branch: ``Options.local_steps`` False; its caps, collective and memory mode as
+  ``predict_run``); ``local_s``: ``local_run``'s strategy (packed_dp, or packed_dp+pingpong for
+  a ping-pong run) on the same batches, the local branch's price; ``ran_local``: whether the
+  run's own gates (its era's ``local_steps``, ``local_gain``, ``min_gain``, or its overrides)
+  sent the step to the local branch (``step.step_is_local``), so its measured time is not a
+  CAD step's; ``gate_local``: whether today's gate (``local_steps`` with the config's
+  ``local_gain`` and ``min_gain``, ``step.DEFAULT_*``) would send it there."""
+  if run.strategy != "distca" or run.pipe != 1:
+    raise ValueError(f"predict_branches prices distca runs without a pipeline; {run.stem} ran "
+                     f"{run.backend} at pipe={run.pipe}")
+  spec = costs.model_spec("llama3_8b", n_layers=run.layers)
+  batches = run_batches(run, nano=True)
+  m = len(batches[0])
+  layout = step.Layout(gpus=run.devices, micro_batches=m)
+  tokens = run.tokens * run.rows_per_rank // m
+  opts = _options(run, era)
+  cad = step.simulate(batches, spec, layout, tokens, cal=cal, km=km,
+                      opts=dataclasses.replace(opts, local_steps=False), strategies=("distca",),
+                      caps_batches=run_batches(run, range(CAPS_FROM_BATCHES), nano=True)
+                      )["distca"]
+  gate = dataclasses.replace(opts, local_steps=True, local_gain=step.DEFAULT_LOCAL_GAIN,
+                             min_gain=step.DEFAULT_MIN_GAIN)
+  local_of = lambda o: [bool(step.step_is_local(step.run_distca_step(b, tokens, spec, km, o,
+                                                                     layout), layout, o))
+                        for b in batches]
+  lb = run_batches(local_run)
+  ll = step.Layout(gpus=local_run.devices, micro_batches=len(lb[0]))
+  local = step.simulate(lb, spec, ll, local_run.tokens * local_run.rows_per_rank // len(lb[0]),
+                        cal=cal, km=km, opts=_options(local_run, era),
+                        strategies=("packed_dp",))["packed_dp"]
+  return {"cad_s": cad["step_s_per_batch"], "local_s": local["step_s_per_batch"],
+          "ran_local": local_of(opts), "gate_local": local_of(gate),
+          "collective": cad["collective"],
+          "memory_mode": cad["memory_mode"]}
+
+
 def features(run: E2eRun, km: costs.KernelModel) -> np.ndarray:
   """[3] (1, token-linear FLOPs, table attention seconds of the busiest rank) of a run's mean
   step: on one GPU, or under packed_dp (no communication, equal tokens per rank), the step

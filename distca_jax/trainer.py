@@ -38,8 +38,10 @@ from distca_jax import launch
 from distca_jax import memory as memory_lib
 from distca_jax import metrics as metrics_lib
 from distca_jax import ops
+from distca_jax import price_branch as price_branch_lib
 from distca_jax import profiling
 from distca_jax import sharding as shard_lib
+from distca_jax.price_branch import runs_local
 from distca_jax.health import (HEALTH_FIELDS, BadStepWatch, TrainingDiverged,
                                spike_check)
 from distca_jax.data import BATCH_KEYS, run_source
@@ -198,89 +200,6 @@ def add_host_plan(np_batch: dict, backend: attn_lib.Backend, doclens, tokens_per
     return np_batch
   extra = backend.host_prepare(doclens, tokens_per_row)
   return {**np_batch, **{EXTRA_PREFIX + k: v for k, v in extra.items()}}
-
-
-def runs_local(np_batch: dict | list) -> bool:
-  """Whether a host batch (a dict, or a process's ``LocalBatch`` blocks) takes the train step's
-  local branch (``make_train_step``): its backend's ``attention.CROSSES_KEY`` rows are all
-  zero; False for a batch without them."""
-  key = EXTRA_PREFIX + attn_lib.CROSSES_KEY
-  blocks = [np_batch] if isinstance(np_batch, dict) else [b for _, _, b in np_batch]
-  return all(key in b for b in blocks) and not any(np.any(b[key]) for b in blocks)
-
-
-class PriceBranch:
-  """``attention.distca.branch='price'`` in the train loop (one process, distca with its local
-  branch): before each step whose plans move rows, both branches are priced by the calibrated
-  step model (``sim.price.BranchPricer`` on the step's ``host_plans``) and ``plan.choice``'s
-  rule decides; a step it sends to the local branch gets its ``attention.CROSSES_KEY`` rows
-  zeroed (the train step's second branch then runs). A step's time is the interval between the
-  completions of it and the step before (``after_dispatch`` waits for the previous step once the
-  next is dispatched, so one step stays in flight); the compiling and profiled steps give no
-  time. Each decision is a line of ``WORKDIR/branches.jsonl`` (step, branch, reason, the
-  corrected prices and margin in ms)."""
-
-  def __init__(self, c, backend, source, memory_mode: str, workdir: str, device_kind: str):
-    from distca_jax.plan import choice  # pylint: disable=import-outside-toplevel
-    from distca_jax.sim import price  # pylint: disable=import-outside-toplevel
-    self.pricer = price.BranchPricer(
-        config_lib.model_config(c), remat=c.model.remat, nano_batches=c.attention.nano_batches,
-        collective=c.attention.distca.collective, memory_mode=memory_mode,
-        exchange_buckets=c.attention.distca.exchange_buckets, device_kind=device_kind)
-    self.chooser = choice.BranchChooser()
-    self.backend, self.source = backend, source
-    self._file = (open(os.path.join(workdir, "branches.jsonl"), "a")
-                  if jax.process_index() == 0 else None)
-    self._choice = None
-    self._pending = None  # (choice or None, metrics, timed) of the last dispatched step
-    self._done_t = None
-
-  def decide(self, step: int, np_batch) -> None:
-    """Chooses step ``step``'s branch before its dispatch (``np_batch``: its ``LocalBatch``)."""
-    rec = {"step": step + 1}
-    self._choice = None
-    if runs_local(np_batch):
-      rec.update(branch="local", reason="no plan moves a row")
-    else:
-      doclens = self.source.doclens(step)
-      plans = self.backend.host_plans(doclens, self.source.tokens_per_row)
-      ch = self.chooser.choose(*self.pricer.prices(plans, doclens, self.source.tokens_per_row))
-      if ch.branch == "local":
-        key = EXTRA_PREFIX + attn_lib.CROSSES_KEY
-        for _, _, block in np_batch:
-          block[key][...] = 0
-      self._choice = ch
-      rec.update(branch=ch.branch, reason=ch.reason, cad_ms=ch.cad_s * 1e3,
-                 local_ms=ch.local_s * 1e3, margin=ch.margin)
-    if self._file is not None:
-      self._file.write(json.dumps(rec) + "\n")
-      self._file.flush()
-
-  def after_dispatch(self, m, timed: bool) -> None:
-    """After dispatching the step ``decide`` last saw (its metrics ``m``; ``timed`` False for
-    the compiling or a profiled step): waits for the step before it and gives the chooser that
-    step's time."""
-    if self._pending is not None:
-      choice_prev, m_prev, timed_prev = self._pending
-      jax.block_until_ready(m_prev)
-      t = time.perf_counter()
-      if self._done_t is not None and timed_prev and choice_prev is not None:
-        self.chooser.observe(choice_prev, t - self._done_t)
-      self._done_t = t
-    self._pending = (self._choice, m, timed)
-
-  def summary(self) -> str:
-    s = self.chooser.state()
-    n = s["cad_steps"] + s["local_steps"]
-    return (f"branch 'price': of {n} timed steps whose plans moved rows {s['cad_steps']} ran "
-            f"CAD, {s['local_steps']} the local branch; regret {s['regret_s'] * 1e3:.1f} ms = "
-            f"{s['regret_fraction']:.2%} of their time (budget "
-            f"{self.chooser.options.budget:.0%}); measured / predicted CAD "
-            f"{s['ratio_cad']:.3f}, local {s['ratio_local']:.3f}; {self.pricer.describe()}")
-
-  def close(self) -> None:
-    if self._file is not None:
-      self._file.close()
 
 
 def make_train_step(c, model, tx, local_model=None) -> Callable:
@@ -726,13 +645,7 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
   last_step_time_s = None  # of the last logged window: the unprofiled step time for idle time
   # attention.distca.branch='price': the step's branch chosen by price (PriceBranch), built once
   # the pre-flight has chosen the memory mode.
-  price_branch = (c.attention.backend == "distca" and c.attention.distca.branch == "price"
-                  and backend.local_fn is not None)
-  if price_branch and jax.process_count() > 1:
-    raise UserError("attention.distca.branch='price' decides each step from this process's "
-                    f"step times, and the {jax.process_count()} processes must agree; run one "
-                    "process or set attention.distca.branch='gain'")
-  pricing = None
+  price_branch, pricing = price_branch_lib.wanted(c, backend), None
   watch = BadStepWatch(c.train.max_bad_steps)
   weight_rms = float(np.median(jax.device_get(_leaf_rms(state.params))))
   memory_need, workspace = None, 0
@@ -752,13 +665,9 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
                                                          device_memory_bytes, log.info)
         model = run.model
         if price_branch:
-          resend = getattr(backend, "resend_fn", None)
-          pricing = PriceBranch(c, backend, source, "resend" if resend is not None
-                                and run.model.attend is resend else backend.memory_mode,
-                                workdir, jax.devices()[0].device_kind)
+          pricing = price_branch_lib.PriceBranch.start(c, backend, source, run.model, workdir,
+                                                       log.info)
           closers.callback(pricing.close)
-          log.info(f"distca branch 'price': {pricing.pricer.describe()}; each step's branch "
-                   f"in {workdir}/branches.jsonl")
       if pricing is not None:
         pricing.decide(step, np_batch)
       profiled = step == c.profile_step
@@ -804,10 +713,7 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
           if run.backend.local_fn is not None:  # distca's local branch
             rec["local_step_share"] = window_local / window_steps
         if pricing is not None:
-          branch_state = pricing.chooser.state()
-          rec.update(branch_regret_fraction=branch_state["regret_fraction"],
-                     branch_ratio_cad=branch_state["ratio_cad"],
-                     branch_ratio_local=branch_state["ratio_local"])
+          rec.update(pricing.record())
         log.write(done, rec)
         records.append({"step": done, **rec})
         last_step_time_s = rec.get("step_time_s", last_step_time_s)

@@ -68,7 +68,9 @@ from distca_jax.plan.metadata import reverse_routes
 from distca_jax.plan.spec import PlanSpec
 
 # How rows cross the wire (module docstring, "Implementations").
-COLLECTIVES = ("auto", "remote", "ragged", "ring", "dense")
+COLLECTIVES = ("auto", "remote", "ragged", "ring", "dense", "two_level")
+# Implementations of the two-level exchange's legs (``ExchangeOptions.inter_host`` / ``in_host``).
+LEG_COLLECTIVES = ("rounds", "ragged", "ring", "dense")
 # The dense exchange's block sizes per batch (``dense_block_rows``).
 DEFAULT_EXCHANGE_BUCKETS = 8
 
@@ -83,10 +85,16 @@ class ExchangeOptions:
       largest.
     signal_only: benchmarks only: every group carries at most one row, shapes unchanged,
       results WRONG by design (module docstring).
+    inter_host, in_host: the two-level exchange's legs (between hosts, inside a host):
+      'rounds' (``_rounds``; the default of both) or 'ragged', 'ring', 'dense' over the whole
+      axis (these put padding or whole buffers on the inter-host link: CPU tests and
+      measurements only).
   """
   collective: str = "auto"
   signal_only: bool = False
   buckets: int = DEFAULT_EXCHANGE_BUCKETS
+  inter_host: str = "rounds"
+  in_host: str = "rounds"
 
   def __post_init__(self):
     try:
@@ -98,6 +106,13 @@ class ExchangeOptions:
     if self.collective not in COLLECTIVES:
       raise ValueError(f"distca collective={self.collective!r}; choose one of {COLLECTIVES} "
                        "('auto': remote on one process's GPUs, dense on several, ring elsewhere)")
+    for name in ("inter_host", "in_host"):
+      if getattr(self, name) not in LEG_COLLECTIVES:
+        raise ValueError(f"distca two-level {name}={getattr(self, name)!r}; choose one of "
+                         f"{LEG_COLLECTIVES} ('rounds': ppermute rounds, the default)")
+    if self.signal_only and self.collective == "two_level":
+      raise ValueError("distca signal_only=True runs with one-level collectives only; set "
+                       "collective to 'ring', 'dense', 'ragged' or 'remote'")
     if not isinstance(self.signal_only, (bool, np.bool_)):
       raise ValueError(f"distca signal_only={self.signal_only!r} must be True or False (True only "
                        "for timing benchmarks: it gives wrong results)")
@@ -107,7 +122,8 @@ class ExchangeOptions:
 def resolve_collective(collective: str, platform: str | None = None,
                        one_process: bool | None = None) -> str:
   """'auto' -> 'remote' on GPUs driven by one process (``platform`` or JAX's default backend;
-  ``one_process`` or ``jax.process_count() == 1``), 'dense' on GPUs of a multi-process job,
+  ``one_process`` or ``jax.process_count() == 1``), 'two_level' on GPUs of a multi-process job
+  (each row on the inter-host link once, no padding across hosts but the rounds' buckets),
   'ring' elsewhere; the others pass through, checked.
 
   On 4 H100s of one host, real Pretrain 128K plans (results/four/README.md): 'remote' moved the
@@ -115,7 +131,8 @@ def resolve_collective(collective: str, platform: str | None = None,
   'dense' at 27-30% (its blocks are padded), XLA's ragged all-to-all at 1-2% (each (sender, server) group
   moves at about 2.6 GB/s, a call as long as its largest group: results/micro/ragged_probe.md).
   'remote' needs the peer addresses XLA shares between the devices of one process, so a
-  multi-process job uses 'dense'.
+  multi-process job uses 'two_level' (its legs' speed on GPUs is not measured yet:
+  docs/design.md, "The two-level exchange").
   """
   if collective not in COLLECTIVES:
     raise ValueError(f"distca collective={collective!r}; choose one of {COLLECTIVES}")
@@ -125,11 +142,12 @@ def resolve_collective(collective: str, platform: str | None = None,
   if collective == "auto":
     if platform not in ("gpu", "cuda", "rocm"):
       return "ring"
-    return "remote" if one_process and gpu else "dense"
+    return "remote" if one_process and gpu else "two_level"
   if collective == "remote" and not (gpu and one_process):
     where = (f"{jax.process_count()} processes" if gpu else f"the {platform!r} platform")
     raise ValueError(f"distca collective='remote' needs one process driving NVIDIA GPUs, not "
-                     f"{where}: set attention.distca.collective='auto' (picks 'dense' or 'ring')")
+                     f"{where}: set attention.distca.collective='auto' (picks 'two_level' or "
+                     "'ring')")
   return collective
 
 
@@ -228,15 +246,135 @@ def _dense(x, out, routes, axis, buckets: int):
                     x, out, routes)
 
 
+def _round_peer(i, shift, l: int, hosts: int):
+  """Device ``i = (host, local)`` moved by ``shift = (hosts, locals)`` (both modulo)."""
+  return ((i // l + shift[0]) % hosts) * l + (i % l + shift[1]) % l
+
+
+def _place(out, buf, start, n, src):
+  """``out`` with rows ``[start, start + n)`` read from ``buf`` rows ``src ..``."""
+  rows = jnp.arange(out.shape[0], dtype=jnp.int32)
+  mine = (rows >= start) & (rows < start + n)
+  got = take_rows(buf, jnp.where(mine, src + rows - start, buf.shape[0]))
+  return jnp.where(mine.reshape((-1,) + (1,) * (out.ndim - 1)), got, out)
+
+
+def _round_block(x, out, routes, dst, src, axis, perm, b: int):
+  """One round: this device's group for ``dst`` (its front ``b`` rows at most) to ``dst`` by one
+  ``ppermute``; the group from ``src`` placed at its receive offset. ``b = 0``: nothing
+  moves."""
+  if b == 0:  # the other branches' outputs vary over the axis: so must this one's
+    return out + (routes[0, 0] * 0).astype(out.dtype)
+  j = jnp.arange(b, dtype=jnp.int32)
+  send = take_rows(x, jnp.where(j < routes[1, dst], routes[0, dst] + j, x.shape[0]))
+  recv = lax.ppermute(send, axis, perm)
+  return _place(out, recv, routes[2, src], jnp.minimum(routes[3, src], b), 0)
+
+
+def _rounds(x, out, routes, axis, buckets: int, servers_per_host: int, level: str):
+  """Rounds of one ``ppermute`` each over devices ``(host, local)`` (``servers_per_host``
+  ``L``): level 'hosts' (leg A), round ``r = 1 .. H - 1`` moves ``(h, l) -> (h + r, l)``;
+  level 'local' (leg B), round ``r = 0 .. L - 1`` moves ``(h, l) -> (h, l + r)`` (round 0: the
+  device's own group, a local copy). Each round's payload is the smallest of
+  ``dense_block_rows`` that holds the round's largest group (one integer all-reduce finds every
+  round's; a round that moves nothing skips its ``ppermute``)."""
+  s, l = routes.shape[-1], int(servers_per_host)
+  hosts = s // l
+  shifts = ([(r, 0) for r in range(1, hosts)] if level == "hosts"
+            else [(0, r) for r in range(l)])
+  me = lax.axis_index(axis).astype(jnp.int32)
+  sizes = dense_block_rows(min(x.shape[0], out.shape[0]), buckets)
+  moved = [sh for sh in shifts if sh != (0, 0)]
+  if moved:
+    need = lax.pmax(jnp.stack([routes[1, _round_peer(me, sh, l, hosts)] for sh in moved]), axis)
+  k = 0
+  for sh in shifts:
+    dst = _round_peer(me, sh, l, hosts)
+    src = _round_peer(me, (-sh[0], -sh[1]), l, hosts)
+    if sh == (0, 0):  # its own group: a local copy
+      out = _place(out, x, routes[2, me], routes[3, me], routes[5, me])
+      continue
+    perm = [(i, _round_peer(i, sh, l, hosts)) for i in range(s)]
+    branches = [functools.partial(_round_block, dst=dst, src=src, axis=axis, perm=perm, b=b)
+                for b in sizes]
+    if len(sizes) == 1:
+      out = branches[0](x, out, routes)
+    else:
+      out = lax.switch(dense_block_index(sizes, need[k]), branches, x, out, routes)
+    k += 1
+  return out
+
+
+def round_wire_rows(legs_SxS, full: int, buckets: int, servers_per_host: int,
+                    level: str) -> int:
+  """Rows per device the rounds of ``_rounds`` put on the wire for one leg (host):
+  ``legs_SxS`` [S, S] rows per (sender, receiver) of the leg, ``full`` = ``min(send rows, recv
+  rows)`` of the leg's buffers; the self round (level 'local') moves nothing. The same rows cross
+  in the return / backward direction (groups transposed: the same largest group per round)."""
+  ln = np.asarray(legs_SxS)
+  s, l = ln.shape[0], int(servers_per_host)
+  hosts = s // l
+  sizes = dense_block_rows(int(full), buckets)
+  shifts = ([(r, 0) for r in range(1, hosts)] if level == "hosts"
+            else [(0, r) for r in range(1, l)])
+  i = np.arange(s)
+  total = 0
+  for sh in shifts:
+    need = int(ln[i, _round_peer(i, sh, l, hosts)].max(initial=0))
+    total += sizes[0 if len(sizes) == 1 else int(dense_block_index(sizes, need))]
+  return total
+
+
 def ragged_exchange(x, routes, recv_rows: int, axis, collective: str,
-                    buckets: int = DEFAULT_EXCHANGE_BUCKETS):
+                    buckets: int = DEFAULT_EXCHANGE_BUCKETS, servers_per_host: int = 0):
   """Moves this device's send buffer ``x [Cs, ...]`` by ``routes`` (int32 ``[6, S]``,
   ``plan.ROUTE_ROWS``) into a receive buffer ``[recv_rows, ...]`` (rows no group fills are
   zero). Inside ``shard_map`` over ``axis``; ``collective`` names the implementation ('ragged',
-  'ring' or 'dense', already resolved); ``buckets``: the dense exchange's block sizes
-  (``dense_block_rows``). Differentiable in ``x``: the cotangents go back by the routes
-  reversed."""
-  return _exchange(x, routes, recv_rows, axis, collective, int(buckets))
+  'ring' or 'dense', already resolved; or a leg of the two-level exchange, 'host_rounds' /
+  'local_rounds', ``_rounds`` over ``servers_per_host`` servers per host, whose routes must
+  pair only devices of one local index on different hosts / of one host); ``buckets``: the
+  dense exchange's and the rounds' block sizes (``dense_block_rows``). Differentiable in
+  ``x``: the cotangents go back by the routes reversed."""
+  if collective in ("host_rounds", "local_rounds"):
+    check_int("servers_per_host", servers_per_host, 1)
+  return _exchange(x, routes, recv_rows, axis, collective, int(buckets), int(servers_per_host))
+
+
+def two_level_exchange(x, legs, recv_rows: int, axis, servers_per_host: int,
+                       inter_host: str = "rounds", in_host: str = "rounds",
+                       buckets: int = DEFAULT_EXCHANGE_BUCKETS, reverse: bool = False):
+  """One part's exchange in two legs (``plan.two_level``): ``legs`` = (leg A's routes ``[6,
+  S]``, leg B's routes ``[6, S]``, the relay gather ``b_idx [Cs + relay]``) of this device.
+
+  Forward (``reverse=False``, ``x`` the send buffer ``[Cs, ...]``): leg A between hosts into
+  the relay buffer ``[relay]``; leg B's send buffer ``concat(x, relay)[b_idx]``; leg B inside
+  the host into the receive buffer ``[recv_rows]``. Reverse (the output return; ``x`` in the
+  receive buffer's layout, ``recv_rows = Cs``): leg B reversed, the gather's inverse, leg A
+  reversed on the relay part plus the in-host rows. Every row crosses hosts once (leg A).
+  ``inter_host`` / ``in_host``: the legs' implementations ('rounds', ``_rounds`` over hosts /
+  inside hosts; or 'ragged', 'ring', 'dense' over the whole axis). Differentiable in ``x``
+  (each leg's VJP, the gathers' transposes)."""
+  a_routes, b_routes, b_idx = legs
+  width = b_idx.shape[0]
+  l = int(servers_per_host)
+  one_host = a_routes.shape[-1] == l
+  inter = "host_rounds" if inter_host == "rounds" else inter_host
+  intra = "local_rounds" if in_host == "rounds" else in_host
+  leg = functools.partial(ragged_exchange, axis=axis, buckets=buckets, servers_per_host=l)
+  if not reverse:
+    cs = x.shape[0]
+    relay = (jnp.zeros((width - cs,) + x.shape[1:], x.dtype) if one_host
+             else leg(x, a_routes, width - cs, collective=inter))
+    send = take_rows(jnp.concatenate([x, relay]), b_idx, unique=True)
+    return leg(send, b_routes, recv_rows, collective=intra)
+  back = leg(x, reverse_routes(b_routes), width, collective=intra)
+  inverse = jnp.full((width,), width, jnp.int32).at[b_idx].set(
+      jnp.arange(width, dtype=jnp.int32), mode="drop")
+  src = take_rows(back, inverse, unique=True)
+  if one_host:
+    return src[:recv_rows]
+  return src[:recv_rows] + leg(src[recv_rows:], reverse_routes(a_routes), recv_rows,
+                               collective=inter)
 
 
 def num_servers(axis) -> int:
@@ -245,8 +383,9 @@ def num_servers(axis) -> int:
   return math.prod(int(lax.axis_size(a)) for a in axes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _exchange(x, routes, recv_rows: int, axis, collective: str, buckets: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _exchange(x, routes, recv_rows: int, axis, collective: str, buckets: int,
+              servers_per_host: int):
   if num_servers(axis) == 1:  # one server: its own group is all there is, no wire, no kernel
     return _ring(x, jnp.broadcast_to(fills_of(x, 0)[0], (recv_rows,) + x.shape[1:]), routes, axis)
   if collective == "remote":  # writes every row of its own output (unfilled rows: zeros)
@@ -259,30 +398,56 @@ def _exchange(x, routes, recv_rows: int, axis, collective: str, buckets: int):
     return _ragged(x, out, routes, axis)
   if collective == "ring":
     return _ring(x, out, routes, axis)
+  if collective in ("host_rounds", "local_rounds"):
+    return _rounds(x, out, routes, axis, buckets, servers_per_host,
+                   "hosts" if collective == "host_rounds" else "local")
   return _dense(x, out, routes, axis, buckets)
 
 
-def _exchange_fwd(x, routes, recv_rows, axis, collective, buckets):
-  return _exchange(x, routes, recv_rows, axis, collective, buckets), (
+def _exchange_fwd(x, routes, recv_rows, axis, collective, buckets, servers_per_host):
+  return _exchange(x, routes, recv_rows, axis, collective, buckets, servers_per_host), (
       routes, jnp.zeros((x.shape[0], 0), x.dtype))
 
 
-def _exchange_bwd(recv_rows, axis, collective, buckets, res, dy):
+def _exchange_bwd(recv_rows, axis, collective, buckets, servers_per_host, res, dy):
   routes, like = res
-  dx = _exchange(dy, reverse_routes(routes), like.shape[0], axis, collective, buckets)
+  dx = _exchange(dy, reverse_routes(routes), like.shape[0], axis, collective, buckets,
+                 servers_per_host)
   return dx, None
 
 
 _exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
-def _move(x, routes, recv_rows: int, axis, exchange: ExchangeOptions):
-  """``ragged_exchange`` under the options; signal-only (module docstring) sends at most one row
-  per group."""
-  collective = resolve_collective(exchange.collective)
+def _move(x, m: Mapping[str, jax.Array], part: str, recv_rows: int, axis, spec: PlanSpec,
+          exchange: ExchangeOptions, reverse: bool = False):
+  """One part's exchange (``part`` 'q' or 'kv'; ``reverse``: the output return) under the
+  options: ``ragged_exchange`` of the metadata's routes, or the two-level exchange of its legs'
+  tables; signal-only (module docstring) sends at most one row per group."""
+  collective = check_two_level(exchange, spec)
+  if collective == "two_level":
+    legs = tuple(m[f"{part}_{f}"] for f in ("a_routes", "b_routes", "b_idx"))
+    return two_level_exchange(x, legs, recv_rows, axis, spec.servers_per_host,
+                              exchange.inter_host, exchange.in_host, exchange.buckets, reverse)
+  routes = m[f"{part}_routes"]
+  routes = reverse_routes(routes) if reverse else routes
   if exchange.signal_only:
     routes = routes.at[1].set(jnp.minimum(routes[1], 1)).at[3].set(jnp.minimum(routes[3], 1))
   return ragged_exchange(x, routes, recv_rows, axis, collective, exchange.buckets)
+
+
+def check_two_level(exchange: ExchangeOptions, spec: PlanSpec, platform: str | None = None,
+                    one_process: bool | None = None) -> str:
+  """The resolved collective (``resolve_collective``), checked against the plan's shape: the
+  two-level exchange needs plans with its tables (``PlanSpec.two_level``), and such plans (their
+  receive buffers in the two-level order) run only on it."""
+  collective = resolve_collective(exchange.collective, platform, one_process)
+  if (collective == "two_level") != (spec.two_level is not None):
+    raise ValueError(f"distca collective {collective!r} (from {exchange.collective!r}) with a "
+                     f"plan of two_level={spec.two_level}: the two-level exchange needs plans "
+                     "built for it and runs only them (PlanSpec.two_level; the distca backend "
+                     "builds them when the collective resolves to 'two_level')")
+  return collective
 
 
 def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec: PlanSpec,
@@ -307,8 +472,8 @@ def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec:
   kv_send = jnp.concatenate([take_rows(k_TxKxD, m["kv_send_idx"]),
                              take_rows(v_TxKxD, m["kv_send_idx"])], axis=1)
   # 2. Exchanges.
-  q_recv = _move(q_send, m["q_routes"], cap.q_recv, axis, exchange)
-  kv_recv = _move(kv_send, m["kv_routes"], cap.kv_recv, axis, exchange)
+  q_recv = _move(q_send, m, "q", cap.q_recv, axis, spec, exchange)
+  kv_recv = _move(kv_send, m, "kv", cap.kv_recv, axis, spec, exchange)
   # 3. A query row belongs to one task: placed once (own rows first, received rows written in
   # place). A key/value row may feed several tasks: one fused gather from both sources.
   q_attn = place_unique(q_TxHxD, q_recv, m["q_attn_idx"])
@@ -331,5 +496,5 @@ def return_to_owners(x_NqxF, m: Mapping[str, jax.Array], spec: PlanSpec, axis, f
   """
   # Every attention row goes back once, to one owner row (unique).
   send = take_rows(x_NqxF, m["o_send_idx"], unique=True)
-  recv = _move(send, reverse_routes(m["q_routes"]), spec.capacity.q_send, axis, exchange)
+  recv = _move(send, m, "q", spec.capacity.q_send, axis, spec, exchange, reverse=True)
   return place_unique(x_NqxF, recv, m["o_local_idx"], fill)

@@ -2,6 +2,7 @@
 fake CPU devices as 2 hosts x 4: every row crosses hosts once, the legs move what the NumPy
 oracle moves (VJP included), and the data plane equals per-document attention and the ring."""
 
+import re
 import types
 
 import jax
@@ -10,12 +11,14 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from distca_jax import dataplane
+from distca_jax import configs_io, dataplane, trainer
 from distca_jax import plan as plan_lib
+from distca_jax.backends import distca as distca_backend
+from distca_jax.data import make_source
 from distca_jax.plan import two_level as tl_lib
 from distca_jax.plan.executor import part_exchange
 from test_dispatch import (CAP, D, H, KH, S, SPEC, T, _check, _inputs, _layouts, _make_run, _mesh,
-                           _random_send_len, _reference, _segments)
+                           _random_send_len, _reference, _segments, _tiny_config)
 
 L = 4  # servers per host: 2 hosts x 4
 
@@ -231,3 +234,80 @@ def test_dispatch_with_two_level_lowers_for_cuda(monkeypatch):
   assert len(inter) >= 6 and len(intra) >= 6 * (L - 1), (len(inter), len(intra))
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert "collective_permute" in text
+
+
+def _config(**distca):
+  c = _tiny_config("distca", 8, 1, 0)
+  for k, v in distca.items():
+    c.attention.distca[k] = v
+  return c
+
+
+def test_startup_sizes_the_relay_buffers_from_the_runs_batches_and_overflow_moves_nothing():
+  """With the two-level exchange the relay rows left at 0 come from the run's first batches
+  (with headroom, within the safe bound); a batch that would relay more moves nothing and says
+  so; explicit values are kept."""
+  c = _config(collective="two_level", servers_per_host=L, caps_from_batches=6)
+  got = distca_backend.startup_capacity(c)
+  sugg = distca_backend.suggest_config_capacity(c, num_batches=6)
+  backend = trainer.make_backend(c)
+  spec = backend.host_plans(make_source(c.data, rows=8, tokens_per_row=c.tokens_per_rank,
+                                        vocab_size=c.model.vocab_size, seed=c.seed).doclens(0),
+                            c.tokens_per_rank)[0].spec
+  cap = spec.capacity
+  for f, send, recv in (("q_relay", cap.q_send, cap.q_recv), ("kv_relay", cap.kv_send,
+                                                               cap.kv_recv)):
+    assert 0 < sugg[f] <= got[f] <= tl_lib.safe_relay(send, recv, S, L), (f, got, sugg)
+    assert getattr(spec.two_level, f) == got[f]
+  assert spec.two_level.servers_per_host == L
+  kept = trainer.make_backend(_config(collective="two_level", servers_per_host=2, q_relay=48,
+                                      caps_from_batches=6))
+  tl = kept.host_plans([[c.tokens_per_rank]] * S, c.tokens_per_rank)[0].spec.two_level
+  assert (tl.servers_per_host, tl.q_relay) == (2, 48) and tl.kv_relay > 0
+  c0 = _config(collective="ring", caps_from_batches=6)
+  assert not set(distca_backend.startup_capacity(c0)) & {"q_relay", "kv_relay"}
+  # Relay buffers too small for a per-rank batch that moves rows: it moves nothing instead.
+  rng = np.random.default_rng(0)
+  nested = [[int(x) for x in rng.integers(1, 24, size=3)] for _ in range(S)]
+  nested[5] = [T]
+  small = plan_lib.PlanSpec(num_servers=S, tokens_per_row=T, rows_per_device=1, capacity=CAP,
+                            two_level=tl_lib.TwoLevel(L, 1, 1))
+  hp = _host_plan(nested, small, 0.0)
+  assert hp.plan.num_moves == 0 and hp.plan.degraded
+  assert re.search(r"relays \d+ q rows between hosts > q_relay=1.*moves nothing",
+                   hp.plan.degraded_reason), hp.plan.degraded_reason
+  assert _host_plan(nested, _spec(), 0.0).plan.num_moves > 0
+  with pytest.raises(ValueError, match=r"servers_per_host=3 gives 3 servers per host.*divide"):
+    trainer.make_backend(_config(collective="two_level", servers_per_host=3,
+                                 caps_from_batches=0)).host_plans(
+                                     [[c.tokens_per_rank]] * S, c.tokens_per_rank)
+
+
+@pytest.mark.slow
+def test_two_processes_with_two_level_match_one(tmp_path):
+  """2 processes x 4 devices as 2 hosts x 4 servers (gloo), distca with the two-level exchange
+  (leg A between the processes): 20 steps' losses equal 1 process x 8 devices with the ring
+  exchange within 1e-5; the run's plans move rows between the hosts."""
+  from test_multihost import TINY, _losses, _run  # pylint: disable=import-outside-toplevel
+  distca = ["--config.attention.backend=distca", "--config.attention.distca.local_steps=False",
+            "--config.attention.distca.min_gain=0"]
+  args = distca + ["--config.num_steps=20", "--config.checkpoint_every=0"]
+  # The same run's plans in this process (servers_per_host=4 as 2 processes resolve it).
+  flags = TINY[2:] + distca + ["--config.attention.distca.collective=two_level",
+                               "--config.attention.distca.servers_per_host=4"]
+  c = configs_io.load_config(TINY[1], [f[len("--config."):] for f in flags])
+  backend = trainer.make_backend(c)
+  src = make_source(c.data, rows=8, tokens_per_row=c.tokens_per_rank,
+                    vocab_size=c.model.vocab_size, seed=c.seed)
+  host = np.arange(S) // L
+  crossing = sum(int(hp.meta.q_send_len[host[:, None] != host[None, :]].sum())
+                 for step in range(20)
+                 for hp in backend.host_plans(src.doclens(step), c.tokens_per_rank))
+  assert crossing > 0
+  two, one = tmp_path / "two", tmp_path / "one"
+  _run(2, 4, args + ["--config.attention.distca.collective=two_level"], two, tmp_path)
+  _run(1, 8, args + ["--config.attention.distca.collective=ring"], one, tmp_path)
+  l2, l1 = _losses(two), _losses(one)
+  assert sorted(l2) == sorted(l1) == list(range(1, 21))
+  for s in l1:
+    assert abs(l2[s] - l1[s]) <= 1e-5 * abs(l1[s]), (s, l2[s], l1[s])

@@ -36,12 +36,24 @@ Implementations (``collective=``), one contract (``ragged_exchange``):
             holds the largest group any device sends (a ``lax.switch``; a batch that moves
             nothing skips the all-to-all). Runs everywhere; its buffers and wire grow with
             ``S``.
-'auto' is 'remote' on the GPUs of a one-process job, 'dense' on those of a multi-process job
-(``resolve_collective``: measured fastest at 4 servers) and 'ring' elsewhere. With one server
+  'two_level'  several hosts (``two_level_exchange``, ``plan.two_level``; servers numbered
+            host-major, ``L`` per host): leg A between hosts moves each device's block for
+            another host to that host's device of the same local index (each row crosses
+            hosts once, only cross-host rows), a local gather builds leg B's send buffer
+            from the device's in-host groups and the relayed rows, leg B inside the host
+            writes every row to its final place (receive buffers ordered by (sender local
+            index, sender host)). Each leg is a ``ragged_exchange`` ('rounds' by default:
+            ``ppermute`` rounds over hosts / inside a host, each round padded to a bucket of
+            its largest group; ``ExchangeOptions.inter_host`` / ``in_host``). Needs plans
+            built for it (``PlanSpec.two_level``), and such plans run only on it. Runs
+            everywhere, across processes.
+'auto' is 'remote' on the GPUs of a one-process job, 'two_level' on those of a multi-process
+job and 'ring' elsewhere (``resolve_collective``). With one server
 (one device on the servers' axis) every implementation is the same local copy of the device's
 own group: no collective and no kernel run, so one GPU needs no peer-access support. The backward of
 the exchange is the exchange of the cotangents with the routes reversed (a custom VJP shared by
-every implementation).
+every implementation; the two-level exchange's backward and output return are its legs reversed
+in reverse order).
 
 Signal-only (``signal_only=True``; benchmarks only, results are WRONG by design): every group
 carries at most one row (the rest of the receive buffer stays zero), so gathers, kernel and

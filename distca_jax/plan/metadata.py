@@ -39,13 +39,14 @@ indexed array: gather with ``jnp.take(..., mode='fill', fill_value=0)`` and scat
 
 Ragged buffers. A device's send buffer holds the rows it sends, grouped by destination server
 (ascending), each group at ``send_off[d]`` with ``send_len[d]`` rows; a server's receive buffer
-holds the rows it receives, grouped by sender (ascending), at ``recv_off[p]`` with
-``recv_len[p]`` rows. Groups are packed from row 0 without gaps; rows past the last group are
-unused. The routes of one part (``q_routes`` or ``kv_routes``, int32 ``[6, S]`` per device) are
-the rows ``ROUTE_ROWS``: ``send_off``, ``send_len``, ``recv_off``, ``recv_len``,
-``peer_recv_off`` (where this device's group lands in server d's receive buffer: d's
-``recv_off[me]``) and ``peer_send_off`` (where sender p's group for this device starts in p's
-send buffer: p's ``send_off[me]``). The self entries are empty: a server reads its own rows
+holds the rows it receives, grouped by sender (ascending; by (sender local index, sender host)
+for the two-level exchange, ``recv_order``), at ``recv_off[p]`` with ``recv_len[p]`` rows.
+Groups are packed from row 0 without gaps; rows past the last group are unused. The routes of
+one part (``q_routes`` or ``kv_routes``, int32 ``[6, S]`` per device) are the rows
+``ROUTE_ROWS``: ``send_off``, ``send_len``, ``recv_off``, ``recv_len``, ``peer_recv_off``
+(where this device's group lands in server d's receive buffer: d's ``recv_off[me]``) and
+``peer_send_off`` (where sender p's group for this device starts in p's send buffer: p's
+``send_off[me]``). The self entries are empty: a server reads its own rows
 directly.
 
 1. Sender gather (device ``p``): ``q_send = q[p][q_send_idx[p]]`` with ``q_send_idx[p, Cqs]`` in

@@ -33,7 +33,7 @@ from distca_jax.plan.scheduling import schedule
 from distca_jax.plan.capacity import Capacity, required_capacity, row_multiple
 from distca_jax.plan.metadata import Plan, PlanMetadata, plan_to_metadata, recv_order
 from distca_jax.plan.options import PlanOptions
-from distca_jax.plan.two_level import TwoLevel, with_relay
+from distca_jax.plan.two_level import TwoLevel, relay_overflow, required_relay, with_relay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,12 +279,20 @@ def host_plan(doc_lens, spec: PlanSpec, options: PlanOptions = PlanOptions(min_s
     ``HostPlan``. Raises ``ValueError`` naming the cap to raise when the layout overflows it.
   """
   layout, perm = device_layout(doc_lens, spec)
+  options = options.for_rows(spec.tokens_per_row)
   try:
     plan = schedule(layout, spec.num_servers, tokens_per_rank=spec.tokens_per_device,
-                    capacity=spec.capacity, options=options.for_rows(spec.tokens_per_row))
+                    capacity=spec.capacity, options=options)
   except ValueError as e:
     raise ValueError(f"distca: cannot plan this batch within {spec.capacity}: {e} (set the cap in "
                      "config.attention.distca or the capacity= option)") from e
+  over = "" if spec.two_level is None else relay_overflow(plan, spec.two_level)
+  if over:  # the balancer knows no relay caps: this batch moves nothing, reported as capped
+    plan = schedule(layout, spec.num_servers, tokens_per_rank=spec.tokens_per_device,
+                    capacity=spec.capacity, options=dataclasses.replace(options, max_moves=0))
+    plan = dataclasses.replace(plan, degraded=True, degraded_reason=(
+        f"{over}: the batch moves nothing (relay capacity; raise attention.distca.q_relay / "
+        "kv_relay)"))
   meta = plan_to_metadata(plan, spec.capacity, servers_per_host=spec.servers_per_host)
   if spec.two_level is not None:
     meta = with_relay(meta, spec.two_level)
@@ -341,6 +349,22 @@ def suggest_capacity(doc_lens_samples: Sequence[Any], num_servers: int, tokens_p
     multiple: row fields are rounded up to a multiple of this.
     options: passed to ``schedule`` (``min_shard`` a number).
   """
-  reqs = [required_capacity(schedule(d, num_servers, tokens_per_rank=tokens_per_rank,
-                                     options=options)) for d in doc_lens_samples]
-  return Capacity.envelope(reqs, quantile=quantile, multiple=multiple)
+  return suggest_caps(doc_lens_samples, num_servers, tokens_per_rank, quantile=quantile,
+                      multiple=multiple, options=options)[0]
+
+
+def suggest_caps(doc_lens_samples: Sequence[Any], num_servers: int, tokens_per_rank: int, *,
+                 quantile: float = 1.0, multiple: int = 128, options: PlanOptions = PlanOptions(),
+                 servers_per_host: int = 0) -> tuple[Capacity, tuple[int, int] | None]:
+  """``suggest_capacity``'s caps and, with ``servers_per_host`` L, the two-level exchange's
+  (query, key/value) relay rows over the same plans (``plan.two_level.required_relay``; the
+  same quantile, rounded up to ``multiple``), else None."""
+  plans = [schedule(d, num_servers, tokens_per_rank=tokens_per_rank, options=options)
+           for d in doc_lens_samples]
+  cap = Capacity.envelope([required_capacity(p) for p in plans], quantile=quantile,
+                          multiple=multiple)
+  if not servers_per_host:
+    return cap, None
+  need = np.asarray([required_relay(p, servers_per_host) for p in plans], np.float64)
+  relay = np.quantile(need, quantile, axis=0, method="higher")
+  return cap, tuple(max(multiple, int(math.ceil(r / multiple) * multiple)) for r in relay)

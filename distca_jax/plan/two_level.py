@@ -171,3 +171,18 @@ def with_relay(meta, two_level: TwoLevel):
                           part)
     out.update(zip((f"{part}_a_routes", f"{part}_b_routes", f"{part}_b_idx"), tables))
   return dataclasses.replace(meta, **out)
+
+
+def required_relay(plan, servers_per_host: int) -> tuple[int, int]:
+  """(query, key/value) relay rows ``plan`` (a ``metadata.Plan``) needs on its busiest device."""
+  return tuple(int(relay_rows(ln, servers_per_host).max(initial=0))
+               for ln in (plan.pair_q_rows, plan.pair_kv_rows))
+
+
+def relay_overflow(plan, two_level: TwoLevel) -> str:
+  """Why ``plan`` overflows the relay buffers of ``two_level`` ('' when it fits)."""
+  need = required_relay(plan, two_level.servers_per_host)
+  for part, have, cap in zip(("q", "kv"), need, (two_level.q_relay, two_level.kv_relay)):
+    if have > cap:
+      return f"a device relays {have} {part} rows between hosts > {part}_relay={cap}"
+  return ""

@@ -78,6 +78,14 @@ def test_legs_cross_hosts_once_with_exactly_the_useful_rows(seed, l):
     want = plan_lib.executor._exchange(y, plan_lib.reverse_routes(meta.q_routes), cs)
     for d in range(S):
       np.testing.assert_array_equal(got[d], want[d], err_msg=f"reverse device {d} l={l}")
+    # Leg A's rounds on the wire: per round the smallest bucket holding its largest group.
+    hosts = S // l
+    sizes = dataplane.dense_block_rows(cs, 8)
+    i = np.arange(S)
+    want = sum(min(z for z in sizes if z >= a[i, ((i // l + r) % hosts) * l + i % l].max())
+               for r in range(1, hosts))
+    assert dataplane.exchange.round_wire_rows(a, cs, 8, l, "hosts") == want
+    assert dataplane.exchange.round_wire_rows(a, cs, 1, l, "hosts") == (hosts - 1) * cs
   # A leg pattern that crosses twice or moves padding is refused.
   bad_a = a.copy()
   bad_a[0, 0] += 1

@@ -100,6 +100,8 @@ def main() -> None:
           agg[f"{part}_dense_over_useful"] = tot["dense"] / max(1, tot["useful"])
           agg[f"{part}_useful_mean"] = tot["useful"] / len(per)
           agg[f"{part}_relay_needed_max"] = max(b[part]["relay_needed"] for b in per)
+        agg["relay_overflows"] = sum(b["q"]["relay_needed"] > relay[0]
+                                     or b["kv"]["relay_needed"] > relay[1] for b in per)
         rows.append(agg)
         print(f"{name:8s} S={s:3d} L={l}: Q two-level/useful "
               f"{agg['q_two_level_over_useful']:.2f} dense/useful {agg['q_dense_over_useful']:.1f}"
@@ -120,12 +122,13 @@ def main() -> None:
       "over batches. 'useful': rows the device sends to other hosts; 'two-level': leg A's "
       f"rounds, each padded to its bucket ({args.buckets} buckets); 'dense': the one-level dense "
       "exchange's blocks to other hosts. Relay: leg A's receive rows needed (max over batches) / "
-      "sized from the sample / the safe bound. Rows, not time: GPU timing is open "
-      "(docs/design.md).", "",
+      "sized from the sample / the safe bound; 'over sized': scored batches that need more "
+      "relay rows than sized (the backend plans such a batch to move nothing). Rows, not time: "
+      "GPU timing is open (docs/design.md).", "",
       "| workload | servers | per host | Q useful rows | Q two-level / useful | Q dense / useful | "
       "K/V useful rows | K/V two-level / useful | K/V dense / useful | Q relay need / sized / "
-      "safe | K/V relay need / sized / safe |",
-      "|---|---|---|---|---|---|---|---|---|---|---|",
+      "safe | K/V relay need / sized / safe | over sized |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in rows:
     lines.append(
@@ -134,7 +137,7 @@ def main() -> None:
         f"{r['kv_useful_mean']:.0f} | {r['kv_two_level_over_useful']:.2f} | "
         f"{r['kv_dense_over_useful']:.1f} | {r['q_relay_needed_max']} / {r['relay'][0]} / "
         f"{r['safe_relay'][0]} | {r['kv_relay_needed_max']} / {r['relay'][1]} / "
-        f"{r['safe_relay'][1]} |")
+        f"{r['safe_relay'][1]} | {r['relay_overflows']}/{len(r['batches'])} |")
   with open(args.out + ".md", "w") as f:
     f.write("\n".join(lines) + "\n")
   print(f"wrote {args.out}.json and {args.out}.md")

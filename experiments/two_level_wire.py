@@ -55,8 +55,9 @@ def main() -> None:
   p.add_argument("--tokens", type=int, default=131072, help="tokens per rank")
   p.add_argument("--servers", default="16,32,64")
   p.add_argument("--per-host", default="4,8", help="servers per host L")
-  p.add_argument("--sample", type=int, default=8, help="batches the caps are sized on")
-  p.add_argument("--steps", type=int, default=4, help="batches scored (after the sampled ones)")
+  p.add_argument("--sample", type=int, default=32,
+                 help="batches the caps are sized on (the backend's caps_from_batches)")
+  p.add_argument("--steps", type=int, default=8, help="batches scored (after the sampled ones)")
   p.add_argument("--buckets", type=int, default=DEFAULT_EXCHANGE_BUCKETS)
   p.add_argument("--out", default="results/two_level_wire")
   args = p.parse_args()

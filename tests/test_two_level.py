@@ -152,11 +152,13 @@ def test_reference_executor_runs_two_level_plans(seed):
 def test_data_plane_with_two_level_equals_per_document_attention_and_the_ring(seed):
   """Fuzzed layouts (one document spanning every rank among them), 2 hosts x 4: outputs and
   gradients of the data plane with the two-level exchange equal each document's attention and
-  the ring exchange's result; one trace serves every plan."""
+  the ring exchange's result, in both memory modes ('resend' re-sends Q and K/V in the backward);
+  one trace serves every plan."""
   mesh = _mesh()
   spec = _spec()
   traces = []
   run = _make_run(mesh, spec, trace_counter=traces, collective="two_level")
+  resend = _make_run(mesh, spec, collective="two_level", memory_mode="resend")
   ring = _make_run(mesh, SPEC, collective="ring")
   rng = np.random.default_rng(seed)
   layouts = _layouts(seed)
@@ -173,7 +175,25 @@ def test_data_plane_with_two_level_equals_per_document_attention_and_the_ring(se
     want = _reference(q, k, v, _segments(doc_lens, S, T), ct)
     _check(got, want, f"{name} eps={eps:.3f} seed={seed} {hp.plan.summary()}")
     _check(got, ring(q, k, v, one.packed, ct), f"{name} vs ring seed={seed}")
+    _check(resend(q, k, v, hp.packed, ct), want, f"{name} resend seed={seed}")
   assert crossed > 0 and len(traces) == 1
+
+
+def test_run_plan_returns_the_lse_through_the_two_level_exchange(seed):
+  """O and the softmax LSE back through the reverse legs (the LSE's padding rows -inf) equal
+  each document's attention, on a layout with a document over every rank."""
+  rng = np.random.default_rng(seed)
+  q, k, v, _ = _inputs(rng)
+  doc_lens = [3 * T + 5, 2 * T, S * T - 5 * T - 40]
+  hp = _host_plan(doc_lens, _spec(), 0.05)
+  opts = dataplane.DispatchOptions(exchange=dataplane.ExchangeOptions(collective="two_level"),
+                                   return_lse=True)
+  o, lse = dataplane.run_plan(q, k, v, hp, _mesh(), opts)
+  wo, wl = plan_lib.reference_document_attention(doc_lens, q, k, v)
+  pad = _segments(doc_lens, S, T).reshape(S, T) == 0
+  np.testing.assert_allclose(np.asarray(o), wo, atol=2e-5, rtol=2e-4)
+  np.testing.assert_allclose(np.asarray(lse)[~pad], wl[~pad], atol=2e-5, rtol=2e-4)
+  assert np.isneginf(np.asarray(lse)[pad]).all() and pad.any()
 
 
 def test_two_level_needs_plans_built_for_it_and_checks_its_options():

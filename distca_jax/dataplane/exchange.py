@@ -263,24 +263,27 @@ def _round_peer(i, shift, l: int, hosts: int):
   return ((i // l + shift[0]) % hosts) * l + (i % l + shift[1]) % l
 
 
-def _place(out, buf, start, n, src):
-  """``out`` with rows ``[start, start + n)`` read from ``buf`` rows ``src ..``."""
-  rows = jnp.arange(out.shape[0], dtype=jnp.int32)
-  mine = (rows >= start) & (rows < start + n)
-  got = take_rows(buf, jnp.where(mine, src + rows - start, buf.shape[0]))
-  return jnp.where(mine.reshape((-1,) + (1,) * (out.ndim - 1)), got, out)
+def _add_group(acc, buf, start, n, src, b: int):
+  """``acc`` plus rows ``src .. src + n`` of ``buf`` (``n <= b``) at rows ``start ..``: a
+  ``b``-row window on both sides (each padded by at least ``b`` rows past every offset, so no
+  window is clamped); the window's rows past ``n`` add zeros."""
+  j = jnp.arange(b, dtype=jnp.int32).reshape((-1,) + (1,) * (buf.ndim - 1))
+  rows = jnp.where(j < n, lax.dynamic_slice_in_dim(buf, src, b), 0).astype(acc.dtype)
+  return lax.dynamic_update_slice_in_dim(
+      acc, lax.dynamic_slice_in_dim(acc, start, b) + rows, start, axis=0)
 
 
-def _round_block(x, out, routes, dst, src, axis, perm, b: int):
-  """One round: this device's group for ``dst`` (its front ``b`` rows at most) to ``dst`` by one
-  ``ppermute``; the group from ``src`` placed at its receive offset. ``b = 0``: nothing
+def _round_block(x, acc, routes, dst, src, axis, perm, b: int):
+  """One round: this device's group for ``dst`` (a ``b``-row window from its send offset, rows
+  past the group zeroed) to ``dst`` by one ``ppermute``; the window from ``src`` added at its
+  receive offset. ``x`` and ``acc`` are padded by at least ``b`` rows. ``b = 0``: nothing
   moves."""
   if b == 0:  # the other branches' outputs vary over the axis: so must this one's
-    return out + (routes[0, 0] * 0).astype(out.dtype)
-  j = jnp.arange(b, dtype=jnp.int32)
-  send = take_rows(x, jnp.where(j < routes[1, dst], routes[0, dst] + j, x.shape[0]))
+    return acc + (routes[0, 0] * 0).astype(acc.dtype)
+  j = jnp.arange(b, dtype=jnp.int32).reshape((-1,) + (1,) * (x.ndim - 1))
+  send = jnp.where(j < routes[1, dst], lax.dynamic_slice_in_dim(x, routes[0, dst], b), 0)
   recv = lax.ppermute(send, axis, perm)
-  return _place(out, recv, routes[2, src], jnp.minimum(routes[3, src], b), 0)
+  return _add_group(acc, recv, routes[2, src], b, 0, b)
 
 
 def _rounds(x, out, routes, axis, buckets: int, servers_per_host: int, level: str):
@@ -289,13 +292,20 @@ def _rounds(x, out, routes, axis, buckets: int, servers_per_host: int, level: st
   level 'local' (leg B), round ``r = 0 .. L - 1`` moves ``(h, l) -> (h, l + r)`` (round 0: the
   device's own group, a local copy). Each round's payload is the smallest of
   ``dense_block_rows`` that holds the round's largest group (one integer all-reduce finds every
-  round's; a round that moves nothing skips its ``ppermute``)."""
+  round's; a round that moves nothing skips its ``ppermute``). ``out`` is all zeros (the
+  received groups are added into it); every copy touches its window's rows only."""
   s, l = routes.shape[-1], int(servers_per_host)
   hosts = s // l
   shifts = ([(r, 0) for r in range(1, hosts)] if level == "hosts"
             else [(0, r) for r in range(l)])
   me = lax.axis_index(axis).astype(jnp.int32)
   sizes = dense_block_rows(min(x.shape[0], out.shape[0]), buckets)
+  full = max(sizes)
+  if full == 0:
+    return out
+  # Windows of up to ``full`` rows from any offset stay inside the padded buffers.
+  zeros = jnp.broadcast_to(fills_of(x, 0)[0], (full,) + x.shape[1:])
+  x, acc = jnp.concatenate([x, zeros]), jnp.concatenate([out, zeros.astype(out.dtype)])
   moved = [sh for sh in shifts if sh != (0, 0)]
   if moved:
     need = lax.pmax(jnp.stack([routes[1, _round_peer(me, sh, l, hosts)] for sh in moved]), axis)
@@ -304,17 +314,17 @@ def _rounds(x, out, routes, axis, buckets: int, servers_per_host: int, level: st
     dst = _round_peer(me, sh, l, hosts)
     src = _round_peer(me, (-sh[0], -sh[1]), l, hosts)
     if sh == (0, 0):  # its own group: a local copy
-      out = _place(out, x, routes[2, me], routes[3, me], routes[5, me])
+      acc = _add_group(acc, x, routes[2, me], routes[3, me], routes[5, me], full)
       continue
     perm = [(i, _round_peer(i, sh, l, hosts)) for i in range(s)]
     branches = [functools.partial(_round_block, dst=dst, src=src, axis=axis, perm=perm, b=b)
                 for b in sizes]
     if len(sizes) == 1:
-      out = branches[0](x, out, routes)
+      acc = branches[0](x, acc, routes)
     else:
-      out = lax.switch(dense_block_index(sizes, need[k]), branches, x, out, routes)
+      acc = lax.switch(dense_block_index(sizes, need[k]), branches, x, acc, routes)
     k += 1
-  return out
+  return acc[:out.shape[0]]
 
 
 def round_wire_rows(legs_SxS, full: int, buckets: int, servers_per_host: int,

@@ -27,7 +27,10 @@ reversed on the relay part; the in-host rows are already home.
 Buffers: leg A's receive buffer holds ``relay`` rows per device (``TwoLevel.q_relay`` /
 ``kv_relay``), leg B's send buffer ``send + relay``. A device relays at most ``min(L * recv,
 (H - 1) * send)`` rows (``safe_relay``: the rows its host's ``L`` servers receive, or what the
-other hosts' same-index devices send), a bound that does not grow with ``S`` at a fixed ``L``.
+other hosts' same-index devices send), a bound that does not grow with ``S`` at a fixed ``L``;
+the ``distca`` backend sizes the relay buffers from the run's first batches instead
+(``backends.distca.startup_capacity``), and ``spec.host_plan`` plans a batch that would overflow
+them to move nothing (``relay_overflow``).
 """
 
 from __future__ import annotations
@@ -108,8 +111,8 @@ def relay_tables(send_len: np.ndarray, send_off: np.ndarray, send_cap: int, rela
   if got.max(initial=0) > relay_cap:
     f = int(np.argmax(got))
     raise ValueError(f"device {f} relays {int(got[f])} {part} rows between hosts > "
-                     f"{part}_relay={relay_cap} (raise attention.distca.{part}_relay, or 0 = the "
-                     "safe bound)")
+                     f"{part}_relay={relay_cap} (raise attention.distca.{part}_relay or "
+                     f"TwoLevel.{part}_relay)")
   dev = np.arange(s)
   host, loc = dev // l, dev % l
   # Leg A: a sender's block for host h' starts at its send offset of server (h', 0).

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from distca_jax import configs_io, dataplane, trainer
 from distca_jax import plan as plan_lib
@@ -177,6 +177,31 @@ def test_data_plane_with_two_level_equals_per_document_attention_and_the_ring(se
     _check(got, ring(q, k, v, one.packed, ct), f"{name} vs ring seed={seed}")
     _check(resend(q, k, v, hp.packed, ct), want, f"{name} resend seed={seed}")
   assert crossed > 0 and len(traces) == 1
+
+
+@pytest.mark.slow
+def test_two_level_over_a_pipelines_pooled_axes(seed):
+  """Servers over (pipe 2, data 4), a pipeline's pooled CAD, as 2 hosts x 4: outputs and
+  gradients equal each document's attention."""
+  devs = np.asarray(jax.devices()[:S]).reshape(2, S // 2)
+  mesh = jax.sharding.Mesh(devs, ("pipe", "data"), axis_types=(AxisType.Auto,) * 2)
+  opts = dataplane.DispatchOptions(exchange=dataplane.ExchangeOptions(collective="two_level"),
+                                   data_axis=("pipe", "data"))
+  spec = _spec()
+
+  def run(q, k, v, plan, ct):
+    o, vjp = jax.vjp(lambda q, k, v: dataplane.dispatch_attention(q, k, v, plan, spec, opts,
+                                                                  mesh=mesh), q, k, v)
+    return (o, *vjp(ct))
+
+  rows = NamedSharding(mesh, P(("pipe", "data")))
+  f = jax.jit(run, in_shardings=(rows,) * 5)
+  rng = np.random.default_rng(seed)
+  for name, doc_lens, eps in _layouts(seed)[2:4]:
+    hp = _host_plan(doc_lens, spec, eps)
+    q, k, v, ct = _inputs(rng)
+    _check(f(q, k, v, hp.packed, ct), _reference(q, k, v, _segments(doc_lens, S, T), ct),
+           f"{name} seed={seed}")
 
 
 def test_run_plan_returns_the_lse_through_the_two_level_exchange(seed):

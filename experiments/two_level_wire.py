@@ -31,8 +31,7 @@ import numpy as np
 
 from distca_jax import plan as plan_lib
 from distca_jax.data.workloads import WorkloadSampler
-from distca_jax.dataplane import dense_wire_rows
-from distca_jax.dataplane.exchange import DEFAULT_EXCHANGE_BUCKETS, round_wire_rows
+from distca_jax.dataplane import DEFAULT_EXCHANGE_BUCKETS, dense_wire_rows, round_wire_rows
 from distca_jax.plan import two_level
 import experiments
 

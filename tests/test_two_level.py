@@ -1,4 +1,4 @@
-"""The two-level exchange (``plan.two_level``, ``dataplane.exchange.two_level_exchange``) on 8
+"""The two-level exchange (``plan.two_level``, ``dataplane.two_level_exchange``) on 8
 fake CPU devices as 2 hosts x 4: every row crosses hosts once, the legs move what the NumPy
 oracle moves (VJP included), and the data plane equals per-document attention and the ring."""
 
@@ -84,8 +84,8 @@ def test_legs_cross_hosts_once_with_exactly_the_useful_rows(seed, l):
     i = np.arange(S)
     want = sum(min(z for z in sizes if z >= a[i, ((i // l + r) % hosts) * l + i % l].max())
                for r in range(1, hosts))
-    assert dataplane.exchange.round_wire_rows(a, cs, 8, l, "hosts") == want
-    assert dataplane.exchange.round_wire_rows(a, cs, 1, l, "hosts") == (hosts - 1) * cs
+    assert dataplane.round_wire_rows(a, cs, 8, l, "hosts") == want
+    assert dataplane.round_wire_rows(a, cs, 1, l, "hosts") == (hosts - 1) * cs
   # A leg pattern that crosses twice or moves padding is refused.
   bad_a = a.copy()
   bad_a[0, 0] += 1
@@ -111,7 +111,7 @@ def test_two_level_exchange_equals_the_oracle_and_its_vjp_sends_back(seed, inter
 
   def body(x, a, b, idx, dy):
     legs = (a[0], b[0], idx[0])
-    ex = lambda x, rows, rev: dataplane.exchange.two_level_exchange(
+    ex = lambda x, rows, rev: dataplane.two_level_exchange(
         x, legs, rows, "data", L, inter, intra, buckets, reverse=rev)
     y, vjp = jax.vjp(lambda x: ex(x[0], cr, False)[None], x)
     back = ex(dy[0], cs, True)[None]

@@ -117,7 +117,8 @@ class ExchangeOptions:
     object.__setattr__(self, "buckets", int(self.buckets))
     if self.collective not in COLLECTIVES:
       raise ValueError(f"distca collective={self.collective!r}; choose one of {COLLECTIVES} "
-                       "('auto': remote on one process's GPUs, dense on several, ring elsewhere)")
+                       "('auto': remote on one process's GPUs, two_level on several, ring "
+                       "elsewhere)")
     for name in ("inter_host", "in_host"):
       if getattr(self, name) not in LEG_COLLECTIVES:
         raise ValueError(f"distca two-level {name}={getattr(self, name)!r}; choose one of "

@@ -388,7 +388,8 @@ def two_level_exchange(x, legs, recv_rows: int, axis, servers_per_host: int,
     cs = x.shape[0]
     relay = (jnp.zeros((width - cs,) + x.shape[1:], x.dtype) if one_host
              else leg(x, a_routes, width - cs, collective=inter))
-    send = take_rows(jnp.concatenate([x, relay]), b_idx, unique=True)
+    # The in-host rows are gathered while leg A runs; the relayed rows are written after it.
+    send = place_unique(x, relay, b_idx)
     return leg(send, b_routes, recv_rows, collective=intra)
   back = leg(x, reverse_routes(b_routes), width, collective=intra)
   inverse = jnp.full((width,), width, jnp.int32).at[b_idx].set(

@@ -93,26 +93,28 @@ def test_legs_cross_hosts_once_with_exactly_the_useful_rows(seed, l):
     tl_lib.check_crossings(ln, bad_a, b, l)
 
 
-@pytest.mark.parametrize("inter,intra,buckets", [("rounds", "rounds", 8), ("rounds", "rounds", 1),
-                                                 ("ring", "dense", 8)])
-def test_two_level_exchange_equals_the_oracle_and_its_vjp_sends_back(seed, inter, intra, buckets):
-  """Random routes on 8 devices (2 hosts x 4): the two-level exchange puts every group where the
-  one-level routes (in the two-level receive order) do, rows no group fills are zero; its VJP
-  equals the one-level exchange of the cotangents with the routes reversed, and so does the
-  reverse direction (the output return)."""
+@pytest.mark.parametrize("l,inter,intra,buckets", [
+    (L, "rounds", "rounds", 8), (L, "rounds", "rounds", 1), (L, "ring", "dense", 8),
+    (1, "rounds", "rounds", 8), (2, "rounds", "rounds", 8), (S, "rounds", "rounds", 8)])
+def test_two_level_exchange_equals_the_oracle_and_its_vjp_sends_back(seed, l, inter, intra,
+                                                                     buckets):
+  """Random routes on 8 devices (2 hosts x 4; and 8, 4 hosts, 1 host): the two-level exchange
+  puts every group where the one-level routes (in the two-level receive order) do, rows no group
+  fills are zero; its VJP equals the one-level exchange of the cotangents with the routes
+  reversed, and so does the reverse direction (the output return)."""
   mesh = _mesh()
   rng = np.random.default_rng(seed)
   cs, cr = 40, 56
   ln = _random_send_len(rng, S, cs, cr)
   assert ln.sum() > 0, seed
-  meta, relay = _tables(ln, L, cs, cr)
+  meta, relay = _tables(ln, l, cs, cr)
   x = rng.standard_normal((S, cs, 3, 2)).astype(np.float32)
   dy = rng.standard_normal((S, cr, 3, 2)).astype(np.float32)
 
   def body(x, a, b, idx, dy):
     legs = (a[0], b[0], idx[0])
     ex = lambda x, rows, rev: dataplane.two_level_exchange(
-        x, legs, rows, "data", L, inter, intra, buckets, reverse=rev)
+        x, legs, rows, "data", l, inter, intra, buckets, reverse=rev)
     y, vjp = jax.vjp(lambda x: ex(x[0], cr, False)[None], x)
     back = ex(dy[0], cs, True)[None]
     return y, vjp(dy)[0], back

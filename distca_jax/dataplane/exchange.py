@@ -386,7 +386,7 @@ def two_level_exchange(x, legs, recv_rows: int, axis, servers_per_host: int,
   leg = functools.partial(ragged_exchange, axis=axis, buckets=buckets, servers_per_host=l)
   if not reverse:
     cs = x.shape[0]
-    relay = (jnp.zeros((width - cs,) + x.shape[1:], x.dtype) if one_host
+    relay = (jnp.broadcast_to(fills_of(x, 0)[0], (width - cs,) + x.shape[1:]) if one_host
              else leg(x, a_routes, width - cs, collective=inter))
     # The in-host rows are gathered while leg A runs; the relayed rows are written after it.
     send = place_unique(x, relay, b_idx)

@@ -206,6 +206,7 @@ def test_two_level_over_a_pipelines_pooled_axes(seed):
            f"{name} seed={seed}")
 
 
+@pytest.mark.slow
 def test_run_plan_returns_the_lse_through_the_two_level_exchange(seed):
   """O and the softmax LSE back through the reverse legs (the LSE's padding rows -inf) equal
   each document's attention, on a layout with a document over every rank."""

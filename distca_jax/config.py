@@ -80,15 +80,30 @@ def base_config() -> ml_collections.ConfigDict:
                                           # initiated copies, each row once; Hopper GPUs of one
                                           # process), 'ragged' (XLA's ragged all-to-all; GPU),
                                           # 'ring' (ppermute rounds; any platform), 'dense'
-                                          # (padded all-to-all); 'auto': remote on the GPUs of
-                                          # one process, dense on several, ring elsewhere
+                                          # (padded all-to-all), 'two_level' (a leg between
+                                          # hosts, each row across once, then one inside each
+                                          # host; any platform, any number of processes);
+                                          # 'auto': remote on the GPUs of one process,
+                                          # two_level on several, ring elsewhere
+  c.attention.distca.servers_per_host = 0  # 'two_level': servers (data ranks) per host, L; it
+                                          # must divide the servers (numbered host-major);
+                                          # 0 = auto: servers / processes in a multi-process
+                                          # job (jax.local_device_count() without tensor
+                                          # parallelism), all servers (one host) otherwise
+  c.attention.distca.q_relay = 0          # 'two_level': query rows a device relays between
+  c.attention.distca.kv_relay = 0         # hosts (key/value rows); 0 = auto: the sampled
+                                          # batches' envelope (caps_from_batches) with
+                                          # headroom, at most the safe bound (plan.two_level:
+                                          # min(L x recv, (hosts - 1) x send)), which is the
+                                          # value when caps_from_batches = 0
   c.attention.distca.pool_stages = True  # mesh.pipe > 1: plan each tick over every pipe x data
                                           # rank (pooled: a stage in its bubble serves the
                                           # others); False: per-stage CAD, each stage's data
                                           # ranks serve only that stage's rows (every exchange
                                           # runs over 'data' within the stage)
-  c.attention.distca.exchange_buckets = 8  # 'dense': per batch the smallest of n block sizes
-                                          # that holds its largest group (1 = the largest)
+  c.attention.distca.exchange_buckets = 8  # 'dense' (and 'two_level''s rounds: per round): per
+                                          # batch the smallest of n block sizes that holds its
+                                          # largest group (1 = the largest)
   c.attention.distca.local_steps = True   # a batch whose plans move no row runs the step's
                                           # second branch, packed_dp's attention (no exchange);
                                           # mesh.pipe = 1 only
@@ -274,6 +289,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
                     f"branch, which needs attention.distca.local_steps=True (got "
                     f"{c.attention.distca.local_steps}) and mesh.pipe=1 (got {c.mesh.pipe}); "
                     "or set attention.distca.branch='gain'")
+  for key in ("servers_per_host", "q_relay", "kv_relay"):
+    v = c.attention.distca[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+      raise UserError(f"attention.distca.{key}={v!r} must be an int >= 0 (0 = auto)")
   if c.attention.distca.nano_rows not in ("given", "heavy_first"):
     raise UserError(f"attention.distca.nano_rows={c.attention.distca.nano_rows!r}; use 'given' "
                     "(each rank's rows as sampled) or 'heavy_first'")

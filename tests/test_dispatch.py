@@ -545,14 +545,20 @@ def test_exchange_equals_reference_both_memory_modes_single_trace(seed, collecti
   assert all(len(t) == 1 for t in traces.values()), traces
 
 
-def _random_routes(rng, s, send_cap, recv_cap):
-  """[S, 6, S] routes of a random [S, S] send-length matrix within the totals (self pair 0)."""
+def _random_send_len(rng, s, send_cap, recv_cap):
+  """A random [S, S] send-length matrix within the totals (self pair 0)."""
   ln = np.zeros((s, s), np.int64)
   for _ in range(4 * s * s):
     p, d = rng.integers(s, size=2)
     add = int(rng.integers(0, 7))
     if p != d and ln[p].sum() + add <= send_cap and ln[:, d].sum() + add <= recv_cap:
       ln[p, d] += add
+  return ln
+
+
+def _random_routes(rng, s, send_cap, recv_cap):
+  """[S, 6, S] routes of a random [S, S] send-length matrix within the totals (self pair 0)."""
+  ln = _random_send_len(rng, s, send_cap, recv_cap)
   send_off = np.cumsum(ln, axis=1) - ln
   recv_off = (np.cumsum(ln, axis=0) - ln).T
   return plan_lib.metadata.routes(ln, send_off, recv_off, np.arange(s)), ln
@@ -716,7 +722,7 @@ def test_exchange_options_reach_dispatch_and_bad_values_name_the_fix(monkeypatch
   assert dataplane.ExchangeOptions().collective == "auto"
   assert distca_backend.Options.from_config(_tiny_config("distca", 8, 1, 0)).collective == "auto"
   assert dataplane.resolve_collective("auto", "gpu", one_process=True) == "remote"
-  assert dataplane.resolve_collective("auto", "gpu", one_process=False) == "dense"
+  assert dataplane.resolve_collective("auto", "gpu", one_process=False) == "two_level"
   assert dataplane.resolve_collective("auto", "cpu") == "ring"
   assert dataplane.resolve_collective("auto") == "ring"  # the tests' platform
   assert dataplane.resolve_collective("dense", "gpu") == "dense"

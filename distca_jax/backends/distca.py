@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 from typing import Any, Callable, Mapping
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -27,14 +29,18 @@ from distca_jax.baselines import packing
 from distca_jax.checks import check_float, check_int
 from distca_jax.data import run_source
 from distca_jax.dataplane import (DEFAULT_EXCHANGE_BUCKETS, MEMORY_MODES, DispatchOptions,
-                                  ExchangeOptions, dispatch_attention, mesh_and_servers)
+                                  ExchangeOptions, dispatch_attention, mesh_and_servers,
+                                  resolve_collective)
 from distca_jax.plan import cost, ticks
-from distca_jax.plan.capacity import (CAP_FIELDS, EXCHANGE_FIELDS, caps_with_headroom,
+from distca_jax.plan.capacity import (CAP_FIELDS, EXCHANGE_FIELDS, Capacity, caps_with_headroom,
                                       default_capacity, resolve_capacity, row_multiple)
 from distca_jax.plan.options import PlanOptions
 from distca_jax.plan.spec import (HostPlan, PlanSpec, device_layout, host_plan, nano_batch_rows,
-                                  suggest_capacity)
+                                  suggest_caps)
+from distca_jax.plan.two_level import TwoLevel, safe_relay
 
+# The two-level exchange's relay rows (``Options``; 0 = auto).
+RELAY_FIELDS = ("q_relay", "kv_relay")
 PLAN_KEY = "distca_plan"  # the key of ``layout.extra`` the CAD step reads
 DOC_LENS_KEY = "doc_lens"  # the local step's (``packed_dp``'s) table
 
@@ -67,6 +73,11 @@ class Options:
       ``buckets``). Training takes the config's ``collective`` (default 'auto') and
       ``exchange_buckets`` and ``signal_only=False``; benchmarks pass others to
       ``backends.build(c, ...)``.
+    servers_per_host, q_relay, kv_relay: the two-level exchange's (the collective resolves to
+      'two_level'; ``plan.two_level``): servers per host (0 = auto: servers / processes in a
+      multi-process job, all servers otherwise; ``servers_per_host_for``) and the relay
+      buffers' rows (0 = the safe bound ``plan.two_level.safe_relay``, unless
+      ``from_first_batches`` sized them).
     cost_table: a measured ``plan.CostTable`` JSON: plans then also predict per-server kernel
       time (benchmarks pass it to ``backends.build``; balancing stays in pairs).
     local_steps: a batch whose plans move no row runs the train step's second branch, with
@@ -103,6 +114,9 @@ class Options:
   collective: str = "auto"
   exchange_buckets: int = DEFAULT_EXCHANGE_BUCKETS
   signal_only: bool = False
+  servers_per_host: int = 0
+  q_relay: int = 0
+  kv_relay: int = 0
   cost_table: str = ""
   local_steps: bool = True
   local_gain: float = 0.0
@@ -131,9 +145,10 @@ class Options:
                dtype_bytes=jnp.dtype(m.dtype).itemsize,
                linear_pairs_per_token=metrics_lib.linear_pairs_per_token(m),
                collective=d.collective, exchange_buckets=d.exchange_buckets,
+               servers_per_host=d.servers_per_host, q_relay=d.q_relay, kv_relay=d.kv_relay,
                local_steps=d.local_steps,
-               # 'price' (trainer.PriceBranch) decides the branch of batches whose plans move
-               # rows by the step model, in place of the local_gain threshold.
+               # 'price' (price_branch.PriceBranch) decides the branch of batches whose plans
+               # move rows by the step model, in place of the local_gain threshold.
                local_gain=d.local_gain if d.branch == "gain" else 0.0)
 
   @property
@@ -203,9 +218,13 @@ def make(options: Options) -> "DistcaBackend":
   data_axis, head_axis = o.data_axis, o.head_axis
   server_axis = dispatch.exchange_axis
 
+  for name in ("servers_per_host", "q_relay", "kv_relay"):
+    check_int(f"config.attention.distca.{name} (0 = auto)", getattr(o, name), 0)
+
   def spec_for(num_servers: int, tokens_per_row: int) -> PlanSpec:
+    cap = resolve_capacity(caps, rn * tokens_per_row, rn)
     return PlanSpec(num_servers=num_servers, tokens_per_row=tokens_per_row, rows_per_device=rn,
-                    capacity=resolve_capacity(caps, rn * tokens_per_row, rn))
+                    capacity=cap, two_level=two_level_for(o, cap, num_servers))
 
   if not isinstance(o.local_steps, (bool, np.bool_)):
     raise ValueError(f"config.attention.distca.local_steps={o.local_steps!r} must be True or "
@@ -296,6 +315,38 @@ def make(options: Options) -> "DistcaBackend":
                        memory_mode=dispatch.memory_mode, resend_fn=resend, local_fn=local_fn)
 
 
+def servers_per_host_for(options: Options, num_servers: int) -> int:
+  """``L`` of the two-level exchange: ``options.servers_per_host``, or with 0 the servers over
+  the processes in a multi-process job (each process drives one host's GPUs, servers numbered
+  host-major) and all servers in a one-process job. Raises unless it divides the servers."""
+  s, procs = int(num_servers), jax.process_count()
+  l = int(options.servers_per_host) or (s // procs if procs > 1 else s)
+  if l < 1 or s % l:
+    raise ValueError(f"config.attention.distca.servers_per_host={options.servers_per_host} gives "
+                     f"{l} servers per host, which must divide the {s} servers of an exchange "
+                     f"({procs} processes); set it to the data ranks one host holds")
+  return l
+
+
+def uses_two_level(options: Options) -> bool:
+  """Whether the options' collective resolves to 'two_level' here (``resolve_collective``)."""
+  try:
+    return resolve_collective(options.collective) == "two_level"
+  except ValueError as e:
+    raise ValueError(f"{e} (config.attention.distca)") from e
+
+
+def two_level_for(options: Options, cap: Capacity, num_servers: int) -> TwoLevel | None:
+  """The plans' two-level shape when the collective resolves to 'two_level' (else None): its
+  servers per host (``servers_per_host_for``) and relay rows (the options', 0 = the safe bound
+  ``plan.two_level.safe_relay`` of the caps ``cap``)."""
+  if not uses_two_level(options):
+    return None
+  l = servers_per_host_for(options, num_servers)
+  return TwoLevel(l, options.q_relay or safe_relay(cap.q_send, cap.q_recv, num_servers, l),
+                  options.kv_relay or safe_relay(cap.kv_send, cap.kv_recv, num_servers, l))
+
+
 @dataclasses.dataclass(frozen=True)
 class DistcaBackend(attn_lib.Backend):
   """The ``distca`` backend; ``host_plans(doclens, tokens_per_row) -> [HostPlan]`` (one per
@@ -328,7 +379,9 @@ def startup_capacity(c: ml_collections.ConfigDict, options: Options | None = Non
   at least what the no-move layout needs: ``q_tokens`` and ``kv_tokens`` hold a device's rows
   of one call, so every batch can be planned. A later batch that would need more only moves
   less (``Plan.degraded``). ``tasks`` is never derived: a batch with more documents than task
-  slots cannot be planned at all, so it keeps ``default_capacity``'s value. Returns the
+  slots cannot be planned at all, so it keeps ``default_capacity``'s value. With the two-level
+  exchange, ``q_relay`` / ``kv_relay`` left at 0 likewise (at most ``plan.two_level.safe_relay``
+  of the final caps); a later batch that would relay more moves nothing (``host_plan``). Returns the
   overrides (name -> value) for the caps left at 0, or ``{}`` when N is 0 or every row cap is
   set. ``options`` default: ``Options.from_config(c)``.
   """
@@ -340,11 +393,30 @@ def startup_capacity(c: ml_collections.ConfigDict, options: Options | None = Non
     raise ValueError(f"config.attention.distca.caps_headroom={d.caps_headroom} must be >= 1 (a "
                      "margin over the sampled batches)")
   auto = [f for f in EXCHANGE_FIELDS + ("q_tokens", "kv_tokens") if not getattr(options, f)]
-  if n == 0 or not auto:
+  servers = _servers(c, options, data)
+  two = uses_two_level(options)
+  relay = [f for f in RELAY_FIELDS if two and not getattr(options, f)]
+  if n == 0 or not (auto or relay):
     return {}
   sugg = suggest_config_capacity(c, options, num_batches=n, data=data)
   rows = int(c.tokens_per_rank) * _call_rows(options)
-  return caps_with_headroom(sugg, rows, headroom, auto)
+  out = caps_with_headroom(sugg, rows, headroom, auto)
+  if relay:  # the sampled relay rows with headroom, within the safe bound of the final caps
+    cap = resolve_capacity({**options.caps, **out}, rows, _call_rows(options))
+    l, mult = servers_per_host_for(options, servers), row_multiple(rows)
+    for f, send, recv in (("q_relay", cap.q_send, cap.q_recv),
+                          ("kv_relay", cap.kv_send, cap.kv_recv)):
+      if f in relay:
+        out[f] = min(safe_relay(send, recv, servers, l),
+                     max(mult, -(-math.ceil(sugg[f] * headroom) // mult) * mult))
+  return out
+
+
+def _servers(c: ml_collections.ConfigDict, options: Options, data: int | None = None) -> int:
+  """Servers of one exchange: data ranks (``data`` or the config's) x pipe stages over the
+  server groups."""
+  data = config_lib.data_ranks(c) if data is None else data
+  return data * max(int(c.mesh.pipe), 1) // int(options.server_groups)
 
 
 def _call_rows(options: Options) -> int:
@@ -376,8 +448,10 @@ def suggest_config_capacity(c: ml_collections.ConfigDict, options: Options | Non
   Plans ``num_batches`` batches of ``c.data`` (the steps a run starts with) the way
   ``host_prepare`` will (per nano-batch; under a pipeline per tick, over ``pipe x data``
   servers, or per tick and stage over ``data`` servers with ``pool_stages=False``), without
-  caps, and returns ``suggest_capacity``'s envelope as a dict of ``plan.CAP_FIELDS`` (e.g.
-  print them as ``--config.attention.distca.<name>=<value>`` flags).
+  caps, and returns ``suggest_capacity``'s envelope as a dict of ``plan.CAP_FIELDS``, with
+  ``q_relay`` / ``kv_relay`` when the collective resolves to 'two_level'
+  (``plan.spec.suggest_caps``; e.g. print them as ``--config.attention.distca.<name>=<value>``
+  flags).
 
   Args:
     c: the run config (``config.base_config`` tree).
@@ -392,7 +466,7 @@ def suggest_config_capacity(c: ml_collections.ConfigDict, options: Options | Non
     data = config_lib.data_ranks(c)
   t, rn = int(c.tokens_per_rank), _call_rows(o)
   groups = int(o.server_groups)
-  servers = data * max(int(c.mesh.pipe), 1) // groups
+  servers = _servers(c, o, data)
   src = run_source(c, data)
   spec = PlanSpec(num_servers=servers, tokens_per_row=t, rows_per_device=rn,
                   capacity=default_capacity(rn * t, rn))
@@ -403,6 +477,8 @@ def suggest_config_capacity(c: ml_collections.ConfigDict, options: Options | Non
   # sampled batch is balanced, so the caps also hold the batches a gate leaves unmoved.
   sizing = PlanOptions(tolerance=o.tolerance, min_shard=o.min_shard, q_heads=o.q_heads,
                        kv_heads=o.kv_heads, head_dim=o.head_dim).for_rows(t)
-  cap = suggest_capacity(layouts, servers, rn * t, quantile=quantile,
-                         multiple=row_multiple(rn * t), options=sizing)
-  return dataclasses.asdict(cap)
+  two = uses_two_level(o)
+  cap, relay = suggest_caps(layouts, servers, rn * t, quantile=quantile,
+                            multiple=row_multiple(rn * t), options=sizing,
+                            servers_per_host=servers_per_host_for(o, servers) if two else 0)
+  return dict(dataclasses.asdict(cap), **dict(zip(RELAY_FIELDS, relay or ())))

@@ -6,7 +6,8 @@ executes it on devices inside one compiled step:
 
 * ``copies``: row copies (gathers, placements) and their custom VJPs;
 * ``exchange``: ``send_to_servers`` / ``return_to_owners`` and ``ragged_exchange`` (send and
-  receive buffers of capped totals, per-peer routes; ragged all-to-all on GPU);
+  receive buffers of capped totals, per-peer routes; ragged all-to-all on GPU), and
+  ``two_level_exchange`` across hosts (each row over the inter-host link once);
 * ``body``: the per-device body (send, ONE fused ``ops.core_attention`` call over all of the
   server's tasks, return) and ``dispatch_attention``, its ``shard_map`` given a packed plan;
 * here: ``run_plan(q, k, v, host_plan, mesh)``, the notebook entry: places a
@@ -31,16 +32,19 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from distca_jax.dataplane.body import (MEMORY_MODES, DispatchOptions, count_primitives,
                                        dispatch_attention, mesh_and_servers)
 from distca_jax.dataplane.copies import gather_two, place_unique, take_rows
-from distca_jax.dataplane.exchange import (COLLECTIVES, DEFAULT_EXCHANGE_BUCKETS, ExchangeOptions,
-                                           dense_block_rows, dense_wire_rows, ragged_exchange,
-                                           resolve_collective, return_to_owners, send_to_servers)
+from distca_jax.dataplane.exchange import (COLLECTIVES, DEFAULT_EXCHANGE_BUCKETS,
+                                           LEG_COLLECTIVES, ExchangeOptions, dense_block_rows,
+                                           dense_wire_rows, ragged_exchange, resolve_collective,
+                                           return_to_owners, round_wire_rows, send_to_servers,
+                                           two_level_exchange)
 from distca_jax.plan.spec import HostPlan
 
 __all__ = [
     "COLLECTIVES", "DEFAULT_EXCHANGE_BUCKETS", "DispatchOptions", "ExchangeOptions",
-    "MEMORY_MODES", "count_primitives", "dense_block_rows", "dense_wire_rows",
+    "LEG_COLLECTIVES", "MEMORY_MODES", "count_primitives", "dense_block_rows", "dense_wire_rows",
     "dispatch_attention", "gather_two", "mesh_and_servers", "place_unique", "ragged_exchange",
-    "resolve_collective", "return_to_owners", "run_plan", "send_to_servers", "take_rows",
+    "resolve_collective", "return_to_owners", "round_wire_rows", "run_plan", "send_to_servers",
+    "take_rows", "two_level_exchange",
 ]
 
 

@@ -36,12 +36,24 @@ Implementations (``collective=``), one contract (``ragged_exchange``):
             holds the largest group any device sends (a ``lax.switch``; a batch that moves
             nothing skips the all-to-all). Runs everywhere; its buffers and wire grow with
             ``S``.
-'auto' is 'remote' on the GPUs of a one-process job, 'dense' on those of a multi-process job
-(``resolve_collective``: measured fastest at 4 servers) and 'ring' elsewhere. With one server
+  'two_level'  several hosts (``two_level_exchange``, ``plan.two_level``; servers numbered
+            host-major, ``L`` per host): leg A between hosts moves each device's block for
+            another host to that host's device of the same local index (each row crosses
+            hosts once, only cross-host rows), a local gather builds leg B's send buffer
+            from the device's in-host groups and the relayed rows, leg B inside the host
+            writes every row to its final place (receive buffers ordered by (sender local
+            index, sender host)). Each leg is a ``ragged_exchange`` ('rounds' by default:
+            ``ppermute`` rounds over hosts / inside a host, each round padded to a bucket of
+            its largest group; ``ExchangeOptions.inter_host`` / ``in_host``). Needs plans
+            built for it (``PlanSpec.two_level``), and such plans run only on it. Runs
+            everywhere, across processes.
+'auto' is 'remote' on the GPUs of a one-process job, 'two_level' on those of a multi-process
+job and 'ring' elsewhere (``resolve_collective``). With one server
 (one device on the servers' axis) every implementation is the same local copy of the device's
 own group: no collective and no kernel run, so one GPU needs no peer-access support. The backward of
 the exchange is the exchange of the cotangents with the routes reversed (a custom VJP shared by
-every implementation).
+every implementation; the two-level exchange's backward and output return are its legs reversed
+in reverse order).
 
 Signal-only (``signal_only=True``; benchmarks only, results are WRONG by design): every group
 carries at most one row (``signal_only_routes``), so gathers, kernel and return keep their shapes
@@ -69,7 +81,9 @@ from distca_jax.plan.metadata import reverse_routes
 from distca_jax.plan.spec import PlanSpec
 
 # How rows cross the wire (module docstring, "Implementations").
-COLLECTIVES = ("auto", "remote", "ragged", "ring", "dense")
+COLLECTIVES = ("auto", "remote", "ragged", "ring", "dense", "two_level")
+# Implementations of the two-level exchange's legs (``ExchangeOptions.inter_host`` / ``in_host``).
+LEG_COLLECTIVES = ("rounds", "ragged", "ring", "dense")
 # The dense exchange's block sizes per batch (``dense_block_rows``).
 DEFAULT_EXCHANGE_BUCKETS = 8
 
@@ -84,10 +98,16 @@ class ExchangeOptions:
       largest.
     signal_only: benchmarks only: every group carries at most one row, shapes unchanged,
       results WRONG by design (module docstring).
+    inter_host, in_host: the two-level exchange's legs (between hosts, inside a host):
+      'rounds' (``_rounds``; the default of both) or 'ragged', 'ring', 'dense' over the whole
+      axis (these put padding or whole buffers on the inter-host link: CPU tests and
+      measurements only).
   """
   collective: str = "auto"
   signal_only: bool = False
   buckets: int = DEFAULT_EXCHANGE_BUCKETS
+  inter_host: str = "rounds"
+  in_host: str = "rounds"
 
   def __post_init__(self):
     try:
@@ -98,7 +118,15 @@ class ExchangeOptions:
     object.__setattr__(self, "buckets", int(self.buckets))
     if self.collective not in COLLECTIVES:
       raise ValueError(f"distca collective={self.collective!r}; choose one of {COLLECTIVES} "
-                       "('auto': remote on one process's GPUs, dense on several, ring elsewhere)")
+                       "('auto': remote on one process's GPUs, two_level on several, ring "
+                       "elsewhere)")
+    for name in ("inter_host", "in_host"):
+      if getattr(self, name) not in LEG_COLLECTIVES:
+        raise ValueError(f"distca two-level {name}={getattr(self, name)!r}; choose one of "
+                         f"{LEG_COLLECTIVES} ('rounds': ppermute rounds, the default)")
+    if self.signal_only and self.collective == "two_level":
+      raise ValueError("distca signal_only=True runs with one-level collectives only; set "
+                       "collective to 'ring', 'dense', 'ragged' or 'remote'")
     if not isinstance(self.signal_only, (bool, np.bool_)):
       raise ValueError(f"distca signal_only={self.signal_only!r} must be True or False (True only "
                        "for timing benchmarks: it gives wrong results)")
@@ -108,7 +136,8 @@ class ExchangeOptions:
 def resolve_collective(collective: str, platform: str | None = None,
                        one_process: bool | None = None) -> str:
   """'auto' -> 'remote' on GPUs driven by one process (``platform`` or JAX's default backend;
-  ``one_process`` or ``jax.process_count() == 1``), 'dense' on GPUs of a multi-process job,
+  ``one_process`` or ``jax.process_count() == 1``), 'two_level' on GPUs of a multi-process job
+  (each row on the inter-host link once, no padding across hosts but the rounds' buckets),
   'ring' elsewhere; the others pass through, checked.
 
   On 4 H100s of one host, real Pretrain 128K plans (results/four/README.md): 'remote' moved the
@@ -116,7 +145,8 @@ def resolve_collective(collective: str, platform: str | None = None,
   'dense' at 27-30% (its blocks are padded), XLA's ragged all-to-all at 1-2% (each (sender, server) group
   moves at about 2.6 GB/s, a call as long as its largest group: results/micro/ragged_probe.md).
   'remote' needs the peer addresses XLA shares between the devices of one process, so a
-  multi-process job uses 'dense'.
+  multi-process job uses 'two_level' (its legs' speed on GPUs is not measured yet:
+  docs/design.md, "The two-level exchange").
   """
   if collective not in COLLECTIVES:
     raise ValueError(f"distca collective={collective!r}; choose one of {COLLECTIVES}")
@@ -126,11 +156,12 @@ def resolve_collective(collective: str, platform: str | None = None,
   if collective == "auto":
     if platform not in ("gpu", "cuda", "rocm"):
       return "ring"
-    return "remote" if one_process and gpu else "dense"
+    return "remote" if one_process and gpu else "two_level"
   if collective == "remote" and not (gpu and one_process):
     where = (f"{jax.process_count()} processes" if gpu else f"the {platform!r} platform")
     raise ValueError(f"distca collective='remote' needs one process driving NVIDIA GPUs, not "
-                     f"{where}: set attention.distca.collective='auto' (picks 'dense' or 'ring')")
+                     f"{where}: set attention.distca.collective='auto' (picks 'two_level' or "
+                     "'ring')")
   return collective
 
 
@@ -229,15 +260,111 @@ def _dense(x, out, routes, axis, buckets: int):
                     x, out, routes)
 
 
+def _round_peer(i, shift, l: int, hosts: int):
+  """Device ``i = (host, local)`` moved by ``shift = (hosts, locals)`` (both modulo)."""
+  return ((i // l + shift[0]) % hosts) * l + (i % l + shift[1]) % l
+
+
+def _add_group(acc, buf, start, n, src, b: int):
+  """``acc`` plus rows ``src .. src + n`` of ``buf`` (``n <= b``) at rows ``start ..``: a
+  ``b``-row window on both sides (each padded by at least ``b`` rows past every offset, so no
+  window is clamped); the window's rows past ``n`` add zeros."""
+  j = jnp.arange(b, dtype=jnp.int32).reshape((-1,) + (1,) * (buf.ndim - 1))
+  rows = jnp.where(j < n, lax.dynamic_slice_in_dim(buf, src, b), 0).astype(acc.dtype)
+  return lax.dynamic_update_slice_in_dim(
+      acc, lax.dynamic_slice_in_dim(acc, start, b) + rows, start, axis=0)
+
+
+def _round_block(x, acc, routes, dst, src, axis, perm, b: int):
+  """One round: this device's group for ``dst`` (a ``b``-row window from its send offset, rows
+  past the group zeroed) to ``dst`` by one ``ppermute``; the window from ``src`` added at its
+  receive offset. ``x`` and ``acc`` are padded by at least ``b`` rows. ``b = 0``: nothing
+  moves."""
+  if b == 0:  # the other branches' outputs vary over the axis: so must this one's
+    return acc + (routes[0, 0] * 0).astype(acc.dtype)
+  j = jnp.arange(b, dtype=jnp.int32).reshape((-1,) + (1,) * (x.ndim - 1))
+  send = jnp.where(j < routes[1, dst], lax.dynamic_slice_in_dim(x, routes[0, dst], b), 0)
+  recv = lax.ppermute(send, axis, perm)
+  return _add_group(acc, recv, routes[2, src], b, 0, b)
+
+
+def _rounds(x, out, routes, axis, buckets: int, servers_per_host: int, level: str):
+  """Rounds of one ``ppermute`` each over devices ``(host, local)`` (``servers_per_host``
+  ``L``): level 'hosts' (leg A), round ``r = 1 .. H - 1`` moves ``(h, l) -> (h + r, l)``;
+  level 'local' (leg B), round ``r = 0 .. L - 1`` moves ``(h, l) -> (h, l + r)`` (round 0: the
+  device's own group, a local copy). Each round's payload is the smallest of
+  ``dense_block_rows`` that holds the round's largest group (one integer all-reduce finds every
+  round's; a round that moves nothing skips its ``ppermute``). ``out`` is all zeros (the
+  received groups are added into it); every copy touches its window's rows only."""
+  s, l = routes.shape[-1], int(servers_per_host)
+  hosts = s // l
+  shifts = ([(r, 0) for r in range(1, hosts)] if level == "hosts"
+            else [(0, r) for r in range(l)])
+  me = lax.axis_index(axis).astype(jnp.int32)
+  sizes = dense_block_rows(min(x.shape[0], out.shape[0]), buckets)
+  full = max(sizes)
+  if full == 0:
+    return out
+  # Windows of up to ``full`` rows from any offset stay inside the padded buffers.
+  zeros = jnp.broadcast_to(fills_of(x, 0)[0], (full,) + x.shape[1:])
+  x, acc = jnp.concatenate([x, zeros]), jnp.concatenate([out, zeros.astype(out.dtype)])
+  moved = [sh for sh in shifts if sh != (0, 0)]
+  if moved:
+    need = lax.pmax(jnp.stack([routes[1, _round_peer(me, sh, l, hosts)] for sh in moved]), axis)
+  k = 0
+  for sh in shifts:
+    dst = _round_peer(me, sh, l, hosts)
+    src = _round_peer(me, (-sh[0], -sh[1]), l, hosts)
+    if sh == (0, 0):  # its own group: a local copy
+      acc = _add_group(acc, x, routes[2, me], routes[3, me], routes[5, me], full)
+      continue
+    perm = [(i, _round_peer(i, sh, l, hosts)) for i in range(s)]
+    branches = [functools.partial(_round_block, dst=dst, src=src, axis=axis, perm=perm, b=b)
+                for b in sizes]
+    if len(sizes) == 1:
+      acc = branches[0](x, acc, routes)
+    else:
+      acc = lax.switch(dense_block_index(sizes, need[k]), branches, x, acc, routes)
+    k += 1
+  return acc[:out.shape[0]]
+
+
+def round_wire_rows(legs_SxS, full: int, buckets: int, servers_per_host: int,
+                    level: str) -> int:
+  """Rows per device the rounds of ``_rounds`` put on the wire for one leg (host):
+  ``legs_SxS`` [S, S] rows per (sender, receiver) of the leg, ``full`` = ``min(send rows, recv
+  rows)`` of the leg's buffers; the self round (level 'local') moves nothing. The same rows cross
+  in the return / backward direction (groups transposed: the same largest group per round)."""
+  ln = np.asarray(legs_SxS)
+  s, l = ln.shape[0], int(servers_per_host)
+  hosts = s // l
+  sizes = dense_block_rows(int(full), buckets)
+  shifts = ([(r, 0) for r in range(1, hosts)] if level == "hosts"
+            else [(0, r) for r in range(1, l)])
+  i = np.arange(s)
+  total = 0
+  for sh in shifts:
+    need = int(ln[i, _round_peer(i, sh, l, hosts)].max(initial=0))
+    total += sizes[0 if len(sizes) == 1 else int(dense_block_index(sizes, need))]
+  return total
+
+
 def ragged_exchange(x, routes, recv_rows: int, axis, collective: str,
-                    buckets: int = DEFAULT_EXCHANGE_BUCKETS, signal_only: bool = False):
+                    buckets: int = DEFAULT_EXCHANGE_BUCKETS, signal_only: bool = False,
+                    servers_per_host: int = 0):
   """Moves this device's send buffer ``x [Cs, ...]`` by ``routes`` (int32 ``[6, S]``,
   ``plan.ROUTE_ROWS``) into a receive buffer ``[recv_rows, ...]`` (rows no group fills are
   zero). Inside ``shard_map`` over ``axis``; ``collective`` names the implementation ('ragged',
-  'ring' or 'dense', already resolved); ``buckets``: the dense exchange's block sizes
-  (``dense_block_rows``); ``signal_only``: at most one row per group (module docstring).
-  Differentiable in ``x``: the cotangents go back by the routes reversed."""
-  return _exchange(x, routes, recv_rows, axis, collective, int(buckets), bool(signal_only))
+  'ring' or 'dense', already resolved; or a leg of the two-level exchange, 'host_rounds' /
+  'local_rounds', ``_rounds`` over ``servers_per_host`` servers per host, whose routes must
+  pair only devices of one local index on different hosts / of one host); ``buckets``: the
+  dense exchange's and the rounds' block sizes (``dense_block_rows``); ``signal_only``: at most
+  one row per group (module docstring). Differentiable in ``x``: the cotangents go back by the
+  routes reversed."""
+  if collective in ("host_rounds", "local_rounds"):
+    check_int("servers_per_host", servers_per_host, 1)
+  return _exchange(x, routes, recv_rows, axis, collective, int(buckets), bool(signal_only),
+                   int(servers_per_host))
 
 
 def signal_only_routes(routes):
@@ -248,14 +375,53 @@ def signal_only_routes(routes):
   return cut, jnp.sum(routes[3])
 
 
+def two_level_exchange(x, legs, recv_rows: int, axis, servers_per_host: int,
+                       inter_host: str = "rounds", in_host: str = "rounds",
+                       buckets: int = DEFAULT_EXCHANGE_BUCKETS, reverse: bool = False):
+  """One part's exchange in two legs (``plan.two_level``): ``legs`` = (leg A's routes ``[6,
+  S]``, leg B's routes ``[6, S]``, the relay gather ``b_idx [Cs + relay]``) of this device.
+
+  Forward (``reverse=False``, ``x`` the send buffer ``[Cs, ...]``): leg A between hosts into
+  the relay buffer ``[relay]``; leg B's send buffer ``concat(x, relay)[b_idx]``; leg B inside
+  the host into the receive buffer ``[recv_rows]``. Reverse (the output return; ``x`` in the
+  receive buffer's layout, ``recv_rows = Cs``): leg B reversed, the gather's inverse, leg A
+  reversed on the relay part plus the in-host rows. Every row crosses hosts once (leg A).
+  ``inter_host`` / ``in_host``: the legs' implementations ('rounds', ``_rounds`` over hosts /
+  inside hosts; or 'ragged', 'ring', 'dense' over the whole axis). Differentiable in ``x``
+  (each leg's VJP, the gathers' transposes)."""
+  a_routes, b_routes, b_idx = legs
+  width = b_idx.shape[0]
+  l = int(servers_per_host)
+  one_host = a_routes.shape[-1] == l
+  inter = "host_rounds" if inter_host == "rounds" else inter_host
+  intra = "local_rounds" if in_host == "rounds" else in_host
+  leg = functools.partial(ragged_exchange, axis=axis, buckets=buckets, servers_per_host=l)
+  if not reverse:
+    cs = x.shape[0]
+    relay = (jnp.broadcast_to(fills_of(x, 0)[0], (width - cs,) + x.shape[1:]) if one_host
+             else leg(x, a_routes, width - cs, collective=inter))
+    # The in-host rows are gathered while leg A runs; the relayed rows are written after it.
+    send = place_unique(x, relay, b_idx)
+    return leg(send, b_routes, recv_rows, collective=intra)
+  back = leg(x, reverse_routes(b_routes), width, collective=intra)
+  inverse = jnp.full((width,), width, jnp.int32).at[b_idx].set(
+      jnp.arange(width, dtype=jnp.int32), mode="drop")
+  src = take_rows(back, inverse, unique=True)
+  if one_host:
+    return src[:recv_rows]
+  return src[:recv_rows] + leg(src[recv_rows:], reverse_routes(a_routes), recv_rows,
+                               collective=inter)
+
+
 def num_servers(axis) -> int:
   """Devices over the servers' ``axis`` (a name or a tuple of names), inside ``shard_map``."""
   axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
   return math.prod(int(lax.axis_size(a)) for a in axes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def _exchange(x, routes, recv_rows: int, axis, collective: str, buckets: int, signal_only: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def _exchange(x, routes, recv_rows: int, axis, collective: str, buckets: int, signal_only: bool,
+              servers_per_host: int):
   keep = None
   if signal_only:
     routes, keep = signal_only_routes(routes)
@@ -271,30 +437,55 @@ def _exchange(x, routes, recv_rows: int, axis, collective: str, buckets: int, si
     return _ragged(x, out, routes, axis)
   if collective == "ring":
     return _ring(x, out, routes, axis)
+  if collective in ("host_rounds", "local_rounds"):
+    return _rounds(x, out, routes, axis, buckets, servers_per_host,
+                   "hosts" if collective == "host_rounds" else "local")
   return _dense(x, out, routes, axis, buckets)
 
 
-def _exchange_fwd(x, routes, recv_rows, axis, collective, buckets, signal_only):
-  return _exchange(x, routes, recv_rows, axis, collective, buckets, signal_only), (
-      routes, jnp.zeros((x.shape[0], 0), x.dtype))
+def _exchange_fwd(x, routes, recv_rows, axis, collective, buckets, signal_only, servers_per_host):
+  return _exchange(x, routes, recv_rows, axis, collective, buckets, signal_only,
+                   servers_per_host), (routes, jnp.zeros((x.shape[0], 0), x.dtype))
 
 
-def _exchange_bwd(recv_rows, axis, collective, buckets, signal_only, res, dy):
+def _exchange_bwd(recv_rows, axis, collective, buckets, signal_only, servers_per_host, res, dy):
   routes, like = res
   dx = _exchange(dy, reverse_routes(routes), like.shape[0], axis, collective, buckets,
-                 signal_only)
+                 signal_only, servers_per_host)
   return dx, None
 
 
 _exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
-def _move(x, routes, recv_rows: int, axis, exchange: ExchangeOptions):
-  """``ragged_exchange`` under the options; signal-only (module docstring) sends at most one row
-  per group."""
-  collective = resolve_collective(exchange.collective)
+def _move(x, m: Mapping[str, jax.Array], part: str, recv_rows: int, axis, spec: PlanSpec,
+          exchange: ExchangeOptions, reverse: bool = False):
+  """One part's exchange (``part`` 'q' or 'kv'; ``reverse``: the output return) under the
+  options: ``ragged_exchange`` of the metadata's routes, or the two-level exchange of its legs'
+  tables; signal-only (module docstring) sends at most one row per group."""
+  collective = check_two_level(exchange, spec)
+  if collective == "two_level":
+    legs = tuple(m[f"{part}_{f}"] for f in ("a_routes", "b_routes", "b_idx"))
+    return two_level_exchange(x, legs, recv_rows, axis, spec.servers_per_host,
+                              exchange.inter_host, exchange.in_host, exchange.buckets, reverse)
+  routes = m[f"{part}_routes"]
+  routes = reverse_routes(routes) if reverse else routes
   return ragged_exchange(x, routes, recv_rows, axis, collective, exchange.buckets,
                          exchange.signal_only)
+
+
+def check_two_level(exchange: ExchangeOptions, spec: PlanSpec, platform: str | None = None,
+                    one_process: bool | None = None) -> str:
+  """The resolved collective (``resolve_collective``), checked against the plan's shape: the
+  two-level exchange needs plans with its tables (``PlanSpec.two_level``), and such plans (their
+  receive buffers in the two-level order) run only on it."""
+  collective = resolve_collective(exchange.collective, platform, one_process)
+  if (collective == "two_level") != (spec.two_level is not None):
+    raise ValueError(f"distca collective {collective!r} (from {exchange.collective!r}) with a "
+                     f"plan of two_level={spec.two_level}: the two-level exchange needs plans "
+                     "built for it and runs only them (PlanSpec.two_level; the distca backend "
+                     "builds them when the collective resolves to 'two_level')")
+  return collective
 
 
 def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec: PlanSpec,
@@ -319,8 +510,8 @@ def send_to_servers(q_TxHxD, k_TxKxD, v_TxKxD, m: Mapping[str, jax.Array], spec:
   kv_send = jnp.concatenate([take_rows(k_TxKxD, m["kv_send_idx"]),
                              take_rows(v_TxKxD, m["kv_send_idx"])], axis=1)
   # 2. Exchanges.
-  q_recv = _move(q_send, m["q_routes"], cap.q_recv, axis, exchange)
-  kv_recv = _move(kv_send, m["kv_routes"], cap.kv_recv, axis, exchange)
+  q_recv = _move(q_send, m, "q", cap.q_recv, axis, spec, exchange)
+  kv_recv = _move(kv_send, m, "kv", cap.kv_recv, axis, spec, exchange)
   # 3. A query row belongs to one task: placed once (own rows first, received rows written in
   # place). A key/value row may feed several tasks: one fused gather from both sources.
   q_attn = place_unique(q_TxHxD, q_recv, m["q_attn_idx"])
@@ -343,5 +534,5 @@ def return_to_owners(x_NqxF, m: Mapping[str, jax.Array], spec: PlanSpec, axis, f
   """
   # Every attention row goes back once, to one owner row (unique).
   send = take_rows(x_NqxF, m["o_send_idx"], unique=True)
-  recv = _move(send, reverse_routes(m["q_routes"]), spec.capacity.q_send, axis, exchange)
+  recv = _move(send, m, "q", spec.capacity.q_send, axis, spec, exchange, reverse=True)
   return place_unique(x_NqxF, recv, m["o_local_idx"], fill)

@@ -5,7 +5,8 @@ Modules, in dependency order: ``cost`` (pairs, FLOPs of a task table, measured k
 the balance gate), ``options`` (``PlanOptions``: the planner's choices), ``capacity`` (the fixed
 buffer sizes a plan must fit), ``metadata`` (``Plan``, ``PlanMetadata``, ``plan_to_metadata``:
 the contract with ``distca_jax.dataplane``), ``balancer`` and ``scheduling`` (``schedule``),
-``spec`` (``PlanSpec``, ``host_plan``: a batch's plan packed for the step), ``ticks`` (the
+``two_level`` (the two-level exchange's legs: every row crosses hosts once), ``spec``
+(``PlanSpec``, ``host_plan``: a batch's plan packed for the step), ``ticks`` (the
 pipeline's schedule on the host: which rows each tick's core-attention call sees), ``executor``
 (the NumPy oracle of the contract) and ``diagnostics``.
 Nothing here runs on a device or reads a run config: the package imports NumPy and the project's
@@ -31,6 +32,7 @@ from distca_jax.plan.executor import reference_document_attention, reference_exe
 from distca_jax.plan.metadata import (ROUTE_ROWS, Plan, PlanMetadata, parse_layout,
                                       plan_to_metadata, ranges, reverse_routes, split_at)
 from distca_jax.plan.options import PlanOptions, auto_min_shard
+from distca_jax.plan.two_level import TwoLevel
 from distca_jax.plan.spec import (HostPlan, PlanSpec, device_layout, fit_host_plan, host_plan,
                                   nano_batch_rows, suggest_capacity)
 
@@ -45,5 +47,5 @@ __all__ = [
     "parse_layout", "plan_to_metadata", "plot_loads", "predicted_step_gain", "ranges",
     "reference_document_attention", "reference_execute", "required_capacity", "resolve_capacity",
     "reverse_routes", "row_multiple", "schedule", "server_loads", "split_at", "suggest_capacity",
-    "task_flops", "traffic_rows",
+    "task_flops", "traffic_rows", "TwoLevel",
 ]

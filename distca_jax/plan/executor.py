@@ -58,14 +58,13 @@ def reference_execute(meta: PlanMetadata, q_STHD: np.ndarray, k_STKD: np.ndarray
   h, dim = q_STHD.shape[2:]
   scale = 1.0 / math.sqrt(dim) if scale is None else scale
   cap = meta.capacity
-  rev = reverse_routes(meta.q_routes)
-  # 1-2. Sender gather and ragged exchange.
-  q_recv = _exchange([_take(q_STHD[p], meta.q_send_idx[p]) for p in range(s)], meta.q_routes,
-                     cap.q_recv)
-  k_recv = _exchange([_take(k_STKD[p], meta.kv_send_idx[p]) for p in range(s)], meta.kv_routes,
-                     cap.kv_recv)
-  v_recv = _exchange([_take(v_STKD[p], meta.kv_send_idx[p]) for p in range(s)], meta.kv_routes,
-                     cap.kv_recv)
+  # 1-2. Sender gather and ragged exchange (one or two levels).
+  q_recv = part_exchange([_take(q_STHD[p], meta.q_send_idx[p]) for p in range(s)], meta, "q",
+                         cap.q_recv)
+  k_recv = part_exchange([_take(k_STKD[p], meta.kv_send_idx[p]) for p in range(s)], meta, "kv",
+                         cap.kv_recv)
+  v_recv = part_exchange([_take(v_STKD[p], meta.kv_send_idx[p]) for p in range(s)], meta, "kv",
+                         cap.kv_recv)
   o_attn, lse_attn = [], []
   for d in range(s):
     # 3. Server gather into attention inputs.
@@ -86,8 +85,10 @@ def reference_execute(meta: PlanMetadata, q_STHD: np.ndarray, k_STKD: np.ndarray
     o_attn.append(o)
     lse_attn.append(lse)
   # 5. Return to owners: the query exchange's routes backwards.
-  o_recv = _exchange([_take(o_attn[d], meta.o_send_idx[d]) for d in range(s)], rev, cap.q_send)
-  l_recv = _exchange([_take(lse_attn[d], meta.o_send_idx[d]) for d in range(s)], rev, cap.q_send)
+  o_recv = part_exchange([_take(o_attn[d], meta.o_send_idx[d]) for d in range(s)], meta, "q",
+                         cap.q_send, reverse=True)
+  l_recv = part_exchange([_take(lse_attn[d], meta.o_send_idx[d]) for d in range(s)], meta, "q",
+                         cap.q_send, reverse=True)
   out_o = np.zeros(q_STHD.shape, dtype=np.float64)
   out_l = np.zeros(q_STHD.shape[:3], dtype=np.float64)
   for p in range(s):
@@ -107,6 +108,34 @@ def _exchange(sends: list[np.ndarray], routes_Sx6xS: np.ndarray, recv_rows: int)
       n = int(ln[d])
       out[d][int(dst[d]):int(dst[d]) + n] = sends[p][int(off[d]):int(off[d]) + n]
   return out
+
+
+def part_exchange(sends: list[np.ndarray], meta: PlanMetadata, part: str, recv_rows: int, *,
+                  reverse: bool = False):
+  """One part's exchange (``part`` 'q' or 'kv') as the metadata routes it, in NumPy: the one
+  ragged exchange of ``{part}_routes``, or with the two-level tables (``plan.two_level``) leg A,
+  the relay gather and leg B; ``reverse`` runs the way back (the output return): the reverse
+  legs in reverse order, the relay gather inverted."""
+  rts = getattr(meta, f"{part}_routes")
+  b_idx = getattr(meta, f"{part}_b_idx")
+  if b_idx is None:
+    return _exchange(sends, reverse_routes(rts) if reverse else rts, recv_rows)
+  a_rts, b_rts = getattr(meta, f"{part}_a_routes"), getattr(meta, f"{part}_b_routes")
+  width = b_idx.shape[1]
+  if not reverse:
+    cs = sends[0].shape[0]
+    relay = _exchange(sends, a_rts, width - cs)
+    legb = [_take(np.concatenate([x, r]), i) for x, r, i in zip(sends, relay, b_idx)]
+    return _exchange(legb, b_rts, recv_rows)
+  back = _exchange(sends, reverse_routes(b_rts), width)
+  src = []
+  for y, i in zip(back, b_idx):
+    out = np.zeros_like(y)
+    ok = i < width
+    out[i[ok]] = y[ok]
+    src.append(out)
+  home = _exchange([x[recv_rows:] for x in src], reverse_routes(a_rts), recv_rows)
+  return [x[:recv_rows] + h for x, h in zip(src, home)]
 
 
 def reference_document_attention(doc_lens, q_STHD: np.ndarray, k_STKD: np.ndarray,

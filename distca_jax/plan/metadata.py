@@ -39,13 +39,14 @@ indexed array: gather with ``jnp.take(..., mode='fill', fill_value=0)`` and scat
 
 Ragged buffers. A device's send buffer holds the rows it sends, grouped by destination server
 (ascending), each group at ``send_off[d]`` with ``send_len[d]`` rows; a server's receive buffer
-holds the rows it receives, grouped by sender (ascending), at ``recv_off[p]`` with
-``recv_len[p]`` rows. Groups are packed from row 0 without gaps; rows past the last group are
-unused. The routes of one part (``q_routes`` or ``kv_routes``, int32 ``[6, S]`` per device) are
-the rows ``ROUTE_ROWS``: ``send_off``, ``send_len``, ``recv_off``, ``recv_len``,
-``peer_recv_off`` (where this device's group lands in server d's receive buffer: d's
-``recv_off[me]``) and ``peer_send_off`` (where sender p's group for this device starts in p's
-send buffer: p's ``send_off[me]``). The self entries are empty: a server reads its own rows
+holds the rows it receives, grouped by sender (ascending; by (sender local index, sender host)
+for the two-level exchange, ``recv_order``), at ``recv_off[p]`` with ``recv_len[p]`` rows.
+Groups are packed from row 0 without gaps; rows past the last group are unused. The routes of
+one part (``q_routes`` or ``kv_routes``, int32 ``[6, S]`` per device) are the rows
+``ROUTE_ROWS``: ``send_off``, ``send_len``, ``recv_off``, ``recv_len``, ``peer_recv_off``
+(where this device's group lands in server d's receive buffer: d's ``recv_off[me]``) and
+``peer_send_off`` (where sender p's group for this device starts in p's send buffer: p's
+``send_off[me]``). The self entries are empty: a server reads its own rows
 directly.
 
 1. Sender gather (device ``p``): ``q_send = q[p][q_send_idx[p]]`` with ``q_send_idx[p, Cqs]`` in
@@ -260,6 +261,12 @@ class PlanMetadata:
     num_servers: ``S``.
     tokens_per_rank: ``T``.
     capacity: the (fully bounded) capacity the shapes come from.
+    servers_per_host: 0, or ``L`` when the receive buffers are in the two-level order
+      (``recv_order``).
+    q_a_routes, kv_a_routes: [R, 6, S] leg A's routes (between hosts), or None (one level).
+    q_b_routes, kv_b_routes: [R, 6, S] leg B's routes (inside hosts), or None.
+    q_b_idx, kv_b_idx: [R, send + relay] leg B's send rows from ``concat(send buffer, relay
+      buffer)`` (sentinel ``send + relay``), or None (``plan.two_level``).
   """
   q_send_idx: np.ndarray
   kv_send_idx: np.ndarray
@@ -281,17 +288,32 @@ class PlanMetadata:
   num_servers: int
   tokens_per_rank: int
   capacity: Capacity
+  servers_per_host: int = 0
+  q_a_routes: np.ndarray | None = None
+  q_b_routes: np.ndarray | None = None
+  q_b_idx: np.ndarray | None = None
+  kv_a_routes: np.ndarray | None = None
+  kv_b_routes: np.ndarray | None = None
+  kv_b_idx: np.ndarray | None = None
 
   DEVICE_FIELDS = ("q_send_idx", "kv_send_idx", "q_attn_idx", "kv_attn_idx", "cu_seqlens_q",
                    "cu_seqlens_k", "o_send_idx", "o_local_idx", "q_routes", "kv_routes")
+  # The two-level exchange's tables (``plan.two_level``), per part.
+  TWO_LEVEL_FIELDS = ("q_a_routes", "q_b_routes", "q_b_idx", "kv_a_routes", "kv_b_routes",
+                      "kv_b_idx")
 
   def device_arrays(self) -> dict[str, np.ndarray]:
-    """The arrays the compiled step consumes (all int32, leading axis = device)."""
-    return {f: getattr(self, f) for f in self.DEVICE_FIELDS}
+    """The arrays the compiled step consumes (all int32, leading axis = device); the
+    two-level tables when set."""
+    out = {f: getattr(self, f) for f in self.DEVICE_FIELDS}
+    out.update({f: getattr(self, f) for f in self.TWO_LEVEL_FIELDS
+                if getattr(self, f) is not None})
+    return out
 
 
 def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
-                     ranks: Sequence[int] | None = None) -> PlanMetadata:
+                     ranks: Sequence[int] | None = None,
+                     servers_per_host: int = 0) -> PlanMetadata:
   """Routing tables for ``plan`` in buffers of ``capacity``.
 
   Args:
@@ -299,6 +321,9 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
     capacity: buffer sizes; None fields (or None) fall back to ``plan.capacity``, then to the
       plan's own tight sizes (``required_capacity``; shapes then vary between plans).
     ranks: devices whose rows to build (e.g. a host's local devices); default all.
+    servers_per_host: 0, or ``L`` for the two-level exchange: every receive buffer is ordered
+      by (sender local index, sender host) (``recv_order``); ``plan.two_level.with_relay``
+      adds the legs' tables.
 
   Returns:
     ``PlanMetadata``. Raises ``ValueError`` if the plan does not fit ``capacity``.
@@ -361,7 +386,7 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
   p_len = p_e - p_s
   p_attn = q_off[pt] + (p_s - gs[pt])
   p_cross, p_pos, q_send_len = _route_pieces(p_own, p_srv, p_len, s)
-  q_soff, q_roff = _group_offsets(q_send_len, cqs, cqr, "query", "q")
+  q_soff, q_roff = _group_offsets(q_send_len, cqs, cqr, "query", "q", servers_per_host)
   # KV: per (server, document) the rows [0, max end) are sent once; cut at rank boundaries.
   if tasks.shape[0]:
     grp = np.flatnonzero(np.r_[True, (srv[1:] != srv[:-1]) | (doc[1:] != doc[:-1])])
@@ -374,7 +399,8 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
   u_psrv = u_srv[ut]
   u_len = u_e - u_s
   u_cross, u_pos, kv_send_len = _route_pieces(u_own, u_psrv, u_len, s)
-  kv_soff, kv_roff = _group_offsets(kv_send_len, ckvs, ckvr, "key/value", "kv")
+  kv_soff, kv_roff = _group_offsets(kv_send_len, ckvs, ckvr, "key/value", "kv",
+                                    servers_per_host)
 
   # Server side (devices in ``ranks``): attention gathers, task tables, output return rows.
   sel = row_of[p_srv] >= 0
@@ -434,7 +460,7 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
                       q_send_len=q_send_len,
                       kv_send_len=kv_send_len, q_len=q_len, kv_len=kv_len, num_tasks=num_tasks,
                       task_index=task_index, ranks=ranks_arr, num_servers=s, tokens_per_rank=t,
-                      capacity=cap)
+                      capacity=cap, servers_per_host=int(servers_per_host))
 
 
 def split_at(g0: np.ndarray, g1: np.ndarray, width: int):
@@ -469,19 +495,40 @@ def _route_pieces(owner: np.ndarray, server: np.ndarray, lengths: np.ndarray, s:
   return cross, pos, send_len
 
 
-def _group_offsets(send_len: np.ndarray, send_cap: int, recv_cap: int, what: str, part: str):
+def _group_offsets(send_len: np.ndarray, send_cap: int, recv_cap: int, what: str, part: str,
+                   servers_per_host: int = 0):
   """(send_off [S, S]: where sender p's group for server d starts in p's send buffer, recv_off
-  [S, S]: where server d's group from sender p starts in d's receive buffer, indexed [d, p]).
-  Raises when a device sends more than ``send_cap`` or receives more than ``recv_cap`` rows."""
+  [S, S]: where server d's group from sender p starts in d's receive buffer, indexed [d, p];
+  senders in ``recv_order``). Raises when a device sends more than ``send_cap`` or receives
+  more than ``recv_cap`` rows."""
   sent, got = send_len.sum(1), send_len.sum(0)
   for name, have, cap, verb in ((f"{part}_send", sent, send_cap, "sends"),
                                 (f"{part}_recv", got, recv_cap, "receives")):
     if have.max(initial=0) > cap:
       d = int(np.argmax(have))
       raise ValueError(f"device {d} {verb} {int(have[d])} {what} rows > capacity.{name}={cap}")
+  return packed_offsets(send_len, recv_order(send_len.shape[0], servers_per_host))
+
+
+def recv_order(num_servers: int, servers_per_host: int = 0) -> np.ndarray:
+  """Senders in the order of a server's receive buffer: ascending (``servers_per_host`` 0), or
+  by (sender local index, sender host) for the two-level exchange (``plan.two_level``) with
+  ``servers_per_host`` servers per host."""
+  s = np.arange(int(num_servers))
+  if not servers_per_host:
+    return s
+  return np.lexsort((s // servers_per_host, s % servers_per_host))
+
+
+def packed_offsets(send_len: np.ndarray, order: np.ndarray | None = None):
+  """Groups packed from row 0: (send_off [S, S], servers ascending; recv_off [S, S] indexed
+  [server, sender], senders in ``order``, default ascending)."""
   send_off = np.cumsum(send_len, axis=1) - send_len
-  recv_off = (np.cumsum(send_len, axis=0) - send_len).T
-  return send_off, recv_off
+  order = np.arange(send_len.shape[0]) if order is None else np.asarray(order)
+  by = send_len[order]
+  recv_off = np.empty_like(send_len)
+  recv_off[order] = np.cumsum(by, axis=0) - by
+  return send_off, recv_off.T
 
 
 def routes(send_len: np.ndarray, send_off: np.ndarray, recv_off: np.ndarray,

@@ -31,8 +31,9 @@ import numpy as np
 from distca_jax.checks import check_int
 from distca_jax.plan.scheduling import schedule
 from distca_jax.plan.capacity import Capacity, required_capacity, row_multiple
-from distca_jax.plan.metadata import Plan, PlanMetadata, plan_to_metadata
+from distca_jax.plan.metadata import Plan, PlanMetadata, plan_to_metadata, recv_order
 from distca_jax.plan.options import PlanOptions
+from distca_jax.plan.two_level import TwoLevel, relay_overflow, required_relay, with_relay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,17 +45,30 @@ class PlanSpec:
     tokens_per_row: ``T``.
     rows_per_device: ``R``; a device holds ``R * T`` tokens.
     capacity: the bounded capacity that sizes every buffer.
+    two_level: None (one-level exchange), or the two-level exchange's servers per host and
+      relay buffers (``plan.two_level``): the metadata then carries both legs' tables and
+      every receive buffer is ordered by (sender local index, sender host).
   """
   num_servers: int
   tokens_per_row: int
   rows_per_device: int
   capacity: Capacity
+  two_level: TwoLevel | None = None
 
   def __post_init__(self):
     for name in ("num_servers", "tokens_per_row", "rows_per_device"):
       check_int(name, getattr(self, name), 1)
     if not self.capacity.bounded:
       raise ValueError(f"PlanSpec needs a bounded capacity (every field set); got {self.capacity}")
+    if self.two_level is not None:
+      if not isinstance(self.two_level, TwoLevel):
+        raise TypeError(f"two_level={self.two_level!r} must be a plan.two_level.TwoLevel or None")
+      self.two_level.hosts(self.num_servers)
+
+  @property
+  def servers_per_host(self) -> int:
+    """``L`` of the two-level exchange, 0 with one level."""
+    return 0 if self.two_level is None else self.two_level.servers_per_host
 
   @property
   def tokens_per_device(self) -> int:
@@ -64,12 +78,17 @@ class PlanSpec:
   def fields(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(name, per-device shape) of every packed field (``PlanMetadata.DEVICE_FIELDS``), in
     packing order."""
-    s, c = self.num_servers, self.capacity
-    return (("q_send_idx", (c.q_send,)), ("kv_send_idx", (c.kv_send,)),
-            ("q_attn_idx", (c.q_tokens,)), ("kv_attn_idx", (c.kv_tokens,)),
-            ("cu_seqlens_q", (c.tasks + 1,)), ("cu_seqlens_k", (c.tasks + 1,)),
-            ("o_send_idx", (c.q_recv,)), ("o_local_idx", (self.tokens_per_device,)),
-            ("q_routes", (6, s)), ("kv_routes", (6, s)))
+    s, c, tl = self.num_servers, self.capacity, self.two_level
+    one = (("q_send_idx", (c.q_send,)), ("kv_send_idx", (c.kv_send,)),
+           ("q_attn_idx", (c.q_tokens,)), ("kv_attn_idx", (c.kv_tokens,)),
+           ("cu_seqlens_q", (c.tasks + 1,)), ("cu_seqlens_k", (c.tasks + 1,)),
+           ("o_send_idx", (c.q_recv,)), ("o_local_idx", (self.tokens_per_device,)),
+           ("q_routes", (6, s)), ("kv_routes", (6, s)))
+    if tl is None:
+      return one
+    return one + (("q_a_routes", (6, s)), ("q_b_routes", (6, s)),
+                  ("q_b_idx", (c.q_send + tl.q_relay,)), ("kv_a_routes", (6, s)),
+                  ("kv_b_routes", (6, s)), ("kv_b_idx", (c.kv_send + tl.kv_relay,)))
 
   @property
   def device_width(self) -> int:
@@ -91,6 +110,11 @@ class PlanSpec:
     if meta.num_servers != s or meta.tokens_per_rank != self.tokens_per_device:
       raise ValueError(f"metadata for {meta.num_servers} servers x {meta.tokens_per_rank} tokens "
                        f"does not match {self}")
+    if meta.servers_per_host != self.servers_per_host or (
+        self.two_level is not None and meta.q_b_idx is None):
+      raise ValueError(f"metadata for servers_per_host={meta.servers_per_host} does not match "
+                       f"{self.two_level} (build it with plan.host_plan, or plan_to_metadata(..., "
+                       "servers_per_host=L) then plan.two_level.with_relay)")
     _check_groups_packed(meta)
     _check_unique_rows(meta)
     arrays = meta.device_arrays()
@@ -139,20 +163,24 @@ def _check_groups_packed(meta: PlanMetadata) -> None:
   A send buffer's used entries (``q_send_idx`` / ``kv_send_idx`` not the sentinel ``T``) must be
   its first ``sum(send_len)`` rows, and the groups of the routes must tile them in server order
   (``send_off`` the exclusive prefix sum of ``send_len``); likewise the return send buffer
-  (``o_send_idx``, sentinel ``Nq``) against the query receive groups. The exchange moves only
-  routed rows: a used entry outside them would be lost.
+  (``o_send_idx``, sentinel ``Nq``) against the query receive groups, in the senders'
+  ``recv_order``. The exchange moves only routed rows: a used entry outside them would be lost.
   """
   if meta.ranks.size != meta.num_servers:
     raise ValueError(f"packing needs every device's metadata; got ranks {meta.ranks.tolist()} of "
                      f"{meta.num_servers} (call plan_to_metadata without ranks=)")
   t, nq = meta.tokens_per_rank, meta.capacity.q_tokens
+  order = recv_order(meta.num_servers, meta.servers_per_host)
   for name, sentinel, rts, off_row, len_row in (
       ("q_send_idx", t, meta.q_routes, 0, 1), ("kv_send_idx", t, meta.kv_routes, 0, 1),
       ("o_send_idx", nq, meta.q_routes, 2, 3)):
     used = getattr(meta, name) != sentinel  # [S, C]
     off, ln = rts[:, off_row].astype(np.int64), rts[:, len_row].astype(np.int64)  # [S, S]
     want = np.arange(used.shape[1])[None, :] < ln.sum(1)[:, None]
-    bad = (used != want).any(1) | (off != np.cumsum(ln, axis=1) - ln).any(1)
+    by = order if off_row == 2 else np.arange(ln.shape[1])
+    want_off = np.empty_like(ln)
+    want_off[:, by] = np.cumsum(ln[:, by], axis=1) - ln[:, by]
+    bad = (used != want).any(1) | (off != want_off).any(1)
     if bad.any():
       p = int(np.argmax(bad))
       raise ValueError(f"metadata {name}[{p}] does not hold exactly its {int(ln[p].sum())} "
@@ -251,13 +279,24 @@ def host_plan(doc_lens, spec: PlanSpec, options: PlanOptions = PlanOptions(min_s
     ``HostPlan``. Raises ``ValueError`` naming the cap to raise when the layout overflows it.
   """
   layout, perm = device_layout(doc_lens, spec)
+  options = options.for_rows(spec.tokens_per_row)
   try:
     plan = schedule(layout, spec.num_servers, tokens_per_rank=spec.tokens_per_device,
-                    capacity=spec.capacity, options=options.for_rows(spec.tokens_per_row))
+                    capacity=spec.capacity, options=options)
   except ValueError as e:
     raise ValueError(f"distca: cannot plan this batch within {spec.capacity}: {e} (set the cap in "
                      "config.attention.distca or the capacity= option)") from e
-  meta = _remap_local_rows(plan_to_metadata(plan, spec.capacity), perm)
+  over = "" if spec.two_level is None else relay_overflow(plan, spec.two_level)
+  if over:  # the balancer knows no relay caps: this batch moves nothing, reported as capped
+    plan = schedule(layout, spec.num_servers, tokens_per_rank=spec.tokens_per_device,
+                    capacity=spec.capacity, options=dataclasses.replace(options, max_moves=0))
+    plan = dataclasses.replace(plan, degraded=True, degraded_reason=(
+        f"{over}: the batch moves nothing (relay capacity; raise attention.distca.q_relay / "
+        "kv_relay)"))
+  meta = plan_to_metadata(plan, spec.capacity, servers_per_host=spec.servers_per_host)
+  if spec.two_level is not None:
+    meta = with_relay(meta, spec.two_level)
+  meta = _remap_local_rows(meta, perm)
   return HostPlan(plan=plan, meta=meta, packed=spec.pack(meta), spec=spec)
 
 
@@ -310,6 +349,22 @@ def suggest_capacity(doc_lens_samples: Sequence[Any], num_servers: int, tokens_p
     multiple: row fields are rounded up to a multiple of this.
     options: passed to ``schedule`` (``min_shard`` a number).
   """
-  reqs = [required_capacity(schedule(d, num_servers, tokens_per_rank=tokens_per_rank,
-                                     options=options)) for d in doc_lens_samples]
-  return Capacity.envelope(reqs, quantile=quantile, multiple=multiple)
+  return suggest_caps(doc_lens_samples, num_servers, tokens_per_rank, quantile=quantile,
+                      multiple=multiple, options=options)[0]
+
+
+def suggest_caps(doc_lens_samples: Sequence[Any], num_servers: int, tokens_per_rank: int, *,
+                 quantile: float = 1.0, multiple: int = 128, options: PlanOptions = PlanOptions(),
+                 servers_per_host: int = 0) -> tuple[Capacity, tuple[int, int] | None]:
+  """``suggest_capacity``'s caps and, with ``servers_per_host`` L, the two-level exchange's
+  (query, key/value) relay rows over the same plans (``plan.two_level.required_relay``; the
+  same quantile, rounded up to ``multiple``), else None."""
+  plans = [schedule(d, num_servers, tokens_per_rank=tokens_per_rank, options=options)
+           for d in doc_lens_samples]
+  cap = Capacity.envelope([required_capacity(p) for p in plans], quantile=quantile,
+                          multiple=multiple)
+  if not servers_per_host:
+    return cap, None
+  need = np.asarray([required_relay(p, servers_per_host) for p in plans], np.float64)
+  relay = np.quantile(need, quantile, axis=0, method="higher")
+  return cap, tuple(max(multiple, int(math.ceil(r / multiple) * multiple)) for r in relay)

@@ -212,7 +212,7 @@ _CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%
 
 def schedule_order(hlo_text: str) -> list[str]:
   """The entry computation of a compiled, scheduled HLO module (``compiled.as_text()``) as the
-  sequence of its instructions that are the copy's start ('start'), its done ('done') or a
+  sequence of its instructions that are the copy's start ('start', with or without ``into``), its done ('done') or a
   matrix product ('dot': a dot, a cuBLAS call, or any instruction calling a computation that
   holds one, e.g. a fusion or a command buffer); the others are left out. XLA prints a scheduled
   computation's instructions in their schedule order."""
@@ -245,7 +245,7 @@ def schedule_order(hlo_text: str) -> list[str]:
 
   order = []
   for line in comps[entry]:
-    if f'custom_call_target="{START}"' in line:
+    if f'custom_call_target="{START}"' in line or f'custom_call_target="{START_INTO}"' in line:
       order.append("start")
     elif f'custom_call_target="{DONE}"' in line:
       order.append("done")

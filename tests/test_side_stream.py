@@ -3,7 +3,9 @@
 On CPU (the g++ handler, built here if missing): the copy equals its jnp reference bit for bit on
 random routes (groups moved to a random order, a group pointing past x, unfilled rows) into a
 poisoned buffer, two copies in flight at once finish in either order, the one-group case equals
-the data plane's exchange on one device, and bad inputs name the fix; the compiled, scheduled
+the data plane's exchange on one device, bad inputs name the fix, and the books of calls in
+flight (shared with the CUDA handler) take 64 at once, refuse a 65th and refuse a token no start
+produced; the compiled, scheduled
 program puts start before and done after every matrix product of the compute it overlaps, and
 the check detects the serialized variant (done before the products) and a variant without the
 barriers. The CUDA program cross-lowers with the attributes the handler reads and done's
@@ -17,6 +19,7 @@ Run: .venv/bin/python -m pytest -q tests/test_side_stream.py
 import json
 import os
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -155,6 +158,46 @@ def test_scheduled_program_overlaps_and_serialized_variants_are_detected(seed):
     y, out = jax.jit(_variant(name, n))(x, routes, a, a)
     np.testing.assert_array_equal(_bits(y), _bits(ss.side_copy_reference(x, routes, n)))
     np.testing.assert_allclose(out, _chain(a, a), rtol=1e-6)
+
+
+_RING_SCRIPT = """
+import jax, jax.numpy as jnp
+from custom_ops import side_stream as ss
+
+def many(n):
+  x = jnp.arange(8 * 4, dtype=jnp.float32).reshape(8, 4)
+  r = jnp.asarray([[0], [8], [0], [8], [0], [0]], jnp.int32)
+  def f(x, r):
+    started = [ss.side_copy_start(x + i, r, 8, 1) for i in range(n)]
+    started = jax.lax.optimization_barrier(started)  # every start before any done
+    return [ss.side_copy_done(y, x, r, t) for y, t in started]
+  return jax.jit(f)(x, r)
+
+def run(name, fn):
+  try:
+    fn()
+    print(name, "ok")
+  except Exception as e:
+    print(name, "error:", str(e).splitlines()[0][:300])
+
+run("in_flight_64", lambda: jax.block_until_ready(many(64)))
+y = jnp.zeros((8, 4)); x = jnp.zeros((8, 4)); r = jnp.zeros((6, 1), jnp.int32)
+run("foreign_token", lambda: jax.block_until_ready(
+    jax.jit(ss.side_copy_done)(y, x, r, jnp.int32(0))))
+run("in_flight_65", lambda: jax.block_until_ready(many(65)))
+"""
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU handler's books (a child process: a refused call "
+                    "leaves its slots taken)")
+def test_calls_in_flight_are_bounded_and_tokens_checked():
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", _RING_SCRIPT], cwd=ROOT, env=env, timeout=120,
+                       capture_output=True, text=True)
+  lines = {l.split()[0]: l for l in out.stdout.splitlines() if l.strip()}
+  assert lines.get("in_flight_64", "").endswith(" ok"), out.stdout + out.stderr
+  assert "no start in flight" in lines.get("foreign_token", ""), out.stdout + out.stderr
+  assert "64 calls already in flight" in lines.get("in_flight_65", ""), out.stdout + out.stderr
 
 
 @pytest.mark.skipif(ON_GPU, reason="cross-lowering: the CPU check of the CUDA program")

@@ -9,17 +9,16 @@
 // stream wait on that completion event. x and routes are done's operands so that XLA keeps their
 // buffers (which the copy reads) allocated, and keeps them from other writers, until done.
 //
-// The events of one call live in a slot of a ring of kSlots per device; start takes the next
-// slot, the copy kernel writes the slot's index into token, and done finds the slot by the
-// address of the token buffer it receives (start's output; XLA hands it to done unchanged). At
-// most kSlots calls per device may be in flight (started, not yet done) at once: start refuses a
-// call when every slot is in flight, done refuses a token no start in flight has produced.
+// The events of one call live in a slot of a ring of kSlots per device (sc::Ring); start takes
+// the next free slot, the copy kernel writes the slot's index into token, and done finds the
+// slot by the address of the token buffer it receives (start's output; XLA hands it to done
+// unchanged). At most kSlots calls per device may be in flight (started, not yet done) at once:
+// start refuses a call when every slot is in flight, done refuses a token no start in flight has
+// produced.
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <mutex>
 #include <string>
-#include <unordered_map>
 
 #include "side_copy.h"
 #include "xla/ffi/api/ffi.h"
@@ -29,7 +28,6 @@ namespace sc = distca_side_copy;
 
 namespace {
 
-constexpr int kSlots = 64;            // calls in flight per device, at most
 constexpr int kThreads = 1024;        // threads per CTA: 32 warps, one row per warp at a time
 constexpr int kUnroll = 4;            // 16-byte loads in flight per lane
 constexpr int kMaxDevices = 64;
@@ -37,16 +35,13 @@ constexpr int kMaxDevices = 64;
 struct Slot {
   cudaEvent_t ready = nullptr;  // recorded on XLA's stream: x and y's prior uses are done
   cudaEvent_t done = nullptr;   // recorded after the copy
-  bool in_flight = false;
 };
 
 struct Device {
-  std::mutex mu;
+  sc::Ring ring;  // its mutex guards this whole struct
   bool init = false;
   cudaStream_t side = nullptr;
-  Slot slots[kSlots];
-  int next = 0;
-  std::unordered_map<const void*, int> by_token;  // token buffer address -> slot in flight
+  Slot slots[sc::kSlots];
 };
 
 Device g_devices[kMaxDevices];
@@ -63,7 +58,7 @@ ffi::Error InitDevice(Device& d, int ordinal) {
   int least = 0, greatest = 0;
   if (e == cudaSuccess) e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
   if (e == cudaSuccess) e = cudaStreamCreateWithPriority(&d.side, cudaStreamNonBlocking, greatest);
-  for (int i = 0; i < kSlots && e == cudaSuccess; ++i) {
+  for (int i = 0; i < sc::kSlots && e == cudaSuccess; ++i) {
     e = cudaEventCreateWithFlags(&d.slots[i].ready, cudaEventDisableTiming);
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&d.slots[i].done, cudaEventDisableTiming);
   }
@@ -122,39 +117,30 @@ ffi::Error Start(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::An
       (reinterpret_cast<uintptr_t>(x.untyped_data()) | reinterpret_cast<uintptr_t>(y->untyped_data())) % 16)
     return ffi::Error::InvalidArgument("side_copy: rows must be a multiple of 16 bytes, 16-byte aligned");
   Device& d = g_devices[ordinal];
-  std::lock_guard<std::mutex> lock(d.mu);
+  std::lock_guard<std::mutex> lock(d.ring.mu);
   if (auto e = InitDevice(d, ordinal); !e.success()) return e;
-  int slot = d.next;  // the next free slot of the ring
-  for (int k = 0; k < kSlots && d.slots[slot].in_flight; ++k) slot = (slot + 1) % kSlots;
+  const int slot = d.ring.Acquire(token->untyped_data());
+  if (slot < 0) return sc::AllInFlight();
   Slot& s = d.slots[slot];
-  if (s.in_flight)
-    return ffi::Error::Internal("side_copy: 64 calls already in flight on this device (call done "
-                                "for a start before starting more)");
   cudaStream_t run = on_side ? d.side : stream;
   cudaError_t e = cudaSuccess;
   if (on_side) {
     e = cudaEventRecord(s.ready, stream);
     if (e == cudaSuccess) e = cudaStreamWaitEvent(d.side, s.ready, 0);
-    if (e != cudaSuccess) return ffi::Error::Internal(Err("ordering the side stream", e));
   }
   const int groups = static_cast<int>(routes.dimensions()[1]);
-  CopyRows<<<static_cast<unsigned>(blocks), kThreads, 3 * groups * sizeof(int32_t), run>>>(
-      static_cast<const uint4*>(x.untyped_data()), static_cast<uint4*>(y->untyped_data()),
-      static_cast<const int32_t*>(routes.untyped_data()), groups, x_rows, y_rows,
-      static_cast<int64_t>(row_bytes / 16), token->typed_data(), slot);
-  e = cudaGetLastError();
-  if (e != cudaSuccess) return ffi::Error::Internal(Err("launching the copy", e));
-  e = cudaEventRecord(s.done, run);
-  if (e != cudaSuccess) return ffi::Error::Internal(Err("recording the copy's end", e));
-  s.in_flight = true;
-  // XLA never gives one address to two live tokens: an entry already there is a start whose
-  // done never ran (its program failed), and its slot is free again.
-  auto [it, fresh] = d.by_token.try_emplace(token->untyped_data(), slot);
-  if (!fresh) {
-    d.slots[it->second].in_flight = false;
-    it->second = slot;
+  if (e == cudaSuccess) {
+    CopyRows<<<static_cast<unsigned>(blocks), kThreads, 3 * groups * sizeof(int32_t), run>>>(
+        static_cast<const uint4*>(x.untyped_data()), static_cast<uint4*>(y->untyped_data()),
+        static_cast<const int32_t*>(routes.untyped_data()), groups, x_rows, y_rows,
+        static_cast<int64_t>(row_bytes / 16), token->typed_data(), slot);
+    e = cudaGetLastError();
   }
-  d.next = (slot + 1) % kSlots;
+  if (e == cudaSuccess) e = cudaEventRecord(s.done, run);
+  if (e != cudaSuccess) {
+    d.ring.Release(token->untyped_data());
+    return ffi::Error::Internal(Err("starting the copy", e));
+  }
   return ffi::Error::Success();
 }
 
@@ -166,15 +152,10 @@ ffi::Error Done(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer y, ffi::Any
   if (ordinal < 0 || ordinal >= kMaxDevices)
     return ffi::Error::Internal("side_copy: device ordinal out of range");
   Device& d = g_devices[ordinal];
-  std::lock_guard<std::mutex> lock(d.mu);
-  auto it = d.by_token.find(token.untyped_data());
-  if (it == d.by_token.end())
-    return ffi::Error::Internal("side_copy done: its token comes from no start in flight on this "
-                                "device (pass start's token to done unchanged)");
-  Slot& s = d.slots[it->second];
-  d.by_token.erase(it);
-  s.in_flight = false;
-  cudaError_t e = cudaStreamWaitEvent(stream, s.done, 0);
+  std::lock_guard<std::mutex> lock(d.ring.mu);
+  const int slot = d.ring.Release(token.untyped_data());
+  if (slot < 0) return sc::UnknownToken();
+  cudaError_t e = cudaStreamWaitEvent(stream, d.slots[slot].done, 0);
   if (e != cudaSuccess) return ffi::Error::Internal(Err("waiting for the copy", e));
   return ffi::Error::Success();
 }

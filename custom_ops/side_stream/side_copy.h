@@ -10,6 +10,8 @@
 #define DISTCA_SIDE_COPY_H_
 
 #include <cstdint>
+#include <mutex>
+#include <unordered_map>
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
@@ -56,6 +58,60 @@ inline ffi::Error CheckArgs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& route
   if (blocks < 1 || blocks > 65535)
     return ffi::Error::InvalidArgument("side_copy: blocks must be in [1, 65535]");
   return ffi::Error::Success();
+}
+
+// The calls in flight on one device (started, not yet done), at most kSlots: start takes a free
+// slot for its token's buffer address, done gives it back by the same address. The CUDA handler
+// keeps a slot's events at its index; the CPU handler keeps the same books (its copy is done at
+// start) so that the CPU tests check them.
+constexpr int kSlots = 64;
+
+class Ring {
+ public:
+  // A free slot, in ring order, for the start whose token lives at `token`; -1 when all
+  // kSlots are in flight. XLA never gives one address to two live tokens: an entry already
+  // there is a start whose done never ran (its program failed), and its slot is freed.
+  int Acquire(const void* token) {
+    int slot = next_;
+    for (int k = 0; k < kSlots && in_flight_[slot]; ++k) slot = (slot + 1) % kSlots;
+    if (in_flight_[slot]) return -1;
+    auto [it, fresh] = by_token_.try_emplace(token, slot);
+    if (!fresh) {
+      in_flight_[it->second] = false;
+      it->second = slot;
+    }
+    in_flight_[slot] = true;
+    next_ = (slot + 1) % kSlots;
+    return slot;
+  }
+
+  // The slot of the start whose token lives at `token`, freed; -1 when no start in flight has
+  // that token.
+  int Release(const void* token) {
+    auto it = by_token_.find(token);
+    if (it == by_token_.end()) return -1;
+    const int slot = it->second;
+    by_token_.erase(it);
+    in_flight_[slot] = false;
+    return slot;
+  }
+
+  std::mutex mu;  // held by the handler around Acquire / Release and its use of the slot
+
+ private:
+  bool in_flight_[kSlots] = {};
+  int next_ = 0;
+  std::unordered_map<const void*, int> by_token_;
+};
+
+inline ffi::Error AllInFlight() {
+  return ffi::Error::Internal("side_copy: 64 calls already in flight on this device (call done "
+                              "for a start before starting more)");
+}
+
+inline ffi::Error UnknownToken() {
+  return ffi::Error::Internal("side_copy done: its token comes from no start in flight on this "
+                              "device (pass start's token to done unchanged)");
 }
 
 // Bytes per row of y (x's rows have the same width).

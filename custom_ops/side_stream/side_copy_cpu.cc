@@ -1,7 +1,8 @@
 // CPU handlers of the side-stream row copy (side_copy.h): the same contract as the CUDA pair,
 // run synchronously, so the code path (the FFI calls, their aliasing and order) runs on CPU.
 // start writes y and token 0 (start_into: into the buffer passed in, aliased to y); done returns
-// y (aliased) and does nothing else.
+// y (aliased). Both keep the CUDA pair's books of calls in flight (sc::Ring, one for the host
+// device), with the same refusals.
 #include <cstring>
 #include <string>
 
@@ -10,6 +11,8 @@
 
 namespace ffi = xla::ffi;
 namespace sc = distca_side_copy;
+
+static sc::Ring g_ring;
 
 static ffi::Error StartCpu(ffi::AnyBuffer x, ffi::AnyBuffer routes,
                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> token,
@@ -27,7 +30,10 @@ static ffi::Error StartCpu(ffi::AnyBuffer x, ffi::AnyBuffer routes,
     if (s < 0) std::memset(ys + row * row_bytes, 0, row_bytes);
     else std::memcpy(ys + row * row_bytes, xs + s * row_bytes, row_bytes);
   }
-  token->typed_data()[0] = 0;
+  std::lock_guard<std::mutex> lock(g_ring.mu);
+  const int slot = g_ring.Acquire(token->untyped_data());
+  if (slot < 0) return sc::AllInFlight();
+  token->typed_data()[0] = slot;
   return ffi::Error::Success();
 }
 
@@ -44,6 +50,8 @@ static ffi::Error DoneCpu(ffi::AnyBuffer y, ffi::AnyBuffer x, ffi::AnyBuffer rou
                           ffi::Buffer<ffi::S32> token, ffi::Result<ffi::AnyBuffer> out) {
   if (out->untyped_data() != y.untyped_data())
     return ffi::Error::Internal("side_copy done: y is not aliased to the output");
+  std::lock_guard<std::mutex> lock(g_ring.mu);
+  if (g_ring.Release(token.untyped_data()) < 0) return sc::UnknownToken();
   return ffi::Error::Success();
 }
 

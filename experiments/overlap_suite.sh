@@ -6,7 +6,7 @@
 # 2. the GPU tests (tests/test_side_stream.py with JAX_PLATFORMS=cuda);
 # 3. experiments/overlap_bench.py (every SM budget, a profile of the chosen one) writing
 #    OUTDIR/overlap_bench.md and .json, the profiles under OUTDIR/trace;
-# 4. the same at three budgets with XLA's GEMMs kept on Triton (--xla_gpu_cublas_fallback=false:
+# 4. the same at three budgets (tables written after each) with XLA's GEMMs kept on Triton (--xla_gpu_cublas_fallback=false:
 #    grids of one CTA per tile, where cuBLAS's persistent kernels may hold CTAs that start only
 #    when the copy frees its SMs), OUTDIR/overlap_bench_triton.md.
 # Each stage has its own time limit; a stage that fails or times out is logged and the rest run.
@@ -39,7 +39,7 @@ stage() {  # stage NAME SECONDS CMD...
   > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 rm -f build/side_stream/libside_copy_cuda.so  # never a library left from an earlier call
-stage build 90 bash custom_ops/side_stream/build.sh build/side_stream cuda
+stage build 60 bash custom_ops/side_stream/build.sh build/side_stream cuda
 if [[ ! -f build/side_stream/libside_copy_cuda.so ]]; then
   if [[ -f .carry/side_stream/libside_copy_cuda.so ]]; then
     mkdir -p build/side_stream && cp .carry/side_stream/libside_copy_cuda.so build/side_stream/
@@ -49,12 +49,12 @@ if [[ ! -f build/side_stream/libside_copy_cuda.so ]]; then
     exit 1
   fi
 fi
-stage gpu_tests 90 env JAX_PLATFORMS=cuda python3 -m pytest -q -rA tests/test_side_stream.py
+stage gpu_tests 75 env JAX_PLATFORMS=cuda python3 -m pytest -q -rA tests/test_side_stream.py
 tests_rc=$?
-stage bench 180 python3 -m experiments.overlap_bench --out "$OUT/overlap_bench" --trace "$OUT/trace"
+stage bench 160 python3 -m experiments.overlap_bench --out "$OUT/overlap_bench" --trace "$OUT/trace"
 bench_rc=$?
-stage bench_triton 90 env XLA_FLAGS=--xla_gpu_cublas_fallback=false python3 -m \
-  experiments.overlap_bench --budgets 8,16,32 --reps 10 --out "$OUT/overlap_bench_triton"
+stage bench_triton 120 env XLA_FLAGS=--xla_gpu_cublas_fallback=false python3 -m \
+  experiments.overlap_bench --budgets 16,32,8 --reps 10 --out "$OUT/overlap_bench_triton"
 triton_rc=$?
 echo "=== tests rc=$tests_rc, bench rc=$bench_rc, bench_triton rc=$triton_rc" | tee -a "$SUMMARY"
 [[ -f "$OUT/overlap_bench_triton.md" ]] && tee -a "$SUMMARY" < "$OUT/overlap_bench_triton.md"

@@ -68,6 +68,8 @@ def _args(argv=None):
   p.add_argument("--per-trial", type=int, default=5, help="calls back to back in one trial")
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--trace", default="", help="profile one both/serial call into this folder")
+  p.add_argument("--commit", default="", help="the commit the table names (default: git's HEAD, "
+                 "'n/a' outside git, e.g. on a machine given the tree without .git)")
   p.add_argument("--out", default=os.path.join(ROOT, "results", "overlap_bench"))
   a = p.parse_args(argv)
   if a.tiny:
@@ -220,7 +222,7 @@ def main(a) -> int:
                                for k in names))
 
   xargs = (xs["q"], routes["q"], xs["kv"], routes["kv"])
-  res = {"command": experiments.command_line(__file__), "commit": experiments.git_commit(),
+  res = {"command": experiments.command_line(__file__), "commit": a.commit or experiments.git_commit(),
          "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
          "jax": jax.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
          "shapes": {"q_rows": a.q_rows, "kv_rows": a.kv_rows, "q_row": list(hq),

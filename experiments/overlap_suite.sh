@@ -10,6 +10,7 @@
 #    grids of one CTA per tile, where cuBLAS's persistent kernels may hold CTAs that start only
 #    when the copy frees its SMs), OUTDIR/overlap_bench_triton.md.
 # Each stage has its own time limit; a stage that fails or times out is logged and the rest run.
+# COMMIT=<hash> names the commit in the tables (the tree may come without .git).
 # Logs: OUTDIR/<stage>.log; OUTDIR/summary.txt ends with the bench's table. Exit 0 if the bench
 # wrote its table or the tests ran; 1 if nothing useful ran.
 set -u
@@ -23,6 +24,7 @@ fi
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUDA_VISIBLE_DEVICES=0
 export DISTCA_SIDE_STREAM_DIR=$PWD/build/side_stream
+COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo n/a)}
 SUMMARY=$OUT/summary.txt
 : > "$SUMMARY"
 stage() {  # stage NAME SECONDS CMD...
@@ -51,10 +53,12 @@ if [[ ! -f build/side_stream/libside_copy_cuda.so ]]; then
 fi
 stage gpu_tests 75 env JAX_PLATFORMS=cuda python3 -m pytest -q -rA tests/test_side_stream.py
 tests_rc=$?
-stage bench 160 python3 -m experiments.overlap_bench --out "$OUT/overlap_bench" --trace "$OUT/trace"
+stage bench 160 python3 -m experiments.overlap_bench --out "$OUT/overlap_bench" --trace "$OUT/trace" \
+  --commit "$COMMIT"
 bench_rc=$?
 stage bench_triton 120 env XLA_FLAGS=--xla_gpu_cublas_fallback=false python3 -m \
-  experiments.overlap_bench --budgets 16,32,8 --reps 10 --out "$OUT/overlap_bench_triton"
+  experiments.overlap_bench --budgets 16,32,8 --reps 10 --out "$OUT/overlap_bench_triton" \
+  --commit "$COMMIT"
 triton_rc=$?
 echo "=== tests rc=$tests_rc, bench rc=$bench_rc, bench_triton rc=$triton_rc" | tee -a "$SUMMARY"
 [[ -f "$OUT/overlap_bench_triton.md" ]] && tee -a "$SUMMARY" < "$OUT/overlap_bench_triton.md"

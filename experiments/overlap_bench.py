@@ -231,6 +231,7 @@ def main(a) -> int:
                     "group_rows": {k: np.asarray(routes[k][3]).tolist() for k in names},
                     "copy_bytes": int(sum(np.asarray(routes[k][3]).sum() * np.prod(xs[k].shape[1:])
                                           * 2 for k in names)),
+                    "recv_bytes": int(sum(recv[k] * np.prod(xs[k].shape[1:]) * 2 for k in names)),
                     "matmul_tflop": 2 * a.tokens * a.layers * sum(
                         int(np.prod(v.shape)) for v in w.values()) / 1e12},
          "reps": a.reps, "per_trial": a.per_trial, "warmup": a.warmup, "rows": []}
@@ -274,7 +275,9 @@ def main(a) -> int:
            "hidden": (ms["mm"] + ms["x"] - ms["both"]) / ms["x"],
            "slowdown": ms["both"] / ms["mm"],
            "serial_hidden": (ms["mm"] + ms["x"] - ms["serial"]) / ms["x"],
-           "x_GBps": 2 * res["shapes"]["copy_bytes"] / (ms["x"] / 1e3) / 1e9,
+           # HBM traffic: the group rows read, every receive row written (zeros included)
+           "x_GBps": (res["shapes"]["copy_bytes"] + res["shapes"]["recv_bytes"])
+                     / (ms["x"] / 1e3) / 1e9,
            "schedule_ok": bool(order_ok),
            "trials_ms": {k: [1e3 * s for s in v] for k, v in t.items()}}
     res["rows"].append(row)
@@ -336,8 +339,8 @@ def _write(a, res, best):
                  f"{r['slowdown']:.3f} | {r['serial_hidden']:.1%} | "
                  f"{'ok' if r['schedule_ok'] else 'NOT overlapped'} |")
   g = res["gate"]
-  lines += ["", "hidden = (mm + x - both) / x; slowdown = both / mm; x GB/s = (read + written "
-            "bytes) / x. 'serial': the same copies on XLA's stream before the matmuls.", "",
+  lines += ["", "hidden = (mm + x - both) / x; slowdown = both / mm; x GB/s = (group rows read + "
+            "receive rows written) / x. 'serial': the same copies on XLA's stream before the matmuls.", "",
             (f"Gate (hidden >= {g['hidden_min']:.0%} with slowdown <= {g['slowdown_max']}): "
              + ("not judged (CPU run: its times mean nothing)." if g["passed"] is None else
                 f"{'PASSED' if g['passed'] else 'FAILED'} at the chosen budget "

@@ -25,18 +25,19 @@ across, so the order holds in the scheduled program (tests/test_side_stream.py c
 
 Lifetime: the copy reads ``x`` and ``routes`` and writes ``y`` while XLA's stream moves on. All
 three are done's operands (``y`` aliased to its output), so XLA keeps their buffers allocated
-until done and gives them to no other op before done; the event recorded at start orders the
-copy after every earlier use of those buffers on XLA's stream, and done orders every later use
-after the copy. Nothing but done may read ``y`` before done (``overlapped`` and the tests hand
+until done and lets no other value take them before (other ops may read ``x``); the event
+recorded at start orders the copy after every earlier use of those buffers on XLA's stream, and
+done orders every later use after the copy. Nothing but done may read ``y`` before done (``overlapped`` and the tests hand
 ``y`` only to done). Each call's events sit in a slot of a ring of 64 per device, found by done
-through the token buffer's address: at most 64 calls per device in flight (started, not yet
-done); start and done refuse more, and refuse a token that no start in flight produced.
+through the token buffer's address (start writes the slot's index into the token): at most 64
+calls per device in flight (started, not yet done); start refuses a 65th, done refuses a token
+that no start in flight produced.
 
 Not differentiable (the one-GPU proof of the overlap; the data plane's exchange keeps its own
-VJP). CPU: ``side_copy_cpu.cc`` implements the same pair synchronously, so the same program
-(calls, aliasing, order) runs on fake CPU devices. Build both libraries with
-``bash custom_ops/side_stream/build.sh`` (into ``build/side_stream``; ``DISTCA_SIDE_STREAM_DIR``
-names another directory).
+VJP). CPU: ``side_copy_cpu.cc`` implements the same pair synchronously (the copy at start) and
+keeps the same books of calls in flight, so the same program (calls, aliasing, order, refusals)
+runs on fake CPU devices. Build both libraries with ``bash custom_ops/side_stream/build.sh``
+(into ``build/side_stream``; ``DISTCA_SIDE_STREAM_DIR`` names another directory).
 """
 
 from __future__ import annotations
@@ -212,10 +213,10 @@ _CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%
 
 def schedule_order(hlo_text: str) -> list[str]:
   """The entry computation of a compiled, scheduled HLO module (``compiled.as_text()``) as the
-  sequence of its instructions that are the copy's start ('start', with or without ``into``), its done ('done') or a
-  matrix product ('dot': a dot, a cuBLAS call, or any instruction calling a computation that
-  holds one, e.g. a fusion or a command buffer); the others are left out. XLA prints a scheduled
-  computation's instructions in their schedule order."""
+  sequence of its instructions that are the copy's start ('start', with or without ``into``),
+  its done ('done') or a matrix product ('dot': a dot, a cuBLAS call, or any instruction calling
+  a computation that holds one, e.g. a fusion or a command buffer); the others are left out. XLA
+  prints a scheduled computation's instructions in their schedule order."""
   comps: dict[str, list[str]] = {}
   entry, name = None, None
   for line in hlo_text.splitlines():

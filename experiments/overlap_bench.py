@@ -222,7 +222,8 @@ def main(a) -> int:
                                for k in names))
 
   xargs = (xs["q"], routes["q"], xs["kv"], routes["kv"])
-  res = {"command": experiments.command_line(__file__), "commit": a.commit or experiments.git_commit(),
+  res = {"command": experiments.command_line(__file__),
+         "commit": a.commit or experiments.git_commit(),
          "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
          "jax": jax.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
          "shapes": {"q_rows": a.q_rows, "kv_rows": a.kv_rows, "q_row": list(hq),
@@ -340,7 +341,8 @@ def _write(a, res, best):
                  f"{'ok' if r['schedule_ok'] else 'NOT overlapped'} |")
   g = res["gate"]
   lines += ["", "hidden = (mm + x - both) / x; slowdown = both / mm; x GB/s = (group rows read + "
-            "receive rows written) / x. 'serial': the same copies on XLA's stream before the matmuls.", "",
+            "receive rows written) / x. 'serial': the same copies on XLA's stream before the "
+            "matmuls.", "",
             (f"Gate (hidden >= {g['hidden_min']:.0%} with slowdown <= {g['slowdown_max']}): "
              + ("not judged (CPU run: its times mean nothing)." if g["passed"] is None else
                 f"{'PASSED' if g['passed'] else 'FAILED'} at the chosen budget "

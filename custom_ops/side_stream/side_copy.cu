@@ -113,9 +113,11 @@ ffi::Error Start(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::An
     return ffi::Error::Internal("side_copy: device ordinal out of range");
   const int64_t x_rows = x.dimensions()[0], y_rows = y->dimensions()[0];
   const size_t row_bytes = sc::RowBytes(*y);
-  if (row_bytes % 16 != 0 ||
-      (reinterpret_cast<uintptr_t>(x.untyped_data()) | reinterpret_cast<uintptr_t>(y->untyped_data())) % 16)
-    return ffi::Error::InvalidArgument("side_copy: rows must be a multiple of 16 bytes, 16-byte aligned");
+  const uintptr_t addresses = reinterpret_cast<uintptr_t>(x.untyped_data()) |
+                              reinterpret_cast<uintptr_t>(y->untyped_data());
+  if (row_bytes % 16 != 0 || addresses % 16 != 0)
+    return ffi::Error::InvalidArgument(
+        "side_copy: rows must be a multiple of 16 bytes, 16-byte aligned");
   Device& d = g_devices[ordinal];
   std::lock_guard<std::mutex> lock(d.ring.mu);
   if (auto e = InitDevice(d, ordinal); !e.success()) return e;

@@ -27,11 +27,11 @@ Lifetime: the copy reads ``x`` and ``routes`` and writes ``y`` while XLA's strea
 three are done's operands (``y`` aliased to its output), so XLA keeps their buffers allocated
 until done and lets no other value take them before (other ops may read ``x``); the event
 recorded at start orders the copy after every earlier use of those buffers on XLA's stream, and
-done orders every later use after the copy. Nothing but done may read ``y`` before done (``overlapped`` and the tests hand
-``y`` only to done). Each call's events sit in a slot of a ring of 64 per device, found by done
-through the token buffer's address (start writes the slot's index into the token): at most 64
-calls per device in flight (started, not yet done); start refuses a 65th, done refuses a token
-that no start in flight produced.
+done orders every later use after the copy. Nothing but done may read ``y`` before done
+(``overlapped`` and the tests hand ``y`` only to done). Each call's events sit in a slot of a
+ring of 64 per device, found by done through the token buffer's address (start writes the
+slot's index into the token): at most 64 calls per device in flight (started, not yet done);
+start refuses a 65th, done refuses a token that no start in flight produced.
 
 Not differentiable (the one-GPU proof of the overlap; the data plane's exchange keeps its own
 VJP). CPU: ``side_copy_cpu.cc`` implements the same pair synchronously (the copy at start) and

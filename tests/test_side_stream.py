@@ -75,7 +75,9 @@ def _chain(a, b):
 def test_copy_equals_the_reference(seed, row, dtype):
   x, routes, n = _inputs(seed, row=row, dtype=dtype)
   ref = ss.side_copy_reference(x, routes, n)
-  assert int(jnp.sum(jnp.all(ref == 0, axis=tuple(range(1, ref.ndim))))) > n - 300 * 0.9
+  # The groups fill at most 90% of x's 300 rows, and one group runs past x's end: more than
+  # n - 270 zero rows, all of which the copy must write.
+  assert int(jnp.sum(jnp.all(ref == 0, axis=tuple(range(1, ref.ndim))))) > n - 270
   for into in (None, _poison(n, x)):
     @jax.jit
     def f(x, routes, into, a, b):
@@ -99,7 +101,9 @@ def test_two_copies_in_flight_finish_in_either_order(seed):
   def f(x, routes, x2, routes2):
     y, t = ss.side_copy_start(x, routes, n, 4)
     y2, t2 = ss.side_copy_start(x2, routes2, n2, 2, on_side=False)
-    y2 = ss.side_copy_done(y2, x2, routes2, t2)
+    y, t, y2, t2 = jax.lax.optimization_barrier((y, t, y2, t2))  # both started
+    y2 = ss.side_copy_done(y2, x2, routes2, t2)  # the second is done first
+    y, t, y2 = jax.lax.optimization_barrier((y, t, y2))
     return ss.side_copy_done(y, x, routes, t), y2
 
   y, y2 = f(x, routes, x2, routes2)

@@ -7,6 +7,9 @@ checks, the plain-jnp reference ``varlen_attention_reference``).
 does not import it (``from custom_ops import mosaic_attention`` loads Mosaic GPU).
 ``custom_ops.remote_exchange``: the data plane's exchange as device-initiated copies (Pallas
 Mosaic GPU; not imported by the package either).
+``custom_ops.side_stream``: the exchange's row copy on a side CUDA stream with an SM budget, hidden
+behind independent compute (an XLA FFI pair in ``custom_ops/side_stream/``; not imported by the
+package).
 ``custom_ops.flash3_attention``: the adapter of FlashAttention-3 (``flash-attn3-jax``) to the
 contract; it imports the bindings only when a call is traced, so it imports without them.
 """

@@ -47,6 +47,8 @@ class Options:
   Attributes:
     tolerance, min_shard, min_gain: the balancer's (``plan.PlanOptions``); ``min_shard`` None
       takes ``plan.auto_min_shard`` of the batch's tokens per row (the config's 0).
+    servers_per_host, intra_host_gbps, inter_host_gbps: the balancer's hosts and link rates
+      (``plan.PlanOptions``); ``servers_per_host`` None = one host (the config's 0).
     q_send, kv_send, q_recv, kv_recv, q_tokens, kv_tokens, tasks: caps per device for one call
       (``R/n`` rows of ``tokens_per_row``); 0 takes ``plan.default_capacity``'s value.
     kernel, memory_mode: ``dataplane.DispatchOptions``.
@@ -80,6 +82,9 @@ class Options:
   tolerance: float = cost.DEFAULT_TOLERANCE
   min_shard: int | None = None
   min_gain: float = 0.0
+  servers_per_host: int | None = None
+  intra_host_gbps: float = cost.INTRA_HOST_GBPS
+  inter_host_gbps: float = cost.INTER_HOST_GBPS
   q_send: int = 0
   kv_send: int = 0
   q_recv: int = 0
@@ -121,6 +126,8 @@ class Options:
     rows = c.rows_per_rank // (ticks.resolve_microbatches(c.pipeline.microbatches, c.mesh.pipe)
                                if pipe else 1)
     return cls(tolerance=d.tolerance, min_shard=d.min_shard or None, min_gain=d.min_gain,
+               servers_per_host=d.servers_per_host or None, intra_host_gbps=d.intra_host_gbps,
+               inter_host_gbps=d.inter_host_gbps,
                **{f: d[f] for f in CAP_FIELDS},
                kernel=c.attention.kernel, memory_mode=d.memory_mode,
                rows_per_rank=rows, nano_batches=c.attention.nano_batches,
@@ -140,7 +147,13 @@ class Options:
                        min_gain=self.min_gain, cost_model=self.cost_table or None,
                        linear_pairs_per_token=self.linear_pairs_per_token, q_heads=self.q_heads,
                        kv_heads=self.kv_heads, head_dim=self.head_dim,
-                       dtype_bytes=self.dtype_bytes)
+                       dtype_bytes=self.dtype_bytes, **self.host_options)
+
+  @property
+  def host_options(self) -> dict[str, Any]:
+    """The planner's hosts and link rates (``plan.PlanOptions`` fields)."""
+    return {"servers_per_host": self.servers_per_host, "intra_host_gbps": self.intra_host_gbps,
+            "inter_host_gbps": self.inter_host_gbps}
 
   @property
   def caps(self) -> dict[str, int]:
@@ -399,7 +412,8 @@ def suggest_config_capacity(c: ml_collections.ConfigDict, options: Options | Non
   # The balancer's tolerance and min_shard and the attention shapes. No gate (min_gain): every
   # sampled batch is balanced, so the caps also hold the batches a gate leaves unmoved.
   sizing = PlanOptions(tolerance=o.tolerance, min_shard=o.min_shard, q_heads=o.q_heads,
-                       kv_heads=o.kv_heads, head_dim=o.head_dim).for_rows(t)
+                       kv_heads=o.kv_heads, head_dim=o.head_dim,
+                       **o.host_options).for_rows(t)
   cap = suggest_capacity(layouts, servers, rn * t, quantile=quantile,
                          multiple=row_multiple(rn * t), options=sizing)
   return dataclasses.asdict(cap)

@@ -4,7 +4,8 @@ tables the device step executes.
 Modules, in dependency order: ``cost`` (pairs, FLOPs of a task table, measured kernel times,
 the balance gate), ``options`` (``PlanOptions``: the planner's choices), ``capacity`` (the fixed
 buffer sizes a plan must fit), ``metadata`` (``Plan``, ``PlanMetadata``, ``plan_to_metadata``:
-the contract with ``distca_jax.dataplane``), ``balancer`` and ``scheduling`` (``schedule``),
+the contract with ``distca_jax.dataplane``), ``balancer``, ``hosts`` (the balancer over several
+hosts) and ``scheduling`` (``schedule``),
 ``spec`` (``PlanSpec``, ``host_plan``: a batch's plan packed for the step), ``ticks`` (the
 pipeline's schedule on the host: which rows each tick's core-attention call sees), ``executor``
 (the NumPy oracle of the contract) and ``diagnostics``.

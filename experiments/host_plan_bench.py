@@ -135,8 +135,10 @@ def main() -> None:
     layouts = [sampler.flat_doclens(step, s) for step in range(args.timing_steps + 1)]
     _timed(layouts[-1], s, t, aware_opts)  # warm up
     row = {"workload": name, "servers": s, "servers_per_host": L, "plans": args.timing_steps}
-    for k, opts in (("blind", blind_opts), ("aware", aware_opts)):
-      res = [_timed(dl, s, t, opts) for dl in layouts[:-1]]
+    # Interleaved, so both planners see the same load on a shared machine.
+    both = [(_timed(dl, s, t, blind_opts), _timed(dl, s, t, aware_opts)) for dl in layouts[:-1]]
+    for i, k in enumerate(("blind", "aware")):
+      res = [pair[i] for pair in both]
       ms = np.asarray([r[1] for r in res])
       cpu = np.asarray([r[2] for r in res])
       row[k] = {"ms_median": float(np.median(ms)), "ms_max": float(ms.max()),

@@ -243,7 +243,7 @@ class Balancer:
 
   # -- one move -------------------------------------------------------------------------------
   def _exact(self, i: int, opt: int, d: int, t_useful: float, room: float,
-             upper: float = math.inf):
+             upper: float = math.inf, effects: bool = True):
     """Exact integer version of option ``opt`` (0 whole, 1 mirrored, 2 suffix) for item ``i``.
 
     ``m`` (mirrored pairs) or ``k`` (suffix tokens) is the smallest amount whose work reaches
@@ -251,8 +251,15 @@ class Balancer:
     overflows a cap, halved amounts are tried down to the minimum.
 
     Returns (moved intervals, kept item (a, x, y, b) or None, moved item, work, where, effects)
-    or a string naming why it is infeasible (a cap name, or 'shape').
+    or a string naming why it is infeasible (a cap name, or 'shape'). Without ``effects`` (no
+    caps to check): (moved intervals, kept item, moved item, work) only.
     """
+    if not effects:
+      def settle(moved, kept, new):
+        return moved, kept, new, sum((hi - lo) * (lo + hi + 1) // 2 for lo, hi in moved)
+    else:
+      def settle(moved, kept, new):
+        return self._effects(i, d, moved, kept, new)
     a, x = int(self.head_lo[i]), int(self.head_hi[i])
     y, b = int(self.tail_lo[i]), int(self.tail_hi[i])
     two = x < y
@@ -261,7 +268,7 @@ class Balancer:
     if opt == 0:
       if self.item_work[i] > room:
         return "shape"
-      return self._effects(i, d, [(a, x), (y, b)] if two else [(a, b)], None, (a, x, y, b))
+      return settle([(a, x), (y, b)] if two else [(a, b)], None, (a, x, y, b))
     if opt == 1:
       c1 = x + y + 1
       m_lo = max(m0 if two else (m0 + 1) // 2, 1)
@@ -274,7 +281,7 @@ class Balancer:
           moved, new = [(x - m, x), (y, y + m)], (x - m, x, y, y + m)
         else:
           moved, new = [(x - m, x + m)], (x - m, x, x, x + m)
-        res = self._effects(i, d, moved, (a, x - m, y + m, b), new)
+        res = settle(moved, (a, x - m, y + m, b), new)
         if not isinstance(res, str) or m == m_lo:
           return res
         m = max(m_lo, m // 2)
@@ -308,7 +315,7 @@ class Balancer:
       else:
         km = (a + b - k) // 2
         kept = (a, km, km, b - k)
-      res = self._effects(i, d, [(b - k, b)], kept, new)
+      res = settle([(b - k, b)], kept, new)
       if not isinstance(res, str) or k == k_lo:
         return res
       k = max(k_lo, k // 2)
@@ -558,12 +565,13 @@ class Balancer:
     saved = self.capacity
     if not use_caps:
       self.capacity = Capacity()
+    capped = any(getattr(self.capacity, f) is not None for f in CAP_FIELDS)
     try:
       for opt in range(3):
         upper[opt, p] = np.inf
         if (opt == 1 and self.split == "suffix") or (opt == 2 and self.split == "mirrored"):
           continue
-        res = self._exact(i, opt, d, tu, room)
+        res = self._exact(i, opt, d, tu, room, effects=capped)
         if isinstance(res, str):
           prio[opt, p] = -1.0
           continue

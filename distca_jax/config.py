@@ -61,9 +61,10 @@ def base_config() -> ml_collections.ConfigDict:
                                           # (512, or tokens_per_rank / 16 for short rows)
   c.attention.distca.servers_per_host = 0  # attention servers per host (servers numbered
                                           # host-major: a data axis over one process per
-                                          # host); the planner balances inside hosts first and
-                                          # prices moves by link (plan.PlanOptions); must
-                                          # divide the server count; 0 = one host
+                                          # host); the planner moves only each host's excess
+                                          # across hosts and prices moves by link
+                                          # (plan.PlanOptions); must divide the server count;
+                                          # 0 = one host
   c.attention.distca.intra_host_gbps = cost.INTRA_HOST_GBPS  # per-GPU link rates (GB/s) the
   c.attention.distca.inter_host_gbps = cost.INTER_HOST_GBPS  # planner prices moves with, inside
                                           # a host (344: the remote exchange fitted on 4 x

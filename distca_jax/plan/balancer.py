@@ -256,7 +256,7 @@ class Balancer:
     """
     if not effects:
       def settle(moved, kept, new):
-        return moved, kept, new, sum((hi - lo) * (lo + hi + 1) // 2 for lo, hi in moved)
+        return moved, kept, new, sum(pairs(lo, hi) for lo, hi in moved)
     else:
       def settle(moved, kept, new):
         return self._effects(i, d, moved, kept, new)
@@ -462,7 +462,7 @@ class Balancer:
     pc = self.pool_items
     cap = self.capacity
     tu = np.minimum(exc[pc["srv"]], soft)
-    qb, kvb, m0 = self.q_row_bytes, self.kv_row_bytes, float(self.min_shard)
+    m0 = float(self.min_shard)
     qb, kvb = self._row_bytes(d, pc)
     prio = np.empty((3, c.size))
     upper = np.full((3, c.size), np.inf)

@@ -88,6 +88,7 @@ from distca_jax.plan.capacity import Capacity, required_capacity
 # Rows of a part's routes (``PlanMetadata.q_routes`` / ``kv_routes``), module docstring.
 ROUTE_ROWS = ("send_off", "send_len", "recv_off", "recv_len", "peer_recv_off", "peer_send_off")
 
+
 def server_hosts(num_servers: int, servers_per_host: int) -> np.ndarray:
   """[S] host of each server: servers are numbered host-major (server ``s`` on host
   ``s // servers_per_host``); raises unless ``servers_per_host`` divides ``num_servers``."""

@@ -32,9 +32,10 @@ class PlanOptions:
       ``cost.predicted_step_gain``); 0 counts attention alone.
     servers_per_host: servers on one host; servers are numbered host-major (server ``s`` on
       host ``s // servers_per_host``, the order of a mesh's data axis over one process per
-      host). The balancer then balances inside hosts first and prices every move's bytes at its
-      link's rate (``balancer`` module docstring). Must divide the server count; None (or the
-      server count) = one host, every link alike.
+      host). The balancer then moves only each host's excess across hosts, balances inside
+      each host, and prices every move's bytes at its link's rate (``hosts`` module
+      docstring). Must divide the server count; None (or the server count) = one host, every
+      link alike.
     intra_host_gbps, inter_host_gbps: per-GPU link rates (GB/s) inside a host and between hosts;
       only their ratio prices moves. Defaults: ``cost.INTRA_HOST_GBPS`` and
       ``cost.INTER_HOST_GBPS`` (which state their sources).

@@ -12,8 +12,8 @@ from distca_jax.checks import check_float, check_int
 from distca_jax.plan import cost
 from distca_jax.plan.balancer import SPLITS, Balancer
 from distca_jax.plan.capacity import CAP_FIELDS, Capacity
-from distca_jax.plan.hosts import HostBalancer
 from distca_jax.plan.cost import imbalance, pairs, predicted_step_gain
+from distca_jax.plan.hosts import HostBalancer
 from distca_jax.plan.metadata import Plan, parse_layout, server_hosts
 from distca_jax.plan.options import PlanOptions
 

@@ -59,6 +59,11 @@ def base_config() -> ml_collections.ConfigDict:
                                           # per-batch bound's gain (results/per_batch_bound.md)
   c.attention.distca.min_shard = 0        # shortest query piece a split may create; 0 = auto
                                           # (512, or tokens_per_rank / 16 for short rows)
+  c.attention.distca.intra_host_gbps = cost.INTRA_HOST_GBPS  # per-GPU link rates (GB/s) the
+  c.attention.distca.inter_host_gbps = cost.INTER_HOST_GBPS  # planner prices moves with, inside
+                                          # a host (344: the remote exchange fitted on 4 x
+                                          # H100) and between hosts (50: a 400 Gb/s NIC per
+                                          # GPU, stated); only their ratio counts
   c.attention.distca.q_send = 0           # query rows a rank sends to all other servers
   c.attention.distca.kv_send = 0          # key/value rows a rank sends to all other servers
   c.attention.distca.q_recv = 0           # query rows a server receives from all other ranks
@@ -85,8 +90,11 @@ def base_config() -> ml_collections.ConfigDict:
                                           # host; any platform, any number of processes);
                                           # 'auto': remote on the GPUs of one process,
                                           # two_level on several, ring elsewhere
-  c.attention.distca.servers_per_host = 0  # 'two_level': servers (data ranks) per host, L; it
-                                          # must divide the servers (numbered host-major);
+  c.attention.distca.servers_per_host = 0  # servers (data ranks) per host, L: the planner
+                                          # balances inside hosts first and prices moves by
+                                          # link (intra/inter_host_gbps), 'two_level' runs its
+                                          # legs over them; it must divide the servers
+                                          # (numbered host-major);
                                           # 0 = auto: servers / processes in a multi-process
                                           # job (jax.local_device_count() without tensor
                                           # parallelism), all servers (one host) otherwise
@@ -296,6 +304,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.attention.distca.nano_rows not in ("given", "heavy_first"):
     raise UserError(f"attention.distca.nano_rows={c.attention.distca.nano_rows!r}; use 'given' "
                     "(each rank's rows as sampled) or 'heavy_first'")
+  d = c.attention.distca
+  if not (d.intra_host_gbps > 0 and d.inter_host_gbps > 0):
+    raise UserError(f"attention.distca.intra_host_gbps={d.intra_host_gbps}, inter_host_gbps="
+                    f"{d.inter_host_gbps} must be positive rates in GB/s (defaults 344 and 50)")
   if c.rows_per_rank % c.attention.nano_batches:
     raise UserError(f"rows_per_rank={c.rows_per_rank} must be a multiple of attention."
                     f"nano_batches={c.attention.nano_batches} (each nano-batch is whole rows)")

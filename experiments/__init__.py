@@ -24,6 +24,14 @@ def git_commit() -> str:
   return out.stdout.strip() or "n/a"
 
 
+def pin_to_one_core() -> int:
+  """Pins this process to the last core it may run on (planning benchmarks time one core);
+  returns that core."""
+  core = sorted(os.sched_getaffinity(0))[-1]
+  os.sched_setaffinity(0, {core})
+  return core
+
+
 def module_argv(module_file: str) -> list[str]:
   """``[python, -m, experiments.<name>]`` for experiment ``module_file`` (its ``__file__``): how a
   benchmark starts its per-backend child processes (from the repository root, like the parent)."""

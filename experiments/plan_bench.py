@@ -42,8 +42,7 @@ def main() -> None:
   p.add_argument("--tolerance", type=float, default=plan_lib.DEFAULT_TOLERANCE)
   p.add_argument("--out", default="results/plan_bench")
   args = p.parse_args()
-  cpus = sorted(os.sched_getaffinity(0))
-  os.sched_setaffinity(0, {cpus[-1]})
+  core = experiments.pin_to_one_core()
   command = experiments.command_line(__file__)
   t = args.tokens_per_rank
   sampler = WorkloadSampler(args.workload, t, seed=0)
@@ -85,7 +84,7 @@ def main() -> None:
     print(json.dumps(row), flush=True)
   out = {
       "command": command, "tolerance": args.tolerance, "rows": rows,
-      "cpu": platform.processor() or platform.machine(), "pinned_core": cpus[-1],
+      "cpu": platform.processor() or platform.machine(), "pinned_core": core,
       "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
       "numpy": np.__version__, "python": platform.python_version(),
   }
@@ -95,7 +94,7 @@ def main() -> None:
   lines = [
       "# Scheduler planning time (one CPU core)", "", f"Command: `{command}`", "",
       f"Workload {args.workload}, {t // 1024}K tokens per rank, tolerance {args.tolerance}; "
-      f"{args.steps} batches per row; process pinned to core {cpus[-1]}; load average "
+      f"{args.steps} batches per row; process pinned to core {core}; load average "
       f"{load_before[0]:.1f} before, {out['loadavg_after'][0]:.1f} after (a shared machine "
       "inflates wall times; the minimum is the least disturbed, and the thread's CPU time is "
       "what planning costs a free core).", "",

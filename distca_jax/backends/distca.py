@@ -53,6 +53,8 @@ class Options:
   Attributes:
     tolerance, min_shard, min_gain: the balancer's (``plan.PlanOptions``); ``min_shard`` None
       takes ``plan.auto_min_shard`` of the batch's tokens per row (the config's 0).
+    intra_host_gbps, inter_host_gbps: the link rates the balancer prices moves with
+      (``plan.PlanOptions``); its hosts are ``servers_per_host``'s (below).
     q_send, kv_send, q_recv, kv_recv, q_tokens, kv_tokens, tasks: caps per device for one call
       (``R/n`` rows of ``tokens_per_row``); 0 takes ``plan.default_capacity``'s value.
     kernel, memory_mode: ``dataplane.DispatchOptions``.
@@ -73,9 +75,10 @@ class Options:
       ``buckets``). Training takes the config's ``collective`` (default 'auto') and
       ``exchange_buckets`` and ``signal_only=False``; benchmarks pass others to
       ``backends.build(c, ...)``.
-    servers_per_host, q_relay, kv_relay: the two-level exchange's (the collective resolves to
-      'two_level'; ``plan.two_level``): servers per host (0 = auto: servers / processes in a
-      multi-process job, all servers otherwise; ``servers_per_host_for``) and the relay
+    servers_per_host, q_relay, kv_relay: servers per host (0 = auto: servers / processes in a
+      multi-process job, all servers otherwise; ``servers_per_host_for``), which the balancer
+      balances inside first (``plan_options_for``) and the two-level exchange (the collective
+      resolves to 'two_level'; ``plan.two_level``) runs its legs over, and the relay
       buffers' rows (0 = the safe bound ``plan.two_level.safe_relay``, unless
       ``from_first_batches`` sized them).
     cost_table: a measured ``plan.CostTable`` JSON: plans then also predict per-server kernel
@@ -91,6 +94,8 @@ class Options:
   tolerance: float = cost.DEFAULT_TOLERANCE
   min_shard: int | None = None
   min_gain: float = 0.0
+  intra_host_gbps: float = cost.INTRA_HOST_GBPS
+  inter_host_gbps: float = cost.INTER_HOST_GBPS
   q_send: int = 0
   kv_send: int = 0
   q_recv: int = 0
@@ -135,6 +140,7 @@ class Options:
     rows = c.rows_per_rank // (ticks.resolve_microbatches(c.pipeline.microbatches, c.mesh.pipe)
                                if pipe else 1)
     return cls(tolerance=d.tolerance, min_shard=d.min_shard or None, min_gain=d.min_gain,
+               intra_host_gbps=d.intra_host_gbps, inter_host_gbps=d.inter_host_gbps,
                **{f: d[f] for f in CAP_FIELDS},
                kernel=c.attention.kernel, memory_mode=d.memory_mode,
                rows_per_rank=rows, nano_batches=c.attention.nano_batches,
@@ -151,14 +157,21 @@ class Options:
                # move rows by the step model, in place of the local_gain threshold.
                local_gain=d.local_gain if d.branch == "gain" else 0.0)
 
-  @property
-  def plan_options(self) -> PlanOptions:
-    """The planner's options of every batch (``min_shard`` None: per the batch's rows)."""
+  def plan_options_for(self, num_servers: int) -> PlanOptions:
+    """The planner's options of every batch over ``num_servers`` servers (``min_shard`` None:
+    per the batch's rows)."""
     return PlanOptions(tolerance=self.tolerance, min_shard=self.min_shard,
                        min_gain=self.min_gain, cost_model=self.cost_table or None,
                        linear_pairs_per_token=self.linear_pairs_per_token, q_heads=self.q_heads,
                        kv_heads=self.kv_heads, head_dim=self.head_dim,
-                       dtype_bytes=self.dtype_bytes)
+                       dtype_bytes=self.dtype_bytes, **self.host_options(num_servers))
+
+  def host_options(self, num_servers: int) -> dict[str, Any]:
+    """The planner's hosts over ``num_servers`` servers (``servers_per_host_for``; None: one
+    host) and link rates (``plan.PlanOptions`` fields)."""
+    per_host = servers_per_host_for(self, num_servers)
+    return {"servers_per_host": per_host if per_host < num_servers else None,
+            "intra_host_gbps": self.intra_host_gbps, "inter_host_gbps": self.inter_host_gbps}
 
   @property
   def caps(self) -> dict[str, int]:
@@ -213,7 +226,6 @@ def make(options: Options) -> "DistcaBackend":
   for name, v in caps.items():
     check_int(f"config.attention.distca.{name} (0 = auto)", v, 0)
   rn = r // n  # rows per device in one core-attention call
-  plan_options = o.plan_options
   rows_per_rank, nano_batches = o.rows_per_rank, o.nano_batches
   data_axis, head_axis = o.data_axis, o.head_axis
   server_axis = dispatch.exchange_axis
@@ -244,7 +256,7 @@ def make(options: Options) -> "DistcaBackend":
     # device's block (model.split_rows).
     calls = [[list(doclens[k * s * r + x]) for x in nano_batch_rows(s, r, n, i)]
              for k in range(g) for i in range(n)]
-    options = plan_options
+    plan_options = options = o.plan_options_for(s)
     if local and o.local_gain > 0.0 and max(
         cost.layout_step_gain([sum(c[d * rn:(d + 1) * rn], []) for d in range(s)],
                               spec.tokens_per_device, o.linear_pairs_per_token)
@@ -476,7 +488,8 @@ def suggest_config_capacity(c: ml_collections.ConfigDict, options: Options | Non
   # The balancer's tolerance and min_shard and the attention shapes. No gate (min_gain): every
   # sampled batch is balanced, so the caps also hold the batches a gate leaves unmoved.
   sizing = PlanOptions(tolerance=o.tolerance, min_shard=o.min_shard, q_heads=o.q_heads,
-                       kv_heads=o.kv_heads, head_dim=o.head_dim).for_rows(t)
+                       kv_heads=o.kv_heads, head_dim=o.head_dim,
+                       **o.host_options(servers)).for_rows(t)
   two = uses_two_level(o)
   cap, relay = suggest_caps(layouts, servers, rn * t, quantile=quantile,
                             multiple=row_multiple(rn * t), options=sizing,

@@ -4,9 +4,10 @@ tables the device step executes.
 Modules, in dependency order: ``cost`` (pairs, FLOPs of a task table, measured kernel times,
 the balance gate), ``options`` (``PlanOptions``: the planner's choices), ``capacity`` (the fixed
 buffer sizes a plan must fit), ``metadata`` (``Plan``, ``PlanMetadata``, ``plan_to_metadata``:
-the contract with ``distca_jax.dataplane``), ``balancer`` and ``scheduling`` (``schedule``),
-``two_level`` (the two-level exchange's legs: every row crosses hosts once), ``spec``
-(``PlanSpec``, ``host_plan``: a batch's plan packed for the step), ``ticks`` (the
+the contract with ``distca_jax.dataplane``), ``balancer``, ``hosts`` (the balancer over several
+hosts) and ``scheduling`` (``schedule``), ``two_level`` (the two-level exchange's legs: every row
+crosses hosts once), ``spec`` (``PlanSpec``, ``host_plan``: a batch's plan packed for the step),
+``ticks`` (the
 pipeline's schedule on the host: which rows each tick's core-attention call sees), ``executor``
 (the NumPy oracle of the contract) and ``diagnostics``.
 Nothing here runs on a device or reads a run config: the package imports NumPy and the project's

@@ -52,6 +52,9 @@ the greedy always finds a move until every server is within the limit. With ``to
 exact balance of integer token counts is generally impossible and the plan reports ``degraded``
 within one such piece of the mean.
 
+With hosts (``PlanOptions.servers_per_host``) ``hosts.HostBalancer`` runs the same greedy in
+three phases and prices bytes by link (``hosts`` module docstring).
+
 The gate (``min_gain``): balancing first asks whether it is worth it. With the linear layers'
 work per token in pair units (``linear_pairs_per_token``, from the model), the speedup a perfect
 balance could bring is ``1 + (max - mean) / (mean + linear work)`` (``predicted_step_gain`` is
@@ -133,7 +136,9 @@ class Balancer:
     self.num_servers, self.tokens_per_rank = s, t
     self.tolerance, self.min_shard, self.capacity = tolerance, min_shard, capacity
     self.q_row_bytes, self.kv_row_bytes, self.split = q_row_bytes, kv_row_bytes, split
+    self.host: np.ndarray | None = None  # [S] host of each server (``hosts.HostBalancer``)
     self.doc_starts = starts.tolist()
+    self.doc_starts_np = np.asarray(starts, np.float64)
     jn = lens.size
     first = starts // t
     last = (starts + lens - 1) // t
@@ -238,7 +243,7 @@ class Balancer:
 
   # -- one move -------------------------------------------------------------------------------
   def _exact(self, i: int, opt: int, d: int, t_useful: float, room: float,
-             upper: float = math.inf):
+             upper: float = math.inf, effects: bool = True):
     """Exact integer version of option ``opt`` (0 whole, 1 mirrored, 2 suffix) for item ``i``.
 
     ``m`` (mirrored pairs) or ``k`` (suffix tokens) is the smallest amount whose work reaches
@@ -246,8 +251,15 @@ class Balancer:
     overflows a cap, halved amounts are tried down to the minimum.
 
     Returns (moved intervals, kept item (a, x, y, b) or None, moved item, work, where, effects)
-    or a string naming why it is infeasible (a cap name, or 'shape').
+    or a string naming why it is infeasible (a cap name, or 'shape'). Without ``effects`` (no
+    caps to check): (moved intervals, kept item, moved item, work) only.
     """
+    if not effects:
+      def settle(moved, kept, new):
+        return moved, kept, new, sum(pairs(lo, hi) for lo, hi in moved)
+    else:
+      def settle(moved, kept, new):
+        return self._effects(i, d, moved, kept, new)
     a, x = int(self.head_lo[i]), int(self.head_hi[i])
     y, b = int(self.tail_lo[i]), int(self.tail_hi[i])
     two = x < y
@@ -256,7 +268,7 @@ class Balancer:
     if opt == 0:
       if self.item_work[i] > room:
         return "shape"
-      return self._effects(i, d, [(a, x), (y, b)] if two else [(a, b)], None, (a, x, y, b))
+      return settle([(a, x), (y, b)] if two else [(a, b)], None, (a, x, y, b))
     if opt == 1:
       c1 = x + y + 1
       m_lo = max(m0 if two else (m0 + 1) // 2, 1)
@@ -269,7 +281,7 @@ class Balancer:
           moved, new = [(x - m, x), (y, y + m)], (x - m, x, y, y + m)
         else:
           moved, new = [(x - m, x + m)], (x - m, x, x, x + m)
-        res = self._effects(i, d, moved, (a, x - m, y + m, b), new)
+        res = settle(moved, (a, x - m, y + m, b), new)
         if not isinstance(res, str) or m == m_lo:
           return res
         m = max(m_lo, m // 2)
@@ -303,7 +315,7 @@ class Balancer:
       else:
         km = (a + b - k) // 2
         kept = (a, km, km, b - k)
-      res = self._effects(i, d, [(b - k, b)], kept, new)
+      res = settle([(b - k, b)], kept, new)
       if not isinstance(res, str) or k == k_lo:
         return res
       k = max(k_lo, k // 2)
@@ -413,11 +425,10 @@ class Balancer:
         "b": b, "x": x, "y": y, "two": two, "c1": c1, "inv_c1": 1.0 / c1,
         "m_lo": np.maximum(np.where(two, m0, math.ceil(m0 / 2)), 1.0),
         "m_hi": np.minimum(x - a, b - y) - m0,
-        "bytes_w": self.q_row_bytes * rows_w + self.kv_row_bytes * b, "rows_w": rows_w,
-        "kvb_y": self.kv_row_bytes * y,
+        "rows_w": rows_w, "a": a, "g": self.doc_starts_np[self.item_doc[idx]],
         "kva_w": np.where(two, x + b, b), "kva_m0": np.where(two, x + y, y),
         "parts_w": np.where(two, 2.0, 1.0), "bb": bb, "bb2": bb * bb,
-        "k_hi": b - np.where(two, y, a) - m0, "kvb_b": self.kv_row_bytes * b}
+        "k_hi": b - np.where(two, y, a) - m0}
 
   def _set_pool(self, pool: np.ndarray) -> None:
     self.pool = pool
@@ -451,7 +462,8 @@ class Balancer:
     pc = self.pool_items
     cap = self.capacity
     tu = np.minimum(exc[pc["srv"]], soft)
-    qb, kvb, m0 = self.q_row_bytes, self.kv_row_bytes, float(self.min_shard)
+    m0 = float(self.min_shard)
+    qb, kvb = self._row_bytes(d, pc)
     prio = np.empty((3, c.size))
     upper = np.full((3, c.size), np.inf)
     w = pc["w"]
@@ -476,7 +488,7 @@ class Balancer:
       free_kvs = room_of(cap.kv_send, cap.kv_recv, self.send_kv, self.recv_kv)
       free_rows = np.minimum(free_qs, free_q)
     # Option 0: the whole item.
-    np.divide(np.minimum(w, tu), pc["bytes_w"], out=prio[0])
+    np.divide(np.minimum(w, tu), qb * pc["rows_w"] + kvb * pc["b"], out=prio[0])
     bad = w > room
     if capped:
       bad |= ((pc["rows_w"] > free_rows) | (pc["parts_w"] > free_t) | (pc["kva_w"] > free_kva)
@@ -504,7 +516,7 @@ class Balancer:
       m = np.ceil(tu * pc["inv_c1"])
       np.maximum(m, m_lo, out=m)
       np.minimum(m, m_up, out=m)
-      np.divide(np.minimum(m * c1, tu), m * (2 * qb + kvb) + pc["kvb_y"], out=prio[1])
+      np.divide(np.minimum(m * c1, tu), m * (2 * qb + kvb) + kvb * pc["y"], out=prio[1])
       prio[1][bad | (m < m_lo)] = -1.0
     else:
       prio[1] = -1.0
@@ -524,7 +536,7 @@ class Balancer:
         k_room = np.floor(0.5 * (bb - np.sqrt(np.maximum(bb2 - 8 * room, 0.0))))
         k = np.where(over, k_room, k)
       upper[2] = k_up
-      np.divide(np.minimum(0.5 * k * (bb - k), tu), qb * k + pc["kvb_b"], out=prio[2])
+      np.divide(np.minimum(0.5 * k * (bb - k), tu), qb * k + kvb * pc["b"], out=prio[2])
       prio[2][bad | (k < max(m0, 1.0))] = -1.0
     else:
       prio[2] = -1.0
@@ -540,6 +552,10 @@ class Balancer:
             self._correct(i, p, d, prio, upper, float(tu[p]), room, use_caps)
     return c, prio, tu, upper
 
+  def _row_bytes(self, d: int, pc: dict[str, np.ndarray]):
+    """(query, key/value) bytes per row the pool's items cost sent to ``d``."""
+    return self.q_row_bytes, self.kv_row_bytes
+
   def _correct(self, i: int, p: int, d: int, prio: np.ndarray, upper: np.ndarray, tu: float,
                room: float, use_caps: bool) -> None:
     """Recomputes the priorities of candidate ``p`` (item ``i``) with exact bytes and caps."""
@@ -549,23 +565,29 @@ class Balancer:
     saved = self.capacity
     if not use_caps:
       self.capacity = Capacity()
+    capped = any(getattr(self.capacity, f) is not None for f in CAP_FIELDS)
     try:
       for opt in range(3):
         upper[opt, p] = np.inf
         if (opt == 1 and self.split == "suffix") or (opt == 2 and self.split == "mirrored"):
           continue
-        res = self._exact(i, opt, d, tu, room)
+        res = self._exact(i, opt, d, tu, room, effects=capped)
         if isinstance(res, str):
           prio[opt, p] = -1.0
           continue
         moved, work = res[0], res[3]
-        q_rows = sum(hi - lo - self._own_overlap(j, d, lo, hi) for lo, hi in moved)
-        end = max(hi for _, hi in moved)
-        kv_rows = (end - have - self._own_overlap(j, d, have, end)) if end > have else 0
-        nbytes = self.q_row_bytes * q_rows + self.kv_row_bytes * kv_rows
+        nbytes = self._move_bytes(j, d, moved, have)
         prio[opt, p] = min(work, tu) / nbytes if nbytes > 0 else np.inf
     finally:
       self.capacity = saved
+
+  def _move_bytes(self, j: int, d: int, moved, have: int) -> float:
+    """Bytes of sending ``moved`` query intervals of document ``j`` to ``d``, which already
+    holds its key/value rows ``[0, have)``: the rows ``d`` does not own."""
+    end = max(hi for _, hi in moved)
+    q_rows = sum(hi - lo - self._own_overlap(j, d, lo, hi) for lo, hi in moved)
+    kv_rows = (end - have - self._own_overlap(j, d, have, end)) if end > have else 0
+    return self.q_row_bytes * q_rows + self.kv_row_bytes * kv_rows
 
   def run(self, mean: float, max_moves: int) -> str:
     """Greedy balancing from the initial state; returns '' on success or the reason it stopped
@@ -608,26 +630,29 @@ class Balancer:
       return status
     return "" if self.loads.max() <= target * (1 + 1e-12) else self._why_stopped(mean, target)
 
-  def _lower(self, mean: float, target: float, max_moves: int) -> str:
+  def _lower(self, mean: float, target: float, max_moves: int,
+             members: np.ndarray | None = None) -> str:
     """Phase 2: reruns the greedy with limits between the current maximum and ``target`` (more
-    room per destination) while that lowers the maximum; '', 'stuck' or the move-limit reason."""
+    room per destination) while that lowers the maximum; '', 'stuck' or the move-limit reason.
+    ``members``: among these servers only (``_run_at``)."""
+    loads = lambda: self.loads if members is None else self.loads[members]
     for _ in range(64):
-      top = self.loads.max()
+      top = loads().max()
       for frac in (0.5, 0.8, 0.95):
         moves = self.num_moves
-        status = self._run_at(mean, target + (top - target) * frac, max_moves)
+        status = self._run_at(mean, target + (top - target) * frac, max_moves, members)
         if status.startswith("move limit"):
           return status
-        if self.num_moves > moves and self.loads.max() < top:
+        if self.num_moves > moves and loads().max() < top:
           break
       else:
         break
-      if self.loads.max() <= target * (1 + 1e-12):
+      if loads().max() <= target * (1 + 1e-12):
         return ""
     return "stuck"
 
   def _initial(self) -> Balancer:
-    """A new balancer in this one's initial state (nothing moved)."""
+    """A new (host-blind) balancer in this one's initial state (nothing moved)."""
     lens = np.zeros(len(self.doc_starts), np.int64)
     # The first items are the initial segments, in document order; they keep their document.
     np.maximum.at(lens, self.item_doc[:self.seg_hi.size], self.seg_hi.astype(np.int64))
@@ -635,32 +660,67 @@ class Balancer:
                     self.tokens_per_rank, self.tolerance, self.min_shard, self.capacity,
                     self.q_row_bytes, self.kv_row_bytes, self.split)
 
-  def _run_at(self, mean: float, limit: float, max_moves: int) -> str:
-    """Greedy loop towards ``limit``: '' when reached, 'stuck', or the move-limit reason."""
+  def _run_at(self, mean: float, limit: float, max_moves: int,
+              members: np.ndarray | None = None, across: float | None = None) -> str:
+    """Greedy loop towards ``limit``: '' when reached, 'stuck', or the move-limit reason.
+
+    ``members`` ([S] bool): sources and destinations only among these servers. ``across``
+    (hosts known): the loop is over hosts instead, towards at most ``across`` pairs per server
+    of each host (the host limit, ``servers_per_host * across``): sources are the servers above
+    the mean on hosts above it (their excess is the host's), destinations the servers below
+    ``limit`` of hosts below it (their room at most the host's), and it stops when every host
+    is within it.
+    """
     lim_eps = limit * (1 + 1e-12)
-    blocked = np.zeros(self.num_servers, dtype=bool)
+    if across is not None:
+      per_host = self.servers_per_host
+      host_loads = lambda: self.loads.reshape(-1, per_host).sum(1)
+      host_lim = per_host * across
+      host_lim_eps = host_lim * (1 + 1e-12)
+      # Sources: the servers above the mean on hosts above their limit.
+      over = (host_loads() > host_lim_eps)[self.host] & (self.loads > mean)
+    else:
+      over = self.loads > lim_eps
+    never = np.zeros(self.num_servers, dtype=bool) if members is None else ~members
+    over &= ~never
+    blocked = never.copy()
     moves_at_clear = self.num_moves
     # Servers only leave the overloaded set (destinations never pass the limit), so the pool of
     # candidate items only shrinks: filter it when a source drops out or an item moves whole.
-    self._set_pool(np.flatnonzero((self.loads > lim_eps)[self.item_server[:self.num_items]]))
+    self._set_pool(np.flatnonzero(over[self.item_server[:self.num_items]]))
     while True:
-      if self.loads.max() <= lim_eps:
+      if across is not None:
+        if host_loads().max() <= host_lim_eps:
+          return ""
+      elif (self.loads if members is None else self.loads[members]).max() <= lim_eps:
         return ""
       if self.num_moves >= max_moves:
         return f"move limit {max_moves} reached"
-      cand = np.where(blocked | (self.loads >= limit), np.inf, self.loads)
+      if across is not None:
+        # A host's room is what it can take and still balance inside: its servers' total room.
+        hl = host_loads()
+        host_room = (host_lim - hl)[self.host]
+        cand = np.where(blocked | (self.loads >= limit) | (host_room <= 0)
+                        | (hl > host_lim_eps)[self.host], np.inf, self.loads)
+      else:
+        cand = np.where(blocked | (self.loads >= limit), np.inf, self.loads)
       d = int(np.argmin(cand))
       if not np.isfinite(cand[d]):
         # Every destination is blocked. Moves since the last sweep may have changed the pool
         # (smaller kept pieces), so sweep again once; stop when a sweep moved nothing.
-        if self.num_moves > moves_at_clear and blocked.any():
-          blocked[:] = False
+        if self.num_moves > moves_at_clear and (blocked & ~never).any():
+          blocked[:] = never
           moves_at_clear = self.num_moves
           continue
         return "stuck"
-      exc = self.loads - limit
       room = limit - self.loads[d]
       soft = mean - self.loads[d]
+      if across is not None:
+        exc = (hl - host_lim)[self.host]
+        room = min(room, host_room[d])
+        soft = min(soft, per_host * mean - hl[self.host[d]])
+      else:
+        exc = self.loads - limit
       if soft <= 0:
         soft = room
       c, prio, tu, upper = self._score(d, exc, soft, room)
@@ -679,7 +739,9 @@ class Balancer:
             continue
           src = int(self.item_server[i])
           self._apply(i, d, res)
-          if self.loads[src] <= lim_eps:
+          if across is not None and host_loads()[self.host[src]] <= host_lim_eps:
+            self._filter_pool(self.host[self.pool_items["srv"]] != self.host[src])
+          elif across is None and self.loads[src] <= lim_eps:
             self._filter_pool(self.pool_items["srv"] != src)
           elif res[1] is None:
             self._filter_pool(self.pool != i)
@@ -689,6 +751,14 @@ class Balancer:
           break
       if not done:
         blocked[d] = True
+        if self.host is not None and not any(getattr(self.capacity, f) is not None
+                                             for f in CAP_FIELDS):
+          # Uncapped, whether a piece fits depends only on the room: no destination with less
+          # room than d takes one either.
+          rooms = limit - self.loads
+          if across is not None:
+            rooms = np.minimum(rooms, host_room)
+          blocked[rooms <= room] = True
 
   def _why_stopped(self, mean: float, limit: float) -> str:
     """Explains why no destination admits a move: the caps (which) or min_shard granularity."""

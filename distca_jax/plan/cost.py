@@ -38,6 +38,13 @@ DEFAULT_Q_HEADS = 32
 DEFAULT_KV_HEADS = 8
 DEFAULT_HEAD_DIM = 128
 DEFAULT_DTYPE_BYTES = 2
+# Per-GPU link rates (GB/s) the balancer prices moves with when it knows the hosts
+# (``PlanOptions.servers_per_host``): inside a host, the device-initiated exchange's rate fitted
+# on 4 x H100 (0.64 ms + bytes / 344 GB/s, results/four/raw/exchange_bench_grid.json); between
+# hosts, one 400 Gb/s NIC per GPU (stated, as ``sim.costs``' inter-node bandwidth). Their ratio
+# (about 7) is what a row sent across hosts costs against one sent inside a host.
+INTRA_HOST_GBPS = 344.0
+INTER_HOST_GBPS = 50.0
 
 
 def pairs(a, b):

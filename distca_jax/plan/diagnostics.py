@@ -75,6 +75,8 @@ def diagnostics(plan: Plan) -> dict[str, Any]:
       "mean_load_pairs": float(plan.loads_after.mean()),
       "bytes_q": plan.bytes_q, "bytes_kv": plan.bytes_kv, "bytes_total": plan.bytes_total,
       "max_pair_bytes": int(pb.max(initial=0)),
+      "servers_per_host": plan.servers_per_host,
+      "intra_host_bytes": plan.intra_host_bytes, "inter_host_bytes": plan.inter_host_bytes,
       "active_pairs": int((pb > 0).sum()), "degraded": plan.degraded,
       "degraded_reason": plan.degraded_reason,
       "required_capacity": dataclasses.asdict(required_capacity(plan)),

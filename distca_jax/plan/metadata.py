@@ -89,6 +89,18 @@ from distca_jax.plan.capacity import Capacity, required_capacity
 # Rows of a part's routes (``PlanMetadata.q_routes`` / ``kv_routes``), module docstring.
 ROUTE_ROWS = ("send_off", "send_len", "recv_off", "recv_len", "peer_recv_off", "peer_send_off")
 
+
+def server_hosts(num_servers: int, servers_per_host: int) -> np.ndarray:
+  """[S] host of each server: servers are numbered host-major (server ``s`` on host
+  ``s // servers_per_host``); raises unless ``servers_per_host`` divides ``num_servers``."""
+  if (isinstance(servers_per_host, bool) or not isinstance(servers_per_host, (int, np.integer))
+      or servers_per_host < 1 or num_servers % servers_per_host):
+    raise ValueError(f"servers_per_host={servers_per_host!r} must be a positive divisor of "
+                     f"num_servers={num_servers} (servers are numbered host-major), or None for "
+                     "one host")
+  return np.arange(num_servers) // int(servers_per_host)
+
+
 # ---------------------------------------------------------------------------------------------
 # Layout parsing.
 # ---------------------------------------------------------------------------------------------
@@ -168,6 +180,9 @@ class Plan:
       ``linear_pairs_per_token`` is 0).
     gated: True when that gain was below ``min_gain``: nothing moved, by decision (not
       ``degraded``).
+    servers_per_host: the hosts the plan was balanced for (``PlanOptions.servers_per_host``;
+      None = one host); ``intra_host_bytes`` / ``inter_host_bytes`` split the dispatch bytes by
+      link.
   """
   tasks: np.ndarray
   loads_before: np.ndarray
@@ -196,6 +211,7 @@ class Plan:
   num_moves: int
   predicted_gain: float = 0.0
   gated: bool = False
+  servers_per_host: int | None = None
 
   @property
   def crosses(self) -> bool:
@@ -213,6 +229,27 @@ class Plan:
     """[S, S] dispatch bytes per (sender, server)."""
     return (self.pair_q_rows * self.q_heads * self.head_dim * self.dtype_bytes
             + self.pair_kv_rows * 2 * self.kv_heads * self.head_dim * self.dtype_bytes)
+
+  def link_bytes(self, servers_per_host: int | None = None) -> tuple[int, int]:
+    """(inside hosts, between hosts) dispatch bytes with ``servers_per_host`` servers per host
+    (host-major numbering; default: the plan's own ``servers_per_host``, None = one host)."""
+    per_host = self.servers_per_host if servers_per_host is None else servers_per_host
+    pb = self.pair_bytes
+    if per_host is None:
+      return int(pb.sum()), 0
+    host = server_hosts(self.num_servers, per_host)
+    same = host[:, None] == host[None, :]
+    return int(pb[same].sum()), int(pb[~same].sum())
+
+  @property
+  def intra_host_bytes(self) -> int:
+    """Dispatch bytes between servers of one host (``link_bytes``)."""
+    return self.link_bytes()[0]
+
+  @property
+  def inter_host_bytes(self) -> int:
+    """Dispatch bytes between hosts (``link_bytes``; 0 with one host)."""
+    return self.link_bytes()[1]
 
   def summary(self) -> str:
     """One line of the headline numbers."""

@@ -30,6 +30,15 @@ class PlanOptions:
       kernel tasks), which on near-balanced batches exceeds the gain. 0 = always balance.
     linear_pairs_per_token: the linear layers' work per token in pair units (see
       ``cost.predicted_step_gain``); 0 counts attention alone.
+    servers_per_host: servers on one host; servers are numbered host-major (server ``s`` on
+      host ``s // servers_per_host``, the order of a mesh's data axis over one process per
+      host). The balancer then moves only each host's excess across hosts, balances inside
+      each host, and prices every move's bytes at its link's rate (``hosts`` module
+      docstring). Must divide the server count; None (or the server count) = one host, every
+      link alike.
+    intra_host_gbps, inter_host_gbps: per-GPU link rates (GB/s) inside a host and between hosts;
+      only their ratio prices moves. Defaults: ``cost.INTRA_HOST_GBPS`` and
+      ``cost.INTER_HOST_GBPS`` (which state their sources).
   """
   tolerance: float = cost.DEFAULT_TOLERANCE
   min_shard: int | None = cost.DEFAULT_MIN_SHARD
@@ -42,6 +51,9 @@ class PlanOptions:
   max_moves: int | None = None
   min_gain: float = 0.0
   linear_pairs_per_token: float = 0.0
+  servers_per_host: int | None = None
+  intra_host_gbps: float = cost.INTRA_HOST_GBPS
+  inter_host_gbps: float = cost.INTER_HOST_GBPS
 
   def for_rows(self, tokens_per_row: int) -> "PlanOptions":
     """These options with ``min_shard=None`` resolved to ``auto_min_shard(tokens_per_row)``."""

@@ -1,6 +1,6 @@
 """``schedule``: a global batch's layout to a ``Plan`` (host, NumPy only): checks the inputs,
-runs the balancer (``balancer.Balancer``; its module docstring states the rules) and collects
-the tasks, loads and traffic of the result."""
+runs the balancer (``balancer.Balancer``, or ``hosts.HostBalancer`` over several hosts; their
+module docstrings state the rules) and collects the tasks, loads and traffic of the result."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from distca_jax.plan import cost
 from distca_jax.plan.balancer import SPLITS, Balancer
 from distca_jax.plan.capacity import CAP_FIELDS, Capacity
 from distca_jax.plan.cost import imbalance, pairs, predicted_step_gain
-from distca_jax.plan.metadata import Plan, parse_layout
+from distca_jax.plan.hosts import HostBalancer
+from distca_jax.plan.metadata import Plan, parse_layout, server_hosts
 from distca_jax.plan.options import PlanOptions
 
 
@@ -68,11 +69,17 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
     cap = Capacity(**capacity)
   else:
     raise TypeError(f"capacity={capacity!r} must be None, a Capacity or a dict")
+  per_host = _check_hosts(o, s)
   table = cost.as_cost_table(o.cost_model)
   qb = float(q_heads * head_dim * dtype_bytes)
   kvb = float(2 * kv_heads * head_dim * dtype_bytes)
 
-  bal = Balancer(lens, starts, s, t, tol, m0, cap, qb, kvb, split)
+  if per_host is not None and per_host < s:
+    bal = HostBalancer(lens, starts, s, t, tol, m0, cap, qb, kvb, split,
+                       servers_per_host=per_host,
+                       inter_host_price=o.intra_host_gbps / o.inter_host_gbps)
+  else:
+    bal = Balancer(lens, starts, s, t, tol, m0, cap, qb, kvb, split)
   _check_initial_caps(bal, cap)
   loads_before = bal.loads.copy()
   total = float(loads_before.sum())
@@ -120,7 +127,22 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
               times_after=times_after, doc_lens=lens, doc_starts=starts, num_servers=s,
               tokens_per_rank=t, tolerance=tol, min_shard=m0, capacity=cap, q_heads=q_heads,
               kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
-              num_moves=bal.num_moves, predicted_gain=gain, gated=gated)
+              num_moves=bal.num_moves, predicted_gain=gain, gated=gated,
+              servers_per_host=per_host)
+
+
+def _check_hosts(o: PlanOptions, num_servers: int) -> int | None:
+  """``o.servers_per_host`` checked against the server count, and the link rates."""
+  for name in ("intra_host_gbps", "inter_host_gbps"):
+    v = getattr(o, name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < float(v) < float(
+        "inf"):
+      raise ValueError(f"{name}={v!r} must be a positive finite rate in GB/s (e.g. "
+                       f"{getattr(cost, name.upper())})")
+  if o.servers_per_host is None:
+    return None
+  server_hosts(num_servers, o.servers_per_host)
+  return int(o.servers_per_host)
 
 
 def _check_initial_caps(bal: Balancer, cap: Capacity) -> None:

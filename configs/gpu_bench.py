@@ -31,6 +31,7 @@ def get_config():
   c.model.remat = "save_attention"       # no attention rerun in the backward (e2e_v5_summary)
   c.mesh.data = -1
   c.mesh.tensor = 1
+  c.mesh.fsdp = False
   c.tokens_per_rank = 65_536
   c.num_steps = 30
   c.log_every = 5

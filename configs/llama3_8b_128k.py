@@ -60,6 +60,8 @@ def get_config():
   c.num_steps = 1000
   c.log_every = 1
   c.checkpoint_every = 200
+  c.eval_every = 200                       # held-out loss / perplexity on 2 batches
+  c.eval_steps = 2
   c.attention.backend = "distca"           # CAD; compare: packed_dp, cp, wlb, local
   c.attention.kernel = "flash3"            # FlashAttention-3 (pip install -e ".[gpu]")
   return c

@@ -209,6 +209,16 @@ def runs_local(np_batch: dict | list) -> bool:
   return all(key in b for b in blocks) and not any(np.any(b[key]) for b in blocks)
 
 
+def loss_sums(c, params, batch, model) -> tuple[jax.Array, jax.Array]:
+  """(summed token loss, loss tokens) of ``model`` on ``batch``: the train step's loss is their
+  ratio, evaluation sums both over its batches."""
+  # The config's rules table, whatever rules the caller traces under: with mesh.fsdp the layers
+  # gather their weights (sharding.gathered).
+  with nn.logical_axis_rules(shard_lib.rules(c.mesh.fsdp)):
+    return model.apply({"params": params}, batch["inputs"], batch["targets"],
+                       batch["loss_mask"], layout_of(batch), method=Transformer.loss)
+
+
 def make_train_step(c, model, tx, local_model=None) -> Callable:
   """Pure `train_step(state, batch) -> (state, metrics)`; jit and shardings go at the call site.
 
@@ -233,11 +243,7 @@ def make_train_step(c, model, tx, local_model=None) -> Callable:
   the band after one skip instead of ending the run as if it had diverged."""
 
   def loss_fn(params, batch, model):
-    # The config's rules table, whatever rules the caller traces under: with mesh.fsdp the layers
-    # gather their weights (sharding.gathered).
-    with nn.logical_axis_rules(shard_lib.rules(c.mesh.fsdp)):
-      total, count = model.apply({"params": params}, batch["inputs"], batch["targets"],
-                                 batch["loss_mask"], layout_of(batch), method=Transformer.loss)
+    total, count = loss_sums(c, params, batch, model)
     return total / jnp.maximum(count, 1.0), count
 
   def train_step(state: TrainState, batch):
@@ -478,6 +484,38 @@ class Prefetcher:
     return step, batch, metrics_lib.step_flops(self.model_cfg, doclens), sum(map(sum, doclens))
 
 
+class Evaluator:
+  """The held-out loss of a run (``eval_every`` / ``eval_steps``): the mean token loss over the
+  first ``eval_steps`` batches of the held-out split (``run_source(c, data, 'eval')``, the same
+  batches every time, each with the backend's host plan, this process's rows only), computed
+  forward only by the model the train step runs (``loss_sums``), and its perplexity."""
+
+  def __init__(self, c, run: RunSetup, row_ranges):
+    self.c, self.mesh = c, run.mesh
+    self.rows = run.mesh.shape["data"] * c.rows_per_rank
+    source = run_source(c, run.mesh.shape["data"], split="eval")
+    self.describe = source.describe()
+    self.batches = [local_batch(source, k, row_ranges, run.backend, source.doclens(k))[0]
+                    for k in range(c.eval_steps)]
+    self._params_sharding = run.state_shardings.params
+    self._fns: dict[int, Callable] = {}
+
+  def __call__(self, params, model) -> dict[str, float]:
+    """{'eval_loss', 'eval_ppl'} of ``params`` under ``model`` (compiled once per model)."""
+    fn = self._fns.get(id(model))
+    if fn is None:
+      keys = self.batches[0][0][2].keys()
+      fn = self._fns[id(model)] = jax.jit(
+          functools.partial(loss_sums, self.c, model=model),
+          in_shardings=(self._params_sharding, {k: rows_sharding(self.mesh) for k in keys}),
+          out_shardings=shard_lib.replicated(self.mesh))
+    with mesh_context(self.mesh, self.c.mesh.fsdp):
+      sums = [fn(params, device_batch(b, self.mesh, self.rows)) for b in self.batches]
+    total, count = (float(sum(np.float64(x) for x in col)) for col in zip(*jax.device_get(sums)))
+    loss = total / max(count, 1.0)
+    return {"eval_loss": loss, "eval_ppl": float(np.exp(min(loss, 700.0)))}
+
+
 StopRequest = launch.StopRequest
 
 
@@ -635,6 +673,10 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
   if jax.process_count() > 1:
     print(f"process {jax.process_index()}/{jax.process_count()}: {jax.local_device_count()} "
           f"devices, batch rows {row_ranges} of {rows}", flush=True)
+  evaluator = Evaluator(c, run, row_ranges) if c.eval_every else None
+  if evaluator is not None:
+    log.info(f"evaluation every {c.eval_every} steps on {c.eval_steps} held-out batches: "
+             f"{evaluator.describe}")
   prefetch = Prefetcher(source, model_cfg, start, c.num_steps, backend=backend,
                         row_ranges=row_ranges)
   closers.callback(prefetch.close)  # runs after the wait below, before the manager and log close
@@ -697,7 +739,8 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
         window_steps += 1
         window_local += runs_local(np_batch)
       done = step + 1
-      if done % c.log_every == 0 or done == c.num_steps:
+      evaluate = evaluator is not None and done % c.eval_every == 0
+      if done % c.log_every == 0 or done == c.num_steps or evaluate:
         m = jax.device_get(m)
         rec = {k: float(v) for k, v in m.items()}
         elapsed = time.time() - window_t0
@@ -708,6 +751,8 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
             rec["mfu"] = window_flops / elapsed / (peak * jax.device_count())
           if run.backend.local_fn is not None:  # distca's local branch
             rec["local_step_share"] = window_local / window_steps
+        if evaluate:  # after the window's timing
+          rec.update(evaluator(state.params, model))
         log.write(done, rec)
         records.append({"step": done, **rec})
         last_step_time_s = rec.get("step_time_s", last_step_time_s)

@@ -25,7 +25,8 @@ TINY = ["model.vocab_size=256", "model.dim=64", "model.n_layers=2", "model.n_hea
         "model.n_kv_heads=4", "model.head_dim=16", "model.mlp_dim=128", "model.loss_chunk=64",
         "model.dtype=float32", "attention.kernel=auto", "tokens_per_rank=256", "rows_per_rank=1",
         "num_steps=2", "log_every=1", "checkpoint_every=0", "tensorboard=False",
-        "optim.warmup_steps=1", "data.context_length=0", "attention.distca.caps_from_batches=4"]
+        "optim.warmup_steps=1", "data.context_length=0", "attention.distca.caps_from_batches=4",
+        "eval_every=2", "eval_steps=1"]
 
 
 def test_every_shipped_config_names_its_hardware():
@@ -50,7 +51,8 @@ def test_shipped_config_fits_its_hardware_by_aot(path):
 @pytest.mark.parametrize("path", CONFIGS)
 def test_shipped_config_trains_two_steps_at_tiny_size(path, tmp_path):
   """The config's mesh, backend, remat, FSDP and attention options with a tiny model, through
-  the entry point a user runs, on as many devices as its hardware has: 2 finite losses."""
+  the entry point a user runs, on as many devices as its hardware has: 2 finite losses and a
+  finite held-out loss after step 2 (evaluation with the config's backend)."""
   hw = config_fit.SHIPPED[path]
   c = configs_io.load_config(os.path.join(ROOT, path), TINY)
   real = configs_io.load_config(os.path.join(ROOT, path))
@@ -66,4 +68,5 @@ def test_shipped_config_trains_two_steps_at_tiny_size(path, tmp_path):
     records = [json.loads(line) for line in f]
   train = [r for r in records if "loss" in r]
   assert [r["step"] for r in train] == [1, 2] and all(np.isfinite(r["loss"]) for r in train)
+  assert "eval_loss" not in train[0] and np.isfinite(train[1]["eval_loss"])
   assert f"attention backend '{real.attention.backend}'" in out.stdout + out.stderr

@@ -119,6 +119,25 @@ def _check_token_range(tokens: np.ndarray, offsets: np.ndarray, vocab_size: int,
           f"({int(tokens.max())})")
 
 
+def num_documents(prefix: str) -> int:
+  """The number of documents of dataset ``prefix`` (its offsets file's length - 1; nothing else
+  is read)."""
+  prefix = os.fspath(prefix)
+  return max(_load(dataset_paths(prefix)[1], "offsets", prefix).size - 1, 0)
+
+
+def split_docs(num_docs: int, eval_fraction: float) -> int:
+  """The first held-out document when ``eval_fraction`` of ``num_docs`` documents (the last ones,
+  at least one) are held out; ``num_docs`` when ``eval_fraction`` is 0."""
+  if not eval_fraction:
+    return num_docs
+  held = max(1, int(round(eval_fraction * num_docs)))
+  if held >= num_docs:
+    raise DataError(f"data.eval_fraction={eval_fraction} holds out {held} of the {num_docs} "
+                    "documents, leaving none to train on; lower it or add documents")
+  return num_docs - held
+
+
 class FileSource:
   """A ``Source`` reading tokenized documents from ``PREFIX.tokens.npy`` + ``PREFIX.offsets.npy``.
 
@@ -129,10 +148,12 @@ class FileSource:
     vocab_size: V; every token id in the file must be in [0, V) (checked at open).
     seed: seeds the per-epoch document permutations.
     shuffle: a fresh seeded permutation of the documents per epoch; False keeps file order.
+    docs: (a, b): only documents [a, b) of the dataset (a held-out split: ``split_docs``);
+      None: all.
   """
 
   def __init__(self, path: str, *, rows: int, tokens_per_row: int, vocab_size: int, seed: int,
-               shuffle: bool = True):
+               shuffle: bool = True, docs: tuple[int, int] | None = None):
     for name, value in (("rows", rows), ("tokens_per_row", tokens_per_row),
                         ("vocab_size", vocab_size)):
       if int(value) <= 0:
@@ -146,7 +167,13 @@ class FileSource:
     self.seed = int(seed)
     self.shuffle = bool(shuffle)
     self.tokens, self.offsets = open_dataset(self.path, vocab_size=self.vocab_size)
-    self.stream = DocumentStream(np.diff(self.offsets), self.seed, shuffle=self.shuffle, salt=2)
+    n = self.offsets.size - 1
+    self.docs = (0, n) if docs is None else (int(docs[0]), int(docs[1]))
+    if not 0 <= self.docs[0] < self.docs[1] <= n:
+      raise DataError(f"{self.path}: documents {list(self.docs)} of its {n}: a split must keep at "
+                      "least one document on each side; lower data.eval_fraction or add documents")
+    lens = np.diff(self.offsets)[self.docs[0]:self.docs[1]]
+    self.stream = DocumentStream(lens, self.seed, shuffle=self.shuffle, salt=2)
 
   def _pieces(self, step: int) -> Pieces:
     n = self.rows * self.tokens_per_row
@@ -154,7 +181,7 @@ class FileSource:
 
   def _tokens(self, epoch_M: np.ndarray, doc_M: np.ndarray, offset_M: np.ndarray) -> np.ndarray:
     del epoch_M  # a document's tokens are the same in every epoch
-    return self.tokens[self.offsets[doc_M] + offset_M]
+    return self.tokens[self.offsets[doc_M + self.docs[0]] + offset_M]
 
   def batch(self, step: int, rows: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
     """Step ``step``'s batch: arrays [B, T], or rows [a, b) of it for ``rows=(a, b)`` (see
@@ -169,7 +196,8 @@ class FileSource:
   def describe(self) -> str:
     lens = self.stream.lens_D
     per_step = self.rows * self.tokens_per_row
-    return (f"files {self.path}: {lens.size} docs, {self.stream.num_tokens} tokens (median "
+    part = "" if self.docs == (0, self.offsets.size - 1) else f" (documents {list(self.docs)})"
+    return (f"files {self.path}{part}: {lens.size} docs, {self.stream.num_tokens} tokens (median "
             f"{int(np.median(lens))}, max {int(lens.max())}), {self.rows} rows x "
             f"{self.tokens_per_row} tokens, one epoch = {self.stream.num_tokens / per_step:.2f} "
             f"steps, shuffle={self.shuffle}, seed {self.seed}, vocab {self.vocab_size}")

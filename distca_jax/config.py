@@ -185,6 +185,12 @@ def base_config() -> ml_collections.ConfigDict:
 
   # --- run
   c.seed = 0                      # seeds parameters, data and the step RNG
+  c.init_from_hf = ""             # a Hugging Face Llama checkpoint directory (config.json +
+                                  # safetensors; distca_jax.hf_import): a run that starts fresh
+                                  # (no checkpoint in its workdir) takes its parameters from it
+                                  # (fine-tuning; the optimizer starts fresh); its architecture
+                                  # must equal config.model's (checked, with every tensor's
+                                  # name and shape). Export with python -m distca_jax.hf_export
   c.num_steps = 100               # total optimizer steps (also the cosine decay length)
   c.log_every = 10                # steps between progress lines / log records
   c.eval_every = 0                # steps between evaluations on held-out data (0: none; an

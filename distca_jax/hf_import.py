@@ -296,7 +296,8 @@ class _Spec:
   path: tuple[str, ...]                         # our path inside a layer (or inside params/)
   hf_name: str                                  # HF name; '{i}' is the layer index
   hf_shape: Callable[[model_lib.ModelConfig], tuple[int, ...]]
-  convert: Callable[[np.ndarray, model_lib.ModelConfig], np.ndarray]
+  convert: Callable[[np.ndarray, model_lib.ModelConfig], np.ndarray]  # HF layout -> ours
+  invert: Callable[[np.ndarray, model_lib.ModelConfig], np.ndarray]   # ours -> HF (hf_export)
 
 
 def _ident(w, c):
@@ -304,35 +305,51 @@ def _ident(w, c):
   return w
 
 
+def _transpose(w, c):
+  del c
+  return w.T
+
+
 def _heads_in(heads: Callable[[model_lib.ModelConfig], int]):
   """[heads*D, E] -> [E, heads, D]."""
   return lambda w, c: w.T.reshape(c.dim, heads(c), c.head_dim)
 
 
+def _heads_out(w, c):
+  """[E, heads, D] -> [heads*D, E] (the inverse of `_heads_in`)."""
+  return w.reshape(c.dim, -1).T
+
+
 _LAYER_SPECS = (
     _Spec(("pre_ca", "attn_norm", "scale"), "model.layers.{i}.input_layernorm.weight",
-          lambda c: (c.dim,), _ident),
+          lambda c: (c.dim,), _ident, _ident),
     _Spec(("pre_ca", "wq"), "model.layers.{i}.self_attn.q_proj.weight",
-          lambda c: (c.n_heads * c.head_dim, c.dim), _heads_in(lambda c: c.n_heads)),
+          lambda c: (c.n_heads * c.head_dim, c.dim), _heads_in(lambda c: c.n_heads), _heads_out),
     _Spec(("pre_ca", "wk"), "model.layers.{i}.self_attn.k_proj.weight",
-          lambda c: (c.n_kv_heads * c.head_dim, c.dim), _heads_in(lambda c: c.n_kv_heads)),
+          lambda c: (c.n_kv_heads * c.head_dim, c.dim), _heads_in(lambda c: c.n_kv_heads),
+          _heads_out),
     _Spec(("pre_ca", "wv"), "model.layers.{i}.self_attn.v_proj.weight",
-          lambda c: (c.n_kv_heads * c.head_dim, c.dim), _heads_in(lambda c: c.n_kv_heads)),
+          lambda c: (c.n_kv_heads * c.head_dim, c.dim), _heads_in(lambda c: c.n_kv_heads),
+          _heads_out),
     _Spec(("post_ca", "wo"), "model.layers.{i}.self_attn.o_proj.weight",
           lambda c: (c.dim, c.n_heads * c.head_dim),
-          lambda w, c: w.T.reshape(c.n_heads, c.head_dim, c.dim)),
+          lambda w, c: w.T.reshape(c.n_heads, c.head_dim, c.dim),
+          lambda w, c: w.reshape(c.n_heads * c.head_dim, c.dim).T),
     _Spec(("post_ca", "mlp_norm", "scale"), "model.layers.{i}.post_attention_layernorm.weight",
-          lambda c: (c.dim,), _ident),
+          lambda c: (c.dim,), _ident, _ident),
     _Spec(("post_ca", "w_gate"), "model.layers.{i}.mlp.gate_proj.weight",
-          lambda c: (c.mlp_dim, c.dim), lambda w, c: w.T),
+          lambda c: (c.mlp_dim, c.dim), _transpose, _transpose),
     _Spec(("post_ca", "w_up"), "model.layers.{i}.mlp.up_proj.weight",
-          lambda c: (c.mlp_dim, c.dim), lambda w, c: w.T),
+          lambda c: (c.mlp_dim, c.dim), _transpose, _transpose),
     _Spec(("post_ca", "w_down"), "model.layers.{i}.mlp.down_proj.weight",
-          lambda c: (c.dim, c.mlp_dim), lambda w, c: w.T),
+          lambda c: (c.dim, c.mlp_dim), _transpose, _transpose),
 )
-_EMBED = _Spec(("embedding",), "model.embed_tokens.weight", lambda c: (c.vocab_size, c.dim), _ident)
-_FINAL_NORM = _Spec(("final_norm", "scale"), "model.norm.weight", lambda c: (c.dim,), _ident)
-_LM_HEAD = _Spec(("lm_head",), "lm_head.weight", lambda c: (c.vocab_size, c.dim), lambda w, c: w.T)
+_EMBED = _Spec(("embedding",), "model.embed_tokens.weight", lambda c: (c.vocab_size, c.dim),
+               _ident, _ident)
+_FINAL_NORM = _Spec(("final_norm", "scale"), "model.norm.weight", lambda c: (c.dim,), _ident,
+                    _ident)
+_LM_HEAD = _Spec(("lm_head",), "lm_head.weight", lambda c: (c.vocab_size, c.dim), _transpose,
+                 _transpose)
 
 
 def _expected_hf_names(cfg: model_lib.ModelConfig) -> set[str]:

@@ -527,6 +527,47 @@ class Interrupted(Exception):
     self.signum = signum
 
 
+# ModelConfig fields a Hugging Face checkpoint fixes (the RoPE scaling's own fields only where
+# the scaling is on).
+HF_ARCHITECTURE = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim",
+                   "norm_eps", "tie_embeddings", "rope_theta", "rope_scaling_factor")
+HF_ROPE_SCALING = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position")
+
+
+def check_hf_architecture(c) -> None:
+  """Raises a `UserError` unless the Hugging Face checkpoint ``c.init_from_hf`` has ``c.model``'s
+  architecture (its config.json only), naming each field that differs and the override that
+  matches the checkpoint."""
+  from distca_jax import hf_import
+  cfg = config_lib.model_config(c)
+  try:
+    theirs = hf_import.model_config_from_hf(c.init_from_hf)
+  except hf_import.HFImportError as e:
+    raise UserError(f"init_from_hf={c.init_from_hf}: {' '.join(str(e).split())}") from e
+  fields = HF_ARCHITECTURE + (HF_ROPE_SCALING if cfg.rope_scaling_factor
+                              or theirs.rope_scaling_factor else ())
+  diff = [f for f in fields if getattr(cfg, f) != getattr(theirs, f)]
+  if diff:
+    raise UserError(
+        f"init_from_hf={c.init_from_hf}: the checkpoint's model differs from config.model ("
+        + ", ".join(f"model.{f}={getattr(cfg, f)!r} vs {getattr(theirs, f)!r}" for f in diff)
+        + "); set " + " ".join(f"--config.model.{f}={getattr(theirs, f)}" for f in diff))
+
+
+def params_from_hf(c, shardings):
+  """The parameters of the Hugging Face Llama checkpoint ``c.init_from_hf``
+  (``check_hf_architecture`` first), placed with ``shardings`` (the state's parameter
+  shardings) one tensor at a time (``hf_import.load_hf_params``: every tensor's name and shape
+  checked) in ``model.param_dtype``."""
+  from distca_jax import hf_import
+  check_hf_architecture(c)
+  try:
+    return hf_import.load_hf_params(c.init_from_hf, config_lib.model_config(c),
+                                    shardings={"params": shardings})["params"]
+  except hf_import.HFImportError as e:
+    raise UserError(f"init_from_hf={c.init_from_hf}: {' '.join(str(e).split())}") from e
+
+
 # ---- The job --------------------------------------------------------------------------------
 def check_workdir(workdir: str) -> None:
   """Raises a UserError unless files can be created in ``workdir`` (or, when it does not exist
@@ -563,6 +604,8 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str,
   workdir = os.path.abspath(workdir)
   check_workdir(workdir)
   run = setup_run(c)  # bad config, mesh or backend: an error before the workdir is made
+  if c.init_from_hf:
+    check_hf_architecture(c)
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
@@ -658,6 +701,12 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
       state = state.replace(bad_steps=jax.device_put(np.int32(0), state_sh.bad_steps))
   if state is None:
     state = create_train_state(c, model, tx, mesh)
+    if c.init_from_hf:
+      state = state.replace(params=params_from_hf(c, state_sh.params))
+      log.info(f"parameters from the Hugging Face checkpoint {c.init_from_hf} (architecture, "
+               "tensor names and shapes checked against config.model)")
+  elif c.init_from_hf:
+    log.info(f"init_from_hf={c.init_from_hf} not used: the run resumes from its checkpoint")
   start = int(state.step)
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "config.json"), "w") as f:

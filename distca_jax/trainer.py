@@ -330,26 +330,27 @@ def local_batch(source, step: int, row_ranges, backend: attn_lib.Backend | None,
 
   Only those rows' tokens are built. A host plan (``host_prepare``) is computed from the GLOBAL
   document lengths ``doclens`` (the same deterministic plan in every process) and cut to the same
-  rows. Backends that move tokens between rows on the host (``host_arrange``: cp, wlb) need the
-  whole batch, so they take a single range covering every row. ``plan_seconds`` gets the host
-  planning time appended.
+  rows. Backends that move tokens between rows on the host (``host_arrange``: cp, wlb) arrange
+  the whole batch in every process (every row's tokens are built: a row's tokens may come from
+  any other row) and keep the rows of ``row_ranges``; their digest covers the arrangement (each
+  arranged row's segment ids and the plan arrays). ``plan_seconds`` gets the host planning time
+  appended.
 
   Returns:
     (the blocks, ``plan_digest`` of the document lengths and the whole plan).
   """
   rows = source.rows
   if backend is not None and backend.host_arrange is not None:
-    if list(row_ranges) != [(0, rows)]:
-      raise ValueError("this attention backend rearranges tokens across data ranks on the host "
-                       "(host_arrange: cp, wlb) and needs the whole batch in every process; with "
-                       f"several processes (this one holds rows {list(row_ranges)} of {rows}) use "
-                       "config.attention.backend=distca, packed_dp or local")
     batch = source.batch(step)
     t0 = time.perf_counter()
     batch = add_host_plan(batch, backend, doclens, source.tokens_per_row)
     if plan_seconds is not None:
       plan_seconds.append(time.perf_counter() - t0)
-    return [(0, rows, batch)], plan_digest(doclens, {})
+    arranged = {k: v for k, v in batch.items()
+                if k == "segment_ids" or k.startswith(EXTRA_PREFIX)}
+    blocks = [(a, b, batch if (a, b) == (0, rows) else {k: v[a:b] for k, v in batch.items()})
+              for a, b in row_ranges]
+    return blocks, plan_digest(doclens, arranged)
   extra = {}
   if backend is not None and backend.host_prepare is not None:
     t0 = time.perf_counter()

@@ -199,7 +199,8 @@ def base_config() -> ml_collections.ConfigDict:
                                   # and its perplexity, as eval_loss / eval_ppl in the progress
                                   # line, metrics.jsonl and TensorBoard. Held out: synthetic, a stream
                                   # of its own seed (seed + data.EVAL_SEED_OFFSET); files,
-                                  # data.eval_path or data.eval_fraction
+                                  # data.eval_path or data.eval_fraction (neither set: no
+                                  # evaluation, said in one line at startup)
   c.eval_steps = 4                # held-out batches per evaluation (the same ones every time;
                                   # each the shape of a training batch)
   c.checkpoint_every = 50         # steps between checkpoints; 0 disables checkpointing
@@ -279,11 +280,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if not 0.0 <= c.data.eval_fraction < 1.0:
     raise UserError(f"data.eval_fraction={c.data.eval_fraction} must be in [0, 1) (the share of "
                     "data.path's documents held out for evaluation)")
-  if (c.eval_every and c.data.source == "files" and not c.data.eval_path
-      and not c.data.eval_fraction):
-    raise UserError(f"eval_every={c.eval_every} with data.source='files' needs held-out data: set "
-                    "data.eval_path=PREFIX (a held-out dataset) or data.eval_fraction=F (hold out "
-                    "that share of data.path's documents), or eval_every=0")
   if c.profile_step != -1 and not 0 <= c.profile_step < c.num_steps:
     raise UserError(f"profile_step={c.profile_step} must be -1 (off) or a step in [0, num_steps="
                     f"{c.num_steps})")

@@ -485,6 +485,12 @@ class Prefetcher:
     return step, batch, metrics_lib.step_flops(self.model_cfg, doclens), sum(map(sum, doclens))
 
 
+def has_held_out(c) -> bool:
+  """Whether config ``c`` has held-out data to evaluate on: synthetic data always (a stream of
+  another seed), files with ``data.eval_path`` or ``data.eval_fraction``."""
+  return c.data.source != "files" or bool(c.data.eval_path) or bool(c.data.eval_fraction)
+
+
 class Evaluator:
   """The held-out loss of a run (``eval_every`` / ``eval_steps``): the mean token loss over the
   first ``eval_steps`` batches of the held-out split (``run_source(c, data, 'eval')``, the same
@@ -723,7 +729,12 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
   if jax.process_count() > 1:
     print(f"process {jax.process_index()}/{jax.process_count()}: {jax.local_device_count()} "
           f"devices, batch rows {row_ranges} of {rows}", flush=True)
-  evaluator = Evaluator(c, run, row_ranges) if c.eval_every else None
+  evaluator = None
+  if c.eval_every and not has_held_out(c):
+    log.info(f"no evaluation (eval_every={c.eval_every}): data.source='files' has no held-out "
+             "data; set data.eval_path=PREFIX or data.eval_fraction=F")
+  elif c.eval_every:
+    evaluator = Evaluator(c, run, row_ranges)
   if evaluator is not None:
     log.info(f"evaluation every {c.eval_every} steps on {c.eval_steps} held-out batches: "
              f"{evaluator.describe}")

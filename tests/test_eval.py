@@ -133,10 +133,20 @@ def test_files_held_out_fraction_is_never_trained_on(tmp_path):
 def test_eval_config_errors_name_the_fix():
   with pytest.raises(UserError, match=r"^eval_every=-1 must be >= 0 \(0: no evaluation\)$"):
     config_lib.validate(_config("eval_every=-1"))
-  c = _config("eval_every=20", "data.source=files", "data.path=/x")
-  with pytest.raises(UserError, match="needs held-out data: set data.eval_path=PREFIX"):
-    config_lib.validate(c)
   with pytest.raises(UserError, match="eval_steps=0 must be >= 1"):
     config_lib.validate(_config("eval_steps=0"))
   with pytest.raises(UserError, match=r"data.eval_fraction=1.0 must be in \[0, 1\)"):
     config_lib.validate(_config("data.eval_fraction=1.0"))
+
+
+def test_files_without_held_out_data_train_and_say_there_is_no_evaluation(tmp_path, capsys):
+  prefix = _dataset(tmp_path, 40)
+  c = _config("eval_every=1", "num_steps=1", "data.source=files", f"data.path={prefix}",
+              "mesh.data=8", "mesh.tensor=1", "rows_per_rank=1", "model.vocab_size=64")
+  assert not trainer.has_held_out(c)
+  records = trainer.train_and_evaluate(c, str(tmp_path / "run"))
+  assert len(records) == 1 and "eval_loss" not in records[0]
+  assert ("no evaluation (eval_every=1): data.source='files' has no held-out data; set "
+          "data.eval_path=PREFIX or data.eval_fraction=F") in capsys.readouterr().out
+  assert trainer.has_held_out(_config("data.source=files", "data.eval_fraction=0.1"))
+  assert trainer.has_held_out(_config())

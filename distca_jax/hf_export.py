@@ -162,6 +162,9 @@ def export_run(workdir: str, out_dir: str, *, step: int | None = None, dtype: st
     c = ml_collections.ConfigDict(json.load(f))
   if jax.process_count() > 1:
     raise UserError("export runs in one process; run it on one host of the job's devices")
+  # The state's layout does not depend on the attention backend: restore under 'local' (no
+  # kernel to load, no plan caps to sample).
+  c.attention.backend, c.attention.kernel = "local", "auto"
   run = trainer.setup_run(c)
   manager = ckpt_lib.CheckpointManager(workdir, c)
   try:

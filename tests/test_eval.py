@@ -150,3 +150,14 @@ def test_files_without_held_out_data_train_and_say_there_is_no_evaluation(tmp_pa
           "data.eval_path=PREFIX or data.eval_fraction=F") in capsys.readouterr().out
   assert trainer.has_held_out(_config("data.source=files", "data.eval_fraction=0.1"))
   assert trainer.has_held_out(_config())
+
+
+def test_checkpoint_record_keeps_what_changes_training_batches():
+  """A checkpoint's data record (a resume with other settings is refused): eval_path and a zero
+  eval_fraction are left out (checkpoints written before the held-out keys still resume),
+  a non-zero eval_fraction (documents taken out of training) is in."""
+  from distca_jax import checkpoint as ckpt_lib
+  rec = ckpt_lib._data_record(_config("data.eval_path=/x"))
+  assert "eval_path" not in rec["data"] and "eval_fraction" not in rec["data"]
+  assert rec["data"]["source"] == "synthetic"
+  assert ckpt_lib._data_record(_config("data.eval_fraction=0.1"))["data"]["eval_fraction"] == 0.1

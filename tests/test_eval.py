@@ -24,6 +24,7 @@ BACKENDS = {
     "local": [],
     "packed_dp": [],
     "cp": ["attention.baselines.cp_size=2"],
+    "wlb": ["attention.baselines.cp_size=2", "attention.baselines.wlb_alpha=1.25"],
     "distca": ["attention.distca.tolerance=0.05", "attention.distca.min_gain=0.0",
                "attention.distca.local_gain=0.0"],
 }

@@ -289,9 +289,9 @@ def _run(procs: int, devices: int, args: list[str], workdir, logdir, timeout=600
       raise AssertionError(f"process {i} of {procs} exited with {rc}:\n" + open(name).read()[-4000:])
 
 
-def _losses(workdir) -> dict[int, float]:
+def _losses(workdir, key: str = "loss") -> dict[int, float]:
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return {r["step"]: r["loss"] for r in map(json.loads, f)}
+    return {r["step"]: r[key] for r in map(json.loads, f) if key in r}
 
 
 def _restore_params(workdir, c):
@@ -365,9 +365,10 @@ def test_two_processes_with_distca_match_one(tmp_path):
 ])
 def test_two_processes_with_cp_and_wlb_match_one(tmp_path, backend, over):
   """The baselines that rearrange tokens across rows on the host (every process arranges the
-  whole batch and keeps its rows) give the per-step losses of 1 process x 8 devices."""
+  whole batch and keeps its rows) give the per-step losses and the held-out loss (evaluation
+  after step 2, each process feeding its rows of the held-out batch) of 1 process x 8 devices."""
   args = [f"--config.attention.backend={backend}", "--config.num_steps=2",
-          "--config.checkpoint_every=0"] + over
+          "--config.checkpoint_every=0", "--config.eval_every=2", "--config.eval_steps=1"] + over
   two, one = tmp_path / "two", tmp_path / "one"
   _run(2, 4, args, two, tmp_path)
   _run(1, 8, args, one, tmp_path)
@@ -375,6 +376,8 @@ def test_two_processes_with_cp_and_wlb_match_one(tmp_path, backend, over):
   assert sorted(l2) == sorted(l1) == [1, 2]
   for s in l1:
     assert abs(l2[s] - l1[s]) <= 1e-4 * abs(l1[s]), (s, l2[s], l1[s])
+  e2, e1 = (_losses(w, "eval_loss") for w in (two, one))
+  assert list(e2) == list(e1) == [2] and abs(e2[2] - e1[2]) <= 1e-4 * abs(e1[2]), (e2, e1)
 
 
 # Process 1 computes another plan digest from step 0 on: the startup check must stop both.

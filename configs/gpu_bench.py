@@ -1,5 +1,8 @@
 """Benchmark-sized job for 1-2 GPUs: Llama-3-8B layer shapes, 4 layers, 64K tokens per GPU.
 
+Hardware: one or two GPUs of 80 GB or more (58.51 GiB per device by CPU AOT on one device,
+results/configs/aot_shipped_configs.md; the MFU below was measured on H200s).
+
 Run (one or two GPUs; every visible GPU goes on `data`):
   .venv/bin/python -m distca_jax.train --config configs/gpu_bench.py --workdir /tmp/distca_bench
 
@@ -31,6 +34,7 @@ def get_config():
   c.model.remat = "save_attention"       # no attention rerun in the backward (e2e_v5_summary)
   c.mesh.data = -1
   c.mesh.tensor = 1
+  c.mesh.fsdp = False
   c.tokens_per_rank = 65_536
   c.num_steps = 30
   c.log_every = 5

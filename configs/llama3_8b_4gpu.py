@@ -3,11 +3,14 @@
 Run (one host with 4 GPUs; needs `.[gpu]` for the FlashAttention-3 kernel):
   .venv/bin/python -m distca_jax.train --config configs/llama3_8b_4gpu.py --workdir /ckpt/llama8b_4gpu
 
+Hardware: one host with 4 GPUs of 80 GB (H100 80GB or larger).
+
 Check memory before launching (compiles ahead of time on abstract shapes, no parameters made):
   .venv/bin/python -m experiments.aot_memory --config configs/llama3_8b_4gpu.py --devices 4
-(on a host without FlashAttention-3, e.g. 4 fake CPU devices, add
---override attention.kernel=blockwise: the same shapes with the CPU kernel; without it the
-script stops with one line saying so. About 25 s on 2 CPU cores: 66.2 GiB per device).
+(on a host without FlashAttention-3, e.g. 4 fake CPU devices, the kernel's shape-only stand-in
+is compiled and its backward workspace counted by formula: 62.34 GiB per device; 63.42 GiB with
+--override attention.kernel=blockwise, the CPU kernel in its place;
+results/configs/aot_shipped_configs.md).
 
 Layout: mesh data=4 x tensor=1 with `mesh.fsdp`: the f32 weights, their gradients and both Adam
 moments are split over the 4 GPUs (8.03B x 12 bytes / 4 = 22.4 GiB of state per GPU instead of

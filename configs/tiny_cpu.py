@@ -3,8 +3,9 @@
 Run:
   .venv/bin/python -m distca_jax.train --config configs/tiny_cpu.py --workdir /tmp/distca_tiny
 
-Expect: a progress line every 20 steps; the loss falls from about 5.6 (ln 256) to below 0.5 by
-step 300 as the model learns the synthetic documents' arithmetic patterns in context; a checkpoint
+Expect: a progress line every 20 steps, with the held-out loss and perplexity every 100; the loss
+falls from about 5.6 (ln 256) to below 0.5 by step 300 as the model learns the synthetic
+documents' arithmetic patterns in context; a checkpoint
 every 100 steps (rerunning the command resumes, and finishes at once when done); metrics.jsonl and
 TensorBoard events in the workdir. Uses every visible device along `data`.
 """
@@ -39,5 +40,7 @@ def get_config():
   c.train.spike_sigmas = 0.0
   c.num_steps = 300
   c.log_every = 20
+  c.eval_every = 100            # held-out loss and perplexity (a stream of another seed)
+  c.eval_steps = 4
   c.checkpoint_every = 100
   return c

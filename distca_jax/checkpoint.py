@@ -61,9 +61,13 @@ def batch_rows(c: ml_collections.ConfigDict) -> int:
 
 
 def _data_record(c: ml_collections.ConfigDict) -> dict:
+  """The settings a checkpoint's batches depend on (a resume with others is refused). Of the
+  held-out keys only a non-zero ``data.eval_fraction`` is recorded (it takes documents out of
+  training); ``data.eval_path`` changes no training batch."""
   rec = {k: c[k] for k in _DATA_KEYS}
   rec["batch_rows"] = batch_rows(c)
-  rec["data"] = c.data.to_dict()
+  rec["data"] = {k: v for k, v in c.data.to_dict().items()
+                 if k != "eval_path" and not (k == "eval_fraction" and not v)}
   return rec
 
 

@@ -199,6 +199,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.context_length = 0       # synthetic: length the recipe scales to; 0 = tokens_per_rank
   c.data.path = ""                # files: dataset prefix (PREFIX.tokens.npy + PREFIX.offsets.npy)
   c.data.shuffle = True           # files: a seeded document permutation per epoch
+  c.data.eval_path = ""           # files: the held-out dataset evaluation reads (a prefix as
+                                  # data.path); "" = the documents data.eval_fraction holds out
+  c.data.eval_fraction = 0.0      # files: this fraction of data.path's documents (the last ones
+                                  # in file order, at least one) is held out: never trained on,
+                                  # evaluated when eval_every > 0 and data.eval_path is ""
 
   # --- optimizer: AdamW, linear warmup then cosine decay, global-norm clipping.
   c.optim = ml_collections.ConfigDict()
@@ -213,8 +218,24 @@ def base_config() -> ml_collections.ConfigDict:
 
   # --- run
   c.seed = 0                      # seeds parameters, data and the step RNG
+  c.init_from_hf = ""             # a Hugging Face Llama checkpoint directory (config.json +
+                                  # safetensors; distca_jax.hf_import): a run that starts fresh
+                                  # (no checkpoint in its workdir) takes its parameters from it
+                                  # (fine-tuning; the optimizer starts fresh); its architecture
+                                  # must equal config.model's (checked, with every tensor's
+                                  # name and shape). Export with python -m distca_jax.hf_export
   c.num_steps = 100               # total optimizer steps (also the cosine decay length)
   c.log_every = 10                # steps between progress lines / log records
+  c.eval_every = 0                # steps between evaluations on held-out data (0: none; an
+                                  # evaluated step is also logged): the mean loss over eval_steps
+                                  # held-out batches (forward only, the run's attention backend)
+                                  # and its perplexity, as eval_loss / eval_ppl in the progress
+                                  # line, metrics.jsonl and TensorBoard. Held out: synthetic, a stream
+                                  # of its own seed (seed + data.EVAL_SEED_OFFSET); files,
+                                  # data.eval_path or data.eval_fraction (neither set: no
+                                  # evaluation, said in one line at startup)
+  c.eval_steps = 4                # held-out batches per evaluation (the same ones every time;
+                                  # each the shape of a training batch)
   c.checkpoint_every = 50         # steps between checkpoints; 0 disables checkpointing
   c.keep_checkpoints = 3          # keep the last k checkpoints
   c.async_checkpoint = True       # orbax saves in the background while training goes on
@@ -285,6 +306,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if c.attention.nano_batches not in (1, 2):
     raise UserError(f"attention.nano_batches={c.attention.nano_batches}; use 1 (single stream) "
                     "or 2 (ping-pong)")
+  if c.eval_every < 0:
+    raise UserError(f"eval_every={c.eval_every} must be >= 0 (0: no evaluation)")
+  if c.eval_steps < 1:
+    raise UserError(f"eval_steps={c.eval_steps} must be >= 1 (held-out batches per evaluation)")
+  if not 0.0 <= c.data.eval_fraction < 1.0:
+    raise UserError(f"data.eval_fraction={c.data.eval_fraction} must be in [0, 1) (the share of "
+                    "data.path's documents held out for evaluation)")
   if c.profile_step != -1 and not 0 <= c.profile_step < c.num_steps:
     raise UserError(f"profile_step={c.profile_step} must be -1 (off) or a step in [0, num_steps="
                     f"{c.num_steps})")

@@ -292,11 +292,12 @@ class _CheckpointReader:
 # Name and layout mapping
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class _Spec:
+class Spec:
   path: tuple[str, ...]                         # our path inside a layer (or inside params/)
   hf_name: str                                  # HF name; '{i}' is the layer index
   hf_shape: Callable[[model_lib.ModelConfig], tuple[int, ...]]
-  convert: Callable[[np.ndarray, model_lib.ModelConfig], np.ndarray]
+  convert: Callable[[np.ndarray, model_lib.ModelConfig], np.ndarray]  # HF layout -> ours
+  invert: Callable[[np.ndarray, model_lib.ModelConfig], np.ndarray]   # ours -> HF (hf_export)
 
 
 def _ident(w, c):
@@ -304,43 +305,59 @@ def _ident(w, c):
   return w
 
 
+def _transpose(w, c):
+  del c
+  return w.T
+
+
 def _heads_in(heads: Callable[[model_lib.ModelConfig], int]):
   """[heads*D, E] -> [E, heads, D]."""
   return lambda w, c: w.T.reshape(c.dim, heads(c), c.head_dim)
 
 
-_LAYER_SPECS = (
-    _Spec(("pre_ca", "attn_norm", "scale"), "model.layers.{i}.input_layernorm.weight",
-          lambda c: (c.dim,), _ident),
-    _Spec(("pre_ca", "wq"), "model.layers.{i}.self_attn.q_proj.weight",
-          lambda c: (c.n_heads * c.head_dim, c.dim), _heads_in(lambda c: c.n_heads)),
-    _Spec(("pre_ca", "wk"), "model.layers.{i}.self_attn.k_proj.weight",
-          lambda c: (c.n_kv_heads * c.head_dim, c.dim), _heads_in(lambda c: c.n_kv_heads)),
-    _Spec(("pre_ca", "wv"), "model.layers.{i}.self_attn.v_proj.weight",
-          lambda c: (c.n_kv_heads * c.head_dim, c.dim), _heads_in(lambda c: c.n_kv_heads)),
-    _Spec(("post_ca", "wo"), "model.layers.{i}.self_attn.o_proj.weight",
+def _heads_out(w, c):
+  """[E, heads, D] -> [heads*D, E] (the inverse of `_heads_in`)."""
+  return w.reshape(c.dim, -1).T
+
+
+LAYER_SPECS = (
+    Spec(("pre_ca", "attn_norm", "scale"), "model.layers.{i}.input_layernorm.weight",
+          lambda c: (c.dim,), _ident, _ident),
+    Spec(("pre_ca", "wq"), "model.layers.{i}.self_attn.q_proj.weight",
+          lambda c: (c.n_heads * c.head_dim, c.dim), _heads_in(lambda c: c.n_heads), _heads_out),
+    Spec(("pre_ca", "wk"), "model.layers.{i}.self_attn.k_proj.weight",
+          lambda c: (c.n_kv_heads * c.head_dim, c.dim), _heads_in(lambda c: c.n_kv_heads),
+          _heads_out),
+    Spec(("pre_ca", "wv"), "model.layers.{i}.self_attn.v_proj.weight",
+          lambda c: (c.n_kv_heads * c.head_dim, c.dim), _heads_in(lambda c: c.n_kv_heads),
+          _heads_out),
+    Spec(("post_ca", "wo"), "model.layers.{i}.self_attn.o_proj.weight",
           lambda c: (c.dim, c.n_heads * c.head_dim),
-          lambda w, c: w.T.reshape(c.n_heads, c.head_dim, c.dim)),
-    _Spec(("post_ca", "mlp_norm", "scale"), "model.layers.{i}.post_attention_layernorm.weight",
-          lambda c: (c.dim,), _ident),
-    _Spec(("post_ca", "w_gate"), "model.layers.{i}.mlp.gate_proj.weight",
-          lambda c: (c.mlp_dim, c.dim), lambda w, c: w.T),
-    _Spec(("post_ca", "w_up"), "model.layers.{i}.mlp.up_proj.weight",
-          lambda c: (c.mlp_dim, c.dim), lambda w, c: w.T),
-    _Spec(("post_ca", "w_down"), "model.layers.{i}.mlp.down_proj.weight",
-          lambda c: (c.dim, c.mlp_dim), lambda w, c: w.T),
+          lambda w, c: w.T.reshape(c.n_heads, c.head_dim, c.dim),
+          lambda w, c: w.reshape(c.n_heads * c.head_dim, c.dim).T),
+    Spec(("post_ca", "mlp_norm", "scale"), "model.layers.{i}.post_attention_layernorm.weight",
+          lambda c: (c.dim,), _ident, _ident),
+    Spec(("post_ca", "w_gate"), "model.layers.{i}.mlp.gate_proj.weight",
+          lambda c: (c.mlp_dim, c.dim), _transpose, _transpose),
+    Spec(("post_ca", "w_up"), "model.layers.{i}.mlp.up_proj.weight",
+          lambda c: (c.mlp_dim, c.dim), _transpose, _transpose),
+    Spec(("post_ca", "w_down"), "model.layers.{i}.mlp.down_proj.weight",
+          lambda c: (c.dim, c.mlp_dim), _transpose, _transpose),
 )
-_EMBED = _Spec(("embedding",), "model.embed_tokens.weight", lambda c: (c.vocab_size, c.dim), _ident)
-_FINAL_NORM = _Spec(("final_norm", "scale"), "model.norm.weight", lambda c: (c.dim,), _ident)
-_LM_HEAD = _Spec(("lm_head",), "lm_head.weight", lambda c: (c.vocab_size, c.dim), lambda w, c: w.T)
+EMBED = Spec(("embedding",), "model.embed_tokens.weight", lambda c: (c.vocab_size, c.dim),
+               _ident, _ident)
+FINAL_NORM = Spec(("final_norm", "scale"), "model.norm.weight", lambda c: (c.dim,), _ident,
+                    _ident)
+LM_HEAD = Spec(("lm_head",), "lm_head.weight", lambda c: (c.vocab_size, c.dim), _transpose,
+                 _transpose)
 
 
 def _expected_hf_names(cfg: model_lib.ModelConfig) -> set[str]:
-  names = {_EMBED.hf_name, _FINAL_NORM.hf_name}
+  names = {EMBED.hf_name, FINAL_NORM.hf_name}
   if not cfg.tie_embeddings:
-    names.add(_LM_HEAD.hf_name)
+    names.add(LM_HEAD.hf_name)
   for i in range(cfg.n_layers):
-    names.update(s.hf_name.format(i=i) for s in _LAYER_SPECS)
+    names.update(s.hf_name.format(i=i) for s in LAYER_SPECS)
   return names
 
 
@@ -351,13 +368,13 @@ def _check_names(reader: _CheckpointReader, cfg: model_lib.ModelConfig) -> None:
   missing = sorted(expected - present)
   if missing:
     hint = ""
-    if missing == [_LM_HEAD.hf_name]:
+    if missing == [LM_HEAD.hf_name]:
       hint = " (the config says tie_word_embeddings=false; is the config right?)"
     raise HFImportError(f"tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} "
                         f"({len(missing)} in all) missing from checkpoint {reader.describe()}{hint}")
   unexpected = sorted(n for n in present - expected
                       if not _IGNORED_TENSORS.fullmatch(n)
-                      and not (cfg.tie_embeddings and n == _LM_HEAD.hf_name))
+                      and not (cfg.tie_embeddings and n == LM_HEAD.hf_name))
   if unexpected:
     raise HFImportError(
         f"checkpoint {reader.describe()} holds tensors the model has no place for: "
@@ -374,29 +391,29 @@ def _iter_params(reader: _CheckpointReader, cfg: model_lib.ModelConfig,
   def cast(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=dtype)
 
-  def read(spec: _Spec, i: int | None = None) -> np.ndarray:
+  def read(spec: Spec, i: int | None = None) -> np.ndarray:
     name = spec.hf_name.format(i=i) if i is not None else spec.hf_name
     return spec.convert(reader.get(name, spec.hf_shape(cfg)), cfg)
 
-  yield _EMBED.path, cast(read(_EMBED))
-  if cfg.tie_embeddings and _LM_HEAD.hf_name in reader.file_of:
+  yield EMBED.path, cast(read(EMBED))
+  if cfg.tie_embeddings and LM_HEAD.hf_name in reader.file_of:
     # A tied model's checkpoint may still store the head; it must be the embedding.
-    head = reader.get(_LM_HEAD.hf_name, _LM_HEAD.hf_shape(cfg))
-    if not np.array_equal(head, reader.get(_EMBED.hf_name, _EMBED.hf_shape(cfg))):
-      raise HFImportError(f"config says tie_word_embeddings=true but {_LM_HEAD.hf_name!r} in "
-                          f"{reader.file_of[_LM_HEAD.hf_name]!r} differs from "
-                          f"{_EMBED.hf_name!r}; set tie_word_embeddings=false in config.json "
+    head = reader.get(LM_HEAD.hf_name, LM_HEAD.hf_shape(cfg))
+    if not np.array_equal(head, reader.get(EMBED.hf_name, EMBED.hf_shape(cfg))):
+      raise HFImportError(f"config says tie_word_embeddings=true but {LM_HEAD.hf_name!r} in "
+                          f"{reader.file_of[LM_HEAD.hf_name]!r} differs from "
+                          f"{EMBED.hf_name!r}; set tie_word_embeddings=false in config.json "
                           "(or the override tie_embeddings=False)")
-  for spec in _LAYER_SPECS:
+  for spec in LAYER_SPECS:
     if scan_layers:
       yield ("layers", "layer") + spec.path, cast(np.stack([read(spec, i)
                                                             for i in range(cfg.n_layers)]))
     else:
       for i in range(cfg.n_layers):
         yield (f"layer_{i}", "layer") + spec.path, cast(read(spec, i))
-  yield _FINAL_NORM.path, cast(read(_FINAL_NORM))
+  yield FINAL_NORM.path, cast(read(FINAL_NORM))
   if not cfg.tie_embeddings:
-    yield _LM_HEAD.path, cast(read(_LM_HEAD))
+    yield LM_HEAD.path, cast(read(LM_HEAD))
 
 
 def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
@@ -405,7 +422,7 @@ def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
   tree[path[-1]] = value
 
 
-def _get(tree: Mapping[str, Any], path: tuple[str, ...], what: str) -> Any:
+def get_path(tree: Mapping[str, Any], path: tuple[str, ...], what: str) -> Any:
   node = tree
   for key in path:
     if not isinstance(node, Mapping) or key not in node:
@@ -457,7 +474,7 @@ def load_hf_params(checkpoint_dir: PathLike, cfg: model_lib.ModelConfig, *,
   params: dict[str, Any] = {}
   for path, array in _iter_params(reader, cfg, scan_layers):
     if shardings is not None:
-      sharding = _get(shardings, ("params",) + path, "shardings")
+      sharding = get_path(shardings, ("params",) + path, "shardings")
       array = jax.device_put(array, sharding)
     _set(params, path, array)
   return {"params": params}

@@ -131,20 +131,31 @@ class StopRequest:
   'interrupted' line naming the newest verified checkpoint in ``workdir``: a second signal (a
   second Ctrl-C: stop now, the save in progress, if any, is ignored on restore), and no
   acknowledgement within ``timeout_s`` seconds of the first (the loop did not reach a step
-  boundary: a device call or a peer is stuck)."""
+  boundary: a device call or a peer is stuck).
+
+  In a process run by a supervisor (``SUPERVISED_ENV``), the same signal again within
+  ``DUPLICATE_S`` seconds of the first is that first one delivered twice, not a second request:
+  a terminal's Ctrl-C and SLURM's signals reach every process of the task (the supervisor and
+  this one), and the supervisor passes its copy on."""
+
+  DUPLICATE_S = 2.0
 
   def __init__(self, timeout_s: float = 120.0, workdir: str | None = None):
     self.signum: int | None = None
     self.timeout_s = timeout_s
     self.workdir = workdir
     self._timer: threading.Timer | None = None
+    self._first_at = 0.0
 
   def __call__(self, signum, frame=None) -> None:
     del frame
+    if (self.signum == signum and os.environ.get(SUPERVISED_ENV)
+        and time.monotonic() - self._first_at < self.DUPLICATE_S):
+      return
     if self.signum is not None:
       self._exit(signum, f"a second {signal.Signals(signum).name}: stopping now, without "
                  "saving the current step")
-    self.signum = signum
+    self.signum, self._first_at = signum, time.monotonic()
     self._timer = threading.Timer(self.timeout_s, self._exit, (
         signum, f"the run reached no step boundary within train.stop_timeout_s="
         f"{self.timeout_s:g} s of the signal (still compiling, or a device call or another "
@@ -525,3 +536,10 @@ def supervise(argv: list[str], workdir: str, verbose: bool, me: int | None = Non
   print(f"error: {who} failed ({how}{'; ' + why if why else ''}): {last[:300]}{log}; rerun "
         "with --verbose to see its output", file=sys.stderr, flush=True)
   return 2 if why else 1
+
+
+if __name__ == "__main__":
+  # `python -m distca_jax.launch` is the training entry point under another name: it runs
+  # `distca_jax.train` as the main module (the same flags, --help, exit statuses and supervisor).
+  import runpy
+  runpy.run_module("distca_jax.train", run_name="__main__", alter_sys=True)

@@ -153,6 +153,8 @@ class RunLog:
     done = int(width * step / max(1, self.total))
     bar = "#" * done + "." * (width - done)
     parts = [f"[{bar}] step {step}/{self.total}", f"loss {r['loss']:.4f}"]
+    if "eval_loss" in r:
+      parts.append(f"eval loss {r['eval_loss']:.4f} ppl {r['eval_ppl']:.4g}")
     if "tokens_per_s" in r:
       parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
     if "mfu" in r:

@@ -12,14 +12,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import os
-import queue
 import signal
 import tempfile
-import threading
 import time
-import zlib
 from typing import Any, Callable
 
 import flax.struct
@@ -46,6 +42,9 @@ from distca_jax.health import (HEALTH_FIELDS, BadStepWatch, TrainingDiverged,
                                spike_check)
 from distca_jax.data import BATCH_KEYS, run_source
 from distca_jax.errors import UserError
+from distca_jax.feed import (EXTRA_PREFIX, LocalBatch, Prefetcher, add_host_plan,  # noqa: F401
+                             check_plans_agree, device_batch, local_batch, local_row_ranges,
+                             plan_digest, rows_sharding)
 from distca_jax.model import Transformer, execution_plan
 
 
@@ -183,23 +182,19 @@ def setup_run(c: ml_collections.ConfigDict, devices=None, **backend_overrides) -
   return RunSetup(mesh, backend, model, tx, abstract, state_sh, source)
 
 
-EXTRA_PREFIX = attn_lib.EXTRA_PREFIX  # batch keys holding a backend's host-made arrays
-
-
 def layout_of(batch) -> attn_lib.Layout:
   extra = {k[len(EXTRA_PREFIX):]: v for k, v in batch.items() if k.startswith(EXTRA_PREFIX)}
   return attn_lib.Layout(batch["segment_ids"], batch["positions"], extra)
 
 
-def add_host_plan(np_batch: dict, backend: attn_lib.Backend, doclens, tokens_per_row: int) -> dict:
-  """Runs the backend's host work (if any): rearranging the batch's tokens (`host_arrange`, the
-  `cp` and `wlb` baselines) or adding plan arrays (`host_prepare`)."""
-  if backend.host_arrange is not None:
-    return backend.host_arrange(np_batch, doclens)
-  if backend.host_prepare is None:
-    return np_batch
-  extra = backend.host_prepare(doclens, tokens_per_row)
-  return {**np_batch, **{EXTRA_PREFIX + k: v for k, v in extra.items()}}
+def loss_sums(c, params, batch, model) -> tuple[jax.Array, jax.Array]:
+  """(summed token loss, loss tokens) of ``model`` on ``batch``: the train step's loss is their
+  ratio, evaluation sums both over its batches."""
+  # The config's rules table, whatever rules the caller traces under: with mesh.fsdp the layers
+  # gather their weights (sharding.gathered).
+  with nn.logical_axis_rules(shard_lib.rules(c.mesh.fsdp)):
+    return model.apply({"params": params}, batch["inputs"], batch["targets"],
+                       batch["loss_mask"], layout_of(batch), method=Transformer.loss)
 
 
 def make_train_step(c, model, tx, local_model=None) -> Callable:
@@ -226,11 +221,7 @@ def make_train_step(c, model, tx, local_model=None) -> Callable:
   the band after one skip instead of ending the run as if it had diverged."""
 
   def loss_fn(params, batch, model):
-    # The config's rules table, whatever rules the caller traces under: with mesh.fsdp the layers
-    # gather their weights (sharding.gathered).
-    with nn.logical_axis_rules(shard_lib.rules(c.mesh.fsdp)):
-      total, count = model.apply({"params": params}, batch["inputs"], batch["targets"],
-                                 batch["loss_mask"], layout_of(batch), method=Transformer.loss)
+    total, count = loss_sums(c, params, batch, model)
     return total / jnp.maximum(count, 1.0), count
 
   def train_step(state: TrainState, batch):
@@ -290,185 +281,42 @@ def compile_train_step(c, run: RunSetup, state, batch: dict, rows: int | None = 
           {"lower_s": t1 - t0, "compile_s": time.perf_counter() - t1})
 
 
-rows_sharding = shard_lib.rows_sharding  # every batch array: rows per the rules table
+def has_held_out(c) -> bool:
+  """Whether config ``c`` has held-out data to evaluate on: synthetic data always (a stream of
+  another seed), files with ``data.eval_path`` or ``data.eval_fraction``."""
+  return c.data.source != "files" or bool(c.data.eval_path) or bool(c.data.eval_fraction)
 
 
-def local_row_ranges(mesh, rows: int) -> list[tuple[int, int]]:
-  """The row ranges [a, b) of a [rows, ...] batch that this process's devices hold (rows over
-  `data`), contiguous ranges merged, in order; one process owning every device gets [(0, rows)]."""
-  index = rows_sharding(mesh).addressable_devices_indices_map((rows,))
-  spans = sorted({(s.start or 0, rows if s.stop is None else s.stop) for (s,) in index.values()})
-  merged: list[tuple[int, int]] = []
-  for a, b in spans:
-    if merged and a <= merged[-1][1]:
-      merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
-    else:
-      merged.append((a, b))
-  return merged
+class Evaluator:
+  """The held-out loss of a run (``eval_every`` / ``eval_steps``): the mean token loss over the
+  first ``eval_steps`` batches of the held-out split (``run_source(c, data, 'eval')``, the same
+  batches every time, each with the backend's host plan, this process's rows only), computed
+  forward only by the model the train step runs (``loss_sums``), and its perplexity."""
 
+  def __init__(self, c, run: RunSetup, row_ranges):
+    self.c, self.mesh = c, run.mesh
+    self.rows = run.mesh.shape["data"] * c.rows_per_rank
+    source = run_source(c, run.mesh.shape["data"], split="eval")
+    self.describe = source.describe()
+    self.batches = [local_batch(source, k, row_ranges, run.backend, source.doclens(k))[0]
+                    for k in range(c.eval_steps)]
+    self._params_sharding = run.state_shardings.params
+    self._fns: dict[int, Callable] = {}
 
-# A process's part of a batch: blocks (a, b, {key: array [b - a, ...]}) holding rows [a, b).
-LocalBatch = list[tuple[int, int, dict]]
-
-
-def local_batch(source, step: int, row_ranges, backend: attn_lib.Backend | None, doclens,
-                plan_seconds: list | None = None) -> tuple[LocalBatch, int]:
-  """Rows ``row_ranges`` of step ``step``'s batch with the backend's host plan rows.
-
-  Only those rows' tokens are built. A host plan (``host_prepare``) is computed from the GLOBAL
-  document lengths ``doclens`` (the same deterministic plan in every process) and cut to the same
-  rows. Backends that move tokens between rows on the host (``host_arrange``: cp, wlb) need the
-  whole batch, so they take a single range covering every row. ``plan_seconds`` gets the host
-  planning time appended.
-
-  Returns:
-    (the blocks, ``plan_digest`` of the document lengths and the whole plan).
-  """
-  rows = source.rows
-  if backend is not None and backend.host_arrange is not None:
-    if list(row_ranges) != [(0, rows)]:
-      raise ValueError("this attention backend rearranges tokens across data ranks on the host "
-                       "(host_arrange: cp, wlb) and needs the whole batch in every process; with "
-                       f"several processes (this one holds rows {list(row_ranges)} of {rows}) use "
-                       "config.attention.backend=distca, packed_dp or local")
-    batch = source.batch(step)
-    t0 = time.perf_counter()
-    batch = add_host_plan(batch, backend, doclens, source.tokens_per_row)
-    if plan_seconds is not None:
-      plan_seconds.append(time.perf_counter() - t0)
-    return [(0, rows, batch)], plan_digest(doclens, {})
-  extra = {}
-  if backend is not None and backend.host_prepare is not None:
-    t0 = time.perf_counter()
-    extra = {EXTRA_PREFIX + k: v
-             for k, v in backend.host_prepare(doclens, source.tokens_per_row).items()}
-    if plan_seconds is not None:
-      plan_seconds.append(time.perf_counter() - t0)
-  out = []
-  for a, b in row_ranges:
-    block = source.batch(step) if (a, b) == (0, rows) else source.batch(step, rows=(a, b))
-    out.append((a, b, {**block, **{k: v[a:b] for k, v in extra.items()}}))
-  return out, plan_digest(doclens, extra)
-
-
-def plan_digest(doclens, plan: dict) -> int:
-  """uint32 CRC of a step's plan metadata: its document lengths and the host plan arrays (every
-  process must compute the same; ``check_plans_agree`` compares them)."""
-  crc = zlib.crc32(np.asarray([len(r) for r in doclens] + [x for r in doclens for x in r],
-                              np.int64).tobytes())
-  for k in sorted(plan):
-    crc = zlib.crc32(k.encode() + np.ascontiguousarray(plan[k]).tobytes(), crc)
-  return crc
-
-
-def check_plans_agree(step: int, digest: int) -> None:
-  """All processes compare their ``plan_digest`` of step ``step`` (one small all-gather); raises
-  a `UserError` naming the step and the processes that differ (every process raises it). A no-op
-  with one process."""
-  if jax.process_count() == 1:
-    return
-  from jax.experimental import multihost_utils
-  got = np.asarray(multihost_utils.process_allgather(np.uint32(digest))).reshape(-1)
-  if (got != got[0]).any():
-    raise UserError(
-        f"step {step}: the processes computed different host plans (plan digests by process: "
-        f"{[f'{int(x):08x}' for x in got]}). Every process must run the same code, config and "
-        "data files; compare their config.json, data paths and package versions.")
-
-
-def device_batch(np_batch: dict | LocalBatch, mesh, rows: int | None = None) -> dict:
-  """Host batch -> global arrays, rows sharded over `data`; each process fills its own devices.
-
-  ``np_batch`` is the whole batch (a dict of [B, ...] arrays) or a process's ``LocalBatch`` with
-  ``rows`` = B; a device's rows must lie inside one block.
-  """
-  if isinstance(np_batch, dict):
-    rows = len(next(iter(np_batch.values())))
-    np_batch = [(0, rows, np_batch)]
-  sh = rows_sharding(mesh)
-
-  def rows_of(key, idx):
-    lo, hi, _ = idx[0].indices(rows)
-    for a, b, block in np_batch:
-      if a <= lo and hi <= b:
-        return block[key][(slice(lo - a, hi - a),) + tuple(idx[1:])]
-    raise ValueError(f"rows [{lo}, {hi}) of {key!r} are not in this process's blocks "
-                     f"{[(a, b) for a, b, _ in np_batch]}")
-
-  first = np_batch[0][2]
-  return {k: jax.make_array_from_callback((rows,) + first[k].shape[1:], sh,
-                                          lambda idx, k=k: rows_of(k, idx))
-          for k in first}
-
-
-class Prefetcher:
-  """Builds host batches (and their FLOP counts) for upcoming steps on a background thread.
-
-  With ``row_ranges`` (``local_row_ranges``) each item's batch is a ``LocalBatch`` of those rows
-  only (multi-process feeding); without, it is the whole batch dict.
-  """
-
-  def __init__(self, source, model_cfg, start: int, stop: int, depth: int = 2,
-               backend: attn_lib.Backend | None = None, row_ranges=None):
-    self._q: queue.Queue = queue.Queue(maxsize=depth)
-    self._stop = stop
-    # Host seconds per batch spent in the backend's planning (`add_host_plan`), in step order:
-    # benchmarks compare it with the main thread's wait in `next` (planning off the critical
-    # path shows up as planning time > 0 with ~0 wait).
-    self.host_plan_s: list[float] = []
-    # Step -> plan_digest, with row_ranges; the train loop pops the steps it checks.
-    self.plan_digests: dict[int, int] = {}
-
-    self._closed = threading.Event()
-
-    def put(item) -> bool:  # False once closed (the consumer is gone)
-      while not self._closed.is_set():
-        try:
-          self._q.put(item, timeout=0.1)
-          return True
-        except queue.Full:
-          pass
-      return False
-
-    def work():
-      for step in range(start, stop):
-        if self._closed.is_set():
-          return
-        try:
-          doclens = source.doclens(step)
-          if row_ranges is not None:
-            batch, self.plan_digests[step] = local_batch(source, step, row_ranges, backend,
-                                                         doclens, self.host_plan_s)
-          else:
-            batch = source.batch(step)
-            if backend is not None:
-              t0 = time.perf_counter()
-              batch = add_host_plan(batch, backend, doclens, source.tokens_per_row)
-              self.host_plan_s.append(time.perf_counter() - t0)
-          item = (step, batch, doclens)
-        except Exception as e:  # surfaced in the main thread, never swallowed
-          put(e)
-          return
-        if not put(item):
-          return
-
-    self._thread = threading.Thread(target=work, daemon=True)
-    self._thread.start()
-    self.model_cfg = model_cfg
-
-  def close(self) -> None:
-    """Stops the worker and waits for it (it finishes the batch in hand). A Python thread still
-    running when the interpreter exits is torn down inside C++ frames (XLA, NumPy), which
-    aborts the process ('terminate called without an active exception')."""
-    self._closed.set()
-    self._thread.join()
-
-  def next(self):
-    item = self._q.get()
-    if isinstance(item, Exception):
-      raise item
-    step, batch, doclens = item
-    return step, batch, metrics_lib.step_flops(self.model_cfg, doclens), sum(map(sum, doclens))
+  def __call__(self, params, model) -> dict[str, float]:
+    """{'eval_loss', 'eval_ppl'} of ``params`` under ``model`` (compiled once per model)."""
+    fn = self._fns.get(id(model))
+    if fn is None:
+      keys = self.batches[0][0][2].keys()
+      fn = self._fns[id(model)] = jax.jit(
+          functools.partial(loss_sums, self.c, model=model),
+          in_shardings=(self._params_sharding, {k: rows_sharding(self.mesh) for k in keys}),
+          out_shardings=shard_lib.replicated(self.mesh))
+    with mesh_context(self.mesh, self.c.mesh.fsdp):
+      sums = [fn(params, device_batch(b, self.mesh, self.rows)) for b in self.batches]
+    total, count = (float(sum(np.float64(x) for x in col)) for col in zip(*jax.device_get(sums)))
+    loss = total / max(count, 1.0)
+    return {"eval_loss": loss, "eval_ppl": float(np.exp(min(loss, 700.0)))}
 
 
 StopRequest = launch.StopRequest
@@ -480,6 +328,47 @@ class Interrupted(Exception):
   def __init__(self, message: str, signum: int):
     super().__init__(message)
     self.signum = signum
+
+
+# ModelConfig fields a Hugging Face checkpoint fixes (the RoPE scaling's own fields only where
+# the scaling is on).
+HF_ARCHITECTURE = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim",
+                   "norm_eps", "tie_embeddings", "rope_theta", "rope_scaling_factor")
+HF_ROPE_SCALING = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position")
+
+
+def check_hf_architecture(c) -> None:
+  """Raises a `UserError` unless the Hugging Face checkpoint ``c.init_from_hf`` has ``c.model``'s
+  architecture (its config.json only), naming each field that differs and the override that
+  matches the checkpoint."""
+  from distca_jax import hf_import
+  cfg = config_lib.model_config(c)
+  try:
+    theirs = hf_import.model_config_from_hf(c.init_from_hf)
+  except hf_import.HFImportError as e:
+    raise UserError(f"init_from_hf={c.init_from_hf}: {' '.join(str(e).split())}") from e
+  fields = HF_ARCHITECTURE + (HF_ROPE_SCALING if cfg.rope_scaling_factor
+                              or theirs.rope_scaling_factor else ())
+  diff = [f for f in fields if getattr(cfg, f) != getattr(theirs, f)]
+  if diff:
+    raise UserError(
+        f"init_from_hf={c.init_from_hf}: the checkpoint's model differs from config.model ("
+        + ", ".join(f"model.{f}={getattr(cfg, f)!r} vs {getattr(theirs, f)!r}" for f in diff)
+        + "); set " + " ".join(f"--config.model.{f}={getattr(theirs, f)}" for f in diff))
+
+
+def params_from_hf(c, shardings):
+  """The parameters of the Hugging Face Llama checkpoint ``c.init_from_hf``
+  (``check_hf_architecture`` first), placed with ``shardings`` (the state's parameter
+  shardings) one tensor at a time (``hf_import.load_hf_params``: every tensor's name and shape
+  checked) in ``model.param_dtype``."""
+  from distca_jax import hf_import
+  check_hf_architecture(c)
+  try:
+    return hf_import.load_hf_params(c.init_from_hf, config_lib.model_config(c),
+                                    shardings={"params": shardings})["params"]
+  except hf_import.HFImportError as e:
+    raise UserError(f"init_from_hf={c.init_from_hf}: {' '.join(str(e).split())}") from e
 
 
 # ---- The job --------------------------------------------------------------------------------
@@ -518,6 +407,8 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str,
   workdir = os.path.abspath(workdir)
   check_workdir(workdir)
   run = setup_run(c)  # bad config, mesh or backend: an error before the workdir is made
+  if c.init_from_hf:
+    check_hf_architecture(c)
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
@@ -613,6 +504,12 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
       state = state.replace(bad_steps=jax.device_put(np.int32(0), state_sh.bad_steps))
   if state is None:
     state = create_train_state(c, model, tx, mesh)
+    if c.init_from_hf:
+      state = state.replace(params=params_from_hf(c, state_sh.params))
+      log.info(f"parameters from the Hugging Face checkpoint {c.init_from_hf} (architecture, "
+               "tensor names and shapes checked against config.model)")
+  elif c.init_from_hf:
+    log.info(f"init_from_hf={c.init_from_hf} not used: the run resumes from its checkpoint")
   start = int(state.step)
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -628,6 +525,15 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
   if jax.process_count() > 1:
     print(f"process {jax.process_index()}/{jax.process_count()}: {jax.local_device_count()} "
           f"devices, batch rows {row_ranges} of {rows}", flush=True)
+  evaluator = None
+  if c.eval_every and not has_held_out(c):
+    log.info(f"no evaluation (eval_every={c.eval_every}): data.source='files' has no held-out "
+             "data; set data.eval_path=PREFIX or data.eval_fraction=F")
+  elif c.eval_every:
+    evaluator = Evaluator(c, run, row_ranges)
+  if evaluator is not None:
+    log.info(f"evaluation every {c.eval_every} steps on {c.eval_steps} held-out batches: "
+             f"{evaluator.describe}")
   prefetch = Prefetcher(source, model_cfg, start, c.num_steps, backend=backend,
                         row_ranges=row_ranges)
   closers.callback(prefetch.close)  # runs after the wait below, before the manager and log close
@@ -701,7 +607,8 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
         window_steps += 1
         window_local += runs_local(np_batch)
       done = step + 1
-      if done % c.log_every == 0 or done == c.num_steps:
+      evaluate = evaluator is not None and done % c.eval_every == 0
+      if done % c.log_every == 0 or done == c.num_steps or evaluate:
         m = jax.device_get(m)
         rec = {k: float(v) for k, v in m.items()}
         elapsed = time.time() - window_t0
@@ -714,6 +621,8 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
             rec["local_step_share"] = window_local / window_steps
         if pricing is not None:
           rec.update(pricing.record())
+        if evaluate:  # after the window's timing
+          rec.update(evaluator(state.params, model))
         log.write(done, rec)
         records.append({"step": done, **rec})
         last_step_time_s = rec.get("step_time_s", last_step_time_s)

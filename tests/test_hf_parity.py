@@ -26,7 +26,7 @@ from flax import linen as nn
 from safetensors.numpy import save_file
 
 from distca_jax import attention as attn_lib
-from distca_jax import hf_import
+from distca_jax import hf_export, hf_import
 from distca_jax import model as model_lib
 from distca_jax import sharding as sharding_lib
 
@@ -201,6 +201,15 @@ def cases(tmp_path_factory) -> dict[str, Case]:
       inputs[f"doc{j}"] = [p_tok[sl].tolist()]
     jobs.append({"checkpoint": str(path), "output": str(root / f"{name}.npz"), "inputs": inputs})
     out[name] = Case(path, hf, weights, tokens, seg, pos, {})
+  run_reference(root, jobs)
+  for name, case in out.items():
+    with np.load(root / f"{name}.npz") as z:
+      case.ref = {k: z[k] for k in z.files}
+  return out
+
+
+def run_reference(root: pathlib.Path, jobs: list[dict]) -> None:
+  """transformers' logits for every job (checkpoint, inputs, output .npz), one subprocess."""
   job_file = root / "job.json"
   job_file.write_text(json.dumps({"jobs": jobs}))
   env = dict(os.environ, OMP_NUM_THREADS="2", TOKENIZERS_PARALLELISM="false",
@@ -210,10 +219,6 @@ def cases(tmp_path_factory) -> dict[str, Case]:
   if proc.returncode:
     pytest.fail(f"tests/hf_reference.py failed under {HF_PYTHON} (rc={proc.returncode}):\n"
                 f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-  for name, case in out.items():
-    with np.load(root / f"{name}.npz") as z:
-      case.ref = {k: z[k] for k in z.files}
-  return out
 
 
 def load(case: Case, **overrides):
@@ -456,3 +461,139 @@ def test_cli_check(tmp_path, capsys):
                             {n: a for n, a in w.items() if n != "model.norm.weight"})
   assert hf_import.main([str(broken), "--check"]) == 1
   assert "'model.norm.weight'] (1 in all) missing" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# Export (hf_export): round trip and transformers
+# ----------------------------------------------------------------------------------------------
+def _written_case(root: pathlib.Path, name: str, seed: int) -> tuple[pathlib.Path, dict]:
+  """A random checkpoint of CASES[name] written under root; (its dir, the weights as stored)."""
+  hf, dtype, shards = CASES[name]
+  weights = random_hf_weights(hf, np.random.default_rng(seed))
+  if dtype == "bfloat16":
+    weights = {n: a.astype(ml_dtypes.bfloat16).astype(np.float32) for n, a in weights.items()}
+  return write_checkpoint(root / name, hf, weights, dtype=dtype, shards=shards), weights
+
+
+def _tensors(path: pathlib.Path) -> dict[str, tuple[str, tuple, bytes]]:
+  """name -> (safetensors dtype, shape, raw bytes) of every tensor in the checkpoint's files."""
+  out = {}
+  for file in sorted(path.glob("*.safetensors")):
+    header, data_start = hf_import._read_header(str(file))
+    raw = file.read_bytes()
+    for name, info in header.items():
+      if name != "__metadata__":
+        a, b = info["data_offsets"]
+        out[name] = (info["dtype"], tuple(info["shape"]), raw[data_start + a:data_start + b])
+  return out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_export_round_trip_is_bit_exact(tmp_path, seed, name, scan_layers):
+  """import -> export writes every tensor of the checkpoint bit for bit (at its storage dtype,
+  one file and several), and the exported config.json maps back to the same ModelConfig."""
+  src, _ = _written_case(tmp_path, name, seed)
+  dtype = CASES[name][1]
+  cfg, params = hf_import.load_hf_checkpoint(src, scan_layers=scan_layers)
+  for label, shard_bytes in (("one", hf_export.MAX_SHARD_BYTES), ("many", 4096)):
+    out = tmp_path / f"out_{label}"
+    names = hf_export.export_hf(params, cfg, str(out), dtype=dtype, max_shard_bytes=shard_bytes)
+    assert (len(names) == 1) == (label == "one")
+    assert (out / "model.safetensors.index.json").exists() == (label == "many")
+    a, b = _tensors(src), _tensors(out)
+    assert sorted(a) == sorted(b) and len(a) > 0
+    for n in a:
+      assert a[n] == b[n], f"{name} {label}: {n} differs"
+    assert hf_import.model_config_from_hf(out, scan_layers=scan_layers) == cfg
+    _, again = hf_import.load_hf_checkpoint(out, scan_layers=scan_layers)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y), params, again)
+
+
+def test_export_rejects_params_of_another_config(tmp_path, seed):
+  src, _ = _written_case(tmp_path, "mha_untied", seed)
+  cfg, params = hf_import.load_hf_checkpoint(src)
+  other = dataclasses.replace(cfg, mlp_dim=cfg.mlp_dim * 2)
+  with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_proj.weight has shape \(64, 32\) "
+                                       r"in HF layout, but the model config implies \(128, 32\)"):
+    hf_export.export_hf(params, other, str(tmp_path / "out"))
+
+
+@pytest.mark.slow
+def test_exported_checkpoints_give_transformers_our_logits(cases, tmp_path):
+  """Each case's parameters, exported by hf_export and loaded by transformers'
+  LlamaForCausalLM.from_pretrained: its logits equal ours (the same tolerance as the import)."""
+  jobs = []
+  for name, case in cases.items():
+    cfg, params = load(case)
+    out = tmp_path / name
+    hf_export.export_hf(params, cfg, str(out), dtype=CASES[name][1])
+    jobs.append({"checkpoint": str(out), "output": str(tmp_path / f"{name}.npz"),
+                 "inputs": {"single": case.tokens_BxT[:2].tolist()}})
+  run_reference(tmp_path, jobs)
+  for name, case in cases.items():
+    cfg, params = load(case)
+    logits = our_logits(cfg, params, case.tokens_BxT, case.seg_BxT, case.pos_BxT)
+    with np.load(tmp_path / f"{name}.npz") as z:
+      assert_close(logits[:2], z["single"], f"{name} exported")
+
+
+# ----------------------------------------------------------------------------------------------
+# Fine-tuning from a HF checkpoint (config init_from_hf)
+# ----------------------------------------------------------------------------------------------
+def _finetune_config(*over):
+  from distca_jax import configs_io
+  return configs_io.load_config(str(REPO / "configs" / "tiny_cpu.py"), [
+      "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+      "model.head_dim=16", "model.mlp_dim=128", "model.loss_chunk=64", "tokens_per_rank=128",
+      "rows_per_rank=2", "mesh.data=4", "mesh.tensor=2", "checkpoint_every=0", "tensorboard=False",
+      "eval_steps=2", "optim.warmup_steps=2", "attention.block_q=32", "attention.block_k=32",
+      *over])
+
+
+def _hf_for(c, root: pathlib.Path, seed: int) -> pathlib.Path:
+  """A random HF checkpoint with config c's architecture (hf_export.hf_config of it)."""
+  from distca_jax import config as config_lib
+  hf = hf_export.hf_config(config_lib.model_config(c))
+  weights = random_hf_weights(hf, np.random.default_rng(seed))
+  return write_checkpoint(root, hf, weights)
+
+
+def test_init_from_hf_with_another_architecture_is_one_line(tmp_path, seed):
+  from distca_jax import trainer
+  src = _hf_for(_finetune_config("model.mlp_dim=96"), tmp_path / "hf", seed)
+  c = _finetune_config(f"init_from_hf={src}", "num_steps=2")
+  with pytest.raises(ValueError, match=r"^init_from_hf=.*: the checkpoint's model differs from "
+                                       r"config.model \(model.mlp_dim=128 vs 96\); set "
+                                       r"--config.model.mlp_dim=96$"):
+    trainer.train_and_evaluate(c, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()  # checked before the workdir is made
+
+
+@pytest.mark.slow
+def test_finetune_from_hf_checkpoint_lowers_the_validation_loss(tmp_path, seed, capsys):
+  """A run with init_from_hf starts from the checkpoint's weights (its first batch's loss is
+  that of the HF parameters, not of a fresh init) and 20 steps lower its held-out loss; the
+  run's checkpoint exports back to a HF checkpoint that imports to the trained parameters."""
+  from distca_jax import trainer
+  src = _hf_for(_finetune_config(), tmp_path / "hf", seed)
+  c = _finetune_config(f"init_from_hf={src}", "num_steps=20", "log_every=1", "eval_every=20",
+                       "optim.lr=0.003", "checkpoint_every=20")
+  run = trainer.setup_run(c)
+  params = trainer.params_from_hf(c, run.state_shardings.params)
+  rows = run.mesh.shape["data"] * c.rows_per_rank
+  before = trainer.Evaluator(c, run, [(0, rows)])(params, run.model)["eval_loss"]
+  first = trainer.local_batch(run.source, 0, [(0, rows)], run.backend, run.source.doclens(0))[0]
+  with trainer.mesh_context(run.mesh, c.mesh.fsdp):
+    total, count = jax.jit(lambda p, b: trainer.loss_sums(c, p, b, run.model))(
+        params, trainer.device_batch(first, run.mesh, rows))
+  records = trainer.train_and_evaluate(c, str(tmp_path / "run"))
+  assert "parameters from the Hugging Face checkpoint" in capsys.readouterr().out
+  np.testing.assert_allclose(records[0]["loss"], float(total) / float(count), rtol=1e-5)
+  after = records[-1]["eval_loss"]
+  print(f"held-out loss: {before:.4f} at the HF weights -> {after:.4f} after 20 steps")
+  assert after < before - 0.5
+  step, _ = hf_export.export_run(str(tmp_path / "run"), str(tmp_path / "exported"))
+  assert step == 20
+  _, back = hf_import.load_hf_checkpoint(tmp_path / "exported")
+  assert not np.array_equal(back["params"]["embedding"], np.asarray(params["embedding"]))

@@ -92,12 +92,31 @@ def test_local_batch_blocks_build_the_same_global_arrays_and_digest():
   assert other != trainer.plan_digest(doclens, {}), f"{seed=} {doclens[0]}"
 
 
-def test_host_arrange_backends_refuse_partial_rows():
-  c = _tiny_config("cp", 0)
+@pytest.mark.parametrize("backend", ["cp", "wlb"])
+def test_host_arrange_backends_keep_their_rows_of_the_arranged_batch(backend):
+  """cp / wlb rearrange tokens across rows: a process's blocks are its rows of the whole
+  arranged batch, and the digest (the same for every process's rows) covers the arrangement."""
+  seed = int(np.random.default_rng().integers(1 << 30))
+  c = _tiny_config(backend, seed)
   c.attention.baselines.cp_size = 2
-  src = make_source(c.data, rows=8, tokens_per_row=c.tokens_per_rank, vocab_size=256, seed=0)
-  with pytest.raises(ValueError, match=r"needs the whole batch in every process"):
-    trainer.local_batch(src, 0, [(0, 4)], trainer.make_backend(c), src.doclens(0))
+  c.attention.baselines.wlb_alpha = 1.25
+  src = make_source(c.data, rows=8, tokens_per_row=c.tokens_per_rank, vocab_size=256, seed=seed)
+  be = trainer.make_backend(c)
+  step = int(np.random.default_rng(seed).integers(1000))
+  doclens = src.doclens(step)
+  whole, digest = trainer.local_batch(src, step, [(0, 8)], be, doclens)
+  (_, _, arranged), = whole
+  assert not np.array_equal(arranged["segment_ids"], src.batch(step)["segment_ids"]), seed
+  for ranges in ([(0, 4)], [(4, 8)], [(1, 3), (5, 8)]):
+    blocks, d = trainer.local_batch(src, step, ranges, be, doclens)
+    assert d == digest, (seed, ranges)
+    assert [(a, b) for a, b, _ in blocks] == ranges
+    for a, b, block in blocks:
+      assert sorted(block) == sorted(arranged)
+      for k, v in block.items():
+        np.testing.assert_array_equal(v, arranged[k][a:b], err_msg=f"{seed=} {ranges} {k}")
+  unarranged = trainer.plan_digest(doclens, {})
+  assert digest != unarranged, seed
 
 
 # Layouts of the 8 fake devices a checkpoint moves between: (data, tensor, pipe, rows_per_rank),
@@ -270,9 +289,9 @@ def _run(procs: int, devices: int, args: list[str], workdir, logdir, timeout=600
       raise AssertionError(f"process {i} of {procs} exited with {rc}:\n" + open(name).read()[-4000:])
 
 
-def _losses(workdir) -> dict[int, float]:
+def _losses(workdir, key: str = "loss") -> dict[int, float]:
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return {r["step"]: r["loss"] for r in map(json.loads, f)}
+    return {r["step"]: r[key] for r in map(json.loads, f) if key in r}
 
 
 def _restore_params(workdir, c):
@@ -337,6 +356,28 @@ def test_two_processes_with_distca_match_one(tmp_path):
   assert sorted(l2) == sorted(l1) == [1, 2]
   for s in l1:
     assert abs(l2[s] - l1[s]) <= 1e-4 * abs(l1[s]), (s, l2[s], l1[s])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,over", [
+    ("cp", ["--config.attention.baselines.cp_size=2"]),
+    ("wlb", ["--config.attention.baselines.cp_size=2", "--config.attention.baselines.wlb_alpha=1.25"]),
+])
+def test_two_processes_with_cp_and_wlb_match_one(tmp_path, backend, over):
+  """The baselines that rearrange tokens across rows on the host (every process arranges the
+  whole batch and keeps its rows) give the per-step losses and the held-out loss (evaluation
+  after step 2, each process feeding its rows of the held-out batch) of 1 process x 8 devices."""
+  args = [f"--config.attention.backend={backend}", "--config.num_steps=2",
+          "--config.checkpoint_every=0", "--config.eval_every=2", "--config.eval_steps=1"] + over
+  two, one = tmp_path / "two", tmp_path / "one"
+  _run(2, 4, args, two, tmp_path)
+  _run(1, 8, args, one, tmp_path)
+  l2, l1 = _losses(two), _losses(one)
+  assert sorted(l2) == sorted(l1) == [1, 2]
+  for s in l1:
+    assert abs(l2[s] - l1[s]) <= 1e-4 * abs(l1[s]), (s, l2[s], l1[s])
+  e2, e1 = (_losses(w, "eval_loss") for w in (two, one))
+  assert list(e2) == list(e1) == [2] and abs(e2[2] - e1[2]) <= 1e-4 * abs(e1[2]), (e2, e1)
 
 
 # Process 1 computes another plan digest from step 0 on: the startup check must stop both.

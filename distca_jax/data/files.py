@@ -4,6 +4,11 @@
 * ``PREFIX.offsets.npy``: 1-D int64, D + 1 offsets; document d is
   ``tokens[offsets[d]:offsets[d+1]]``; ``offsets[0] == 0``, strictly increasing (no empty
   documents), ``offsets[-1] == len(tokens)``.
+* ``PREFIX.meta.json`` (optional; the tokenizer writes it, ``describe_dataset`` for other
+  datasets): documents, tokens and the smallest and largest token id. Where it is present and
+  matches the two files, the vocabulary check reads the ids from it; without it, opening the
+  dataset reads every token once. Either way a process reads only the tokens of the rows it
+  builds afterwards (memory-mapped; ``batch(step, rows=(a, b))``).
 
 ``python -m distca_jax.data.tokenize`` writes this format from text files. The documents form an
 endless stream, epoch after epoch (a seeded permutation per epoch, or file order with
@@ -14,6 +19,7 @@ problem raises ``DataError`` naming the file, the problem and the fix.
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -23,6 +29,7 @@ from distca_jax.data.batch import (DataError, DocumentStream, Pieces, batch_from
 
 TOKENS_SUFFIX = ".tokens.npy"
 OFFSETS_SUFFIX = ".offsets.npy"
+META_SUFFIX = ".meta.json"
 _MAKE_ONE = "write one with: python -m distca_jax.data.tokenize --output PREFIX FILE..."
 _SCAN_CHUNK = 1 << 24  # tokens per chunk when checking ids, so the check never loads the whole file
 
@@ -30,6 +37,62 @@ _SCAN_CHUNK = 1 << 24  # tokens per chunk when checking ids, so the check never 
 def dataset_paths(prefix: str) -> tuple[str, str]:
   """(tokens path, offsets path) of a dataset prefix."""
   return prefix + TOKENS_SUFFIX, prefix + OFFSETS_SUFFIX
+
+
+def meta_path(prefix: str) -> str:
+  return os.fspath(prefix) + META_SUFFIX
+
+
+def write_meta(prefix: str, *, documents: int, tokens: int, max_id: int, min_id: int = 0,
+               **extra) -> dict:
+  """Writes ``PREFIX.meta.json`` (atomically) and returns it."""
+  meta = {"documents": int(documents), "tokens": int(tokens), "min_id": int(min_id),
+          "max_id": int(max_id), **extra}
+  tmp = meta_path(prefix) + ".partial"
+  with open(tmp, "w") as f:
+    json.dump(meta, f, indent=2)
+  os.replace(tmp, meta_path(prefix))
+  return meta
+
+
+def describe_dataset(prefix: str) -> dict:
+  """Validates dataset ``prefix`` (one pass over its tokens) and writes its ``PREFIX.meta.json``
+  (``python -m distca_jax.data.tokenize --describe PREFIX``): processes that open it afterwards
+  check token ids against it instead of reading every token."""
+  tokens, offsets = open_dataset(prefix, use_meta=False)
+  lo, hi = None, None
+  for start in range(0, tokens.size, _SCAN_CHUNK):
+    chunk = np.asarray(tokens[start:start + _SCAN_CHUNK])
+    lo = int(chunk.min()) if lo is None else min(lo, int(chunk.min()))
+    hi = int(chunk.max()) if hi is None else max(hi, int(chunk.max()))
+  return write_meta(prefix, documents=offsets.size - 1, tokens=tokens.size, max_id=hi, min_id=lo)
+
+
+def _check_ids_by_meta(prefix: str, tokens: np.ndarray, offsets: np.ndarray,
+                       vocab_size: int) -> bool:
+  """Checks the id range from ``PREFIX.meta.json``; False when there is none. A meta file that
+  does not describe the two files raises."""
+  path = meta_path(prefix)
+  if not os.path.exists(path):
+    return False
+  try:
+    with open(path) as f:
+      meta = json.load(f)
+    documents, count = int(meta["documents"]), int(meta["tokens"])
+    lo, hi = int(meta.get("min_id", 0)), int(meta["max_id"])
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise DataError(f"{path}: not a dataset description ({e}); rewrite it with python -m "
+                    f"distca_jax.data.tokenize --describe {prefix}") from e
+  if (documents, count) != (offsets.size - 1, tokens.size):
+    raise DataError(f"{path} describes {documents} documents and {count} tokens but the files hold "
+                    f"{offsets.size - 1} and {tokens.size}; it belongs to other files: rewrite it "
+                    f"with python -m distca_jax.data.tokenize --describe {prefix}")
+  if lo < 0 or hi >= vocab_size:
+    raise DataError(f"{prefix}: token ids span [{lo}, {hi}] ({path}), outside [0, "
+                    f"{vocab_size=}); token ids must be in [0, vocab_size): tokenize with a "
+                    "tokenizer whose vocabulary fits the model, or raise the model's vocab_size "
+                    f"above the largest id ({hi})")
+  return True
 
 
 def _load(path: str, what: str, prefix: str) -> np.ndarray:
@@ -48,12 +111,15 @@ def _load(path: str, what: str, prefix: str) -> np.ndarray:
                     f"or {_MAKE_ONE}") from e
 
 
-def open_dataset(prefix: str, *, vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def open_dataset(prefix: str, *, vocab_size: int | None = None,
+                 use_meta: bool = True) -> tuple[np.ndarray, np.ndarray]:
   """Open and validate a dataset.
 
   Args:
     prefix: the dataset prefix (files ``PREFIX.tokens.npy`` and ``PREFIX.offsets.npy``).
-    vocab_size: if given, every token id must lie in [0, vocab_size).
+    vocab_size: if given, every token id must lie in [0, vocab_size): checked from
+      ``PREFIX.meta.json`` where ``use_meta`` and it exists, else by reading every token.
+    use_meta: whether to use ``PREFIX.meta.json``.
 
   Returns:
     (tokens [total] int32, memory-mapped; offsets [D + 1] int64, in memory).
@@ -98,7 +164,8 @@ def open_dataset(prefix: str, *, vocab_size: int | None = None) -> tuple[np.ndar
                     f"document {int(empty[0])} (offsets[{int(empty[0])}] == "
                     f"offsets[{int(empty[0]) + 1}] == {int(offsets[empty[0]])}); drop them from "
                     "the offsets (np.unique(offsets)) or re-tokenize without empty inputs")
-  if vocab_size is not None:
+  if vocab_size is not None and not (
+      use_meta and _check_ids_by_meta(prefix, tokens, offsets, int(vocab_size))):
     _check_token_range(tokens, offsets, int(vocab_size), tokens_path)
   return tokens, offsets
 
@@ -119,6 +186,25 @@ def _check_token_range(tokens: np.ndarray, offsets: np.ndarray, vocab_size: int,
           f"({int(tokens.max())})")
 
 
+def num_documents(prefix: str) -> int:
+  """The number of documents of dataset ``prefix`` (its offsets file's length - 1; nothing else
+  is read)."""
+  prefix = os.fspath(prefix)
+  return max(_load(dataset_paths(prefix)[1], "offsets", prefix).size - 1, 0)
+
+
+def split_docs(num_docs: int, eval_fraction: float) -> int:
+  """The first held-out document when ``eval_fraction`` of ``num_docs`` documents (the last ones,
+  at least one) are held out; ``num_docs`` when ``eval_fraction`` is 0."""
+  if not eval_fraction:
+    return num_docs
+  held = max(1, int(round(eval_fraction * num_docs)))
+  if held >= num_docs:
+    raise DataError(f"data.eval_fraction={eval_fraction} holds out {held} of the {num_docs} "
+                    "documents, leaving none to train on; lower it or add documents")
+  return num_docs - held
+
+
 class FileSource:
   """A ``Source`` reading tokenized documents from ``PREFIX.tokens.npy`` + ``PREFIX.offsets.npy``.
 
@@ -129,10 +215,12 @@ class FileSource:
     vocab_size: V; every token id in the file must be in [0, V) (checked at open).
     seed: seeds the per-epoch document permutations.
     shuffle: a fresh seeded permutation of the documents per epoch; False keeps file order.
+    docs: (a, b): only documents [a, b) of the dataset (a held-out split: ``split_docs``);
+      None: all.
   """
 
   def __init__(self, path: str, *, rows: int, tokens_per_row: int, vocab_size: int, seed: int,
-               shuffle: bool = True):
+               shuffle: bool = True, docs: tuple[int, int] | None = None):
     for name, value in (("rows", rows), ("tokens_per_row", tokens_per_row),
                         ("vocab_size", vocab_size)):
       if int(value) <= 0:
@@ -146,7 +234,13 @@ class FileSource:
     self.seed = int(seed)
     self.shuffle = bool(shuffle)
     self.tokens, self.offsets = open_dataset(self.path, vocab_size=self.vocab_size)
-    self.stream = DocumentStream(np.diff(self.offsets), self.seed, shuffle=self.shuffle, salt=2)
+    n = self.offsets.size - 1
+    self.docs = (0, n) if docs is None else (int(docs[0]), int(docs[1]))
+    if not 0 <= self.docs[0] < self.docs[1] <= n:
+      raise DataError(f"{self.path}: documents {list(self.docs)} of its {n}: a split must keep at "
+                      "least one document on each side; lower data.eval_fraction or add documents")
+    lens = np.diff(self.offsets)[self.docs[0]:self.docs[1]]
+    self.stream = DocumentStream(lens, self.seed, shuffle=self.shuffle, salt=2)
 
   def _pieces(self, step: int) -> Pieces:
     n = self.rows * self.tokens_per_row
@@ -154,7 +248,7 @@ class FileSource:
 
   def _tokens(self, epoch_M: np.ndarray, doc_M: np.ndarray, offset_M: np.ndarray) -> np.ndarray:
     del epoch_M  # a document's tokens are the same in every epoch
-    return self.tokens[self.offsets[doc_M] + offset_M]
+    return self.tokens[self.offsets[doc_M + self.docs[0]] + offset_M]
 
   def batch(self, step: int, rows: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
     """Step ``step``'s batch: arrays [B, T], or rows [a, b) of it for ``rows=(a, b)`` (see
@@ -169,7 +263,8 @@ class FileSource:
   def describe(self) -> str:
     lens = self.stream.lens_D
     per_step = self.rows * self.tokens_per_row
-    return (f"files {self.path}: {lens.size} docs, {self.stream.num_tokens} tokens (median "
+    part = "" if self.docs == (0, self.offsets.size - 1) else f" (documents {list(self.docs)})"
+    return (f"files {self.path}{part}: {lens.size} docs, {self.stream.num_tokens} tokens (median "
             f"{int(np.median(lens))}, max {int(lens.max())}), {self.rows} rows x "
             f"{self.tokens_per_row} tokens, one epoch = {self.stream.num_tokens / per_step:.2f} "
             f"steps, shuffle={self.shuffle}, seed {self.seed}, vocab {self.vocab_size}")

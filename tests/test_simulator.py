@@ -570,21 +570,6 @@ def test_remote_exchange_is_priced_by_useful_bytes_at_its_measured_rate():
       res["memory_gb"]["total"] + dense["memory_gb"]["dense_blocks"])
 
 
-def test_auto_collective_is_dense_across_nodes_and_says_what_remote_would_give():
-  cal = _cal()
-  assert step.resolve_collective("auto", step.Layout(gpus=cal.gpus_per_node), cal) == "remote"
-  assert step.resolve_collective("auto", step.Layout(gpus=2 * cal.gpus_per_node), cal) == "dense"
-  assert step.resolve_collective("ragged", step.Layout(gpus=4), cal) == "ragged"
-  with pytest.raises(ValueError, match="collective='ring'"):
-    step.resolve_collective("ring", step.Layout(gpus=4), cal)
-  # Across nodes (gpus_per_node 2 here, so 4 GPUs span two): 'dense', with the same plans
-  # priced as 'remote' beside it.
-  res, *_ = _four_gpu_distca(gpus_per_node=2)
-  assert res["collective"] == "dense"
-  alt = res["priced_as_remote"]
-  assert alt["step_s"] < res["step_s"] and alt["memory_gb"] < res["memory_gb"]["total"]
-
-
 def test_resend_keeps_less_and_sends_q_and_kv_once_more():
   keep, plan, spec, cal = _four_gpu_distca(memory_mode="keep")
   resend, *_ = _four_gpu_distca(memory_mode="resend")
@@ -1004,3 +989,50 @@ def test_local_gain_plans_a_step_that_cannot_win_enough_to_move_nothing():
   assert below["local_batches"] == 0 and below["gated_plans"] == 0, below
   with pytest.raises(ValueError, match=r"local_gain=-1.0 must be a finite number >= 0"):
     step.Options(local_gain=-1.0)
+
+
+def test_auto_collective_is_two_level_across_nodes_beside_the_host_blind_dense_exchange():
+  """Across nodes 'auto' runs the two-level exchange on host-aware plans (the launcher's one
+  process per node drives its servers); beside it the same batches as the system ran them before
+  (host-blind plans, 'dense') and the plans priced with 'remote'."""
+  cal = _cal()
+  assert step.resolve_collective("auto", step.Layout(gpus=cal.gpus_per_node), cal) == "remote"
+  assert (step.resolve_collective("auto", step.Layout(gpus=2 * cal.gpus_per_node), cal)
+          == "two_level")
+  assert step.resolve_collective("ragged", step.Layout(gpus=4), cal) == "ragged"
+  with pytest.raises(ValueError, match="collective='ring'"):
+    step.resolve_collective("ring", step.Layout(gpus=4), cal)
+  res, *_ = _four_gpu_distca(gpus_per_node=2)  # 4 servers: 2 hosts x 2
+  assert res["collective"] == "two_level" and res["servers_per_host"] == 2 and res["host_aware"]
+  old = res["host_blind_dense"]
+  assert res["step_s"] < old["step_s"]
+  assert res["plan_inter_host_mb"] <= old["plan_inter_host_mb"]
+  assert res["leg_a_bytes_per_layer_mb"] > 0 and res["memory_gb"]["relay_buffers"] > 0
+  assert "priced_as_remote" in res
+
+
+def test_two_level_rounds_are_priced_by_hand(seed):
+  """With one bucket every round carries its full block: leg A's ``H - 1`` rounds of
+  ``min(send, relay)`` rows at the inter-node rate, leg B's ``L - 1`` rounds of ``min(send +
+  relay, recv)`` rows at the in-node rate, each round one latency."""
+  spec = costs.model_spec("llama3_8b", n_layers=2)
+  d, t = spec.dims, 16384
+  lay = step.Layout(gpus=8)
+  batches = step.sample_batches("pretrain", t, lay, 1, seed=seed % 1000)
+  opts = step.Options(collective="two_level", nano_batches=1, min_gain=0.0, local_gain=0.0,
+                      servers_per_host=2, exchange_buckets=1)
+  plan = step.run_distca(batches[0][0], t, spec, _flat_table(), opts).plan
+  assert plan.servers_per_host == 2
+  caps = step.distca_caps([plan], t, 1.1)
+  relay = step.relay_rows([plan], 2, 1.1)
+  cal = _cal()
+  sec, rows = step.two_level_seconds(plan, caps, relay, d, cal, 1, 2, 1)
+  bq = d.q_heads * d.head_dim * d.dtype_bytes
+  want = 0.0
+  for n, w, send, recv, rel in ((4, bq, caps.q_send, caps.q_recv, relay[0]),
+                                (2, d.kv_row_bytes, caps.kv_send, caps.kv_recv, relay[1])):
+    ra, rb = 3 * min(send, rel), 1 * min(send + rel, recv)  # H - 1 = 3, L - 1 = 1 rounds
+    want += n * (4 * cal.a2a_latency_s + ra * w / cal.inter_node_bw + rb * w / cal.intra_node_bw)
+  np.testing.assert_allclose(sec, want, rtol=1e-12, err_msg=f"seed={seed} rows={rows}")
+  with pytest.raises(ValueError, match="servers_per_host=3 must divide the 8 servers"):
+    step.servers_per_host(lay, cal, 8, asked=3)

@@ -49,6 +49,7 @@ is left out (ratios are what the tables compare).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -62,7 +63,9 @@ from distca_jax.baselines import packing
 from distca_jax.checks import check_float, check_int
 from distca_jax.data.workloads import WorkloadSampler
 from distca_jax.dataplane import exchange as exchange_lib
-from distca_jax.dataplane.exchange import DEFAULT_EXCHANGE_BUCKETS, dense_block_rows, dense_wire_rows
+from distca_jax.dataplane.exchange import (DEFAULT_EXCHANGE_BUCKETS, dense_block_rows,
+                                           dense_wire_rows, round_wire_rows)
+from distca_jax.plan import two_level as two_level_lib
 from distca_jax.memory import flash3_bwd_workspace_bytes
 from distca_jax.sim import costs
 
@@ -76,7 +79,7 @@ DEFAULT_LOCAL_GAIN = float(_DISTCA_DEFAULTS.local_gain)
 WLB_ALPHAS = (1.0, 1.1, 1.2, 1.5, 2.0)
 # distca's exchange implementations the simulator prices (``dataplane.exchange``); 'auto' is
 # resolved per layout (``resolve_collective``).
-SIM_COLLECTIVES = ("auto", "remote", "dense", "ragged")
+SIM_COLLECTIVES = ("auto", "remote", "dense", "ragged", "two_level")
 # distca's memory modes (``attention.distca.memory_mode``); 'auto' as the trainer's pre-flight.
 SIM_MEMORY_MODES = ("auto", "keep", "resend")
 # Exchanges of one layer, forward + backward ('keep'): Q, O, dO, dQ move query rows; K/V and
@@ -136,7 +139,15 @@ class Options:
       nano-batches' plans are the batches' micro-batches when the caller splits them
       (``step_is_local``).
     collective: distca's exchange (``SIM_COLLECTIVES``): 'auto' (the system's default:
-      ``resolve_collective``), 'remote', 'dense' or 'ragged'.
+      ``resolve_collective``), 'remote', 'dense', 'ragged' or 'two_level'.
+    servers_per_host: attention servers of one host (``attention.distca.servers_per_host``):
+      0 = the servers one node holds (``Calibration.gpus_per_node`` over the tensor-parallel
+      GPUs of a server, as the launcher's one process per node drives them; servers are
+      numbered host-major). Sets the two-level exchange's legs and, with ``host_aware``, the
+      planner's hosts.
+    host_aware: the planner balances inside hosts first and prices moves by link
+      (``plan.PlanOptions.servers_per_host``, as the system's planner runs in a multi-process
+      job); False plans as if every server shared one host.
     memory_mode: distca's 'keep' / 'resend' / 'auto' (the pre-flight's choice:
       ``resolve_distca``).
     exchange_buckets: the dense exchange's block sizes (``attention.distca.exchange_buckets``).
@@ -177,8 +188,14 @@ class Options:
   pool_stages: bool = True
   local_steps: bool = DEFAULT_LOCAL_STEPS
   local_gain: float = DEFAULT_LOCAL_GAIN
+  servers_per_host: int = 0
+  host_aware: bool = True
 
   def __post_init__(self):
+    check_int("servers_per_host", self.servers_per_host, 0)
+    if not isinstance(self.host_aware, (bool, np.bool_)):
+      raise ValueError(f"host_aware={self.host_aware!r} must be True or False (True: plans "
+                       "balance inside hosts first)")
     costs.check_remat(self.remat)
     if not isinstance(self.local_steps, (bool, np.bool_)):
       raise ValueError(f"local_steps={self.local_steps!r} must be True or False (True: a step "
@@ -249,12 +266,33 @@ def run_wlb(rows, tokens, spec, km, cp_size: int, alpha: float) -> MicroResult:
   return MicroResult(m, placement_attn_s(pl, spec, km), cp_size)
 
 
+def plan_hosts(servers: int, opts: Options) -> int | None:
+  """The planner's ``servers_per_host`` for ``servers`` servers (None: one host, or
+  ``opts.host_aware`` off); ``opts.servers_per_host`` must be resolved (``servers_per_host``)."""
+  per_host = opts.servers_per_host
+  if not opts.host_aware or per_host <= 0 or per_host >= servers:
+    return None
+  return per_host
+
+
+def servers_per_host(layout: Layout, cal: costs.Calibration, servers: int,
+                     asked: int = 0) -> int:
+  """Servers of one host: ``asked``, or (0) the servers one node holds (``gpus_per_node`` over
+  a server's tensor-parallel GPUs, at least 1), at most ``servers``; it must divide them."""
+  per_host = asked or max(1, cal.gpus_per_node // layout.tensor)
+  per_host = min(per_host, servers)
+  if servers % per_host:
+    raise ValueError(f"servers_per_host={per_host} must divide the {servers} servers")
+  return per_host
+
+
 def run_distca(rows, tokens, spec, km, opts: Options) -> MicroResult:
   d = spec.dims
   options = plan_lib.PlanOptions(tolerance=opts.tolerance, q_heads=d.q_heads,
                                  kv_heads=d.kv_heads, head_dim=d.head_dim,
                                  dtype_bytes=d.dtype_bytes, min_gain=opts.min_gain,
-                                 linear_pairs_per_token=costs.linear_pairs_per_token(d))
+                                 linear_pairs_per_token=costs.linear_pairs_per_token(d),
+                                 servers_per_host=plan_hosts(len(rows), opts))
   plan = plan_lib.schedule([list(r) for r in rows], len(rows), tokens_per_rank=tokens,
                            options=options)
   return distca_result(plan, spec, km)
@@ -334,6 +372,58 @@ def resolve_collective(collective: str, layout: Layout, cal: costs.Calibration) 
                                          one_process=layout.gpus <= cal.gpus_per_node)
 
 
+def relay_rows(plans: Sequence[plan_lib.Plan], per_host: int, headroom: float
+               ) -> tuple[int, int]:
+  """(query, key/value) relay rows of the two-level exchange (its leg A receive buffers) sized
+  as training sizes them: the envelope of ``plans`` x ``headroom``, at least 1."""
+  need = np.array([two_level_lib.required_relay(p, per_host) for p in plans]).max(0)
+  return tuple(max(1, int(math.ceil(int(n) * headroom))) for n in need)
+
+
+def two_level_wire_bytes(plan: plan_lib.Plan, caps: plan_lib.Capacity, relay: tuple[int, int],
+                         dims, opts: Options) -> tuple[float, float]:
+  """(leg A, leg B) bytes per device one layer's exchanges put on the wire as the two-level
+  exchange runs them (``two_level_seconds``'s rounds; heads of every tensor-parallel GPU)."""
+  nq, nkv = exchange_counts(opts.memory_mode)
+  bq = dims.q_heads * dims.head_dim * dims.dtype_bytes
+  rows = two_level_seconds(plan, caps, relay, dims, costs.Calibration(), 1,
+                           opts.servers_per_host, opts.exchange_buckets, opts.memory_mode)[1]
+  return tuple(nq * rows[f"q_leg_{x}"] * bq + nkv * rows[f"kv_leg_{x}"] * dims.kv_row_bytes
+               for x in ("a", "b"))
+
+
+def two_level_seconds(plan: plan_lib.Plan, caps: plan_lib.Capacity, relay: tuple[int, int],
+                      dims, cal: costs.Calibration, tp: int, per_host: int, buckets: int,
+                      memory_mode: str = "keep") -> tuple[np.ndarray, dict[str, float]]:
+  """[S] seconds of one layer's exchanges (``exchange_counts``) as the two-level exchange runs
+  them, and the rows per device each leg puts on the wire (one exchange of each part).
+
+  Leg A (between hosts): ``H - 1`` rounds of one ``ppermute`` each, a round's payload the bucket
+  (``dense_block_rows`` of ``min(send cap, relay)``) that holds its largest group
+  (``round_wire_rows``), at ``Calibration.inter_node_bw``; leg B (inside a host): ``L - 1``
+  rounds the same way over ``min(send + relay, recv cap)``, at ``Calibration.intra_node_bw``.
+  Every round costs ``Calibration.a2a_latency_s`` (the fitted in-node collective latency; a
+  ppermute between nodes is not measured). The legs run one after the other; every device waits
+  for the busiest (each round is a collective). Heads are split over ``tp``."""
+  s = plan.num_servers
+  hosts = s // per_host
+  nq, nkv = exchange_counts(memory_mode)
+  bq = dims.q_heads * dims.head_dim * dims.dtype_bytes
+  sec = 0.0
+  rows = {}
+  for part, pair, n, width, send, recv, rel in (
+      ("q", plan.pair_q_rows, nq, bq, caps.q_send, caps.q_recv, relay[0]),
+      ("kv", plan.pair_kv_rows, nkv, dims.kv_row_bytes, caps.kv_send, caps.kv_recv, relay[1])):
+    a, b = two_level_lib.leg_lengths(np.asarray(pair, np.int64), per_host)
+    ra = round_wire_rows(a, min(send, rel), buckets, per_host, "hosts")
+    rb = round_wire_rows(b, min(send + rel, recv), buckets, per_host, "local")
+    rows[f"{part}_leg_a"], rows[f"{part}_leg_b"] = float(ra), float(rb)
+    legs = ((hosts - 1) * cal.a2a_latency_s + ra * width / tp / cal.inter_node_bw
+            + (per_host - 1) * cal.a2a_latency_s + rb * width / tp / cal.intra_node_bw)
+    sec += n * legs
+  return np.full(s, sec), rows
+
+
 def exchange_counts(memory_mode: str) -> tuple[int, int]:
   """(query, key/value) exchanges of one layer, forward + backward: 'resend' rebuilds the
   servers' inputs in the backward by running the forward's Q and K/V exchanges once more."""
@@ -378,14 +468,19 @@ def ragged_group_bytes(plan: plan_lib.Plan, dims, memory_mode: str = "keep") -> 
                + nkv * plan.pair_kv_rows.max(initial=0) * dims.kv_row_bytes)
 
 
-def dispatch_buffer_bytes(caps: plan_lib.Capacity, dims, memory_mode: str = "keep") -> float:
+def dispatch_buffer_bytes(caps: plan_lib.Capacity, dims, memory_mode: str = "keep",
+                          relay: tuple[int, int] | None = None) -> float:
   """Bytes of the send and receive buffers one layer's exchanges (``exchange_counts``) fill and
   drain on a device: the capped totals, whatever the plan uses (static shapes), which the data
-  plane's gathers, scatters and selects run over (``Calibration.dispatch_bw``)."""
+  plane's gathers, scatters and selects run over (``Calibration.dispatch_bw``). ``relay``: the
+  two-level exchange's relay rows, whose buffer and leg B's send buffer (send + relay rows) the
+  relay gather passes over too."""
   nq, nkv = exchange_counts(memory_mode)
   bq = dims.q_heads * dims.head_dim * dims.dtype_bytes
-  return float(nq * (caps.q_send + caps.q_recv) * bq
-               + nkv * (caps.kv_send + caps.kv_recv) * dims.kv_row_bytes)
+  rq, rkv = relay or (0, 0)
+  return float(nq * (caps.q_send + caps.q_recv + (caps.q_send + 2 * rq if relay else 0)) * bq
+               + nkv * (caps.kv_send + caps.kv_recv + (caps.kv_send + 2 * rkv if relay else 0))
+               * dims.kv_row_bytes)
 
 
 def exchange_seconds(wire_S: np.ndarray, servers: int, cal: costs.Calibration, collective: str,
@@ -410,15 +505,15 @@ def exchange_seconds(wire_S: np.ndarray, servers: int, cal: costs.Calibration, c
 # ----------------------------------------------------------------------------------------------
 def rank_seconds(mr: MicroResult, spec: costs.ModelSpec, cal: costs.Calibration, layout: Layout,
                  opts: Options, tokens_per_rank: int,
-                 caps: plan_lib.Capacity | None = None, local: bool = False
-                 ) -> dict[str, np.ndarray]:
+                 caps: plan_lib.Capacity | None = None, local: bool = False,
+                 relay: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
   """[S] seconds of one micro-batch (distca under a pipeline: one tick) on each rank's stage,
   by part.
 
   The linear layers and the LM head run on every token slot of a rank's rows, padding included
   (``tokens_per_rank``; ``wlb``: ``Lmax`` slots when padded, its tokens when variable-length).
-  ``caps``: distca's buffers (``distca_caps``), which set the dense exchange's blocks.
-  ``local``: distca on the step's local branch (``step_is_local``): its plan's attention, no
+  ``caps``: distca's buffers (``distca_caps``), which set the dense exchange's blocks;
+  ``relay``: the two-level exchange's relay rows (``relay_rows``). ``local``: distca on the step's local branch (``step_is_local``): its plan's attention, no
   exchange and no dispatch (packed_dp's seconds).
   """
   m, d, tp = mr.metrics, spec.dims, layout.tensor
@@ -437,16 +532,25 @@ def rank_seconds(mr: MicroResult, spec: costs.ModelSpec, cal: costs.Calibration,
   elif m.strategy == "distca":
     if caps is None:
       raise ValueError("rank_seconds: distca needs caps (distca_caps of the run's plans)")
-    if opts.collective == "ragged":  # its time follows the largest group, not the wire
-      wire = np.full(m.num_ranks, ragged_group_bytes(mr.plan, d, opts.memory_mode))
+    two = opts.collective == "two_level"
+    if two and relay is None:
+      raise ValueError("rank_seconds: the two-level exchange needs its relay rows (relay_rows)")
+    if m.num_ranks <= 1:  # one server moves nothing: no exchange, no dispatch
+      comm = np.zeros(m.num_ranks)
+    elif two:
+      comm = two_level_seconds(mr.plan, caps, relay, d, cal, tp, opts.servers_per_host,
+                               opts.exchange_buckets, opts.memory_mode)[0]
     else:
-      wire = exchange_wire_bytes(mr.plan, caps, d, opts.collective, opts.exchange_buckets,
-                                 opts.memory_mode)
-    comm = exchange_seconds(wire, m.num_ranks, cal, opts.collective, tp, opts.memory_mode)
+      if opts.collective == "ragged":  # its time follows the largest group, not the wire
+        wire = np.full(m.num_ranks, ragged_group_bytes(mr.plan, d, opts.memory_mode))
+      else:
+        wire = exchange_wire_bytes(mr.plan, caps, d, opts.collective, opts.exchange_buckets,
+                                   opts.memory_mode)
+      comm = exchange_seconds(wire, m.num_ranks, cal, opts.collective, tp, opts.memory_mode)
     exposed = comm * (1.0 - cal.exchange_hidden)
-    if m.num_ranks > 1:  # one server moves nothing: no exchange, no dispatch
-      dispatch = np.full(m.num_ranks, dispatch_buffer_bytes(caps, d, opts.memory_mode)
-                         / tp / cal.dispatch_bw)
+    if m.num_ranks > 1:
+      dispatch = np.full(m.num_ranks, dispatch_buffer_bytes(
+          caps, d, opts.memory_mode, relay if two else None) / tp / cal.dispatch_bw)
   elif m.strategy in ("cp", "wlb"):
     comm = cal.collective_s(2.0 * m.bytes_S / tp, m.comm_span * tp, calls=2)
     exposed = np.maximum(0.0, comm - attn) if opts.cp_overlap else comm
@@ -498,7 +602,8 @@ def strategy_memory(mr_list: Sequence[MicroResult], spec: costs.ModelSpec,
                     cal: costs.Calibration, layout: Layout, tokens: int,
                     alpha: float = 1.0, remat: str = "save_attention",
                     caps: plan_lib.Capacity | None = None, collective: str = "remote",
-                    memory_mode: str = "keep") -> dict[str, Any]:
+                    memory_mode: str = "keep", relay: tuple[int, int] | None = None
+                    ) -> dict[str, Any]:
   """Per-GPU memory of the busiest rank: state, activations of the tokens it holds (every tick
   the pipeline keeps), the strategy's buffers, and the attention kernel's backward workspace
   (outside XLA's plan: ``memory.flash3_bwd_workspace_bytes``).
@@ -511,7 +616,8 @@ def strategy_memory(mr_list: Sequence[MicroResult], spec: costs.ModelSpec,
   (O, LSE) only; one layer's exchange buffers (send / receive of the capped totals, metadata),
   which is all 'remote' and 'ragged' hold; 'dense' adds the largest part's ``S`` send and ``S``
   receive blocks of the full bucket (XLA sizes a switch by its largest branch), which grow with
-  ``S``.
+  ``S``; 'two_level' adds each part's relay buffer and leg B's send buffer (``relay`` rows and
+  send + ``relay`` rows), which do not.
   """
   m0 = mr_list[0].metrics
   d, tp = spec.dims, layout.tensor
@@ -544,9 +650,15 @@ def strategy_memory(mr_list: Sequence[MicroResult], spec: costs.ModelSpec,
     parts["server_buffers_kept"] = keep * max(0.0, kept) / tp
     parts["exchange_buffers"] = (mem["q_exchange"] + mem["o_exchange"] + mem["kv_exchange"]
                                  + mem["metadata"]) / tp
-    if collective not in ("remote", "dense", "ragged"):
+    if collective not in ("remote", "dense", "ragged", "two_level"):
       raise ValueError(f"strategy_memory: collective={collective!r} must be resolved "
                        "(resolve_collective)")
+    if collective == "two_level":
+      if relay is None:
+        raise ValueError("strategy_memory: the two-level exchange needs its relay rows "
+                         "(relay_rows)")
+      parts["relay_buffers"] = ((caps.q_send + 2 * relay[0]) * bq
+                                + (caps.kv_send + 2 * relay[1]) * d.kv_row_bytes) / tp
     if collective == "dense":
       parts["dense_blocks"] = 2.0 * s * max(min(caps.q_send, caps.q_recv) * bq,
                                             min(caps.kv_send, caps.kv_recv) * d.kv_row_bytes) / tp
@@ -578,7 +690,7 @@ def _step_of_batch(secs: Sequence[dict[str, np.ndarray]], group: int, layout: La
 
 
 def resolve_distca(flat: Sequence[MicroResult], spec, cal, layout, opts: Options, tokens: int,
-                   caps: plan_lib.Capacity) -> Options:
+                   caps: plan_lib.Capacity, relay: tuple[int, int] | None = None) -> Options:
   """``opts`` with distca's collective (``resolve_collective``) and memory mode resolved as the
   trainer's pre-flight resolves 'auto' (``trainer.AUTO_KEEP_SPARE``): 'keep' when its memory
   leaves that fraction of ``cal.hbm_bytes`` spare, else 'resend'."""
@@ -587,25 +699,37 @@ def resolve_distca(flat: Sequence[MicroResult], spec, cal, layout, opts: Options
   if mode == "auto":
     from distca_jax.trainer import AUTO_KEEP_SPARE  # pylint: disable=import-outside-toplevel
     keep = strategy_memory(flat, spec, cal, layout, tokens, remat=opts.remat, caps=caps,
-                           collective=coll, memory_mode="keep")
+                           collective=coll, memory_mode="keep", relay=relay)
     mode = "keep" if keep["total"] <= cal.hbm_bytes * (1.0 - AUTO_KEEP_SPARE) else "resend"
   return dataclasses.replace(opts, collective=coll, memory_mode=mode)
 
 
+def with_hosts(opts: Options, layout: Layout, cal: costs.Calibration, servers: int) -> Options:
+  """``opts`` with ``servers_per_host`` resolved for ``servers`` servers
+  (``servers_per_host``)."""
+  return dataclasses.replace(opts, servers_per_host=servers_per_host(
+      layout, cal, servers, opts.servers_per_host))
+
+
 def evaluate(results: Sequence[Sequence[MicroResult]], spec, cal, layout, opts, tokens,
-             alpha: float = 1.0, caps: plan_lib.Capacity | None = None) -> dict[str, Any]:
+             alpha: float = 1.0, caps: plan_lib.Capacity | None = None,
+             relay: tuple[int, int] | None = None) -> dict[str, Any]:
   """Aggregates one strategy setting over batches [batch][micro-batch] (distca under a
   pipeline: [batch][tick]) -> the report dict. distca: ``caps`` (default: ``distca_caps`` of
-  these plans); its collective and memory mode as ``resolve_distca`` resolves them; a batch whose
+  these plans) and, for the two-level exchange, ``relay`` (default: ``relay_rows`` of these
+  plans); its collective and memory mode as ``resolve_distca`` resolves them; a batch whose
   plans all move nothing priced on the local branch (``step_is_local``; ``local_batches``
   counts them)."""
   flat = [mr for b in results for mr in b]
   m0 = flat[0].metrics
   asked = opts.collective
   if m0.strategy == "distca":
+    opts = with_hosts(opts, layout, cal, flat[0].plan.num_servers)
     if caps is None:
       caps = distca_caps([mr.plan for mr in flat], tokens, opts.caps_headroom)
-    opts = resolve_distca(flat, spec, cal, layout, opts, tokens, caps)
+    if relay is None:
+      relay = relay_rows([mr.plan for mr in flat], opts.servers_per_host, opts.caps_headroom)
+    opts = resolve_distca(flat, spec, cal, layout, opts, tokens, caps, relay)
   pooled = m0.strategy == "distca" and layout.pipe > 1
   per_tick = (1 if opts.pool_stages else layout.pipe) if pooled else 0
   steps, parts, ranks, n_local = [], {}, [], 0
@@ -613,7 +737,8 @@ def evaluate(results: Sequence[Sequence[MicroResult]], spec, cal, layout, opts, 
     # distca's step on its local branch: packed_dp's, every rank its own sync group.
     local = m0.strategy == "distca" and step_is_local(batch, layout, opts)
     n_local += local
-    secs = [rank_seconds(mr, spec, cal, layout, opts, tokens, caps, local) for mr in batch]
+    secs = [rank_seconds(mr, spec, cal, layout, opts, tokens, caps, local, relay)
+            for mr in batch]
     group = 1 if local else batch[0].group
     steps.append(_step_of_batch(secs, group, layout, per_tick) + cal.step_fixed_s)
     for k in secs[0]:
@@ -622,7 +747,7 @@ def evaluate(results: Sequence[Sequence[MicroResult]], spec, cal, layout, opts, 
   mets = [mr.metrics for mr in flat]
   work = [costs.step_work(spec.dims, m.tokens_S, m.pairs_S) for m in mets]
   mem = strategy_memory(flat, spec, cal, layout, tokens, alpha, opts.remat, caps,
-                        opts.collective, opts.memory_mode)
+                        opts.collective, opts.memory_mode, relay)
   out = {
       "step_s": float(np.mean(steps)), "step_s_per_batch": [float(x) for x in steps],
       "dp": m0.dp, "cp": m0.cp, "fits_memory": mem["fits"], "memory_gb": {
@@ -639,8 +764,19 @@ def evaluate(results: Sequence[Sequence[MicroResult]], spec, cal, layout, opts, 
     out["alpha"] = alpha
   if m0.strategy == "distca":
     plans = [mr.plan for mr in flat]
-    wire = [exchange_wire_bytes(p, caps, spec.dims, opts.collective, opts.exchange_buckets,
-                                opts.memory_mode) for p in plans]
+    if opts.collective == "two_level":
+      legs = [two_level_wire_bytes(p, caps, relay, spec.dims, opts) for p in plans]
+      wire = [np.array([a + b]) for a, b in legs]
+      out.update(leg_a_bytes_per_layer_mb=float(np.mean([a for a, _ in legs]) / 1e6),
+                 leg_b_bytes_per_layer_mb=float(np.mean([b for _, b in legs]) / 1e6),
+                 relay_rows=list(relay), servers_per_host=opts.servers_per_host)
+    else:
+      wire = [exchange_wire_bytes(p, caps, spec.dims, opts.collective, opts.exchange_buckets,
+                                  opts.memory_mode) for p in plans]
+    per_host = plan_hosts(plans[0].num_servers, opts) or opts.servers_per_host
+    link = np.array([p.link_bytes(per_host) for p in plans], np.float64)
+    out.update(plan_intra_host_mb=float(link[:, 0].mean() / 1e6),
+               plan_inter_host_mb=float(link[:, 1].mean() / 1e6), host_aware=opts.host_aware)
     out.update(tolerance=opts.tolerance, nano_batches=opts.nano_batches,
                collective=opts.collective, collective_asked=asked,
                memory_mode=opts.memory_mode, caps=dataclasses.asdict(caps),
@@ -701,26 +837,42 @@ def simulate(batches, spec: costs.ModelSpec, layout: Layout, tokens: int, *,
   if "distca" in strategies:
     as_ticks = lambda bs: bs if layout.pipe == 1 else [tick_rows(b, layout.pipe,
                                                                  opts.pool_stages) for b in bs]
-    scored = [run_distca_step(b, tokens, spec, km, opts, layout) for b in as_ticks(batches)]
     sizing = list(batches) + (list(select_batches or []) if caps_batches is None
                               else list(caps_batches))
-    # Training sizes its caps on plans without the gate (backends.distca.startup_capacity):
-    # the caps also hold the batches a gate leaves unmoved.
-    ungated = dataclasses.replace(opts, min_gain=0.0)
-    sized = (scored if opts.min_gain == 0.0 and opts.local_gain == 0.0
-             else run(as_ticks(batches), run_distca, ungated))
-    sized = sized + run(as_ticks(sizing[len(batches):]), run_distca, ungated)
-    caps = distca_caps([mr.plan for b in sized for mr in b], tokens, opts.caps_headroom)
-    out["distca"] = evaluate(scored, spec, cal, layout, opts, tokens, caps=caps)
-    out["distca"]["caps_from_batches"] = len(sized)
+
+    def planned(o):
+      """(scored plans, caps, relay rows, sized batches) of distca under options ``o``."""
+      scored = [run_distca_step(b, tokens, spec, km, o, layout) for b in as_ticks(batches)]
+      # Training sizes its caps on plans without the gate (backends.distca.startup_capacity):
+      # the caps also hold the batches a gate leaves unmoved.
+      ungated = dataclasses.replace(o, min_gain=0.0)
+      sized = (scored if o.min_gain == 0.0 and o.local_gain == 0.0
+               else run(as_ticks(batches), run_distca, ungated))
+      sized = sized + run(as_ticks(sizing[len(batches):]), run_distca, ungated)
+      sized_plans = [mr.plan for b in sized for mr in b]
+      return (scored, distca_caps(sized_plans, tokens, o.caps_headroom),
+              relay_rows(sized_plans, o.servers_per_host, o.caps_headroom), len(sized))
+
+    servers = layout.data * (layout.pipe if layout.pipe > 1 and opts.pool_stages else 1)
+    opts = with_hosts(opts, layout, cal, servers)
+    scored, caps, relay, n_sized = planned(opts)
+    out["distca"] = evaluate(scored, spec, cal, layout, opts, tokens, caps=caps, relay=relay)
+    out["distca"]["caps_from_batches"] = n_sized
     if out["distca"]["collective"] != "remote":
-      # The same plans priced with the 'remote' exchange: what a device-initiated exchange
-      # across processes (not built) would give where the system runs another collective.
+      # The same plans priced with the 'remote' exchange (each row once at the in-node rate,
+      # scaled across nodes), and the system before the two-level exchange: host-blind plans
+      # through the dense exchange.
       alt = evaluate(scored, spec, cal, layout, dataclasses.replace(opts, collective="remote"),
-                     tokens, caps=caps)
-      out["distca"]["priced_as_remote"] = {
-          k: alt[k] for k in ("step_s", "fits_memory", "memory_mode", "wire_bytes_per_layer_mb")
-      } | {"memory_gb": alt["memory_gb"]["total"]}
+                     tokens, caps=caps, relay=relay)
+      blind = dataclasses.replace(opts, host_aware=False, collective="dense")
+      b_scored, b_caps, b_relay, _ = planned(blind)
+      old = evaluate(b_scored, spec, cal, layout, blind, tokens, caps=b_caps, relay=b_relay)
+      for key, r in (("priced_as_remote", alt), ("host_blind_dense", old)):
+        out["distca"][key] = {
+            k: r[k] for k in ("step_s", "fits_memory", "memory_mode", "wire_bytes_per_layer_mb",
+                              "plan_inter_host_mb")
+        } | {"memory_gb": r["memory_gb"]["total"],
+             "exchange_exposed_s": r["per_rank_s"]["exchange_exposed"]}
   if "cp" in strategies:
     sizes = [c for c in _cp_sizes(layout.data, opts) if c >= 2] or [1]
     cands = [dict(ev(run(sel, run_cp, c)), cp_size=c) for c in sizes]

@@ -11,7 +11,7 @@ against it instead of scanning the tokens, ``files.open_dataset``). Inputs, by f
 * ``*.jsonl`` / ``*.ndjson``: one JSON object per line, its ``--text-field`` (default 'text') a
   document (blank lines are skipped; records whose text is empty are skipped and counted);
 * ``*.parquet``: each row's ``--text-field`` column a document (empty ones skipped and counted),
-  read a record batch at a time; needs pyarrow (``pip install pyarrow``: not a dependency);
+  read a record batch at a time; needs pyarrow (``pip install pyarrow``: a test dependency only);
 * anything else: a UTF-8 text file, one document, or with ``--split-on-blank-lines`` each
   paragraph (text between lines that are empty or whitespace) one. The flag also splits the
   texts of JSONL and Parquet records.

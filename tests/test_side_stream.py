@@ -42,7 +42,7 @@ def _library():
       pytest.skip(f"no {name} in {ss.library_dir()}: run custom_ops/side_stream/build.sh")
     subprocess.run(["bash", os.path.join(ROOT, "custom_ops/side_stream/build.sh"),
                     ss.library_dir(), "cpu"], check=True, cwd=ROOT,
-                   env=dict(os.environ, PYTHON=os.environ.get("PYTHON", "python3")))
+                   env=dict(os.environ, PYTHON=sys.executable))  # its jax has the FFI headers
 
 
 def _bits(a):

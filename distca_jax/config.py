@@ -195,7 +195,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.source = "synthetic"     # 'synthetic' (document layouts from the paper's length samples,
                                   # learnable token patterns) or 'files' (tokenized dataset)
-  c.data.workload = "pretrain"    # synthetic: 'pretrain' or 'prolong'
+  c.data.workload = "pretrain"    # synthetic: 'pretrain' or 'prolong', or the path of a
+                                  # document-length file of your own data (a JSON list, a .npy
+                                  # array or one length a line), whose lengths are used as given
   c.data.context_length = 0       # synthetic: length the recipe scales to; 0 = tokens_per_rank
   c.data.path = ""                # files: dataset prefix (PREFIX.tokens.npy + PREFIX.offsets.npy)
   c.data.shuffle = True           # files: a seeded document permutation per epoch

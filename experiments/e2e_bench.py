@@ -70,7 +70,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--backends", default="packed_dp,distca")
-  p.add_argument("--workloads", default="pretrain,prolong")
+  p.add_argument("--workloads", default="pretrain,prolong",
+                 help="comma-separated: 'pretrain', 'prolong', or paths of document-length files "
+                 "of your own data (a JSON list, a .npy array or one length a line)")
   p.add_argument("--tokens", default=None,
                  help="tokens per GPU (comma list; default 65536,131072, with --tiny 1024)")
   p.add_argument("--layers", type=int, default=4)

@@ -44,6 +44,8 @@ import time
 
 import numpy as np
 
+from distca_jax.data.batch import DataError
+from distca_jax.data.workloads import check_workload
 from distca_jax.sim import costs, step, validate
 from experiments import command_line
 
@@ -67,7 +69,9 @@ def parse_args(argv=None):
   p.add_argument("--paper", action="store_true", help="the paper's 3D / 4D tables and plots")
   p.add_argument("--gpus", type=int, default=64)
   p.add_argument("--model", default="llama3_8b", choices=("llama3_8b", "llama3_34b"))
-  p.add_argument("--workload", default="pretrain", choices=("pretrain", "prolong"))
+  p.add_argument("--workload", default="pretrain",
+                 help="'pretrain', 'prolong', or the path of a document-length file of your own "
+                 "data (a JSON list, a .npy array or one length a line; used as given)")
   p.add_argument("--tokens", type=int, default=131072, help="tokens per data rank per micro-batch")
   p.add_argument("--context", type=int, default=0,
                  help="the recipe's document scale (0 = --tokens); longer pieces are cut at rows")
@@ -102,6 +106,10 @@ def parse_args(argv=None):
   p.add_argument("--out", default=os.path.join(ROOT, "results", "simulated_scale"),
                  help="--paper: output stem")
   a = p.parse_args(argv)
+  try:
+    check_workload(a.workload)
+  except DataError as e:
+    p.error(f"--workload: {e}")
   if a.min_gain is not None and not 0.0 <= a.min_gain < float("inf"):
     p.error(f"--min-gain {a.min_gain} must be a finite number >= 0 (0: no gate)")
   return a

@@ -142,3 +142,62 @@ def test_a_process_reads_only_the_tokens_of_its_rows(tmp_path, seed):
     for k in whole:
       np.testing.assert_array_equal(part[k], whole[k][2:4])
     assert 0 < len(read) <= 2 * (t + 1), (step, len(read))
+
+
+@pytest.mark.parametrize("fmt", ["json", "npy", "txt"])
+def test_a_users_document_lengths_are_a_workload(tmp_path, seed, fmt):
+  """A document-length file of one's own data (JSON list, .npy or one length a line) is a
+  workload: its lengths are the pool as given (unscaled), rows are packed from them, and the
+  synthetic source, the simulator and e2e_bench take its path."""
+  import json
+  from distca_jax.data import make_source
+  from distca_jax.data import workloads as wl
+  rng = np.random.default_rng(seed)
+  lens = rng.integers(1, 900, size=200)
+  path = tmp_path / f"lens.{fmt}"
+  if fmt == "json":
+    path.write_text(json.dumps(lens.tolist()))
+  elif fmt == "npy":
+    np.save(path, lens)
+  else:
+    path.write_text("\n".join(map(str, lens)) + "\n")
+  np.testing.assert_array_equal(wl.document_pool(str(path), 4096, 0), lens)
+  rows = wl.WorkloadSampler(str(path), 512, seed=1).step_doclens(0, 4)
+  assert len(rows) == 4 and all(sum(r) == 512 for r in rows), rows
+  flat = [x for r in rows for x in r]
+  assert max(flat) < 900 and set(flat) - set(lens.tolist()) <= set(range(1, 513))  # cut pieces
+  src = make_source({"source": "synthetic", "workload": str(path)}, rows=4, tokens_per_row=512,
+                    vocab_size=64, seed=1)
+  assert src.doclens(0) == rows  # the sampler of the same seed
+  assert src.batch(0)["inputs"].shape == (4, 512)
+
+
+def test_a_bad_document_length_file_is_one_line(tmp_path):
+  from distca_jax.data import workloads as wl
+  with pytest.raises(data.DataError, match=r"unknown workload='nope': choose one of \['pretrain', "
+                     r"'prolong'\], or give the path of a document-length file"):
+    wl.check_workload("nope")
+  bad = tmp_path / "bad.txt"
+  bad.write_text("12\n-3\n")
+  with pytest.raises(data.DataError, match=r"bad.txt: expected a non-empty list of positive integers"):
+    wl.load_doclens(str(bad))
+  from experiments import simulate
+  with pytest.raises(SystemExit):
+    simulate.parse_args(["--workload", str(tmp_path / "missing.json")])
+
+
+@pytest.mark.slow
+def test_simulate_and_e2e_bench_take_a_document_length_file(tmp_path):
+  import json
+  from experiments import e2e_bench, simulate
+  path = tmp_path / "lens.json"
+  path.write_text(json.dumps([3000, 700, 120, 9000, 50, 2048] * 20))
+  out = tmp_path / "sim.json"
+  simulate.main(["--gpus", "8", "--tensor", "2", "--tokens", "16384", "--batches", "1",
+                 "--workload", str(path), "--json", str(out)])
+  assert json.loads(out.read_text())["workload"] == str(path)
+  e2e = str(tmp_path / "e2e")
+  e2e_bench.main(["--tiny", "--backends", "distca", "--workloads", str(path), "--tokens", "256",
+                  "--layers", "1", "--steps", "1", "--warmup", "1", "--out", e2e])
+  res = json.load(open(e2e + ".json"))["results"]
+  assert res and all("error" not in r for r in res), res

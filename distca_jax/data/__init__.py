@@ -19,7 +19,7 @@ from distca_jax.data.batch import (BATCH_DTYPES, BATCH_KEYS, DataError, Source, 
 from distca_jax.data.files import FileSource, num_documents, open_dataset, split_docs
 from distca_jax.data.order import HeavyFirst
 from distca_jax.data.synthetic import SyntheticSource
-from distca_jax.data.workloads import WORKLOADS, WorkloadSampler
+from distca_jax.data.workloads import WORKLOADS, WorkloadSampler, check_workload
 
 SOURCES = ("synthetic", "files")
 SPLITS = ("train", "eval")
@@ -51,7 +51,7 @@ def make_source(data_config: Any, *, rows: int, tokens_per_row: int, vocab_size:
 
   Args:
     data_config: ml_collections ConfigDict (or any attribute object or mapping) with keys
-      ``source`` ('synthetic' | 'files'); for 'synthetic': ``workload`` ('pretrain' | 'prolong')
+      ``source`` ('synthetic' | 'files'); for 'synthetic': ``workload`` ('pretrain' | 'prolong' | a document-length file's path)
       and ``context_length`` (optional, default 0 = tokens_per_row); for 'files': ``path`` (the
       dataset prefix), ``shuffle`` (optional, default True), ``eval_path`` and
       ``eval_fraction`` (optional: the held-out split). Keys of the other source are ignored.
@@ -71,8 +71,10 @@ def make_source(data_config: Any, *, rows: int, tokens_per_row: int, vocab_size:
   source = _get(data_config, "source")
   if source == "synthetic":
     workload = _get(data_config, "workload")
-    if workload not in WORKLOADS:
-      raise DataError(f"unknown config.data.{workload=}; choose one of {sorted(WORKLOADS)}")
+    try:
+      check_workload(workload)
+    except DataError as e:
+      raise DataError(f"config.data.workload: {e}") from None
     context_length = _get(data_config, "context_length", 0)
     if (isinstance(context_length, bool) or not isinstance(context_length, int)
         or context_length < 0):

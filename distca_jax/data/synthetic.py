@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from distca_jax.data.batch import DataError, Pieces, batch_from_pieces, check_step, select_rows
-from distca_jax.data.workloads import WORKLOADS, WorkloadSampler
+from distca_jax.data.workloads import WorkloadSampler, check_workload
 
 DEFAULT_MAX_STRIDE = 4
 
@@ -34,7 +34,8 @@ class SyntheticSource:
   """A ``Source`` of the 'pretrain' or 'prolong' workload with arithmetic-progression documents.
 
   Args:
-    workload: 'pretrain' or 'prolong' (the samples in data/doclens).
+    workload: 'pretrain' or 'prolong' (the samples in data/doclens), or the path of a user's
+      document-length file (``workloads.load_doclens``).
     rows: B, rows per step.
     tokens_per_row: T, the token budget of one row.
     vocab_size: V (>= 2).
@@ -45,8 +46,7 @@ class SyntheticSource:
 
   def __init__(self, workload: str, *, rows: int, tokens_per_row: int, vocab_size: int, seed: int,
                context_length: int = 0, max_stride: int = DEFAULT_MAX_STRIDE):
-    if workload not in WORKLOADS:
-      raise DataError(f"unknown synthetic {workload=}; choose one of {sorted(WORKLOADS)}")
+    check_workload(workload)
     for name, value in (("rows", rows), ("tokens_per_row", tokens_per_row)):
       if int(value) <= 0:
         raise DataError(f"{name}={value} must be a positive integer")

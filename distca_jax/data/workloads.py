@@ -43,11 +43,48 @@ def doclens_dir() -> str:
   return os.path.normpath(os.path.join(here, "..", "..", "data", "doclens"))
 
 
+def is_user_workload(name: str) -> bool:
+  """Whether ``name`` names a user's document-length file rather than a shipped sample."""
+  return name not in WORKLOADS
+
+
+def check_workload(name: str) -> None:
+  """Raises a one-line ``DataError`` unless ``name`` is a shipped sample or an existing file."""
+  if is_user_workload(name) and not os.path.isfile(name):
+    raise DataError(f"unknown workload={name!r}: choose one of {sorted(WORKLOADS)}, or give the "
+                    "path of a document-length file (a JSON list, a .npy array, or one length a "
+                    "line)")
+
+
+def _read_lengths(path: str) -> np.ndarray:
+  """A document-length file: a JSON list, a .npy array, or text with one length a line."""
+  try:
+    if path.endswith(".npy"):
+      raw = np.load(path, allow_pickle=False)
+    elif path.endswith(".json"):
+      with open(path) as f:
+        raw = json.load(f)
+    else:
+      raw = np.loadtxt(path, dtype=np.float64, ndmin=1)
+    lens = np.asarray(raw)
+  except (OSError, ValueError) as e:
+    raise DataError(f"{path}: cannot read document lengths ({e}); write a JSON list, a .npy "
+                    "array or one length a line") from None
+  if (lens.ndim != 1 or lens.size == 0 or not np.issubdtype(lens.dtype, np.number)
+      or (lens <= 0).any() or (lens != np.round(lens)).any()):
+    raise DataError(f"{path}: expected a non-empty list of positive integers (document lengths "
+                    "in tokens)")
+  return lens.astype(np.int64)
+
+
 @functools.lru_cache(maxsize=None)
 def load_doclens(name: str) -> np.ndarray:
-  """Raw document lengths of a shipped sample ('pretrain' or 'prolong'), int64."""
-  if name not in WORKLOADS:
-    raise DataError(f"unknown workload {name=}; choose one of {sorted(WORKLOADS)}")
+  """Raw document lengths of a shipped sample ('pretrain' or 'prolong') or of a user's
+  document-length file (``name`` its path: a JSON list, a .npy array, or one length a line),
+  int64."""
+  check_workload(name)
+  if is_user_workload(name):
+    return _read_lengths(name)
   path = os.path.join(doclens_dir(), WORKLOADS[name])
   if not os.path.exists(path):
     raise FileNotFoundError(
@@ -63,10 +100,14 @@ def load_doclens(name: str) -> np.ndarray:
 @functools.lru_cache(maxsize=32)
 def document_pool(name: str, context_length: int, seed: int = 0, *, short_keep: float = 0.5,
                   long_upsample: int = 4, prolong_replace: float = 0.3) -> np.ndarray:
-  """The recipe's steps 1-5: the pool of scaled document lengths (int64, unshuffled order)."""
+  """The recipe's steps 1-5: the pool of scaled document lengths (int64, unshuffled order). A
+  user's document-length file is its own pool: its lengths as given, unscaled (documents longer
+  than a row are cut at rows, as every workload's)."""
   if context_length <= 0:
     raise DataError(f"{context_length=} must be a positive number of tokens")
   lens = load_doclens(name)
+  if is_user_workload(name):
+    return lens.copy()
   rng = np.random.default_rng([seed, 0x5EED])
   short = lens[lens < _BASE_CONTEXT]
   long = lens[lens >= _BASE_CONTEXT]
@@ -87,7 +128,8 @@ class WorkloadSampler:
   """Per-step document layouts of a workload: ``rows`` windows of ``tokens_per_row`` tokens each.
 
   Args:
-    name: 'pretrain' or 'prolong'.
+    name: 'pretrain' or 'prolong', or the path of a user's document-length file
+      (``load_doclens``), whose lengths are the pool as given.
     tokens_per_row: the token budget of one window (one data-parallel rank's sequence).
     seed: seeds the short-document sample, the ProLong replacement and the per-epoch shuffles.
     context_length: the length the recipe scales to; defaults to ``tokens_per_row`` (the paper

@@ -383,9 +383,9 @@ def test_two_processes_with_cp_and_wlb_match_one(tmp_path, backend, over):
 # Process 1 computes another plan digest from step 0 on: the startup check must stop both.
 _SKEWED_PLAN = """
 import sys, jax
-from distca_jax import trainer
-real = trainer.plan_digest
-trainer.plan_digest = lambda doclens, plan: real(doclens, plan) + jax.process_index()
+from distca_jax import feed
+real = feed.plan_digest
+feed.plan_digest = lambda doclens, plan: real(doclens, plan) + jax.process_index()
 from absl import app
 from distca_jax import train
 app.run(train.main, argv=[sys.argv[0]] + sys.argv[1:])

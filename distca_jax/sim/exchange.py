@@ -59,15 +59,30 @@ def relay_rows(plans: Sequence[plan_lib.Plan], per_host: int, headroom: float
   return tuple(max(1, int(math.ceil(int(n) * headroom))) for n in need)
 
 
+def two_level_rows(plan: plan_lib.Plan, caps: plan_lib.Capacity, relay: tuple[int, int],
+                   per_host: int, buckets: int) -> dict[str, float]:
+  """Rows per device each leg of one exchange puts on the wire ('q_leg_a', 'q_leg_b',
+  'kv_leg_a', 'kv_leg_b'): leg A's ``H - 1`` rounds over ``min(send cap, relay)``, leg B's
+  ``L - 1`` rounds over ``min(send + relay, recv cap)`` (``dataplane.round_wire_rows``)."""
+  rows = {}
+  for part, pair, send, recv, rel in (
+      ("q", plan.pair_q_rows, caps.q_send, caps.q_recv, relay[0]),
+      ("kv", plan.pair_kv_rows, caps.kv_send, caps.kv_recv, relay[1])):
+    a, b = two_level_lib.leg_lengths(np.asarray(pair, np.int64), per_host)
+    rows[f"{part}_leg_a"] = float(round_wire_rows(a, min(send, rel), buckets, per_host, "hosts"))
+    rows[f"{part}_leg_b"] = float(round_wire_rows(b, min(send + rel, recv), buckets, per_host,
+                                                  "local"))
+  return rows
+
+
 def two_level_wire_bytes(plan: plan_lib.Plan, caps: plan_lib.Capacity, relay: tuple[int, int],
                          dims, per_host: int, buckets: int, memory_mode: str = "keep"
                          ) -> tuple[float, float]:
   """(leg A, leg B) bytes per device one layer's exchanges put on the wire as the two-level
-  exchange runs them (``two_level_seconds``'s rounds; heads of every tensor-parallel GPU)."""
+  exchange runs them (``two_level_rows``; heads of every tensor-parallel GPU)."""
   nq, nkv = exchange_counts(memory_mode)
   bq = dims.q_heads * dims.head_dim * dims.dtype_bytes
-  rows = two_level_seconds(plan, caps, relay, dims, costs.Calibration(), 1, per_host, buckets,
-                           memory_mode)[1]
+  rows = two_level_rows(plan, caps, relay, per_host, buckets)
   return tuple(nq * rows[f"q_leg_{x}"] * bq + nkv * rows[f"kv_leg_{x}"] * dims.kv_row_bytes
                for x in ("a", "b"))
 
@@ -90,14 +105,9 @@ def two_level_seconds(plan: plan_lib.Plan, caps: plan_lib.Capacity, relay: tuple
   nq, nkv = exchange_counts(memory_mode)
   bq = dims.q_heads * dims.head_dim * dims.dtype_bytes
   sec = 0.0
-  rows = {}
-  for part, pair, n, width, send, recv, rel in (
-      ("q", plan.pair_q_rows, nq, bq, caps.q_send, caps.q_recv, relay[0]),
-      ("kv", plan.pair_kv_rows, nkv, dims.kv_row_bytes, caps.kv_send, caps.kv_recv, relay[1])):
-    a, b = two_level_lib.leg_lengths(np.asarray(pair, np.int64), per_host)
-    ra = round_wire_rows(a, min(send, rel), buckets, per_host, "hosts")
-    rb = round_wire_rows(b, min(send + rel, recv), buckets, per_host, "local")
-    rows[f"{part}_leg_a"], rows[f"{part}_leg_b"] = float(ra), float(rb)
+  rows = two_level_rows(plan, caps, relay, per_host, buckets)
+  for part, n, width in (("q", nq, bq), ("kv", nkv, dims.kv_row_bytes)):
+    ra, rb = rows[f"{part}_leg_a"], rows[f"{part}_leg_b"]
     legs = ((hosts - 1) * cal.a2a_latency_s + ra * width / tp / cal.inter_node_bw
             + (per_host - 1) * cal.a2a_latency_s + rb * width / tp / cal.intra_node_bw)
     sec += n * legs

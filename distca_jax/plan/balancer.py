@@ -562,6 +562,9 @@ class Balancer:
     j = int(self.item_doc[i])
     ivs = self.intervals.get((j, d))
     have = ivs[-1][1] if ivs else 0
+    if not use_caps or not any(getattr(self.capacity, f) is not None for f in CAP_FIELDS):
+      self._correct_uncapped(i, p, j, d, have, prio, upper, tu, room)
+      return
     saved = self.capacity
     if not use_caps:
       self.capacity = Capacity()
@@ -580,6 +583,61 @@ class Balancer:
         prio[opt, p] = min(work, tu) / nbytes if nbytes > 0 else np.inf
     finally:
       self.capacity = saved
+
+  def _correct_uncapped(self, i: int, p: int, j: int, d: int, have: int, prio: np.ndarray,
+                        upper: np.ndarray, tu: float, room: float) -> None:
+    """``_correct`` without caps: the amounts ``_exact`` picks and the bytes ``_move_bytes``
+    counts, in scalar arithmetic."""
+    a, x = int(self.head_lo[i]), int(self.head_hi[i])
+    y, b = int(self.tail_lo[i]), int(self.tail_hi[i])
+    rows = self._priced_rows
+    qb, kvb = self.q_row_bytes, self.kv_row_bytes
+
+    def put(opt, work, q_rows, end):
+      nbytes = qb * q_rows + (kvb * rows(j, d, have, end) if end > have else 0.0)
+      prio[opt, p] = min(work, tu) / nbytes if nbytes > 0 else np.inf
+
+    upper[:, p] = np.inf
+    if self.item_work[i] > room:
+      prio[0, p] = -1.0
+    else:
+      put(0, float(self.item_work[i]), rows(j, d, a, b) - rows(j, d, x, y), b)
+    m0 = self.min_shard
+    if self.split != "suffix":
+      c1 = x + y + 1
+      m_lo = max(m0 if x < y else (m0 + 1) // 2, 1)
+      m_hi = min(min(x - a, b - y) - m0, int(room // c1), b)
+      m = min(max(math.ceil(tu / c1), m_lo), m_hi)
+      if m < m_lo:
+        prio[1, p] = -1.0
+      else:
+        put(1, m * c1, rows(j, d, x - m, x) + rows(j, d, y, y + m), y + m)
+    if self.split != "mirrored":
+      last_lo = y if x < y else a
+      bb = 2 * b + 1
+
+      def k_for(target: float) -> int:
+        k = max(0, math.ceil((bb - math.sqrt(max(bb * bb - 8.0 * target, 0.0))) / 2))
+        while k > 0 and (k - 1) * (bb - k + 1) // 2 >= target:
+          k -= 1
+        while k * (bb - k) // 2 < target and k < b - last_lo:
+          k += 1
+        return k
+
+      k_room = k_for(room)
+      if k_room * (bb - k_room) // 2 > room:
+        k_room -= 1
+      k_lo = max(m0, 1)
+      k = min(max(k_for(tu), k_lo), min(b - last_lo - m0, k_room, b))
+      if k < k_lo:
+        prio[2, p] = -1.0
+      else:
+        put(2, k * (bb - k) // 2, rows(j, d, b - k, b), b)
+
+  def _priced_rows(self, j: int, d: int, lo: int, hi: int) -> float:
+    """Rows of document ``j``'s [lo, hi) that ``d`` does not own, as ``_move_bytes`` counts
+    them."""
+    return hi - lo - self._own_overlap(j, d, lo, hi)
 
   def _move_bytes(self, j: int, d: int, moved, have: int) -> float:
     """Bytes of sending ``moved`` query intervals of document ``j`` to ``d``, which already

@@ -105,6 +105,11 @@ class HostBalancer(Balancer):
     inside = max(0, min(g + hi, h0 + self.host_tokens) - max(g + lo, h0))
     return inside - self._own_overlap(j, d, lo, hi), hi - lo - inside
 
+  def _priced_rows(self, j: int, d: int, lo: int, hi: int) -> float:
+    """``Balancer._priced_rows`` with the rows off ``d``'s host priced ``inter_host_price``."""
+    near, far = self._link_rows(j, d, lo, hi)
+    return near + self.inter_host_price * far
+
   def _move_bytes(self, j: int, d: int, moved, have: int) -> float:
     """``Balancer._move_bytes`` with the rows off ``d``'s host priced ``inter_host_price``."""
     price = self.inter_host_price

@@ -63,6 +63,37 @@ def least_cross_host_work(plan: plan_lib.Plan, per_host: int) -> float:
   return float(np.maximum(host_loads - per_host * plan.loads_after.max(), 0).sum())
 
 
+def inter_host_bytes_once_per_host(plan: plan_lib.Plan, per_host: int) -> int:
+  """Dispatch bytes between hosts if each key/value row crossed once per destination host
+  (relayed inside it to every server there that reads it) instead of once per server: the
+  plan's query rows between hosts plus, per (document, host), the rows of the longest key range
+  any server of that host reads that the host does not own. What a host-deduplicating leg A
+  would send; the two-level exchange sends ``Plan.link_bytes``."""
+  t = plan.tokens_per_rank
+  qb = plan.q_heads * plan.head_dim * plan.dtype_bytes
+  kvb = 2 * plan.kv_heads * plan.head_dim * plan.dtype_bytes
+  host = np.arange(plan.num_servers) // per_host
+  q_rows = int(plan.pair_q_rows[host[:, None] != host[None, :]].sum())
+  reach: dict[tuple[int, int], int] = {}
+  for doc, _, b, srv in plan.tasks.tolist():
+    key = (doc, srv // per_host)
+    reach[key] = max(reach.get(key, 0), b)
+  kv_rows = 0
+  for (doc, h), b in reach.items():
+    g = int(plan.doc_starts[doc])
+    lo, hi = h * per_host * t, (h + 1) * per_host * t
+    kv_rows += b - max(0, min(g + b, hi) - max(g, lo))
+  return q_rows * qb + kv_rows * kvb
+
+
+def _kv_share(plan: plan_lib.Plan, per_host: int) -> float:
+  """Key/value rows' share of the plan's dispatch bytes between hosts."""
+  host = np.arange(plan.num_servers) // per_host
+  cross = host[:, None] != host[None, :]
+  kv = float(plan.pair_kv_rows[cross].sum()) * 2 * plan.kv_heads * plan.head_dim * plan.dtype_bytes
+  return kv / max(plan.link_bytes(per_host)[1], 1)
+
+
 def _timed(doc_lens, s, t, options):
   t0, c0 = time.perf_counter(), time.thread_time()
   plan = plan_lib.schedule(doc_lens, s, tokens_per_rank=t, options=options)
@@ -102,18 +133,23 @@ def main() -> None:
           "blind": {"intra": blind.link_bytes(L)[0], "inter": blind.link_bytes(L)[1],
                     "imbalance": blind.imbalance_after, "moves": blind.num_moves,
                     "cross_work": cross_host_work(blind, L) / total, "ms": b_ms, "cpu_ms": b_cpu,
+                    "inter_once": inter_host_bytes_once_per_host(blind, L),
                     "degraded": blind.degraded},
           "aware": {"intra": aware.intra_host_bytes, "inter": aware.inter_host_bytes,
                     "imbalance": aware.imbalance_after, "moves": aware.num_moves,
                     "cross_work": cross_host_work(aware, L) / total, "ms": a_ms, "cpu_ms": a_cpu,
+                    "inter_once": inter_host_bytes_once_per_host(aware, L),
                     "degraded": aware.degraded},
           "least_cross_work": least_cross_host_work(aware, L) / total,
+          "host_load_max": float(aware.loads_before.reshape(-1, L).sum(1).max()) * s / L / total,
+          "aware_kv_share": _kv_share(aware, L),
       })
     agg = {"workload": name, "servers": s, "servers_per_host": L, "tokens_per_rank": t,
            "batches": per}
     for k in ("blind", "aware"):
       agg[k] = {
           "inter_gib": sum(r[k]["inter"] for r in per) / GiB,
+          "inter_once_gib": sum(r[k]["inter_once"] for r in per) / GiB,
           "intra_gib": sum(r[k]["intra"] for r in per) / GiB,
           "imbalance_max": max(r[k]["imbalance"] for r in per),
           "cross_work_mean": float(np.mean([r[k]["cross_work"] for r in per])),
@@ -121,8 +157,11 @@ def main() -> None:
           "cpu_ms_median": float(np.median([r[k]["cpu_ms"] for r in per])),
           "ms_median": float(np.median([r[k]["ms"] for r in per])),
       }
+    agg["host_load_max_median"] = float(np.median([r["host_load_max"] for r in per]))
+    agg["aware_kv_share"] = float(np.mean([r["aware_kv_share"] for r in per]))
     agg["least_cross_work_mean"] = float(np.mean([r["least_cross_work"] for r in per]))
     agg["inter_ratio"] = agg["aware"]["inter_gib"] / agg["blind"]["inter_gib"]
+    agg["inter_once_ratio"] = agg["aware"]["inter_once_gib"] / agg["blind"]["inter_gib"]
     agg["inter_ratio_per_batch_max"] = max(r["aware"]["inter"] / r["blind"]["inter"] for r in per)
     agg["imbalance_gap_max"] = max(r["aware"]["imbalance"] - r["blind"]["imbalance"] for r in per)
     agg["meets_inter_gate"] = agg["inter_ratio"] <= _GATES["inter_ratio"]
@@ -196,6 +235,18 @@ def _markdown(out, args) -> list[str]:
         f"{r['blind']['moves_mean']:.0f} / {r['aware']['moves_mean']:.0f}",
         f"{r['blind']['cpu_ms_median']:.1f} / {r['aware']['cpu_ms_median']:.1f}"]
        for r in out["rows"]])
+  lines += [
+      "", "Where the bytes between hosts come from: the largest host's load over the mean host's "
+      "(median over batches), the key/value rows' share of the host-aware plan's bytes between "
+      "hosts, and those bytes if each key/value row crossed once per destination host (relayed "
+      "inside it) instead of once per destination server as the two-level exchange sends them "
+      "(`inter_host_bytes_once_per_host`; against the host-blind plan as sent):", ""]
+  lines += _table(
+      ["workload", "largest host load / mean", "key/value share (aware)",
+       "inter-host GiB once per host blind / aware", "aware once per host / blind as sent"],
+      [[r["workload"], f"{r['host_load_max_median']:.2f}", f"{r['aware_kv_share']:.2f}",
+        f"{r['blind']['inter_once_gib']:.1f} / {r['aware']['inter_once_gib']:.1f}",
+        f"{r['inter_once_ratio']:.2f}"] for r in out["rows"]])
   lines += [
       "", f"Planning time at {args.timing_servers} servers "
       f"({args.timing_servers // args.servers_per_host} hosts of {args.servers_per_host}), "

@@ -42,12 +42,20 @@ class ModelSpec:
     dim: E, the residual width.
     vocab_size: V.
     total_params: every parameter (matmul weights, input embedding, norms).
+    attention_layers: the layers' attention types, ``(count, window)`` pairs (``sim.windows``:
+      window 0 global causal, ``w > 0`` a sliding window of ``w`` keys; () = every layer
+      global).
   """
   name: str
   dims: ModelDims
   dim: int
   vocab_size: int
   total_params: int
+  attention_layers: tuple[tuple[int, int], ...] = ()
+
+  def __post_init__(self):
+    from distca_jax.sim.windows import check_layers  # pylint: disable=import-outside-toplevel
+    object.__setattr__(self, "attention_layers", check_layers(self.attention_layers))
 
   @property
   def head_params(self) -> int:
@@ -60,7 +68,7 @@ class ModelSpec:
     n = d.layer_matmul_params * n_layers + self.head_params
     extra = self.total_params - d.matmul_params
     return ModelSpec(self.name, dataclasses.replace(d, n_layers=n_layers, matmul_params=n),
-                     self.dim, self.vocab_size, n + extra)
+                     self.dim, self.vocab_size, n + extra, self.attention_layers)
 
 
 def model_spec(name: str, n_layers: int | None = None) -> ModelSpec:

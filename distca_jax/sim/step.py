@@ -63,7 +63,7 @@ from distca_jax.checks import check_float, check_int
 from distca_jax.data.workloads import WorkloadSampler
 from distca_jax.dataplane.exchange import DEFAULT_EXCHANGE_BUCKETS
 from distca_jax.memory import flash3_bwd_workspace_bytes
-from distca_jax.sim import costs
+from distca_jax.sim import costs, windows
 from distca_jax.sim.exchange import (KV_EXCHANGES, Q_EXCHANGES, SIM_COLLECTIVES,  # noqa: F401
                                      dispatch_buffer_bytes, distca_caps, exchange_counts,
                                      exchange_seconds, exchange_wire_bytes, ragged_group_bytes,
@@ -232,7 +232,7 @@ class MicroResult:
 def placement_attn_s(pl: packing.Placement, spec: costs.ModelSpec, km: costs.KernelModel
                      ) -> np.ndarray:
   """[S] kernel-model seconds (one layer, forward + backward) of each rank's pieces."""
-  sec = km.task_seconds(pl.end_P - pl.start_P, pl.end_P, spec.dims)
+  sec = windows.mixed_task_seconds(km, pl.start_P, pl.end_P, spec)
   by_row = np.bincount(pl.row_P, weights=sec, minlength=pl.num_rows)
   return by_row.reshape(-1, pl.rows_per_rank).sum(1)
 
@@ -244,6 +244,7 @@ def run_packed_dp(rows, tokens, spec, km) -> MicroResult:
 
 
 def run_cp(rows, tokens, spec, km, cp_size: int) -> MicroResult:
+  windows.check_no_windows(spec, "cp")
   lanes = bm.lanes_from_rows(rows, cp_size)
   pl = packing.cp_placement(lanes, cp_size, tokens)
   return MicroResult(bm.placement_metrics(pl, spec.dims, "cp"), placement_attn_s(pl, spec, km),
@@ -251,6 +252,7 @@ def run_cp(rows, tokens, spec, km, cp_size: int) -> MicroResult:
 
 
 def run_wlb(rows, tokens, spec, km, cp_size: int, alpha: float) -> MicroResult:
+  windows.check_no_windows(spec, "wlb")
   flat = [int(x) for r in rows for x in r]
   pk = packing.wlb_pack(flat, len(rows) // cp_size, cp_size, bm.wlb_row_tokens(alpha, tokens),
                         spec.dims.balance_len)
@@ -296,7 +298,7 @@ def distca_result(plan: plan_lib.Plan, spec: costs.ModelSpec, km: costs.KernelMo
   """A distca plan's ``MicroResult``: each server's kernel-model seconds over its tasks; every
   server is in one sync group."""
   t = plan.tasks
-  sec = km.task_seconds(t[:, 2] - t[:, 1], t[:, 2], spec.dims)
+  sec = windows.mixed_task_seconds(km, t[:, 1], t[:, 2], spec)
   attn = np.bincount(t[:, 3], weights=sec, minlength=plan.num_servers)
   return MicroResult(bm.distca_metrics(plan), attn, plan.num_servers, plan)
 
@@ -372,18 +374,21 @@ def rank_seconds(mr: MicroResult, spec: costs.ModelSpec, cal: costs.Calibration,
     two = opts.collective == "two_level"
     if two and relay is None:
       raise ValueError("rank_seconds: the two-level exchange needs its relay rows (relay_rows)")
+    def comm_of(plan):
+      if two:
+        return two_level_seconds(plan, caps, relay, d, cal, tp, opts.servers_per_host,
+                                 opts.exchange_buckets, opts.memory_mode)[0]
+      if opts.collective == "ragged":  # its time follows the largest group, not the wire
+        wire = np.full(m.num_ranks, ragged_group_bytes(plan, d, opts.memory_mode))
+      else:
+        wire = exchange_wire_bytes(plan, caps, d, opts.collective, opts.exchange_buckets,
+                                   opts.memory_mode)
+      return exchange_seconds(wire, m.num_ranks, cal, opts.collective, tp, opts.memory_mode)
+
     if m.num_ranks <= 1:  # one server moves nothing: no exchange, no dispatch
       comm = np.zeros(m.num_ranks)
-    elif two:
-      comm = two_level_seconds(mr.plan, caps, relay, d, cal, tp, opts.servers_per_host,
-                               opts.exchange_buckets, opts.memory_mode)[0]
-    else:
-      if opts.collective == "ragged":  # its time follows the largest group, not the wire
-        wire = np.full(m.num_ranks, ragged_group_bytes(mr.plan, d, opts.memory_mode))
-      else:
-        wire = exchange_wire_bytes(mr.plan, caps, d, opts.collective, opts.exchange_buckets,
-                                   opts.memory_mode)
-      comm = exchange_seconds(wire, m.num_ranks, cal, opts.collective, tp, opts.memory_mode)
+    else:  # each layer type's exchange: a window layer moves its tasks' key ranges only
+      comm = windows.mixed_exchange_seconds(comm_of, mr.plan, spec)
     exposed = comm * (1.0 - cal.exchange_hidden)
     if m.num_ranks > 1:
       dispatch = np.full(m.num_ranks, dispatch_buffer_bytes(

@@ -1,0 +1,139 @@
+"""Mixed local / global attention in the simulator: layer types, windowed pairs, kernel seconds
+and the key/value rows a windowed layer's exchange moves (host, NumPy only).
+
+A model's layers are ``(count, window)`` types (``step.Options.attention_layers``): ``window``
+0 is global causal attention, ``w > 0`` a sliding window in which query position ``p`` reads the
+keys ``[max(0, p - w + 1), p]``; ``((5, 1024), (1, 0))`` is five window layers of 1024 per
+global layer (Gemma-3's pattern). Every layer of a type costs the same; a stage's layers split
+over the types in proportion to ``count``.
+
+Every strategy keeps its placement in every layer (distca: one plan per batch, as the data
+plane runs it): a query piece ``[a, b)`` of a document reads keys ``[max(0, a - w + 1), b)`` in
+a window layer, ``window_pairs(a, b, w)`` pairs. Its kernel seconds are the measured table's
+for the shape it reads (``b - a`` queries ending ``b - max(0, a - w + 1)`` keys) scaled by its
+pairs over that shape's causal pairs, plus the fixed time per task: a windowed kernel skipping
+the masked blocks in proportion (the window kernels' times are not measured). distca's window
+layers move the same query rows and, per (document, server), only the union of its tasks' key
+ranges (``window_kv_rows``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from distca_jax import plan as plan_lib
+from distca_jax.sim import costs
+
+
+def check_layers(layers: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+  """``layers`` as a tuple of (count >= 1, window >= 0) pairs; one line naming a bad entry."""
+  out = []
+  for entry in layers:
+    try:
+      count, window = (int(v) for v in entry)
+    except (TypeError, ValueError):
+      raise ValueError(f"attention_layers entry {entry!r} must be a (count, window) pair of "
+                       "ints, e.g. (5, 1024) for five window layers of 1024") from None
+    if count < 1 or window < 0 or (count, window) != tuple(entry):
+      raise ValueError(f"attention_layers entry {entry!r} needs count >= 1 and window >= 0 "
+                       "(0 = global causal attention)")
+    out.append((count, window))
+  return tuple(out)
+
+
+def layer_fractions(layers: Sequence[tuple[int, int]]) -> list[tuple[float, int]]:
+  """[(share of the layers, window)] of ``layers`` (() = every layer global)."""
+  layers = check_layers(layers) or ((1, 0),)
+  total = sum(c for c, _ in layers)
+  return [(c / total, w) for c, w in layers]
+
+
+def window_pairs(lo, hi, window: int):
+  """Query-key pairs of queries [lo, hi) of a document under a window of ``window`` keys
+  (0: global causal, ``plan.pairs``): ``sum over p of min(p + 1, window)`` (ints or arrays)."""
+  if window <= 0:
+    return plan_lib.pairs(lo, hi)
+  lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+  mid = np.clip(window, lo, hi)  # positions below the window's width read every earlier key
+  return plan_lib.pairs(lo, mid) + window * (hi - mid)
+
+
+def window_task_seconds(km: costs.KernelModel, lo, hi, window: int, dims) -> np.ndarray:
+  """[N] seconds (one layer, forward + backward) of tasks with queries [lo, hi) under a window
+  of ``window`` keys (module docstring; 0: ``KernelModel.task_seconds``)."""
+  lo, hi = np.asarray(lo, np.float64), np.asarray(hi, np.float64)
+  if window <= 0 or lo.size == 0:
+    return km.task_seconds(hi - lo, hi, dims)
+  q = hi - lo
+  kv = hi - np.maximum(0.0, lo - window + 1)
+  shape_pairs = q * kv - q * (q - 1) / 2
+  share = window_pairs(lo.astype(np.int64), hi.astype(np.int64), window) / shape_pairs
+  # pylint: disable-next=protected-access
+  heads = dims.q_heads * dims.head_dim / costs._TABLE_HEADS_X_DIM
+  return (km.table.time(q, kv) * share + km.task_s) * heads
+
+
+def window_kv_rows(plan: plan_lib.Plan, window: int) -> np.ndarray:
+  """[S, S] key/value rows per (owner, server) a window layer's exchange moves: per (document,
+  server) the union of its tasks' key ranges ``[max(0, a - window + 1), b)``, less the rows the
+  server owns, by owning rank (``plan.pair_kv_rows`` when ``window`` is 0)."""
+  if window <= 0:
+    return plan.pair_kv_rows
+  s, t = plan.num_servers, plan.tokens_per_rank
+  out = np.zeros((s, s))
+  spans: dict[tuple[int, int], list[tuple[int, int]]] = {}
+  for doc, a, b, srv in plan.tasks.tolist():
+    spans.setdefault((doc, srv), []).append((max(0, a - window + 1), b))
+  for (doc, srv), ivs in spans.items():
+    g = int(plan.doc_starts[doc])
+    ivs.sort()
+    merged = [list(ivs[0])]
+    for lo, hi in ivs[1:]:
+      if lo <= merged[-1][1]:
+        merged[-1][1] = max(merged[-1][1], hi)
+      else:
+        merged.append([lo, hi])
+    for lo, hi in merged:
+      x = g + lo
+      while x < g + hi:  # cut where the owning rank changes
+        owner = x // t
+        e = min(g + hi, (owner + 1) * t)
+        if owner != srv:
+          out[owner, srv] += e - x
+        x = e
+  return out
+
+
+def has_windows(spec: costs.ModelSpec) -> bool:
+  """Whether any of ``spec``'s layers is a window layer."""
+  return any(w > 0 for _, w in spec.attention_layers)
+
+
+def check_no_windows(spec: costs.ModelSpec, strategy: str) -> None:
+  """Raises for window layers under a strategy whose window traffic is not modelled."""
+  if has_windows(spec):
+    raise ValueError(f"{strategy}: window layers ({spec.name} attention_layers="
+                     f"{spec.attention_layers}) are priced for packed_dp and distca only; "
+                     "simulate those strategies (its K/V traffic under a window is not modelled)")
+
+
+def mixed_task_seconds(km: costs.KernelModel, lo, hi, spec: costs.ModelSpec) -> np.ndarray:
+  """[N] seconds of tasks with queries [lo, hi) in one mean layer of ``spec``'s layer types
+  (``KernelModel.task_seconds`` when every layer is global)."""
+  lo, hi = np.asarray(lo), np.asarray(hi)
+  if not has_windows(spec):
+    return km.task_seconds(hi - lo, hi, spec.dims)
+  return sum(share * window_task_seconds(km, lo, hi, w, spec.dims)
+             for share, w in layer_fractions(spec.attention_layers))
+
+
+def mixed_exchange_seconds(comm_of, plan: plan_lib.Plan, spec: costs.ModelSpec) -> np.ndarray:
+  """[S] exchange seconds of one mean layer of ``spec``'s types: ``comm_of(plan)`` of the plan
+  with each type's key/value rows (``window_kv_rows``)."""
+  if not has_windows(spec):
+    return comm_of(plan)
+  return sum(share * comm_of(dataclasses.replace(plan, pair_kv_rows=window_kv_rows(plan, w)))
+             for share, w in layer_fractions(spec.attention_layers))

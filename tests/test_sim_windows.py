@@ -111,3 +111,18 @@ def test_steps_with_window_layers():
   # distca's window layers move fewer key/value rows: less exchange time.
   assert np.max(mixed["distca"]["per_rank_s"]["exchange"]) < np.max(
       glob["distca"]["per_rank_s"]["exchange"])
+
+
+def test_mixed_attention_experiment_row():
+  from experiments import mixed_attention_sim as mas
+  cal = costs.Calibration()
+  r = mas.run_row("llama3_8b", "prolong", 4, 1, 32768, 1, cal, costs.KernelModel(),
+                  step.Options(min_gain=0.0, local_gain=0.0))
+  g, m = r["global"], r["mixed"]
+  assert m["attention_layers"] == [[5, 1024], [1, 0]] and g["attention_layers"] == []
+  assert m["packed_dp_attention_s"] < g["packed_dp_attention_s"]
+  for x in (g, m):
+    assert x["gain"] == pytest.approx(x["packed_dp_s"] / x["distca_s"])
+  md = mas._markdown({"command": "c", "commit": "x", "date": "d", "machine": "m", "batches": 1,
+                      "rows": [r]})
+  assert md[-1].startswith("| prolong | 4 (1) | 4 | 32K |")

@@ -10,7 +10,9 @@ tolerance, gate and local branch as the training config's); distca's gain is pac
 over distca's on the same sampled batches. Every strategy keeps its placement in every layer
 (distca one plan per batch, balanced on global pairs); a window layer's task reads keys
 ``[max(0, a - w + 1), b)``, its kernel seconds scaled by pairs from the measured causal table
-(window kernels are not measured), its exchange moves only those keys. cp / WLB are left out:
+(window kernels are not measured), its exchange moves only those keys; and distca with its window
+layers run on each rank's own rows, no exchange (``Options.window_layers_local``). cp / WLB are
+left out:
 their K/V traffic under a window is not modelled.
 
 Run:
@@ -45,9 +47,11 @@ def run_row(model: str, workload: str, gpus: int, tensor: int, context: int, bat
   sampled = step.sample_batches(workload, tokens, lay, batches, context=context)
   row = {"model": model, "workload": workload, "gpus": gpus, "tensor": tensor,
          "servers": lay.data, "context": context, "tokens": tokens}
-  for name, layers in (("global", ()), ("mixed", MIXED)):
+  for name, layers, local in (("global", (), False), ("mixed", MIXED, False),
+                              ("mixed_local", MIXED, True)):
     spec = dataclasses.replace(costs.model_spec(model), attention_layers=layers)
-    res = step.simulate(sampled, spec, lay, tokens, cal=cal, km=km, opts=opts,
+    res = step.simulate(sampled, spec, lay, tokens, cal=cal, km=km,
+                        opts=dataclasses.replace(opts, window_layers_local=local),
                         strategies=("packed_dp", "distca"))
     p, d = res["packed_dp"], res["distca"]
     attn = lambda r: float(np.max(r["per_rank_s"]["attention"]))
@@ -82,7 +86,8 @@ def main(argv=None) -> dict:
       r = run_row(args.model, wl, gpus, tensor, args.context, args.batches, cal, km, opts)
       rows.append(r)
       print(f"{wl} {gpus} GPUs: gain global {r['global']['gain']:.3f}x, mixed "
-            f"{r['mixed']['gain']:.3f}x", flush=True)
+            f"{r['mixed']['gain']:.3f}x, window layers local {r['mixed_local']['gain']:.3f}x",
+            flush=True)
   out = {"command": experiments.command_line(__file__), "commit": experiments.git_commit(),
          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
          "machine": f"{platform.node()}: host only (NumPy), SIMULATED", "batches": args.batches,
@@ -107,22 +112,27 @@ def _markdown(out) -> list[str]:
       "batch, balanced on global pairs); a window layer's query piece [a, b) reads keys "
       "[max(0, a - 1023), b), its kernel seconds are the measured causal table's for that "
       "shape scaled by its pairs (window kernels not measured), and distca's exchange moves "
-      "only those keys. Attention s: the busiest rank's attention seconds over the step's "
+      "only those keys; 'window local': distca runs the window layers on each rank's own "
+      "rows without the exchange (`Options.window_layers_local`), the global layers through "
+      "the plan. Attention s: the busiest rank's attention seconds over the step's "
       "layers. 'local' counts batches on the local branch (no plan moved a row). "
       "Calibration and options: `experiments.simulate`'s.", "",
       "| workload | GPUs (TP) | servers | tokens/rank | collective | packed_dp s global / mixed "
-      "| distca s global / mixed | distca gain global | distca gain mixed | packed_dp attention "
-      "s global / mixed | exchange share global / mixed | local batches | fits |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+      "| distca s global / mixed / window local | distca gain global | distca gain mixed | "
+      "distca gain mixed, window local | packed_dp attention s global / mixed | exchange share "
+      "global / mixed / window local | local batches | fits |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in out["rows"]:
-    g, m = r["global"], r["mixed"]
+    g, m, w = r["global"], r["mixed"], r["mixed_local"]
     lines.append(
         f"| {r['workload']} | {r['gpus']} ({r['tensor']}) | {r['servers']} | "
         f"{r['tokens'] // 1024}K | {g['collective']} | {g['packed_dp_s']:.2f} / "
-        f"{m['packed_dp_s']:.2f} | {g['distca_s']:.2f} / {m['distca_s']:.2f} | "
-        f"**{g['gain']:.3f}** | **{m['gain']:.3f}** | {g['packed_dp_attention_s']:.2f} / "
+        f"{m['packed_dp_s']:.2f} | {g['distca_s']:.2f} / {m['distca_s']:.2f} / "
+        f"{w['distca_s']:.2f} | **{g['gain']:.3f}** | **{m['gain']:.3f}** | "
+        f"**{w['gain']:.3f}** | {g['packed_dp_attention_s']:.2f} / "
         f"{m['packed_dp_attention_s']:.2f} | {g['distca_exchange_share']:.2f} / "
-        f"{m['distca_exchange_share']:.2f} | {g['local_batches']} / {m['local_batches']} | "
+        f"{m['distca_exchange_share']:.2f} / {w['distca_exchange_share']:.2f} | "
+        f"{g['local_batches']} / {m['local_batches']} | "
         f"{'y' if g['fits_memory'] else 'n'} |")
   return lines
 

@@ -118,11 +118,33 @@ def test_mixed_attention_experiment_row():
   cal = costs.Calibration()
   r = mas.run_row("llama3_8b", "prolong", 4, 1, 32768, 1, cal, costs.KernelModel(),
                   step.Options(min_gain=0.0, local_gain=0.0))
-  g, m = r["global"], r["mixed"]
+  g, m, w = r["global"], r["mixed"], r["mixed_local"]
+  assert w["attention_layers"] == m["attention_layers"]
   assert m["attention_layers"] == [[5, 1024], [1, 0]] and g["attention_layers"] == []
   assert m["packed_dp_attention_s"] < g["packed_dp_attention_s"]
-  for x in (g, m):
+  for x in (g, m, w):
     assert x["gain"] == pytest.approx(x["packed_dp_s"] / x["distca_s"])
   md = mas._markdown({"command": "c", "commit": "x", "date": "d", "machine": "m", "batches": 1,
                       "rows": [r]})
   assert md[-1].startswith("| prolong | 4 (1) | 4 | 32K |")
+
+
+def test_window_layers_local():
+  spec = dataclasses.replace(costs.model_spec("llama3_8b", n_layers=6),
+                             attention_layers=((1, 512),))
+  lay, t = step.Layout(gpus=4), 16384
+  batches = step.sample_batches("prolong", t, lay, 1, seed=2)
+  opts = step.Options(min_gain=0.0, local_gain=0.0, window_layers_local=True)
+  res = step.simulate(batches, spec, lay, t, opts=opts, strategies=("packed_dp", "distca"))
+  p, d = res["packed_dp"]["per_rank_s"], res["distca"]["per_rank_s"]
+  # Every layer a window layer run locally: packed_dp's attention, no exchange, no dispatch.
+  np.testing.assert_allclose(d["attention"], p["attention"], rtol=1e-12)
+  assert not np.any(d["exchange"]) and not np.any(d["dispatch"])
+  # Mixed: the global layers' share of the exchange and dispatch.
+  mixed = dataclasses.replace(spec, attention_layers=((5, 512), (1, 0)))
+  run = lambda local: step.simulate(
+      batches, mixed, lay, t, opts=dataclasses.replace(opts, window_layers_local=local),
+      strategies=("distca",))["distca"]["per_rank_s"]
+  on, off = run(True), run(False)
+  np.testing.assert_allclose(on["dispatch"], np.asarray(off["dispatch"]) / 6, rtol=1e-12)
+  assert 0 < np.max(on["exchange"]) < np.max(off["exchange"])

@@ -161,6 +161,9 @@ class Options:
       (``step_is_local``) is priced as the system's local branch runs it: packed_dp's step, no
       exchange and no dispatch (``attention.distca.local_steps``, on by default); False: every
       step through the exchange.
+    window_layers_local: distca runs the model's window layers (``ModelSpec.attention_layers``)
+      on each rank's own rows, no exchange (``sim.windows``); False: every layer through the
+      batch's plan.
     local_gain: with ``local_steps`` and no pipeline, a step whose every micro-batch could gain
       less than this (``plan.predicted_step_gain`` of its layout) is planned to move nothing,
       so it runs the local branch (``attention.distca.local_gain``); 0 = only steps whose plans
@@ -183,6 +186,7 @@ class Options:
   local_gain: float = DEFAULT_LOCAL_GAIN
   servers_per_host: int = 0
   host_aware: bool = True
+  window_layers_local: bool = False
 
   def __post_init__(self):
     check_int("servers_per_host", self.servers_per_host, 0)
@@ -290,16 +294,20 @@ def run_distca(rows, tokens, spec, km, opts: Options) -> MicroResult:
                                  servers_per_host=plan_hosts(len(rows), opts))
   plan = plan_lib.schedule([list(r) for r in rows], len(rows), tokens_per_rank=tokens,
                            options=options)
-  return distca_result(plan, spec, km)
+  return distca_result(plan, spec, km, opts.window_layers_local)
 
 
-def distca_result(plan: plan_lib.Plan, spec: costs.ModelSpec, km: costs.KernelModel
-                  ) -> MicroResult:
-  """A distca plan's ``MicroResult``: each server's kernel-model seconds over its tasks; every
-  server is in one sync group."""
-  t = plan.tasks
-  sec = windows.mixed_task_seconds(km, t[:, 1], t[:, 2], spec)
-  attn = np.bincount(t[:, 3], weights=sec, minlength=plan.num_servers)
+def distca_result(plan: plan_lib.Plan, spec: costs.ModelSpec, km: costs.KernelModel,
+                  window_layers_local: bool = False) -> MicroResult:
+  """A distca plan's ``MicroResult``: each server's kernel-model seconds over its tasks (with
+  ``window_layers_local``, window layers over each rank's own rows: ``windows.local_seconds``);
+  every server is in one sync group."""
+  if window_layers_local and windows.has_windows(spec):
+    attn = windows.local_seconds(plan, spec, km)
+  else:
+    t = plan.tasks
+    sec = windows.mixed_task_seconds(km, t[:, 1], t[:, 2], spec)
+    attn = np.bincount(t[:, 3], weights=sec, minlength=plan.num_servers)
   return MicroResult(bm.distca_metrics(plan), attn, plan.num_servers, plan)
 
 
@@ -388,11 +396,12 @@ def rank_seconds(mr: MicroResult, spec: costs.ModelSpec, cal: costs.Calibration,
     if m.num_ranks <= 1:  # one server moves nothing: no exchange, no dispatch
       comm = np.zeros(m.num_ranks)
     else:  # each layer type's exchange: a window layer moves its tasks' key ranges only
-      comm = windows.mixed_exchange_seconds(comm_of, mr.plan, spec)
+      comm = windows.mixed_exchange_seconds(comm_of, mr.plan, spec, opts.window_layers_local)
     exposed = comm * (1.0 - cal.exchange_hidden)
-    if m.num_ranks > 1:
+    if m.num_ranks > 1:  # local window layers fill no buffers
       dispatch = np.full(m.num_ranks, dispatch_buffer_bytes(
-          caps, d, opts.memory_mode, relay if two else None) / tp / cal.dispatch_bw)
+          caps, d, opts.memory_mode, relay if two else None) / tp / cal.dispatch_bw
+          * windows.exchanged_share(spec, opts.window_layers_local))
   elif m.strategy in ("cp", "wlb"):
     comm = cal.collective_s(2.0 * m.bytes_S / tp, m.comm_span * tp, calls=2)
     exposed = np.maximum(0.0, comm - attn) if opts.cp_overlap else comm

@@ -130,10 +130,45 @@ def mixed_task_seconds(km: costs.KernelModel, lo, hi, spec: costs.ModelSpec) -> 
              for share, w in layer_fractions(spec.attention_layers))
 
 
-def mixed_exchange_seconds(comm_of, plan: plan_lib.Plan, spec: costs.ModelSpec) -> np.ndarray:
+def mixed_exchange_seconds(comm_of, plan: plan_lib.Plan, spec: costs.ModelSpec,
+                           window_layers_local: bool = False) -> np.ndarray:
   """[S] exchange seconds of one mean layer of ``spec``'s types: ``comm_of(plan)`` of the plan
-  with each type's key/value rows (``window_kv_rows``)."""
+  with each type's key/value rows (``window_kv_rows``); window layers none when
+  ``window_layers_local``."""
   if not has_windows(spec):
     return comm_of(plan)
   return sum(share * comm_of(dataclasses.replace(plan, pair_kv_rows=window_kv_rows(plan, w)))
-             for share, w in layer_fractions(spec.attention_layers))
+             for share, w in layer_fractions(spec.attention_layers)
+             if w == 0 or not window_layers_local)
+
+
+def exchanged_share(spec: costs.ModelSpec, window_layers_local: bool) -> float:
+  """Share of the layers that run the exchange: all, or the global ones when window layers run
+  locally."""
+  if not (window_layers_local and has_windows(spec)):
+    return 1.0
+  return sum(share for share, w in layer_fractions(spec.attention_layers) if w == 0)
+
+
+def local_seconds(plan: plan_lib.Plan, spec: costs.ModelSpec, km: costs.KernelModel
+                  ) -> np.ndarray:
+  """[S] seconds of one mean layer of ``spec``'s types when the global layers run the plan's
+  tasks and the window layers each rank's own rows (its documents' segments, one task each)."""
+  s, t = plan.num_servers, plan.tokens_per_rank
+  starts, lens = plan.doc_starts.astype(np.int64), plan.doc_lens.astype(np.int64)
+  first, last = starts // t, (starts + lens - 1) // t
+  nseg = last - first + 1
+  doc = np.repeat(np.arange(lens.size), nseg)
+  rank = first[doc] + np.arange(doc.size) - np.repeat(np.cumsum(nseg) - nseg, nseg)
+  lo = np.maximum(0, rank * t - starts[doc])
+  hi = np.minimum(lens[doc], (rank + 1) * t - starts[doc])
+  task = plan.tasks
+  out = np.zeros(s)
+  for share, w in layer_fractions(spec.attention_layers):
+    if w == 0:
+      sec = km.task_seconds(task[:, 2] - task[:, 1], task[:, 2], spec.dims)
+      out += share * np.bincount(task[:, 3], weights=sec, minlength=s)
+    else:
+      sec = window_task_seconds(km, lo, hi, w, spec.dims)
+      out += share * np.bincount(rank, weights=sec, minlength=s)
+  return out

@@ -4,16 +4,16 @@ A Gemma-3-like 8B: Llama-3-8B's shapes with five sliding-window layers of 1024 k
 layer (``sim.windows``: ``ModelSpec.attention_layers = ((5, 1024), (1, 0))``), against the same
 model with every layer global, at 4 GPUs (one node: 4 servers, 'remote') and 64 GPUs (TP 4, 16
 servers, 2 per node: the two-level exchange on host-aware plans), Pretrain and ProLong at 128K
-context (128K tokens per GPU: the 4-GPU rows as the project's 4-GPU runs, whether the whole
-model's memory fits one GPU is reported, not required). The simulator and calibration of ``experiments.simulate`` (its default options: CAD's
-tolerance, gate and local branch as the training config's); distca's gain is packed_dp's step
-over distca's on the same sampled batches. Every strategy keeps its placement in every layer
-(distca one plan per batch, balanced on global pairs); a window layer's task reads keys
-``[max(0, a - w + 1), b)``, its kernel seconds scaled by pairs from the measured causal table
-(window kernels are not measured), its exchange moves only those keys; and distca with its window
-layers run on each rank's own rows, no exchange (``Options.window_layers_local``). cp / WLB are
-left out:
-their K/V traffic under a window is not modelled.
+context (128K tokens per GPU: the 4-GPU rows as the project's 4-GPU runs; whether the whole
+model's memory fits one GPU is reported, not required). The simulator and calibration of
+``experiments.simulate`` (its default options: CAD's tolerance, gate and local branch as the
+training config's); distca's gain is packed_dp's step over distca's on the same sampled batches.
+Every strategy keeps its placement in every layer (distca one plan per batch, balanced on global
+pairs); a window layer's task reads keys ``[max(0, a - w + 1), b)``, its kernel seconds scaled by
+pairs from the measured causal table (window kernels are not measured), its exchange moves only
+those keys; and distca with its window layers run on each rank's own rows, no exchange
+(``Options.window_layers_local``). cp / WLB are left out: their K/V traffic under a window is not
+modelled.
 
 Run:
   python -m experiments.mixed_attention_sim          # writes results/mixed_attention_sim.{md,json}

@@ -54,3 +54,25 @@ def test_scalar_correction_matches_exact_path(monkeypatch, per_host, split):
     plan_lib.schedule(lens, s, tokens_per_rank=t, options=plan_lib.PlanOptions(
         servers_per_host=per_host, split=split, min_shard=4, tolerance=0.02))
   assert len(calls) > 50
+
+
+@pytest.mark.parametrize("per_host", [None, 2])
+def test_scalar_derive_matches_arrays(monkeypatch, per_host):
+  one = Balancer._derive_one
+  calls = []
+
+  def both(self, i):
+    got = one(self, i)
+    ref = self._derive(np.asarray([i]))
+    assert set(got) == set(ref)
+    for k, v in ref.items():
+      assert got[k] == v[0], (k, got[k], v[0])
+    calls.append(i)
+    return got
+
+  monkeypatch.setattr(Balancer, "_derive_one", both)
+  for lens, s, t in _layouts():
+    if per_host is None or s % per_host == 0:
+      plan_lib.schedule(lens, s, tokens_per_rank=t, options=plan_lib.PlanOptions(
+          servers_per_host=per_host, min_shard=4, tolerance=0.02))
+  assert len(calls) > 20

@@ -441,9 +441,25 @@ class Balancer:
   def _refresh_pool_item(self, i: int) -> None:
     p = int(np.searchsorted(self.pool, i))
     if p < self.pool.size and self.pool[p] == i:
-      one = self._derive(np.asarray([i]))
-      for k, v in one.items():
-        self.pool_items[k][p] = v[0]
+      for k, v in self._derive_one(i).items():
+        self.pool_items[k][p] = v
+
+  def _derive_one(self, i: int) -> dict[str, float]:
+    """``_derive`` of item ``i`` alone, in scalar arithmetic (the same float64 values)."""
+    a, x = float(self.head_lo[i]), float(self.head_hi[i])
+    y, b = float(self.tail_lo[i]), float(self.tail_hi[i])
+    j = int(self.item_doc[i])
+    two = x < y
+    m0 = float(self.min_shard)
+    c1, bb = x + y + 1, 2 * b + 1
+    return {
+        "srv": int(self.item_server[i]), "own": int(self.doc_first_rank[j]),
+        "w": float(self.item_work[i]), "b": b, "x": x, "y": y, "two": two, "c1": c1,
+        "inv_c1": 1.0 / c1, "m_lo": max(m0 if two else float(math.ceil(m0 / 2)), 1.0),
+        "m_hi": min(x - a, b - y) - m0, "rows_w": (x - a) + (b - y), "a": a,
+        "g": float(self.doc_starts_np[j]), "kva_w": x + b if two else b,
+        "kva_m0": x + y if two else y, "parts_w": 2.0 if two else 1.0, "bb": bb, "bb2": bb * bb,
+        "k_hi": b - (y if two else a) - m0}
 
   def _score(self, d: int, exc: np.ndarray, soft: float, room: float, use_caps: bool = True):
     """Scores every pool item for destination ``d``.

@@ -11,6 +11,8 @@ Run: .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_window_attenti
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,7 @@ from custom_ops import blockwise_attention as bw
 from custom_ops import varlen_attention as va
 from distca_jax import attention as attn_lib
 from distca_jax import ops
+from test_attention import random_layout
 from test_ops import oracle
 
 
@@ -98,3 +101,216 @@ def test_bad_window_is_a_one_line_error(bad):
   cu = jnp.asarray([0, 8], jnp.int32)
   with pytest.raises(ValueError, match="window="):
     ops.core_attention(q, q, q, cu, cu, kernel="reference", window=bad)
+
+
+# ------------------------------------------------------------------------------------------------
+# The packed local kernel (packed_dp / local) and chunked layers.
+# ------------------------------------------------------------------------------------------------
+
+
+def _doc_rows(layout):
+  """Per row, the document lengths of a layout's segment ids (documents first, then padding)."""
+  seg = np.asarray(layout.segment_ids_BxT)
+  return [[int((row == i).sum()) for i in range(1, int(row.max()) + 1)] for row in seg]
+
+
+def _doc_oracle(doc_rows, t, q, k, v, do, window, scale):
+  """Every document of every row as one task of the float64 oracle (zeros at padding)."""
+  b = q.shape[0]
+  flat = lambda x: np.asarray(x).reshape((b * t,) + x.shape[2:])
+  # Rows are packed back to back: row r's documents start at r * t.
+  starts = [r * t + int(np.sum(lens[:i])) for r, lens in enumerate(doc_rows)
+            for i in range(len(lens))]
+  lens = [n for row in doc_rows for n in row]
+  o = np.zeros(flat(q).shape)
+  grads = [np.zeros(flat(x).shape) for x in (q, k, v)]
+  for g, n in zip(starts, lens):
+    sl = slice(g, g + n)
+    cu1 = np.asarray([0, n])
+    res = oracle(flat(q)[sl], flat(k)[sl], flat(v)[sl], cu1, cu1, scale, flat(do)[sl],
+                 np.zeros((n, q.shape[2])), window=window)
+    o[sl] = res[0]
+    for acc, gr in zip(grads, res[2:]):
+      acc[sl] = gr
+  shape = lambda x, like: x.reshape(like.shape)
+  return shape(o, q), [shape(g, x) for g, x in zip(grads, (q, k, v))]
+
+
+@pytest.mark.parametrize("window", [1, 5, 24, 200])
+def test_local_attention_window_equals_oracle(window, seed):
+  """``local_attention`` (packed segments, blocks of 8 / 16 rows) with a window: outputs and
+  gradients equal the float64 oracle of each document's windowed attention; ``dense_reference``
+  with the same window agrees."""
+  rng = np.random.default_rng(seed)
+  b, t, h, kh, d = 2, 64, 4, 2, 16
+  layout = random_layout(rng, b, t)
+  doc_rows = _doc_rows(layout)
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q, do = jax.random.normal(ks[0], (b, t, h, d)), jax.random.normal(ks[3], (b, t, h, d))
+  k, v = jax.random.normal(ks[1], (b, t, kh, d)), jax.random.normal(ks[2], (b, t, kh, d))
+  fn = lambda q, k, v: attn_lib.local_attention(q, k, v, layout, softmax_scale=0.3, block_q=8,
+                                                block_k=16, window=window)
+  o, vjp = jax.vjp(fn, q, k, v)
+  grads = vjp(do)
+  wo, wgrads = _doc_oracle(doc_rows, t, q, k, v, do, window, 0.3)
+  np.testing.assert_allclose(np.asarray(o), wo, rtol=2e-5, atol=2e-5)
+  for g, w in zip(grads, wgrads):
+    np.testing.assert_allclose(np.asarray(g), w, rtol=2e-4, atol=2e-4)
+  dense = attn_lib.dense_reference(q, k, v, layout, softmax_scale=0.3, window=window)
+  np.testing.assert_allclose(np.asarray(dense), wo, rtol=2e-5, atol=2e-5)
+
+
+def test_chunked_attention_is_full_causal_over_chunk_cut_documents(seed):
+  """A chunked layer (chunk c: position p sees [(p // c) c, p] of its document) computed as full
+  causal attention over ``plan.chunk_layout``'s pieces (the blockwise kernel over one task per
+  piece) equals the float64 oracle of the chunked mask; the layout cut keeps every token."""
+  from distca_jax import plan as plan_lib
+  rng = np.random.default_rng(seed)
+  chunk = int(rng.integers(3, 20))
+  lens = [int(x) for x in rng.integers(1, 70, size=5)]
+  pieces = plan_lib.chunk_layout(lens, chunk)
+  assert sum(pieces) == sum(lens) and max(pieces) <= chunk
+  n, h, kh, d = sum(lens), 4, 2, 16
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q, do = jax.random.normal(ks[0], (n, h, d)), jax.random.normal(ks[3], (n, h, d))
+  k, v = jax.random.normal(ks[1], (n, kh, d)), jax.random.normal(ks[2], (n, kh, d))
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(pieces)]), jnp.int32)
+  fn = lambda q, k, v: ops.core_attention(q, k, v, cu, cu, kernel="blockwise", softmax_scale=0.3,
+                                          block_sizes=bw.BlockSizes(8, 8))
+  o, vjp = jax.vjp(fn, q, k, v)
+  grads = vjp(do)
+  # The chunked mask written out over whole documents, float64.
+  qn, kn, vn, don = (np.asarray(x, np.float64) for x in (q, k, v, do))
+  wo, wg = np.zeros_like(qn), [np.zeros_like(qn), np.zeros_like(kn), np.zeros_like(vn)]
+  g0 = 0
+  for length in lens:
+    p = np.arange(length)
+    mask = (p[None, :] <= p[:, None]) & (p[None, :] >= (p[:, None] // chunk) * chunk)
+    for hh in range(h):
+      sl, hk = slice(g0, g0 + length), hh // (h // kh)
+      s = np.where(mask, qn[sl, hh] @ kn[sl, hk].T * 0.3, -np.inf)
+      pr = np.exp(s - s.max(1, keepdims=True))
+      pr /= pr.sum(1, keepdims=True)
+      wo[sl, hh] = pr @ vn[sl, hk]
+      g = don[sl, hh]
+      ds = pr * (g @ vn[sl, hk].T - (g * wo[sl, hh]).sum(1, keepdims=True))
+      wg[0][sl, hh] = ds @ kn[sl, hk] * 0.3
+      wg[1][sl, hk] += ds.T @ qn[sl, hh] * 0.3
+      wg[2][sl, hk] += pr.T @ g
+    g0 += length
+  np.testing.assert_allclose(np.asarray(o), wo, rtol=2e-5, atol=2e-5)
+  for got, want in zip(grads, wg):
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4)
+
+
+def test_chunk_layout_forms_and_errors():
+  from distca_jax import plan as plan_lib
+  assert plan_lib.chunk_layout([5, 8, 3], 4) == [4, 1, 4, 4, 3]
+  assert plan_lib.chunk_layout([[9], [2, 4]], 4) == [[4, 4, 1], [2, 4]]
+  with pytest.raises(ValueError, match="chunk"):
+    plan_lib.chunk_layout([5], 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Windowed plans: pairs, key/value rows and bytes against brute force; the metadata executed.
+# ------------------------------------------------------------------------------------------------
+
+
+def _random_layout(rng, s: int, t: int):
+  """A flat layout over ``s`` ranks of ``t`` tokens: documents may span ranks."""
+  lens, total = [], 0
+  while total < s * t - 8:
+    n = int(min(rng.choice([rng.integers(1, t // 4), rng.integers(t // 2, 3 * t)]),
+                s * t - total))
+    lens.append(n)
+    total += n
+  return lens
+
+
+def _brute_force(plan, window: int):
+  """(per-server pairs, [S, S] query rows, [S, S] key/value rows, per-server attention K/V
+  rows) from sets of (query position, key position) and of global rows."""
+  s, t = plan.num_servers, plan.tokens_per_rank
+  loads = np.zeros(s, np.int64)
+  kv_attn = np.zeros(s, np.int64)
+  q_rows = np.zeros((s, s), np.int64)
+  kv_sets: dict[tuple[int, int], set[int]] = {}
+  for doc, a, b, srv in plan.tasks.tolist():
+    g = int(plan.doc_starts[doc])
+    keys = set()
+    for p in range(a, b):
+      seen = [j for j in range(p + 1) if not window or j > p - window]
+      loads[srv] += len(seen)
+      keys.update(seen)
+      if (g + p) // t != srv:
+        q_rows[(g + p) // t, srv] += 1
+    kv_attn[srv] += len(keys)
+    assert keys == set(range(min(keys), b)) and min(keys) == int(
+        max(0, a - window + 1) if window else 0)
+    kv_sets.setdefault((doc, srv), set()).update(g + j for j in keys)
+  kv_rows = np.zeros((s, s), np.int64)
+  for (_, srv), rows in kv_sets.items():
+    for r in rows:
+      if r // t != srv:
+        kv_rows[r // t, srv] += 1
+  return loads, q_rows, kv_rows, kv_attn
+
+
+@pytest.mark.parametrize("window", [1, 7, 40, 300, 0])
+def test_window_plan_pairs_and_bytes_equal_brute_force(window, seed):
+  """A window plan's loads (before and after), per-pair query and key/value rows, bytes, the
+  metadata's send counts and attention key/value rows equal brute-force counts over sets of
+  positions and rows; every server is within the tolerance or the plan says why not."""
+  from distca_jax import plan as plan_lib
+  rng = np.random.default_rng(seed)
+  s, t = 4, 256
+  lens = _random_layout(rng, s, t)
+  opts = plan_lib.PlanOptions(min_shard=8, tolerance=0.05, window=window, q_heads=4, kv_heads=2,
+                              head_dim=16)
+  plan = plan_lib.schedule(lens, s, tokens_per_rank=t, options=opts)
+  assert plan.window == window
+  loads, q_rows, kv_rows, kv_attn = _brute_force(plan, window)
+  np.testing.assert_array_equal(plan.loads_after, loads)
+  np.testing.assert_array_equal(plan.pair_q_rows, q_rows)
+  np.testing.assert_array_equal(plan.pair_kv_rows, kv_rows)
+  assert plan.bytes_kv == kv_rows.sum() * 2 * 2 * 16 * 2
+  q_tr, kv_tr = plan_lib.traffic_rows(plan)
+  np.testing.assert_array_equal(kv_tr, kv_rows)
+  np.testing.assert_array_equal(q_tr, q_rows)
+  start = plan_lib.schedule(lens, s, tokens_per_rank=t,
+                            options=dataclasses.replace(opts, max_moves=0))
+  np.testing.assert_array_equal(plan.loads_before, _brute_force(start, window)[0])
+  meta = plan_lib.plan_to_metadata(plan)
+  np.testing.assert_array_equal(meta.kv_send_len, kv_rows)
+  np.testing.assert_array_equal(meta.kv_len, kv_attn)
+  assert plan_lib.required_capacity(plan).kv_tokens == max(1, kv_attn.max())
+  for d in range(s):
+    assert plan_lib.attention_pairs(meta.cu_seqlens_q[d], meta.cu_seqlens_k[d], window) == (
+        loads[d])
+  assert not plan.degraded or plan.degraded_reason
+  if window and not plan.degraded:
+    assert plan.imbalance_after <= 1.05 + 1e-9
+
+
+
+@pytest.mark.parametrize("window", [1, 9, 64])
+def test_window_metadata_executes_to_document_attention(window, seed):
+  """The NumPy executor running a window plan's metadata (gathers, exchange, windowed tasks,
+  return) equals every document's windowed attention computed alone, also on one host with
+  servers_per_host (HostBalancer) and in the two-level order."""
+  from distca_jax import plan as plan_lib
+  rng = np.random.default_rng(seed)
+  s, t, h, kh, d = 4, 128, 2, 1, 8
+  lens = _random_layout(rng, s, t)
+  q = rng.standard_normal((s, t, h, d))
+  k, v = rng.standard_normal((s, t, kh, d)), rng.standard_normal((s, t, kh, d))
+  want = plan_lib.reference_document_attention(lens, q, k, v, window=window)
+  for per_host in (None, 2):
+    opts = plan_lib.PlanOptions(min_shard=8, tolerance=0.02, window=window,
+                                servers_per_host=per_host)
+    plan = plan_lib.schedule(lens, s, tokens_per_rank=t, options=opts)
+    meta = plan_lib.plan_to_metadata(plan)
+    got = plan_lib.reference_execute(meta, q, k, v, window=window)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-10, atol=1e-10)
+

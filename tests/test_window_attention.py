@@ -1,10 +1,10 @@
 """Windowed and chunked attention (sliding-window and chunked layers): every CPU core-attention
-kernel ('reference', 'blockwise', the packed ``local_attention``) against the float64 NumPy oracle
-(``test_ops.oracle``) with the windowed mask (outputs, LSE and hand-written gradients) on fuzzed CA-task tables; the
-FA3 adapter's windowed path on an emulator of the bindings; chunked layers as documents cut at
-chunk boundaries; windowed plans (pairs, K/V rows and bytes against brute-force counts) and the
-distca data plane on 8 fake devices with a window against the reference; the Mosaic and FA3
-windowed kernels cross-lowered for CUDA.
+kernel ('reference', 'blockwise', the packed ``local_attention``) against the float64 NumPy
+oracle (``test_ops.oracle``) with the windowed mask (outputs, LSE and hand-written gradients) on
+fuzzed CA-task tables; the FA3 adapter's windowed path on an emulator of the bindings; chunked
+layers as documents cut at chunk boundaries; windowed plans (pairs, K/V rows and bytes against
+brute-force counts) and the distca data plane on 8 fake devices with a window against the
+reference; the Mosaic and FA3 windowed kernels cross-lowered for CUDA.
 
 Run: .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_window_attention.py
 """
@@ -12,6 +12,7 @@ Run: .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_window_attenti
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from custom_ops import blockwise_attention as bw
 from custom_ops import varlen_attention as va
 from distca_jax import attention as attn_lib
 from distca_jax import ops
+import test_dispatch as td
 from test_attention import random_layout
 from test_ops import oracle
 
@@ -314,3 +316,49 @@ def test_window_metadata_executes_to_document_attention(window, seed):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-10, atol=1e-10)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-10, atol=1e-10)
 
+
+
+# ------------------------------------------------------------------------------------------------
+# The distca data plane on 8 fake devices with a window.
+# ------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames="window")
+def _window_reference(q, k, v, seg, ct, window):
+  """Each document alone under the window: dense masked attention over all ranks' tokens as one
+  row (documents are consecutive in it), and its VJP."""
+  b, t = q.shape[:2]
+  flat = lambda x: x.reshape((1, b * t) + x.shape[2:])
+  layout = attn_lib.Layout(seg, jnp.zeros_like(seg))
+  f = lambda q, k, v: attn_lib.dense_reference(flat(q), flat(k), flat(v), layout,
+                                               softmax_scale=td.D**-0.5,
+                                               window=window).reshape(q.shape)
+  o, vjp = jax.vjp(f, q, k, v)
+  return (o, *vjp(ct))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [3, 40, 300])
+def test_dispatch_with_window_equals_windowed_document_attention(window, seed):
+  """``dispatch_attention`` with ``DispatchOptions(window=w)`` over window plans
+  (``PlanOptions(window=w)``: tasks with key starts > 0, documents spanning ranks, moved and
+  split shards): outputs and dQ/dK/dV equal each document's windowed attention computed alone;
+  one trace serves every plan."""
+  from distca_jax import plan as plan_lib
+  mesh = td._mesh()
+  traces = []
+  run = td._make_run(mesh, td.SPEC, trace_counter=traces, window=window)
+  rng = np.random.default_rng(seed)
+  moved = late_keys = 0
+  for name, doc_lens, eps in td._layouts(seed)[1::2]:  # flat, huge-rank, span-5-ranks, one-doc
+    hp = plan_lib.host_plan(doc_lens, td.SPEC, options=plan_lib.PlanOptions(
+        tolerance=float(eps), q_heads=td.H, kv_heads=td.KH, head_dim=td.D, dtype_bytes=4,
+        min_shard=None, window=window))
+    q, k, v, ct = td._inputs(rng)
+    got = run(q, k, v, hp.packed, ct)
+    want = _window_reference(q, k, v, td._segments(doc_lens, td.S, td.T), ct, window)
+    td._check(got, want, f"{name} {window=} {hp.plan.summary()}")
+    moved += hp.plan.num_moves
+    late_keys += int((hp.plan.k_starts > 0).sum())
+  assert moved > 0 and late_keys > 0, (moved, late_keys)
+  assert len(traces) == 1

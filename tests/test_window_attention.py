@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -20,12 +21,13 @@ import numpy as np
 import pytest
 
 from custom_ops import blockwise_attention as bw
+from custom_ops import flash3_attention as fa3
 from custom_ops import varlen_attention as va
 from distca_jax import attention as attn_lib
 from distca_jax import ops
 import test_dispatch as td
 from test_attention import random_layout
-from test_ops import oracle
+from test_ops import FA3Emulator, oracle
 
 
 def random_tasks(rng, num_tasks: int, max_q: int = 40, max_extra_k: int = 60):
@@ -362,3 +364,78 @@ def test_dispatch_with_window_equals_windowed_document_attention(window, seed):
     late_keys += int((hp.plan.k_starts > 0).sum())
   assert moved > 0 and late_keys > 0, (moved, late_keys)
   assert len(traces) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# FlashAttention-3's windowed path: on an emulator of the bindings, and lowered for CUDA.
+# ------------------------------------------------------------------------------------------------
+
+
+class WindowFA3Emulator(FA3Emulator):
+  """``test_ops.FA3Emulator`` taking FA3's ``window_size`` (it must be ``(window - 1, 0)``); the
+  caller patches its reference to the same window."""
+
+  def __init__(self, window: int):
+    super().__init__()
+    self.window = window
+
+  def fwd(self, *args, window_size, **kw):
+    assert window_size == (self.window - 1, 0), window_size
+    return super().fwd(*args, **kw)
+
+  def bwd(self, *args, window_size, **kw):
+    assert window_size == (self.window - 1, 0), window_size
+    return super().bwd(*args, **kw)
+
+
+@pytest.mark.parametrize("window", [1, 6, 50])
+def test_flash3_window_on_emulator_equals_oracle(window, seed, monkeypatch):
+  """``flash3_masked`` with a window (bucketed launch shapes, padding masked) hands FA3
+  ``window_size=(window - 1, 0)`` in the forward and every backward branch; on the emulator
+  (the reference kernel under the same window) outputs and dQ/dK/dV equal the float64
+  oracle."""
+  monkeypatch.setattr(va, "varlen_attention_reference", functools.partial(
+      va.varlen_attention_reference, window=window))
+  rng = np.random.default_rng(seed)
+  cu_q, cu_k, tq, tk = random_tasks(rng, int(rng.integers(2, 7)))
+  h, kh, d = 4, 2, 16
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q, do = jax.random.normal(ks[0], (tq, h, d)), jax.random.normal(ks[3], (tq, h, d))
+  k, v = jax.random.normal(ks[1], (tk, kh, d)), jax.random.normal(ks[2], (tk, kh, d))
+  emu = WindowFA3Emulator(window)
+  cq, ck = jnp.asarray(cu_q), jnp.asarray(cu_k)
+  fn = lambda q, k, v: fa3.flash3_masked(q, k, v, cq, ck, softmax_scale=0.3, max_seqlen_q=64,
+                                          max_seqlen_k=128, grid_levels=2,
+                                          impl=(emu.fwd, emu.bwd), window=window)[0]
+  o, vjp = jax.vjp(fn, q, k, v)
+  grads = vjp(do)
+  want = oracle(q, k, v, cu_q, cu_k, 0.3, do, np.zeros((tq, h)), window=window)
+  np.testing.assert_allclose(np.asarray(o), want[0], rtol=2e-5, atol=2e-5)
+  for g, w in zip(grads, want[2:]):
+    np.testing.assert_allclose(np.asarray(g), w, rtol=2e-4, atol=2e-4)
+  assert emu.calls, "the emulator was not called"
+
+
+def test_flash3_window_lowers_for_cuda():
+  """The FA3 bindings' forward and backward FFI calls, lowered for CUDA on the CPU, carry the
+  window (``window_size_left = w - 1``, ``window_size_right = 0``); window 0 keeps FA3's plain
+  causal mask (-1, -1). Needs the bindings importable (the 'gpu' extra)."""
+  pytest.importorskip("flash_attn3_jax")
+  t, h, kh, d = 256, 4, 2, 128
+  q = jax.ShapeDtypeStruct((t, h, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((t, kh, d), jnp.bfloat16)
+  cu = jax.ShapeDtypeStruct((5,), jnp.int32)
+
+  def lowered(window):
+    def grads(q, k, v, cu_q, cu_k):
+      loss = lambda q, k, v: jnp.sum(fa3.flash3_masked(
+          q, k, v, cu_q, cu_k, softmax_scale=0.1, max_seqlen_q=128, max_seqlen_k=128,
+          grid_levels=2, impl=fa3._FA3_IMPL, window=window)[0].astype(jnp.float32))
+      return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return jax.jit(grads).trace(q, k, k, cu, cu).lower(lowering_platforms=("cuda",)).as_text()
+
+  text = lowered(128)
+  assert "flash_mha_fwd" in text and "flash_mha_bwd" in text
+  assert set(re.findall(r"window_size_left = (-?\d+)", text)) == {"127"}
+  assert set(re.findall(r"window_size_right = (-?\d+)", text)) == {"0"}
+  assert set(re.findall(r"window_size_left = (-?\d+)", lowered(0))) == {"-1"}

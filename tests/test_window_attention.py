@@ -42,6 +42,16 @@ def random_tasks(rng, num_tasks: int, max_q: int = 40, max_extra_k: int = 60):
   return cu_q, cu_k, int(cu_q[-1] + rng.integers(0, 9)), int(cu_k[-1] + rng.integers(0, 9))
 
 
+def task_inputs(seed, min_tasks: int, h: int = 4, kh: int = 2, d: int = 16):
+  """(cu_q, cu_k, q, k, v, do) of a random task table (``random_tasks``, 1-6 tasks)."""
+  rng = np.random.default_rng(seed)
+  cu_q, cu_k, tq, tk = random_tasks(rng, int(rng.integers(min_tasks, 7)))
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q, do = jax.random.normal(ks[0], (tq, h, d)), jax.random.normal(ks[3], (tq, h, d))
+  k, v = jax.random.normal(ks[1], (tk, kh, d)), jax.random.normal(ks[2], (tk, kh, d))
+  return cu_q, cu_k, q, k, v, do
+
+
 KERNELS = {
     "reference": lambda q, k, v, cq, ck, w: ops.core_attention(
         q, k, v, cq, ck, kernel="reference", softmax_scale=0.3, return_lse=True, window=w),
@@ -59,15 +69,11 @@ KERNELS = {
 def test_windowed_kernels_equal_float64_oracle(kernel, window, seed):
   """Outputs, LSE and dQ/dK/dV of windowed CA-task batches (windows shorter and longer than the
   tasks) equal the float64 oracle on fuzzed tables."""
-  rng = np.random.default_rng(seed)
-  cu_q, cu_k, tq, tk = random_tasks(rng, int(rng.integers(1, 7)))
-  h, kh, d = 4, 2, 16
-  ks = jax.random.split(jax.random.key(seed), 5)
-  q, do = jax.random.normal(ks[0], (tq, h, d)), jax.random.normal(ks[3], (tq, h, d))
-  k, v = jax.random.normal(ks[1], (tk, kh, d)), jax.random.normal(ks[2], (tk, kh, d))
-  dlse = jax.random.normal(ks[4], (tq, h))
+  cu_q, cu_k, q, k, v, do = task_inputs(seed, 1)
+  dlse = jax.random.normal(jax.random.key(seed + 1), q.shape[:2])
   fn = KERNELS[kernel]
   cq, ck = jnp.asarray(cu_q), jnp.asarray(cu_k)
+  tq = q.shape[0]
 
   def loss(q, k, v):
     o, lse = fn(q, k, v, cq, ck, window)
@@ -388,7 +394,8 @@ class WindowFA3Emulator(FA3Emulator):
     return super().bwd(*args, **kw)
 
 
-@pytest.mark.parametrize("window", [1, 6, 50])
+@pytest.mark.parametrize("window", [6] + [pytest.param(w, marks=pytest.mark.slow)
+                                     for w in (1, 50)])
 def test_flash3_window_on_emulator_equals_oracle(window, seed, monkeypatch):
   """``flash3_masked`` with a window (bucketed launch shapes, padding masked) hands FA3
   ``window_size=(window - 1, 0)`` in the forward and every backward branch; on the emulator
@@ -396,12 +403,8 @@ def test_flash3_window_on_emulator_equals_oracle(window, seed, monkeypatch):
   oracle."""
   monkeypatch.setattr(va, "varlen_attention_reference", functools.partial(
       va.varlen_attention_reference, window=window))
-  rng = np.random.default_rng(seed)
-  cu_q, cu_k, tq, tk = random_tasks(rng, int(rng.integers(2, 7)))
-  h, kh, d = 4, 2, 16
-  ks = jax.random.split(jax.random.key(seed), 4)
-  q, do = jax.random.normal(ks[0], (tq, h, d)), jax.random.normal(ks[3], (tq, h, d))
-  k, v = jax.random.normal(ks[1], (tk, kh, d)), jax.random.normal(ks[2], (tk, kh, d))
+  cu_q, cu_k, q, k, v, do = task_inputs(seed, 2)
+  tq, h = q.shape[:2]
   emu = WindowFA3Emulator(window)
   cq, ck = jnp.asarray(cu_q), jnp.asarray(cu_k)
   fn = lambda q, k, v: fa3.flash3_masked(q, k, v, cq, ck, softmax_scale=0.3, max_seqlen_q=64,

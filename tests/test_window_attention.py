@@ -601,3 +601,23 @@ def test_mosaic_window_kernels_lower_for_cuda(fused):
                         jnp.zeros((8, 2, 64), jnp.bfloat16), jnp.asarray([0, 8], jnp.int32),
                         jnp.asarray([0, 8], jnp.int32), window=4,
                         block_sizes=ma.BlockSizes(fused_bwd=False, dkv_in_place=False))
+
+
+@pytest.mark.parametrize("window", [1, 16, 1000])
+def test_kernel_bench_windowed_workloads_keep_every_visible_pair(window):
+  """experiments/kernel_bench.py's windowed calls (``--windows``) keep each task's queries and
+  cut only keys no query's window reads: their windowed pairs equal the uncut call's."""
+  from distca_jax.plan import cost as plan_cost
+  from experiments import kernel_bench as kb
+  sched = kb.SchedConfig(tokens_per_rank=256, servers=4, step=0, tolerance=0.05, server="max",
+                         buffers="used", seed=0, q_heads=4, kv_heads=2, head_dim=32)
+  full = kb.make_workloads(["dense-128", "ca-s16", "sched-pretrain-m16"], 256, 256, 0, sched)
+  cut = kb.make_workloads(["dense-128", "ca-s16", "sched-pretrain-m16"], 256, 256, 0, sched,
+                          windows=(window,))
+  for f, c in zip(full, cut):
+    assert c.name == f"{f.name}-w{window}" and c.cu_q == f.cu_q and c.window == window
+    assert plan_cost.attention_pairs(c.cu_q, c.cu_k, window) == plan_cost.attention_pairs(
+        f.cu_q, f.cu_k, window)
+    assert c.kv_rows >= c.cu_k[-1] and c.cu_k[-1] <= f.cu_k[-1]
+    lk = np.diff(c.cu_k)
+    assert lk.max(initial=0) <= c.max_k

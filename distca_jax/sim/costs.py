@@ -26,7 +26,7 @@ from distca_jax.checks import check_int
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_COST_TABLE = os.path.join(ROOT, "results", "cost_table_flash3_h200.json")
 # The cost table's attention shapes: times scale with Hq x D for other models.
-_TABLE_HEADS_X_DIM = 32 * 128
+TABLE_HEADS_X_DIM = 32 * 128
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,7 +237,7 @@ class KernelModel:
     if q.size == 0:
       return np.zeros(0)
     kv = np.asarray(kv_len, np.float64)
-    heads = dims.q_heads * dims.head_dim / _TABLE_HEADS_X_DIM
+    heads = dims.q_heads * dims.head_dim / TABLE_HEADS_X_DIM
     return (self.table.time(q, kv) + self.task_s) * heads
 
   def docs_seconds(self, doc_lens, dims: ModelDims) -> float:

@@ -72,7 +72,7 @@ def window_task_seconds(km: costs.KernelModel, lo, hi, window: int, dims) -> np.
   shape_pairs = q * kv - q * (q - 1) / 2
   share = window_pairs(lo.astype(np.int64), hi.astype(np.int64), window) / shape_pairs
   # pylint: disable-next=protected-access
-  heads = dims.q_heads * dims.head_dim / costs._TABLE_HEADS_X_DIM
+  heads = dims.q_heads * dims.head_dim / costs.TABLE_HEADS_X_DIM
   return (km.table.time(q, kv) * share + km.task_s) * heads
 
 

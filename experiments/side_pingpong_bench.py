@@ -198,8 +198,10 @@ def main(a) -> int:
 
 def _train(a) -> dict:
   """``a.train_steps`` steps with side_stream_blocks 0 and ``a.blocks`` (same seed, batches)."""
-  from distca_jax import trainer  # pylint: disable=import-outside-toplevel
-  out = {}
+  import inspect  # pylint: disable=import-outside-toplevel
+  from distca_jax import model as model_lib, trainer  # pylint: disable=import-outside-toplevel
+  # Whether the model's ping-pong runs side_pingpong.ping_pong_beside (the backend's beside_fn).
+  out = {"model_uses_beside": "beside_fn" in inspect.getsource(model_lib.Transformer.__call__)}
   for blocks in (0, a.blocks):
     c = _config(a, blocks)
     c.num_steps, c.log_every, c.optim.warmup_steps = a.train_steps, 1, 1
@@ -242,8 +244,13 @@ def _markdown(res) -> str:
 
 
 def _train_lines(train) -> list[str]:
-  lines = []
+  lines = [("- the trainer's ping-pong runs side_pingpong.ping_pong_beside (exchanges spanning "
+            "the other nano-batch's matmuls)") if train["model_uses_beside"] else
+           ("- the trainer's ping-pong is model.ping_pong_layers: with side_stream_blocks > 0 "
+            "each exchange is the side copy started and done at once (side_inline)")]
   for blocks, t in train.items():
+    if blocks == "model_uses_beside":
+      continue
     times = [x for x in t["step_time_s"][1:] if x is not None]
     med = f"{1e3 * float(np.median(times)):.1f} ms" if times else "n/a"
     lines.append(f"- training, side_stream_blocks={blocks}: median step {med} (after the "
@@ -254,9 +261,7 @@ def _train_lines(train) -> list[str]:
 def _train_markdown(res) -> str:
   return "\n".join([f"# Training with and without the side stream ({res['date']})", "",
                     f"Command: `{res['command']}`", "",
-                    f"Commit {res['commit']}; device: 1 x {res['device']}. The trainer runs "
-                    "model.ping_pong_layers: with side_stream_blocks > 0 each exchange is the "
-                    "side copy started and done at once (side_inline).", ""]
+                    f"Commit {res['commit']}; device: 1 x {res['device']}.", ""]
                    + _train_lines(res["train"]))
 
 

@@ -84,7 +84,7 @@ def test_span_equals_its_reference_outputs_and_gradients(seed, order):
                 for s in ((n1, 4, 8), (n2, 4, 8), (16, 8)))
 
   def work(a, b):
-    return jnp.tanh(a @ b)
+    return jnp.tanh(jnp.dot(a, b, precision="highest"))
 
   def loss(ys, out):
     return jnp.sum(ys[0] * w1) + jnp.sum(ys[1] * w2) + jnp.sum(out * wo)
@@ -112,7 +112,8 @@ def test_residency_rule_and_refusals():
   assert side.check_blocks(132, 132) == 132 and side.check_blocks(np.int64(8), 132) == 8
   with pytest.raises(ValueError, match=r"resident at once on 16 SMs; set 1..16"):
     side.check_blocks(17, 16)
-  assert side.sm_count() == side.DEFAULT_SMS  # CPU: the H100's count
+  if jax.default_backend() == "cpu":
+    assert side.sm_count() == side.DEFAULT_SMS  # the H100's count
   with pytest.raises(ValueError, match="resident"):
     ExchangeOptions(side_blocks=side.DEFAULT_SMS + 1)
   with pytest.raises(ValueError, match="resident"):
@@ -122,6 +123,8 @@ def test_residency_rule_and_refusals():
   with pytest.raises(ValueError, match="two_level.*side_stream_blocks=0"):
     ExchangeOptions(side_blocks=8, collective="two_level")
   # Several servers: refused in one line (no peer pointers).
+  if jax.device_count() < 2:
+    return
   mesh = _mesh(2)
   x = jnp.zeros((16, 4, 8), jnp.float32)
   routes = jnp.zeros((6, 2), jnp.int32)

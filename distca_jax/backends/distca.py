@@ -337,6 +337,8 @@ def make(options: Options) -> "DistcaBackend":
     return side.dispatch_beside(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout.extra[PLAN_KEY], spec,
                                 call, mesh, send=send, back=back, order=order)
 
+  if o.side_stream_blocks:  # where a model's ping-pong finds it (side_pingpong.ping_pong_beside)
+    fn.beside_fn = beside_fn
   resend = functools.partial(fn, memory_mode="resend") if o.memory_mode == "auto" else None
   local_fn = (functools.partial(baselines_device.packed_dp_attention, kernel=o.kernel)
               if local else None)

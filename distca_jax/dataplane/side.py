@@ -91,6 +91,7 @@ def side_exchange(x, routes, recv_rows: int, blocks: int, servers: int):
   """``ragged_exchange``'s contract for one server (inside ``shard_map``): the side copy of
   ``x`` by ``routes`` into ``[recv_rows, ...]``, started and done at once."""
   from custom_ops import side_stream as ss  # pylint: disable=import-outside-toplevel
+  check_blocks(blocks)
   check_servers(servers, blocks)
   y, token = ss.side_copy_start(x, routes, recv_rows, blocks)
   return ss.side_copy_done(y, x, routes, token)
@@ -193,6 +194,7 @@ def span(where: Where, moves, blocks: int, fn=None, args=(), order: str = "overl
   (the single-stream order, for comparison). Differentiable in every ``x`` and in ``args``."""
   if order not in ("overlap", "serial"):
     raise ValueError(f"side span order={order!r}; choose 'overlap' or 'serial'")
+  check_blocks(blocks)
   xs, routes, rows = (tuple(m[i] for m in moves) for i in range(3))
   ys, out = _span(where, tuple(int(r) for r in rows), int(blocks), order, fn or _nothing, xs,
                   routes, tuple(args))

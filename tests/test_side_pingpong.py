@@ -14,6 +14,7 @@ none between; a few training steps with ``side_stream_blocks`` equal those witho
 Run: .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_side_pingpong.py
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -138,49 +139,63 @@ def test_residency_rule_and_refusals():
 # ---------------------------------------------------------------------------------------------
 # The side-stream ping-pong of a real model.
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_side_pingpong_equals_ping_pong_and_spans_the_other_nano_batch(seed):
+def _stack_case(seed, rows: int, n_layers: int, remat: str | None = None):
+  """A real ping-pong stack on one device: the tiny model's layers, the distca backend with the
+  side stream (8 CTAs), a batch's plans. Returns ``(stack, layers, x, on_mesh)``:
+  ``stack('ref')`` is ``model.ping_pong_layers``, ``stack('overlap' | 'serial')`` the
+  side-stream ping-pong, each a function of (layers, x) to the sum of its squared output;
+  ``on_mesh()`` the mesh context to run them in."""
   from distca_jax import model as model_lib, sharding as shard_lib, side_pingpong, trainer
   from distca_jax.data import make_source
   from tests.test_dispatch import _tiny_config
-  c = _tiny_config("distca", 1, 1, seed, rows_per_rank=4, nano_batches=2)
-  c.model.n_layers = 3
+  c = _tiny_config("distca", 1, 1, seed, rows_per_rank=rows, nano_batches=2)
+  c.model.n_layers = n_layers
+  c.model.remat = remat or c.model.remat
   c.attention.distca.side_stream_blocks = 8
   mesh = shard_lib.make_mesh(data=1, tensor=1, devices=jax.devices()[:1])
   be = trainer.make_backend(c)
   m = trainer.make_model(c, be)
   params = trainer.create_train_state(c, m, trainer.make_optimizer(c), mesh).params
-  src = make_source(c.data, rows=4, tokens_per_row=c.tokens_per_rank,
+  src = make_source(c.data, rows=rows, tokens_per_row=c.tokens_per_rank,
                     vocab_size=c.model.vocab_size, seed=seed)
   step = int(np.random.default_rng(seed).integers(0, 1000))
   batch = trainer.add_host_plan(src.batch(step), be, src.doclens(step), c.tokens_per_rank)
   plan = model_lib.execution_plan(m.cfg, nano_batches=2)
   layers = jax.tree.map(lambda a: getattr(a, "value", a), params["layers"]["layer"],
                         is_leaf=lambda a: hasattr(a, "value"))
-  x = jax.random.normal(jax.random.key(seed), (4, c.tokens_per_rank, m.cfg.dim), jnp.float32)
+  x = jax.random.normal(jax.random.key(seed), (rows, c.tokens_per_rank, m.cfg.dim), jnp.float32)
   pieces = model_lib.layer_pieces(m.cfg, be.fn)
   with trainer.mesh_context(mesh):
     lay = trainer.layout_of(trainer.device_batch(batch, mesh))
 
-    def loss(stack):
-      return lambda layers, x: jnp.sum(stack(layers, x).astype(jnp.float32) ** 2)
+  def stack(variant):
+    def run(layers, x):
+      if variant == "ref":
+        return model_lib.ping_pong_layers(plan, pieces, layers, x, lay)
+      return side_pingpong.ping_pong_beside(plan, pieces, be.beside_fn, layers, x, lay,
+                                            head_dim=m.cfg.head_dim, order=variant)
+    return lambda layers, x: jnp.sum(run(layers, x).astype(jnp.float32) ** 2)
+  return stack, layers, x, functools.partial(trainer.mesh_context, mesh)
 
-    def beside(order):
-      return loss(lambda layers, x: side_pingpong.ping_pong_beside(
-          plan, pieces, be.beside_fn, layers, x, lay, head_dim=m.cfg.head_dim, order=order))
 
-    runs = {}
-    for name, f in (("ref", loss(lambda l, x: model_lib.ping_pong_layers(plan, pieces, l, x,
-                                                                         lay))),
-                    ("overlap", beside("overlap")), ("serial", beside("serial"))):
-      compiled = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(layers, x).compile()
+def _check_equal(got, ref, what=""):
+  np.testing.assert_allclose(float(got[0]), float(ref[0]), rtol=1e-5, err_msg=what)
+  for u, v in zip(jax.tree.leaves(got[1]), jax.tree.leaves(ref[1])):
+    np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-4, atol=1e-5, err_msg=what)
+
+
+@pytest.mark.slow
+def test_side_pingpong_equals_ping_pong_and_spans_the_other_nano_batch(seed):
+  from distca_jax import side_pingpong
+  stack, layers, x, on_mesh = _stack_case(seed, rows=4, n_layers=3)
+  runs = {}
+  with on_mesh():
+    for name in ("ref", "overlap", "serial"):
+      compiled = jax.jit(jax.value_and_grad(stack(name), argnums=(0, 1))).lower(
+          layers, x).compile()
       runs[name] = (compiled(layers, x), compiled.as_text())
-  (l_ref, g_ref), _ = runs["ref"]
   for name in ("overlap", "serial"):
-    (l, g), _ = runs[name]
-    np.testing.assert_allclose(float(l), float(l_ref), rtol=1e-5, err_msg=name)
-    for u, v in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
-      np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-4, atol=1e-5)
+    _check_equal(runs[name][0], runs["ref"][0], name)
   spans, fwd, bwd = side_pingpong.spans_other(runs["overlap"][1])
   # 12 copies forward (the scan's unit once: B's and A's send, 2 copies each, and return; the
   # prologue's A and the epilogue's B, a send and a return each) and 12 backward; the prologue's
@@ -193,6 +208,18 @@ def test_side_pingpong_equals_ping_pong_and_spans_the_other_nano_batch(seed):
   # never the work the span is for.
   spans_s, fwd_s, bwd_s = side_pingpong.spans_other(runs["serial"][1])
   assert len(spans_s) == len(spans) and fwd_s + bwd_s <= 4 and bwd_s == 0, (fwd_s, bwd_s)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["save_attention", "full"])
+def test_side_pingpong_under_remat_policies(seed, remat):
+  """The layers' remat policy wraps the units (the span's custom VJP inside jax.checkpoint):
+  the same loss and gradients as model.ping_pong_layers."""
+  stack, layers, x, on_mesh = _stack_case(seed, rows=2, n_layers=2, remat=remat)
+  with on_mesh():
+    ref, got = (jax.jit(jax.value_and_grad(stack(v), argnums=(0, 1)))(layers, x)
+                for v in ("ref", "overlap"))
+  _check_equal(got, ref, remat)
 
 
 # ---------------------------------------------------------------------------------------------

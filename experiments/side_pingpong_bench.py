@@ -71,6 +71,7 @@ def _config(a, blocks: int):
             "attention.nano_batches=2", "attention.distca.local_steps=False",
             "attention.distca.min_gain=0.0", "attention.distca.memory_mode=keep",
             f"attention.distca.side_stream_blocks={blocks}", "mesh.data=1", "mesh.tensor=1",
+            "attention.distca.caps_from_batches=8",
             "checkpoint_every=0", "tensorboard=False", "eval_every=0"]
   if a.tiny:
     return configs_io.load_config(os.path.join(ROOT, "configs", "tiny_cpu.py"), common + [
@@ -159,40 +160,42 @@ def main(a) -> int:
       return jax.value_and_grad(lambda l, x: jnp.sum(run(l, x).astype(jnp.float32) ** 2),
                                 argnums=(0, 1))
 
-    variants = {"pingpong": stack(be0, lays["0"]), "side_inline": stack(be1, lays["1"]),
+    # The baseline first; the tables are written after every variant (a run cut short keeps
+    # what it measured).
+    variants = {"pingpong": stack(be0, lays["0"]),
                 "side_overlap": stack(be1, lays["1"], "overlap"),
-                "side_serial": stack(be1, lays["1"], "serial")}
-    outs, compiled = {}, {}
+                "side_serial": stack(be1, lays["1"], "serial"),
+                "side_inline": stack(be1, lays["1"])}
+    trace = a.trace or tempfile.mkdtemp(prefix="side_pp_trace_")
+    ref = None
     for name, f in variants.items():
       t0 = time.perf_counter()
-      compiled[name] = jax.jit(f).lower(layers, x).compile()
+      compiled = jax.jit(f).lower(layers, x).compile()
       compile_s = time.perf_counter() - t0
-      t = profiling.time_call(compiled[name], layers, x, iters=a.reps, warmup=1)
-      outs[name] = jax.device_get(compiled[name](layers, x))
-      spans, fwd, bwd = (side_pingpong.spans_other(compiled[name].as_text())
+      t = profiling.time_call(compiled, layers, x, iters=a.reps, warmup=1)
+      spans, fwd, bwd = (side_pingpong.spans_other(compiled.as_text())
                          if name.startswith("side_") else ([], 0, 0))
-      res["variants"][name] = {"median_ms": 1e3 * t["median_s"], "min_ms": 1e3 * t["min_s"],
-                               "trials_ms": [1e3 * s for s in t["trials_s"]],
-                               "compile_s": compile_s, "copies": len(spans),
-                               "spans_other": fwd + bwd, "spans_other_fwd_bwd": [fwd, bwd]}
-      print(name, res["variants"][name], flush=True)
-    (l_ref, g_ref) = outs["pingpong"]
-    for name in ("side_inline", "side_overlap", "side_serial"):
-      l, g = outs[name]
-      res["variants"][name]["loss_rel"] = abs(float(l) - float(l_ref)) / abs(float(l_ref))
-      res["variants"][name]["grad_rel_max"] = max(
-          _rel(u, v) for u, v in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)))
-    trace = a.trace or tempfile.mkdtemp(prefix="side_pp_trace_")
-    for name in ("side_overlap", "side_serial"):
-      if jax.default_backend() != "gpu":
-        break
-      _, path = profiling.capture(compiled[name], layers, x,
-                                  logdir=os.path.join(trace, name))
-      res["variants"][name]["profile"] = copy_overlap(path)
-      print(name, res["variants"][name]["profile"], flush=True)
+      v = res["variants"][name] = {
+          "median_ms": 1e3 * t["median_s"], "min_ms": 1e3 * t["min_s"],
+          "trials_ms": [1e3 * s for s in t["trials_s"]], "compile_s": compile_s,
+          "copies": len(spans), "spans_other": fwd + bwd, "spans_other_fwd_bwd": [fwd, bwd]}
+      loss, grads = jax.device_get(compiled(layers, x))
+      if ref is None:
+        ref = (loss, grads)
+      else:
+        v["loss_rel"] = abs(float(loss) - float(ref[0])) / abs(float(ref[0]))
+        v["grad_rel_max"] = max(_rel(u, w) for u, w in zip(jax.tree.leaves(grads),
+                                                           jax.tree.leaves(ref[1])))
+      del loss, grads
+      if name in ("side_overlap", "side_serial") and jax.default_backend() == "gpu":
+        _, path = profiling.capture(compiled, layers, x, logdir=os.path.join(trace, name))
+        v["profile"] = copy_overlap(path)
+      del compiled
+      print(name, {k: w for k, w in v.items() if k != "trials_ms"}, flush=True)
+      profiling.write_tables(a.out, res, _markdown(res))
   if a.train_steps:
     res["train"] = _train(a)
-  profiling.write_tables(a.out, res, _markdown(res))
+    profiling.write_tables(a.out, res, _markdown(res))
   return 0
 
 
@@ -224,7 +227,7 @@ def _markdown(res) -> str:
            f"forward + backward of the stack; documents per row {res['docs']}.", "",
            "| variant | median ms | min ms | vs pingpong | copies | spanning other | loss rel | "
            "grad rel max |", "|---|---|---|---|---|---|---|---|"]
-  base = res["variants"]["pingpong"]["median_ms"]
+  base = res["variants"].get("pingpong", {}).get("median_ms", float("nan"))
   for name, v in res["variants"].items():
     lines.append(f"| {name} | {v['median_ms']:.2f} | {v['min_ms']:.2f} | "
                  f"{v['median_ms'] / base:.3f} | {v['copies']} | {v['spans_other']} | "
@@ -232,7 +235,7 @@ def _markdown(res) -> str:
   lines += ["", "spanning other: copies with a matmul of the other nano-batch scheduled between "
             "start and done in the compiled program (side_stream.schedule_spans)."]
   for name in ("side_overlap", "side_serial"):
-    p = res["variants"][name].get("profile")
+    p = res["variants"].get(name, {}).get("profile")
     if p:
       lines.append(f"- profile {name}: {p['copy_kernels']} copy kernels busy "
                    f"{p['copy_busy_us']:.0f} us, {p['with_matmul_us']:.0f} us "

@@ -33,6 +33,9 @@ ring of 64 per device, found by done through the token buffer's address (start w
 slot's index into the token): at most 64 calls per device in flight (started, not yet done);
 start refuses a 65th, done refuses a token that no start in flight produced.
 
+Both calls are side-effecting for XLA: it never merges two starts of equal operands (a
+rematerialized forward's start and the original's would share one token) nor drops one.
+
 Not differentiable (the one-GPU proof of the overlap; the data plane's exchange keeps its own
 VJP). CPU: ``side_copy_cpu.cc`` implements the same pair synchronously (the copy at start) and
 keeps the same books of calls in flight, so the same program (calls, aliasing, order, refusals)
@@ -130,11 +133,12 @@ def side_copy_start(x, routes, recv_rows: int, blocks: int, on_side: bool = True
          jax.ShapeDtypeStruct((), jnp.int32))
   attrs = dict(blocks=np.int64(blocks), on_side=np.int64(bool(on_side)))
   if into is None:
-    return jax.ffi.ffi_call(START, out)(x, routes, **attrs)
+    return jax.ffi.ffi_call(START, out, has_side_effect=True)(x, routes, **attrs)
   if (into.shape, into.dtype) != (out[0].shape, out[0].dtype):
     raise ValueError(f"side_copy into {into.dtype}{list(into.shape)}: pass a buffer of "
                      f"{out[0].dtype}{list(out[0].shape)} (recv_rows rows like x's)")
-  return jax.ffi.ffi_call(START_INTO, out, input_output_aliases={2: 0})(x, routes, into, **attrs)
+  return jax.ffi.ffi_call(START_INTO, out, input_output_aliases={2: 0},
+                          has_side_effect=True)(x, routes, into, **attrs)
 
 
 def side_copy_done(y, x, routes, token):
@@ -142,7 +146,7 @@ def side_copy_done(y, x, routes, token):
   unchanged); returns ``y`` (aliased: no copy)."""
   register(_platform())
   return jax.ffi.ffi_call(DONE, jax.ShapeDtypeStruct(y.shape, y.dtype),
-                          input_output_aliases={0: 0})(y, x, routes, token)
+                          input_output_aliases={0: 0}, has_side_effect=True)(y, x, routes, token)
 
 
 def overlapped(x, routes, recv_rows: int, blocks: int, compute, *args, order: str = "overlap",
@@ -211,12 +215,8 @@ _COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-, %]+)\}?")
 
 
-def schedule_order(hlo_text: str) -> list[str]:
-  """The entry computation of a compiled, scheduled HLO module (``compiled.as_text()``) as the
-  sequence of its instructions that are the copy's start ('start', with or without ``into``),
-  its done ('done') or a matrix product ('dot': a dot, a cuBLAS call, or any instruction calling
-  a computation that holds one, e.g. a fusion or a command buffer); the others are left out. XLA
-  prints a scheduled computation's instructions in their schedule order."""
+def _computations(hlo_text: str):
+  """``({name: [instruction lines in printed order]}, entry name)`` of an HLO module's text."""
   comps: dict[str, list[str]] = {}
   entry, name = None, None
   for line in hlo_text.splitlines():
@@ -230,29 +230,112 @@ def schedule_order(hlo_text: str) -> list[str]:
       comps[name].append(line)
   if entry is None:
     raise ValueError("schedule_order: no ENTRY computation in this HLO text")
+  return comps, entry
+
+
+def _kinds(comps):
+  """A function of an instruction line: 'start', 'done', 'dot' (a dot, a cuBLAS call, or any
+  instruction calling a computation that holds one) or None."""
   memo: dict[str, bool] = {}
 
   def has_dot(comp: str) -> bool:
     if comp not in memo:
       memo[comp] = False
-      memo[comp] = any(_is_dot(l) for l in comps.get(comp, []))
+      memo[comp] = any(is_dot(l) for l in comps.get(comp, []))
     return memo[comp]
 
-  def _is_dot(line: str) -> bool:
+  def is_dot(line: str) -> bool:
     if " dot(" in line or "cublas" in line:
       return True
     return any(has_dot(c.strip().lstrip("%")) for m in _CALLS.finditer(line)
                for c in m.group(1).split(","))
 
-  order = []
-  for line in comps[entry]:
+  def kind(line: str):
     if f'custom_call_target="{START}"' in line or f'custom_call_target="{START_INTO}"' in line:
-      order.append("start")
-    elif f'custom_call_target="{DONE}"' in line:
-      order.append("done")
-    elif _is_dot(line):
-      order.append("dot")
-  return order
+      return "start"
+    if f'custom_call_target="{DONE}"' in line:
+      return "done"
+    return "dot" if is_dot(line) else None
+  return kind
+
+
+def schedule_order(hlo_text: str) -> list[str]:
+  """The entry computation of a compiled, scheduled HLO module (``compiled.as_text()``) as the
+  sequence of its instructions that are the copy's start ('start', with or without ``into``),
+  its done ('done') or a matrix product ('dot': a dot, a cuBLAS call, or any instruction calling
+  a computation that holds one, e.g. a fusion or a command buffer); the others are left out. XLA
+  prints a scheduled computation's instructions in their schedule order."""
+  comps, entry = _computations(hlo_text)
+  kind = _kinds(comps)
+  return [k for k in map(kind, comps[entry]) if k is not None]
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ")
+_OPCODE = re.compile(r" ([a-z][\w\-]*)\(")
+
+
+def _instruction(line: str):
+  """``(name, opcode, operand names, get-tuple-element index or None)`` of an HLO line."""
+  m = _INSTR.match(line)
+  if not m:
+    return None
+  o = _OPCODE.search(line, m.end() - 1)
+  if not o:
+    return None
+  depth, i = 1, o.end()
+  while depth and i < len(line):
+    depth += {"(": 1, ")": -1}.get(line[i], 0)
+    i += 1
+  operands = re.findall(r"%([\w.\-]+)", line[o.end():i - 1])
+  k = re.search(r"index=(\d+)", line[i:])
+  return m.group(1), o.group(1), operands, int(k.group(1)) if k else None
+
+
+def schedule_spans(hlo_text: str) -> list[tuple[str, str, list[str]]]:
+  """Every copy of a compiled, scheduled HLO module, in every computation (a loop's body
+  included): ``(start's op_name, done's op_name, [op_name of each matrix product scheduled
+  between them])``. A done is paired with the start whose token it takes (followed back through
+  tuples, barriers and bitcasts)."""
+  comps, _ = _computations(hlo_text)
+  kind = _kinds(comps)
+  spans = []
+  for lines in comps.values():
+    info, starts, order = {}, {}, []
+    for pos, line in enumerate(lines):
+      ins = _instruction(line)
+      if ins is None:
+        continue
+      info[ins[0]] = ins
+      m = _OP_NAME.search(line)
+      order.append((pos, ins[0], kind(line), m.group(1) if m else ""))
+
+    def source(name, path=()):  # the instruction a value comes from, through tuples
+      while name in info:
+        _, op, operands, index = info[name]
+        if op == "get-tuple-element":
+          name, path = operands[0], (index,) + path
+        elif op == "tuple" and path:
+          name, path = operands[path[0]], path[1:]
+        elif op in ("opt-barrier", "bitcast", "copy") and operands:
+          name = operands[0]
+        else:
+          return name
+      return None
+
+    for pos, name, k, op_name in order:
+      if k == "start":
+        starts[name] = (pos, op_name)
+      elif k == "done":
+        token = info[name][2][3]
+        src = source(token)
+        if src not in starts:
+          raise ValueError(f"schedule_spans: done {name} takes a token from {src!r}, no start "
+                           "scheduled before it in its computation")
+        at, start_name = starts[src]
+        dots = [o for p, _, kk, o in order if kk == "dot" and at < p < pos]
+        spans.append((start_name, op_name, dots))
+  return spans
 
 
 def copy_overlaps_dots(hlo_text: str) -> bool:

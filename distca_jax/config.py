@@ -121,6 +121,13 @@ def base_config() -> ml_collections.ConfigDict:
                                           # ranks (less to move per nano-batch); 'given' keeps
                                           # each rank's row order (nano-batch i takes its i-th
                                           # share)
+  c.attention.distca.side_stream_blocks = 0  # > 0: the exchange of one server (one data rank
+                                          # per exchange: one GPU) runs on a side CUDA stream
+                                          # with this many 1024-thread CTAs (custom_ops/
+                                          # side_stream.py, its library built), at most the
+                                          # GPU's SMs (resident at once; 132 on CPU);
+                                          # distca_jax.side_pingpong spans one nano-batch's
+                                          # exchanges over the other's post-/pre-CA; 0 = off
   c.attention.distca.local_gain = 0.05    # with local_steps: a batch whose every plan could gain
                                           # less than this moves nothing and runs that branch.
                                           # On H100s at 128K, batches below 0.04 ran slower

@@ -9,6 +9,18 @@
 # 4. the same at three budgets (tables written after each) with XLA's GEMMs kept on Triton (--xla_gpu_cublas_fallback=false:
 #    grids of one CTA per tile, where cuBLAS's persistent kernels may hold CTAs that start only
 #    when the copy frees its SMs), OUTDIR/overlap_bench_triton.md.
+# SUITE=pingpong runs, after step 1, the side-stream exchange inside the data plane instead of
+# steps 2-4 (BLOCKS CTAs, default 16):
+# 2p. the GPU tests: tests/test_side_stream.py and the fast tests of tests/test_side_pingpong.py
+#     (the exchange with side_blocks equals the exchange, the span equals its reference, outputs
+#     and gradients, on the GPU's side stream);
+# 3p. experiments/side_pingpong_bench.py: the ping-pong stack (Llama-3-8B layers, 2 x 32K tokens,
+#     flash3) forward + backward: XLA's copy, the side copy inline, the side copy spanning the
+#     other nano-batch's matmuls, serialized; outputs and gradients checked against the first;
+#     the compiled program's spans; a profile of the overlapped and serialized calls summarized
+#     into the copy kernels' time concurrent with matmul kernels -> OUTDIR/side_pingpong_bench.md;
+# 4p. with the time left (>= 100 s of BUDGET, default 460): training steps with
+#     side_stream_blocks 0 and BLOCKS, same batches -> OUTDIR/side_pingpong_train.md.
 # Each stage has its own time limit; a stage that fails or times out is logged and the rest run.
 # COMMIT=<hash> names the commit in the tables (the tree may come without .git).
 # Logs: OUTDIR/<stage>.log; OUTDIR/summary.txt ends with the bench's table. Exit 0 if the bench
@@ -50,6 +62,34 @@ if [[ ! -f build/side_stream/libside_copy_cuda.so ]]; then
     echo "build failed and no prebuilt library in .carry/side_stream: nothing can run" | tee -a "$SUMMARY"
     exit 1
   fi
+fi
+if [[ ${SUITE:-bench} == pingpong ]]; then
+  export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
+  BLOCKS=${BLOCKS:-16}
+  stage gpu_tests 110 env JAX_PLATFORMS=cuda python3 -m pytest -q -rA -p no:cacheprovider \
+    -m "not slow" tests/test_side_stream.py tests/test_side_pingpong.py
+  tests_rc=$?
+  grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 3 >> "$SUMMARY"
+  stage bench 250 python3 -m experiments.side_pingpong_bench --blocks "$BLOCKS" --reps 4 \
+    --trace "$OUT/trace" --out "$OUT/side_pingpong_bench" --commit "$COMMIT"
+  bench_rc=$?
+  left=$((${BUDGET:-460} - SECONDS))
+  train_rc=skipped
+  if (( left >= 100 )); then
+    stage train $((left - 10)) python3 -m experiments.side_pingpong_bench --train-only \
+      --train-steps 4 --blocks "$BLOCKS" --out "$OUT/side_pingpong_train" --commit "$COMMIT"
+    train_rc=$?
+  fi
+  rm -rf "$OUT/trace"  # raw traces are large; the bench summarized them
+  echo "=== tests rc=$tests_rc, bench rc=$bench_rc, train rc=$train_rc (${left}s were left)" \
+    | tee -a "$SUMMARY"
+  for t in side_pingpong_bench side_pingpong_train; do
+    [[ -f "$OUT/$t.md" ]] && tee -a "$SUMMARY" < "$OUT/$t.md"
+  done
+  [[ -f "$OUT/side_pingpong_bench.md" ]] && exit 0
+  grep -E "Error|Traceback" "$OUT/bench.log" | tail -n 5 | tee -a "$SUMMARY"
+  [[ $tests_rc -le 1 ]] && exit 0  # the tests ran (pytest: 0 passed, 1 some failed)
+  exit 1
 fi
 stage gpu_tests 75 env JAX_PLATFORMS=cuda python3 -m pytest -q -rA tests/test_side_stream.py
 tests_rc=$?

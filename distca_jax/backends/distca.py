@@ -28,6 +28,7 @@ from distca_jax.baselines import device as baselines_device
 from distca_jax.baselines import packing
 from distca_jax.checks import check_float, check_int
 from distca_jax.data import run_source
+from distca_jax.dataplane import side
 from distca_jax.dataplane import (DEFAULT_EXCHANGE_BUCKETS, MEMORY_MODES, DispatchOptions,
                                   ExchangeOptions, dispatch_attention, mesh_and_servers,
                                   resolve_collective)
@@ -88,6 +89,9 @@ class Options:
       without a pipeline only (``data_axis`` 'data').
     window: the layers' sliding window (0 = full causal): the plans' (``plan.PlanOptions``)
       and the kernel's (``dataplane.DispatchOptions``).
+    side_stream_blocks: > 0: the exchange of one server per group runs on a side CUDA stream
+      with this many CTAs (``dataplane.side``; ``ExchangeOptions.side_blocks``) and the backend
+      offers ``beside_fn`` (``DistcaBackend``); 0 = off.
     local_gain: with the local branch, a batch whose every plan (nano-batch, server group)
       could gain less than this (``plan.predicted_step_gain`` of its layout) moves nothing and
       runs that branch; 0 = only batches whose plans move nothing anyway. ``min_gain`` gates
@@ -128,6 +132,7 @@ class Options:
   local_steps: bool = True
   local_gain: float = 0.0
   window: int = 0
+  side_stream_blocks: int = 0
 
   @classmethod
   def from_config(cls, c: ml_collections.ConfigDict) -> "Options":
@@ -155,7 +160,7 @@ class Options:
                linear_pairs_per_token=metrics_lib.linear_pairs_per_token(m),
                collective=d.collective, exchange_buckets=d.exchange_buckets,
                servers_per_host=d.servers_per_host, q_relay=d.q_relay, kv_relay=d.kv_relay,
-               local_steps=d.local_steps,
+               local_steps=d.local_steps, side_stream_blocks=d.side_stream_blocks,
                # 'price' (price_branch.PriceBranch) decides the branch of batches whose plans
                # move rows by the step model, in place of the local_gain threshold.
                local_gain=d.local_gain if d.branch == "gain" else 0.0)
@@ -203,7 +208,7 @@ def make(options: Options) -> "DistcaBackend":
   o = options
   try:
     exchange = ExchangeOptions(collective=o.collective, signal_only=o.signal_only,
-                               buckets=o.exchange_buckets)
+                               buckets=o.exchange_buckets, side_blocks=o.side_stream_blocks)
     if o.memory_mode not in ("auto",) + MEMORY_MODES:
       raise ValueError(f"memory_mode={o.memory_mode!r}; choose 'auto' or one of {MEMORY_MODES}")
     # 'auto' builds 'keep' and offers 'resend' (``DistcaBackend.resend_fn``) to the pre-flight.
@@ -296,8 +301,9 @@ def make(options: Options) -> "DistcaBackend":
                                             np.int32)
     return extra
 
-  def fn(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *, softmax_scale: float,
-         memory_mode: str | None = None):
+  def call_for(q_BxTxHxD, layout: attn_lib.Layout, softmax_scale: float,
+               memory_mode: str | None):
+    """The call's plan spec and ``DispatchOptions`` (checked against the mesh)."""
     if PLAN_KEY not in layout.extra:
       raise ValueError(f"the 'distca' backend needs layout.extra['{PLAN_KEY}'] (got keys "
                        f"{sorted(layout.extra)}); run backend.host_prepare on the batch "
@@ -321,14 +327,28 @@ def make(options: Options) -> "DistcaBackend":
     call = dataclasses.replace(dispatch, softmax_scale=softmax_scale, head_axis=hax,
                                kernel_options=kopts,
                                memory_mode=memory_mode or dispatch.memory_mode)
+    return spec, call, mesh
+
+  def fn(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *, softmax_scale: float,
+         memory_mode: str | None = None):
+    spec, call, _ = call_for(q_BxTxHxD, layout, softmax_scale, memory_mode)
     return dispatch_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout.extra[PLAN_KEY], spec,
                               call)
 
+  def beside_fn(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *,
+                softmax_scale: float, send=None, back=None, order: str = "overlap"):
+    spec, call, mesh = call_for(q_BxTxHxD, layout, softmax_scale, "keep")
+    return side.dispatch_beside(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout.extra[PLAN_KEY], spec,
+                                call, mesh, send=send, back=back, order=order)
+
+  if o.side_stream_blocks:  # where a model's ping-pong finds it (side_pingpong.ping_pong_beside)
+    fn.beside_fn = beside_fn
   resend = functools.partial(fn, memory_mode="resend") if o.memory_mode == "auto" else None
   local_fn = (functools.partial(baselines_device.packed_dp_attention, kernel=o.kernel,
                                 window=o.window) if local else None)
   return DistcaBackend(fn=fn, host_prepare=host_prepare, host_plans=host_plans, caps=caps,
-                       memory_mode=dispatch.memory_mode, resend_fn=resend, local_fn=local_fn)
+                       memory_mode=dispatch.memory_mode, resend_fn=resend, local_fn=local_fn,
+                       beside_fn=beside_fn if o.side_stream_blocks else None)
 
 
 def servers_per_host_for(options: Options, num_servers: int) -> int:
@@ -370,11 +390,15 @@ class DistcaBackend(attn_lib.Backend):
   ``host_prepare`` packs, for benchmarks and diagnostics; ``caps`` the capacity options it was
   built with (0 = ``default_capacity``'s value); ``memory_mode`` the data plane's ('keep' or
   'resend'); ``resend_fn``, built for ``memory_mode='auto'``, is ``fn`` in the 'resend' mode,
-  which the memory pre-flight takes when 'keep' does not fit (``trainer.preflight``)."""
+  which the memory pre-flight takes when 'keep' does not fit (``trainer.preflight``);
+  ``beside_fn(q, k, v, layout, *, softmax_scale, send, back, order)``, built with
+  ``side_stream_blocks > 0``, is ``fn`` with its exchanges on the side stream spanning other
+  work (``dataplane.side.dispatch_beside``; the ping-pong of ``distca_jax.side_pingpong``)."""
   host_plans: Callable[..., list[HostPlan]] | None = None
   caps: Mapping[str, int] | None = None
   memory_mode: str = "keep"
   resend_fn: Callable[..., Any] | None = None
+  beside_fn: Callable[..., Any] | None = None
 
 
 # ---------------------------------------------------------------------------------------------

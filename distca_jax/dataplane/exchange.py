@@ -50,7 +50,9 @@ Implementations (``collective=``), one contract (``ragged_exchange``):
 'auto' is 'remote' on the GPUs of a one-process job, 'two_level' on those of a multi-process
 job and 'ring' elsewhere (``resolve_collective``). With one server
 (one device on the servers' axis) every implementation is the same local copy of the device's
-own group: no collective and no kernel run, so one GPU needs no peer-access support. The backward of
+own group: no collective and no kernel run, so one GPU needs no peer-access support; with
+``ExchangeOptions.side_blocks`` > 0 that copy runs on a side CUDA stream (``dataplane.side``;
+several servers refuse). The backward of
 the exchange is the exchange of the cotangents with the routes reversed (a custom VJP shared by
 every implementation; the two-level exchange's backward and output return are its legs reversed
 in reverse order).
@@ -102,12 +104,15 @@ class ExchangeOptions:
       'rounds' (``_rounds``; the default of both) or 'ragged', 'ring', 'dense' over the whole
       axis (these put padding or whole buffers on the inter-host link: CPU tests and
       measurements only).
+    side_blocks: > 0: the exchange of one server (its own group) runs as the side-stream copy
+      with this many CTAs (``dataplane.side``; 0 = off); exchanges over several servers refuse.
   """
   collective: str = "auto"
   signal_only: bool = False
   buckets: int = DEFAULT_EXCHANGE_BUCKETS
   inter_host: str = "rounds"
   in_host: str = "rounds"
+  side_blocks: int = 0
 
   def __post_init__(self):
     try:
@@ -131,6 +136,9 @@ class ExchangeOptions:
       raise ValueError(f"distca signal_only={self.signal_only!r} must be True or False (True only "
                        "for timing benchmarks: it gives wrong results)")
     object.__setattr__(self, "signal_only", bool(self.signal_only))
+    if self.side_blocks:
+      from distca_jax.dataplane.side import check_options  # pylint: disable=import-outside-toplevel
+      check_options(self)
 
 
 def resolve_collective(collective: str, platform: str | None = None,
@@ -351,7 +359,7 @@ def round_wire_rows(legs_SxS, full: int, buckets: int, servers_per_host: int,
 
 def ragged_exchange(x, routes, recv_rows: int, axis, collective: str,
                     buckets: int = DEFAULT_EXCHANGE_BUCKETS, signal_only: bool = False,
-                    servers_per_host: int = 0):
+                    servers_per_host: int = 0, side_blocks: int = 0):
   """Moves this device's send buffer ``x [Cs, ...]`` by ``routes`` (int32 ``[6, S]``,
   ``plan.ROUTE_ROWS``) into a receive buffer ``[recv_rows, ...]`` (rows no group fills are
   zero). Inside ``shard_map`` over ``axis``; ``collective`` names the implementation ('ragged',
@@ -359,12 +367,13 @@ def ragged_exchange(x, routes, recv_rows: int, axis, collective: str,
   'local_rounds', ``_rounds`` over ``servers_per_host`` servers per host, whose routes must
   pair only devices of one local index on different hosts / of one host); ``buckets``: the
   dense exchange's and the rounds' block sizes (``dense_block_rows``); ``signal_only``: at most
-  one row per group (module docstring). Differentiable in ``x``: the cotangents go back by the
-  routes reversed."""
+  one row per group (module docstring); ``side_blocks`` > 0: one server's exchange as the
+  side-stream copy of that many CTAs (``dataplane.side.side_exchange``). Differentiable in
+  ``x``: the cotangents go back by the routes reversed (on the side stream too)."""
   if collective in ("host_rounds", "local_rounds"):
     check_int("servers_per_host", servers_per_host, 1)
   return _exchange(x, routes, recv_rows, axis, collective, int(buckets), bool(signal_only),
-                   int(servers_per_host))
+                   int(servers_per_host), int(side_blocks))
 
 
 def signal_only_routes(routes):
@@ -419,9 +428,12 @@ def num_servers(axis) -> int:
   return math.prod(int(lax.axis_size(a)) for a in axes)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
 def _exchange(x, routes, recv_rows: int, axis, collective: str, buckets: int, signal_only: bool,
-              servers_per_host: int):
+              servers_per_host: int, side_blocks: int = 0):
+  if side_blocks:  # one server's own group on the side stream (refuses several servers)
+    from distca_jax.dataplane.side import side_exchange  # pylint: disable=import-outside-toplevel
+    return side_exchange(x, routes, recv_rows, side_blocks, num_servers(axis))
   keep = None
   if signal_only:
     routes, keep = signal_only_routes(routes)
@@ -443,15 +455,17 @@ def _exchange(x, routes, recv_rows: int, axis, collective: str, buckets: int, si
   return _dense(x, out, routes, axis, buckets)
 
 
-def _exchange_fwd(x, routes, recv_rows, axis, collective, buckets, signal_only, servers_per_host):
+def _exchange_fwd(x, routes, recv_rows, axis, collective, buckets, signal_only, servers_per_host,
+                  side_blocks=0):
   return _exchange(x, routes, recv_rows, axis, collective, buckets, signal_only,
-                   servers_per_host), (routes, jnp.zeros((x.shape[0], 0), x.dtype))
+                   servers_per_host, side_blocks), (routes, jnp.zeros((x.shape[0], 0), x.dtype))
 
 
-def _exchange_bwd(recv_rows, axis, collective, buckets, signal_only, servers_per_host, res, dy):
+def _exchange_bwd(recv_rows, axis, collective, buckets, signal_only, servers_per_host,
+                  side_blocks, res, dy):
   routes, like = res
   dx = _exchange(dy, reverse_routes(routes), like.shape[0], axis, collective, buckets,
-                 signal_only, servers_per_host)
+                 signal_only, servers_per_host, side_blocks)
   return dx, None
 
 
@@ -471,7 +485,7 @@ def _move(x, m: Mapping[str, jax.Array], part: str, recv_rows: int, axis, spec: 
   routes = m[f"{part}_routes"]
   routes = reverse_routes(routes) if reverse else routes
   return ragged_exchange(x, routes, recv_rows, axis, collective, exchange.buckets,
-                         exchange.signal_only)
+                         exchange.signal_only, side_blocks=exchange.side_blocks)
 
 
 def check_two_level(exchange: ExchangeOptions, spec: PlanSpec, platform: str | None = None,

@@ -63,7 +63,7 @@ from distca_jax.checks import check_float, check_int
 from distca_jax.data.workloads import WorkloadSampler
 from distca_jax.dataplane.exchange import DEFAULT_EXCHANGE_BUCKETS
 from distca_jax.memory import flash3_bwd_workspace_bytes
-from distca_jax.sim import costs, windows
+from distca_jax.sim import costs, overlap, windows
 from distca_jax.sim.exchange import (KV_EXCHANGES, Q_EXCHANGES, SIM_COLLECTIVES,  # noqa: F401
                                      dispatch_buffer_bytes, distca_caps, exchange_counts,
                                      exchange_seconds, exchange_wire_bytes, ragged_group_bytes,
@@ -138,6 +138,9 @@ class Options:
       GPUs of a server, as the launcher's one process per node drives them; servers are
       numbered host-major). Sets the two-level exchange's legs and, with ``host_aware``, the
       planner's hosts.
+    side_stream_blocks: distca's exchange on the side stream at this SM budget
+      (``attention.distca.side_stream_blocks``): the measured credit of ``sim.overlap``
+      (one server only); 0 = off.
     host_aware: the planner balances inside hosts first and prices moves by link
       (``plan.PlanOptions.servers_per_host``, as the system's planner runs in a multi-process
       job); False plans as if every server shared one host.
@@ -187,6 +190,7 @@ class Options:
   servers_per_host: int = 0
   host_aware: bool = True
   window_layers_local: bool = False
+  side_stream_blocks: int = 0
 
   def __post_init__(self):
     check_int("servers_per_host", self.servers_per_host, 0)
@@ -398,6 +402,7 @@ def rank_seconds(mr: MicroResult, spec: costs.ModelSpec, cal: costs.Calibration,
     else:  # each layer type's exchange: a window layer moves its tasks' key ranges only
       comm = windows.mixed_exchange_seconds(comm_of, mr.plan, spec, opts.window_layers_local)
     exposed = comm * (1.0 - cal.exchange_hidden)
+    exposed, linear = overlap.credit(exposed, linear, opts.side_stream_blocks, m.num_ranks)
     if m.num_ranks > 1:  # local window layers fill no buffers
       dispatch = np.full(m.num_ranks, dispatch_buffer_bytes(
           caps, d, opts.memory_mode, relay if two else None) / tp / cal.dispatch_bw

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -128,7 +129,7 @@ def main(argv=None):
             for d in a.devices.split(",")]
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
-  cmd = "python -m experiments.bucket_table " + " ".join(argv or [])
+  cmd = "python -m experiments.bucket_table " + " ".join(sys.argv[1:] if argv is None else argv)
   md = _markdown(tables, cmd.strip(), commit)
   print(md)
   if a.out:

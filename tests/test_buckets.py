@@ -14,10 +14,15 @@ from distca_jax import dataplane
 from distca_jax import plan as plan_lib
 from distca_jax.dataplane import body as body_lib
 from distca_jax.plan.buckets import BucketSpecs, bucket_capacities, bucket_specs
+from distca_jax.plan.two_level import TwoLevel, required_relay, safe_relay
 from test_dispatch import (D, H, KH, SPEC, S, T, _check, _inputs, _layouts, _make_run, _mesh,
                            _options, _reference, _segments)
 
 BUCKETS = bucket_specs(SPEC, 4)
+# The two-level exchange over 2 hosts x 4 servers: each bucket's relay rows within its caps' bound.
+SPEC_2L = dataclasses.replace(SPEC, two_level=TwoLevel(
+    4, safe_relay(SPEC.capacity.q_send, SPEC.capacity.q_recv, S, 4),
+    safe_relay(SPEC.capacity.kv_send, SPEC.capacity.kv_recv, S, 4)))
 
 
 def _plan_options(eps):
@@ -43,7 +48,8 @@ def _cases(seed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("collective,memory_mode", [("ring", "keep"), ("dense", "resend")])
+@pytest.mark.parametrize("collective,memory_mode", [("ring", "keep"), ("dense", "resend"),
+                                                    ("two_level", "keep")])
 def test_every_bucket_equals_per_document_attention_one_trace_per_bucket(
     seed, collective, memory_mode, monkeypatch):
   traced = collections.Counter()
@@ -55,13 +61,18 @@ def test_every_bucket_equals_per_document_attention_one_trace_per_bucket(
 
   monkeypatch.setattr(body_lib, "send_to_servers", counting)
   mesh, traces = _mesh(), []
-  run = _make_run(mesh, BUCKETS, trace_counter=traces, collective=collective,
+  specs = bucket_specs(SPEC_2L, 4) if collective == "two_level" else BUCKETS
+  run = _make_run(mesh, specs, trace_counter=traces, collective=collective,
                   memory_mode=memory_mode)
   rng = np.random.default_rng(seed)
   chosen = []
   for name, doc_lens, eps in _cases(seed):
-    k, packed, hp = _bucketed(doc_lens, eps)
+    k, packed, hp = _bucketed(doc_lens, eps, specs)
     chosen.append((k, hp.plan.num_moves > 0))
+    if specs.specs[k].two_level is not None:
+      tl = specs.specs[k].two_level
+      q_need, kv_need = required_relay(hp.plan, 4)
+      assert q_need <= tl.q_relay and kv_need <= tl.kv_relay
     q, k_, v, ct = _inputs(rng)
     got = run(q, k_, v, packed, ct)
     want = _reference(q, k_, v, _segments(doc_lens, S, T), ct)
@@ -70,10 +81,10 @@ def test_every_bucket_equals_per_document_attention_one_trace_per_bucket(
     assert not np.asarray(got[0])[pad].any()
   # Plans that move rows ran in a smaller bucket and in the largest; one trace of the step,
   # and one of each bucket's exchange, served every batch.
-  last = len(BUCKETS.specs) - 1
+  last = len(specs.specs) - 1
   assert (last, True) in chosen and any(k < last and moved for k, moved in chosen), chosen
   assert len(traces) == 1
-  assert dict(traced) == {s.capacity: 1 for s in BUCKETS.specs}, traced
+  assert dict(traced) == {s.capacity: 1 for s in specs.specs}, traced
 
 
 def _eqns(jaxpr):

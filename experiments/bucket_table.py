@@ -2,16 +2,15 @@
 
   python -m experiments.bucket_table --out results/buckets
 
-For each workload, plans a run's batches as the ``distca`` backend does (``configs/gpu_bench.py``:
-Llama-3-8B layer shapes, bf16; ``--tokens`` per device, each of ``--devices`` data ranks; caps sized at
-startup from the run's first 32 batches x 1.1, as in training), then for batches after those
-(``--batches``) reports per device and pass: the exchange's useful bytes (the routed rows, mean
-over devices: Q, K, V out and O back) against the bytes of the send and receive buffers the step
-passes over: one capacity (``buckets=1``, the step before buckets) or the smallest of ``n``
-buckets the batch's plans fit (``plan.buckets``: bucket ``i`` of ``n`` holds ``(i + 1) / n`` of
-the caps). Also
-the attention buffers (Q, O, K, V inputs of the kernel), which every bucket keeps at the caps'.
-Host only (NumPy planning), no devices.
+For each workload and each of ``--devices`` data ranks, plans a run's batches as the ``distca``
+backend does (``configs/gpu_bench.py``: Llama-3-8B layer shapes, bf16; ``--tokens`` per device;
+caps sized at startup from the run's first 32 batches x 1.1, as in training), then for batches
+after those (``--batches``) reports per device and pass: the exchange's useful bytes (the
+routed rows, mean over devices: Q, K, V out and O back) against the bytes of the send and
+receive buffers the step passes over: one capacity (``buckets=1``, the step before buckets) or
+the smallest of ``n`` buckets the batch's plans fit (``plan.buckets``: bucket ``i`` of ``n``
+holds ``(i + 1) / n`` of the caps). Also the attention buffers (Q, O, K, V inputs of the
+kernel), which every bucket keeps at the caps'. Host only (NumPy planning), no devices.
 """
 
 from __future__ import annotations

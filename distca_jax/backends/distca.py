@@ -187,7 +187,9 @@ def make(options: Options) -> "DistcaBackend":
 
   ``host_prepare(doclens, tokens_per_row)`` plans each batch on the input thread (one list of
   document lengths per row; ``len(doclens) = data ranks x rows_per_rank``) and returns
-  ``{'distca_plan': int32 [rows, W]}``; ``fn`` reads it from ``layout.extra`` and runs
+  ``{'distca_plan': int32 [rows, W]}`` (with ``buckets > 1``: packed for the smallest capacity
+  bucket each call's plans fit, its index in the last column, ``plan.buckets.BucketSpecs``);
+  ``fn`` reads it from ``layout.extra`` and runs
   ``dataplane.dispatch_attention`` over the mesh set by ``trainer.mesh_context``. With
   ``local_steps`` (no pipeline) it also returns each row's document lengths (``'doc_lens'``)
   and ``attention.CROSSES_KEY``: a batch in which no plan moves a row (every plan gated, or

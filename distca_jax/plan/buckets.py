@@ -30,9 +30,8 @@ import numpy as np
 from distca_jax.checks import check_int
 from distca_jax.plan.capacity import (CAP_FIELDS, EXCHANGE_FIELDS, Capacity, required_capacity,
                                       row_multiple)
-from distca_jax.plan.spec import HostPlan, PlanSpec, _remap_local_rows, device_layout
-from distca_jax.plan.metadata import plan_to_metadata
-from distca_jax.plan.two_level import TwoLevel, required_relay, safe_relay, with_relay
+from distca_jax.plan.spec import HostPlan, PlanSpec, device_layout, pack_plan
+from distca_jax.plan.two_level import TwoLevel, required_relay, safe_relay
 
 # Compiled exchange capacities per step (``attention.distca.buckets``): on sampled Pretrain and
 # ProLong 128K plans at 2 and 4 devices, 4 evenly spaced buckets cut the buffer bytes per pass
@@ -130,12 +129,7 @@ class BucketSpecs:
     spec = self.specs[k]
     if k == len(self.specs) - 1:
       return hp
-    _, perm = device_layout(doc_lens, spec)
-    meta = plan_to_metadata(hp.plan, spec.capacity, servers_per_host=spec.servers_per_host)
-    if spec.two_level is not None:
-      meta = with_relay(meta, spec.two_level)
-    meta = _remap_local_rows(meta, perm)
-    return HostPlan(plan=hp.plan, meta=meta, packed=spec.pack(meta), spec=spec)
+    return pack_plan(hp.plan, device_layout(doc_lens, spec)[1], spec)
 
   def pack(self, packed: np.ndarray, k: int) -> np.ndarray:
     """Bucket ``k``'s packed plan ``[rows, specs[k].width]`` -> ``[rows, width]``: its columns

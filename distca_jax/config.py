@@ -112,6 +112,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.attention.distca.exchange_buckets = 8  # 'dense' (and 'two_level''s rounds: per round): per
                                           # batch the smallest of n block sizes that holds its
                                           # largest group (1 = the largest)
+  c.attention.distca.buckets = 4          # compiled exchange capacities per step (send and
+                                          # receive buffers): bucket i of n holds (i + 1) / n
+                                          # of the caps; the host runs each call in the smallest
+                                          # its plans fit (plan.buckets; the attention buffers
+                                          # stay the caps'); 1 = the caps' buffers always
   c.attention.distca.local_steps = True   # a batch whose plans move no row runs the step's
                                           # second branch, packed_dp's attention (no exchange);
                                           # mesh.pipe = 1 only
@@ -338,6 +343,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
     v = c.attention.distca[key]
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
       raise UserError(f"attention.distca.{key}={v!r} must be an int >= 0 (0 = auto)")
+  v = c.attention.distca.buckets
+  if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+    raise UserError(f"attention.distca.buckets={v!r} must be an int >= 1 (1 = no buckets)")
   if c.attention.distca.nano_rows not in ("given", "heavy_first"):
     raise UserError(f"attention.distca.nano_rows={c.attention.distca.nano_rows!r}; use 'given' "
                     "(each rank's rows as sampled) or 'heavy_first'")

@@ -25,6 +25,7 @@ from distca_jax import sharding as shard_lib
 from distca_jax.backends import distca as distca_backend
 from distca_jax.data import make_source
 from distca_jax.data.workloads import WorkloadSampler
+from distca_jax.plan.buckets import bucket_specs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S, T, H, KH, D = 8, 128, 4, 2, 16
@@ -278,9 +279,10 @@ def test_suggested_config_caps_fit_the_run_batches():
   src = make_source(c.data, rows=16, tokens_per_row=c.tokens_per_rank,
                     vocab_size=c.model.vocab_size, seed=c.seed)
   spec = plan_lib.PlanSpec(4, c.tokens_per_rank, 2, plan_lib.Capacity(**caps))
+  width = bucket_specs(spec, c.attention.distca.buckets).width  # the bucket index last
   for step in range(6):
     plan = backend.host_prepare(src.doclens(step), c.tokens_per_rank)[distca_backend.PLAN_KEY]
-    assert plan.shape == (16, spec.width) and plan.dtype == np.int32
+    assert plan.shape == (16, width) and plan.dtype == np.int32
 
 
 def test_startup_caps_come_from_the_runs_batches_and_plan_every_later_batch(seed):

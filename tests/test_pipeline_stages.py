@@ -16,6 +16,7 @@ from distca_jax import plan as plan_lib
 from distca_jax.data import make_source
 from distca_jax.data.workloads import WorkloadSampler
 from distca_jax.plan import ticks as ticks_lib
+from distca_jax.plan.buckets import bucket_specs
 from test_dispatch import D, H, KH, T, _check, _inputs, _reference, _segments
 from test_pipeline import DISTCA, loss_and_grads
 from test_train import _with_heads, tiny_config
@@ -128,7 +129,12 @@ def test_per_stage_plans_keep_each_stage_on_its_servers_pooled_plans_cross(seed)
         np.testing.assert_array_equal(p.loads_before, pairs)
         assert p.loads_after.sum() == sum(pairs)
       packed = b_stage.host_prepare(rows, 256)["distca_plan"]
-      np.testing.assert_array_equal(packed, np.concatenate([hp.packed for hp in plans]))
+      # Every stage's plan in the smallest capacity bucket all of them fit (plan.buckets).
+      buckets = bucket_specs(plans[0].spec, per_stage.attention.distca.buckets)
+      k = buckets.choose(*[hp.plan for hp in plans])
+      np.testing.assert_array_equal(packed, np.concatenate([
+          buckets.pack(buckets.in_bucket(rows[s * DATA * r:(s + 1) * DATA * r], hp, k).packed, k)
+          for s, hp in enumerate(plans)]))
       (pool,) = b_pool.host_plans(rows, 256)
       assert pool.plan.num_servers == STAGES * DATA
       crossed += int(pool.plan.pair_q_rows[:DATA, DATA:].sum()

@@ -33,6 +33,7 @@ from distca_jax.dataplane import (DEFAULT_EXCHANGE_BUCKETS, MEMORY_MODES, Dispat
                                   ExchangeOptions, dispatch_attention, mesh_and_servers,
                                   resolve_collective)
 from distca_jax.plan import cost, ticks
+from distca_jax.plan.buckets import DEFAULT_BUCKETS, bucket_specs
 from distca_jax.plan.capacity import (CAP_FIELDS, EXCHANGE_FIELDS, Capacity, caps_with_headroom,
                                       default_capacity, resolve_capacity, row_multiple)
 from distca_jax.plan.options import PlanOptions
@@ -96,6 +97,8 @@ class Options:
       could gain less than this (``plan.predicted_step_gain`` of its layout) moves nothing and
       runs that branch; 0 = only batches whose plans move nothing anyway. ``min_gain`` gates
       each plan of the other batches, whose exchange runs whatever their plans move.
+    buckets: compiled exchange capacities (``plan.buckets``): each call runs the smallest its
+      plans fit; 1 = the caps' buffers always.
   """
   tolerance: float = cost.DEFAULT_TOLERANCE
   min_shard: int | None = None
@@ -133,6 +136,7 @@ class Options:
   local_gain: float = 0.0
   window: int = 0
   side_stream_blocks: int = 0
+  buckets: int = DEFAULT_BUCKETS
 
   @classmethod
   def from_config(cls, c: ml_collections.ConfigDict) -> "Options":
@@ -161,6 +165,7 @@ class Options:
                collective=d.collective, exchange_buckets=d.exchange_buckets,
                servers_per_host=d.servers_per_host, q_relay=d.q_relay, kv_relay=d.kv_relay,
                local_steps=d.local_steps, side_stream_blocks=d.side_stream_blocks,
+               buckets=d.buckets,
                # 'price' (price_branch.PriceBranch) decides the branch of batches whose plans
                # move rows by the step model, in place of the local_gain threshold.
                local_gain=d.local_gain if d.branch == "gain" else 0.0)
@@ -192,7 +197,9 @@ def make(options: Options) -> "DistcaBackend":
 
   ``host_prepare(doclens, tokens_per_row)`` plans each batch on the input thread (one list of
   document lengths per row; ``len(doclens) = data ranks x rows_per_rank``) and returns
-  ``{'distca_plan': int32 [rows, W]}``; ``fn`` reads it from ``layout.extra`` and runs
+  ``{'distca_plan': int32 [rows, W]}`` (with ``buckets > 1``: packed for the smallest capacity
+  bucket each call's plans fit, its index in the last column, ``plan.buckets.BucketSpecs``);
+  ``fn`` reads it from ``layout.extra`` and runs
   ``dataplane.dispatch_attention`` over the mesh set by ``trainer.mesh_context``. With
   ``local_steps`` (no pipeline) it also returns each row's document lengths (``'doc_lens'``)
   and ``attention.CROSSES_KEY``: a batch in which no plan moves a row (every plan gated, or
@@ -241,6 +248,7 @@ def make(options: Options) -> "DistcaBackend":
 
   for name in ("servers_per_host", "q_relay", "kv_relay"):
     check_int(f"config.attention.distca.{name} (0 = auto)", getattr(o, name), 0)
+  nb = check_int("config.attention.distca.buckets (1 = no buckets)", o.buckets, 1)
 
   def spec_for(num_servers: int, tokens_per_row: int) -> PlanSpec:
     cap = resolve_capacity(caps, rn * tokens_per_row, rn)
@@ -254,17 +262,20 @@ def make(options: Options) -> "DistcaBackend":
   # only).
   local = bool(o.local_steps) and data_axis == "data"
 
-  def host_plans(doclens, tokens_per_row: int) -> list[HostPlan]:
+  def calls_of(doclens) -> tuple[int, list]:
+    """(servers of one group, each plan's rows): group k is devices [k s, (k + 1) s); its
+    nano-batch i rows [i rn, (i + 1) rn) of every device's block (model.split_rows)."""
     rows = len(doclens)
     if rows % (r * g):
       raise ValueError(f"the batch has {rows} rows, not a multiple of {rows_per_rank=} x "
                        f"server_groups={g}")
-    s = rows // (r * g)  # servers of one group
+    s = rows // (r * g)
+    return s, [[list(doclens[k * s * r + x]) for x in nano_batch_rows(s, r, n, i)]
+               for k in range(g) for i in range(n)]
+
+  def host_plans(doclens, tokens_per_row: int) -> list[HostPlan]:
+    s, calls = calls_of(doclens)
     spec = spec_for(s, int(tokens_per_row))
-    # Group k: devices [k s, (k + 1) s); its nano-batch i: rows [i rn, (i + 1) rn) of every
-    # device's block (model.split_rows).
-    calls = [[list(doclens[k * s * r + x]) for x in nano_batch_rows(s, r, n, i)]
-             for k in range(g) for i in range(n)]
     plan_options = options = o.plan_options_for(s)
     if local and o.local_gain > 0.0 and max(
         cost.layout_step_gain([sum(c[d * rn:(d + 1) * rn], []) for d in range(s)],
@@ -288,10 +299,18 @@ def make(options: Options) -> "DistcaBackend":
                     "shown once.", stacklevel=2)
     spec = plans[0].spec
     s = spec.num_servers
+    packed = [hp.packed for hp in plans]
+    if nb > 1:  # each call in the smallest bucket all of its server groups' plans fit
+      spec = bucket_specs(spec, nb)
+      calls = calls_of(doclens)[1]
+      for i in range(n):
+        k = spec.choose(*[plans[j].plan for j in range(i, g * n, n)])
+        for j in range(i, g * n, n):
+          packed[j] = spec.pack(spec.in_bucket(calls[j], plans[j], k).packed, k)
     out = np.zeros((g, s, r, spec.width), np.int32)
-    for j, hp in enumerate(plans):  # group-major: plan j is group j // n, nano-batch j % n
+    for j, p in enumerate(packed):  # group-major: plan j is group j // n, nano-batch j % n
       i = j % n
-      out[j // n, :, i * rn:(i + 1) * rn] = hp.packed.reshape(s, rn, spec.width)
+      out[j // n, :, i * rn:(i + 1) * rn] = p.reshape(s, rn, spec.width)
     extra = {PLAN_KEY: out.reshape(g * s * r, spec.width)}
     if local:  # what the local step reads: each row's document lengths (no row has more
       # documents than a device's task slots), and whether any plan of the step crosses
@@ -319,6 +338,8 @@ def make(options: Options) -> "DistcaBackend":
                        f"holds {devices // s} groups of {server_axis}={s} servers (build it with "
                        "backends.build(config) for this mesh)")
     spec = spec_for(s, q_BxTxHxD.shape[1])
+    if nb > 1:
+      spec = bucket_specs(spec, nb)
     hax = head_axis if head_axis in mesh.axis_names and mesh.shape[head_axis] > 1 else None
     # Documents never cross a row, so no task has more than a row's query or key rows: the bound
     # for flash3 (its grid is tasks x ceil(max_seqlen / 128) blocks; the buffers are up to 3x

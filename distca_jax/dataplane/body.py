@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from custom_ops.varlen_attention import check_window
 from distca_jax import ops
 from distca_jax.dataplane.exchange import ExchangeOptions, return_to_owners, send_to_servers
+from distca_jax.plan.buckets import BucketSpecs
 from distca_jax.plan.spec import PlanSpec
 
 MEMORY_MODES = ("keep", "resend")
@@ -99,7 +100,7 @@ def _axes(axis) -> tuple[str, ...]:
   return tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
 
 
-def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec,
+def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec | BucketSpecs,
                  options: DispatchOptions):
   """One device: send, fused kernel over all of its tasks, return.
 
@@ -108,23 +109,60 @@ def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec,
   """
   r, t, h, d = q_RxTxHxD.shape
   kh = k_RxTxKxD.shape[2]
-  axis, wire, return_lse = options.exchange_axis, options.exchange, options.return_lse
-  m = spec.unpack_local(plan_RxW)
-  q_attn, k_attn, v_attn = send_to_servers(
+  return_lse = options.return_lse
+  send, back = (_bucket_moves if isinstance(spec, BucketSpecs) else _moves)(plan_RxW, spec,
+                                                                           options)
+  q_attn, k_attn, v_attn, cu_seqlens_q, cu_seqlens_k = send(
       q_RxTxHxD.reshape(r * t, h, d), k_RxTxKxD.reshape(r * t, kh, d),
-      v_RxTxKxD.reshape(r * t, kh, d), m, spec, axis, wire)
+      v_RxTxKxD.reshape(r * t, kh, d))
   # 4. One fused varlen call over all of this server's tasks.
-  out = ops.core_attention(q_attn, k_attn, v_attn, m["cu_seqlens_q"], m["cu_seqlens_k"],
+  out = ops.core_attention(q_attn, k_attn, v_attn, cu_seqlens_q, cu_seqlens_k,
                            kernel=options.kernel, softmax_scale=options.softmax_scale,
                            return_lse=return_lse, name_inputs=options.memory_mode != "resend",
                            window=options.window, **dict(options.kernel_options))
   o_attn, lse_attn = out if return_lse else (out, None)
   # 5. O back to the owners (zeros at padding).
-  o_RxTxHxD = return_to_owners(o_attn, m, spec, axis, 0, wire).reshape(r, t, h, d)
+  o_RxTxHxD = back(o_attn, 0).reshape(r, t, h, d)
   if not return_lse:
     return o_RxTxHxD
-  lse_RxTxH = return_to_owners(lse_attn, m, spec, axis, -jnp.inf, wire).reshape(r, t, h)
+  lse_RxTxH = back(lse_attn, -jnp.inf).reshape(r, t, h)
   return o_RxTxHxD, lse_RxTxH
+
+
+def _moves(plan_RxW, spec: PlanSpec, options: DispatchOptions):
+  """(send, back) of one device under one plan: ``send(q, k, v)`` -> the attention inputs and
+  ``cu_seqlens_q``, ``cu_seqlens_k``; ``back(x, fill)`` -> ``x``'s rows at their owners."""
+  axis, wire = options.exchange_axis, options.exchange
+  m = spec.unpack_local(plan_RxW)
+
+  def send(q, k, v):
+    return send_to_servers(q, k, v, m, spec, axis, wire) + (m["cu_seqlens_q"],
+                                                            m["cu_seqlens_k"])
+
+  return send, lambda x, fill: return_to_owners(x, m, spec, axis, fill, wire)
+
+
+def _bucket_moves(plan_RxW, spec: BucketSpecs, options: DispatchOptions):
+  """``_moves`` with capacity buckets (``plan.buckets``): each of send and back is one
+  ``lax.switch`` over the buckets' exchanges, on the bucket index in the plan's last column (the
+  host writes the same index into every row of a call); bucket ``k`` reads its packed plan from
+  the first ``spec.specs[k].width`` columns. The attention inputs have one shape in every bucket,
+  so the kernel runs once, outside the switch."""
+  i = jnp.clip(plan_RxW[0, -1], 0, len(spec.specs) - 1)
+
+  def sends(one: PlanSpec):
+    return lambda q, k, v, p: _moves(p[:, :one.width], one, options)[0](q, k, v)
+
+  def backs(one: PlanSpec, fill):
+    return lambda x, p: _moves(p[:, :one.width], one, options)[1](x, fill)
+
+  def send(q, k, v):
+    return jax.lax.switch(i, [sends(one) for one in spec.specs], q, k, v, plan_RxW)
+
+  def back(x, fill):
+    return jax.lax.switch(i, [backs(one, fill) for one in spec.specs], x, plan_RxW)
+
+  return send, back
 
 
 def mesh_and_servers(mesh, data_axis: str | tuple[str, ...]):
@@ -151,8 +189,10 @@ def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: ja
       ``options.head_axis``): G server groups (1 unless ``options.server_axis`` is only the
       trailing part of the data axis) of S servers (``options.exchange_axis``) of R rows.
     k_BxTxKxD, v_BxTxKxD: keys and values, sharded the same way.
-    plan_BxW: int32 packed plan (``HostPlan.packed``), rows sharded over the data axis.
-    spec: the plan's static shapes.
+    plan_BxW: int32 packed plan (``HostPlan.packed``, or ``BucketSpecs.pack``'s array), rows
+      sharded over the data axis.
+    spec: the plan's static shapes: a ``PlanSpec``, or ``plan.buckets.BucketSpecs`` (capacity
+      buckets: ``_bucket_moves``).
     options: kernel, memory mode, axes, exchange (``DispatchOptions``).
     mesh: the mesh; default the one set by ``jax.set_mesh`` (``trainer.mesh_context``).
 

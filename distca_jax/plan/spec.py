@@ -293,6 +293,13 @@ def host_plan(doc_lens, spec: PlanSpec, options: PlanOptions = PlanOptions(min_s
     plan = dataclasses.replace(plan, degraded=True, degraded_reason=(
         f"{over}: the batch moves nothing (relay capacity; raise attention.distca.q_relay / "
         "kv_relay)"))
+  return pack_plan(plan, perm, spec)
+
+
+def pack_plan(plan: Plan, perm: np.ndarray, spec: PlanSpec) -> HostPlan:
+  """``plan`` (a ``schedule`` of a layout whose packing permutation is ``perm``,
+  ``device_layout``) in the buffers of ``spec``: its routing tables (both legs' with the
+  two-level exchange), local rows in natural order, packed. Raises if it does not fit."""
   meta = plan_to_metadata(plan, spec.capacity, servers_per_host=spec.servers_per_host)
   if spec.two_level is not None:
     meta = with_relay(meta, spec.two_level)

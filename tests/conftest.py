@@ -95,6 +95,10 @@ MEASURED_SLOW = frozenset({
     "tests/test_mosaic_attention.py::test_kernels_lower_for_cuda[1003-2048-64-True-True-True-True]",
     "tests/test_train.py::test_chunked_cross_entropy_matches_full_logits[64-16]",
     "tests/test_baselines.py::test_arrange_batch_feeds_the_backend_and_keeps_every_token",
+    # The simulator's validation against the committed runs: its module fixture
+    # (`sim.validate.validate()`) takes 17 s of CPU (tests/cpu_times.py, 2026-12-07).
+    "tests/test_simulator.py::test_validation_replays_committed_runs",
+    "tests/test_simulator.py::test_validation_explains_every_miss",
 })
 
 

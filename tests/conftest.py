@@ -1,7 +1,9 @@
 """Test setup: 8 fake CPU devices (set before jax is imported), CPU code compiled at XLA's backend
 optimization level 0, strict numerics, and the `seed` fixture every randomized test draws from."""
 
+import fcntl
 import os
+import tempfile
 import zlib
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -102,8 +104,29 @@ MEASURED_SLOW = frozenset({
 })
 
 
+# Under pytest-xdist (scripts/test.sh runs `-n 2 --dist loadfile`: each test file on one worker,
+# its module fixtures made once) the tests whose node id starts with one of these also run one at
+# a time across the workers, under a lock file of the run: the multi-process runs (gloo
+# coordinators, heartbeat and stop timeouts; each is already 2 processes).
+SERIAL_TESTS = (
+    "tests/test_multihost.py::",
+    "tests/test_two_level.py::test_two_processes_",
+    "tests/test_watchdog.py::",
+)
+
+
 def pytest_collection_modifyitems(config, items):
   del config
   for item in items:
     if item.nodeid in MEASURED_SLOW:
       item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+  run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # set in each worker of an xdist run
+  if not run or not item.nodeid.startswith(SERIAL_TESTS):
+    return (yield)
+  with open(os.path.join(tempfile.gettempdir(), f"distca-tests-{run}.lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return (yield)

@@ -1,7 +1,9 @@
 """Test setup: 8 fake CPU devices (set before jax is imported), CPU code compiled at XLA's backend
 optimization level 0, strict numerics, and the `seed` fixture every randomized test draws from."""
 
+import fcntl
 import os
+import tempfile
 import zlib
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -95,7 +97,22 @@ MEASURED_SLOW = frozenset({
     "tests/test_mosaic_attention.py::test_kernels_lower_for_cuda[1003-2048-64-True-True-True-True]",
     "tests/test_train.py::test_chunked_cross_entropy_matches_full_logits[64-16]",
     "tests/test_baselines.py::test_arrange_batch_feeds_the_backend_and_keeps_every_token",
+    # The simulator's validation against the committed runs: its module fixture
+    # (`sim.validate.validate()`) takes 17 s of CPU (tests/cpu_times.py, 2026-12-07).
+    "tests/test_simulator.py::test_validation_replays_committed_runs",
+    "tests/test_simulator.py::test_validation_explains_every_miss",
 })
+
+
+# Under pytest-xdist (scripts/test.sh runs `-n 2 --dist loadfile`: each test file on one worker,
+# its module fixtures made once) the tests whose node id starts with one of these also run one at
+# a time across the workers, under a lock file of the run: the multi-process runs (gloo
+# coordinators, heartbeat and stop timeouts; each is already 2 processes).
+SERIAL_TESTS = (
+    "tests/test_multihost.py::",
+    "tests/test_two_level.py::test_two_processes_",
+    "tests/test_watchdog.py::",
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -103,3 +120,13 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if item.nodeid in MEASURED_SLOW:
       item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+  run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # set in each worker of an xdist run
+  if not run or not item.nodeid.startswith(SERIAL_TESTS):
+    return (yield)
+  with open(os.path.join(tempfile.gettempdir(), f"distca-tests-{run}.lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return (yield)

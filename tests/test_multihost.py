@@ -153,11 +153,13 @@ def _layout_id(layout) -> str:
 
 @pytest.fixture(scope="module")
 def data8():
-  """(config, fresh state) of the data=8 layout the checkpoints here are saved from: made once
-  (one init compile) for the tests, which only read it."""
+  """(config, state) of the data=8 layout the checkpoints here are saved from: every leaf of the
+  run's abstract state as zeros placed with its sharding (put from the host, nothing compiled;
+  the tests that need values draw them), made once for the tests, which only read it."""
   c = _layout_config(LAYOUTS[0])
   run = trainer.setup_run(c)
-  return c, trainer.create_train_state(c, run.model, run.tx, run.mesh)
+  return c, jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding),
+                         run.abstract_state)
 
 
 # The fast tier moves every axis at once (data2_tensor2_pipe2); the single-axis moves are slow.

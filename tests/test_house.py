@@ -1,7 +1,8 @@
-"""The docs name what exists: every module, script or file of `distca_jax/`, `custom_ops/` and
-`experiments/` that README.md, docs/*.md, results/README.md or experiments/README.md names, and
-experiments/README.md indexes every experiment. Names after `REV:` (a `git show REV:path` of a
-removed file) are history and are not checked."""
+"""The house: the docs name what exists (every module, script or file of `distca_jax/`,
+`custom_ops/` and `experiments/` that README.md, docs/*.md, results/README.md or
+experiments/README.md names; a name after `REV:`, a `git show REV:path` of a removed file, is
+history and is not checked), experiments/README.md indexes every experiment, and results/ holds
+results, no programs."""
 
 import glob
 import os
@@ -61,3 +62,11 @@ def test_experiments_readme_indexes_every_experiment():
   assert rows - on_disk == set(), f"experiments/README.md indexes no such module: {rows - on_disk}"
   for script in glob.glob(os.path.join(ROOT, "experiments", "*.sh")):
     assert f"`{os.path.basename(script)}`" in text, f"experiments/README.md: {script}"
+
+
+def test_results_hold_no_programs():
+  """Programs live in experiments/ (a one-off run's command is noted beside its results)."""
+  found = sorted(os.path.relpath(os.path.join(d, f), ROOT)
+                 for d, _, files in os.walk(os.path.join(ROOT, "results")) for f in files
+                 if f.endswith((".py", ".sh", ".ipynb", ".bash")))
+  assert not found, f"programs under results/ (move them to experiments/): {found}"

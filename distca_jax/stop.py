@@ -97,7 +97,7 @@ def stop_signal(step: int, signum: int | None) -> int | None:
   import jax
   if jax.process_count() == 1:
     return signum
-  client, me, count = _client().client, jax.process_index(), jax.process_count()
+  client, me, count = distributed_state().client, jax.process_index(), jax.process_count()
   client.key_value_set(f"distca/stop/{step}/{me}", str(signum or 0))
   while True:
     got = client.key_value_dir_get(f"distca/stop/{step}/")

@@ -43,8 +43,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
-from custom_ops import KERNEL_OUTPUTS_NAME
 from custom_ops import varlen_attention as va
+from custom_ops.varlen_attention import KERNEL_OUTPUTS_NAME
 
 _NEG = -1e30  # finite "minus infinity" for masked logits (exp underflows to 0, no NaN)
 

@@ -23,7 +23,9 @@ Letters in names: T query tokens, U key/value tokens, H query heads, K key/value
 N tasks (``N1`` = N + 1).
 
 This module holds what the kernels share: ``validate_inputs`` (the contract's checks, raising
-ValueError naming the bad value and the fix), ``rows_to_tasks`` (each buffer row's task) and
+ValueError naming the bad value and the fix), ``rows_to_tasks`` (each buffer row's task),
+``KERNEL_OUTPUTS_NAME`` (the name remat policies save a kernel's O and LSE by),
+``KernelUnavailableError``, ``fills_of`` (fill scalars computed from an array) and
 ``varlen_attention_reference`` (dense masked attention in plain jnp: the oracle of the kernels'
 tests and the 'reference' kernel of ``distca_jax.ops.core_attention``). The kernels:
 ``custom_ops/blockwise_attention.py`` (jnp tiles, the CPU kernel) and
@@ -42,6 +44,32 @@ import numpy as np
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 256
+
+# ``checkpoint_name`` of a kernel's forward outputs that its backward takes (O, LSE): remat
+# policies that keep attention save values of this name instead of rerunning the kernel
+# (``distca_jax.ops.saves_kernel_outputs``).
+KERNEL_OUTPUTS_NAME = "ca_kernel_out"
+
+
+class KernelUnavailableError(RuntimeError):
+  """The requested attention kernel cannot run here; the message says how to get it."""
+
+
+def fills_of(x, *values):
+  """Scalars ``values`` in ``x``'s dtype computed from ``x`` (its first element's bits, masked
+  to zero, plus the value).
+
+  A ``jnp.where`` filling with a constant scalar broadcasts it to the full shape; under a scan
+  whose body is differentiated, JAX computes that broadcast, a loop invariant, once before the
+  loop and holds it at full size while the loop runs (an input of the loop). A fill computed
+  from ``x`` stays inside the loop, where XLA folds it back to a constant and fuses its
+  broadcast into the select."""
+  word = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}.get(jnp.dtype(x.dtype).itemsize)
+  if word is None or x.size == 0 or x.dtype == jnp.bool_:
+    return [jnp.asarray(v, x.dtype) for v in values]
+  bits = jax.lax.bitcast_convert_type(x.reshape(-1)[0], word) & word(0)
+  zero = jax.lax.bitcast_convert_type(bits, x.dtype)
+  return [zero + jnp.asarray(v, x.dtype) for v in values]
 
 
 # ------------------------------------------------------------------------------------------------

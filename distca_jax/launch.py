@@ -19,6 +19,9 @@ import time
 import ml_collections
 
 from distca_jax.errors import UserError
+# Stop requests live in distca_jax.stop (the trainer reads them too); launch keeps their names.
+from distca_jax.stop import (SUPERVISED_ENV, StopRequest, distributed_state,  # noqa: F401
+                             newest_checkpoint, stop_signal)
 
 # NVLink multicast (NVLS) is kept off: it destabilized shared GPU hosts.
 # No XLA overlap flags are set, by measurement: CAD's all-to-alls are async collectives that XLA
@@ -123,74 +126,6 @@ class Distributed:
                       "for one process") from e
 
 
-class StopRequest:
-  """A signal handler that records the first signal; the train loop saves the current step and
-  stops when it is set (`stop_signal`), and calls `acknowledge` as it starts to save.
-
-  Two ways out that end the process at once (``os._exit(128 + signal)``) with one
-  'interrupted' line naming the newest verified checkpoint in ``workdir``: a second signal (a
-  second Ctrl-C: stop now, the save in progress, if any, is ignored on restore), and no
-  acknowledgement within ``timeout_s`` seconds of the first (the loop did not reach a step
-  boundary: a device call or a peer is stuck).
-
-  In a process run by a supervisor (``SUPERVISED_ENV``), the same signal again within
-  ``DUPLICATE_S`` seconds of the first is that first one delivered twice, not a second request:
-  a terminal's Ctrl-C and SLURM's signals reach every process of the task (the supervisor and
-  this one), and the supervisor passes its copy on."""
-
-  DUPLICATE_S = 2.0
-
-  def __init__(self, timeout_s: float = 120.0, workdir: str | None = None):
-    self.signum: int | None = None
-    self.timeout_s = timeout_s
-    self.workdir = workdir
-    self._timer: threading.Timer | None = None
-    self._first_at = 0.0
-
-  def __call__(self, signum, frame=None) -> None:
-    del frame
-    if (self.signum == signum and os.environ.get(SUPERVISED_ENV)
-        and time.monotonic() - self._first_at < self.DUPLICATE_S):
-      return
-    if self.signum is not None:
-      self._exit(signum, f"a second {signal.Signals(signum).name}: stopping now, without "
-                 "saving the current step")
-    self.signum, self._first_at = signum, time.monotonic()
-    self._timer = threading.Timer(self.timeout_s, self._exit, (
-        signum, f"the run reached no step boundary within train.stop_timeout_s="
-        f"{self.timeout_s:g} s of the signal (still compiling, or a device call or another "
-        "process is stuck): stopping without saving"))
-    self._timer.daemon = True
-    self._timer.start()
-
-  def acknowledge(self) -> None:
-    """The loop reached a step boundary and saves (or stops): the deadline no longer holds."""
-    if self._timer is not None:
-      self._timer.cancel()
-
-  def _exit(self, signum: int, why: str) -> None:
-    where = newest_checkpoint(self.workdir) if self.workdir else "no checkpoint yet"
-    print(f"interrupted: interrupted by {signal.Signals(self.signum or signum).name}; {why}; "
-          f"rerun the same command to resume from the newest verified checkpoint ({where})",
-          file=sys.stderr, flush=True)
-    os._exit(128 + (self.signum or signum))
-
-
-def _client():
-  from jax._src import distributed as jax_distributed  # the client has no public accessor
-  return jax_distributed.global_state
-
-
-def newest_checkpoint(workdir: str) -> str:
-  """'checkpoint step N at PATH' for the newest committed checkpoint in ``workdir`` (a rerun
-  resumes from the newest one that verifies), or 'no checkpoint yet'."""
-  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-  steps = sorted(int(n) for n in (os.listdir(directory) if os.path.isdir(directory) else [])
-                 if n.isdigit())
-  return (f"checkpoint step {steps[-1]} at {os.path.join(directory, str(steps[-1]))}" if steps
-          else "no checkpoint yet")
-
-
 def lost_line(me: int, count: int, lost: list[int], why: str, workdir: str) -> str:
   """The one line a process prints when processes ``lost`` of the job are gone."""
   names = ", ".join("the coordinator, process 0" if p == 0 else f"process {p}" for p in lost)
@@ -225,8 +160,8 @@ class Watchdog:
     import jax
     self.me = jax.process_index() if me is None else me
     self.count = jax.process_count() if count is None else count
-    self._client = client or _client().client
-    self._where = "" if client else f" at {_client().coordinator_address}"
+    self._client = client or distributed_state().client
+    self._where = "" if client else f" at {distributed_state().coordinator_address}"
     self._workdir, self._poll_s = workdir, poll_s
     self._timeout_s = heartbeat_timeout_s
     self._stop = threading.Event()
@@ -276,29 +211,6 @@ class Watchdog:
       self._thread.join()
 
 
-def stop_signal(step: int, signum: int | None) -> int | None:
-  """The signal every process of the job stops on before ``step`` (None: go on).
-
-  One process: ``signum``. Several: each publishes its ``signum`` for ``step`` in the
-  coordination service's key-value store and reads everyone's (a host-side exchange before the
-  step is dispatched: no device work waits on it), so all stop before the same step even when the
-  signal reached only some of them or reached them at different steps."""
-  import jax
-  if jax.process_count() == 1:
-    return signum
-  client, me, count = _client().client, jax.process_index(), jax.process_count()
-  client.key_value_set(f"distca/stop/{step}/{me}", str(signum or 0))
-  while True:
-    got = client.key_value_dir_get(f"distca/stop/{step}/")
-    if len(got) >= count:
-      break
-    time.sleep(0.002)
-  if step >= 2:
-    client.key_value_delete(f"distca/stop/{step - 2}/{me}")
-  signals = [int(v) for _, v in got if int(v)]
-  return signals[0] if signals else None
-
-
 def run(config: ml_collections.ConfigDict, workdir: str, *, multihost: bool = False,
         verbose: bool = False, distributed: Distributed | None = None, stop=None):
   """Sets up the process and trains; `verbose` keeps library INFO logs (orbax is chatty).
@@ -307,7 +219,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, multihost: bool = Fa
   first and runs a `Watchdog`; the job ends with a barrier of every process, then the client
   shuts down. A runtime error of a multi-process job (a collective whose peer is gone) waits
   for the watchdog to name the lost process (up to the heartbeat timeout + 15 s) and is raised
-  when none was lost. ``stop`` (`trainer.StopRequest`) is set by signal handlers.
+  when none was lost. ``stop`` (`stop.StopRequest`) is set by signal handlers. A baseline
+  configuration the config leaves to the run is chosen before training (``choose.resolve``).
   """
   configure_environment()
   distributed = distributed or Distributed()
@@ -329,9 +242,13 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, multihost: bool = Fa
     if stop is not None:  # JAX's preemption notifier took SIGTERM in initialize(): take it back
       for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
-  from distca_jax import memory, trainer
+  from distca_jax import choose, memory, trainer
   try:
     try:
+      # A baseline's configuration left to the run is chosen here, where its candidates' steps
+      # can be compiled (choose), and reaches the trainer as config values.
+      config = choose.resolve(config, log=(lambda line: print(line, flush=True))
+                              if jax.process_index() == 0 else None)
       out = trainer.train_and_evaluate(
           config, workdir, device_memory_bytes=_injected_capacity(), stop=stop)
     except memory.DoesNotFit as e:  # add what each knob would need (compiles variants: slow path)
@@ -363,7 +280,7 @@ def _finish(watchdog: Watchdog, timeout_s: float = 600) -> None:
   by JAX's runtime). That wait is ``get_live_nodes``: a barrier of the live processes, which the
   others never enter, so it returns once they have disconnected."""
   import jax
-  client = _client().client
+  client = distributed_state().client
   client.wait_at_barrier("distca_exit", int(timeout_s * 1000))
   watchdog.close()
   if jax.process_index() == 0 and jax.process_count() > 1:
@@ -386,7 +303,6 @@ def _injected_capacity() -> int | None:
 # ----------------------------------------------------------------------------------------------
 # Supervision of a multi-process job's processes
 # ----------------------------------------------------------------------------------------------
-SUPERVISED_ENV = "DISTCA_SUPERVISED"  # set in the child a supervisor runs
 JOINED_MARK = "distca-joined "        # the child's stderr line 'distca-joined I/N' (not shown)
 # Lines that start what a process prints when JAX's runtime aborts it (absl FATAL / ERROR logs,
 # C++ terminate, faulthandler) or when Python dies of an internal error.

@@ -30,7 +30,6 @@ from distca_jax import attention as attn_lib
 from distca_jax import backends
 from distca_jax import checkpoint as ckpt_lib
 from distca_jax import config as config_lib
-from distca_jax import launch
 from distca_jax import memory as memory_lib
 from distca_jax import metrics as metrics_lib
 from distca_jax import ops
@@ -45,7 +44,9 @@ from distca_jax.errors import UserError
 from distca_jax.feed import (EXTRA_PREFIX, LocalBatch, Prefetcher, add_host_plan,  # noqa: F401
                              check_plans_agree, device_batch, local_batch, local_row_ranges,
                              plan_digest, rows_sharding)
+from distca_jax.memory import AUTO_KEEP_SPARE
 from distca_jax.model import Transformer, execution_plan
+from distca_jax.stop import StopRequest, stop_signal
 
 
 @flax.struct.dataclass
@@ -319,9 +320,6 @@ class Evaluator:
     return {"eval_loss": loss, "eval_ppl": float(np.exp(min(loss, 700.0)))}
 
 
-StopRequest = launch.StopRequest
-
-
 class Interrupted(Exception):
   """The run stopped on a signal; the message says what was saved. ``signum``: the signal."""
 
@@ -418,14 +416,6 @@ def train_and_evaluate(c: ml_collections.ConfigDict, workdir: str,
     log = metrics_lib.RunLog(workdir, c.num_steps, tensorboard=c.tensorboard)
     closers.callback(log.close)
     return _train(c, run, workdir, log, closers, device_memory_bytes, stop or StopRequest())
-
-
-# memory_mode 'auto' runs 'keep' only with this fraction of the device's memory to spare (else
-# 'resend', when that fits): XLA allocates a step's temporaries as one block, and buffers made
-# while a step runs (the next batch, the device-initiated exchange's receive buffers) can split
-# the free memory. On 4 x H100 80GB, Pretrain 128K: 'keep' needed 71.63 of 72.85 GiB, ran its
-# first step and failed the second allocating its 48 GiB block (results/four/README.md).
-AUTO_KEEP_SPARE = 0.04
 
 
 def preflight(c, run: RunSetup, state, batch: dict, rows: int | None = None,
@@ -557,7 +547,7 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
   memory_need, workspace = None, 0
   try:
     for step in range(start, c.num_steps):
-      signum = launch.stop_signal(step, stop.signum)
+      signum = stop_signal(step, stop.signum)
       if signum is not None:
         stop.acknowledge()
         _save_on_interrupt(signum, step, state, manager, watch, abstract)

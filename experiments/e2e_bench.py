@@ -187,8 +187,8 @@ def choice_overrides(backend: str, over) -> list[str]:
 
 def baseline_config(c, over) -> dict:
   """The configuration of run config ``c``'s baseline (``attention.backend`` 'wlb' or 'cp') and
-  how it was chosen (``over``: the overrides): the backend's own choice
-  (``baselines.baseline_choice``, memoized: the run's), its task slots, and the memory need of
+  how it was chosen (``over``: the overrides): the run's choice (``choose.resolve`` before
+  ``run_one``; ``baselines.baseline_choice``, memoized), its task slots, and the memory need of
   every candidate checked (those faster than the choice did not fit)."""
   from distca_jax import baselines
   from distca_jax.baselines import ideal
@@ -226,8 +226,9 @@ def baseline_config(c, over) -> dict:
 def run_one(c, steps, warmup, log, profile_dir=None, backend_options=None):
   """Trains warmup + steps steps; returns per-step times and FLOP / token counts."""
   import jax
-  from distca_jax import metrics, trainer
+  from distca_jax import choose, metrics, trainer
 
+  c = choose.resolve(c)  # a baseline's configuration left to the run, as the launcher chooses it
   run = trainer.setup_run(c, **(backend_options or {}))
   mesh, backend, model, tx, source = run.mesh, run.backend, run.model, run.tx, run.source
   state = trainer.create_train_state(c, model, tx, mesh)

@@ -43,8 +43,8 @@ import experiments
 
 
 def add_table_args(p: argparse.ArgumentParser, out_stem: str) -> None:
-  """The options of the one-GPU FA3 table benchmarks (this one, rows_per_call_bench.py):
-  workloads, row length, sampled batches, timed iterations, attention shapes, output stem."""
+  """The options of this benchmark: workloads, row length, sampled batches, timed iterations,
+  attention shapes, output stem."""
   p.add_argument("--workloads", default="pretrain,prolong")
   p.add_argument("--tokens", type=int, default=65536, help="tokens per rank (row length)")
   p.add_argument("--batches", type=int, default=2)

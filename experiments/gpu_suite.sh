@@ -84,10 +84,6 @@ stage kernel_bench 600 $ONE python3 -m experiments.kernel_bench --kernels mosaic
 stage kernel_profile 300 $ONE python3 -m experiments.kernel_profile --workloads dense-16384,ca-s512,ca-s128 --out "$OUT/kernel_profile.json"
 stage cost_table 120 $ONE python3 -m experiments.cost_table --kernel flash3 --repeats 2 --tokens 65536 --q-lens 128,512,2048,8192 --kv-lens 4096,16384,65536,131072 --out "$OUT/cost_table_flash3_h200.json"
 stage flash3_grid_bench 150 $ONE python3 -m experiments.flash3_grid_bench --out "$OUT/flash3_grid_bench"
-stage rows_per_call_bench 200 $ONE python3 -m experiments.rows_per_call_bench --batches 2 --out "$OUT/rows_per_call_bench"
-stage gather_bench 90 $ONE python3 -m experiments.gather_bench --out "$OUT/gather_bench"
-stage row_copy_bench 120 $ONE python3 -m experiments.row_copy_bench --out "$OUT/row_copy_bench"
-stage placement_bench 120 $ONE python3 -m experiments.placement_bench --servers 2 --batches 2 --iters 30 --out "$OUT/placement_bench"
 stage e2e_1gpu_64k 200 $ONE python3 -m experiments.e2e_bench --backends packed_dp,distca --workloads prolong,pretrain --tokens 65536 --layers 2 --steps 6 --warmup 2 --out "$OUT/e2e_1gpu_64k"
 stage e2e_1gpu_pingpong 240 $ONE python3 -m experiments.e2e_bench --backends packed_dp,distca --nano-batches 1,2 --workloads pretrain --tokens 65536 --rows-per-rank 2 --warmup 2 --steps 6 --layers 2 --out "$OUT/e2e_1gpu_pingpong"
 ;;& one-defaults)

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from distca_jax import aot, backends, configs_io
+from distca_jax import aot, backends, choose, configs_io
 from distca_jax import baselines as bl
 from distca_jax import config as config_lib
 from distca_jax.backends import cp, wlb
@@ -53,8 +53,9 @@ def test_cp_choice_scores_every_size_and_takes_the_fastest_that_fits(seed, monke
   assert (free.cp_size, free.layer_seconds) == order[0][::2], seed
   assert free.memory == () and free.capacity_bytes is None
   assert free.tasks_per_row == c.attention.baselines.max_docs_per_row
-  # Memory excludes the predicted fastest: the backend's startup step, its need estimated by
-  # aot.baseline_need_bytes (here a stand-in), takes the next one and records both.
+  # Memory excludes the predicted fastest: the choice before the trainer starts (choose), its
+  # need estimated by aot.baseline_need_bytes (here a stand-in), takes the next one and records
+  # both.
   calls = []
 
   def need(cfg, backend, size, alpha, tasks, devices=None):
@@ -64,7 +65,8 @@ def test_cp_choice_scores_every_size_and_takes_the_fastest_that_fits(seed, monke
   monkeypatch.setattr(aot, "baseline_need_bytes", need)
   monkeypatch.setattr(bl, "_CHOICES", {})
   c.attention.baselines.memory_gib = 2.0
-  options = cp.from_first_batches(c, cp.Options.from_config(c))
+  resolved = choose.resolve(c)
+  options = cp.from_first_batches(resolved, cp.Options.from_config(resolved))
   assert options.cp_size == order[1][0], (order, seed)
   assert calls == [("cp", x[0], 1.0, 128, 4) for x in order[:2]]
   got = bl.baseline_choice(c, "cp")

@@ -197,7 +197,7 @@ def test_wlb_need_is_the_compiled_step_and_excludes_what_does_not_fit(monkeypatc
   import os
   import jax
   from custom_ops import flash3_attention as fa3
-  from distca_jax import aot, configs_io, memory
+  from distca_jax import aot, choose, configs_io, memory
   from distca_jax import config as config_lib
   from distca_jax import baselines
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -235,7 +235,7 @@ def test_wlb_need_is_the_compiled_step_and_excludes_what_does_not_fit(monkeypatc
   assert ideal.ranked(choice)[0][0] == 4, choice.candidates
   first = aot.baseline_need_bytes(c, "wlb", 4, 1.0, choice.tasks_per_row, devices=devices)
   c.attention.baselines.memory_gib = (first - 1) / 2**30
-  got = baselines.baseline_choice(c, "wlb")
+  got = choose.baseline_choice(c, "wlb")
   assert got.memory[0][:2] == (4, 1.0) and got.memory[0][3] == first > got.capacity_bytes
   assert got.cp_size in (1, 2) and got.memory[-1][3] <= got.capacity_bytes
   assert [m[:2] for m in got.excluded_for_memory()] == [m[:2] for m in got.memory[:-1]]

@@ -5,8 +5,10 @@
 * ``make(options) -> attention.Backend``;
 * optionally ``from_first_batches(c, options) -> Options``: the options a config leaves to the
   run's own data, measured at startup on its first batches (``distca``: buffer caps; ``wlb``:
-  WLB-ideal's split and alpha; ``cp``: its CP size; ``baselines.baseline_choice``).
-  ``from_config`` itself only reads the config.
+  WLB-ideal's split and alpha; ``cp``: its CP size; ``baselines.baseline_choice``; where the
+  device reports a memory capacity, ``distca_jax.choose.resolve`` sets those before the trainer
+  starts, as each candidate's step must be compiled). ``from_config`` itself only reads the
+  config.
 
 ``build(c, **overrides)`` is the one place a name becomes a backend (the trainer calls it;
 benchmarks pass options that are no config keys, e.g. ``signal_only=True``, as overrides); it

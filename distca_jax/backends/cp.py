@@ -1,7 +1,8 @@
 """``cp``: per-sequence context parallelism (groups of ``cp_size`` consecutive data ranks,
 head-tail chunks, K/V all-gathered in the group; ``baselines.group_backend``). A ``cp_size`` of 0
-is chosen at startup (``from_first_batches``) as ``wlb``'s configuration is: the fastest
-predicted CP size whose train step fits the device (``baselines.ideal.cp_choice_from_config``)."""
+is chosen as ``wlb``'s configuration is: the fastest predicted CP size whose train step fits the
+device (``baselines.ideal.cp_choice_from_config``), by ``distca_jax.choose.resolve`` before the
+trainer starts, or at startup (``from_first_batches``) where the device reports no memory."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ class Options:
 
 def from_first_batches(c: ml_collections.ConfigDict, options: Options) -> Options:
   """The startup step (``backends.build`` calls this once per run, after ``from_config``): a
-  ``cp_size`` of 0 (or None) takes the fastest predicted CP size whose train step fits the
-  device (``baselines.baseline_choice``, memoized per config); a given one stays."""
+  ``cp_size`` of 0 (or None) takes the fastest predicted CP size (``baselines.baseline_choice``,
+  memoized per config; a UserError on a device with a memory capacity, where
+  ``distca_jax.choose.resolve`` chooses it before the trainer starts); a given one stays."""
   if options.cp_size:
     return options
   return dataclasses.replace(options, cp_size=baselines.baseline_choice(c, "cp").cp_size)

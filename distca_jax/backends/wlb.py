@@ -37,8 +37,9 @@ class Options:
 
 def from_first_batches(c: ml_collections.ConfigDict, options: Options) -> Options:
   """WLB-ideal at startup (``backends.build`` calls this once per run, after ``from_config``):
-  a ``cp_size`` or ``alpha`` of 0 (or None) takes the fastest predicted split / alpha whose
-  train step fits the device (``baselines.baseline_choice``, memoized per config), and task
+  a ``cp_size`` or ``alpha`` of 0 (or None) takes the fastest predicted split / alpha
+  (``baselines.baseline_choice``, memoized per config; a UserError on a device with a memory
+  capacity, where ``distca_jax.choose.resolve`` chooses them before the trainer starts), and task
   slots of 0 are sized for the configuration from sampled batches
   (``baselines.ideal.wlb_tasks_needed``)."""
   if options.cp_size and options.alpha and options.max_docs_per_row:

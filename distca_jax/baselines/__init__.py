@@ -33,6 +33,7 @@ import numpy as np
 from distca_jax import attention as attn_lib
 from distca_jax import checks
 from distca_jax import ops
+from distca_jax.errors import UserError
 from distca_jax.baselines import device, metrics, packing
 from distca_jax.baselines.metrics import (ModelDims, RankMetrics, Hardware, cp_metrics,
                                           distca_metrics, estimate_layer_seconds, imbalance,
@@ -160,33 +161,36 @@ def group_backend(name: str, cp_size=None, kernel: str = "auto",
 
 # ----------------------------------------------------------------------------------------------
 # The choice of a baseline configuration left to the run (cp: its CP size; wlb: its CP size and
-# alpha), shared by backends.cp and backends.wlb.
+# alpha), shared by backends.cp, backends.wlb and distca_jax.choose (which checks memory).
 # ----------------------------------------------------------------------------------------------
-def baseline_choice(c: "ml_collections.ConfigDict", backend: str):
+def baseline_choice(c: "ml_collections.ConfigDict", backend: str, need_fn=None):
   """``baselines.ideal.wlb_choice_from_config`` (``backend`` 'wlb') or ``cp_choice_from_config``
-  ('cp') of config ``c``, memoized per (backend, config); when it chooses (``cp_size`` 0, or
-  wlb's ``wlb_alpha`` 0) its candidates must fit ``memory_capacity(c)``, each estimated by
-  ``aot.baseline_need_bytes`` (compiled ahead of time on this process's devices)."""
+  ('cp') of config ``c``, memoized per (backend, config). When it chooses (``cp_size`` 0, or
+  wlb's ``wlb_alpha`` 0) on a device with a memory capacity (``memory_capacity(c)``), its
+  candidates must fit it, each estimated by ``need_fn(cp_size, alpha, tasks)`` (bytes per device
+  of the compiled train step: ``distca_jax.choose``, which runs above the trainer, passes it);
+  without ``need_fn`` there, a UserError names ``choose.resolve``. Where no capacity is known
+  (CPUs) the fastest predicted candidate is taken, unchecked."""
   key = (backend, c.to_json_best_effort(sort_keys=True))
   if key not in _CHOICES:
-    from distca_jax import aot  # pylint: disable=import-outside-toplevel
-    from distca_jax import config as config_lib  # pylint: disable=import-outside-toplevel
     from distca_jax.baselines import ideal  # pylint: disable=import-outside-toplevel
-    import jax  # pylint: disable=import-outside-toplevel
     b = c.attention.baselines
     if backend == "wlb":
       given, from_config = b.cp_size and b.wlb_alpha, ideal.wlb_choice_from_config
+      keys = "attention.baselines.cp_size and wlb_alpha"
     elif backend == "cp":
       given, from_config = b.cp_size, ideal.cp_choice_from_config
+      keys = "attention.baselines.cp_size"
     else:
       raise ValueError(f"baseline_choice: backend={backend!r} must be 'wlb' or 'cp'")
     cap = memory_capacity(c) if not given else None
-    # The run's devices: the mesh's count, from the first (setup_run's default).
-    devices = jax.devices()[:config_lib.data_ranks(c) * int(c.mesh.tensor) * int(c.mesh.pipe)]
-    need = ((lambda cp, alpha, tasks: aot.baseline_need_bytes(c, backend, cp, alpha, tasks,
-                                                              devices=devices))
-            if cap else None)
-    _CHOICES[key] = from_config(c, need_fn=need, capacity=cap)
+    if cap is not None and need_fn is None:
+      raise UserError(
+          f"attention.backend={backend!r} with {keys} 0 on a device with {cap / 2**30:.2f} GiB: "
+          "the configuration is chosen before the trainer starts (each candidate's step compiled "
+          "to check it fits); run distca_jax.train, call distca_jax.choose.resolve(config) first, "
+          "or set " + keys)
+    _CHOICES[key] = from_config(c, need_fn=need_fn if cap else None, capacity=cap)
   return _CHOICES[key]
 
 

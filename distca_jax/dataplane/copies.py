@@ -2,7 +2,8 @@
 
 Every copy moves whole rows (``[rows, ...]``) through an int32 index in which an out-of-range
 entry (the metadata's sentinel) gives ``fill``. Rows travel as 32-bit words (``_row_words``), and
-the backward avoids XLA's bf16 scatter-add (results/micro/row_copy_bench.md, results/micro/gather_bench.md):
+the backward avoids XLA's bf16 scatter-add (results/archive/5a62d97/row_copy_bench.md,
+results/archive/10d3c84/gather_bench.md):
 
 * ``take_rows``: ``x[idx]``; the sender gathers and the query/output paths.
 * ``gather_two``: ``concat(own rows, received rows)[idx]`` without building the concatenation
@@ -26,9 +27,10 @@ def take_rows(x: jax.Array, idx: jax.Array, fill=0, *, unique: bool = False) -> 
   """Rows ``x[idx]``; an out-of-range index (the metadata's sentinel) gives ``fill``.
 
   The rows are copied as 32-bit words (``_row_words``), which XLA gathers faster than
-  ``[rows, heads, dim]`` bf16 rows (results/micro/row_copy_bench.md).
+  ``[rows, heads, dim]`` bf16 rows (results/archive/5a62d97/row_copy_bench.md).
 
-  The backward (``_copy_rows``) avoids XLA's bf16 scatter-add (results/micro/gather_bench.md): with
+  The backward (``_copy_rows``) avoids XLA's bf16 scatter-add
+  (results/archive/10d3c84/gather_bench.md): with
   ``unique=True`` (no row of ``x`` is read twice: the query and output paths) it is a gather
   through the inverse map; otherwise (key/value rows feed several tasks and servers) a
   scatter-add in float32 (the sum of a row's contributions is rounded once).
@@ -170,6 +172,6 @@ def place_unique(own_TxF: jax.Array, recv_CxF: jax.Array, idx: jax.Array, fill=0
   dst = jnp.full((c,), n, jnp.int32).at[src].set(jnp.arange(n, dtype=jnp.int32), mode="drop",
                                                  unique_indices=True)
   # Flat rows: XLA's scatter, like its gather, is faster over [rows, features] than over
-  # [rows, heads, dim] (results/micro/row_copy_bench.md).
+  # [rows, heads, dim] (results/archive/5a62d97/row_copy_bench.md).
   return out.reshape(n, -1).at[dst].set(recv_CxF.reshape(c, -1), mode="drop",
                                         unique_indices=True).reshape(out.shape)

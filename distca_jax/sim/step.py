@@ -62,7 +62,7 @@ from distca_jax.baselines import packing
 from distca_jax.checks import check_float, check_int
 from distca_jax.data.workloads import WorkloadSampler
 from distca_jax.dataplane.exchange import DEFAULT_EXCHANGE_BUCKETS
-from distca_jax.memory import flash3_bwd_workspace_bytes
+from distca_jax.memory import AUTO_KEEP_SPARE, flash3_bwd_workspace_bytes
 from distca_jax.sim import costs, overlap, windows
 from distca_jax.sim.exchange import (KV_EXCHANGES, Q_EXCHANGES, SIM_COLLECTIVES,  # noqa: F401
                                      dispatch_buffer_bytes, distca_caps, exchange_counts,
@@ -548,12 +548,11 @@ def _step_of_batch(secs: Sequence[dict[str, np.ndarray]], group: int, layout: La
 def resolve_distca(flat: Sequence[MicroResult], spec, cal, layout, opts: Options, tokens: int,
                    caps: plan_lib.Capacity, relay: tuple[int, int] | None = None) -> Options:
   """``opts`` with distca's collective (``resolve_collective``) and memory mode resolved as the
-  trainer's pre-flight resolves 'auto' (``trainer.AUTO_KEEP_SPARE``): 'keep' when its memory
+  trainer's pre-flight resolves 'auto' (``memory.AUTO_KEEP_SPARE``): 'keep' when its memory
   leaves that fraction of ``cal.hbm_bytes`` spare, else 'resend'."""
   coll = resolve_collective(opts.collective, layout, cal)
   mode = opts.memory_mode
   if mode == "auto":
-    from distca_jax.trainer import AUTO_KEEP_SPARE  # pylint: disable=import-outside-toplevel
     keep = strategy_memory(flat, spec, cal, layout, tokens, remat=opts.remat, caps=caps,
                            collective=coll, memory_mode="keep", relay=relay)
     mode = "keep" if keep["total"] <= cal.hbm_bytes * (1.0 - AUTO_KEEP_SPARE) else "resend"

@@ -408,7 +408,7 @@ def exchange_bench_groups(row: dict[str, Any]) -> dict[str, np.ndarray]:
   replanned on the host as the bench planned it (``configs/gpu_bench.py``, the row's workload,
   tokens, servers and batch, the caps it recorded): ``{'q': ..., 'kv': ...}``. Raises when the
   replanned busiest device's bytes differ from the ones the row recorded (another plan)."""
-  from distca_jax import configs_io, trainer  # pylint: disable=import-outside-toplevel
+  from distca_jax import backends, configs_io  # pylint: disable=import-outside-toplevel
   from distca_jax.data import run_source  # pylint: disable=import-outside-toplevel
   c = configs_io.load_config(GPU_BENCH_CONFIG, [
       f"data.workload={row['workload']}", f"tokens_per_rank={row['tokens']}",
@@ -416,7 +416,7 @@ def exchange_bench_groups(row: dict[str, Any]) -> dict[str, np.ndarray]:
       *[f"attention.distca.{k}={v}" for k, v in row["caps"].items()]])
   m = c.model
   src = run_source(c, row["servers"])
-  (hp,) = trainer.make_backend(c).host_plans(src.doclens(row["step"]), row["tokens"])
+  (hp,) = backends.build(c).host_plans(src.doclens(row["step"]), row["tokens"])
   out = {"q": hp.plan.pair_q_rows, "kv": hp.plan.pair_kv_rows}
   for part, heads in (("q", m.n_heads), ("kv", 2 * m.n_kv_heads)):
     g = out[part]

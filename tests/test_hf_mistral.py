@@ -17,8 +17,8 @@ import pytest
 from distca_jax import hf_export, hf_import
 from distca_jax import layer_types as types_lib
 from distca_jax.errors import UserError
-from test_hf_parity import (HF_PYTHON, T, assert_close, doc_slices, load, our_logits, packed_row,
-                            random_hf_weights, run_reference, tolerance, write_checkpoint, Case)
+from test_hf_parity import (HF_PYTHON, Case, assert_close, build_cases, doc_slices, load,
+                            our_logits, tolerance)
 
 WINDOW = 5  # shorter than the single-document rows (T = 32) and the packed documents 9 and 14
 
@@ -43,28 +43,9 @@ def cases(tmp_path_factory) -> dict[str, Case]:
   if not os.path.isfile(HF_PYTHON):
     pytest.fail(f"reference Python DISTCA_HF_PYTHON={HF_PYTHON!r} does not exist; create it with "
                 "`bash scripts/setup_hf_reference.sh`")
-  root = tmp_path_factory.mktemp("hf_mistral")
-  rng = np.random.default_rng(20261207)
-  out, jobs = {}, []
-  for name, hf in CASES.items():
-    hf = mistral(hf)
-    weights = random_hf_weights(hf, rng)
-    path = write_checkpoint(root / name, hf, weights)
-    single = rng.integers(0, hf["vocab_size"], (2, T)).astype(np.int32)
-    p_tok, p_seg, p_pos = packed_row(rng, hf["vocab_size"])
-    tokens = np.concatenate([single, p_tok[None]])
-    seg = np.concatenate([np.ones((2, T), np.int32), p_seg[None]])
-    pos = np.concatenate([np.broadcast_to(np.arange(T, dtype=np.int32), (2, T)), p_pos[None]])
-    inputs = {"single": single.tolist()}
-    for j, sl in enumerate(doc_slices()):
-      inputs[f"doc{j}"] = [p_tok[sl].tolist()]
-    jobs.append({"checkpoint": str(path), "output": str(root / f"{name}.npz"), "inputs": inputs})
-    out[name] = Case(path, hf, weights, tokens, seg, pos, {})
-  run_reference(root, jobs)
-  for name, case in out.items():
-    with np.load(root / f"{name}.npz") as z:
-      case.ref = {k: z[k] for k in z.files}
-  return out
+  specs = {name: (mistral(hf), "float32", 1) for name, hf in CASES.items()}
+  return build_cases(tmp_path_factory.mktemp("hf_mistral"), np.random.default_rng(20261207),
+                     specs)
 
 
 @pytest.mark.slow

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from distca_jax import attention as attn_lib
+
 FULL, WINDOW, CHUNK = "full", "window", "chunk"
 TYPE_SEPARATOR = "@"  # ``layout.extra`` key of a per-type host array: ``name@<LayerType.name>``
 
@@ -183,8 +185,8 @@ def per_type_host_prepare(host_prepare: Callable[..., dict], types: Sequence[Lay
   """``host_prepare`` run once per distinct layer type of ``types`` per batch: type ``t``'s
   arrays as ``name@t`` (``layout_for`` reads them back), planned over ``doclens_for(doclens,
   t)``, with ``window=t.window`` for a window type (``host_prepare`` must then take it). Names
-  in ``shared`` are combined over the types instead (elementwise maximum, e.g. whether any plan
-  of the step moves a row) and keep their plain name."""
+  in ``shared`` also keep their plain name, combined over the types (elementwise maximum, e.g.
+  whether any plan of the step moves a row)."""
   types = distinct(types)
 
   def prepare(doclens, tokens_per_row: int) -> dict[str, np.ndarray]:
@@ -193,10 +195,26 @@ def per_type_host_prepare(host_prepare: Callable[..., dict], types: Sequence[Lay
       kwargs = {"window": t.window} if t.window else {}
       arrays = host_prepare(doclens_for(doclens, t), tokens_per_row, **kwargs)
       for k, v in arrays.items():
+        out[typed_key(k, t)] = v
         if k in shared:
           out[k] = v if k not in out else np.maximum(out[k], v)
-        else:
-          out[typed_key(k, t)] = v
     return out
 
   return prepare
+
+
+def local_unless_crossing(fn: Callable[..., jax.Array], local_fn: Callable[..., jax.Array],
+                          crosses_key: str = attn_lib.CROSSES_KEY) -> Callable[..., jax.Array]:
+  """Core attention that runs ``fn`` when the layer's own type's plan moves rows (its
+  ``crosses_key`` array, ``layout_for``'s, has a nonzero entry) and ``local_fn`` (each device
+  its own rows) when it does not: one ``lax.cond`` per layer, one compiled program."""
+
+  def attend(q, k, v, layout, *, softmax_scale: float, **kwargs):
+    if crosses_key not in layout.extra:
+      raise ValueError(f"layout.extra lacks {crosses_key!r} (keys {sorted(layout.extra)}); plan "
+                       "the batch with the backend's host_prepare")
+    crosses = jnp.any(layout.extra[crosses_key] != 0)
+    run = lambda f: lambda q, k, v: f(q, k, v, layout, softmax_scale=softmax_scale, **kwargs)
+    return jax.lax.cond(crosses, run(fn), run(local_fn), q, k, v)
+
+  return attend

@@ -28,6 +28,7 @@ from flax import linen as nn
 
 from distca_jax import attention as attn_lib
 from distca_jax import backends
+from distca_jax.backends import distca as distca_backend
 from distca_jax import checkpoint as ckpt_lib
 from distca_jax import config as config_lib
 from distca_jax import launch
@@ -540,8 +541,10 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
   closers.callback(wait_for_dispatched_work)  # runs first
   step_fn = None
   log.info(f"compiling the train step (first step includes compilation) ...")
-  # window_local: steps of the window on the train step's local branch (runs_local)
+  # window_local: steps of the window on the train step's local branch (runs_local);
+  # window_plans: the window's distca plan statistics per layer type (batch_plan_stats)
   window_t0, window_flops, window_tokens, window_steps, window_local = None, 0.0, 0, 0, 0
+  window_plans = []
   profile_dir = os.path.join(workdir, "profile")
   if jax.process_count() > 1:  # each process traces (and reports) its own devices
     profile_dir = os.path.join(profile_dir, f"process_{jax.process_index()}")
@@ -595,6 +598,7 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
             raise
       if pricing is not None:
         pricing.after_dispatch(m, timed=step != start and not profiled)
+      window_plans.append(distca_backend.batch_plan_stats(np_batch))
       watch.add(step, m)
       watch.poll()
       if window_t0 is None or profiled:  # time from the end of the first (compiling) or
@@ -621,6 +625,8 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
             rec["local_step_share"] = window_local / window_steps
         if pricing is not None:
           rec.update(pricing.record())
+        rec.update(distca_backend.plan_stats_record(window_plans))  # per layer type
+        window_plans = []
         if evaluate:  # after the window's timing
           rec.update(evaluator(state.params, model))
         log.write(done, rec)

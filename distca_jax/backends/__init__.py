@@ -32,6 +32,7 @@ import ml_collections
 
 from distca_jax import attention as attn_lib
 from distca_jax import config as config_lib
+from distca_jax import layer_types as types_lib
 from distca_jax import pipeline
 from distca_jax.errors import UserError
 from distca_jax.backends import cp, distca, local, packed_dp, reference, wlb
@@ -63,13 +64,52 @@ def build(c: ml_collections.ConfigDict, **overrides) -> attn_lib.Backend:
   options = given
   if hasattr(m, "from_first_batches"):  # the startup step: sample the run's first batches
     options = m.from_first_batches(c, given)
-  backend = m.make(options)
+  backend = with_layer_types(c, m.make(options))
   if c.mesh.pipe > 1:  # one core-attention call is one pipeline tick: host plans per tick
     backend = pipeline.per_tick_backend(backend, stages=c.mesh.pipe, rows_per_rank=c.rows_per_rank,
                                         microbatches=c.pipeline.microbatches)
   chosen = tuple((f.name, getattr(options, f.name)) for f in dataclasses.fields(options)
                  if getattr(options, f.name) != getattr(given, f.name))
   return dataclasses.replace(backend, chosen=chosen) if chosen else backend
+
+
+# Backends that run every layer over their own token arrangement as full causal attention.
+_FULL_ONLY = {
+    "cp": "its head-tail chunks of each sequence attend all earlier keys",
+    "wlb": "its per-document context parallelism attends all earlier keys",
+}
+
+
+def with_layer_types(c: ml_collections.ConfigDict, backend: attn_lib.Backend) -> attn_lib.Backend:
+  """``backend`` for the model's layer types (``model.layer_pattern``; ``layer_types``): the
+  same backend when every layer is full; else its host planning runs once per distinct type
+  per batch (``layer_types.per_type_host_prepare``: each type's arrays under ``name@type``, the
+  step's ``attention.CROSSES_KEY`` the maximum over the types) and, with a local branch and
+  several types, each layer runs its backend's ``fn`` when its type's plan moves rows and
+  ``local_fn`` when it does not (``layer_types.local_unless_crossing``). ``cp`` and ``wlb``
+  refuse local layers, ``attention.distca.branch='price'`` several types (one line each)."""
+  kinds = types_lib.distinct(config_lib.model_config(c).layer_types)
+  if kinds == (types_lib.FULL_TYPE,):
+    return backend
+  name = c.attention.backend
+  names = [t.name for t in kinds]
+  if name in _FULL_ONLY:
+    raise UserError(f"attention.backend={name!r} cannot run local layers {names} "
+                    f"(model.layer_pattern={c.model.layer_pattern!r}): {_FULL_ONLY[name]}; use "
+                    "'distca', 'packed_dp' or 'local'")
+  if backend.local_fn is not None and len(kinds) > 1 and c.attention.distca.branch == "price":
+    raise UserError(f"attention.distca.branch='price' prices the plans of one layer type; the "
+                    f"model has {names}: set attention.distca.branch='gain'")
+  if backend.host_prepare is None:  # no host arrays: the model's layout_for is all it needs
+    return backend
+  out = dataclasses.replace(backend, host_prepare=types_lib.per_type_host_prepare(
+      backend.host_prepare, kinds, shared=(attn_lib.CROSSES_KEY,)))
+  if backend.local_fn is not None and len(kinds) > 1:
+    wrap = lambda f: f and types_lib.local_unless_crossing(f, backend.local_fn)
+    out = dataclasses.replace(out, fn=wrap(backend.fn),
+                              **({"resend_fn": wrap(backend.resend_fn)}
+                                 if hasattr(backend, "resend_fn") else {}))
+  return out
 
 
 def kernel_of(c: ml_collections.ConfigDict) -> str | None:

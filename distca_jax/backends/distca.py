@@ -43,6 +43,19 @@ from distca_jax.plan.two_level import TwoLevel, safe_relay
 RELAY_FIELDS = ("q_relay", "kv_relay")
 PLAN_KEY = "distca_plan"  # the key of ``layout.extra`` the CAD step reads
 DOC_LENS_KEY = "doc_lens"  # the local step's (``packed_dp``'s) table
+# With ``Options.plan_stats``: float32 [rows, 4], every row the batch's PLAN_STATS of its plans
+# (the host logs them; the step does not read them).
+PLAN_STATS_KEY = "plan_stats"
+PLAN_STATS = ("imbalance_before", "imbalance_after", "moved_rows", "crosses")
+
+
+def plan_stats(plans: list[HostPlan]) -> np.ndarray:
+  """[4] float32 ``PLAN_STATS`` of one batch's plans: the largest max / mean load before and
+  after balancing, the query plus key/value rows sent between devices, and whether any moves."""
+  return np.array([max(hp.plan.imbalance_before for hp in plans),
+                   max(hp.plan.imbalance_after for hp in plans),
+                   sum(int(hp.plan.pair_q_rows.sum() + hp.plan.pair_kv_rows.sum()) for hp in plans),
+                   float(any(hp.plan.crosses for hp in plans))], np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +103,8 @@ class Options:
       could gain less than this (``plan.predicted_step_gain`` of its layout) moves nothing and
       runs that branch; 0 = only batches whose plans move nothing anyway. ``min_gain`` gates
       each plan of the other batches, whose exchange runs whatever their plans move.
+    plan_stats: ``host_prepare`` also returns ``PLAN_STATS_KEY`` (the trainer logs them per
+      layer type); on for models with local layers (``model.layer_pattern``).
   """
   tolerance: float = cost.DEFAULT_TOLERANCE
   min_shard: int | None = None
@@ -125,6 +140,7 @@ class Options:
   cost_table: str = ""
   local_steps: bool = True
   local_gain: float = 0.0
+  plan_stats: bool = False
 
   @classmethod
   def from_config(cls, c: ml_collections.ConfigDict) -> "Options":
@@ -155,7 +171,8 @@ class Options:
                local_steps=d.local_steps,
                # 'price' (price_branch.PriceBranch) decides the branch of batches whose plans
                # move rows by the step model, in place of the local_gain threshold.
-               local_gain=d.local_gain if d.branch == "gain" else 0.0)
+               local_gain=d.local_gain if d.branch == "gain" else 0.0,
+               plan_stats=any(t.kind != "full" for t in m.layer_types))
 
   def plan_options_for(self, num_servers: int) -> PlanOptions:
     """The planner's options of every batch over ``num_servers`` servers (``min_shard`` None:
@@ -284,6 +301,8 @@ def make(options: Options) -> "DistcaBackend":
       i = j % n
       out[j // n, :, i * rn:(i + 1) * rn] = hp.packed.reshape(s, rn, spec.width)
     extra = {PLAN_KEY: out.reshape(g * s * r, spec.width)}
+    if o.plan_stats:
+      extra[PLAN_STATS_KEY] = np.broadcast_to(plan_stats(plans), (len(doclens), 4)).copy()
     if local:  # what the local step reads: each row's document lengths (no row has more
       # documents than a device's task slots), and whether any plan of the step crosses
       extra[DOC_LENS_KEY] = packing.packed_doc_lens(doclens, tokens_per_row,
@@ -325,6 +344,27 @@ def make(options: Options) -> "DistcaBackend":
               if local else None)
   return DistcaBackend(fn=fn, host_prepare=host_prepare, host_plans=host_plans, caps=caps,
                        memory_mode=dispatch.memory_mode, resend_fn=resend, local_fn=local_fn)
+
+
+def batch_plan_stats(np_batch) -> dict[str, np.ndarray]:
+  """{layer type name: ``PLAN_STATS`` [4]} of a host batch (a dict, or a process's
+  ``LocalBatch`` blocks) planned with ``plan_stats`` (``PLAN_STATS_KEY@type`` arrays; a batch
+  without them gives {})."""
+  block = np_batch if isinstance(np_batch, dict) else np_batch[0][2]
+  head = attn_lib.EXTRA_PREFIX + PLAN_STATS_KEY + "@"
+  return {k[len(head):]: np.asarray(v[0], np.float64) for k, v in block.items()
+          if k.startswith(head)}
+
+
+def plan_stats_record(window: list[dict[str, np.ndarray]]) -> dict[str, float]:
+  """The log record of a window of steps' ``batch_plan_stats``: per layer type ``t`` and field
+  ``f`` of ``PLAN_STATS``, ``plan_<t>_<f>`` averaged over the steps (``crosses``: the share of
+  steps whose plans of that type moved rows)."""
+  out = {}
+  for name in sorted({n for stats in window for n in stats}):
+    rows = np.stack([stats[name] for stats in window if name in stats])
+    out.update({f"plan_{name}_{f}": float(x) for f, x in zip(PLAN_STATS, rows.mean(axis=0))})
+  return out
 
 
 def servers_per_host_for(options: Options, num_servers: int) -> int:

@@ -1,0 +1,118 @@
+"""Training models with local and global layers: every backend that runs them trains like
+`local` (the real loop, 8 fake devices); distca plans each layer type on its own, logs each
+type's plan statistics and compiles the step once; cp and wlb refuse with one line."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from distca_jax import backends, trainer
+from distca_jax.backends import distca as distca_backend
+from distca_jax.errors import UserError
+from test_train import _with_heads, tiny_config
+
+RUN = {"mesh.data": 8, "num_steps": 3, "log_every": 1, "checkpoint_every": 0,
+       "tensorboard": False, "optim.warmup_steps": 1, "eval_every": 0, "rows_per_rank": 2}
+DISTCA = {"attention.backend": "distca", "attention.distca.tolerance": 0.05,
+          "attention.distca.min_gain": 0.0, "attention.distca.local_gain": 0.0}
+
+
+def config(layers: dict, **over):
+  return _with_heads(tiny_config(**{**RUN, **layers, **over}))
+
+
+def train(c, workdir, monkeypatch=None):
+  """The loop's records; with ``monkeypatch``, also (compiles of the step, core-attention
+  traces after the compile, core-attention traces in all)."""
+  if monkeypatch is None:
+    return trainer.train_and_evaluate(c, str(workdir)), None
+  traces, compiles, at_compile = [], [], []
+  build, compile_step = backends.build, trainer.compile_train_step
+
+  def counting_build(*args, **kwargs):
+    b = build(*args, **kwargs)
+
+    def fn(*a, **k):
+      traces.append(k.get("window", 0))
+      return b.fn(*a, **k)
+    return dataclasses.replace(b, fn=fn)
+
+  def counting_compile(*args, **kwargs):
+    out = compile_step(*args, **kwargs)
+    compiles.append(1)
+    at_compile.append(len(traces))
+    return out
+
+  monkeypatch.setattr(backends, "build", counting_build)
+  monkeypatch.setattr(trainer, "compile_train_step", counting_compile)
+  records = trainer.train_and_evaluate(c, str(workdir))
+  return records, (len(compiles), len(traces) - at_compile[-1], traces)
+
+
+def assert_trains_like_local(layers, steps, tmp_path, monkeypatch, backend_over, rtol):
+  over = {"num_steps": steps}
+  ref, _ = train(config(layers, **over), tmp_path / "local")
+  c = config(layers, **over, **backend_over)
+  records, (compiles, late_traces, traces) = train(c, tmp_path / "other", monkeypatch)
+  np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in ref], rtol=rtol)
+  assert compiles == 1 and late_traces == 0, (compiles, late_traces)
+  assert traces, "the backend's core attention was never traced"
+  return records, traces
+
+
+@pytest.mark.parametrize("layers", [
+    {"model.n_layers": 2, "model.layer_pattern": "1:1", "model.chunk": 16},
+    pytest.param({"model.n_layers": 2, "model.layer_pattern": "local", "model.chunk": 8},
+                 marks=pytest.mark.slow),
+])
+def test_chunked_model_trains_with_distca_like_local(layers, tmp_path, monkeypatch):
+  """Chunk layers plan over the chunk-cut documents; losses equal `local`'s, one compile, and
+  every logged step has each type's plan statistics."""
+  records, _ = assert_trains_like_local(layers, 3, tmp_path, monkeypatch, DISTCA, 1e-5)
+  types = {"full", "chunk16"} if layers["model.layer_pattern"] == "1:1" else {"chunk8"}
+  for r in records:
+    logged = {k[len("plan_"):-len("_imbalance_before")] for k in r
+              if k.startswith("plan_") and k.endswith("_imbalance_before")}
+    assert logged == types, r
+    for t in types:
+      assert r[f"plan_{t}_imbalance_after"] <= r[f"plan_{t}_imbalance_before"] + 1e-9
+      assert r[f"plan_{t}_moved_rows"] >= 0 and r[f"plan_{t}_crosses"] in (0.0, 1.0)
+  # The full layers' documents are longer than their chunks: more imbalance to fix.
+  if len(types) == 2:
+    before = lambda t: np.mean([r[f"plan_{t}_imbalance_before"] for r in records])
+    assert before("full") > before("chunk16")
+
+
+def test_packed_dp_runs_chunked_layers(tmp_path):
+  layers = {"model.n_layers": 2, "model.layer_pattern": "1:1", "model.chunk": 8}
+  ref, _ = train(config(layers), tmp_path / "local")
+  got, _ = train(config(layers, **{"attention.backend": "packed_dp"}), tmp_path / "packed_dp")
+  np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend,why", [("cp", "head-tail chunks"), ("wlb", "per-document")])
+def test_cp_and_wlb_refuse_local_layers(backend, why):
+  c = config({"model.n_layers": 2, "model.layer_pattern": "1:1", "model.window": 8},
+             **{"attention.backend": backend, "attention.baselines.cp_size": 2})
+  with pytest.raises(UserError, match=rf"attention.backend='{backend}' cannot run local layers "
+                                      rf"\['window8', 'full'\].*{why}.*use 'distca', 'packed_dp'"):
+    backends.build(c)
+
+
+def test_price_branch_refuses_several_layer_types():
+  c = config({"model.n_layers": 2, "model.layer_pattern": "1:1", "model.chunk": 8},
+             **DISTCA, **{"attention.distca.branch": "price"})
+  with pytest.raises(UserError, match=r"branch='price' prices the plans of one layer type"):
+    backends.build(c)
+
+
+def test_plan_stats_record_averages_each_type():
+  a = {"full": np.array([2.0, 1.0, 10.0, 1.0]), "window8": np.array([1.2, 1.1, 0.0, 0.0])}
+  b = {"full": np.array([4.0, 1.2, 30.0, 1.0])}
+  rec = distca_backend.plan_stats_record([a, b])
+  assert rec["plan_full_imbalance_before"] == 3.0 and rec["plan_full_moved_rows"] == 20.0
+  assert rec["plan_window8_imbalance_after"] == pytest.approx(1.1)
+  assert distca_backend.plan_stats_record([{}]) == {}

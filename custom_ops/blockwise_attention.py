@@ -16,7 +16,9 @@ How (one query block = rows of one task):
   blocks (a ``fori_loop`` with a traced trip count).
 * A query block visits its own task's key rows in blocks of ``block_k`` starting at the task's
   first key, up to the causal limit of its last row: key blocks of other tasks and above the
-  diagonal are never touched. Tiles are ``lax.dynamic_slice`` windows of the buffers (padded by
+  diagonal are never touched; with a sliding window (``window=w``) the loop starts at the key
+  block holding the block's first row's window start, so key blocks wholly before every row's
+  window are never touched either. Tiles are ``lax.dynamic_slice`` windows of the buffers (padded by
   one block, so windows never clip); a tile mask drops rows and keys of other tasks.
 * Forward: online softmax over the key blocks. Backward (own ``custom_vjp``, FlashAttention-2
   style on one core): the same loops recompute P from the saved LSE, accumulate dQ of the block
@@ -100,11 +102,22 @@ def _key_blocks(nrows, lk, diag, block_k: int):
   return (jnp.clip(jnp.minimum(lk, nrows + diag), 0, None) + block_k - 1) // block_k
 
 
-def _tile_mask(nrows, lk, diag, j, block_q: int, block_k: int):
+def _first_key_block(diag, window: int, block_k: int):
+  """First key block a query block needs: 0, or with a window the block holding the first
+  key its row 0 sees (``diag - window + 1``; later rows' windows start later)."""
+  if not window:
+    return 0
+  return jnp.clip(diag - window + 1, 0, None) // block_k
+
+
+def _tile_mask(nrows, lk, diag, j, block_q: int, block_k: int, window: int = 0):
   """[Q, 1, 1, S] bool: row r of the block sees key column c of key block j."""
   r = jnp.arange(block_q, dtype=jnp.int32)[:, None]
   c = j * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]
-  return ((r < nrows) & (c < lk) & (c <= r + diag))[:, None, None, :]
+  mask = (r < nrows) & (c < lk) & (c <= r + diag)
+  if window:
+    mask &= c > r + diag - window
+  return mask[:, None, None, :]
 
 
 def _prepare(q, k, v, cu_q, cu_k, bs: BlockSizes):
@@ -124,7 +137,7 @@ def _prepare(q, k, v, cu_q, cu_k, bs: BlockSizes):
   return q5, clean(k, k_valid, bs.block_k), clean(v, k_valid, bs.block_k), q_valid, k_valid
 
 
-def _forward(q, k, v, cu_q, cu_k, scale: float, bs: BlockSizes):
+def _forward(q, k, v, cu_q, cu_k, scale: float, bs: BlockSizes, window: int = 0):
   """(o [T, H, D] q dtype, lse [T, K, G] f32 with -inf on rows that see no key)."""
   num_q_rows, num_heads, head_dim = q.shape
   bq, bk = bs.block_q, bs.block_k
@@ -140,7 +153,7 @@ def _forward(q, k, v, cu_q, cu_k, scale: float, bs: BlockSizes):
       acc, m, l = acc_m_l
       k_blk = lax.dynamic_slice_in_dim(kp, k_start[b] + j * bk, bk)  # [S, K, D]
       v_blk = lax.dynamic_slice_in_dim(vp, k_start[b] + j * bk, bk)
-      mask = _tile_mask(nrows[b], lk[b], diag[b], j, bq, bk)
+      mask = _tile_mask(nrows[b], lk[b], diag[b], j, bq, bk, window)
       s = jnp.where(mask, _einsum("qkgd,skd->qkgs", q_blk, k_blk), _NEG)
       m_new = jnp.maximum(m, s.max(-1))
       p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -151,7 +164,8 @@ def _forward(q, k, v, cu_q, cu_k, scale: float, bs: BlockSizes):
 
     init = (jnp.zeros((bq, kh, g, d), jnp.float32), jnp.full((bq, kh, g), _NEG, jnp.float32),
             jnp.zeros((bq, kh, g), jnp.float32))
-    acc, m, l = lax.fori_loop(0, _key_blocks(nrows[b], lk[b], diag[b], bk), key_step, init)
+    acc, m, l = lax.fori_loop(_first_key_block(diag[b], window, bk),
+                              _key_blocks(nrows[b], lk[b], diag[b], bk), key_step, init)
     seen = l > 0
     safe_l = jnp.where(seen, l, 1.0)
     o_blk = jnp.where(seen[..., None], acc / safe_l[..., None], 0.0)
@@ -173,7 +187,8 @@ def _forward(q, k, v, cu_q, cu_k, scale: float, bs: BlockSizes):
   return o, lse_buf[:num_q_rows]
 
 
-def _backward(q, k, v, cu_q, cu_k, o, lse_TxKxG, do, dlse_TxH, scale: float, bs: BlockSizes):
+def _backward(q, k, v, cu_q, cu_k, o, lse_TxKxG, do, dlse_TxH, scale: float, bs: BlockSizes,
+              window: int = 0):
   """dq, dk, dv (input dtypes) for cotangents do [T, H, D] and dlse [T, H]."""
   num_q_rows, num_heads, head_dim = q.shape
   num_k_rows = k.shape[0]
@@ -203,7 +218,7 @@ def _backward(q, k, v, cu_q, cu_k, o, lse_TxKxG, do, dlse_TxH, scale: float, bs:
       row = k_start[b] + j * bk
       k_blk = lax.dynamic_slice_in_dim(kp, row, bk)  # [S, K, D]
       v_blk = lax.dynamic_slice_in_dim(vp, row, bk)
-      mask = _tile_mask(nrows[b], lk[b], diag[b], j, bq, bk)
+      mask = _tile_mask(nrows[b], lk[b], diag[b], j, bq, bk, window)
       s = _einsum("qkgd,skd->qkgs", q_blk, k_blk) * scale
       p = jnp.where(mask, jnp.exp(s - lse_blk), 0.0)
       dp = _einsum("qkgd,skd->qkgs", do_blk, v_blk)
@@ -215,7 +230,8 @@ def _backward(q, k, v, cu_q, cu_k, o, lse_TxKxG, do, dlse_TxH, scale: float, bs:
               lax.dynamic_update_slice_in_dim(dv_buf, dv_win, row, 0))
 
     init = (jnp.zeros((bq, kh, g, d), jnp.float32), dk_buf, dv_buf)
-    dq_blk, dk_buf, dv_buf = lax.fori_loop(0, _key_blocks(nrows[b], lk[b], diag[b], bk),
+    dq_blk, dk_buf, dv_buf = lax.fori_loop(_first_key_block(diag[b], window, bk),
+                                           _key_blocks(nrows[b], lk[b], diag[b], bk),
                                            key_step, init)
     row_ok = (jnp.arange(bq) < nrows[b])[:, None, None, None]
     old = lax.dynamic_slice_in_dim(dq_buf, start[b], bq)
@@ -239,27 +255,27 @@ def _lse_TxH(lse_TxKxG):
   return lse_TxKxG.reshape(lse_TxKxG.shape[0], -1)
 
 
-def _named_forward(q, k, v, cu_q, cu_k, scale, bs):
+def _named_forward(q, k, v, cu_q, cu_k, scale, bs, window):
   """The forward's O and LSE, named for the remat policies that keep them."""
-  o, lse = _forward(q, k, v, cu_q, cu_k, scale, bs)
+  o, lse = _forward(q, k, v, cu_q, cu_k, scale, bs, window)
   return checkpoint_name(o, KERNEL_OUTPUTS_NAME), checkpoint_name(lse, KERNEL_OUTPUTS_NAME)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention(q, k, v, cu_q, cu_k, scale, bs):
-  o, lse = _named_forward(q, k, v, cu_q, cu_k, scale, bs)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _attention(q, k, v, cu_q, cu_k, scale, bs, window):
+  o, lse = _named_forward(q, k, v, cu_q, cu_k, scale, bs, window)
   return o, _lse_TxH(lse)
 
 
-def _attention_fwd(q, k, v, cu_q, cu_k, scale, bs):
-  o, lse = _named_forward(q, k, v, cu_q, cu_k, scale, bs)
+def _attention_fwd(q, k, v, cu_q, cu_k, scale, bs, window):
+  o, lse = _named_forward(q, k, v, cu_q, cu_k, scale, bs, window)
   return (o, _lse_TxH(lse)), (q, k, v, cu_q, cu_k, o, lse)
 
 
-def _attention_bwd(scale, bs, residuals, cotangents):
+def _attention_bwd(scale, bs, window, residuals, cotangents):
   q, k, v, cu_q, cu_k, o, lse = residuals
   do, dlse = cotangents
-  dq, dk, dv = _backward(q, k, v, cu_q, cu_k, o, lse, do, dlse, scale, bs)
+  dq, dk, dv = _backward(q, k, v, cu_q, cu_k, o, lse, do, dlse, scale, bs, window)
   return dq, dk, dv, None, None
 
 
@@ -269,7 +285,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def blockwise_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
                         cu_seqlens_q_N1: jax.Array, cu_seqlens_k_N1: jax.Array, *,
                         softmax_scale: float | None = None,
-                        block_sizes: BlockSizes | None = None) -> tuple[jax.Array, jax.Array]:
+                        block_sizes: BlockSizes | None = None,
+                        window: int = 0) -> tuple[jax.Array, jax.Array]:
   """Causal (bottom-right) GQA attention of every CA-task of a fused batch, blockwise jnp.
 
   Args:
@@ -280,12 +297,15 @@ def blockwise_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Arr
     cu_seqlens_k_N1: int32 [N + 1]; task i owns key rows [cu_k[i], cu_k[i+1]).
     softmax_scale: logit scale; default 1 / sqrt(D).
     block_sizes: tiles; default ``BlockSizes()``.
+    window: sliding window, keys per query row ending at its diagonal (0 = full causal; the
+      mask of ``custom_ops/varlen_attention.py``).
 
   Returns:
     o_TxHxD (q dtype; 0 on rows that see no key) and lse_TxH (f32 natural-log log-sum-exp of the
     scaled logits; -inf on rows that see no key). Differentiable in q, k, v (and through lse).
   """
   va.validate_inputs(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1)
+  window = va.check_window(window)
   block_sizes = BlockSizes() if block_sizes is None else block_sizes
   if not isinstance(block_sizes, BlockSizes):
     raise ValueError(f"block_sizes must be a custom_ops.blockwise_attention.BlockSizes; got "
@@ -293,4 +313,4 @@ def blockwise_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Arr
   head_dim = q_TxHxD.shape[2]
   scale = float(1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale)
   return _attention(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1, scale,
-                    block_sizes)
+                    block_sizes, window)

@@ -105,9 +105,10 @@ def flash3_bucket(cu_q, cu_k, buckets) -> tuple[jax.Array, jax.Array]:
 
 
 def flash3_attention(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k,
-                     grid_levels=FLASH3_GRID_LEVELS):
+                     grid_levels=FLASH3_GRID_LEVELS, window: int = 0):
   """(o [T, H, D], lse [T, H]) of kernel 'flash3' (``distca_jax.ops.core_attention``): checks
-  the platform, dtype and head dim, then ``flash3_masked`` on the real FA3 bindings."""
+  the platform, dtype and head dim, then ``flash3_masked`` on the real FA3 bindings
+  (``window`` > 0: FA3's local attention, ``flash3_window_size``)."""
   check_available()
   if q.dtype not in (jnp.bfloat16, jnp.float16):
     raise ValueError(f"kernel='flash3' takes bf16 or fp16 inputs; got {q.dtype=}")
@@ -119,18 +120,29 @@ def flash3_attention(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_se
   return flash3_masked(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale,
                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                         grid_levels=grid_levels,
-                        impl=SHAPE_ONLY_IMPL if _SHAPE_ONLY else _FA3_IMPL)
+                        impl=SHAPE_ONLY_IMPL if _SHAPE_ONLY else _FA3_IMPL, window=window)
+
+
+def flash3_window_size(window: int) -> tuple[int, int]:
+  """FA3's ``window_size=(left, right)`` of the contract's sliding ``window`` (0 = full causal:
+  ``(-1, -1)``). FA3 aligns windows bottom-right per task as the contract does: query row ``r``
+  sees keys ``[r + lk - lq - left, r + lk - lq + right]``, so ``left = window - 1``, ``right =
+  0``; its varlen forward and backward both take it (``flash_attn3_jax.varlen_fwd`` /
+  ``varlen_bwd`` 0.2.3)."""
+  window = va.check_window(window)
+  return (window - 1, 0) if window else (-1, -1)
 
 
 def flash3_masked(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqlen_k,
-                   grid_levels, impl):
+                   grid_levels, impl, window: int = 0):
   """FA3 on the real tasks only; rows outside every task are masked to 0 (-inf LSE).
 
   FA3 leaves rows outside ``[cu[0], cu[-1])`` unwritten (O, LSE, dQ, dK, dV), so every one of
   them is selected away here (FA3 reads no padding row, so padding inputs need no cleaning). A
   task longer than ``max_seqlen_q`` / ``max_seqlen_k`` makes the whole output NaN (FA3 would
   silently visit only the first ``max_seqlen`` rows). ``impl`` is the pair of FA3 calls (the real
-  bindings, or a CPU emulator of their contract in the tests).
+  bindings, or a CPU emulator of their contract in the tests); with ``window`` > 0 both are
+  called with ``window_size=flash3_window_size(window)``.
   """
   num_q_rows, num_heads, head_dim = q.shape
   cu_q = cu_q.astype(jnp.int32)
@@ -141,7 +153,9 @@ def flash3_masked(q, k, v, cu_q, cu_k, *, softmax_scale, max_seqlen_q, max_seqle
   buckets = flash3_grid_buckets(cu_q.shape[0] - 1, num_q_rows, msq, msk, grid_levels)
   scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
   bucket, fits = flash3_bucket(cu_q, cu_k, buckets)
-  o, lse_HxT = _flash3_attention(q, k, v, cu_q, cu_k, bucket, (buckets, scale, impl))
+  windowed = {"window_size": flash3_window_size(window)} if window else {}
+  config = (buckets, scale, impl, tuple(windowed.items()))
+  o, lse_HxT = _flash3_attention(q, k, v, cu_q, cu_k, bucket, config)
   _, _, q_valid = va.rows_to_tasks(cu_q, num_q_rows)
   o = mask_output(o, q_valid, fits)
   lse_TxH = jnp.where(q_valid[:, None], lse_HxT.T, fills_of(lse_HxT, -jnp.inf)[0])
@@ -175,7 +189,7 @@ def _mask_output_bwd(res, g):
 mask_output.defvjp(_mask_output_fwd, _mask_output_bwd)
 
 
-def _fa3_fwd(q, k, v, cu_q, cu_k, **config):
+def _fa3_fwd(q, k, v, cu_q, cu_k, **config):  # config: max_seqlen_*, softmax_scale, window_size
   from flash_attn3_jax import varlen as fa3_varlen  # noqa: PLC0415  (optional dependency)
   return fa3_varlen.flash_mha_varlen_fwd(q, k, v, cu_q, cu_k, None, is_causal=True, **config)
 
@@ -230,8 +244,8 @@ def _shape_only_primitive(name: str, out_avals):
   return prim
 
 
-def _fwd_avals(q, k, v, cu_q, cu_k, *, max_seqlen_q, max_seqlen_k, softmax_scale):
-  del k, v, cu_k, max_seqlen_k, softmax_scale
+def _fwd_avals(q, k, v, cu_q, cu_k, *, max_seqlen_q, **_):
+  del k, v, cu_k
   return [jax.core.ShapedArray(q.shape, q.dtype),
           jax.core.ShapedArray((cu_q.shape[0] - 1, q.shape[1], max_seqlen_q), jnp.float32)]
 
@@ -270,11 +284,12 @@ def _flash3_attention(q, k, v, cu_q, cu_k, bucket, config):
 
 
 def _flash3_attention_fwd(q, k, v, cu_q, cu_k, bucket, config):
-  buckets, scale, (fwd, _) = config
+  buckets, scale, (fwd, _), windowed = config
   num_q_rows, num_heads, _ = q.shape
   # The forward runs the full shape (see flash3_grid_buckets); the backward switches on bucket.
   _, msq, msk = buckets[-1]
-  o, lse_raw = fwd(q, k, v, cu_q, cu_k, max_seqlen_q=msq, max_seqlen_k=msk, softmax_scale=scale)
+  o, lse_raw = fwd(q, k, v, cu_q, cu_k, max_seqlen_q=msq, max_seqlen_k=msk, softmax_scale=scale,
+                   **dict(windowed))
   lse = lse_raw.reshape(-1)[:num_heads * num_q_rows].reshape(num_heads, num_q_rows)
   # What remat policies keep (saves_kernel_outputs): O and the [H, T] LSE, not the raw buffer.
   o, lse = (checkpoint_name(x, KERNEL_OUTPUTS_NAME) for x in (o, lse))
@@ -282,7 +297,7 @@ def _flash3_attention_fwd(q, k, v, cu_q, cu_k, bucket, config):
 
 
 def _flash3_attention_bwd(config, res, cts):
-  buckets, scale, (_, bwd) = config
+  buckets, scale, (_, bwd), windowed = config
   q, k, v, cu_q, cu_k, bucket, o, lse_HxT = res
   do, dlse = cts
   if not isinstance(dlse, jax.custom_derivatives.SymbolicZero):
@@ -298,7 +313,7 @@ def _flash3_attention_bwd(config, res, cts):
       lse_raw = jnp.pad(flat, (0, slots * lse_HxT.shape[0] * msq - flat.shape[0]))
       return bwd(do, q, k, v, o, lse_raw.reshape(slots, lse_HxT.shape[0], msq),
                  cu_q[:slots + 1], cu_k[:slots + 1], max_seqlen_q=msq, max_seqlen_k=msk,
-                 softmax_scale=scale)
+                 softmax_scale=scale, **dict(windowed))
     return run
 
   dq, dk, dv = switch_or_call(bucket, [branch(*b) for b in buckets], do, q, k, v, o, lse_HxT,

@@ -5,7 +5,10 @@ task ``i`` owns query rows ``[cu_q[i], cu_q[i+1])`` of the packed query buffer a
 ``[cu_k[i], cu_k[i+1])`` of the packed key/value buffers. Inside a task the causal mask is aligned
 bottom-right: local query row ``r`` of a task with ``lq`` queries and ``lk`` keys sees local keys
 ``j <= r + (lk - lq)`` (for ``lq == lk`` this is ordinary causal attention; the last query row
-always sees every key). Query heads are a multiple of key/value heads (GQA: query head ``h`` reads KV head
+always sees every key). With a sliding window of ``w`` keys (``window=w``; 0 = full causal), row ``r``
+also sees only keys ``j >= r + (lk - lq) - w + 1``: the ``w`` keys ending at its diagonal (a
+window layer's task reads only its keys ``[max(0, a - w + 1), b)``, so the bottom-right alignment
+keeps document positions). Query heads are a multiple of key/value heads (GQA: query head ``h`` reads KV head
 ``h // (H // K)``). Inputs are bf16, fp16 or f32; all accumulation is f32.
 
 Rows that see no key (padding rows outside every task, rows of empty tasks, and the first rows of
@@ -95,6 +98,14 @@ def validate_inputs(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
 # ------------------------------------------------------------------------------------------------
 
 
+def check_window(window) -> int:
+  """``window`` as an int >= 0 (0 = full causal); raises a one-line ValueError otherwise."""
+  if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+    raise ValueError(f"window={window!r} must be an int >= 0 (keys per query row ending at its "
+                     "diagonal; 0 = full causal attention)")
+  return int(window)
+
+
 def rows_to_tasks(cu_N1: jax.Array, total_rows: int):
   """Task id (clamped), local index and validity ([T] each) of every row of a packed buffer."""
   t = jnp.arange(total_rows, dtype=jnp.int32)
@@ -106,12 +117,15 @@ def rows_to_tasks(cu_N1: jax.Array, total_rows: int):
 
 def varlen_attention_reference(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
                                cu_seqlens_q_N1: jax.Array, cu_seqlens_k_N1: jax.Array, *,
-                               softmax_scale: float | None = None) -> tuple[jax.Array, jax.Array]:
-  """Plain-jnp dense masked attention with the contract of the module docstring.
+                               softmax_scale: float | None = None,
+                               window: int = 0) -> tuple[jax.Array, jax.Array]:
+  """Plain-jnp dense masked attention with the contract of the module docstring (``window``:
+  keys per query row ending at its diagonal, 0 = full causal).
 
   Materializes [H, T, U] logits in f32: a test oracle and fallback for small buffers only.
   """
   validate_inputs(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1)
+  window = check_window(window)
   num_q_rows, num_heads, head_dim = q_TxHxD.shape
   num_k_rows, num_kv_heads, _ = k_UxKxD.shape
   group = num_heads // num_kv_heads
@@ -124,6 +138,8 @@ def varlen_attention_reference(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: 
   limit_T = q_local + (lk_N - lq_N)[q_task]
   mask_TxU = (q_valid[:, None] & k_valid[None, :] & (q_task[:, None] == k_task[None, :])
               & (k_local[None, :] <= limit_T[:, None]))
+  if window:
+    mask_TxU &= k_local[None, :] > limit_T[:, None] - window
 
   # Padding rows are zeroed first so that whatever they hold (even NaN) cannot leak through 0 * x.
   q = jnp.where(q_valid[:, None, None], q_TxHxD.astype(jnp.float32), 0.0)

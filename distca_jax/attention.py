@@ -20,6 +20,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from custom_ops.varlen_attention import check_window
+
 
 _NEG = -1e30  # finite "minus infinity": keeps fully masked rows NaN-free.
 
@@ -48,24 +50,29 @@ class CoreAttentionFn(Protocol):
 # ----------------------------------------------------------------------------------------------
 # Reference: dense, O(T^2) memory. The oracle every backend is tested against.
 # ----------------------------------------------------------------------------------------------
-def document_mask(segment_ids_BxT: jax.Array) -> jax.Array:
-  """[B, T, T] bool: query t attends key s iff same document, not padding, s <= t."""
+def document_mask(segment_ids_BxT: jax.Array, window: int = 0) -> jax.Array:
+  """[B, T, T] bool: query t attends key s iff same document, not padding, s <= t (and, with a
+  sliding ``window`` > 0, s > t - window: a document's tokens are consecutive in its row)."""
   seg = segment_ids_BxT
   same = seg[:, :, None] == seg[:, None, :]
   t = seg.shape[1]
   causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+  if window:
+    causal &= jnp.arange(t)[:, None] - jnp.arange(t)[None, :] < window
   return same & causal[None] & (seg[:, :, None] != 0)
 
 
-def dense_reference(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: Layout, *, softmax_scale: float):
-  """Plain softmax attention under the document mask, float32; zeros at padding."""
+def dense_reference(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: Layout, *, softmax_scale: float,
+                    window: int = 0):
+  """Plain softmax attention under the document mask (sliding ``window`` keys per query when
+  > 0), float32; zeros at padding."""
   b, t, h, d = q_BxTxHxD.shape
   kh = k_BxTxKxD.shape[2]
   q = q_BxTxHxD.astype(jnp.float32).reshape(b, t, kh, h // kh, d)
   k = k_BxTxKxD.astype(jnp.float32)
   v = v_BxTxKxD.astype(jnp.float32)
   s_BxKxGxTxS = jnp.einsum("btkgd,bskd->bkgts", q, k) * softmax_scale
-  mask_BxTxS = document_mask(layout.segment_ids_BxT)
+  mask_BxTxS = document_mask(layout.segment_ids_BxT, window)
   s_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], s_BxKxGxTxS, _NEG)
   p = jax.nn.softmax(s_BxKxGxTxS, axis=-1)
   p = jnp.where(mask_BxTxS[:, None, None], p, 0.0)
@@ -88,8 +95,8 @@ def _unblocks(x):
   return jnp.moveaxis(x, 0, 1).reshape(b, n * c, *x.shape[3:])
 
 
-def _block_scores(q_blk, k_blk, seg_q, seg_k, i, j, cq, ck, scale):
-  """Scores and mask of query block i against key block j.
+def _block_scores(q_blk, k_blk, seg_q, seg_k, i, j, cq, ck, scale, window=0):
+  """Scores and mask of query block i against key block j (row distance < ``window`` when > 0).
 
   q_blk [B, cq, K, G, D] f32, k_blk [B, ck, K, D] -> s [B, K, G, cq, ck], mask [B, 1, 1, cq, ck].
   """
@@ -98,6 +105,8 @@ def _block_scores(q_blk, k_blk, seg_q, seg_k, i, j, cq, ck, scale):
   kj = j * ck + jnp.arange(ck)
   mask = ((seg_q[:, :, None] == seg_k[:, None, :]) & (seg_q[:, :, None] != 0)
           & (qi[:, None] >= kj[None, :])[None])
+  if window:
+    mask &= (qi[:, None] - kj[None, :] < window)[None]
   return s, mask[:, None, None]
 
 
@@ -106,7 +115,17 @@ def _key_blocks_needed(i, cq, ck):
   return ((i + 1) * cq + ck - 1) // ck
 
 
-def _local_fwd_impl(q, k, v, seg, scale, cq, ck):
+def _first_key_block(i, cq, ck, window: int):
+  """Query block i needs no key block before this one (0 without a window)."""
+  return jnp.maximum(i * cq - window + 1, 0) // ck if window else 0
+
+
+def _query_blocks_needed(j, cq, ck, nq: int, window: int):
+  """Query blocks [first, this) see key block j: all after it without a window."""
+  return jnp.minimum(((j + 1) * ck - 1 + window - 1) // cq + 1, nq) if window else nq
+
+
+def _local_fwd_impl(q, k, v, seg, scale, cq, ck, window=0):
   b, t, h, d = q.shape
   kh = k.shape[2]
   g = h // kh
@@ -121,7 +140,7 @@ def _local_fwd_impl(q, k, v, seg, scale, cq, ck):
     def body(j, carry):
       acc, m, l = carry
       k_blk = kb[j].astype(jnp.float32)
-      s, mask = _block_scores(q_blk, k_blk, seg_q, segk[j], i, j, cq, ck, scale)
+      s, mask = _block_scores(q_blk, k_blk, seg_q, segk[j], i, j, cq, ck, scale, window)
       s = jnp.where(mask, s, _NEG)
       m_new = jnp.maximum(m, s.max(-1))
       p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -132,7 +151,8 @@ def _local_fwd_impl(q, k, v, seg, scale, cq, ck):
 
     init = (jnp.zeros((b, kh, g, cq, d), jnp.float32), jnp.full((b, kh, g, cq), _NEG, jnp.float32),
             jnp.zeros((b, kh, g, cq), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(0, _key_blocks_needed(i, cq, ck), body, init)
+    acc, m, l = jax.lax.fori_loop(_first_key_block(i, cq, ck, window),
+                                  _key_blocks_needed(i, cq, ck), body, init)
     safe_l = jnp.where(l > 0, l, 1.0)
     o = jnp.where((l > 0)[..., None], acc / safe_l[..., None], 0.0)
     lse = jnp.where(l > 0, m + jnp.log(safe_l), _NEG)
@@ -146,7 +166,7 @@ def _local_fwd_impl(q, k, v, seg, scale, cq, ck):
   return o, lse
 
 
-def _local_bwd_impl(q, k, v, seg, o, lse, do, scale, cq, ck):
+def _local_bwd_impl(q, k, v, seg, o, lse, do, scale, cq, ck, window=0):
   b, t, h, d = q.shape
   kh = k.shape[2]
   g = h // kh
@@ -158,7 +178,7 @@ def _local_bwd_impl(q, k, v, seg, o, lse, do, scale, cq, ck):
   kb, vb, segk = _blocks(k, ck), _blocks(v, ck), _blocks(seg, ck)
 
   def probs(i, j, q_blk, seg_q, lse_blk, k_blk, seg_k):
-    s, mask = _block_scores(q_blk, k_blk, seg_q, seg_k, i, j, cq, ck, scale)
+    s, mask = _block_scores(q_blk, k_blk, seg_q, seg_k, i, j, cq, ck, scale, window)
     lse_t = jnp.moveaxis(lse_blk, 1, 3)  # [B, K, G, cq]
     return jnp.where(mask, jnp.exp(s - lse_t[..., None]), 0.0)
 
@@ -176,8 +196,8 @@ def _local_bwd_impl(q, k, v, seg, o, lse, do, scale, cq, ck):
       ds = ds_of(p, do_blk, v_blk, delta_blk)
       return dq + jnp.einsum("bkgqs,bskd->bqkgd", ds, k_blk) * scale
 
-    return jax.lax.fori_loop(0, _key_blocks_needed(i, cq, ck), body,
-                             jnp.zeros((b, cq, kh, g, d), jnp.float32))
+    return jax.lax.fori_loop(_first_key_block(i, cq, ck, window), _key_blocks_needed(i, cq, ck),
+                             body, jnp.zeros((b, cq, kh, g, d), jnp.float32))
 
   def dkv_block(args):
     j, k_blk, v_blk, seg_k = args
@@ -194,7 +214,8 @@ def _local_bwd_impl(q, k, v, seg, o, lse, do, scale, cq, ck):
 
     first_q = (j * ck) // cq  # earlier query blocks never see key block j (causal)
     zeros = jnp.zeros((b, ck, kh, d), jnp.float32)
-    return jax.lax.fori_loop(first_q, nq, body, (zeros, zeros))
+    return jax.lax.fori_loop(first_q, _query_blocks_needed(j, cq, ck, nq, window), body,
+                             (zeros, zeros))
 
   dq = _unblocks(jax.lax.map(dq_block, (jnp.arange(nq), qb, dob, deltab, lseb, segq)))
   dk_b, dv_b = jax.lax.map(dkv_block, (jnp.arange(nk), kb, vb, segk))
@@ -202,19 +223,19 @@ def _local_bwd_impl(q, k, v, seg, o, lse, do, scale, cq, ck):
           _unblocks(dv_b).astype(v.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _local_attention(q, k, v, seg, scale, cq, ck):
-  return _local_fwd_impl(q, k, v, seg, scale, cq, ck)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _local_attention(q, k, v, seg, scale, cq, ck, window):
+  return _local_fwd_impl(q, k, v, seg, scale, cq, ck, window)[0]
 
 
-def _local_fwd(q, k, v, seg, scale, cq, ck):
-  o, lse = _local_fwd_impl(q, k, v, seg, scale, cq, ck)
+def _local_fwd(q, k, v, seg, scale, cq, ck, window):
+  o, lse = _local_fwd_impl(q, k, v, seg, scale, cq, ck, window)
   return o, (q, k, v, seg, o, lse)
 
 
-def _local_bwd(scale, cq, ck, res, do):
+def _local_bwd(scale, cq, ck, window, res, do):
   q, k, v, seg, o, lse = res
-  dq, dk, dv = _local_bwd_impl(q, k, v, seg, o, lse, do, scale, cq, ck)
+  dq, dk, dv = _local_bwd_impl(q, k, v, seg, o, lse, do, scale, cq, ck, window)
   return dq, dk, dv, None
 
 
@@ -233,17 +254,20 @@ def _pick_block(t: int, want: int) -> int:
 
 
 def local_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: Layout, *, softmax_scale: float,
-                    block_q: int = 512, block_k: int = 512):
+                    block_q: int = 512, block_k: int = 512, window: int = 0):
   """Each row attends its own documents; blockwise with online softmax, custom VJP.
 
   Memory is O(T * block) per row instead of O(T^2); key blocks above the causal diagonal are never
-  visited. Block sizes are clamped to divisors of T.
+  visited. Block sizes are clamped to divisors of T. ``window`` > 0: a sliding window, each query
+  sees the ``window`` keys of its document ending at itself, and key blocks wholly before every
+  window of a query block are never visited either.
   """
   check_shapes(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout)
+  window = check_window(window)
   t = q_BxTxHxD.shape[1]
   cq, ck = _pick_block(t, block_q), _pick_block(t, block_k)
   return _local_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout.segment_ids_BxT,
-                          float(softmax_scale), cq, ck)
+                          float(softmax_scale), cq, ck, window)
 
 
 def check_shapes(q, k, v, layout: Layout):

@@ -13,7 +13,7 @@ What a backend does with a type:
   * a window layer calls the backend's core attention with ``window=w``;
   * a chunk layer calls it on a layout whose segment ids are cut at chunk boundaries
     (``cut_segment_ids``) and whose host arrays come from the chunk-cut documents
-    (``cut_doclens``);
+    (``plan.chunk_layout``);
   * a backend with host planning (``host_prepare``) plans once per distinct layer type per step
     (``per_type_backend``): array ``name`` of type ``t`` travels as ``name@t`` in
     ``layout.extra``, and ``layout_for(layout, t)`` hands each layer its own type's arrays under
@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from distca_jax import attention as attn_lib
+from distca_jax.plan.metadata import chunk_layout
 
 FULL, WINDOW, CHUNK = "full", "window", "chunk"
 TYPE_SEPARATOR = "@"  # ``layout.extra`` key of a per-type host array: ``name@<LayerType.name>``
@@ -133,20 +134,6 @@ def cut_segment_ids(segment_ids_BxT: jax.Array, positions_BxT: jax.Array, chunk:
   return jnp.where(seg != 0, jnp.cumsum(start.astype(jnp.int32), axis=1), 0).astype(seg.dtype)
 
 
-def cut_doclens(doclens: Sequence[Sequence[int]], chunk: int) -> list[list[int]]:
-  """Each row's document lengths cut at multiples of ``chunk`` (every piece starts at position
-  0, ``data.batch``): a document of n tokens becomes n // chunk pieces of ``chunk`` and one of
-  n % chunk when that is not 0."""
-  out = []
-  for row in doclens:
-    pieces = []
-    for n in row:
-      n = int(n)
-      pieces += [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])
-    out.append(pieces)
-  return out
-
-
 # ----------------------------------------------------------------------------------------------
 # Per-type host arrays.
 # ----------------------------------------------------------------------------------------------
@@ -177,30 +164,49 @@ def layout_for(layout, layer_type: LayerType):
 
 def doclens_for(doclens, layer_type: LayerType):
   """The documents a layer of ``layer_type`` attends within: chunk-cut for 'chunk'."""
-  return cut_doclens(doclens, layer_type.size) if layer_type.kind == CHUNK else doclens
+  return chunk_layout(doclens, layer_type.size) if layer_type.kind == CHUNK else doclens
 
 
-def per_type_host_prepare(host_prepare: Callable[..., dict], types: Sequence[LayerType],
+def per_type_host_prepare(prepares: Mapping[LayerType, Callable[..., dict]],
                           shared: Sequence[str] = ()) -> Callable[..., dict]:
-  """``host_prepare`` run once per distinct layer type of ``types`` per batch: type ``t``'s
-  arrays as ``name@t`` (``layout_for`` reads them back), planned over ``doclens_for(doclens,
-  t)``, with ``window=t.window`` for a window type (``host_prepare`` must then take it). Names
-  in ``shared`` also keep their plain name, combined over the types (elementwise maximum, e.g.
-  whether any plan of the step moves a row)."""
-  types = distinct(types)
+  """One ``host_prepare`` of the ``prepares`` of each distinct layer type, run once per type per
+  batch: type ``t``'s arrays as ``name@t`` (``layout_for`` reads them back), planned over
+  ``doclens_for(doclens, t)``. Names in ``shared`` also keep their plain name, combined over the
+  types (elementwise maximum, e.g. whether any plan of the step moves a row)."""
 
   def prepare(doclens, tokens_per_row: int) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
-    for t in types:
-      kwargs = {"window": t.window} if t.window else {}
-      arrays = host_prepare(doclens_for(doclens, t), tokens_per_row, **kwargs)
-      for k, v in arrays.items():
+    for t, host_prepare in prepares.items():
+      for k, v in host_prepare(doclens_for(doclens, t), tokens_per_row).items():
         out[typed_key(k, t)] = v
         if k in shared:
           out[k] = v if k not in out else np.maximum(out[k], v)
     return out
 
   return prepare
+
+
+def dropping_window(fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+  """``fn``, a core attention whose window is built in, called as the model calls a window
+  layer's (``window=`` among the keywords, dropped here)."""
+
+  def attend(q, k, v, layout, *, softmax_scale: float, window: int = 0, **kwargs):
+    del window
+    return fn(q, k, v, layout, softmax_scale=softmax_scale, **kwargs)
+
+  return attend
+
+
+def by_window(fns: Mapping[int, Callable[..., jax.Array]]) -> Callable[..., jax.Array]:
+  """Core attention that calls ``fns[window]`` for the layer's ``window`` keyword (0 when
+  absent); the single function of a one-entry ``fns`` whatever the window."""
+
+  def attend(q, k, v, layout, *, softmax_scale: float, window: int = 0, **kwargs):
+    f = fns[window] if len(fns) > 1 else next(iter(fns.values()))
+    kw = {"window": window} if window else {}
+    return f(q, k, v, layout, softmax_scale=softmax_scale, **kw, **kwargs)
+
+  return attend
 
 
 def local_unless_crossing(fn: Callable[..., jax.Array], local_fn: Callable[..., jax.Array],

@@ -103,7 +103,8 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
                    kernel: str = "reference", softmax_scale: float | None = None,
                    return_lse: bool = False, block_sizes: bw.BlockSizes | None = None,
                    max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                   grid_levels: int = fa3.FLASH3_GRID_LEVELS, name_inputs: bool = True):
+                   grid_levels: int = fa3.FLASH3_GRID_LEVELS, name_inputs: bool = True,
+                   window: int = 0):
   """Causal (bottom-right) GQA attention of every CA-task in a fused batch.
 
   Args:
@@ -126,6 +127,10 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
     name_inputs: tag q, k, v with ``checkpoint_name(KERNEL_INPUTS_NAME)``, so that remat
       policies can keep them for the backward (model.py 'save_attention'). False leaves them
       to be recomputed (CAD's 'resend' memory mode re-sends them).
+    window: sliding window (static): local query row r of a task with lq queries and lk keys
+      sees keys ``r + lk - lq - window < j <= r + lk - lq`` (``custom_ops.varlen_attention``);
+      0 = full causal. A window layer's task ``[a, b)`` reads keys ``[max(0, a - window + 1),
+      b)`` (``plan.k_starts``).
 
   Returns:
     o_TxHxD (q dtype; 0 on rows that see no key), or (o_TxHxD, lse_TxH) if ``return_lse``.
@@ -133,6 +138,7 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
   if check_kernel(kernel) == "auto":
     kernel = default_kernel()
   va.validate_inputs(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1)
+  window = va.check_window(window)
   if kernel != "blockwise" and block_sizes is not None:
     raise ValueError(f"block_sizes={block_sizes!r} applies to kernel='blockwise' only; drop it "
                      f"for {kernel=}")
@@ -142,16 +148,20 @@ def core_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
 
   if kernel == "reference":
     o, lse = va.varlen_attention_reference(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1,
-                                           cu_seqlens_k_N1, softmax_scale=softmax_scale)
+                                           cu_seqlens_k_N1, softmax_scale=softmax_scale,
+                                           window=window)
   elif kernel == "blockwise":
     o, lse = bw.blockwise_attention(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1,
-                                    softmax_scale=softmax_scale, block_sizes=block_sizes)
+                                    softmax_scale=softmax_scale, block_sizes=block_sizes,
+                                    window=window)
   elif kernel == "mosaic":
-    o, lse = _mosaic(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1, softmax_scale)
+    o, lse = _mosaic(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1, softmax_scale,
+                     window)
   else:
     o, lse = fa3.flash3_attention(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1,
                                     softmax_scale=softmax_scale, max_seqlen_q=max_seqlen_q,
-                                    max_seqlen_k=max_seqlen_k, grid_levels=grid_levels)
+                                    max_seqlen_k=max_seqlen_k, grid_levels=grid_levels,
+                                    window=window)
   return (o, lse) if return_lse else o
 
 
@@ -163,7 +173,8 @@ def _check_mosaic_available() -> None:
         "there")
 
 
-def _mosaic(q, k, v, cu_q, cu_k, softmax_scale):
+def _mosaic(q, k, v, cu_q, cu_k, softmax_scale, window=0):
   _check_mosaic_available()
   from custom_ops import mosaic_attention  # noqa: PLC0415  (imports Mosaic GPU)
-  return mosaic_attention.mosaic_attention(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale)
+  return mosaic_attention.mosaic_attention(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale,
+                                           window=window)

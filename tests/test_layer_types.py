@@ -16,6 +16,7 @@ from distca_jax import attention as attn_lib
 from distca_jax import layer_types as types_lib
 from distca_jax import model as model_lib
 from distca_jax.data import batch as batch_lib
+from distca_jax.plan import chunk_layout
 
 LT = types_lib.LayerType
 W8, C8, FULL = LT("window", 8), LT("chunk", 8), types_lib.FULL_TYPE
@@ -78,7 +79,7 @@ def test_cut_doclens_and_segment_ids_agree(seed):
   for _ in range(20):
     doclens = random_doclens(rng, 3, t)
     chunk = int(rng.integers(1, 20))
-    cut = types_lib.cut_doclens(doclens, chunk)
+    cut = chunk_layout(doclens, chunk)
     assert [sum(r) for r in cut] == [sum(r) for r in doclens]
     assert all(0 < n <= chunk for r in cut for n in r)
     seg, pos = batch_lib.layout_arrays(doclens, t)

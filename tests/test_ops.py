@@ -36,8 +36,9 @@ from distca_jax.plan import cost as plan_cost
 # ------------------------------------------------------------------------------------------------
 
 
-def oracle(q, k, v, cu_q, cu_k, scale, do, dlse):
-  """Returns o, lse, dq, dk, dv (float64) for loss = sum(o * do) + sum(lse * dlse)."""
+def oracle(q, k, v, cu_q, cu_k, scale, do, dlse, window=0):
+  """Returns o, lse, dq, dk, dv (float64) for loss = sum(o * do) + sum(lse * dlse); ``window`` >
+  0: a sliding window, row r also sees only keys j > r + (lk - lq) - window."""
   q, k, v, do, dlse = (np.asarray(x, np.float64) for x in (q, k, v, do, dlse))
   num_q_rows, num_heads, _ = q.shape
   group = num_heads // k.shape[1]
@@ -52,6 +53,8 @@ def oracle(q, k, v, cu_q, cu_k, scale, do, dlse):
     r = np.arange(lq)[:, None]
     j = np.arange(lk)[None, :]
     mask = j <= r + (lk - lq)  # bottom-right causal
+    if window:
+      mask &= j > r + (lk - lq) - window
     seen = mask.any(axis=1)
     for h in range(num_heads):
       hk = h // group

@@ -64,7 +64,7 @@ def build(c: ml_collections.ConfigDict, **overrides) -> attn_lib.Backend:
   options = given
   if hasattr(m, "from_first_batches"):  # the startup step: sample the run's first batches
     options = m.from_first_batches(c, given)
-  backend = with_layer_types(c, m.make(options))
+  backend = with_layer_types(c, m, options)
   if c.mesh.pipe > 1:  # one core-attention call is one pipeline tick: host plans per tick
     backend = pipeline.per_tick_backend(backend, stages=c.mesh.pipe, rows_per_rank=c.rows_per_rank,
                                         microbatches=c.pipeline.microbatches)
@@ -80,14 +80,19 @@ _FULL_ONLY = {
 }
 
 
-def with_layer_types(c: ml_collections.ConfigDict, backend: attn_lib.Backend) -> attn_lib.Backend:
-  """``backend`` for the model's layer types (``model.layer_pattern``; ``layer_types``): the
-  same backend when every layer is full; else its host planning runs once per distinct type
-  per batch (``layer_types.per_type_host_prepare``: each type's arrays under ``name@type``, the
-  step's ``attention.CROSSES_KEY`` the maximum over the types) and, with a local branch and
-  several types, each layer runs its backend's ``fn`` when its type's plan moves rows and
-  ``local_fn`` when it does not (``layer_types.local_unless_crossing``). ``cp`` and ``wlb``
-  refuse local layers, ``attention.distca.branch='price'`` several types (one line each)."""
+def with_layer_types(c: ml_collections.ConfigDict, m: types.ModuleType,
+                     options) -> attn_lib.Backend:
+  """Backend module ``m``'s backend of ``options`` for the model's layer types
+  (``model.layer_pattern``; ``layer_types``). Every layer full: ``m.make(options)``. Else one
+  backend per distinct sliding window when ``m``'s options hold a ``window`` (``distca``: its
+  plans and kernel are windowed), and its host planning runs once per distinct layer type per
+  batch (``layer_types.per_type_host_prepare``: each type's arrays under ``name@type``, chunk
+  types planned over the chunk-cut documents; the step's ``attention.CROSSES_KEY`` the maximum
+  over the types); with a local branch and several types each layer runs the backend's
+  attention when its type's plan moves rows and ``local_fn`` when it does not
+  (``layer_types.local_unless_crossing``). ``cp`` and ``wlb`` refuse local layers,
+  ``attention.distca.branch='price'`` several types (one line each)."""
+  backend = m.make(options)
   kinds = types_lib.distinct(config_lib.model_config(c).layer_types)
   if kinds == (types_lib.FULL_TYPE,):
     return backend
@@ -102,13 +107,27 @@ def with_layer_types(c: ml_collections.ConfigDict, backend: attn_lib.Backend) ->
                     f"model has {names}: set attention.distca.branch='gain'")
   if backend.host_prepare is None:  # no host arrays: the model's layout_for is all it needs
     return backend
-  out = dataclasses.replace(backend, host_prepare=types_lib.per_type_host_prepare(
-      backend.host_prepare, kinds, shared=(attn_lib.CROSSES_KEY,)))
-  if backend.local_fn is not None and len(kinds) > 1:
-    wrap = lambda f: f and types_lib.local_unless_crossing(f, backend.local_fn)
-    out = dataclasses.replace(out, fn=wrap(backend.fn),
-                              **({"resend_fn": wrap(backend.resend_fn)}
-                                 if hasattr(backend, "resend_fn") else {}))
+  windowed = "window" in {f.name for f in dataclasses.fields(options)}
+  made = {w: m.make(dataclasses.replace(options, window=w)) if windowed and w else backend
+          for w in {t.window for t in kinds}}
+  of = {t: made[t.window] for t in kinds}
+
+  def per_window(attr: str):
+    """The backends' ``attr`` functions as one, by the layer's ``window`` (a windowed
+    backend's own function holds its window; the others take it as an argument)."""
+    fns = {w: getattr(b, attr) for w, b in made.items()}
+    if windowed:
+      fns = {w: types_lib.dropping_window(f) for w, f in fns.items()}
+    if backend.local_fn is not None and len(kinds) > 1:
+      fns = {w: types_lib.local_unless_crossing(f, backend.local_fn) for w, f in fns.items()}
+    return types_lib.by_window(fns)
+
+  out = dataclasses.replace(backend, fn=per_window("fn"),
+                            host_prepare=types_lib.per_type_host_prepare(
+                                {t: b.host_prepare for t, b in of.items()},
+                                shared=(attn_lib.CROSSES_KEY,)))
+  if getattr(backend, "resend_fn", None) is not None:
+    out = dataclasses.replace(out, resend_fn=per_window("resend_fn"))
   return out
 
 

@@ -99,6 +99,8 @@ class Options:
     local_steps: a batch whose plans move no row runs the train step's second branch, with
       ``packed_dp``'s attention (each device its own rows, no exchange, no plan buffers);
       without a pipeline only (``data_axis`` 'data').
+    window: the layers' sliding window (0 = full causal): the plans' (``plan.PlanOptions``)
+      and the kernel's (``dataplane.DispatchOptions``).
     local_gain: with the local branch, a batch whose every plan (nano-batch, server group)
       could gain less than this (``plan.predicted_step_gain`` of its layout) moves nothing and
       runs that branch; 0 = only batches whose plans move nothing anyway. ``min_gain`` gates
@@ -140,6 +142,7 @@ class Options:
   cost_table: str = ""
   local_steps: bool = True
   local_gain: float = 0.0
+  window: int = 0
   plan_stats: bool = False
 
   @classmethod
@@ -181,7 +184,8 @@ class Options:
                        min_gain=self.min_gain, cost_model=self.cost_table or None,
                        linear_pairs_per_token=self.linear_pairs_per_token, q_heads=self.q_heads,
                        kv_heads=self.kv_heads, head_dim=self.head_dim,
-                       dtype_bytes=self.dtype_bytes, **self.host_options(num_servers))
+                       dtype_bytes=self.dtype_bytes, window=self.window,
+                       **self.host_options(num_servers))
 
   def host_options(self, num_servers: int) -> dict[str, Any]:
     """The planner's hosts over ``num_servers`` servers (``servers_per_host_for``; None: one
@@ -223,7 +227,7 @@ def make(options: Options) -> "DistcaBackend":
     dispatch = DispatchOptions(kernel=o.kernel,
                                memory_mode="keep" if o.memory_mode == "auto" else o.memory_mode,
                                data_axis=o.data_axis, server_axis=o.server_axis,
-                               exchange=exchange)
+                               exchange=exchange, window=o.window)
   except ValueError as e:
     raise ValueError(f"{e} (config.attention.distca)") from e
   r = check_int("rows_per_rank", o.rows_per_rank, 1)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from custom_ops.varlen_attention import check_window
 from distca_jax import ops
 from distca_jax.dataplane.exchange import ExchangeOptions, return_to_owners, send_to_servers
 from distca_jax.plan.spec import PlanSpec
@@ -57,6 +58,10 @@ class DispatchOptions:
     kernel_options: extra keywords for ``ops.core_attention`` (e.g. ``block_sizes``); a mapping
       is stored as sorted ``(name, value)`` pairs.
     exchange: collective and signal-only (``exchange.ExchangeOptions``).
+    window: the layer's sliding window (0 = full causal): the kernel's static ``window``
+      (``ops.core_attention``). The plan must be one made for the same window
+      (``plan.PlanOptions.window``): its tasks carry only the keys ``[k_start, b)`` the window
+      reads, so a window plan run with another window computes other attention.
   """
   kernel: str = "auto"
   memory_mode: str = "keep"
@@ -67,9 +72,11 @@ class DispatchOptions:
   return_lse: bool = False
   kernel_options: tuple[tuple[str, Any], ...] = ()
   exchange: ExchangeOptions = ExchangeOptions()
+  window: int = 0
 
   def __post_init__(self):
     ops.check_kernel(self.kernel, "kernel")
+    check_window(self.window)
     if self.memory_mode not in MEMORY_MODES:
       raise ValueError(f"distca memory_mode={self.memory_mode!r}; choose one of {MEMORY_MODES}")
     if isinstance(self.kernel_options, Mapping):
@@ -110,7 +117,7 @@ def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec,
   out = ops.core_attention(q_attn, k_attn, v_attn, m["cu_seqlens_q"], m["cu_seqlens_k"],
                            kernel=options.kernel, softmax_scale=options.softmax_scale,
                            return_lse=return_lse, name_inputs=options.memory_mode != "resend",
-                           **dict(options.kernel_options))
+                           window=options.window, **dict(options.kernel_options))
   o_attn, lse_attn = out if return_lse else (out, None)
   # 5. O back to the owners (zeros at padding).
   o_RxTxHxD = return_to_owners(o_attn, m, spec, axis, 0, wire).reshape(r, t, h, d)

@@ -24,13 +24,14 @@ from distca_jax.plan.cost import (BWD_FWD_RATIO, DEFAULT_DTYPE_BYTES, DEFAULT_HE
                                   DEFAULT_KV_HEADS, DEFAULT_MIN_SHARD, DEFAULT_Q_HEADS,
                                   DEFAULT_TOLERANCE, FWD_FLOPS_PER_PAIR, MFU_FWD_BWD_FACTOR,
                                   CostTable, as_cost_table, attention_pairs,
-                                  core_attention_flops, imbalance, layout_step_gain, pairs,
+                                  core_attention_flops, imbalance, k_starts, layout_step_gain,
+                                  pairs,
                                   predicted_step_gain,
                                   task_flops)
 from distca_jax.plan.diagnostics import (diagnostics, exchange_bytes, pair_bytes, plot_loads,
                                          server_loads, traffic_rows)
 from distca_jax.plan.executor import reference_document_attention, reference_execute
-from distca_jax.plan.metadata import (ROUTE_ROWS, Plan, PlanMetadata, parse_layout,
+from distca_jax.plan.metadata import (ROUTE_ROWS, Plan, PlanMetadata, chunk_layout, parse_layout,
                                       plan_to_metadata, ranges, reverse_routes, split_at)
 from distca_jax.plan.options import PlanOptions, auto_min_shard
 from distca_jax.plan.two_level import TwoLevel
@@ -42,9 +43,10 @@ __all__ = [
     "DEFAULT_HEAD_DIM", "DEFAULT_KV_HEADS", "DEFAULT_MIN_SHARD", "DEFAULT_Q_HEADS",
     "DEFAULT_TOLERANCE", "EXCHANGE_FIELDS", "FWD_FLOPS_PER_PAIR", "HostPlan", "MFU_FWD_BWD_FACTOR",
     "Plan", "PlanMetadata", "PlanOptions", "PlanSpec", "ROUTE_ROWS", "SPLITS", "as_cost_table",
-    "attention_pairs", "auto_min_shard", "caps_with_headroom", "core_attention_flops",
+    "attention_pairs", "auto_min_shard", "caps_with_headroom", "chunk_layout",
+    "core_attention_flops",
     "default_capacity", "device_layout", "diagnostics", "exchange_bytes", "fit_host_plan",
-    "host_plan", "imbalance", "layout_step_gain", "nano_batch_rows", "pair_bytes", "pairs",
+    "host_plan", "imbalance", "k_starts", "layout_step_gain", "nano_batch_rows", "pair_bytes", "pairs",
     "parse_layout", "plan_to_metadata", "plot_loads", "predicted_step_gain", "ranges",
     "reference_document_attention", "reference_execute", "required_capacity", "resolve_capacity",
     "reverse_routes", "row_multiple", "schedule", "server_loads", "split_at", "suggest_capacity",

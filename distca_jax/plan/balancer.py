@@ -52,6 +52,14 @@ the greedy always finds a move until every server is within the limit. With ``to
 exact balance of integer token counts is generally impossible and the plan reports ``degraded``
 within one such piece of the mean.
 
+Sliding-window layers (``window`` w > 0): a task ``[a, b)`` reads keys ``[k_start(a), b)``
+(``cost.k_starts``) and holds ``cost.pairs(a, b, w)`` pairs. Loads, the exact amounts of a move
+(smallest ``m`` / ``k`` whose windowed work reaches the target, found by bisection) and the exact
+traffic (``_stats``: a (document, server)'s key/value rows are the union of its tasks' key ranges)
+count windowed pairs and rows; the vectorised scores rank moves with windowed estimates (a
+mirrored pair of the innermost rows holds ``min(x, w) + min(y + 1, w)`` pairs, a suffix token
+``min(b, w)``, a move's key/value rows start ``w - 1`` before its first query row).
+
 With hosts (``PlanOptions.servers_per_host``) ``hosts.HostBalancer`` runs the same greedy in
 three phases and prices bytes by link (``hosts`` module docstring).
 
@@ -72,7 +80,7 @@ import math
 import numpy as np
 
 from distca_jax.plan.capacity import CAP_FIELDS, Capacity
-from distca_jax.plan.cost import pairs
+from distca_jax.plan.cost import k_starts, pairs
 
 SPLITS = ("auto", "mirrored", "suffix")
 # Tolerances a stuck run falls back on, increasing (see ``Balancer._settle``).
@@ -131,8 +139,9 @@ class Balancer:
 
   def __init__(self, lens: np.ndarray, starts: np.ndarray, num_servers: int,
                tokens_per_rank: int, tolerance: float, min_shard: int, capacity: Capacity,
-               q_row_bytes: float, kv_row_bytes: float, split: str):
+               q_row_bytes: float, kv_row_bytes: float, split: str, window: int = 0):
     s, t = num_servers, tokens_per_rank
+    self.window = int(window)
     self.num_servers, self.tokens_per_rank = s, t
     self.tolerance, self.min_shard, self.capacity = tolerance, min_shard, capacity
     self.q_row_bytes, self.kv_row_bytes, self.split = q_row_bytes, kv_row_bytes, split
@@ -165,16 +174,18 @@ class Balancer:
     self.head_hi[:n0] = mid
     self.tail_lo[:n0] = mid
     self.tail_hi[:n0] = hi
-    self.item_work[:n0] = pairs(lo, hi)
+    self.item_work[:n0] = pairs(lo, hi, self.window)
     self.item_server[:n0] = rank
     self.seg_rank, self.seg_lo, self.seg_hi = rank, lo, hi
     # (doc, server) -> sorted merged query intervals: the truth for tasks and traffic.
     self.intervals: dict[tuple[int, int], list[tuple[int, int]]] = {
         (j, r): [(a, b)] for j, r, a, b in zip(doc.tolist(), rank.tolist(), lo.tolist(),
                                                hi.tolist())}
-    self.loads = np.bincount(rank, weights=pairs(lo, hi).astype(np.float64), minlength=s)
+    self.loads = np.bincount(rank, weights=pairs(lo, hi, self.window).astype(np.float64),
+                             minlength=s)
     self.q_rows = np.bincount(rank, weights=(hi - lo).astype(np.float64), minlength=s)
-    self.kv_attn_rows = np.bincount(rank, weights=hi.astype(np.float64), minlength=s)
+    self.kv_attn_rows = np.bincount(
+        rank, weights=(hi - k_starts(lo, self.window)).astype(np.float64), minlength=s)
     self.num_tasks = np.bincount(rank, minlength=s).astype(np.float64)
     self.pair_q_rows = np.zeros((s, s))
     self.pair_kv_rows = np.zeros((s, s))
@@ -188,7 +199,7 @@ class Balancer:
         self.exact_docs[r].add(j)
         self.doc_items.setdefault(j, []).append(i)
         if a > 0:
-          for o, cnt in self._owner_rows(j, 0, a):
+          for o, cnt in self._owner_rows(j, int(k_starts(a, self.window)), a):
             if o != r:
               self.pair_kv_rows[o, r] += cnt
     self.send_q, self.recv_q = np.zeros(s), np.zeros(s)
@@ -214,31 +225,40 @@ class Balancer:
     olo, ohi = max(lo, d * self.tokens_per_rank - g), min(hi, (d + 1) * self.tokens_per_rank - g)
     return max(0, ohi - olo)
 
+  def _key_union(self, ivs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The key/value rows the tasks ``ivs`` of one (document, server) read: their key ranges
+    ``[k_start(lo), hi)`` merged (``[0, last hi)`` without a window)."""
+    if not self.window:
+      return [(0, ivs[-1][1])] if ivs else []
+    return _merge([(int(k_starts(lo, self.window)), hi) for lo, hi in ivs])
+
   def _stats(self, j: int, d: int, ivs: list[tuple[int, int]]):
     """(load, q rows, tasks, kv attention rows, {owner: q rows}, {owner: kv rows})."""
     load = q = kva = 0
     pq: dict[int, int] = {}
     pkv: dict[int, int] = {}
     span = j in self.spanning_docs
+    w = self.window
     for lo, hi in ivs:
-      load += (hi - lo) * (lo + hi + 1) // 2
+      load += int(pairs(lo, hi, w)) if w else (hi - lo) * (lo + hi + 1) // 2
       q += hi - lo
-      kva += hi
+      kva += hi - int(k_starts(lo, w))
       if span:
         for o, c in self._owner_rows(j, lo, hi):
           if o != d:
             pq[o] = pq.get(o, 0) + c
     if ivs:
-      end = ivs[-1][1]
+      keys = self._key_union(ivs)
       if span:
-        for o, c in self._owner_rows(j, 0, end):
-          if o != d:
-            pkv[o] = pkv.get(o, 0) + c
+        for klo, khi in keys:
+          for o, c in self._owner_rows(j, klo, khi):
+            if o != d:
+              pkv[o] = pkv.get(o, 0) + c
       else:
         o = self.doc_starts[j] // self.tokens_per_rank
         if o != d:
           pq[o] = q
-          pkv[o] = end
+          pkv[o] = sum(khi - klo for klo, khi in keys)
     return load, q, len(ivs), kva, pq, pkv
 
   # -- one move -------------------------------------------------------------------------------
@@ -256,7 +276,7 @@ class Balancer:
     """
     if not effects:
       def settle(moved, kept, new):
-        return moved, kept, new, sum(pairs(lo, hi) for lo, hi in moved)
+        return moved, kept, new, sum(int(pairs(lo, hi, self.window)) for lo, hi in moved)
     else:
       def settle(moved, kept, new):
         return self._effects(i, d, moved, kept, new)
@@ -269,11 +289,19 @@ class Balancer:
       if self.item_work[i] > room:
         return "shape"
       return settle([(a, x), (y, b)] if two else [(a, b)], None, (a, x, y, b))
+    w = self.window
     if opt == 1:
       c1 = x + y + 1
       m_lo = max(m0 if two else (m0 + 1) // 2, 1)
-      m_hi = min(min(x - a, b - y) - m0, int(room // c1), upper)
-      m = min(max(math.ceil(t_useful / c1), m_lo), m_hi)
+      m_top = min(min(x - a, b - y) - m0, upper)
+      if w:  # windowed work of m mirrored pairs: monotone in m, bisected
+        work = ((lambda m: int(pairs(x - m, x, w) + pairs(y, y + m, w))) if two
+                else (lambda m: int(pairs(x - m, x + m, w))))
+        m_hi = min(m_top, _last_within(work, room, m_top))
+        m = min(max(_first_reaching(work, t_useful, m_hi), m_lo), m_hi)
+      else:
+        m_hi = min(m_top, int(room // c1))
+        m = min(max(math.ceil(t_useful / c1), m_lo), m_hi)
       if m < m_lo:
         return "shape"
       while True:
@@ -289,7 +317,7 @@ class Balancer:
     bb = 2 * b + 1
 
     def w_of(k):
-      return k * (bb - k) // 2
+      return int(pairs(b - k, b, w)) if w else k * (bb - k) // 2
 
     def k_for(target: float) -> int:
       """Smallest k with w_of(k) >= target."""
@@ -300,9 +328,13 @@ class Balancer:
         k += 1
       return k
 
-    k_room = k_for(room)
-    if w_of(k_room) > room:
-      k_room -= 1
+    if w:
+      k_room = _last_within(w_of, room, b - last_lo)
+      k_for = lambda target: _first_reaching(w_of, target, b - last_lo)  # noqa: E731
+    else:
+      k_room = k_for(room)
+      if w_of(k_room) > room:
+        k_room -= 1
     k_lo = max(m0, 1)
     k_hi = min(b - last_lo - m0, k_room, upper)
     k = min(max(k_for(t_useful), k_lo), k_hi)
@@ -402,7 +434,7 @@ class Balancer:
       a, b = lo, hi
       x = y = (lo + hi) // 2
     self.head_lo[i], self.head_hi[i], self.tail_lo[i], self.tail_hi[i] = a, x, y, b
-    self.item_work[i] = pairs(a, x) + pairs(y, b)
+    self.item_work[i] = pairs(a, x, self.window) + pairs(y, b, self.window)
 
   def _grow(self) -> None:
     for name in ("item_doc", "head_lo", "head_hi", "tail_lo", "tail_hi", "item_work",
@@ -419,10 +451,15 @@ class Balancer:
     c1 = x + y + 1
     rows_w = (x - a) + (b - y)
     bb = 2 * b + 1
+    w = self.window
+    kv_b = b
+    if w:  # windowed estimates (module docstring)
+      c1 = np.minimum(x, w) + np.minimum(y + 1, w)
+      kv_b = b - np.maximum(a - w + 1, 0)
     return {
         "srv": self.item_server[idx], "own": self.doc_first_rank[self.item_doc[idx]],
         "w": self.item_work[idx],
-        "b": b, "x": x, "y": y, "two": two, "c1": c1, "inv_c1": 1.0 / c1,
+        "b": b, "kv_b": kv_b, "x": x, "y": y, "two": two, "c1": c1, "inv_c1": 1.0 / c1,
         "m_lo": np.maximum(np.where(two, m0, math.ceil(m0 / 2)), 1.0),
         "m_hi": np.minimum(x - a, b - y) - m0,
         "rows_w": rows_w, "a": a, "g": self.doc_starts_np[self.item_doc[idx]],
@@ -488,7 +525,7 @@ class Balancer:
       free_kvs = room_of(cap.kv_send, cap.kv_recv, self.send_kv, self.recv_kv)
       free_rows = np.minimum(free_qs, free_q)
     # Option 0: the whole item.
-    np.divide(np.minimum(w, tu), qb * pc["rows_w"] + kvb * pc["b"], out=prio[0])
+    np.divide(np.minimum(w, tu), qb * pc["rows_w"] + kvb * pc["kv_b"], out=prio[0])
     bad = w > room
     if capped:
       bad |= ((pc["rows_w"] > free_rows) | (pc["parts_w"] > free_t) | (pc["kva_w"] > free_kva)
@@ -516,7 +553,8 @@ class Balancer:
       m = np.ceil(tu * pc["inv_c1"])
       np.maximum(m, m_lo, out=m)
       np.minimum(m, m_up, out=m)
-      np.divide(np.minimum(m * c1, tu), m * (2 * qb + kvb) + kvb * pc["y"], out=prio[1])
+      kv_y = pc["y"] if not self.window else np.minimum(pc["y"], self.window - 1.0)
+      np.divide(np.minimum(m * c1, tu), m * (2 * qb + kvb) + kvb * kv_y, out=prio[1])
       prio[1][bad | (m < m_lo)] = -1.0
     else:
       prio[1] = -1.0
@@ -528,15 +566,22 @@ class Balancer:
       if capped:
         np.minimum(k_up, free_rows, out=k_up)
         bad |= (1.0 > free_t) | (pc["b"] > free_kva) | (pc["b"] > free_kvs)
-      k = np.ceil(0.5 * (bb - np.sqrt(np.maximum(bb2 - 8 * tu, 0.0))))
-      np.maximum(k, m0, out=k)
-      np.minimum(k, k_up, out=k)
-      over = k * (bb - k) > 2 * room
-      if over.any():
-        k_room = np.floor(0.5 * (bb - np.sqrt(np.maximum(bb2 - 8 * room, 0.0))))
-        k = np.where(over, k_room, k)
+      if self.window:  # a suffix token holds about min(b, w) pairs and reads w - 1 more keys
+        per = np.minimum(pc["b"], float(self.window))
+        k = np.minimum(np.maximum(np.ceil(tu / per), m0), k_up)
+        k = np.where(k * per > room, np.floor(room / per), k)
+        work, kv_rows = k * per, np.minimum(pc["b"], k + self.window - 1.0)
+      else:
+        k = np.ceil(0.5 * (bb - np.sqrt(np.maximum(bb2 - 8 * tu, 0.0))))
+        np.maximum(k, m0, out=k)
+        np.minimum(k, k_up, out=k)
+        over = k * (bb - k) > 2 * room
+        if over.any():
+          k_room = np.floor(0.5 * (bb - np.sqrt(np.maximum(bb2 - 8 * room, 0.0))))
+          k = np.where(over, k_room, k)
+        work, kv_rows = 0.5 * k * (bb - k), pc["b"]
       upper[2] = k_up
-      np.divide(np.minimum(0.5 * k * (bb - k), tu), qb * k + kvb * pc["b"], out=prio[2])
+      np.divide(np.minimum(work, tu), qb * k + kvb * kv_rows, out=prio[2])
       prio[2][bad | (k < max(m0, 1.0))] = -1.0
     else:
       prio[2] = -1.0
@@ -658,7 +703,7 @@ class Balancer:
     np.maximum.at(lens, self.item_doc[:self.seg_hi.size], self.seg_hi.astype(np.int64))
     return Balancer(lens, np.asarray(self.doc_starts, np.int64), self.num_servers,
                     self.tokens_per_rank, self.tolerance, self.min_shard, self.capacity,
-                    self.q_row_bytes, self.kv_row_bytes, self.split)
+                    self.q_row_bytes, self.kv_row_bytes, self.split, window=self.window)
 
   def _run_at(self, mean: float, limit: float, max_moves: int,
               members: np.ndarray | None = None, across: float | None = None) -> str:
@@ -784,6 +829,30 @@ class Balancer:
       return f"capacity blocked moves ({caps}); raise those caps for better balance"
     return (f"no movable piece fits: items on overloaded servers are unsplittable under "
             f"min_shard={self.min_shard} or larger than the room left on under-loaded servers")
+
+
+def _first_reaching(work, target: float, top: int) -> int:
+  """Smallest n in [0, top] with work(n) >= target (``work`` non-decreasing), else top."""
+  lo, hi = 0, max(int(top), 0)
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if work(mid) >= target:
+      hi = mid
+    else:
+      lo = mid + 1
+  return lo
+
+
+def _last_within(work, room: float, top: int) -> int:
+  """Largest n in [0, top] with work(n) <= room (``work`` non-decreasing, work(0) = 0)."""
+  lo, hi = 0, max(int(top), 0)
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    if work(mid) <= room:
+      lo = mid
+    else:
+      hi = mid - 1
+  return lo
 
 
 def _traffic_deltas(eff) -> tuple[dict[int, int], ...]:

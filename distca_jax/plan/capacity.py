@@ -159,7 +159,8 @@ def required_capacity(plan) -> Capacity:
   srv = t[:, 3]
   s = plan.num_servers
   qlen = np.bincount(srv, weights=(t[:, 2] - t[:, 1]).astype(np.float64), minlength=s)
-  kvlen = np.bincount(srv, weights=t[:, 2].astype(np.float64), minlength=s)
+  kvlen = np.bincount(srv, weights=(t[:, 2] - cost.k_starts(t[:, 1], plan.window)).astype(
+      np.float64), minlength=s)
   ntask = np.bincount(srv, minlength=s)
   most = lambda x: max(1, int(x.max(initial=0)))
   return Capacity(q_send=most(q_rows.sum(1)), kv_send=most(kv_rows.sum(1)),

@@ -4,7 +4,9 @@ A CA-task is a query shard ``[a, b)`` of one document with keys ``[0, b)`` of th
 causal with the diagonal (DistCA paper, arXiv 2510.18121, Sec. 4; docs/design.md). Its work is
 ``P(a, b) = (b - a) (a + b + 1) / 2`` query-key pairs; forward FLOPs are
 ``FWD_FLOPS_PER_PAIR * q_heads * head_dim * P`` and the kernel's backward costs ``BWD_FWD_RATIO``
-times the forward. The balancer works in pairs (exact integer arithmetic); an optional measured
+times the forward. In a sliding-window layer of ``w`` keys (``window``), query position ``p``
+sees keys ``[max(0, p - w + 1), p]``: the task reads keys ``[k_start(a), b)`` with ``k_start(a) =
+max(0, a - w + 1)`` (``k_starts``) and holds ``sum_p min(p + 1, w)`` pairs (``pairs(a, b, w)``). The balancer works in pairs (exact integer arithmetic); an optional measured
 ``CostTable`` predicts per-server kernel time for the same plan.
 """
 
@@ -47,9 +49,22 @@ INTRA_HOST_GBPS = 344.0
 INTER_HOST_GBPS = 50.0
 
 
-def pairs(a, b):
-  """Causal query-key pairs of the task with queries [a, b) and keys [0, b) (ints or arrays)."""
-  return (b - a) * (a + b + 1) // 2
+def pairs(a, b, window: int = 0):
+  """Causal query-key pairs of the task with queries [a, b) and keys [0, b) (ints or arrays);
+  with ``window`` w > 0, of its sliding-window task (keys [k_start(a), b)): query position p
+  sees min(p + 1, w) keys."""
+  if not window:
+    return (b - a) * (a + b + 1) // 2
+  m = np.minimum(np.maximum(window, a), b)  # positions [a, m) see p + 1 keys, [m, b) see w
+  return (m - a) * (a + m + 1) // 2 + (b - m) * window
+
+
+def k_starts(a, window: int = 0):
+  """First key position of the task with queries starting at ``a`` (ints or arrays): 0, or
+  ``max(0, a - window + 1)`` in a sliding-window layer."""
+  if not window:
+    return np.zeros_like(a) if isinstance(a, np.ndarray) else 0
+  return np.maximum(a - window + 1, 0)
 
 
 def task_flops(pairs_count, q_heads: int, head_dim: int, *, backward: bool = True) -> float:
@@ -59,17 +74,25 @@ def task_flops(pairs_count, q_heads: int, head_dim: int, *, backward: bool = Tru
 
 
 def attention_pairs(cu_seqlens_q_N1: Sequence[int] | np.ndarray,
-                    cu_seqlens_k_N1: Sequence[int] | np.ndarray) -> int:
+                    cu_seqlens_k_N1: Sequence[int] | np.ndarray, window: int = 0) -> int:
   """Exact count of (query, key) pairs the bottom-right causal mask keeps, summed over the tasks
   of a kernel call's task table (``cu_seqlens``, as ``ops.core_attention`` takes them).
 
   A task with lq queries and lk keys: local row r sees clip(r + 1 + lk - lq, 0, lk) keys; for
   lq <= lk this is lq * (lk - lq) + lq * (lq + 1) / 2 (``pairs``; docs/design.md Sec. 10).
+  With a sliding ``window`` w, row r sees min(max(r + 1 + lk - lq, 0), w) keys.
   """
   cu_q = np.asarray(cu_seqlens_q_N1, dtype=np.int64)
   cu_k = np.asarray(cu_seqlens_k_N1, dtype=np.int64)
   if cu_q.shape != cu_k.shape or cu_q.ndim != 1:
     raise ValueError(f"cu_seqlens must be 1-D of equal shape; got {cu_q.shape=}, {cu_k.shape=}")
+  if window:
+    # Rows see u = r + 1 + lk - lq keys for u in (lk - lq, lk], min(max(u, 0), w) each:
+    # sum_{u=1}^{n} min(u, w) = pairs(0, n, w).
+    lq, lk = np.diff(cu_q), np.diff(cu_k)
+    keep = (lq > 0) & (lk > 0)
+    lq, lk = lq[keep], lk[keep]
+    return int((pairs(0, lk, window) - pairs(0, np.maximum(lk - lq, 0), window)).sum())
   total = 0
   for lq, lk in zip(np.diff(cu_q).tolist(), np.diff(cu_k).tolist()):
     if lq <= 0 or lk <= 0:
@@ -85,7 +108,7 @@ def attention_pairs(cu_seqlens_q_N1: Sequence[int] | np.ndarray,
 
 def core_attention_flops(cu_seqlens_q_N1: Sequence[int] | np.ndarray,
                          cu_seqlens_k_N1: Sequence[int] | np.ndarray, *, num_q_heads: int,
-                         head_dim: int, include_backward: bool = False) -> int:
+                         head_dim: int, include_backward: bool = False, window: int = 0) -> int:
   """Exact attention FLOPs of a task table: forward ``FWD_FLOPS_PER_PAIR * H * D * pairs``
   (QK^T and PV).
 
@@ -93,7 +116,7 @@ def core_attention_flops(cu_seqlens_q_N1: Sequence[int] | np.ndarray,
   forward (fwd + bwd = 3.5x forward). Query heads count, not KV heads (GQA saves bytes only).
   """
   fwd = (FWD_FLOPS_PER_PAIR * int(num_q_heads) * int(head_dim)
-         * attention_pairs(cu_seqlens_q_N1, cu_seqlens_k_N1))
+         * attention_pairs(cu_seqlens_q_N1, cu_seqlens_k_N1, window))
   if not include_backward:
     return fwd
   return int(round(fwd * (1.0 + BWD_FWD_RATIO)))

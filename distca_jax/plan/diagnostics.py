@@ -20,7 +20,7 @@ def server_loads(plan: Plan, *, use_time: bool = False) -> np.ndarray:
       raise ValueError("plan has no cost table; pass cost_model= to schedule()")
     return plan.times_after
   t = plan.tasks
-  return np.bincount(t[:, 3], weights=pairs(t[:, 1], t[:, 2]).astype(np.float64),
+  return np.bincount(t[:, 3], weights=pairs(t[:, 1], t[:, 2], plan.window).astype(np.float64),
                      minlength=plan.num_servers)
 
 
@@ -35,21 +35,26 @@ def traffic_rows(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
   """([S, S] query rows, [S, S] key/value rows) per (sender, server), from ``plan.tasks``.
 
   Independent of the balancer's bookkeeping: every task's query rows not owned by its server
-  come from their owners; per (document, server), rows [0, max query end) not owned by the server
-  come from their owners once.
+  come from their owners; per (document, server), the rows of its tasks' key ranges (``[0, max
+  query end)``; with a window the union of ``[k_start, end)``) not owned by the server come from
+  their owners once.
   """
   s, t = plan.num_servers, plan.tokens_per_rank
   q_rows = np.zeros((s, s), dtype=np.int64)
   kv_rows = np.zeros((s, s), dtype=np.int64)
-  kv_end: dict[tuple[int, int], int] = {}
-  for doc, lo, hi, srv in plan.tasks.tolist():
+  kv_keys: dict[tuple[int, int], list[tuple[int, int]]] = {}
+  for (doc, lo, hi, srv), ks in zip(plan.tasks.tolist(), plan.k_starts.tolist()):
     g = int(plan.doc_starts[doc])
     _add_owner_rows(q_rows, g + lo, g + hi, t, srv)
-    key = (doc, srv)
-    kv_end[key] = max(kv_end.get(key, 0), hi)
-  for (doc, srv), end in kv_end.items():
+    kv_keys.setdefault((doc, srv), []).append((ks, hi))
+  for (doc, srv), ivs in kv_keys.items():
     g = int(plan.doc_starts[doc])
-    _add_owner_rows(kv_rows, g, g + end, t, srv)
+    end = -1
+    for ks, hi in sorted(ivs):  # the union of the key ranges
+      lo = max(ks, end)
+      if hi > lo:
+        _add_owner_rows(kv_rows, g + lo, g + hi, t, srv)
+      end = max(end, hi)
   return q_rows, kv_rows
 
 

@@ -19,8 +19,9 @@ def _take(x: np.ndarray, idx: np.ndarray) -> np.ndarray:
   return out
 
 
-def _causal_attention(q_NxHxD, k_MxKxD, v_MxKxD, scale: float):
-  """Causal attention with queries aligned to the last rows of the keys; returns (O, LSE)."""
+def _causal_attention(q_NxHxD, k_MxKxD, v_MxKxD, scale: float, window: int = 0):
+  """Causal attention with queries aligned to the last rows of the keys (each query sees the
+  ``window`` keys ending at its own when > 0); returns (O, LSE)."""
   n, h, _ = q_NxHxD.shape
   m, kh, _ = k_MxKxD.shape
   rep = h // kh
@@ -28,7 +29,11 @@ def _causal_attention(q_NxHxD, k_MxKxD, v_MxKxD, scale: float):
   v_HxMxD = np.repeat(v_MxKxD, rep, axis=1).transpose(1, 0, 2)
   s = np.matmul(q_NxHxD.transpose(1, 0, 2), k_HxDxM) * scale  # [H, N, M]
   qpos = (m - n) + np.arange(n)
-  s = np.where(np.arange(m)[None, None, :] <= qpos[None, :, None], s, -np.inf)
+  kpos = np.arange(m)[None, None, :]
+  seen = kpos <= qpos[None, :, None]
+  if window:
+    seen &= kpos > qpos[None, :, None] - window
+  s = np.where(seen, s, -np.inf)
   mx = s.max(axis=-1, keepdims=True)
   p = np.exp(s - mx)
   denom = p.sum(axis=-1, keepdims=True)
@@ -38,8 +43,9 @@ def _causal_attention(q_NxHxD, k_MxKxD, v_MxKxD, scale: float):
 
 
 def reference_execute(meta: PlanMetadata, q_STHD: np.ndarray, k_STKD: np.ndarray,
-                      v_STKD: np.ndarray, *, scale: float | None = None):
-  """Runs the metadata with NumPy: gather, ragged exchange, per-task attention, return.
+                      v_STKD: np.ndarray, *, scale: float | None = None, window: int = 0):
+  """Runs the metadata with NumPy: gather, ragged exchange, per-task attention (sliding
+  ``window`` when > 0, the plan's), return.
 
   Args:
     meta: metadata built for every rank (``ranks`` = all, in order).
@@ -81,7 +87,7 @@ def reference_execute(meta: PlanMetadata, q_STHD: np.ndarray, k_STKD: np.ndarray
         continue
       if k1 - k0 < q1 - q0:
         raise ValueError(f"server {d} task {i}: {q1 - q0} queries but only {k1 - k0} keys")
-      o[q0:q1], lse[q0:q1] = _causal_attention(qa[q0:q1], ka[k0:k1], va[k0:k1], scale)
+      o[q0:q1], lse[q0:q1] = _causal_attention(qa[q0:q1], ka[k0:k1], va[k0:k1], scale, window)
     o_attn.append(o)
     lse_attn.append(lse)
   # 5. Return to owners: the query exchange's routes backwards.
@@ -139,8 +145,10 @@ def part_exchange(sends: list[np.ndarray], meta: PlanMetadata, part: str, recv_r
 
 
 def reference_document_attention(doc_lens, q_STHD: np.ndarray, k_STKD: np.ndarray,
-                                 v_STKD: np.ndarray, *, scale: float | None = None):
-  """Each document's causal attention computed alone; (o [S,T,H,D], lse [S,T,H]), pads zero."""
+                                 v_STKD: np.ndarray, *, scale: float | None = None,
+                                 window: int = 0):
+  """Each document's causal attention computed alone (sliding ``window`` keys per query when
+  > 0); (o [S,T,H,D], lse [S,T,H]), pads zero."""
   s, t, h, dim = q_STHD.shape
   lens, starts = parse_layout(doc_lens, s, t)
   scale = 1.0 / math.sqrt(dim) if scale is None else scale
@@ -150,7 +158,8 @@ def reference_document_attention(doc_lens, q_STHD: np.ndarray, k_STKD: np.ndarra
   o = np.zeros((s * t, h, dim))
   lse = np.zeros((s * t, h))
   for g, n in zip(starts.tolist(), lens.tolist()):
-    o[g:g + n], lse[g:g + n] = _causal_attention(qf[g:g + n], kf[g:g + n], vf[g:g + n], scale)
+    o[g:g + n], lse[g:g + n] = _causal_attention(qf[g:g + n], kf[g:g + n], vf[g:g + n], scale,
+                                                 window)
   return o.reshape(s, t, h, dim), lse.reshape(s, t, h)
 
 

@@ -39,8 +39,8 @@ class HostBalancer(Balancer):
   """``Balancer`` over hosts of ``servers_per_host`` servers each (host-major numbering); a row
   sent between hosts costs ``inter_host_price`` rows sent inside one."""
 
-  def __init__(self, *args, servers_per_host: int, inter_host_price: float):
-    super().__init__(*args)
+  def __init__(self, *args, servers_per_host: int, inter_host_price: float, **kwargs):
+    super().__init__(*args, **kwargs)
     self.servers_per_host, self.inter_host_price = servers_per_host, inter_host_price
     self.host = np.arange(self.num_servers) // servers_per_host
     # Host h owns the global tokens [h host_tokens, (h + 1) host_tokens).

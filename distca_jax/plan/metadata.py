@@ -84,6 +84,7 @@ from typing import Sequence
 import numpy as np
 
 from distca_jax.checks import check_int
+from distca_jax.plan import cost
 from distca_jax.plan.capacity import Capacity, required_capacity
 
 # Rows of a part's routes (``PlanMetadata.q_routes`` / ``kv_routes``), module docstring.
@@ -152,6 +153,31 @@ def parse_layout(doc_lens, num_servers: int, tokens_per_rank: int
   return np.concatenate(all_lens), np.concatenate(all_starts)
 
 
+def chunk_layout(doc_lens, chunk: int):
+  """The layout of a chunked-attention layer (Llama 4's ``attention_chunk_size``): every
+  document cut at multiples of ``chunk`` of its own positions, in the form given (a flat list,
+  or one list per rank or row).
+
+  Query position p of a document sees keys ``[(p // chunk) * chunk, p]``: full causal attention
+  over the pieces, so a chunked layer plans and runs as a full-causal layer of this layout (the
+  tokens keep their document positions for RoPE; only attention's document boundaries change).
+  """
+  c = check_int("chunk", chunk, 1)
+
+  def cut(lens):
+    out = []
+    for n in lens:
+      n = int(n)
+      out += [c] * (n // c) + ([n % c] if n % c else [])
+    return out
+
+  if isinstance(doc_lens, np.ndarray) and doc_lens.ndim == 1:
+    doc_lens = doc_lens.tolist()
+  if doc_lens and all(isinstance(v, (list, tuple, np.ndarray)) for v in doc_lens):
+    return [cut(row) for row in doc_lens]
+  return cut(doc_lens)
+
+
 # ---------------------------------------------------------------------------------------------
 # Plan.
 # ---------------------------------------------------------------------------------------------
@@ -183,6 +209,8 @@ class Plan:
     servers_per_host: the hosts the plan was balanced for (``PlanOptions.servers_per_host``;
       None = one host); ``intra_host_bytes`` / ``inter_host_bytes`` split the dispatch bytes by
       link.
+    window: the sliding window the plan is for (``PlanOptions.window``; 0 = full causal): task
+      ``[a, b)`` reads keys ``[k_start(a), b)`` (``k_starts``).
   """
   tasks: np.ndarray
   loads_before: np.ndarray
@@ -212,6 +240,12 @@ class Plan:
   predicted_gain: float = 0.0
   gated: bool = False
   servers_per_host: int | None = None
+  window: int = 0
+
+  @property
+  def k_starts(self) -> np.ndarray:
+    """[N] each task's first key position in its document: 0, or ``max(0, a - window + 1)``."""
+    return cost.k_starts(self.tasks[:, 1], self.window)
 
   @property
   def crosses(self) -> bool:
@@ -400,9 +434,11 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
   g_doc = plan.doc_starts
   doc, qa, qb_, srv = tasks[:, 0], tasks[:, 1], tasks[:, 2], tasks[:, 3]
   qlen_t = qb_ - qa
+  ks_t = plan.k_starts  # each task's keys are [ks_t, qb_) of its document
+  klen_t = qb_ - ks_t
   num_tasks = np.bincount(srv, minlength=s)
   q_len = np.bincount(srv, weights=qlen_t, minlength=s).astype(np.int64)
-  kv_len = np.bincount(srv, weights=qb_, minlength=s).astype(np.int64)
+  kv_len = np.bincount(srv, weights=klen_t, minlength=s).astype(np.int64)
   for name, have, lim in (("tasks", num_tasks, nt), ("q_tokens", q_len, nq),
                           ("kv_tokens", kv_len, nkv)):
     if have.max(initial=0) > lim:
@@ -411,7 +447,7 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
   first_task = np.searchsorted(srv, np.arange(s))
   # Offsets of each task inside its server's attention Q and KV buffers (tasks in plan order).
   q_off = np.cumsum(qlen_t) - qlen_t
-  k_off = np.cumsum(qb_) - qb_
+  k_off = np.cumsum(klen_t) - klen_t
   if tasks.shape[0]:
     q_off -= q_off[first_task[srv]]
     k_off -= k_off[first_task[srv]]
@@ -424,15 +460,19 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
   p_attn = q_off[pt] + (p_s - gs[pt])
   p_cross, p_pos, q_send_len = _route_pieces(p_own, p_srv, p_len, s)
   q_soff, q_roff = _group_offsets(q_send_len, cqs, cqr, "query", "q", servers_per_host)
-  # KV: per (server, document) the rows [0, max end) are sent once; cut at rank boundaries.
+  # KV: per (server, document) the union of its tasks' key ranges is sent once ([0, max end)
+  # without a window); cut at rank boundaries. Tasks are sorted by (server, document, start), so
+  # a union interval starts at a group's first task or where a task's keys start past the
+  # previous task's end.
   if tasks.shape[0]:
-    grp = np.flatnonzero(np.r_[True, (srv[1:] != srv[:-1]) | (doc[1:] != doc[:-1])])
+    grp = np.flatnonzero(np.r_[True, (srv[1:] != srv[:-1]) | (doc[1:] != doc[:-1])
+                               | (ks_t[1:] > qb_[:-1])])
     u_end = np.maximum.reduceat(qb_, grp)
   else:
     grp = np.zeros(0, np.int64)
     u_end = np.zeros(0, np.int64)
   u_srv, u_doc = srv[grp], doc[grp]
-  ut, u_own, u_s, u_e = split_at(g_doc[u_doc], g_doc[u_doc] + u_end, t)
+  ut, u_own, u_s, u_e = split_at(g_doc[u_doc] + ks_t[grp], g_doc[u_doc] + u_end, t)
   u_psrv = u_srv[ut]
   u_len = u_e - u_s
   u_cross, u_pos, kv_send_len = _route_pieces(u_own, u_psrv, u_len, s)
@@ -449,25 +489,31 @@ def plan_to_metadata(plan: Plan, capacity: Capacity | None = None, *,
   o_send_idx.reshape(-1)[ranges(r_ * cqr + q_roff[p_srv[selc], p_own[selc]] + p_pos[selc],
                                 p_len[selc])] = (
       ranges(p_attn[selc], p_len[selc]))
-  # Each task's keys [0, b) of its document, cut at rank boundaries; a cross-rank piece starts
-  # where the (server, document, owner) KV piece starts, so it inherits that piece's position.
+  # Each task's keys [ks, b) of its document, cut at rank boundaries; a cross-rank piece lies
+  # inside one (server, document) KV piece (the last one starting at or before it), at the
+  # piece's position plus its offset in the piece.
   tsel = np.flatnonzero(row_of[srv] >= 0)
-  kt, k_own, k_s, k_e = split_at(g_doc[doc[tsel]], g_doc[doc[tsel]] + qb_[tsel], t)
+  kt, k_own, k_s, k_e = split_at(g_doc[doc[tsel]] + ks_t[tsel], g_doc[doc[tsel]] + qb_[tsel], t)
   kt = tsel[kt]
   k_srv = srv[kt]
   k_cross = k_own != k_srv
   nd = max(int(plan.doc_lens.size), 1)
-  u_key = (u_psrv * nd + u_doc[ut]) * s + u_own
-  k_key = (k_srv * nd + doc[kt]) * s + k_own
+  span = s * t + 1
+  u_key = (u_psrv * nd + u_doc[ut]) * span + u_s
+  k_key = (k_srv * nd + doc[kt]) * span + k_s
   u_order = np.argsort(u_key, kind="stable")
-  k_upos = u_pos[u_order[np.searchsorted(u_key[u_order], k_key)]] if kt.size else k_key
+  if kt.size:
+    piece = u_order[np.searchsorted(u_key[u_order], k_key, side="right") - 1]
+    k_upos = u_pos[piece] + (k_s - u_s[piece])
+  else:
+    k_upos = k_key
   val0 = np.where(k_cross, t + kv_roff[k_srv, k_own] + k_upos, k_s % t)
-  dst0 = row_of[k_srv] * nkv + k_off[kt] + (k_s - g_doc[doc[kt]])
+  dst0 = row_of[k_srv] * nkv + k_off[kt] + (k_s - g_doc[doc[kt]] - ks_t[kt])
   kv_attn_idx.reshape(-1)[ranges(dst0, k_e - k_s)] = ranges(val0, k_e - k_s)
   for d in ranks_arr.tolist():
     r = row_of[d]
     lo_t, n_task = int(first_task[d]), int(num_tasks[d])
-    ql, kl = qlen_t[lo_t:lo_t + n_task], qb_[lo_t:lo_t + n_task]
+    ql, kl = qlen_t[lo_t:lo_t + n_task], klen_t[lo_t:lo_t + n_task]
     cu_q[r, 1:] = np.concatenate([np.cumsum(ql), np.full(nt - n_task, ql.sum())])
     cu_k[r, 1:] = np.concatenate([np.cumsum(kl), np.full(nt - n_task, kl.sum())])
     task_index[r, :n_task] = np.arange(lo_t, lo_t + n_task)

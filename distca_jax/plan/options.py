@@ -39,6 +39,12 @@ class PlanOptions:
     intra_host_gbps, inter_host_gbps: per-GPU link rates (GB/s) inside a host and between hosts;
       only their ratio prices moves. Defaults: ``cost.INTRA_HOST_GBPS`` and
       ``cost.INTER_HOST_GBPS`` (which state their sources).
+    window: the layer's sliding window in keys (0 = full causal): a task ``[a, b)`` reads keys
+      ``[max(0, a - window + 1), b)`` only (``cost.k_starts``), loads count windowed pairs
+      (``cost.pairs(a, b, window)``) and the metadata gathers and sends only those key/value
+      rows; the data plane's kernel then takes the same ``window``
+      (``dataplane.DispatchOptions.window``). A chunked layer is full causal attention over
+      documents cut at chunk boundaries (``plan.chunk_layout``), with window 0.
   """
   tolerance: float = cost.DEFAULT_TOLERANCE
   min_shard: int | None = cost.DEFAULT_MIN_SHARD
@@ -54,6 +60,7 @@ class PlanOptions:
   servers_per_host: int | None = None
   intra_host_gbps: float = cost.INTRA_HOST_GBPS
   inter_host_gbps: float = cost.INTER_HOST_GBPS
+  window: int = 0
 
   def for_rows(self, tokens_per_row: int) -> "PlanOptions":
     """These options with ``min_shard=None`` resolved to ``auto_min_shard(tokens_per_row)``."""

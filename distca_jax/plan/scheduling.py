@@ -41,6 +41,7 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
   tolerance, min_shard, split = o.tolerance, o.min_shard, o.split
   q_heads, kv_heads, head_dim, dtype_bytes = o.q_heads, o.kv_heads, o.head_dim, o.dtype_bytes
   max_moves, min_gain = o.max_moves, o.min_gain
+  window = check_int("window", o.window, 0)
   if min_shard is None:
     raise ValueError("min_shard=None (auto) depends on the tokens per row; plan with host_plan, "
                      "or pass options.for_rows(tokens_per_row)")
@@ -77,9 +78,9 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
   if per_host is not None and per_host < s:
     bal = HostBalancer(lens, starts, s, t, tol, m0, cap, qb, kvb, split,
                        servers_per_host=per_host,
-                       inter_host_price=o.intra_host_gbps / o.inter_host_gbps)
+                       inter_host_price=o.intra_host_gbps / o.inter_host_gbps, window=window)
   else:
-    bal = Balancer(lens, starts, s, t, tol, m0, cap, qb, kvb, split)
+    bal = Balancer(lens, starts, s, t, tol, m0, cap, qb, kvb, split, window=window)
   _check_initial_caps(bal, cap)
   loads_before = bal.loads.copy()
   total = float(loads_before.sum())
@@ -103,7 +104,7 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
     tasks[:, 3] = np.repeat([k[1] for k in keys], nper)
     tasks[:, 1:3] = np.asarray(flat, dtype=np.int64)
     tasks = tasks[np.lexsort((tasks[:, 1], tasks[:, 0], tasks[:, 3]))]
-  loads_after = np.bincount(tasks[:, 3], weights=pairs(tasks[:, 1], tasks[:, 2]).astype(
+  loads_after = np.bincount(tasks[:, 3], weights=pairs(tasks[:, 1], tasks[:, 2], window).astype(
       np.float64), minlength=s)
   imb_after = imbalance(loads_after)
   degraded = imb_after > (1.0 + tol) * (1 + 1e-12) and not gated
@@ -112,10 +113,12 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
   times_before = times_after = None
   if table is not None:
     seg_q = bal.seg_hi - bal.seg_lo
-    times_before = np.bincount(bal.seg_rank, weights=table.time(seg_q, bal.seg_hi) if seg_q.size
+    seg_k = bal.seg_hi - cost.k_starts(bal.seg_lo, window)
+    times_before = np.bincount(bal.seg_rank, weights=table.time(seg_q, seg_k) if seg_q.size
                                else np.zeros(0), minlength=s)
+    task_k = tasks[:, 2] - cost.k_starts(tasks[:, 1], window)
     times_after = np.bincount(tasks[:, 3], weights=table.time(tasks[:, 2] - tasks[:, 1],
-                                                              tasks[:, 2]) if len(tasks)
+                                                              task_k) if len(tasks)
                               else np.zeros(0), minlength=s)
   pq = bal.pair_q_rows.astype(np.int64)
   pkv = bal.pair_kv_rows.astype(np.int64)
@@ -128,7 +131,7 @@ def schedule(doc_lens, num_servers: int, *, tokens_per_rank: int,
               tokens_per_rank=t, tolerance=tol, min_shard=m0, capacity=cap, q_heads=q_heads,
               kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
               num_moves=bal.num_moves, predicted_gain=gain, gated=gated,
-              servers_per_host=per_host)
+              servers_per_host=per_host, window=window)
 
 
 def _check_hosts(o: PlanOptions, num_servers: int) -> int | None:

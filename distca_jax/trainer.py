@@ -98,9 +98,9 @@ def learning_rate(c: ml_collections.ConfigDict, step):
       0.0, o.lr, o.warmup_steps, max(c.num_steps, o.warmup_steps + 1), o.lr * o.min_lr_ratio)(step)
 
 
-def _init_attention(q, k, v, layout, *, softmax_scale):
+def _init_attention(q, k, v, layout, *, softmax_scale, window=0):
   """Stand-in core attention for `init` (no parameters: any function of its shape will do)."""
-  del k, v, layout, softmax_scale
+  del k, v, layout, softmax_scale, window
   return q
 
 

@@ -63,6 +63,25 @@ def assert_trains_like_local(layers, steps, tmp_path, monkeypatch, backend_over,
   return records, traces
 
 
+@pytest.mark.slow
+def test_five_window_layers_per_global_one_train_with_distca_like_local(tmp_path, monkeypatch):
+  """Gemma 3's pattern: 6 layers, 5 sliding-window layers of 16 tokens per full one, 20 steps of
+  distca equal `local`'s losses within 1e-5; one compile; the window layers' core attention is
+  traced with its window; both types' plan statistics in every record."""
+  layers = {"model.n_layers": 6, "model.layer_pattern": "5:1", "model.window": 16}
+  records, traces = assert_trains_like_local(layers, 20, tmp_path, monkeypatch, DISTCA, 1e-5)
+  assert set(traces) == {0, 16}
+  assert len(records) == 20
+  for r in records:
+    assert {"plan_full_moved_rows", "plan_window16_moved_rows"} <= set(r), r
+  mean = lambda k: np.mean([r[k] for r in records])
+  # A window layer's attention is nearly as balanced as the linear layers: less to fix.
+  assert mean("plan_window16_imbalance_before") < mean("plan_full_imbalance_before")
+  # Both types' plans moved rows on some steps: the windowed exchange ran, not only the local
+  # attention of the layers whose plans move nothing.
+  assert mean("plan_window16_crosses") > 0 and mean("plan_full_crosses") > 0, records[-1]
+
+
 @pytest.mark.parametrize("layers", [
     {"model.n_layers": 2, "model.layer_pattern": "1:1", "model.chunk": 16},
     pytest.param({"model.n_layers": 2, "model.layer_pattern": "local", "model.chunk": 8},

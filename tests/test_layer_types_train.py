@@ -68,7 +68,10 @@ def test_five_window_layers_per_global_one_train_with_distca_like_local(tmp_path
   """Gemma 3's pattern: 6 layers, 5 sliding-window layers of 16 tokens per full one, 20 steps of
   distca equal `local`'s losses within 1e-5; one compile; the window layers' core attention is
   traced with its window; both types' plan statistics in every record."""
-  layers = {"model.n_layers": 6, "model.layer_pattern": "5:1", "model.window": 16}
+  # Documents of up to 256 tokens (rows of 64): some rows hold many short ones, so the window
+  # layers' attention is imbalanced enough to move rows too.
+  layers = {"model.n_layers": 6, "model.layer_pattern": "5:1", "model.window": 16,
+            "data.context_length": 256}
   records, traces = assert_trains_like_local(layers, 20, tmp_path, monkeypatch, DISTCA, 1e-5)
   assert set(traces) == {0, 16}
   assert len(records) == 20
@@ -105,8 +108,41 @@ def test_chunked_model_trains_with_distca_like_local(layers, tmp_path, monkeypat
     assert before("full") > before("chunk16")
 
 
-def test_packed_dp_runs_chunked_layers(tmp_path):
-  layers = {"model.n_layers": 2, "model.layer_pattern": "1:1", "model.chunk": 8}
+def test_each_type_is_gated_on_its_own_gain():
+  """local_gain per layer type: on rows of one long document against rows of short ones, the
+  full layers' plan pays and moves rows while the 4-token window layers' could gain little and
+  moves nothing (those layers run packed_dp's attention); the step crosses."""
+  c = config({"model.n_layers": 2, "model.layer_pattern": "1:1", "model.window": 4},
+             **{**DISTCA, "attention.distca.local_gain": 0.01, "tokens_per_rank": 256,
+                "attention.distca.caps_from_batches": 0})  # caps not sized on other batches
+  backend = backends.build(c)
+  rows = 8 * 2
+  doclens = [[256] if r % 4 == 0 else [32] * 8 for r in range(rows)]
+  extra = backend.host_prepare(doclens, 256)
+  crosses = lambda t: int(extra[f"crosses@{t}"].max())
+  assert (crosses("full"), crosses("window4"), int(extra["crosses"].max())) == (1, 0, 1)
+  stats = {t: extra[f"plan_stats@{t}"][0] for t in ("full", "window4")}
+  assert stats["window4"][2] == 0 < stats["full"][2]  # moved rows
+  assert stats["window4"][0] < stats["full"][0]  # imbalance before
+
+
+@pytest.mark.slow
+def test_layers_whose_plans_move_nothing_run_locally_in_a_crossing_step(tmp_path, monkeypatch):
+  """local_gain 0.01: every step's full plan moves rows, its 4-token window plan does not, so
+  each step runs the exchange for the full layers and packed_dp's windowed attention for the
+  window layers (the per-layer branch); losses equal `local`'s."""
+  layers = {"model.n_layers": 2, "model.layer_pattern": "1:1", "model.window": 4,
+            "data.context_length": 256}
+  over = {**DISTCA, "attention.distca.local_gain": 0.01}
+  records, traces = assert_trains_like_local(layers, 4, tmp_path, monkeypatch, over, 1e-5)
+  assert set(traces) == {0, 4}
+  assert [(r["plan_full_crosses"], r["plan_window4_crosses"]) for r in records] == [(1, 0)] * 4
+
+
+@pytest.mark.parametrize("local", [{"model.chunk": 8},
+                                   pytest.param({"model.window": 8}, marks=pytest.mark.slow)])
+def test_packed_dp_runs_local_layers(local, tmp_path):
+  layers = {"model.n_layers": 2, "model.layer_pattern": "1:1", **local}
   ref, _ = train(config(layers), tmp_path / "local")
   got, _ = train(config(layers, **{"attention.backend": "packed_dp"}), tmp_path / "packed_dp")
   np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)

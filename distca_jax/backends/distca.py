@@ -279,8 +279,8 @@ def make(options: Options) -> "DistcaBackend":
              for k in range(g) for i in range(n)]
     plan_options = options = o.plan_options_for(s)
     if local and o.local_gain > 0.0 and max(
-        cost.layout_step_gain([sum(c[d * rn:(d + 1) * rn], []) for d in range(s)],
-                              spec.tokens_per_device, o.linear_pairs_per_token)
+        _layout_gain([sum(c[d * rn:(d + 1) * rn], []) for d in range(s)],
+                     spec.tokens_per_device, o.linear_pairs_per_token, o.window)
         for c in calls) < o.local_gain:
       # Too little to win anywhere in the batch: every plan moves nothing (the local branch).
       options = dataclasses.replace(plan_options, min_gain=max(o.min_gain, o.local_gain))
@@ -348,6 +348,17 @@ def make(options: Options) -> "DistcaBackend":
               if local else None)
   return DistcaBackend(fn=fn, host_prepare=host_prepare, host_plans=host_plans, caps=caps,
                        memory_mode=dispatch.memory_mode, resend_fn=resend, local_fn=local_fn)
+
+
+def _layout_gain(server_doc_lens, tokens_per_rank: int, linear_pairs_per_token: float,
+                 window: int) -> float:
+  """``cost.layout_step_gain`` of the documents as they lie, in the pairs of a ``window``
+  layer (0: full causal)."""
+  if not window:
+    return cost.layout_step_gain(server_doc_lens, tokens_per_rank, linear_pairs_per_token)
+  loads = [int(cost.pairs(0, np.asarray(lens, np.int64), window).sum())
+           for lens in server_doc_lens]
+  return cost.predicted_step_gain(loads, tokens_per_rank, linear_pairs_per_token)
 
 
 def batch_plan_stats(np_batch) -> dict[str, np.ndarray]:

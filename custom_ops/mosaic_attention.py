@@ -133,16 +133,16 @@ def _rows_to_multiple(x, multiple: int):
   return x if extra == 0 else jnp.pad(x, ((0, extra),) + ((0, 0),) * (x.ndim - 1))
 
 
-def _forward(q, k, v, cu_q, cu_k, scale, bs):
+def _forward(q, k, v, cu_q, cu_k, scale, bs, window):
   num_q_rows = q.shape[0]
   q8 = _rows_to_multiple(q, KV_ROW_MULTIPLE)
   q_tail = gather_rows(q8, q_tail_rows(num_q_rows, q8.shape[0], bs.block_q))
   edges, k_edge, v_edge = _key_edges(k, v, cu_k, bs)
   k, v = _rows_to_multiple(k, KV_ROW_MULTIPLE), _rows_to_multiple(v, KV_ROW_MULTIPLE)
-  meta = q_tile_table_in_place(cu_q, cu_k, q8.shape[0], bs, bs.block_kv)
+  meta = q_tile_table_in_place(cu_q, cu_k, q8.shape[0], bs, bs.block_kv, window)
   lay_f = aligned_layout(cu_q, num_q_rows, bs.align_q, front=True)  # the tiles' LSE slots
   o, lse2_f = forward_in_place(meta, edges, q8, q_tail, k, v, k_edge, v_edge, bs=bs,
-                               scale=scale, num_slots=lay_f.src_P.shape[0])
+                               scale=scale, num_slots=lay_f.src_P.shape[0], window=window)
   # The backward's residuals from the kernel: remat policies that keep attention save them by
   # this name, so the backward never reruns it.
   o, lse2_f = (checkpoint_name(x, KERNEL_OUTPUTS_NAME) for x in (o, lse2_f))
@@ -151,17 +151,17 @@ def _forward(q, k, v, cu_q, cu_k, scale, bs):
   return (o, lse_TxH), (q, k, v, o, lse2_f, cu_q, cu_k)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention(q, k, v, cu_q, cu_k, scale, bs):
-  return _forward(q, k, v, cu_q, cu_k, scale, bs)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _attention(q, k, v, cu_q, cu_k, scale, bs, window):
+  return _forward(q, k, v, cu_q, cu_k, scale, bs, window)[0]
 
 
-def _attention_fwd(q, k, v, cu_q, cu_k, scale, bs):
-  out, res = _forward(q, k, v, cu_q, cu_k, scale, bs)
+def _attention_fwd(q, k, v, cu_q, cu_k, scale, bs, window):
+  out, res = _forward(q, k, v, cu_q, cu_k, scale, bs, window)
   return out, (res, q.shape[0], k.shape[0])
 
 
-def _attention_bwd(scale, bs, residuals, cotangents):
+def _attention_bwd(scale, bs, window, residuals, cotangents):
   # k, v: the forward's buffers, rows padded to a multiple of 8; num_k_rows: the caller's rows.
   # lse2_f: the forward's LSE slots (the ``front`` aligned layout).
   (q, k, v, o, lse2_f, cu_q, cu_k), num_q_rows, num_k_rows = residuals
@@ -182,9 +182,10 @@ def _attention_bwd(scale, bs, residuals, cotangents):
   q_edges, q_edge_rows = kv_edges(cu_q, num_q_rows, bs.block_q_dkv)
   q_edges = (q_edges, gather_rows(q, q_edge_rows), gather_rows(do, q_edge_rows))
   if bs.fused_bwd:
-    meta_k = kv_tile_table_in_place(cu_q, cu_k, lay_f, num_k_rows, bs)
+    meta_k = kv_tile_table_in_place(cu_q, cu_k, lay_f, num_k_rows, bs, window)
     dq, dk, dv = bwd_fused_call(meta_k, edges, q8, k, v, k_edge, v_edge, do8, lse2_fb, delta_f,
-                                q_edges, bs=bs, scale=scale, num_k_rows=num_k_rows)
+                                q_edges, bs=bs, scale=scale, num_k_rows=num_k_rows,
+                                window=window)
     return (dq[:num_q_rows] * scale).astype(q.dtype), dk, dv, None, None
   # The dQ kernel (and the dK/dV kernel on aligned K/V) read the aligned query buffer.
   lay_q = aligned_layout(cu_q, num_q_rows, bs.align_q)
@@ -192,14 +193,14 @@ def _attention_bwd(scale, bs, residuals, cotangents):
   delta_p = gather_rows(delta_TxH.T, lay_q.src_P, axis=1)
   slot_p = gather_rows(lay_f.dst_T, lay_q.src_P, fill=lse2_f.shape[1])
   lse2_b = gather_rows(lse2_fb, slot_p, fill=jnp.inf, axis=1)
-  meta_q = q_tile_table(cu_q, cu_k, lay_q, num_q_rows, bs, bs.block_kv_dq)
+  meta_q = q_tile_table(cu_q, cu_k, lay_q, num_q_rows, bs, bs.block_kv_dq, window)
   dq_p = dq_aligned(meta_q, edges, q_p, k, v, k_edge, v_edge, do_p, lse2_b, delta_p, bs=bs,
-                    scale=scale)
+                    scale=scale, window=window)
   if bs.dkv_in_place:
     # dK/dV are stored untiled, so they take the caller's row count.
-    meta_k = kv_tile_table_in_place(cu_q, cu_k, lay_f, num_k_rows, bs)
+    meta_k = kv_tile_table_in_place(cu_q, cu_k, lay_f, num_k_rows, bs, window)
     dk, dv = dkv_call(meta_k, edges, q8, k, v, k_edge, v_edge, do8, lse2_fb, delta_f, q_edges,
-                      bs=bs, scale=scale, num_k_rows=num_k_rows)
+                      bs=bs, scale=scale, num_k_rows=num_k_rows, window=window)
   else:
     k, v = k[:num_k_rows], v[:num_k_rows]
     lay_k = aligned_layout(cu_k, num_k_rows, bs.align_k)
@@ -218,7 +219,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def mosaic_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
                      cu_seqlens_q_N1: jax.Array, cu_seqlens_k_N1: jax.Array, *,
                      softmax_scale: float | None = None,
-                     block_sizes: BlockSizes | None = None) -> tuple[jax.Array, jax.Array]:
+                     block_sizes: BlockSizes | None = None,
+                     window: int = 0) -> tuple[jax.Array, jax.Array]:
   """Causal (bottom-right) GQA attention of every CA-task of a fused batch; Mosaic GPU kernels.
 
   Args:
@@ -229,6 +231,10 @@ def mosaic_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
     cu_seqlens_k_N1: int32 [N + 1]; task i owns key rows [cu_k[i], cu_k[i+1]).
     softmax_scale: logit scale; default 1 / sqrt(D).
     block_sizes: kernel tiles; default ``BlockSizes()``.
+    window: sliding window (keys per query row ending at its diagonal; 0 = full causal). The
+      work lists then visit no key tile wholly before a query tile's windows (forward) and no
+      query tile wholly past a key tile's windows (backward); tiles on the window's edge are
+      masked.
 
   Returns:
     o_TxHxD (q dtype; 0 on rows that see no key) and lse_TxH (f32 natural-log log-sum-exp of the
@@ -238,10 +244,15 @@ def mosaic_attention(q_TxHxD: jax.Array, k_UxKxD: jax.Array, v_UxKxD: jax.Array,
   block_sizes = BlockSizes() if block_sizes is None else block_sizes
   if not isinstance(block_sizes, BlockSizes):
     raise ValueError(f"block_sizes must be a mosaic_attention.BlockSizes; got {block_sizes=}")
+  window = va.check_window(window)
+  if window and not block_sizes.dkv_in_place:
+    raise ValueError(f"mosaic attention with window={window} needs "
+                     "BlockSizes(dkv_in_place=True) (the in-place dK/dV work list carries the "
+                     "window); drop dkv_in_place=False")
   head_dim = q_TxHxD.shape[2]
   scale = float(1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale)
   return _attention(q_TxHxD, k_UxKxD, v_UxKxD, cu_seqlens_q_N1, cu_seqlens_k_N1, scale,
-                    block_sizes)
+                    block_sizes, window)
 
 
 

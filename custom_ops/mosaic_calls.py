@@ -40,7 +40,7 @@ def _barriers(slots: int, loads: int, frees: int):
 
 
 def forward_in_place(meta, edges, q, q_tail, k, v, k_edge, v_edge, *, bs: BlockSizes,
-                     scale: float, num_slots: int):
+                     scale: float, num_slots: int, window: int = 0):
   """O [T, H, D] in place (q's rows; a multiple of 8) and the log2-domain LSE [H, num_slots]
   in the tiles' slots (``q_tile_table_in_place``); ``q_tail``: ``q_tail_rows`` of q."""
   _, num_heads, head_dim = q.shape
@@ -48,7 +48,7 @@ def forward_in_place(meta, edges, q, q_tail, k, v, k_edge, v_edge, *, bs: BlockS
   dtype, slots = q.dtype, bs.max_concurrent_steps
   grid, grid_names = query_grid(bs, num_heads, group, meta.shape[1])
   kernel = _kernel(
-      functools.partial(fwd_kernel, bs=bs, scale2=scale * LOG2E, group=group),
+      functools.partial(fwd_kernel, bs=bs, scale2=scale * LOG2E, group=group, window=window),
       out_type=[jax.ShapeDtypeStruct(q.shape, dtype),
                 jax.ShapeDtypeStruct((num_heads, num_slots), jnp.float32)],
       scratch_types=[
@@ -67,13 +67,13 @@ def forward_in_place(meta, edges, q, q_tail, k, v, k_edge, v_edge, *, bs: BlockS
 
 
 def dq_aligned(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
-                bs: BlockSizes, scale: float):
+                bs: BlockSizes, scale: float, window: int = 0):
   num_p, num_heads, head_dim = q_p.shape
   group = num_heads // k.shape[1]
   dtype, slots = q_p.dtype, bs.max_concurrent_steps
   grid, grid_names = query_grid(bs, num_heads, group, meta.shape[1])
   kernel = _kernel(
-      functools.partial(dq_kernel, bs=bs, scale=scale, group=group),
+      functools.partial(dq_kernel, bs=bs, scale=scale, group=group, window=window),
       out_type=jax.ShapeDtypeStruct(q_p.shape, dtype),
       scratch_types=[
           smem_tile((NUM_COMPUTE_WGS, bs.block_q, head_dim), dtype),
@@ -91,7 +91,7 @@ def dq_aligned(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, *,
 
 
 def dkv_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, q_edges, *,
-             bs: BlockSizes, scale: float, num_k_rows: int):
+             bs: BlockSizes, scale: float, num_k_rows: int, window: int = 0):
   """dK, dV [num_k_rows, K, D]: in the packed buffers (``bs.dkv_in_place``: q_p, do_p the
   packed Q and dO, ``q_edges`` = (edges, Q edge copy, dO edge copy) as ``kv_edges``) or in the
   aligned copies k, v (q_p, do_p aligned; ``q_edges`` unread)."""
@@ -100,7 +100,8 @@ def dkv_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, q_edg
   dtype, slots = q_p.dtype, bs.max_concurrent_steps
   stage = [plgpu.SMEM((NUM_COMPUTE_WGS, bs.block_kv_dkv, head_dim), dtype)] * 2
   kernel = _kernel(
-      functools.partial(dkv_kernel, bs=bs, scale=scale, group=num_heads // num_kv_heads),
+      functools.partial(dkv_kernel, bs=bs, scale=scale, group=num_heads // num_kv_heads,
+                        window=window),
       out_type=[jax.ShapeDtypeStruct((num_k_rows, *k.shape[1:]), dtype)] * 2,
       scratch_types=[
           smem_tile((NUM_COMPUTE_WGS, bs.block_kv_dkv, head_dim), dtype),
@@ -119,7 +120,7 @@ def dkv_call(meta, edges, q_p, k, v, k_edge, v_edge, do_p, lse_p, delta_p, q_edg
 
 
 def bwd_fused_call(meta, edges, q, k, v, k_edge, v_edge, do, lse_p, delta_p, q_edges, *,
-                   bs: BlockSizes, scale: float, num_k_rows: int):
+                   bs: BlockSizes, scale: float, num_k_rows: int, window: int = 0):
   """dQ [T + block_q_dkv, H, D] (f32, unscaled: the caller multiplies by ``scale``; rows past
   T receive zeros) of the packed query buffer (T rows, a multiple of 8) and dK, dV
   [num_k_rows, K, D] in the packed buffers, from one kernel over key tiles
@@ -136,7 +137,8 @@ def bwd_fused_call(meta, edges, q, k, v, k_edge, v_edge, do, lse_p, delta_p, q_e
        smem_tile((NUM_COMPUTE_WGS, bqd, head_dim // NUM_COMPUTE_WGS), jnp.float32)),
       [plgpu.SMEM((NUM_COMPUTE_WGS, bkd, head_dim), dtype)] * 2)
   kernel = _kernel(
-      functools.partial(bwd_fused_kernel, bs=bs, scale=scale, group=num_heads // num_kv_heads),
+      functools.partial(bwd_fused_kernel, bs=bs, scale=scale, group=num_heads // num_kv_heads,
+                        window=window),
       out_type=[jax.ShapeDtypeStruct((num_k_rows, *k.shape[1:]), dtype)] * 2,
       scratch_types=[
           tile((NUM_COMPUTE_WGS, bkd, head_dim), dtype),

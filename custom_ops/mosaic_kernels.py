@@ -19,7 +19,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from custom_ops.mosaic_worklists import (
-    KT_K_ROW, KT_MOFF_W, KT_NQ, KT_Q_ROW, KT_Q_ROW8, KT_QA, KT_QA_W, KT_QF_W, KT_VA_W, KT_VN_W,
+    KT_K_ROW, KT_MOFF_W, KT_NQ, KT_Q_ROW, KT_Q_ROW8, KT_QA, KT_QA_W, KT_QE_W, KT_QF_W, KT_QW_W,
+    KT_VA_W, KT_VN_W,
     KV_ROW_MULTIPLE, NUM_COMPUTE_WGS, QT_DIAG, QT_KB8, QT_LK, QT_NFULL, QT_NKV, QT_NMAX,
     QT_Q_ROW8, QT_Q_TILE, QT_SHIFT, QT_VA_W, QT_VN_W, BlockSizes)
 
@@ -112,13 +113,17 @@ def _stream_key_tiles(meta_ref, edges_ref, k_ref, v_ref, ke_ref, ve_ref, k_smem,
   _stream(n_max, slots, load, wait_free)
 
 
-def _key_tile_loops(step, skip, meta_ref, tile, wg, carry):
+def _key_tile_loops(step, skip, meta_ref, tile, wg, carry, window: int = 0):
   """A compute warpgroup's pass over its task's key tiles: masked tile 0 when the tiles start
-  before the task's keys, the unmasked tiles, the masked diagonal / last tiles, then the tiles
-  only the other warpgroup needs (``skip``)."""
+  before the task's keys (with a window: every tile before the first one its rows see whole,
+  the table's last fields), the unmasked tiles, the masked diagonal / last tiles, then the
+  tiles only the other warpgroup needs (``skip``)."""
   shift, n_max = meta_ref[QT_SHIFT, tile], meta_ref[QT_NMAX, tile]
   n_full, n_kv = meta_ref[QT_NFULL + wg, tile], meta_ref[QT_NKV + wg, tile]
   a = jnp.minimum(jnp.where(shift > 0, 1, 0), n_kv)
+  if window:
+    whole = meta_ref[meta_ref.shape[0] - NUM_COMPUTE_WGS + wg, tile]
+    a = jnp.minimum(jnp.maximum(a, whole), n_kv)
   b = jnp.maximum(a, jnp.minimum(n_full, n_kv))
   carry = lax.fori_loop(0, a, functools.partial(step, masked=True), carry)
   carry = lax.fori_loop(a, b, functools.partial(step, masked=False), carry)
@@ -127,13 +132,17 @@ def _key_tile_loops(step, skip, meta_ref, tile, wg, carry):
   return carry
 
 
-def _key_mask(meta_ref, tile, wg, j, shape, block_kv: int):
-  """Visibility of a [rows, keys] tile: local key 0 <= j <= row + diag and j < lk."""
+def _key_mask(meta_ref, tile, wg, j, shape, block_kv: int, window: int = 0):
+  """Visibility of a [rows, keys] tile: local key 0 <= j <= row + diag and j < lk (and
+  j > row + diag - window with a window)."""
   rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
   cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
   kpos = cols + (j * block_kv - meta_ref[QT_SHIFT, tile])
   diag, lk = meta_ref[QT_DIAG + wg, tile], meta_ref[QT_LK, tile]
-  return (kpos >= 0) & (kpos <= rows + diag) & (kpos < lk)
+  vis = (kpos >= 0) & (kpos <= rows + diag) & (kpos < lk)
+  if window:
+    vis &= kpos > rows + diag - window
+  return vis
 
 
 def _head_at(bs: BlockSizes, group: int, heads_index, group_index):
@@ -172,9 +181,10 @@ def _store_row_pieces(pairs, row0, first, count, col, piece: int):
 
 def fwd_kernel(meta_ref, edges_ref, q_ref, qe_ref, k_ref, v_ref, ke_ref, ve_ref, o_ref,
                 lse_ref, q_smem, o_st, k_smem, v_smem, lse_smem, q_bar, k_bar, v_bar, k_free,
-                v_free, sched_bar, *, bs: BlockSizes, scale2: float, group: int):
+                v_free, sched_bar, *, bs: BlockSizes, scale2: float, group: int,
+                window: int = 0):
   """One CTA query tile of one head (``q_tile_table_in_place``): O of its two warpgroup blocks
-  in place, and their log2-domain LSE in the tile's slot."""
+  in place, and their log2-domain LSE in the tile's slot (``window``: the sliding window)."""
   h, tile, wg = _query_head(bs, group), lax.axis_index("tiles"), lax.axis_index("wg")
   bq, bkv, slots = bs.block_q, bs.block_kv, bs.max_concurrent_steps
   head_dim = q_ref.shape[-1]
@@ -212,7 +222,7 @@ def fwd_kernel(meta_ref, edges_ref, q_ref, qe_ref, k_ref, v_ref, ke_ref, ve_ref,
       s = pl.run_scoped(qk_body, plgpu.ACC((bq, bkv), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
       if masked:
-        vis = _key_mask(meta_ref, tile, wg, j, s.shape, bkv)
+        vis = _key_mask(meta_ref, tile, wg, j, s.shape, bkv, window)
         s = jnp.where(vis, s, _MASK_VALUE)
       m_new = jnp.maximum(m, s.max(axis=1) * scale2)
       alpha = jnp.exp2(m - m_new)
@@ -247,7 +257,7 @@ def fwd_kernel(meta_ref, edges_ref, q_ref, qe_ref, k_ref, v_ref, ke_ref, ve_ref,
     carry = (plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA),
              _row_vector(-jnp.inf, bq, 1), _row_vector(0.0, bq, 1))
     pl.when(wg == 1)(sched_sync)
-    acc, m_run, l = _key_tile_loops(step, skip, meta_ref, tile, wg, carry)
+    acc, m_run, l = _key_tile_loops(step, skip, meta_ref, tile, wg, carry, window)
     pl.when(wg == 0)(sched_sync)
     seen = l > 0.0
     l_safe = jnp.where(seen, l, 1.0)
@@ -285,7 +295,8 @@ def fwd_kernel(meta_ref, edges_ref, q_ref, qe_ref, k_ref, v_ref, ke_ref, ve_ref,
 
 def dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref, lse_ref,
                delta_ref, dq_ref, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, in_bar,
-               k_bar, v_bar, k_free, v_free, *, bs: BlockSizes, scale: float, group: int):
+               k_bar, v_bar, k_free, v_free, *, bs: BlockSizes, scale: float, group: int,
+               window: int = 0):
   """One CTA query tile of one head: dQ = scale * sum over visible key tiles of dS K.
 
   ``bs.bwd_pairs``: S and dP are issued together (one wait)."""
@@ -322,7 +333,7 @@ def dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref, 
       plgpu.barrier_arrive(v_free.at[slot])
       p = jnp.exp2(s * scale2 - lax.broadcast_in_dim(lse, s.shape, [0]))
       if masked:
-        p = jnp.where(_key_mask(meta_ref, tile, wg, j, s.shape, bkv), p, 0.0)
+        p = jnp.where(_key_mask(meta_ref, tile, wg, j, s.shape, bkv, window), p, 0.0)
       ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
 
       def dq_body(acc_ref):
@@ -339,7 +350,7 @@ def dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref, 
       plgpu.barrier_arrive(k_free.at[slot])
 
     dq = plgpu.layout_cast(jnp.zeros((bq, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-    dq = _key_tile_loops(step, skip, meta_ref, tile, wg, dq)
+    dq = _key_tile_loops(step, skip, meta_ref, tile, wg, dq, window)
     qs[...] = (dq * scale).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(qs, dq_ref.at[rows, h])
@@ -351,6 +362,15 @@ def dq_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref, 
     _stream_key_tiles(meta_ref, edges_ref, k_ref, v_ref, ke_ref, ve_ref, k_smem, v_smem, k_bar,
                       v_bar, k_free, v_free, tile=tile, kvh=lax.div(h, group), block_kv=bkv,
                       edge_block=bs.edge_block, slots=slots)
+
+
+def _dkv_visible(key, row, moff, window: int):
+  """dK/dV tiles: local query row ``row`` of the task sees key ``key`` of the block (its key
+  ``key + moff`` in row units): causal, and inside the window when there is one."""
+  vis = key + moff <= row
+  if window:
+    vis &= row < key + moff + window
+  return vis
 
 
 def _dkv_probabilities(st, lse_s, vis, *, scale2: float):
@@ -490,7 +510,7 @@ def _load_key_block(edges_ref, k_ref, v_ref, ke_ref, ve_ref, ks, vs, bar, kvh, s
 
 def dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref, lse_ref,
                delta_ref, qedges_ref, qe_ref, doe_ref, dk_ref, dv_ref, *scratch, bs: BlockSizes,
-               scale: float, group: int):
+               scale: float, group: int, window: int = 0):
   """One CTA key tile of one KV head: dK, dV over its GQA group's heads and visible queries.
 
   In place (``bs.dkv_in_place``): K/V and Q/dO rows come from the packed buffers
@@ -539,7 +559,7 @@ def dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref,
       wait_loaded(slot)
       vis = None
       if masked:
-        vis = lambda key, row: key + moff <= row + qt * bqd
+        vis = lambda key, row: _dkv_visible(key, row + qt * bqd, moff, window)
       dk, dv, _ = _dkv_products(ks, vs, q_smem.at[slot], do_smem.at[slot], lse_smem.at[slot],
                                 delta_smem.at[slot], carry, vis, scale2=scale2,
                                 paired=bs.bwd_pairs)
@@ -555,7 +575,13 @@ def dkv_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, do_ref,
       base = g * per_head - qa  # step index of query tile qt of head g is base + qt
       lax.fori_loop(qa, qa_w, functools.partial(skip, base=base), None)
       carry = lax.fori_loop(qa_w, qf_w, functools.partial(step, base=base, masked=True), carry)
-      return lax.fori_loop(qf_w, n_q, functools.partial(step, base=base, masked=False), carry)
+      if not window:
+        return lax.fori_loop(qf_w, n_q, functools.partial(step, base=base, masked=False), carry)
+      qw_w, qe_w = meta_ref[KT_QW_W + wg, tile], meta_ref[KT_QE_W + wg, tile]
+      carry = lax.fori_loop(qf_w, qw_w, functools.partial(step, base=base, masked=False), carry)
+      carry = lax.fori_loop(qw_w, qe_w, functools.partial(step, base=base, masked=True), carry)
+      lax.fori_loop(qe_w, n_q, functools.partial(skip, base=base), None)
+      return carry
 
     zeros = plgpu.layout_cast(jnp.zeros((bkd, head_dim), jnp.float32), plgpu.Layout.WGMMA)
     dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
@@ -585,7 +611,7 @@ def bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, d
                      delta_ref, qedges_ref, qe_ref, doe_ref, dq_ref, dk_ref, dv_ref, k_smem,
                      v_smem, q_smem, do_smem, lse_smem, delta_smem, union, kv_bar, q_bar, do_bar,
                      lse_bar, delta_bar, free, ds_bar, *, bs: BlockSizes, scale: float,
-                     group: int):
+                     group: int, window: int = 0):
   """One CTA key tile of one KV head: dK, dV as the dK/dV kernel, plus dQ of every query step.
 
   Per step, each warpgroup writes its dS^T block [block_kv_dkv, block_q_dkv] to shared memory;
@@ -595,7 +621,9 @@ def bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, d
   whose keys no row of the step sees contributes zeros. A key block that reaches outside its
   task's keys (rows of a neighbouring task or padding) is masked on every step, since its dS
   feeds dQ. A step issues S^T with dP^T (one wait), then its dV and dK products, shares dS^T and
-  issues its dQ products behind them, and waits once for all three.
+  issues its dQ products behind them, and waits once for all three. With a ``window``, the
+  steps past the warpgroup's unmasked ones are masked up to ``KT_QE_W`` and zero after
+  (``kv_tile_table_in_place``).
   """
   (ds_smem, dq_stage), (dk_stage, dv_stage) = union
   kvh, tile, wg = lax.axis_index("heads"), lax.axis_index("tiles"), lax.axis_index("wg")
@@ -617,7 +645,13 @@ def bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, d
     qa_w, qf_w, moff, va, vn = (meta_ref[f + wg, tile]
                                 for f in (KT_QA_W, KT_QF_W, KT_MOFF_W, KT_VA_W, KT_VN_W))
     # A block holding rows outside its task's keys is masked on every step it visits.
-    qf = jnp.where((va == 0) & (vn == bkd), qf_w, n_q)
+    inside = (va == 0) & (vn == bkd)
+    if window:
+      qe_w = meta_ref[KT_QE_W + wg, tile]
+      qf = jnp.where(inside, qf_w, qe_w)
+      qw = jnp.where(inside, meta_ref[KT_QW_W + wg, tile], qe_w)
+    else:
+      qf = jnp.where(inside, qf_w, n_q)
     cols = pl.ds(wg * half, half)
 
     wait_loaded = functools.partial(_wait_query_tile, (q_bar, do_bar, lse_bar, delta_bar))
@@ -657,7 +691,8 @@ def bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, d
             plgpu.ACC.init(zeros_dq()))
         store_dq(dq, qt, g)
         return carry
-      vis = ((lambda key, row: (key >= va) & (key < va + vn) & (key + moff <= row + qt * bqd))
+      vis = ((lambda key, row: (key >= va) & (key < va + vn)
+                                & _dkv_visible(key, row + qt * bqd, moff, window))
              if mode == "masked" else None)
       dk, dv, dq = _dkv_products(
           ks, vs, q_smem.at[slot], do_smem.at[slot], lse_smem.at[slot], delta_smem.at[slot],
@@ -669,7 +704,10 @@ def bwd_fused_kernel(meta_ref, edges_ref, q_ref, k_ref, v_ref, ke_ref, ve_ref, d
 
     def head(g, carry):
       base = g * per_head - qa  # step index of query tile qt of head g is base + qt
-      for lo, hi, mode in ((qa, qa_w, "zero"), (qa_w, qf, "masked"), (qf, n_q, "full")):
+      modes = (((qa, qa_w, "zero"), (qa_w, qf, "masked"), (qf, qw, "full"), (qw, qe_w, "masked"),
+                (qe_w, n_q, "zero")) if window else
+               ((qa, qa_w, "zero"), (qa_w, qf, "masked"), (qf, n_q, "full")))
+      for lo, hi, mode in modes:
         carry = lax.fori_loop(lo, hi, functools.partial(step, base=base, g=g, mode=mode), carry)
       return carry
 

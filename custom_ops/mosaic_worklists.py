@@ -203,8 +203,35 @@ def _key_tile_fields(r0, lq, lk, ks, bs: BlockSizes, block_kv: int):
   return [ks // KV_ROW_MULTIPLE, shift, lk, n_max, *diag_w, *n_full_w, *n_kv_w]
 
 
+def _window_keys(r0, lq, lk, ks, block_kv: int, window: int):
+  """A window layer's query tile (first row its task's local row ``r0``): (keys, first key row)
+  of the task as the tile's key tiles see them. Its tiles start at the key tile holding the
+  first key its first stored row sees (``max(r0, 0) + lk - lq - window + 1``; later rows' windows
+  start later), so no key tile wholly before every row's window is visited: the task's keys are
+  cut to start there (a multiple of 8 rows: the rounded-down start plus whole key tiles)."""
+  shift = ks % KV_ROW_MULTIPLE
+  first = jnp.maximum(r0, 0)
+  j_lo = jnp.where((first < lq) & (lk > 0),
+                   jnp.maximum(first + lk - lq - window + 1 + shift, 0) // block_kv, 0)
+  cut = jnp.where(j_lo > 0, j_lo * block_kv - shift, 0)
+  return lk - cut, ks + cut
+
+
+def _window_full_tiles(fields, bs: BlockSizes, block_kv: int, window: int):
+  """Per warpgroup, the first key tile every row of its block sees whole under the window
+  (tiles before it are masked): from ``_key_tile_fields``' fields."""
+  shift = fields[1]
+  out = []
+  for w in range(NUM_COMPUTE_WGS):
+    diag, n_kv = fields[4 + w], fields[8 + w]
+    # The block's last row sees keys from last + diag - window + 1.
+    out.append(jnp.clip((bs.block_q + diag - window + shift + block_kv - 1) // block_kv, 0,
+                        n_kv))
+  return out
+
+
 def q_tile_table(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, num_q_rows: int, bs: BlockSizes,
-                 block_kv: int) -> jax.Array:
+                 block_kv: int, window: int = 0) -> jax.Array:
   """dQ work list [QT_FIELDS, B] over the CTA query tiles of the aligned query buffer.
 
   Per tile: its index (first aligned query row / ``align_q``), the task's first key row rounded
@@ -213,7 +240,9 @@ def q_tile_table(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, num_q_rows: int, bs: Bl
   warpgroup ``w`` (fields + w): ``diag`` (row ``t`` of its block sees local keys
   ``0 <= j <= t + diag``, ``j < lk``), the end of its unmasked key tiles (tile 0 is masked when
   ``shift > 0``; tiles from ``n_full`` on are masked) and its key tiles. Sorted by descending
-  key tiles.
+  key tiles. With a ``window`` (> 0) the task's keys as seen by the tile start later
+  (``_window_keys``) and two fields follow: per warpgroup, the first key tile not masked by the
+  window (``_window_full_tiles``).
   """
   n = cu_q_N1.shape[0] - 1
   lq_N = cu_q_N1[1:] - cu_q_N1[:-1]
@@ -223,8 +252,12 @@ def q_tile_table(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, num_q_rows: int, bs: Bl
   lq = jnp.where(live, lq_N[task], 0)
   lk = jnp.where(live, lk_N[task], 0)
   ks = jnp.where(live, cu_k_N1[task], 0)
-  fields = [jnp.arange(num_tiles, dtype=jnp.int32),
-            *_key_tile_fields(r0, lq, lk, ks, bs, block_kv)]
+  if window:
+    lk, ks = _window_keys(r0, lq, lk, ks, block_kv, window)
+  key_fields = _key_tile_fields(r0, lq, lk, ks, bs, block_kv)
+  fields = [jnp.arange(num_tiles, dtype=jnp.int32), *key_fields]
+  if window:
+    fields += _window_full_tiles(key_fields, bs, block_kv, window)
   table = jnp.stack([f.astype(jnp.int32) for f in fields])
   return table[:, jnp.argsort(-table[QT_NMAX], stable=True)]
 
@@ -284,7 +317,7 @@ QT_FIELDS_IN_PLACE = 16
 
 
 def q_tile_table_in_place(cu_q_N1, cu_k_N1, num_q_rows: int, bs: BlockSizes,
-                          block_kv: int) -> jax.Array:
+                          block_kv: int, window: int = 0) -> jax.Array:
   """Forward work list [QT_FIELDS_IN_PLACE, B] over query tiles of the packed query buffer.
 
   The buffer is cut into segments: the N tasks' query ranges, then the tail padding
@@ -292,7 +325,8 @@ def q_tile_table_in_place(cu_q_N1, cu_k_N1, num_q_rows: int, bs: BlockSizes,
   the kernel, so every row is written exactly once). A segment's tiles (``align_q`` rows) start
   at its first row rounded down to ``KV_ROW_MULTIPLE``: the rows before it and past its end are
   computed but not stored. Task tiles take LSE slots in the order of
-  ``aligned_layout(cu_q, T, align_q, front=True)``. Sorted by descending key tiles.
+  ``aligned_layout(cu_q, T, align_q, front=True)``. Sorted by descending key tiles. A
+  ``window`` (> 0) cuts the keys and adds two fields as ``q_tile_table``'s.
   """
   n = cu_q_N1.shape[0] - 1
   st = _segment_tiles(cu_q_N1, num_q_rows, bs.align_q)
@@ -303,8 +337,13 @@ def q_tile_table_in_place(cu_q_N1, cu_k_N1, num_q_rows: int, bs: BlockSizes,
   r0 = st.lt * bs.align_q - st.shift  # the segment's local index of the tile's first row
   slot = jnp.where(task, st.before + st.lt, -1)  # task segments come first
   stored = [_stored_rows(r0 + w * bs.block_q, bs.block_q, st) for w in range(NUM_COMPUTE_WGS)]
-  fields = [slot, *_key_tile_fields(r0, jnp.where(task, st.length, 0), lk, ks, bs, block_kv),
-            st.row8, *(va for va, _ in stored), *(vn for _, vn in stored)]
+  lq = jnp.where(task, st.length, 0)
+  if window:
+    lk, ks = _window_keys(r0, lq, lk, ks, block_kv, window)
+  key_fields = _key_tile_fields(r0, lq, lk, ks, bs, block_kv)
+  fields = [slot, *key_fields, st.row8, *(va for va, _ in stored), *(vn for _, vn in stored)]
+  if window:
+    fields += _window_full_tiles(key_fields, bs, block_kv, window)
   table = jnp.stack([f.astype(jnp.int32) for f in fields])
   return table[:, jnp.argsort(-table[QT_NMAX], stable=True)]
 
@@ -386,10 +425,13 @@ def kv_tile_table(cu_q_N1, cu_k_N1, lay_q: AlignedLayout, lay_k: AlignedLayout, 
 # then the first row / 8 of the task's query tiles in the packed query buffer.
 KT_VA_W, KT_VN_W, KT_Q_ROW8 = 10, 12, 14
 KT_FIELDS_IN_PLACE = 15
+# With a window: per warpgroup the end of its unmasked query tiles and of its visible ones.
+KT_QW_W, KT_QE_W = 15, 17
+KT_FIELDS_WINDOW = 19
 
 
 def kv_tile_table_in_place(cu_q_N1, cu_k_N1, lay_f: AlignedLayout, num_k_rows: int,
-                           bs: BlockSizes) -> jax.Array:
+                           bs: BlockSizes, window: int = 0) -> jax.Array:
   """dK/dV work list [KT_FIELDS_IN_PLACE, B] over key tiles of the packed K/V buffers.
 
   Queries are read in place too: task ``i``'s query tiles (``block_q_dkv`` rows) start at
@@ -403,6 +445,13 @@ def kv_tile_table_in_place(cu_q_N1, cu_k_N1, lay_f: AlignedLayout, num_k_rows: i
   written by the kernel and every row is written exactly once). A segment's tiles start at its
   first row rounded down to ``KV_ROW_MULTIPLE``; ``KT_K_ROW`` is a tile's first row / 8 and
   ``moff`` counts from that row. Warpgroup ``w`` stores rows ``[va, va + vn)`` of its block.
+
+  With a ``window`` (> 0; row r sees key i iff ``i + moff <= r < i + moff + window``) the CTA
+  streams query tiles ``[qa, KT_NQ)`` with ``KT_NQ`` the last tile any warpgroup's keys are
+  seen by, plus one, and per warpgroup: tiles ``[qa, KT_QA_W)`` see none of its keys,
+  ``[KT_QA_W, KT_QF_W)`` are masked (causal edge), ``[KT_QF_W, KT_QW_W)`` are whole,
+  ``[KT_QW_W, KT_QE_W)`` are masked (window edge), and from ``KT_QE_W`` on see none: query
+  tiles wholly past every row's window are not visited.
   """
   n = cu_q_N1.shape[0] - 1
   m, bkd, bqd = KV_ROW_MULTIPLE, bs.block_kv_dkv, bs.block_q_dkv
@@ -419,7 +468,7 @@ def kv_tile_table_in_place(cu_q_N1, cu_k_N1, lay_f: AlignedLayout, num_k_rows: i
   lk = jnp.where(st.seg < n, st.length, 0)
   off = lk - lq
   n_q = (lq + bqd - 1) // bqd
-  qa_w, qf_w, moff_w, va_w, vn_w = [], [], [], [], []
+  qa_w, qf_w, moff_w, va_w, vn_w, qw_w, qe_w = [], [], [], [], [], [], []
   for w in range(NUM_COMPUTE_WGS):
     kw = st.lt * bs.align_k + w * bkd - st.shift  # the segment's local index of its first row
     first = jnp.maximum(kw, 0)
@@ -431,7 +480,19 @@ def kv_tile_table_in_place(cu_q_N1, cu_k_N1, lay_f: AlignedLayout, num_k_rows: i
     va, vn = _stored_rows(kw, bkd, st)
     va_w.append(va)
     vn_w.append(vn)
-  qa = jnp.minimum(*qa_w)
-  fields = [st.row8, seg_q, n_q, qa, *qa_w, *qf_w, *moff_w, *va_w, *vn_w, q_row8]
+    if window:  # the first tile with a row past its first key's window; past its last key's
+      qw_w.append(jnp.clip((first - off + window) // bqd, 0, n_q))
+      qe_w.append(jnp.where(empty, 0, jnp.clip((last_key - off + window - 1) // bqd + 1, 0,
+                                               n_q)))
+  if window:
+    n_q = jnp.maximum(*qe_w)  # the streamed tiles end there
+    qa = jnp.minimum(jnp.minimum(*qa_w), n_q)
+    qa_w = [jnp.clip(x, qa, n_q) for x in qa_w]
+    qf_w = [jnp.clip(x, a, n_q) for x, a in zip(qf_w, qa_w)]
+    qe_w = [jnp.clip(x, f, n_q) for x, f in zip(qe_w, qf_w)]
+    qw_w = [jnp.clip(x, f, e) for x, f, e in zip(qw_w, qf_w, qe_w)]
+  else:
+    qa = jnp.minimum(*qa_w)
+  fields = [st.row8, seg_q, n_q, qa, *qa_w, *qf_w, *moff_w, *va_w, *vn_w, q_row8, *qw_w, *qe_w]
   table = jnp.stack([f.astype(jnp.int32) for f in fields])
   return table[:, jnp.argsort(-(n_q - qa), stable=True)]

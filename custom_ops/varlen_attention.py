@@ -5,11 +5,12 @@ task ``i`` owns query rows ``[cu_q[i], cu_q[i+1])`` of the packed query buffer a
 ``[cu_k[i], cu_k[i+1])`` of the packed key/value buffers. Inside a task the causal mask is aligned
 bottom-right: local query row ``r`` of a task with ``lq`` queries and ``lk`` keys sees local keys
 ``j <= r + (lk - lq)`` (for ``lq == lk`` this is ordinary causal attention; the last query row
-always sees every key). With a sliding window of ``w`` keys (``window=w``; 0 = full causal), row ``r``
-also sees only keys ``j >= r + (lk - lq) - w + 1``: the ``w`` keys ending at its diagonal (a
-window layer's task reads only its keys ``[max(0, a - w + 1), b)``, so the bottom-right alignment
-keeps document positions). Query heads are a multiple of key/value heads (GQA: query head ``h`` reads KV head
-``h // (H // K)``). Inputs are bf16, fp16 or f32; all accumulation is f32.
+always sees every key). With a sliding window of ``w`` keys (``window=w``; 0 = full causal),
+row ``r`` also sees only keys ``j >= r + (lk - lq) - w + 1``: the ``w`` keys ending at its
+diagonal (a window layer's task reads only its keys ``[max(0, a - w + 1), b)``, so the
+bottom-right alignment keeps document positions). Query heads are a multiple of key/value
+heads (GQA: query head ``h`` reads KV head ``h // (H // K)``). Inputs are bf16, fp16 or f32;
+all accumulation is f32.
 
 Rows that see no key (padding rows outside every task, rows of empty tasks, and the first rows of
 a task with ``lq > lk``) get output 0 and log-sum-exp ``-inf``; their gradients are 0. Key rows outside

@@ -27,6 +27,13 @@ Workloads (32 query heads, 8 KV heads, head dim 128, bf16, one GPU):
                      compiles once per W); padding rows count no FLOPs but the kernels pay
                      for them (flash3 masks its padding rows; its launch shape follows the tasks).
 ``--workloads`` takes names and the families 'dense', 'ca', 'sched' (all sizes of that family).
+``--windows W1,W2,...`` adds every workload again as a sliding-window layer's call of window W
+(name suffix ``-wW``; 0 = the full-causal call itself): each task keeps its queries and keeps only
+the keys its window reads, ``min(lk, lq + W - 1)`` of them (a window layer's task ``[a, b)`` reads
+keys ``[max(0, a - W + 1), b)``), and every kernel runs with ``window=W``; pairs and FLOPs count
+the windowed mask. ``--quick-windows`` = ``--kernels flash3,mosaic --workloads
+dense-16384,ca-s512,ca-s4096,sched-prolong-m512 --windows 128,1024,4096``. cuDNN runs dense
+windowed workloads (``local_window_size``), `mha` none.
 cuDNN (top-left causal alignment, no per-task key ranges) and `mha` (no varlen) run the dense
 workloads only; on CA and scheduler batches they are recorded as not applicable. FLOPs come from
 the task table (distca_jax.plan.cost.core_attention_flops: forward 4*H*D*pairs,
@@ -81,12 +88,15 @@ FAMILIES = {
 FULL = dict(heads=NUM_HEADS, kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype="bfloat16",
             tokens=16384, max_doc=16384, sched_tokens=16384, sched_servers=8, trials=5,
             min_trial_s=0.05, kernels=",".join(BACKENDS),
-            workloads="dense,ca,sched", row_multiple=128)
+            workloads="dense,ca,sched", row_multiple=128, windows="0")
 # A representative subset for one short GPU run: the dense anchor, the composability ends of the
 # synthetic sweep and three min_shard values of each scheduler workload; ours against flash3.
 QUICK = dict(kernels="flash3,mosaic", workloads=",".join(
     ["dense-16384", "ca-s128", "ca-s512", "ca-s4096"]
     + [f"sched-{w}-m{m}" for w in SCHED_FAMILIES for m in (128, 512, 2048)]))
+# Sliding-window layers' calls (``--windows``): ours against flash3 at three windows.
+QUICK_WINDOWS = dict(kernels="flash3,mosaic", windows="128,1024,4096",
+                     workloads="dense-16384,ca-s512,ca-s4096,sched-prolong-m512")
 # CPU smoke test: tiny shapes, every workload family, the blockwise kernel and the jnp reference.
 TINY = dict(heads=4, kv_heads=2, head_dim=32, tokens=256, max_doc=256, sched_tokens=256,
             sched_servers=4, trials=2, min_trial_s=0.0, row_multiple=16,
@@ -127,6 +137,7 @@ class Workload:
   q_rows: int = 0
   kv_rows: int = 0
   info: dict = dataclasses.field(default_factory=dict)
+  window: int = 0
 
   def __post_init__(self):
     self.q_rows = self.q_rows or self.cu_q[-1]
@@ -265,11 +276,30 @@ def make_sched_workload(name: str, cfg: SchedConfig, cache: dict | None = None) 
                   info)
 
 
+def windowed(wl: Workload, window: int) -> Workload:
+  """``wl`` as a sliding-window layer's call (module docstring): each task keeps its queries
+  and its last ``lq + window - 1`` keys (all of them when fewer); buffers shrink with the keys."""
+  if not window:
+    return wl
+  lq = [b - a for a, b in zip(wl.cu_q[:-1], wl.cu_q[1:])]
+  lk = [b - a for a, b in zip(wl.cu_k[:-1], wl.cu_k[1:])]
+  keep = [min(k, q + window - 1) if q else 0 for q, k in zip(lq, lk)]
+  cu_k = [wl.cu_k[0]]
+  for n in keep:
+    cu_k.append(cu_k[-1] + n)
+  return Workload(f"{wl.name}-w{window}", wl.kind, list(wl.cu_q), cu_k, wl.max_q,
+                  max(keep, default=1) or 1, q_rows=wl.q_rows,
+                  kv_rows=wl.kv_rows - (wl.cu_k[-1] - cu_k[-1]), info=dict(wl.info),
+                  window=window)
+
+
 def make_workloads(names: list[str], tokens: int, max_doc: int, seed: int,
-                   sched: SchedConfig | None = None, row_multiple: int = 1) -> list[Workload]:
+                   sched: SchedConfig | None = None, row_multiple: int = 1,
+                   windows: tuple[int, ...] = (0,)) -> list[Workload]:
   """Builds every named workload (see the module docstring); ``sched`` for sched-* names. Each
   workload's Q and KV buffer rows are rounded up to a multiple of ``row_multiple`` (padding
-  rows, no FLOPs)."""
+  rows, no FLOPs). Every workload comes once per window of ``windows`` (``windowed``; 0 = as
+  built)."""
   import numpy as np  # pylint: disable=import-outside-toplevel
   out = []
   cache: dict = {}
@@ -295,6 +325,7 @@ def make_workloads(names: list[str], tokens: int, max_doc: int, seed: int,
     else:
       raise ValueError(f"unknown workload {name=}; use dense-<L>, ca-s<S>, sched-<W>-m<S> or a "
                        f"family {sorted(FAMILIES)}")
+  out = [windowed(wl, w) for wl in out for w in windows]
   for wl in out:
     wl.q_rows = -(-wl.q_rows // row_multiple) * row_multiple
     wl.kv_rows = -(-wl.kv_rows // row_multiple) * row_multiple
@@ -322,25 +353,29 @@ def run_backend(backend: str, workloads: list[Workload], args, save) -> list[dic
   entries = []
   for wl in workloads:
     t_entry = time.perf_counter()
+    win = wl.window
     entry = dict(workload=wl.name, kind=wl.kind, backend=backend, tasks=wl.num_tasks,
                  task_slots=len(wl.cu_q) - 1, device=jax.devices()[0].device_kind,
                  q_tokens=wl.cu_q[-1], kv_tokens=wl.cu_k[-1], q_rows=wl.q_rows,
-                 kv_rows=wl.kv_rows, pairs=plan_cost.attention_pairs(wl.cu_q, wl.cu_k),
+                 kv_rows=wl.kv_rows, window=win,
+                 pairs=plan_cost.attention_pairs(wl.cu_q, wl.cu_k, win),
                  flops_fwd=plan_cost.core_attention_flops(wl.cu_q, wl.cu_k,
                                                           num_q_heads=num_heads,
-                                                          head_dim=head_dim),
+                                                          head_dim=head_dim, window=win),
                  flops_fwd_bwd=plan_cost.core_attention_flops(wl.cu_q, wl.cu_k,
                                                               num_q_heads=num_heads,
                                                               head_dim=head_dim,
-                                                              include_backward=True))
+                                                              include_backward=True,
+                                                              window=win))
     if wl.info:
       entry["sched"] = wl.info
     entries.append(entry)
-    if wl.kind != "dense" and base in ("cudnn", "mha"):
+    if (wl.kind != "dense" and base in ("cudnn", "mha")) or (win and base == "mha"):
       entry["status"] = "n/a"
       entry["error"] = ("cannot express CA tasks: cuDNN aligns causal masks top-left when "
                         "q_len != kv_len" if base == "cudnn" else
-                        "cannot express CA tasks: dense batch layout, no per-task key ranges")
+                        "cannot express CA tasks: dense batch layout, no per-task key ranges"
+                        if wl.kind != "dense" else "no sliding window")
       save(entries)
       continue
     try:
@@ -361,30 +396,33 @@ def run_backend(backend: str, workloads: list[Workload], args, save) -> list[dic
           raise ValueError(f"unknown mosaic {preset=}; choose one of {sorted(MOSAIC_PRESETS)}")
         mbs = mosaic_attention.BlockSizes(**MOSAIC_PRESETS[preset])
         entry["block_sizes"] = dataclasses.asdict(mbs)
-        static = ("mosaic", mbs)
+        static = ("mosaic", mbs, win)
 
-        def attn(q, k, v, cu_q, cu_k, mbs=mbs):
-          return mosaic_attention.mosaic_attention(q, k, v, cu_q, cu_k, block_sizes=mbs)[0]
+        def attn(q, k, v, cu_q, cu_k, mbs=mbs, win=win):
+          return mosaic_attention.mosaic_attention(q, k, v, cu_q, cu_k, block_sizes=mbs,
+                                                   window=win)[0]
         inputs = (q, k, v, cu_q, cu_k)
       elif base in ("blockwise", "reference"):
-        static = (base,)
+        static = (base, win)
 
-        def attn(q, k, v, cu_q, cu_k, base=base):
-          return ops.core_attention(q, k, v, cu_q, cu_k, kernel=base)
+        def attn(q, k, v, cu_q, cu_k, base=base, win=win):
+          return ops.core_attention(q, k, v, cu_q, cu_k, kernel=base, window=win)
         inputs = (q, k, v, cu_q, cu_k)
       elif base == "flash3":
-        static = ("flash3", wl.max_q, wl.max_k)
+        static = ("flash3", wl.max_q, wl.max_k, win)
 
         def attn(q, k, v, cu_q, cu_k, wl=wl):
           return ops.core_attention(q, k, v, cu_q, cu_k, kernel="flash3",
-                                    max_seqlen_q=wl.max_q, max_seqlen_k=wl.max_k)
+                                    max_seqlen_q=wl.max_q, max_seqlen_k=wl.max_k,
+                                    window=wl.window)
         inputs = (q, k, v, cu_q, cu_k)
       elif base == "cudnn":
-        static = ("cudnn",)
+        static = ("cudnn", win)
 
-        def attn(q, k, v):
-          return jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True,
-                                              scale=scale, implementation="cudnn")[0]
+        def attn(q, k, v, win=win):
+          return jax.nn.dot_product_attention(
+              q[None], k[None], v[None], is_causal=True, scale=scale, implementation="cudnn",
+              local_window_size=(win - 1, 0) if win else None)[0]
         inputs = (q, k, v)
       elif base == "mha":
         import warnings  # pylint: disable=import-outside-toplevel
@@ -580,6 +618,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="representative subset, flash3 + ours: " + QUICK["workloads"])
   preset.add_argument("--tiny", action="store_true",
                       help="CPU smoke test: tiny shapes, reference + the blockwise kernel")
+  preset.add_argument("--quick-windows", action="store_true",
+                      help="sliding-window rows, flash3 + ours: " + QUICK_WINDOWS["workloads"]
+                      + " at windows " + QUICK_WINDOWS["windows"])
   parser.add_argument("--kernels", help="comma list of mosaic[:preset], flash3, cudnn, mha, "
                       "blockwise, reference; mosaic presets: " + ", ".join(MOSAIC_PRESETS)
                       + f"; default {FULL['kernels']}")
@@ -603,6 +644,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--sched-buffers", choices=("used", "envelope"), default="used",
                       help="sched: Q/KV buffers end at the last task ('used') or keep the "
                       "capacity envelope's padding rows ('envelope')")
+  parser.add_argument("--windows", help="comma list of sliding windows (keys per query; 0 = "
+                      "full causal): every workload once per window (module docstring); "
+                      "default 0")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--row-multiple", type=int,
                       help="round every workload's Q and KV buffer rows up to a multiple of this "
@@ -616,7 +660,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   fill = dict(FULL)
-  fill.update(TINY if args.tiny else QUICK if args.quick else {})
+  fill.update(TINY if args.tiny else QUICK if args.quick else
+              QUICK_WINDOWS if args.quick_windows else {})
   for name, value in fill.items():
     if getattr(args, name) is None:
       setattr(args, name, value)
@@ -624,6 +669,13 @@ def parse_args(argv=None) -> argparse.Namespace:
       f"mosaic:{p}" for p in MOSAIC_PRESETS))
   if args.sched_server not in ("max", "all") and not args.sched_server.isdigit():
     parser.error(f"--sched-server {args.sched_server!r}: use 'max', 'all' or a server index")
+  try:
+    args.window_list = tuple(int(w) for w in args.windows.split(","))
+  except ValueError:
+    args.window_list = ()
+  if not args.window_list or any(w < 0 for w in args.window_list):
+    parser.error(f"--windows {args.windows!r}: a comma list of ints >= 0 (0 = full causal), "
+                 "e.g. 0,128,1024")
   return args
 
 
@@ -653,7 +705,7 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   names = expand_workload_names(args.workloads)
   workloads = make_workloads(names, args.tokens, args.max_doc, args.seed, sched_config(args),
-                             args.row_multiple)
+                             args.row_multiple, args.window_list)
   backends = args.kernels.split(",")
   if args.child:
     return run_child(run_backend, workloads, args)
@@ -669,6 +721,7 @@ def main(argv=None) -> int:
                             num_heads=args.heads, num_kv_heads=args.kv_heads,
                             head_dim=args.head_dim, dtype=args.dtype,
                             quick=args.quick, tiny=args.tiny, row_multiple=args.row_multiple,
+                            windows=list(args.window_list),
                             sched=dataclasses.asdict(sched_config(args)),
                             mosaic_presets=MOSAIC_PRESETS),
                 backends=backends, workloads=[w.name for w in workloads], entries=[],
@@ -683,7 +736,7 @@ def main(argv=None) -> int:
             "--sched-tokens", str(args.sched_tokens), "--sched-servers", str(args.sched_servers),
             "--sched-step", str(args.sched_step), "--sched-tolerance", str(args.sched_tolerance),
             "--sched-server", args.sched_server, "--sched-buffers", args.sched_buffers,
-            "--row-multiple", str(args.row_multiple)]
+            "--row-multiple", str(args.row_multiple), "--windows", args.windows]
   for backend in backends:
     part = f"{stem}.{backend.replace(':', '_')}.part.json"
     cmd = [*experiments.module_argv(__file__), "--child", "--kernels", backend,

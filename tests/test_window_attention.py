@@ -442,3 +442,182 @@ def test_flash3_window_lowers_for_cuda():
   assert set(re.findall(r"window_size_left = (-?\d+)", text)) == {"127"}
   assert set(re.findall(r"window_size_right = (-?\d+)", text)) == {"0"}
   assert set(re.findall(r"window_size_left = (-?\d+)", lowered(0))) == {"-1"}
+
+
+# ------------------------------------------------------------------------------------------------
+# Mosaic GPU: the windowed work lists (NumPy checks on CPU), and the kernels lowered for CUDA.
+# ------------------------------------------------------------------------------------------------
+
+
+def _window_visible(lq, lk, window):
+  r = np.arange(lq)[:, None] + (lk - lq)
+  j = np.arange(lk)[None, :]
+  return (j <= r) & (j > r - window)
+
+
+@pytest.mark.parametrize("window", [1, 100, 200, 1000])
+def test_mosaic_forward_window_tiles_cover_exactly_the_visible_pairs(window, seed):
+  """The forward's in-place work list with a window: every stored row's windowed visible pairs
+  visited exactly once, tiles not masked by the window wholly visible, every key tile read
+  inside the tasks' keys or from the zero-padded edge copy, and no key tile a CTA streams is
+  wholly outside the windows of its stored rows."""
+  from custom_ops import mosaic_worklists as mw
+  from test_mosaic_attention import _check_edge_read, _compiled, _kv_edge
+  rng = np.random.default_rng(seed)
+  bs = mw.BlockSizes()
+  bq, bkv = bs.block_q, bs.block_kv
+  cu_q, cu_k = random_table_long(rng)
+  total_q = int(cu_q[-1]) + 8 - int(cu_q[-1]) % 8
+  total_k = int(cu_k[-1]) + 5
+  table = _compiled(lambda cu_q, cu_k: mw.q_tile_table_in_place(
+      cu_q, cu_k, total_q, bs, bkv, window), cu_q, cu_k)
+  assert table.shape[0] == mw.QT_FIELDS_IN_PLACE + 2
+  (lo, hi, hb8, tb8), edge_rows, edge_block, _ = _kv_edge(cu_k, total_k, bs)
+  covered = [np.zeros((b - a, d - c), int) for a, b, c, d in
+             zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:])]
+  for col in table.T:
+    err = f"{seed=} {window=} {col=}"
+    kb, shift, lk_cut = col[mw.QT_KB8] * 8, col[mw.QT_SHIFT], col[mw.QT_LK]
+    useful = np.zeros(col[mw.QT_NMAX], bool)
+    for w in range(2):
+      row0 = col[mw.QT_Q_ROW8] * 8 + w * bq
+      va, vn = col[mw.QT_VA_W + w], col[mw.QT_VN_W + w]
+      n_full, n_kv = col[mw.QT_NFULL + w], col[mw.QT_NKV + w]
+      if vn == 0 or n_kv == 0:
+        continue
+      rows = np.arange(row0 + va, row0 + va + vn)
+      task = int(np.searchsorted(cu_q, rows[0], side="right") - 1)
+      lq, lk = cu_q[task + 1] - cu_q[task], cu_k[task + 1] - cu_k[task]
+      cut = kb + shift - cu_k[task]  # keys before the tile's first key tile are cut
+      assert cut >= 0 and lk_cut == lk - cut, err
+      assert col[mw.QT_DIAG + w] == row0 - cu_q[task] + lk - lq - cut, err
+      r = rows - cu_q[task]
+      vis = _window_visible(lq, lk, window)
+      a = min(max(int(shift > 0), col[-2 + w]), n_kv)
+      b = max(a, min(n_full, n_kv))
+      for j in range(n_kv):
+        _check_edge_read(((lo, hi, hb8, tb8), edge_rows), kb + j * bkv, bkv, edge_block, total_k,
+                         err)
+        kpos = j * bkv + np.arange(bkv) - shift
+        real = kpos[(kpos >= 0) & (kpos < lk_cut)] + cut
+        if a <= j < b:
+          assert kpos[0] >= 0 and kpos[-1] < lk_cut and vis[np.ix_(r, kpos + cut)].all(), (
+              f"{err}: unmasked tile {j}")
+        covered[task][np.ix_(r, real)] += vis[np.ix_(r, real)]
+        useful[j] |= vis[np.ix_(r, real)].any()
+    assert useful.all(), f"{err}: key tiles {np.flatnonzero(~useful)} wholly outside the windows"
+  for task, cov in enumerate(covered):
+    vis = _window_visible(*cov.shape, window)
+    assert (cov[vis] == 1).all() and (cov[~vis] == 0).all(), f"{seed=} {window=} task {task}"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("window", [1, 100, 200, 1000])
+def test_mosaic_backward_window_steps_cover_exactly_the_visible_pairs(window, fused, seed):
+  """The in-place dK/dV work list with a window, stepped as the fused backward (zero, masked,
+  whole, masked, zero steps per warpgroup; a block holding rows outside its task masked on
+  every visible step) or the dK/dV kernel (skipped steps instead of zero ones): every pair it
+  counts is a windowed visible pair of its own task, each once, and no query tile a CTA streams
+  is wholly past the windows of its keys."""
+  from custom_ops import mosaic_worklists as mw
+  rng = np.random.default_rng(seed)
+  bs = mw.BlockSizes(fused_bwd=fused)
+  bkd, bqd = bs.block_kv_dkv, bs.block_q_dkv
+  cu_q, cu_k = random_table_long(rng)
+  total_q, total_k = int(cu_q[-1]) + 2, int(cu_k[-1]) + int(rng.integers(0, 200))
+  from test_mosaic_attention import _compiled
+
+  def lists(cu_q, cu_k):
+    lay_f = mw.aligned_layout(cu_q, total_q, bs.align_q, front=True)
+    return mw.kv_tile_table_in_place(cu_q, cu_k, lay_f, total_k, bs, window), lay_f.start_N
+
+  table, start_f = _compiled(lists, cu_q, cu_k)
+  assert table.shape[0] == mw.KT_FIELDS_WINDOW
+  n = cu_q.size - 1
+  start_q = start_f + cu_q[:-1] % 8
+  counts = np.zeros((mw.padded_rows(total_q, n, bs.align_q, front=True), total_k), int)
+  for col in table.T:
+    err = f"{seed=} {window=} {col=}"
+    n_q, qa, q_row = col[mw.KT_NQ], col[mw.KT_QA], col[mw.KT_Q_ROW] * bs.align_q
+    useful = np.zeros(max(n_q - qa, 0), bool)
+    for w in range(2):
+      row0 = col[mw.KT_K_ROW] * 8 + w * bkd
+      qa_w, qf_w, moff = col[mw.KT_QA_W + w], col[mw.KT_QF_W + w], col[mw.KT_MOFF_W + w]
+      qw_w, qe_w = col[mw.KT_QW_W + w], col[mw.KT_QE_W + w]
+      va, vn = col[mw.KT_VA_W + w], col[mw.KT_VN_W + w]
+      assert qa <= qa_w <= qf_w <= qw_w <= qe_w <= n_q, err
+      inside = va == 0 and vn == bkd
+      full = (qf_w, qw_w) if (inside or not fused) else (qe_w, qe_w)
+      key = np.arange(bkd)[None, :]
+      for qt in range(qa_w, qe_w):
+        row = np.arange(bqd)[:, None] + qt * bqd
+        if full[0] <= qt < full[1]:
+          mask = np.ones((bqd, bkd), bool)
+        else:
+          mask = (key + moff <= row) & (row < key + moff + window)
+          if fused:
+            mask &= (key >= va) & (key < va + vn)
+        if not fused:  # the dK/dV kernel stores only its segment's rows
+          mask = mask & (key >= va) & (key < va + vn)
+        np.add.at(counts, (q_row + row[:, 0][:, None], row0 + key), mask.astype(int))
+        useful[qt - qa] |= mask.any()
+    assert useful.all(), f"{err}: query tiles {qa + np.flatnonzero(~useful)} see none of its keys"
+  want = np.zeros_like(counts)
+  real_rows = np.zeros(counts.shape[0], bool)
+  for i in range(n):
+    lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+    want[start_q[i]:start_q[i] + lq, cu_k[i]:cu_k[i + 1]] = _window_visible(lq, lk, window)
+    real_rows[start_q[i]:start_q[i] + lq] = True
+  np.testing.assert_array_equal(counts[real_rows], want[real_rows], err_msg=f"{seed=} {window=}")
+
+
+def random_table_long(rng):
+  """``test_mosaic_attention.random_table`` of 7 tasks up to 900 rows (windows of 100-1000 rows
+  then cut the key ranges)."""
+  from test_mosaic_attention import random_table
+  return random_table(rng, 7, 900)
+
+
+@pytest.mark.parametrize("fused", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_mosaic_window_kernels_lower_for_cuda(fused):
+  """The Mosaic forward and backward kernels with a window lower to Mosaic GPU modules without
+  a GPU (cross-platform lowering: layout inference, TMA shapes, the window's loops)."""
+  from custom_ops import mosaic_attention as ma
+  bs = ma.BlockSizes(fused_bwd=fused)
+  q = jax.ShapeDtypeStruct((1000, 4, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((2045, 2, 128), jnp.bfloat16)
+  cu = jax.ShapeDtypeStruct((5,), jnp.int32)
+
+  def loss(q, k, v, cu_q, cu_k):
+    o, lse = ma.mosaic_attention(q, k, v, cu_q, cu_k, block_sizes=bs, window=256)
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+  text = jax.jit(jax.grad(loss, (0, 1, 2))).trace(q, k, k, cu, cu).lower(
+      lowering_platforms=("cuda",)).as_text()
+  kernels = ["mosaic_attention_bwd"] if fused else ["mosaic_attention_dq", "mosaic_attention_dkv"]
+  for name in ["mosaic_attention_fwd"] + kernels:
+    assert name in text, name
+  with pytest.raises(ValueError, match="dkv_in_place"):
+    ma.mosaic_attention(jnp.zeros((8, 2, 64), jnp.bfloat16), jnp.zeros((8, 2, 64), jnp.bfloat16),
+                        jnp.zeros((8, 2, 64), jnp.bfloat16), jnp.asarray([0, 8], jnp.int32),
+                        jnp.asarray([0, 8], jnp.int32), window=4,
+                        block_sizes=ma.BlockSizes(fused_bwd=False, dkv_in_place=False))
+
+
+@pytest.mark.parametrize("window", [1, 16, 1000])
+def test_kernel_bench_windowed_workloads_keep_every_visible_pair(window):
+  """experiments/kernel_bench.py's windowed calls (``--windows``) keep each task's queries and
+  cut only keys no query's window reads: their windowed pairs equal the uncut call's."""
+  from distca_jax.plan import cost as plan_cost
+  from experiments import kernel_bench as kb
+  sched = kb.SchedConfig(tokens_per_rank=256, servers=4, step=0, tolerance=0.05, server="max",
+                         buffers="used", seed=0, q_heads=4, kv_heads=2, head_dim=32)
+  full = kb.make_workloads(["dense-128", "ca-s16", "sched-pretrain-m16"], 256, 256, 0, sched)
+  cut = kb.make_workloads(["dense-128", "ca-s16", "sched-pretrain-m16"], 256, 256, 0, sched,
+                          windows=(window,))
+  for f, c in zip(full, cut):
+    assert c.name == f"{f.name}-w{window}" and c.cu_q == f.cu_q and c.window == window
+    assert plan_cost.attention_pairs(c.cu_q, c.cu_k, window) == plan_cost.attention_pairs(
+        f.cu_q, f.cu_k, window)
+    assert c.kv_rows >= c.cu_k[-1] and c.cu_k[-1] <= f.cu_k[-1]
+    lk = np.diff(c.cu_k)
+    assert lk.max(initial=0) <= c.max_k

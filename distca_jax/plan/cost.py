@@ -6,8 +6,9 @@ causal with the diagonal (DistCA paper, arXiv 2510.18121, Sec. 4; docs/design.md
 ``FWD_FLOPS_PER_PAIR * q_heads * head_dim * P`` and the kernel's backward costs ``BWD_FWD_RATIO``
 times the forward. In a sliding-window layer of ``w`` keys (``window``), query position ``p``
 sees keys ``[max(0, p - w + 1), p]``: the task reads keys ``[k_start(a), b)`` with ``k_start(a) =
-max(0, a - w + 1)`` (``k_starts``) and holds ``sum_p min(p + 1, w)`` pairs (``pairs(a, b, w)``). The balancer works in pairs (exact integer arithmetic); an optional measured
-``CostTable`` predicts per-server kernel time for the same plan.
+max(0, a - w + 1)`` (``k_starts``) and holds ``sum_p min(p + 1, w)`` pairs (``pairs(a, b, w)``).
+The balancer works in pairs (exact integer arithmetic); an optional measured ``CostTable``
+predicts per-server kernel time for the same plan.
 """
 
 from __future__ import annotations

@@ -167,10 +167,11 @@ def small_cfg(**kw):
 
 @pytest.mark.parametrize("kw", [
     dict(layer_pattern="5:1", window=5),
-    dict(layer_pattern="5:1", window=5, scan_layers=False),
+    pytest.param(dict(layer_pattern="5:1", window=5, scan_layers=False), marks=pytest.mark.slow),
     dict(layer_pattern="LGLLGL", chunk=6),
-    dict(layer_pattern="local", window=3, remat="full"),
-    dict(layer_pattern="2:1", chunk=4, remat="save_attention", remat_mlp_layers=3),
+    pytest.param(dict(layer_pattern="local", window=3, remat="full"), marks=pytest.mark.slow),
+    pytest.param(dict(layer_pattern="2:1", chunk=4, remat="save_attention", remat_mlp_layers=3),
+                 marks=pytest.mark.slow),
 ])
 def test_model_equals_per_layer_reference(seed, kw):
   """Logits and gradients of the model (each run of layers of one type a scan) equal the dense

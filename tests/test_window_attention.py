@@ -621,3 +621,39 @@ def test_kernel_bench_windowed_workloads_keep_every_visible_pair(window):
     assert c.kv_rows >= c.cu_k[-1] and c.cu_k[-1] <= f.cu_k[-1]
     lk = np.diff(c.cu_k)
     assert lk.max(initial=0) <= c.max_k
+
+
+@pytest.mark.slow
+def test_distca_backend_with_window_equals_windowed_reference(seed):
+  """The distca backend built with ``Options(window=w)``: its CAD step (window plans, windowed
+  kernel) and its local step (``packed_dp`` with the window) both equal each row's documents'
+  windowed attention (dense reference), on 8 fake devices, outputs and gradients."""
+  from distca_jax.backends import distca as distca_backend
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  window, t = 24, td.T
+  backend = distca_backend.make(distca_backend.Options(
+      window=window, kernel="blockwise", q_heads=td.H, kv_heads=td.KH, head_dim=td.D,
+      dtype_bytes=4, min_shard=8, tolerance=0.0))
+  rng = np.random.default_rng(seed)
+  layout = random_layout(rng, td.S, t)
+  doclens = _doc_rows(layout)
+  doclens[0] = [t]  # one long document: its server's work moves
+  seg = np.asarray(layout.segment_ids_BxT).copy()
+  seg[0] = 1
+  extra = {k: jnp.asarray(v) for k, v in backend.host_prepare(doclens, t).items()}
+  mesh = td._mesh(tensor=1)
+  q, k, v, ct = td._inputs(rng)
+  lay = attn_lib.Layout(jnp.asarray(seg), layout.positions_BxT, extra)
+  want = jax.vmap(lambda q, k, v, ct, s: _window_reference(q[None], k[None], v[None], s[None],
+                                                           ct[None], window),
+                  in_axes=(0, 0, 0, 0, 0))(q, k, v, ct, jnp.asarray(seg))
+  want = [w[:, 0] for w in want]
+  sh = NamedSharding(mesh, P("data"))
+  for name, fn in (("cad", backend.fn), ("local", backend.local_fn)):
+    with jax.set_mesh(mesh):
+      f = lambda q, k, v: fn(q, k, v, lay, softmax_scale=td.D**-0.5)  # noqa: E731
+      args = [jax.device_put(x, sh) for x in (q, k, v)]
+      o, vjp = jax.vjp(f, *args)
+      got = (o, *vjp(jax.device_put(ct, sh)))
+    td._check(got, want, f"{name} {window=}")
+  assert int(np.asarray(extra["crosses"]).max()) == 1  # the CAD step's plans moved rows

@@ -344,8 +344,8 @@ def make(options: Options) -> "DistcaBackend":
                               call)
 
   resend = functools.partial(fn, memory_mode="resend") if o.memory_mode == "auto" else None
-  local_fn = (functools.partial(baselines_device.packed_dp_attention, kernel=o.kernel)
-              if local else None)
+  local_fn = (functools.partial(baselines_device.packed_dp_attention, kernel=o.kernel,
+                                window=o.window) if local else None)
   return DistcaBackend(fn=fn, host_prepare=host_prepare, host_plans=host_plans, caps=caps,
                        memory_mode=dispatch.memory_mode, resend_fn=resend, local_fn=local_fn)
 

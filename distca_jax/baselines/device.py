@@ -79,13 +79,12 @@ def packed_dp_task_table(doc_lens_RxN: jax.Array, tokens_per_row: int):
 
 def packed_dp_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout, *,
                         softmax_scale: float, kernel: str = "auto", window: int = 0):
-  """Data parallel, no balancing: each rank's rows in one fused varlen call.
+  """Data parallel, no balancing: each rank's rows in one fused varlen call (``window`` > 0: a
+  sliding-window layer's, the kernel's static window).
 
   Needs ``layout.extra['doc_lens']`` [B, Nd] int32 (``packing.packed_doc_lens``, the backend's
-  ``host_prepare``): the lengths of each row's documents, zero-padded. ``window`` > 0: each
-  query attends its last ``window`` keys (a sliding-window layer; the kernel's ``window``).
+  ``host_prepare``): the lengths of each row's documents, zero-padded.
   """
-  window_kw = {"window": int(window)} if window else {}
   # pylint: disable-next=protected-access
   attn_lib.check_shapes(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout)
   (doc_lens_BxN,) = _extra(layout, "packed_dp", ("doc_lens",),
@@ -101,7 +100,7 @@ def packed_dp_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout: attn_lib.Layout
     o = ops.core_attention(q_RxTxHxD.reshape(r * t, h, d), k_RxTxKxD.reshape(r * t, kh, d),
                            v_RxTxKxD.reshape(r * t, kh, d), cu_q, cu_k, kernel=kernel,
                            softmax_scale=softmax_scale, max_seqlen_q=t, max_seqlen_k=t,
-                           **window_kw)
+                           window=window)
     return o.reshape(r, t, h, d)
 
   # check_vma=False: kernel primitives (Mosaic GPU's mpmd_map, flash3's FFI custom_vjp) carry no

@@ -4,7 +4,8 @@ tables the device step executes.
 Modules, in dependency order: ``cost`` (pairs, FLOPs of a task table, measured kernel times,
 the balance gate), ``options`` (``PlanOptions``: the planner's choices), ``capacity`` (the fixed
 buffer sizes a plan must fit), ``metadata`` (``Plan``, ``PlanMetadata``, ``plan_to_metadata``:
-the contract with ``distca_jax.dataplane``), ``balancer``, ``hosts`` (the balancer over several
+the contract with ``distca_jax.dataplane``), ``intervals`` (the balancer's interval and bisection
+helpers), ``balancer``, ``hosts`` (the balancer over several
 hosts) and ``scheduling`` (``schedule``), ``two_level`` (the two-level exchange's legs: every row
 crosses hosts once), ``spec`` (``PlanSpec``, ``host_plan``: a batch's plan packed for the step),
 ``ticks`` (the

@@ -52,13 +52,9 @@ the greedy always finds a move until every server is within the limit. With ``to
 exact balance of integer token counts is generally impossible and the plan reports ``degraded``
 within one such piece of the mean.
 
-Sliding-window layers (``window`` w > 0): a task ``[a, b)`` reads keys ``[k_start(a), b)``
-(``cost.k_starts``) and holds ``cost.pairs(a, b, w)`` pairs. Loads, the exact amounts of a move
-(smallest ``m`` / ``k`` whose windowed work reaches the target, found by bisection) and the exact
-traffic (``_stats``: a (document, server)'s key/value rows are the union of its tasks' key ranges)
-count windowed pairs and rows; the vectorised scores rank moves with windowed estimates (a
-mirrored pair of the innermost rows holds ``min(x, w) + min(y + 1, w)`` pairs, a suffix token
-``min(b, w)``, a move's key/value rows start ``w - 1`` before its first query row).
+Sliding-window layers (``window`` w > 0; ``cost.k_starts``, ``cost.pairs``): loads, a move's
+exact amount (bisected on windowed work) and traffic (a (document, server)'s key/value rows: the
+union of its tasks' key ranges) are windowed; the scores use windowed estimates (``_derive``).
 
 With hosts (``PlanOptions.servers_per_host``) ``hosts.HostBalancer`` runs the same greedy in
 three phases and prices bytes by link (``hosts`` module docstring).
@@ -81,6 +77,7 @@ import numpy as np
 
 from distca_jax.plan.capacity import CAP_FIELDS, Capacity
 from distca_jax.plan.cost import k_starts, pairs
+from distca_jax.plan.intervals import first_reaching, last_within, merge, subtract
 
 SPLITS = ("auto", "mirrored", "suffix")
 # Tolerances a stuck run falls back on, increasing (see ``Balancer._settle``).
@@ -90,41 +87,6 @@ LEVELS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 # ---------------------------------------------------------------------------------------------
 # The balancer.
 # ---------------------------------------------------------------------------------------------
-def _merge(ivs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-  """Sorted union of half-open intervals, touching ones merged."""
-  if len(ivs) <= 1:
-    return list(ivs)
-  ivs = sorted(ivs)
-  out = [ivs[0]]
-  for lo, hi in ivs[1:]:
-    plo, phi = out[-1]
-    if lo <= phi:
-      out[-1] = (plo, max(phi, hi))
-    else:
-      out.append((lo, hi))
-  return out
-
-
-def _subtract(ivs: list[tuple[int, int]], cut: list[tuple[int, int]]) -> list[tuple[int, int]]:
-  """``ivs`` minus ``cut`` (``cut`` lies inside ``ivs``)."""
-  out = []
-  for lo, hi in ivs:
-    pieces = [(lo, hi)]
-    for clo, chi in cut:
-      nxt = []
-      for plo, phi in pieces:
-        if chi <= plo or clo >= phi:
-          nxt.append((plo, phi))
-          continue
-        if plo < clo:
-          nxt.append((plo, clo))
-        if chi < phi:
-          nxt.append((chi, phi))
-      pieces = nxt
-    out.extend(pieces)
-  return out
-
-
 class Balancer:
   """Mutable state of one greedy run; see the module docstring for the rules.
 
@@ -226,19 +188,17 @@ class Balancer:
     return max(0, ohi - olo)
 
   def _key_union(self, ivs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The key/value rows the tasks ``ivs`` of one (document, server) read: their key ranges
-    ``[k_start(lo), hi)`` merged (``[0, last hi)`` without a window)."""
+    """Key/value rows the tasks ``ivs`` of a (document, server) read: ``[k_start, hi)`` merged."""
     if not self.window:
       return [(0, ivs[-1][1])] if ivs else []
-    return _merge([(int(k_starts(lo, self.window)), hi) for lo, hi in ivs])
+    return merge([(int(k_starts(lo, self.window)), hi) for lo, hi in ivs])
 
   def _stats(self, j: int, d: int, ivs: list[tuple[int, int]]):
     """(load, q rows, tasks, kv attention rows, {owner: q rows}, {owner: kv rows})."""
     load = q = kva = 0
     pq: dict[int, int] = {}
     pkv: dict[int, int] = {}
-    span = j in self.spanning_docs
-    w = self.window
+    span, w = j in self.spanning_docs, self.window
     for lo, hi in ivs:
       load += int(pairs(lo, hi, w)) if w else (hi - lo) * (lo + hi + 1) // 2
       q += hi - lo
@@ -297,8 +257,8 @@ class Balancer:
       if w:  # windowed work of m mirrored pairs: monotone in m, bisected
         work = ((lambda m: int(pairs(x - m, x, w) + pairs(y, y + m, w))) if two
                 else (lambda m: int(pairs(x - m, x + m, w))))
-        m_hi = min(m_top, _last_within(work, room, m_top))
-        m = min(max(_first_reaching(work, t_useful, m_hi), m_lo), m_hi)
+        m_hi = min(m_top, last_within(work, room, m_top))
+        m = min(max(first_reaching(work, t_useful, m_hi), m_lo), m_hi)
       else:
         m_hi = min(m_top, int(room // c1))
         m = min(max(math.ceil(t_useful / c1), m_lo), m_hi)
@@ -329,8 +289,8 @@ class Balancer:
       return k
 
     if w:
-      k_room = _last_within(w_of, room, b - last_lo)
-      k_for = lambda target: _first_reaching(w_of, target, b - last_lo)  # noqa: E731
+      k_room = last_within(w_of, room, b - last_lo)
+      k_for = lambda target: first_reaching(w_of, target, b - last_lo)  # noqa: E731
     else:
       k_room = k_for(room)
       if w_of(k_room) > room:
@@ -357,9 +317,9 @@ class Balancer:
     j = int(self.item_doc[i])
     s = int(self.item_server[i])
     old_s = self.intervals[(j, s)]
-    new_s = _subtract(old_s, moved)
+    new_s = subtract(old_s, moved)
     old_d = self.intervals.get((j, d), [])
-    new_d = _merge(old_d + moved)
+    new_d = merge(old_d + moved)
     eff = []
     for srv_, old, new_ivs in ((s, old_s, new_s), (d, old_d, new_d)):
       st0 = self._stats(j, srv_, old)
@@ -451,11 +411,9 @@ class Balancer:
     c1 = x + y + 1
     rows_w = (x - a) + (b - y)
     bb = 2 * b + 1
-    w = self.window
-    kv_b = b
-    if w:  # windowed estimates (module docstring)
-      c1 = np.minimum(x, w) + np.minimum(y + 1, w)
-      kv_b = b - np.maximum(a - w + 1, 0)
+    w, kv_b = self.window, b
+    if w:  # windowed: an innermost mirrored pair's work, the keys [k_start(a), b)
+      c1, kv_b = np.minimum(x, w) + np.minimum(y + 1, w), b - np.maximum(a - w + 1, 0)
     return {
         "srv": self.item_server[idx], "own": self.doc_first_rank[self.item_doc[idx]],
         "w": self.item_work[idx],
@@ -568,8 +526,7 @@ class Balancer:
         bad |= (1.0 > free_t) | (pc["b"] > free_kva) | (pc["b"] > free_kvs)
       if self.window:  # a suffix token holds about min(b, w) pairs and reads w - 1 more keys
         per = np.minimum(pc["b"], float(self.window))
-        k = np.minimum(np.maximum(np.ceil(tu / per), m0), k_up)
-        k = np.where(k * per > room, np.floor(room / per), k)
+        k = np.minimum(np.minimum(np.maximum(np.ceil(tu / per), m0), k_up), np.floor(room / per))
         work, kv_rows = k * per, np.minimum(pc["b"], k + self.window - 1.0)
       else:
         k = np.ceil(0.5 * (bb - np.sqrt(np.maximum(bb2 - 8 * tu, 0.0))))
@@ -829,30 +786,6 @@ class Balancer:
       return f"capacity blocked moves ({caps}); raise those caps for better balance"
     return (f"no movable piece fits: items on overloaded servers are unsplittable under "
             f"min_shard={self.min_shard} or larger than the room left on under-loaded servers")
-
-
-def _first_reaching(work, target: float, top: int) -> int:
-  """Smallest n in [0, top] with work(n) >= target (``work`` non-decreasing), else top."""
-  lo, hi = 0, max(int(top), 0)
-  while lo < hi:
-    mid = (lo + hi) // 2
-    if work(mid) >= target:
-      hi = mid
-    else:
-      lo = mid + 1
-  return lo
-
-
-def _last_within(work, room: float, top: int) -> int:
-  """Largest n in [0, top] with work(n) <= room (``work`` non-decreasing, work(0) = 0)."""
-  lo, hi = 0, max(int(top), 0)
-  while lo < hi:
-    mid = (lo + hi + 1) // 2
-    if work(mid) <= room:
-      lo = mid
-    else:
-      hi = mid - 1
-  return lo
 
 
 def _traffic_deltas(eff) -> tuple[dict[int, int], ...]:

@@ -26,7 +26,10 @@ def base_config() -> ml_collections.ConfigDict:
   # param_dtype (master weights), remat ('none' | 'full' | 'save_dots' | 'save_qkv_out' |
   # 'save_attention' | 'offload_mlp'; model.ModelConfig.remat says what each keeps),
   # remat_mlp_layers (with 'save_attention': the first N layers also keep their MLP activations),
-  # scan_layers, init_std, loss_chunk (tokens per LM-head chunk).
+  # scan_layers, init_std, loss_chunk (tokens per LM-head chunk), layer_pattern / window /
+  # chunk (local and global attention layers: '' all full, 'local', 'K:G' e.g. '5:1', or 'L'/'G'
+  # per layer; local = a sliding window of `window` tokens or chunks of `chunk` tokens;
+  # distca_jax/layer_types.py says what each backend does with them).
   c.model = ml_collections.ConfigDict(vars(ModelConfig()).copy())
 
   # --- attention: core attention, the pluggable middle of every layer.

@@ -32,6 +32,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from distca_jax import hf_import
+from distca_jax import layer_types as types_lib
 from distca_jax import model as model_lib
 from distca_jax.errors import UserError
 
@@ -41,11 +42,19 @@ MAX_SHARD_BYTES = 5 << 30
 
 def hf_config(cfg: model_lib.ModelConfig, dtype: str = "float32",
               max_position_embeddings: int = 0) -> dict[str, Any]:
-  """The `config.json` of a LlamaForCausalLM with ``cfg``'s architecture.
+  """The `config.json` of a LlamaForCausalLM with ``cfg``'s architecture (a MistralForCausalLM
+  with `sliding_window` when every layer is a window layer; other layer types raise).
   ``max_position_embeddings`` 0: the RoPE's original context times its scaling factor (or the
   original context without scaling)."""
+  types = set(cfg.layer_types)
+  window = next(iter(types)).window if len(types) == 1 else 0
+  if types != {types_lib.FULL_TYPE} and not window:
+    raise UserError(f"model.layer_pattern={cfg.layer_pattern!r} (window={cfg.window}, "
+                    f"chunk={cfg.chunk}): only all-full (Llama) or all-window (Mistral) models "
+                    "export to Hugging Face")
+  family = ("MistralForCausalLM", "mistral") if window else ("LlamaForCausalLM", "llama")
   out = {
-      "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+      "architectures": [family[0]], "model_type": family[1], "hidden_act": "silu",
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.mlp_dim,
       "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
       "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
@@ -55,6 +64,8 @@ def hf_config(cfg: model_lib.ModelConfig, dtype: str = "float32",
       "max_position_embeddings": int(max_position_embeddings or cfg.rope_original_max_position
                                      * (cfg.rope_scaling_factor or 1)),
   }
+  if window:
+    out["sliding_window"] = window
   if cfg.rope_scaling_factor:
     out["rope_scaling"] = {
         "rope_type": "llama3", "factor": cfg.rope_scaling_factor,

@@ -1,4 +1,5 @@
-"""Import a Hugging Face Llama checkpoint (`config.json` + safetensors) into `model.Transformer`.
+"""Import a Hugging Face Llama or Mistral checkpoint (`config.json` + safetensors) into
+`model.Transformer`.
 
     cfg, params = load_hf_checkpoint("/ckpts/Llama-3.1-8B", dtype="bfloat16")
     logits = Transformer(cfg, attention.local_attention).apply(
@@ -21,6 +22,10 @@ Mapping (HF `nn.Linear` weights are [out, in]; ours are [in, ...out]):
 where `...` is `layers/layer` with a leading [L] axis (scan_layers) or `layer_{i}/layer`.
 No permutation of q/k is needed: HF Llama checkpoints already use the half-split (rotate_half)
 RoPE convention that `model.apply_rope` implements.
+Mistral's block and tensor names are Llama's; its `sliding_window` w (transformers' default 4096
+when absent, null = full attention) makes every layer a sliding-window layer
+(`model.layer_pattern='local'`, `model.window=w`: query position p attends keys (p - w, p], as
+transformers' sliding-window mask).
 
 Storage dtypes: F32, F16, F64 and BF16 tensors are read and converted to `cfg.param_dtype`
 (float32 by default). F32/F16/F64 go through `safetensors.safe_open(framework="numpy")`. BF16 is
@@ -65,6 +70,7 @@ _INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_TENSORS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 # Defaults of transformers' LlamaConfig for keys a config.json may leave out.
 _HF_DEFAULTS = {"rope_theta": 10_000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+_MISTRAL_SLIDING_WINDOW = 4096  # transformers' MistralConfig default
 
 
 class HFImportError(ValueError):
@@ -122,9 +128,29 @@ def _rope_settings(hf: Mapping[str, Any], src: str) -> dict[str, Any]:
   return out
 
 
+def _layer_settings(hf: Mapping[str, Any], model_type: str, src: str) -> dict[str, Any]:
+  """Layer-type fields of ModelConfig: Mistral's `sliding_window` (transformers' default 4096
+  when the key is absent; null = full attention) makes every layer a window layer."""
+  if model_type != "mistral":
+    if hf.get("sliding_window") is not None or hf.get("layer_types"):
+      raise HFImportError(f"{src}: sliding_window / layer_types in a {model_type!r} config: "
+                          f"transformers' {model_type} model does not read them; remove them")
+    return {}
+  if hf.get("layer_types"):
+    raise HFImportError(f"{src}: per-layer layer_types are not imported (transformers' "
+                        "MistralForCausalLM ignores them too); remove the key, or import and "
+                        "set model.layer_pattern")
+  window = hf.get("sliding_window", _MISTRAL_SLIDING_WINDOW)
+  if window is None:
+    return {}
+  if not isinstance(window, int) or window < 1:
+    raise HFImportError(f"{src}: sliding_window={window!r} must be a positive integer or null")
+  return {"layer_pattern": "local", "window": int(window)}
+
+
 def model_config_from_hf(config_json: Mapping[str, Any] | PathLike,
                          **overrides) -> model_lib.ModelConfig:
-  """Maps a Hugging Face Llama `config.json` onto `ModelConfig`.
+  """Maps a Hugging Face Llama or Mistral `config.json` onto `ModelConfig`.
 
   Args:
     config_json: the parsed dict, the path of config.json, or the checkpoint directory.
@@ -137,9 +163,10 @@ def model_config_from_hf(config_json: Mapping[str, Any] | PathLike,
   """
   hf, src = _read_config_json(config_json)
   model_type = hf.get("model_type", "llama")
-  if model_type != "llama":
-    raise HFImportError(f"{src}: model_type={model_type!r}; only 'llama' checkpoints can be "
-                        "imported (other families differ in biases, norms or attention)")
+  if model_type not in ("llama", "mistral"):
+    raise HFImportError(f"{src}: model_type={model_type!r}; only 'llama' and 'mistral' "
+                        "checkpoints can be imported (other families differ in biases, norms or "
+                        "attention)")
   for key in ("attention_bias", "mlp_bias"):
     if hf.get(key, False):
       raise HFImportError(f"{src}: {key}=true is not supported; the model has no projection biases")
@@ -174,6 +201,7 @@ def model_config_from_hf(config_json: Mapping[str, Any] | PathLike,
       norm_eps=float(hf.get("rms_norm_eps", _HF_DEFAULTS["rms_norm_eps"])),
       tie_embeddings=bool(hf.get("tie_word_embeddings", _HF_DEFAULTS["tie_word_embeddings"])),
       **_rope_settings(hf, src),
+      **_layer_settings(hf, model_type, src),
   )
   known = {f.name for f in dataclasses.fields(model_lib.ModelConfig)}
   unknown = sorted(set(overrides) - known)

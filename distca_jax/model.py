@@ -33,6 +33,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 from distca_jax import attention as attn_lib
+from distca_jax import layer_types as types_lib
 from distca_jax import ops
 from distca_jax import pipeline as pipeline_lib
 from distca_jax import sharding as shard_lib
@@ -83,6 +84,17 @@ class ModelConfig:
   init_std: float = 0.02         # normal init of every weight matrix
   loss_chunk: int = 4096         # tokens per chunk of the LM head + loss (bounds logits memory;
                                  # each chunk's gradients are computed in its forward pass)
+  # Local and global attention layers (``layer_types``; distca_jax/layer_types.py). Which layers
+  # are local: '' (none: every layer full causal), 'local' (every layer), 'K:G' (K local layers
+  # then G full ones, repeated from layer 0 and cut at n_layers: Gemma 3 is '5:1', gpt-oss
+  # '1:1'), or one letter per layer, 'L' local and 'G' full (e.g. 'LLLLLG').
+  layer_pattern: str = ""
+  # What a local layer is (exactly one > 0 when layer_pattern is set): a sliding window of
+  # `window` tokens (query position p attends keys [max(0, p - window + 1), p] of its
+  # document; Mistral's sliding_window), or chunks of `chunk` tokens (keys [(p // chunk) *
+  # chunk, p]; Llama 4's chunked attention). RoPE positions stay document positions.
+  window: int = 0
+  chunk: int = 0
 
   def __post_init__(self):
     if self.n_heads % self.n_kv_heads:
@@ -100,6 +112,14 @@ class ModelConfig:
       raise ValueError(f"remat_mlp_layers={self.remat_mlp_layers} needs remat='save_attention' and "
                        f"scan_layers=True (got remat={self.remat!r}, scan_layers="
                        f"{self.scan_layers}); set remat_mlp_layers=0 otherwise")
+    self.layer_types  # raises on a bad layer_pattern / window / chunk
+
+  @property
+  def layer_types(self) -> tuple[types_lib.LayerType, ...]:
+    """Each layer's attention type (``layer_types.parse_layer_pattern`` of ``layer_pattern``,
+    ``window``, ``chunk``)."""
+    return types_lib.parse_layer_pattern(self.layer_pattern, self.n_layers, window=self.window,
+                                         chunk=self.chunk)
 
   @property
   def compute_dtype(self):
@@ -260,10 +280,15 @@ def split_rows(tree, n: int):
 merge_rows = pipeline_lib.merge_rows  # the inverse of `split_rows`
 
 
-def _attend(attend: attn_lib.CoreAttentionFn, qkv, layout: Layout, scale: float):
-  """Core attention of projected (q, k, v), with the names the remat policies look for."""
+def _attend(attend: attn_lib.CoreAttentionFn, qkv, layout: Layout, scale: float,
+            layer_type: types_lib.LayerType = types_lib.FULL_TYPE):
+  """Core attention of projected (q, k, v), with the names the remat policies look for; a layer
+  of a local type gets its type's layout (``layer_types.layout_for``) and, for a sliding window,
+  ``window=`` on the backend's call."""
   q, k, v = (checkpoint_name(a, "qkv") for a in qkv)
-  return checkpoint_name(attend(q, k, v, layout, softmax_scale=scale), "ca_out")
+  kwargs = {"window": layer_type.window} if layer_type.window else {}
+  o = attend(q, k, v, types_lib.layout_for(layout, layer_type), softmax_scale=scale, **kwargs)
+  return checkpoint_name(o, "ca_out")
 
 
 class DecoderLayer(nn.Module):
@@ -297,7 +322,8 @@ PING_PONG_SCOPE = "pingpong"
 def layer_pieces(cfg: ModelConfig, attend: attn_lib.CoreAttentionFn):
   """A layer's three pieces as functions of explicit parameters, the building blocks of every
   execution plan: ``pre(p, x, layout) -> qkv``, ``ca(qkv, layout) -> o`` and
-  ``post(p, x, o) -> x``, ``p`` one layer's ``{'pre_ca', 'post_ca'}`` parameters."""
+  ``post(p, x, o) -> x``, ``p`` one layer's ``{'pre_ca', 'post_ca'}`` parameters; ``ca`` takes
+  the layer's type as an optional third argument (``layer_types.LayerType``, default full)."""
   scale = 1.0 / math.sqrt(cfg.head_dim)
   # Unbound modules (parent=None): applied to the given parameters, not registered as children.
   pre_mod, post_mod = PreCA(cfg, parent=None), PostCA(cfg, parent=None)
@@ -305,8 +331,8 @@ def layer_pieces(cfg: ModelConfig, attend: attn_lib.CoreAttentionFn):
   def pre(p, x, lay):
     return pre_mod.apply({"params": p["pre_ca"]}, x, lay.positions_BxT)
 
-  def ca(qkv, lay):
-    return _attend(attend, qkv, lay, scale)
+  def ca(qkv, lay, layer_type=types_lib.FULL_TYPE):
+    return _attend(attend, qkv, lay, scale, layer_type)
 
   def post(p, x, o):
     return post_mod.apply({"params": p["post_ca"]}, x, o)
@@ -330,6 +356,9 @@ class ExecutionPlan:
   remat: the name of each layer's (or ping-pong unit's) remat policy, ``REMAT_POLICIES``.
   remat_mlp_layers: single stream under 'save_attention' only: the first N layers keep their MLP
     activations too (``ModelConfig.remat_mlp_layers``; two scans).
+  layer_types: each layer's attention type (``ModelConfig.layer_types``); empty = every layer
+    full. The single stream runs each maximal run of consecutive layers of one type as a scan
+    (one scan when all layers share a type); ping-pong and the pipeline need one type for all.
   """
   schedule: str = SINGLE
   scan: bool = True
@@ -337,6 +366,7 @@ class ExecutionPlan:
   remat_mlp_layers: int = 0
   stages: int = 1
   microbatches: int = 0
+  layer_types: tuple[types_lib.LayerType, ...] = ()
 
   def __post_init__(self):
     if self.schedule not in (SINGLE, PING_PONG, PIPELINE):
@@ -347,6 +377,10 @@ class ExecutionPlan:
     if (self.schedule == PIPELINE) != (self.stages > 1):
       raise ValueError(f"schedule={self.schedule!r} with stages={self.stages}: a pipeline has "
                        "stages > 1, the other schedules 1")
+    if self.schedule != SINGLE and len(types_lib.distinct(self.layer_types)) > 1:
+      raise ValueError(f"schedule={self.schedule!r} runs one layer type for all layers; the model "
+                       f"mixes {[t.name for t in types_lib.distinct(self.layer_types)]}: set "
+                       "attention.nano_batches=1 and mesh.pipe=1 (the single stream)")
 
 
 def execution_plan(cfg: ModelConfig, *, nano_batches: int = 1, stages: int = 1,
@@ -369,7 +403,7 @@ def execution_plan(cfg: ModelConfig, *, nano_batches: int = 1, stages: int = 1,
   schedule = PIPELINE if stages > 1 else PING_PONG if nano_batches == 2 else SINGLE
   return ExecutionPlan(schedule, scan=cfg.scan_layers, remat=cfg.remat,
                        remat_mlp_layers=cfg.remat_mlp_layers, stages=stages,
-                       microbatches=microbatches)
+                       microbatches=microbatches, layer_types=cfg.layer_types)
 
 
 def _remat(f: Callable, remat, *, prevent_cse: bool) -> Callable:
@@ -397,30 +431,44 @@ def single_stream(plan: ExecutionPlan, pieces, layers, x_BxTxE, layout: Layout):
   takes its layers' weights as its sequence input cast to the compute dtype first (the layers
   cast them anyway; a bf16 slice is half the copy, and their gradients then stack in bf16 before
   the one cast back to the parameter dtype, the same values); the norms' float32 scales stay
-  float32. One scan slices the float32 stack inside each layer instead."""
+  float32. One scan slices the float32 stack inside each layer instead.
+
+  Layers of different attention types (``plan.layer_types``) run as one scan per maximal run of
+  consecutive layers of one type and policy, each over its slice of the stack."""
   pre, ca, post = pieces
+  n_layers = _n_layers(layers)
+  types = plan.layer_types or (types_lib.FULL_TYPE,) * n_layers
+  if len(types) != n_layers:
+    raise ValueError(f"plan.layer_types names {len(types)} layers; the stack has {n_layers}: "
+                     "build the plan with model.execution_plan(cfg, ...)")
 
-  def layer(p, x):
-    return post(p, x, ca(pre(p, x, layout), layout))
+  def layer_of(layer_type):
+    def layer(p, x):
+      return post(p, x, ca(pre(p, x, layout), layout, layer_type))
+    return layer
 
-  def scan(x, ps, remat):
-    body = _remat(layer, remat, prevent_cse=False)
+  def scan(x, ps, remat, layer_type):
+    body = _remat(layer_of(layer_type), remat, prevent_cse=False)
     return lax.scan(lambda x, p: (body(p, x), None), x, ps)[0]
 
   if not plan.scan:
-    body = _remat(layer, plan.remat, prevent_cse=False)
-    for p in layers:
-      x_BxTxE = body(p, x_BxTxE)
+    for p, layer_type in zip(layers, types):
+      x_BxTxE = _remat(layer_of(layer_type), plan.remat, prevent_cse=False)(p, x_BxTxE)
     return x_BxTxE
   n = plan.remat_mlp_layers
-  if not n:
-    return scan(x_BxTxE, layers, plan.remat)
-  dtype = jnp.dtype(jax.tree.leaves(x_BxTxE)[0].dtype)
-  weights = jax.tree_util.tree_map_with_path(
-      lambda path, a: a if path[-1].key == "scale" else a.astype(dtype), layers)
-  x = scan(x_BxTxE, jax.tree.map(lambda a: a[:n], weights), SAVE_ATTENTION_AND_MLP)
-  if n < _n_layers(layers):
-    x = scan(x, jax.tree.map(lambda a: a[n:], weights), "save_attention")
+  policies = [SAVE_ATTENTION_AND_MLP if i < n else "save_attention" if n else plan.remat
+              for i in range(n_layers)]
+  segments = types_lib.runs(list(zip(types, policies)))
+  if len(segments) == 1 and not n:
+    return scan(x_BxTxE, layers, plan.remat, types[0])
+  weights = layers
+  if n:
+    dtype = jnp.dtype(jax.tree.leaves(x_BxTxE)[0].dtype)
+    weights = jax.tree_util.tree_map_with_path(
+        lambda path, a: a if path[-1].key == "scale" else a.astype(dtype), layers)
+  x = x_BxTxE
+  for start, stop, (layer_type, policy) in segments:
+    x = scan(x, jax.tree.map(lambda a: a[start:stop], weights), policy, layer_type)
   return x
 
 
@@ -528,6 +576,9 @@ def run_stack(plan: ExecutionPlan, pieces, layers, x_BxTxE, layout: Layout):
   if plan.schedule == PIPELINE and not plan.scan:
     raise ValueError("a pipeline needs model.scan_layers=True (stages are slices of the stacked "
                      "layers)")
+  if plan.schedule != SINGLE and plan.layer_types:  # one type for all layers (ExecutionPlan)
+    pre, ca, post = pieces
+    pieces = (pre, lambda qkv, lay: ca(qkv, lay, plan.layer_types[0]), post)
   return _SCHEDULES[plan.schedule](plan, pieces, layers, x_BxTxE, layout)
 
 
@@ -572,6 +623,10 @@ class Transformer(nn.Module):
     if plan.scan != self.cfg.scan_layers:
       raise ValueError(f"plan.scan={plan.scan} with model.scan_layers={self.cfg.scan_layers}: "
                        "build the plan with model.execution_plan(cfg, ...)")
+    if (plan.layer_types or (types_lib.FULL_TYPE,) * self.cfg.n_layers) != self.cfg.layer_types:
+      raise ValueError(f"plan.layer_types={[t.name for t in plan.layer_types]} differ from the "
+                       f"model's {[t.name for t in self.cfg.layer_types]}: build the plan with "
+                       "model.execution_plan(cfg, ...)")
     table = shard_lib.gathered(self.embedding, ("vocab", "embed"))  # f32: its gradient too
     x = jnp.take(table, tokens_BxT, axis=0).astype(self.cfg.compute_dtype)
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))

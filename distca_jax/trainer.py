@@ -28,6 +28,7 @@ from flax import linen as nn
 
 from distca_jax import attention as attn_lib
 from distca_jax import backends
+from distca_jax.backends import distca as distca_backend
 from distca_jax import checkpoint as ckpt_lib
 from distca_jax import config as config_lib
 from distca_jax import memory as memory_lib
@@ -98,9 +99,9 @@ def learning_rate(c: ml_collections.ConfigDict, step):
       0.0, o.lr, o.warmup_steps, max(c.num_steps, o.warmup_steps + 1), o.lr * o.min_lr_ratio)(step)
 
 
-def _init_attention(q, k, v, layout, *, softmax_scale):
+def _init_attention(q, k, v, layout, *, softmax_scale, window=0):
   """Stand-in core attention for `init` (no parameters: any function of its shape will do)."""
-  del k, v, layout, softmax_scale
+  del k, v, layout, softmax_scale, window
   return q
 
 
@@ -530,8 +531,10 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
   closers.callback(wait_for_dispatched_work)  # runs first
   step_fn = None
   log.info(f"compiling the train step (first step includes compilation) ...")
-  # window_local: steps of the window on the train step's local branch (runs_local)
+  # window_local: steps of the window on the train step's local branch (runs_local);
+  # window_plans: the window's distca plan statistics per layer type (batch_plan_stats)
   window_t0, window_flops, window_tokens, window_steps, window_local = None, 0.0, 0, 0, 0
+  window_plans = []
   profile_dir = os.path.join(workdir, "profile")
   if jax.process_count() > 1:  # each process traces (and reports) its own devices
     profile_dir = os.path.join(profile_dir, f"process_{jax.process_index()}")
@@ -585,6 +588,7 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
             raise
       if pricing is not None:
         pricing.after_dispatch(m, timed=step != start and not profiled)
+      window_plans.append(distca_backend.batch_plan_stats(np_batch))
       watch.add(step, m)
       watch.poll()
       if window_t0 is None or profiled:  # time from the end of the first (compiling) or
@@ -611,6 +615,8 @@ def _train(c, run, workdir, log, closers, device_memory_bytes, stop) -> list[dic
             rec["local_step_share"] = window_local / window_steps
         if pricing is not None:
           rec.update(pricing.record())
+        rec.update(distca_backend.plan_stats_record(window_plans))  # per layer type
+        window_plans = []
         if evaluate:  # after the window's timing
           rec.update(evaluator(state.params, model))
         log.write(done, rec)

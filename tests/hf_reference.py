@@ -1,4 +1,5 @@
-"""Reference logits from transformers' LlamaForCausalLM (torch, CPU, float32, eager attention).
+"""Reference logits from transformers (torch, CPU, float32, eager attention): the architecture
+config.json names (LlamaForCausalLM, MistralForCausalLM), through AutoModelForCausalLM.
 
 Runs in the separate test-only environment made by `bash scripts/setup_hf_reference.sh`
 (.venv-hf: torch + transformers), never in the JAX venv. tests/test_hf_parity.py calls it once
@@ -26,7 +27,7 @@ def main(job_path: str) -> None:
   with open(job_path) as f:
     jobs = json.load(f)["jobs"]
   for job in jobs:
-    model, info = transformers.LlamaForCausalLM.from_pretrained(
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
         job["checkpoint"], dtype=torch.float32, attn_implementation="eager",
         output_loading_info=True)
     bad = {k: v for k, v in info.items() if v and k != "error_msgs"} 

@@ -183,10 +183,14 @@ def cases(tmp_path_factory) -> dict[str, Case]:
     pytest.fail(f"reference Python DISTCA_HF_PYTHON={HF_PYTHON!r} does not exist; create the "
                 "test-only torch + transformers environment with `bash scripts/setup_hf_reference.sh` "
                 "(or point DISTCA_HF_PYTHON at a Python that has torch and transformers)")
-  root = tmp_path_factory.mktemp("hf")
-  rng = np.random.default_rng(20240611)
+  return build_cases(tmp_path_factory.mktemp("hf"), np.random.default_rng(20240611), CASES)
+
+
+def build_cases(root: pathlib.Path, rng, specs: dict) -> dict[str, Case]:
+  """Every checkpoint of ``specs`` (name -> (config.json contents, storage dtype, shards)) with
+  its inputs and transformers' logits (one subprocess)."""
   out, jobs = {}, []
-  for name, (hf, dtype, shards) in CASES.items():
+  for name, (hf, dtype, shards) in specs.items():
     weights = random_hf_weights(hf, rng)
     if dtype == "bfloat16":  # what HF and we read back: the bf16-rounded values
       weights = {n: a.astype(ml_dtypes.bfloat16).astype(np.float32) for n, a in weights.items()}

@@ -45,6 +45,19 @@ from distca_jax.plan.two_level import TwoLevel, safe_relay
 RELAY_FIELDS = ("q_relay", "kv_relay")
 PLAN_KEY = "distca_plan"  # the key of ``layout.extra`` the CAD step reads
 DOC_LENS_KEY = "doc_lens"  # the local step's (``packed_dp``'s) table
+# With ``Options.plan_stats``: float32 [rows, 4], every row the batch's PLAN_STATS of its plans
+# (the host logs them; the step does not read them).
+PLAN_STATS_KEY = "plan_stats"
+PLAN_STATS = ("imbalance_before", "imbalance_after", "moved_rows", "crosses")
+
+
+def plan_stats(plans: list[HostPlan]) -> np.ndarray:
+  """[4] float32 ``PLAN_STATS`` of one batch's plans: the largest max / mean load before and
+  after balancing, the query plus key/value rows sent between devices, and whether any moves."""
+  return np.array([max(hp.plan.imbalance_before for hp in plans),
+                   max(hp.plan.imbalance_after for hp in plans),
+                   sum(int(hp.plan.pair_q_rows.sum() + hp.plan.pair_kv_rows.sum()) for hp in plans),
+                   float(any(hp.plan.crosses for hp in plans))], np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +112,8 @@ class Options:
       each plan of the other batches, whose exchange runs whatever their plans move.
     buckets: compiled exchange capacities (``plan.buckets``): each call runs the smallest its
       plans fit; 1 = the caps' buffers always.
+    plan_stats: ``host_prepare`` also returns ``PLAN_STATS_KEY`` (the trainer logs them per
+      layer type); on for models with local layers (``model.layer_pattern``).
   """
   tolerance: float = cost.DEFAULT_TOLERANCE
   min_shard: int | None = None
@@ -137,6 +152,7 @@ class Options:
   window: int = 0
   side_stream_blocks: int = 0
   buckets: int = DEFAULT_BUCKETS
+  plan_stats: bool = False
 
   @classmethod
   def from_config(cls, c: ml_collections.ConfigDict) -> "Options":
@@ -168,7 +184,8 @@ class Options:
                buckets=d.buckets,
                # 'price' (price_branch.PriceBranch) decides the branch of batches whose plans
                # move rows by the step model, in place of the local_gain threshold.
-               local_gain=d.local_gain if d.branch == "gain" else 0.0)
+               local_gain=d.local_gain if d.branch == "gain" else 0.0,
+               plan_stats=any(t.kind != "full" for t in m.layer_types))
 
   def plan_options_for(self, num_servers: int) -> PlanOptions:
     """The planner's options of every batch over ``num_servers`` servers (``min_shard`` None:
@@ -278,8 +295,8 @@ def make(options: Options) -> "DistcaBackend":
     spec = spec_for(s, int(tokens_per_row))
     plan_options = options = o.plan_options_for(s)
     if local and o.local_gain > 0.0 and max(
-        cost.layout_step_gain([sum(c[d * rn:(d + 1) * rn], []) for d in range(s)],
-                              spec.tokens_per_device, o.linear_pairs_per_token)
+        _layout_gain([sum(c[d * rn:(d + 1) * rn], []) for d in range(s)],
+                     spec.tokens_per_device, o.linear_pairs_per_token, o.window)
         for c in calls) < o.local_gain:
       # Too little to win anywhere in the batch: every plan moves nothing (the local branch).
       options = dataclasses.replace(plan_options, min_gain=max(o.min_gain, o.local_gain))
@@ -312,6 +329,8 @@ def make(options: Options) -> "DistcaBackend":
       i = j % n
       out[j // n, :, i * rn:(i + 1) * rn] = p.reshape(s, rn, spec.width)
     extra = {PLAN_KEY: out.reshape(g * s * r, spec.width)}
+    if o.plan_stats:
+      extra[PLAN_STATS_KEY] = np.broadcast_to(plan_stats(plans), (len(doclens), 4)).copy()
     if local:  # what the local step reads: each row's document lengths (no row has more
       # documents than a device's task slots), and whether any plan of the step crosses
       extra[DOC_LENS_KEY] = packing.packed_doc_lens(doclens, tokens_per_row,
@@ -370,6 +389,38 @@ def make(options: Options) -> "DistcaBackend":
   return DistcaBackend(fn=fn, host_prepare=host_prepare, host_plans=host_plans, caps=caps,
                        memory_mode=dispatch.memory_mode, resend_fn=resend, local_fn=local_fn,
                        beside_fn=beside_fn if o.side_stream_blocks else None)
+
+
+def _layout_gain(server_doc_lens, tokens_per_rank: int, linear_pairs_per_token: float,
+                 window: int) -> float:
+  """``cost.layout_step_gain`` of the documents as they lie, in the pairs of a ``window``
+  layer (0: full causal)."""
+  if not window:
+    return cost.layout_step_gain(server_doc_lens, tokens_per_rank, linear_pairs_per_token)
+  loads = [int(cost.pairs(0, np.asarray(lens, np.int64), window).sum())
+           for lens in server_doc_lens]
+  return cost.predicted_step_gain(loads, tokens_per_rank, linear_pairs_per_token)
+
+
+def batch_plan_stats(np_batch) -> dict[str, np.ndarray]:
+  """{layer type name: ``PLAN_STATS`` [4]} of a host batch (a dict, or a process's
+  ``LocalBatch`` blocks) planned with ``plan_stats`` (``PLAN_STATS_KEY@type`` arrays; a batch
+  without them gives {})."""
+  block = np_batch if isinstance(np_batch, dict) else np_batch[0][2]
+  head = attn_lib.EXTRA_PREFIX + PLAN_STATS_KEY + "@"
+  return {k[len(head):]: np.asarray(v[0], np.float64) for k, v in block.items()
+          if k.startswith(head)}
+
+
+def plan_stats_record(window: list[dict[str, np.ndarray]]) -> dict[str, float]:
+  """The log record of a window of steps' ``batch_plan_stats``: per layer type ``t`` and field
+  ``f`` of ``PLAN_STATS``, ``plan_<t>_<f>`` averaged over the steps (``crosses``: the share of
+  steps whose plans of that type moved rows)."""
+  out = {}
+  for name in sorted({n for stats in window for n in stats}):
+    rows = np.stack([stats[name] for stats in window if name in stats])
+    out.update({f"plan_{name}_{f}": float(x) for f, x in zip(PLAN_STATS, rows.mean(axis=0))})
+  return out
 
 
 def servers_per_host_for(options: Options, num_servers: int) -> int:

@@ -406,7 +406,7 @@ def execution_plan(cfg: ModelConfig, *, nano_batches: int = 1, stages: int = 1,
                        microbatches=microbatches, layer_types=cfg.layer_types)
 
 
-def _remat(f: Callable, remat, *, prevent_cse: bool) -> Callable:
+def rematerialize(f: Callable, remat, *, prevent_cse: bool) -> Callable:
   """``f`` under ``jax.checkpoint`` with the policy named ``remat`` (a ``REMAT_POLICIES`` name,
   or a policy function); 'none' returns ``f``."""
   if isinstance(remat, str) and remat == "none":
@@ -415,7 +415,7 @@ def _remat(f: Callable, remat, *, prevent_cse: bool) -> Callable:
   return jax.checkpoint(f, policy=policy, prevent_cse=prevent_cse)
 
 
-def _n_layers(layers) -> int:
+def stack_depth(layers) -> int:
   if isinstance(layers, (list, tuple)):
     return len(layers)
   return jax.tree.leaves(layers)[0].shape[0]
@@ -436,7 +436,7 @@ def single_stream(plan: ExecutionPlan, pieces, layers, x_BxTxE, layout: Layout):
   Layers of different attention types (``plan.layer_types``) run as one scan per maximal run of
   consecutive layers of one type and policy, each over its slice of the stack."""
   pre, ca, post = pieces
-  n_layers = _n_layers(layers)
+  n_layers = stack_depth(layers)
   types = plan.layer_types or (types_lib.FULL_TYPE,) * n_layers
   if len(types) != n_layers:
     raise ValueError(f"plan.layer_types names {len(types)} layers; the stack has {n_layers}: "
@@ -448,12 +448,12 @@ def single_stream(plan: ExecutionPlan, pieces, layers, x_BxTxE, layout: Layout):
     return layer
 
   def scan(x, ps, remat, layer_type):
-    body = _remat(layer_of(layer_type), remat, prevent_cse=False)
+    body = rematerialize(layer_of(layer_type), remat, prevent_cse=False)
     return lax.scan(lambda x, p: (body(p, x), None), x, ps)[0]
 
   if not plan.scan:
     for p, layer_type in zip(layers, types):
-      x_BxTxE = _remat(layer_of(layer_type), plan.remat, prevent_cse=False)(p, x_BxTxE)
+      x_BxTxE = rematerialize(layer_of(layer_type), plan.remat, prevent_cse=False)(p, x_BxTxE)
     return x_BxTxE
   n = plan.remat_mlp_layers
   policies = [SAVE_ATTENTION_AND_MLP if i < n else "save_attention" if n else plan.remat
@@ -501,7 +501,7 @@ def ping_pong_layers(plan: ExecutionPlan, pieces, layers, x_BxTxE, layout: Layou
   Returns:
     The residual stream after layer L-1, rows in their original order.
   """
-  n_layers = _n_layers(layers)
+  n_layers = stack_depth(layers)
   stacked = not isinstance(layers, (list, tuple))
   pre, ca, post = pieces
   (x_a, x_b), (lay_a, lay_b) = split_rows(x_BxTxE, 2), split_rows(layout, 2)
@@ -513,7 +513,7 @@ def ping_pong_layers(plan: ExecutionPlan, pieces, layers, x_BxTxE, layout: Layou
   def remat(f, in_scan=False):
     # prevent_cse=False only inside the scan (as nn.scan does): there a loop already keeps XLA
     # from merging the backward's recomputation with the forward; outside, CSE would undo it.
-    return _remat(f, plan.remat, prevent_cse=not in_scan)
+    return rematerialize(f, plan.remat, prevent_cse=not in_scan)
   def layer(all_params, i):
     if not stacked:
       return all_params[i]
@@ -563,7 +563,7 @@ def pipeline_stack(plan: ExecutionPlan, pieces, layers, x_BxTxE, layout: Layout)
   parameters, each layer of each tick under the plan's remat policy."""
   return pipeline_lib.pipeline_layers(
       pieces, layers, x_BxTxE, layout, microbatches=plan.microbatches, stages=plan.stages,
-      remat=lambda f: _remat(f, plan.remat, prevent_cse=False))
+      remat=lambda f: rematerialize(f, plan.remat, prevent_cse=False))
 
 
 _SCHEDULES = {SINGLE: single_stream, PING_PONG: ping_pong_layers, PIPELINE: pipeline_stack}
@@ -636,7 +636,12 @@ class Transformer(nn.Module):
       else:
         for layer in self.layer_list:
           layer(x, layout)
-    x = run_stack(plan, layer_pieces(self.cfg, self.attend), self._layer_params(), x, layout)
+    pieces = layer_pieces(self.cfg, self.attend)
+    own = getattr(self.attend, "ping_pong", None) if plan.schedule == PING_PONG else None
+    if own is not None:  # the backend's ping-pong (its exchanges on a side stream)
+      x = own(plan, pieces, self._layer_params(), x, layout, head_dim=self.cfg.head_dim)
+    else:
+      x = run_stack(plan, pieces, self._layer_params(), x, layout)
     if plan.schedule == PIPELINE:
       with pipeline_lib.head_rules(x.shape[0]):  # the head splits rows over (pipe, data)
         return self.final_norm(nn.with_logical_constraint(x, ("batch", "length", "embed")))

@@ -42,7 +42,7 @@ def ping_pong_beside(plan: model.ExecutionPlan, pieces, beside_fn, layers, x_BxT
     raise ValueError("ping_pong_beside needs the distca backend's beside_fn: set "
                      "attention.distca.side_stream_blocks > 0")
   scale = 1.0 / math.sqrt(head_dim)
-  n_layers = model._n_layers(layers)  # pylint: disable=protected-access
+  n_layers = model.stack_depth(layers)
   stacked = not isinstance(layers, (list, tuple))
   pre, _, post = pieces
   (x_a, x_b), (lay_a, lay_b) = model.split_rows(x_BxTxE, 2), model.split_rows(layout, 2)
@@ -65,7 +65,7 @@ def ping_pong_beside(plan: model.ExecutionPlan, pieces, beside_fn, layers, x_BxT
   post_a, post_b = named("post_A", post), named("post_B", post)
 
   def remat(f, in_scan=False):
-    return model._remat(f, plan.remat, prevent_cse=not in_scan)  # pylint: disable=protected-access
+    return model.rematerialize(f, plan.remat, prevent_cse=not in_scan)
 
   def layer(all_params, i):
     if not stacked:

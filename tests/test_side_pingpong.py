@@ -119,6 +119,9 @@ def test_residency_rule_and_refusals():
     ExchangeOptions(side_blocks=side.DEFAULT_SMS + 1)
   with pytest.raises(ValueError, match="resident"):
     backends.get("distca", side_stream_blocks=1000)
+  with pytest.raises(ValueError, match=r"buckets=4 with side_stream_blocks=8: .* set "
+                     r"attention.distca.buckets=1"):
+    backends.get("distca", side_stream_blocks=8, buckets=4)
   with pytest.raises(ValueError, match="signal_only=True with side_stream_blocks"):
     ExchangeOptions(side_blocks=8, signal_only=True)
   with pytest.raises(ValueError, match="two_level.*side_stream_blocks=0"):
@@ -152,6 +155,7 @@ def _stack_case(seed, rows: int, n_layers: int, remat: str | None = None):
   c.model.n_layers = n_layers
   c.model.remat = remat or c.model.remat
   c.attention.distca.side_stream_blocks = 8
+  c.attention.distca.buckets = 1
   mesh = shard_lib.make_mesh(data=1, tensor=1, devices=jax.devices()[:1])
   be = trainer.make_backend(c)
   m = trainer.make_model(c, be)
@@ -227,16 +231,19 @@ def test_side_pingpong_under_remat_policies(seed, remat):
 # ---------------------------------------------------------------------------------------------
 _TRAIN = r"""
 import json, sys
-from distca_jax import configs_io, trainer
-out = {}
+from distca_jax import configs_io, side_pingpong, trainer
+out, traced = {}, []
+run = side_pingpong.ping_pong_beside
+side_pingpong.ping_pong_beside = lambda *a, **k: (traced.append(blocks), run(*a, **k))[1]
 for blocks in (0, 8):
   c = configs_io.load_config("configs/tiny_cpu.py", [
       "num_steps=4", "optim.warmup_steps=1", "log_every=1", "checkpoint_every=0",
       "tensorboard=False", "eval_every=0", "model.n_layers=2", "tokens_per_rank=128",
       "rows_per_rank=4", "attention.backend=distca", "attention.nano_batches=2",
       "attention.distca.local_steps=False", "attention.distca.min_gain=0.0",
-      f"attention.distca.side_stream_blocks={blocks}"])
+      f"attention.distca.side_stream_blocks={blocks}", "attention.distca.buckets=1"])
   out[blocks] = [r["loss"] for r in trainer.train_and_evaluate(c, sys.argv[1] + f"/{blocks}")]
+out["traced"] = traced
 print("LOSSES", json.dumps(out))
 """
 
@@ -252,6 +259,7 @@ def test_training_losses_with_the_side_stream_equal_without(tmp_path):
   got = json.loads(r.stdout.split("LOSSES", 1)[1])
   assert len(got["0"]) == len(got["8"]) == 4 and np.isfinite(got["0"]).all()
   np.testing.assert_allclose(got["8"], got["0"], rtol=1e-5)
+  assert got["traced"] and set(got["traced"]) == {8}, got["traced"]  # the trainer ran it
 
 
 def test_cuda_program_of_a_span_lowers_forward_and_backward():

@@ -23,7 +23,7 @@ import numpy as np
 from distca_jax import attention as attn_lib
 from distca_jax import config as config_lib
 from distca_jax import metrics as metrics_lib
-from distca_jax import pipeline
+from distca_jax import pipeline, side_pingpong
 from distca_jax.baselines import device as baselines_device
 from distca_jax.baselines import packing
 from distca_jax.checks import check_float, check_int
@@ -266,6 +266,10 @@ def make(options: Options) -> "DistcaBackend":
   for name in ("servers_per_host", "q_relay", "kv_relay"):
     check_int(f"config.attention.distca.{name} (0 = auto)", getattr(o, name), 0)
   nb = check_int("config.attention.distca.buckets (1 = no buckets)", o.buckets, 1)
+  if o.side_stream_blocks and nb > 1:
+    raise ValueError(f"config.attention.distca.buckets={nb} with side_stream_blocks="
+                     f"{o.side_stream_blocks}: the side-stream exchange runs one capacity; set "
+                     "attention.distca.buckets=1")
 
   def spec_for(num_servers: int, tokens_per_row: int) -> PlanSpec:
     cap = resolve_capacity(caps, rn * tokens_per_row, rn)
@@ -381,8 +385,11 @@ def make(options: Options) -> "DistcaBackend":
     return side.dispatch_beside(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, layout.extra[PLAN_KEY], spec,
                                 call, mesh, send=send, back=back, order=order)
 
-  if o.side_stream_blocks:  # where a model's ping-pong finds it (side_pingpong.ping_pong_beside)
+  if o.side_stream_blocks:  # the model runs its ping-pong with these (model.Transformer)
     fn.beside_fn = beside_fn
+    fn.ping_pong = lambda plan, pieces, layers, x, layout, *, head_dim: (
+        side_pingpong.ping_pong_beside(plan, pieces, beside_fn, layers, x, layout,
+                                       head_dim=head_dim))
   resend = functools.partial(fn, memory_mode="resend") if o.memory_mode == "auto" else None
   local_fn = (functools.partial(baselines_device.packed_dp_attention, kernel=o.kernel,
                                 window=o.window) if local else None)

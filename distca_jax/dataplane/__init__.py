@@ -30,7 +30,8 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distca_jax.dataplane.body import (MEMORY_MODES, DispatchOptions, count_primitives,
-                                       dispatch_attention, mesh_and_servers)
+                                       dispatch_attention)
+from distca_jax.dataplane.mesh import mesh_and_servers
 from distca_jax.dataplane.copies import gather_two, place_unique, take_rows
 from distca_jax.dataplane.exchange import (COLLECTIVES, DEFAULT_EXCHANGE_BUCKETS,
                                            LEG_COLLECTIVES, ExchangeOptions, dense_block_rows,

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from custom_ops.varlen_attention import check_window
 from distca_jax import ops
+from distca_jax.dataplane.mesh import axes_of, mesh_and_servers
 from distca_jax.dataplane.exchange import ExchangeOptions, return_to_owners, send_to_servers
 from distca_jax.plan.buckets import BucketSpecs
 from distca_jax.plan.spec import PlanSpec
@@ -84,7 +85,7 @@ class DispatchOptions:
       object.__setattr__(self, "kernel_options", tuple(sorted(self.kernel_options.items())))
     if not isinstance(self.exchange, ExchangeOptions):
       raise TypeError(f"exchange={self.exchange!r} must be an ExchangeOptions")
-    rows, servers = _axes(self.data_axis), _axes(self.exchange_axis)
+    rows, servers = axes_of(self.data_axis), axes_of(self.exchange_axis)
     if not servers or rows[len(rows) - len(servers):] != servers:
       raise ValueError(f"server_axis={self.server_axis!r} must be the trailing axes of "
                        f"data_axis={self.data_axis!r} (e.g. data_axis=('pipe', 'data'), "
@@ -94,10 +95,6 @@ class DispatchOptions:
   def exchange_axis(self) -> str | tuple[str, ...]:
     """The axis the exchange runs over: ``server_axis``, else ``data_axis``."""
     return self.data_axis if self.server_axis is None else self.server_axis
-
-
-def _axes(axis) -> tuple[str, ...]:
-  return tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
 
 
 def _device_body(q_RxTxHxD, k_RxTxKxD, v_RxTxKxD, plan_RxW, *, spec: PlanSpec | BucketSpecs,
@@ -163,20 +160,6 @@ def _bucket_moves(plan_RxW, spec: BucketSpecs, options: DispatchOptions):
     return jax.lax.switch(i, [backs(one, fill) for one in spec.specs], x, plan_RxW)
 
   return send, back
-
-
-def mesh_and_servers(mesh, data_axis: str | tuple[str, ...]):
-  """(mesh, servers): the given mesh or the one set by `jax.set_mesh`, and the size of its
-  data axis (or the product of several: a pipeline's servers are every pipe x data rank)."""
-  if mesh is None:
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-      raise ValueError("CAD core attention needs a mesh: pass mesh= or trace under "
-                       "jax.set_mesh(mesh) (the trainer's mesh_context)")
-  axes = _axes(data_axis)
-  if not set(axes) <= set(mesh.axis_names):
-    raise ValueError(f"{data_axis=} is not an axis of the mesh {dict(mesh.shape)}")
-  return mesh, math.prod(mesh.shape[a] for a in axes)
 
 
 def dispatch_attention(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Array,

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from distca_jax import ops
 from distca_jax.dataplane.copies import gather_two, place_unique, take_rows
+from distca_jax.dataplane.mesh import mesh_and_servers
 from distca_jax.plan.metadata import reverse_routes
 
 # SMs of the GPU the rule assumes where the device reports none (an H100 SXM).
@@ -208,7 +209,6 @@ def dispatch_beside(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, plan_BxW, spec, options, me
   ``send`` = ``(fn, args)``, the output return spans ``back`` = ``(fn, args)`` or a function of
   ``send``'s output giving it; either may be None (nothing beside). Returns ``(O, send's
   output, back's output)`` (``(O, lse)`` first with ``options.return_lse``)."""
-  from distca_jax.dataplane.body import mesh_and_servers  # pylint: disable=import-outside-toplevel
   blocks = options.exchange.side_blocks
   if not blocks:
     raise ValueError("dispatch_beside needs options.exchange.side_blocks > 0 "

@@ -32,6 +32,22 @@ TABLE_HEADS_X_DIM = 32 * 128
 # ----------------------------------------------------------------------------------------------
 # Models.
 # ----------------------------------------------------------------------------------------------
+
+def check_layers(layers: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+  """``layers`` as a tuple of (count >= 1, window >= 0) pairs; one line naming a bad entry."""
+  out = []
+  for entry in layers:
+    try:
+      count, window = (int(v) for v in entry)
+    except (TypeError, ValueError):
+      raise ValueError(f"attention_layers entry {entry!r} must be a (count, window) pair of "
+                       "ints, e.g. (5, 1024) for five window layers of 1024") from None
+    if count < 1 or window < 0 or (count, window) != tuple(entry):
+      raise ValueError(f"attention_layers entry {entry!r} needs count >= 1 and window >= 0 "
+                       "(0 = global causal attention)")
+    out.append((count, window))
+  return tuple(out)
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
   """What the simulator needs of a model beyond ``ModelDims``: widths for memory and TP traffic.
@@ -54,7 +70,6 @@ class ModelSpec:
   attention_layers: tuple[tuple[int, int], ...] = ()
 
   def __post_init__(self):
-    from distca_jax.sim.windows import check_layers  # pylint: disable=import-outside-toplevel
     object.__setattr__(self, "attention_layers", check_layers(self.attention_layers))
 
   @property

@@ -26,22 +26,7 @@ import numpy as np
 
 from distca_jax import plan as plan_lib
 from distca_jax.sim import costs
-
-
-def check_layers(layers: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-  """``layers`` as a tuple of (count >= 1, window >= 0) pairs; one line naming a bad entry."""
-  out = []
-  for entry in layers:
-    try:
-      count, window = (int(v) for v in entry)
-    except (TypeError, ValueError):
-      raise ValueError(f"attention_layers entry {entry!r} must be a (count, window) pair of "
-                       "ints, e.g. (5, 1024) for five window layers of 1024") from None
-    if count < 1 or window < 0 or (count, window) != tuple(entry):
-      raise ValueError(f"attention_layers entry {entry!r} needs count >= 1 and window >= 0 "
-                       "(0 = global causal attention)")
-    out.append((count, window))
-  return tuple(out)
+from distca_jax.sim.costs import check_layers
 
 
 def layer_fractions(layers: Sequence[tuple[int, int]]) -> list[tuple[float, int]]:

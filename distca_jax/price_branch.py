@@ -54,7 +54,8 @@ class PriceBranch:
     self.pricer = price.BranchPricer(
         config_lib.model_config(c), remat=c.model.remat, nano_batches=c.attention.nano_batches,
         collective=c.attention.distca.collective, memory_mode=memory_mode,
-        exchange_buckets=c.attention.distca.exchange_buckets, device_kind=device_kind)
+        exchange_buckets=c.attention.distca.exchange_buckets, device_kind=device_kind,
+        buckets=c.attention.distca.buckets)
     self.chooser = choice.BranchChooser()
     self.backend, self.source = backend, source
     self._file = (open(os.path.join(workdir, "branches.jsonl"), "a")

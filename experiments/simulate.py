@@ -128,7 +128,7 @@ def options(a, **kw) -> step.Options:
   ca = config_lib.base_config().attention.distca
   o = step.Options(tolerance=ca.tolerance, nano_batches=a.nano_batches,
                    collective=a.collective, memory_mode=a.memory_mode,
-                   exchange_buckets=ca.exchange_buckets,
+                   exchange_buckets=ca.exchange_buckets, buckets=ca.buckets,
                    caps_headroom=ca.caps_headroom, cp_overlap=not a.no_cp_overlap, remat=a.remat,
                    local_steps=step.DEFAULT_LOCAL_STEPS and not a.no_local_steps)
   if a.tolerance is not None:

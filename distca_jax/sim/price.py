@@ -63,11 +63,12 @@ class BranchPricer:
     collective: ``attention.distca.collective`` ('auto', 'remote', 'dense', 'ragged').
     memory_mode: the data plane's resolved mode ('keep' or 'resend').
     exchange_buckets: ``attention.distca.exchange_buckets``.
+    buckets: ``attention.distca.buckets`` (the compiled exchange capacities; 1 = the caps').
     device_kind: ``jax.devices()[0].device_kind`` (picks the calibration: ``era_of_device``).
   """
 
   def __init__(self, model_cfg, *, remat: str, nano_batches: int, collective: str,
-               memory_mode: str, exchange_buckets: int, device_kind: str,
+               memory_mode: str, exchange_buckets: int, device_kind: str, buckets: int = 1,
                calibration: tuple[costs.Calibration, costs.KernelModel] | None = None):
     if collective not in step.SIM_COLLECTIVES:
       raise ValueError(f"attention.distca.collective={collective!r} is not priced by the step "
@@ -82,7 +83,7 @@ class BranchPricer:
     self.spec = costs.spec_of_model("run", model_cfg)
     self.nano_batches = nano_batches
     self.opts = step.Options(collective=collective, memory_mode=memory_mode,
-                             exchange_buckets=exchange_buckets, remat=remat,
+                             exchange_buckets=exchange_buckets, buckets=buckets, remat=remat,
                              nano_batches=nano_batches, local_steps=False)
 
   def prices(self, plans: Sequence[plan_lib.HostPlan], doclens, tokens_per_row: int

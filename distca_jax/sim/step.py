@@ -56,6 +56,8 @@ import numpy as np
 from distca_jax import config as config_lib
 from distca_jax import plan as plan_lib
 from distca_jax.plan import ticks
+from distca_jax.plan.buckets import bucket_capacities
+from distca_jax.plan.capacity import CAP_FIELDS
 from distca_jax.baselines import DEFAULT_MAX_DOCS_PER_ROW
 from distca_jax.baselines import metrics as bm
 from distca_jax.baselines import packing
@@ -141,6 +143,9 @@ class Options:
     side_stream_blocks: distca's exchange on the side stream at this SM budget
       (``attention.distca.side_stream_blocks``): the measured credit of ``sim.overlap``
       (one server only); 0 = off.
+    buckets: compiled exchange capacities (``attention.distca.buckets``): a step's exchange
+      and dispatch passes price the smallest bucket its plan fits (``bucket_capacity``); 1 =
+      the caps' buffers always, as every measured run before buckets ran.
     host_aware: the planner balances inside hosts first and prices moves by link
       (``plan.PlanOptions.servers_per_host``, as the system's planner runs in a multi-process
       job); False plans as if every server shared one host.
@@ -191,9 +196,11 @@ class Options:
   host_aware: bool = True
   window_layers_local: bool = False
   side_stream_blocks: int = 0
+  buckets: int = 1
 
   def __post_init__(self):
     check_int("servers_per_host", self.servers_per_host, 0)
+    check_int("buckets", self.buckets, 1)
     if not isinstance(self.host_aware, (bool, np.bool_)):
       raise ValueError(f"host_aware={self.host_aware!r} must be True or False (True: plans "
                        "balance inside hosts first)")
@@ -354,6 +361,21 @@ def step_is_local(step_results: Sequence[MicroResult], layout: Layout, opts: Opt
 # ----------------------------------------------------------------------------------------------
 # Seconds.
 # ----------------------------------------------------------------------------------------------
+def bucket_capacity(caps: plan_lib.Capacity, plan, buckets: int,
+                    tokens_per_device: int) -> plan_lib.Capacity:
+  """The capacity a step's exchange runs in: the smallest of ``buckets`` capacities
+  (``plan.buckets.bucket_capacities``) that ``plan`` fits (``plan.required_capacity``), as the
+  host chooses per call (the last bucket is ``caps``; a plan above ``caps`` prices ``caps``, as
+  with one bucket). The two-level exchange's relay rows stay ``relay``'s (the full caps')."""
+  if buckets <= 1:
+    return caps
+  need = plan_lib.required_capacity(plan)
+  for cap in bucket_capacities(caps, buckets, tokens_per_device):
+    if all(getattr(need, f) <= getattr(cap, f) for f in CAP_FIELDS):
+      return cap
+  return caps
+
+
 def rank_seconds(mr: MicroResult, spec: costs.ModelSpec, cal: costs.Calibration, layout: Layout,
                  opts: Options, tokens_per_rank: int,
                  caps: plan_lib.Capacity | None = None, local: bool = False,
@@ -386,14 +408,16 @@ def rank_seconds(mr: MicroResult, spec: costs.ModelSpec, cal: costs.Calibration,
     two = opts.collective == "two_level"
     if two and relay is None:
       raise ValueError("rank_seconds: the two-level exchange needs its relay rows (relay_rows)")
+    used = bucket_capacity(caps, mr.plan, opts.buckets, tokens_per_rank)
+
     def comm_of(plan):
       if two:
-        return two_level_seconds(plan, caps, relay, d, cal, tp, opts.servers_per_host,
+        return two_level_seconds(plan, used, relay, d, cal, tp, opts.servers_per_host,
                                  opts.exchange_buckets, opts.memory_mode)[0]
       if opts.collective == "ragged":  # its time follows the largest group, not the wire
         wire = np.full(m.num_ranks, ragged_group_bytes(plan, d, opts.memory_mode))
       else:
-        wire = exchange_wire_bytes(plan, caps, d, opts.collective, opts.exchange_buckets,
+        wire = exchange_wire_bytes(plan, used, d, opts.collective, opts.exchange_buckets,
                                    opts.memory_mode)
       return exchange_seconds(wire, m.num_ranks, cal, opts.collective, tp, opts.memory_mode)
 
@@ -405,7 +429,7 @@ def rank_seconds(mr: MicroResult, spec: costs.ModelSpec, cal: costs.Calibration,
     exposed, linear = overlap.credit(exposed, linear, opts.side_stream_blocks, m.num_ranks)
     if m.num_ranks > 1:  # local window layers fill no buffers
       dispatch = np.full(m.num_ranks, dispatch_buffer_bytes(
-          caps, d, opts.memory_mode, relay if two else None) / tp / cal.dispatch_bw
+          used, d, opts.memory_mode, relay if two else None) / tp / cal.dispatch_bw
           * windows.exchanged_share(spec, opts.window_layers_local))
   elif m.strategy in ("cp", "wlb"):
     comm = cal.collective_s(2.0 * m.bytes_S / tp, m.comm_span * tp, calls=2)

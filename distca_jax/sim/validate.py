@@ -254,6 +254,7 @@ def _options(run: E2eRun, era: str) -> step.Options:
       collective=run.override("attention.distca.collective", auto.get("collective", "dense")),
       memory_mode=run.override("attention.distca.memory_mode", auto.get("memory_mode", "keep")),
       exchange_buckets=int(run.override("attention.distca.exchange_buckets", "8")),
+      buckets=int(run.override("attention.distca.buckets", "1")),
       tolerance=float(run.override("attention.distca.tolerance", str(plan_lib.DEFAULT_TOLERANCE))),
       min_gain=float(run.override("attention.distca.min_gain", str(ERA_MIN_GAIN[era]))),
       local_steps=run.override("attention.distca.local_steps",

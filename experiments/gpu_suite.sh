@@ -11,7 +11,8 @@
 #                                                         # four-n3x, four-n1p, four-keep,
 #                                                         # four-n3w; not yet run: four-8b-xla,
 #                                                         # four-deep-a, four-deep-b, four-lean;
-#                                                         # one GPU: one-trees, one-defaults
+#                                                         # one GPU: one-trees, one-defaults,
+#                                                         # one-window, one-house (BEFORE=tree)
 #                                                         # (not in 'all');
 #                                                         # two GPUs: two-skip (not in 'all')
 # Several groups in one call: SUITE=four-base,four-4d,four-x (run in that order). The 4-GPU tables
@@ -91,6 +92,19 @@ stage e2e_1gpu_pingpong 240 $ONE python3 -m experiments.e2e_bench --backends pac
 # exchange kernel): the tests of tests/test_one_gpu.py, then the shipped GPU config for 6 steps.
 stage one_gpu_defaults 420 $ONE env JAX_PLATFORMS=cuda python3 -m pytest -q -s -rA tests/test_one_gpu.py
 stage one_gpu_smoke 200 $ONE python3 -m distca_jax.train --config configs/gpu_bench.py --workdir "$OUT/one_gpu_smoke" --config.num_steps=6 --config.log_every=1 --config.optim.warmup_steps=2 --config.tensorboard=False
+;;& one-window)
+# Sliding-window attention on one GPU: FA3 and our Mosaic kernel against the float64 oracle
+# (tests/test_window_gpu.py), the Mosaic tests at window 0, kernel_bench's windowed rows.
+stage window_gpu_tests 240 $ONE env JAX_PLATFORMS=cuda python3 -m pytest -q -rA tests/test_window_gpu.py
+stage mosaic_gpu_tests 180 $ONE env JAX_PLATFORMS=cuda python3 -m pytest -q tests/test_mosaic_attention.py
+stage kernel_bench_window 240 $ONE python3 -m experiments.kernel_bench --quick-windows --child-timeout-s 90 --out "$OUT/kernel_bench_window.json"
+;;& one-house)
+# One GPU's step time before and after a change of the house: the same e2e run in BEFORE (a
+# tree of the older commit: git archive COMMIT | tar -x -C .before, carried) and here, alternating.
+for i in 1 2; do
+  stage e2e_before_$i 180 $ONE env -C "${BEFORE:?set BEFORE=the older tree}" PYTHONPATH="/tmp/site:$(cd "$BEFORE" && pwd)" python3 -m experiments.e2e_bench --backends packed_dp,distca --workloads pretrain --tokens 65536 --layers 2 --steps 6 --warmup 2 --out "$OUT/e2e_before_$i"
+  stage e2e_after_$i 180 $ONE python3 -m experiments.e2e_bench --backends packed_dp,distca --workloads pretrain --tokens 65536 --layers 2 --steps 6 --warmup 2 --out "$OUT/e2e_after_$i"
+done
 ;;& two|all)
 stage collective_bench 90 python3 -m experiments.collective_bench --out "$OUT/collective_bench"
 stage dispatch_bench 150 python3 -m experiments.dispatch_bench --kernel flash3 --iters 20 --batches 2 --exchange-only --caps suggest --collective ppermute --out "$OUT/dispatch_bench"

@@ -101,6 +101,11 @@ MEASURED_SLOW = frozenset({
     # (`sim.validate.validate()`) takes 17 s of CPU (tests/cpu_times.py, 2026-12-07).
     "tests/test_simulator.py::test_validation_replays_committed_runs",
     "tests/test_simulator.py::test_validation_explains_every_miss",
+    # 20-51 s each in the full suite on 2 workers (--durations, 2026-12-07); the layer types keep
+    # a fast model-against-reference test (window) and the chunked kernel-level test.
+    "tests/test_layer_types_train.py::test_chunked_model_trains_with_distca_like_local[layers0]",
+    "tests/test_layer_types_train.py::test_packed_dp_runs_local_layers[local0]",
+    "tests/test_layer_types.py::test_model_equals_per_layer_reference[kw2]",
 })
 
 

@@ -20,8 +20,7 @@ import ml_collections
 
 from distca_jax.errors import UserError
 # Stop requests live in distca_jax.stop (the trainer reads them too); launch keeps their names.
-from distca_jax.stop import (SUPERVISED_ENV, StopRequest, distributed_state,  # noqa: F401
-                             newest_checkpoint, stop_signal)
+from distca_jax.stop import SUPERVISED_ENV, distributed_state, newest_checkpoint
 
 # NVLink multicast (NVLS) is kept off: it destabilized shared GPU hosts.
 # No XLA overlap flags are set, by measurement: CAD's all-to-alls are async collectives that XLA

@@ -501,23 +501,12 @@ def ping_pong_layers(plan: ExecutionPlan, pieces, layers, x_BxTxE, layout: Layou
   Returns:
     The residual stream after layer L-1, rows in their original order.
   """
-  n_layers = stack_depth(layers)
-  stacked = not isinstance(layers, (list, tuple))
   pre, ca, post = pieces
   (x_a, x_b), (lay_a, lay_b) = split_rows(x_BxTxE, 2), split_rows(layout, 2)
 
   def step(name, fn, *args):
     with jax.named_scope(f"{PING_PONG_SCOPE}_{name}"):
       return fn(*args)
-
-  def remat(f, in_scan=False):
-    # prevent_cse=False only inside the scan (as nn.scan does): there a loop already keeps XLA
-    # from merging the backward's recomputation with the forward; outside, CSE would undo it.
-    return rematerialize(f, plan.remat, prevent_cse=not in_scan)
-  def layer(all_params, i):
-    if not stacked:
-      return all_params[i]
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), all_params)
 
   def prologue(p0, x_a, x_b):
     qkv_a = step("pre_A", pre, p0, x_a, lay_a)
@@ -541,6 +530,28 @@ def ping_pong_layers(plan: ExecutionPlan, pieces, layers, x_BxTxE, layout: Layou
     x_a = step("post_A", post, p_last, x_a, o_a)
     x_b = step("post_B", post, p_last, x_b, o_b)
     return x_a, x_b
+
+  return ping_pong_units(plan, layers, x_a, x_b, prologue, unit, epilogue)
+
+
+def ping_pong_units(plan: ExecutionPlan, layers, x_a, x_b, prologue, unit, epilogue):
+  """Runs a ping-pong's pieces over the layers (``ping_pong_layers``' schedule):
+  ``prologue(params_0, x_a, x_b) -> carry``, ``unit(params_i, params_{i+1}, carry) -> carry``
+  for i = 0 .. L-2 (a scan over stacked parameters, a call per layer for a list), and
+  ``epilogue(params_{L-1}, carry) -> (x_a, x_b)``, each under the plan's remat policy; returns
+  the two nano-batches' rows merged in their original order."""
+  n_layers = stack_depth(layers)
+  stacked = not isinstance(layers, (list, tuple))
+
+  def remat(f, in_scan=False):
+    # prevent_cse=False only inside the scan (as nn.scan does): there a loop already keeps XLA
+    # from merging the backward's recomputation with the forward; outside, CSE would undo it.
+    return rematerialize(f, plan.remat, prevent_cse=not in_scan)
+
+  def layer(all_params, i):
+    if not stacked:
+      return all_params[i]
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), all_params)
 
   # The layer's parameters are taken out of the stack INSIDE each rematerialized piece: a slice
   # taken outside would be a residual of every unit, one more copy of the layer weights per layer.

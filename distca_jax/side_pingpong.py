@@ -19,13 +19,10 @@ beside the work's transposes). The losses and gradients are those of ``model.pin
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from distca_jax import model
@@ -42,8 +39,6 @@ def ping_pong_beside(plan: model.ExecutionPlan, pieces, beside_fn, layers, x_BxT
     raise ValueError("ping_pong_beside needs the distca backend's beside_fn: set "
                      "attention.distca.side_stream_blocks > 0")
   scale = 1.0 / math.sqrt(head_dim)
-  n_layers = model.stack_depth(layers)
-  stacked = not isinstance(layers, (list, tuple))
   pre, _, post = pieces
   (x_a, x_b), (lay_a, lay_b) = model.split_rows(x_BxTxE, 2), model.split_rows(layout, 2)
 
@@ -64,14 +59,6 @@ def ping_pong_beside(plan: model.ExecutionPlan, pieces, beside_fn, layers, x_BxT
   pre_a, pre_b = named("pre_A", pre), named("pre_B", pre)
   post_a, post_b = named("post_A", post), named("post_B", post)
 
-  def remat(f, in_scan=False):
-    return model.rematerialize(f, plan.remat, prevent_cse=not in_scan)
-
-  def layer(all_params, i):
-    if not stacked:
-      return all_params[i]
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, keepdims=False), all_params)
-
   def prologue(p0, x_a, x_b):
     qkv_a = pre_a(p0, x_a, lay_a)
     o_a, qkv_b, _ = ca("A", qkv_a, lay_a, send=(pre_b, (p0, x_b, lay_b)))
@@ -90,16 +77,7 @@ def ping_pong_beside(plan: model.ExecutionPlan, pieces, beside_fn, layers, x_BxT
     o_b, x_a, _ = ca("B", qkv_b, lay_b, send=(post_a, (p_last, x_a, o_a)))
     return x_a, post_b(p_last, x_b, o_b)
 
-  def units(carry):  # layers 0 .. L-2: a scan over the stacked parameters, or a call per layer
-    if stacked and n_layers > 1:
-      body = remat(lambda ps, i, c: unit(layer(ps, i), layer(ps, i + 1), c), in_scan=True)
-      return lax.scan(lambda c, i: (body(layers, i, c), None), carry, jnp.arange(n_layers - 1))[0]
-    return functools.reduce(lambda c, i: remat(unit)(layers[i], layers[i + 1], c),
-                            range(n_layers - 1), carry)
-
-  carry = units(remat(lambda ps, x_a, x_b: prologue(layer(ps, 0), x_a, x_b))(layers, x_a, x_b))
-  return model.merge_rows(list(remat(lambda ps, carry: epilogue(layer(ps, n_layers - 1), carry))(
-      layers, carry)))
+  return model.ping_pong_units(plan, layers, x_a, x_b, prologue, unit, epilogue)
 
 
 _SCOPE = re.compile(rf"{model.PING_PONG_SCOPE}_(ca|post|pre)_([AB])")

@@ -22,7 +22,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from distca_jax import configs_io, launch
+from distca_jax import configs_io, launch, stop as stop_lib
 from distca_jax.errors import UserError
 
 FLAGS = flags.FLAGS
@@ -99,14 +99,14 @@ def main(argv):
       process_id=FLAGS.process_id, heartbeat_timeout_s=FLAGS.heartbeat_timeout_s,
       initialization_timeout_s=FLAGS.initialization_timeout_s)
   if ((FLAGS.multihost or distributed.explicit)
-      and not os.environ.get(launch.SUPERVISED_ENV)):
+      and not os.environ.get(stop_lib.SUPERVISED_ENV)):
     try:
       distributed.check()
     except UserError as e:
       _exit_with(str(e))
     sys.exit(launch.supervise(sys.argv, FLAGS.workdir, FLAGS.verbose, FLAGS.process_id,
                               FLAGS.num_processes, distributed))
-  stop = launch.StopRequest()
+  stop = stop_lib.StopRequest()
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, stop)
   from distca_jax import trainer

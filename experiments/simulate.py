@@ -86,7 +86,7 @@ def parse_args(argv=None):
                  "'remote', 'dense' or 'ragged'")
   p.add_argument("--memory-mode", default="auto", choices=step.SIM_MEMORY_MODES,
                  help="distca's memory mode: 'auto' as the trainer's pre-flight ('keep' with "
-                 "trainer.AUTO_KEEP_SPARE of the device spare, else 'resend'), 'keep' or "
+                 "memory.AUTO_KEEP_SPARE of the device spare, else 'resend'), 'keep' or "
                  "'resend'")
   p.add_argument("--batches", type=int, default=3, help="sampled batches averaged")
   p.add_argument("--tolerance", type=float, default=None, help="CAD epsilon (default: config's)")

@@ -428,8 +428,8 @@ def test_a_second_signal_stops_at_once_and_the_rerun_trains(tmp_path):
 
 _STOP_SCRIPT = """
 import signal, sys, time
-from distca_jax import launch
-stop = launch.StopRequest(timeout_s=0.3, workdir=sys.argv[1])
+from distca_jax import stop as stop_lib
+stop = stop_lib.StopRequest(timeout_s=0.3, workdir=sys.argv[1])
 for sig in sys.argv[2].split(","):
   stop(getattr(signal, sig))
 if sys.argv[3] == "ack":

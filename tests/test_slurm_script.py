@@ -164,10 +164,10 @@ def test_launch_module_prints_the_trainers_usage():
 def test_supervised_process_takes_one_signal_delivered_twice_as_one(monkeypatch):
   """A supervised process's StopRequest: the same signal twice within DUPLICATE_S is one request
   (no exit); a different signal after it is a second request (exit)."""
-  from distca_jax import launch
+  from distca_jax import stop as stop_lib
   exits = []
-  monkeypatch.setenv(launch.SUPERVISED_ENV, "1")
-  stop = launch.StopRequest(timeout_s=60)
+  monkeypatch.setenv(stop_lib.SUPERVISED_ENV, "1")
+  stop = stop_lib.StopRequest(timeout_s=60)
   monkeypatch.setattr(stop, "_exit", lambda signum, why: exits.append((signum, why)))
   stop(signal.SIGTERM)
   stop(signal.SIGTERM)
@@ -175,8 +175,8 @@ def test_supervised_process_takes_one_signal_delivered_twice_as_one(monkeypatch)
   stop(signal.SIGINT)
   assert exits and exits[0][0] == signal.SIGINT and "a second SIGINT" in exits[0][1]
   stop.acknowledge()
-  monkeypatch.delenv(launch.SUPERVISED_ENV)
-  alone = launch.StopRequest(timeout_s=60)
+  monkeypatch.delenv(stop_lib.SUPERVISED_ENV)
+  alone = stop_lib.StopRequest(timeout_s=60)
   monkeypatch.setattr(alone, "_exit", lambda signum, why: exits.append((signum, why)))
   alone(signal.SIGTERM)
   alone(signal.SIGTERM)  # not supervised: a second signal is a second request

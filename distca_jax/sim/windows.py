@@ -38,12 +38,8 @@ def layer_fractions(layers: Sequence[tuple[int, int]]) -> list[tuple[float, int]
 
 def window_pairs(lo, hi, window: int):
   """Query-key pairs of queries [lo, hi) of a document under a window of ``window`` keys
-  (0: global causal, ``plan.pairs``): ``sum over p of min(p + 1, window)`` (ints or arrays)."""
-  if window <= 0:
-    return plan_lib.pairs(lo, hi)
-  lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
-  mid = np.clip(window, lo, hi)  # positions below the window's width read every earlier key
-  return plan_lib.pairs(lo, mid) + window * (hi - mid)
+  (0: global causal): ``plan.pairs`` with the window, on int64 arrays."""
+  return plan_lib.pairs(np.asarray(lo, np.int64), np.asarray(hi, np.int64), max(window, 0))
 
 
 def window_task_seconds(km: costs.KernelModel, lo, hi, window: int, dims) -> np.ndarray:
@@ -56,7 +52,6 @@ def window_task_seconds(km: costs.KernelModel, lo, hi, window: int, dims) -> np.
   kv = hi - np.maximum(0.0, lo - window + 1)
   shape_pairs = q * kv - q * (q - 1) / 2
   share = window_pairs(lo.astype(np.int64), hi.astype(np.int64), window) / shape_pairs
-  # pylint: disable-next=protected-access
   heads = dims.q_heads * dims.head_dim / costs.TABLE_HEADS_X_DIM
   return (km.table.time(q, kv) * share + km.task_s) * heads
 
@@ -71,7 +66,7 @@ def window_kv_rows(plan: plan_lib.Plan, window: int) -> np.ndarray:
   out = np.zeros((s, s))
   spans: dict[tuple[int, int], list[tuple[int, int]]] = {}
   for doc, a, b, srv in plan.tasks.tolist():
-    spans.setdefault((doc, srv), []).append((max(0, a - window + 1), b))
+    spans.setdefault((doc, srv), []).append((int(plan_lib.k_starts(a, window)), b))
   for (doc, srv), ivs in spans.items():
     g = int(plan.doc_starts[doc])
     ivs.sort()

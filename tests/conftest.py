@@ -3,6 +3,7 @@ optimization level 0, strict numerics, and the `seed` fixture every randomized t
 
 import fcntl
 import os
+import shutil
 import tempfile
 import zlib
 
@@ -20,6 +21,21 @@ import jax  # noqa: E402  (must follow the environment setup above)
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# The tests' subprocesses (trainer runs, several processes, faults) compile the same few programs
+# again and again (a run resumed, the same run on 1 and on 2 processes): they share one persistent
+# compilation cache per test run, made here by the first process (the pytest-xdist controller, or
+# the only one) and inherited by the workers and their children through the environment, and
+# removed at its end (a cold compile of the tiny trainer: 24 s of CPU; from the cache: 6 s). Its
+# lock (a size limit turns it on) keeps processes from reading an entry being written. The test
+# processes themselves compile as before (a test's programs differ from the others').
+_CACHE_DIR = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _CACHE_DIR = tempfile.mkdtemp(prefix="distca-tests-cache-")
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE_DIR,
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                    JAX_COMPILATION_CACHE_MAX_SIZE=str(8 << 30))
+jax.config.update("jax_enable_compilation_cache", False)
 
 _SEED = pytest.StashKey[int]()
 
@@ -135,3 +151,9 @@ def pytest_runtest_call(item):
   with open(os.path.join(tempfile.gettempdir(), f"distca-tests-{run}.lock"), "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     return (yield)
+
+
+def pytest_unconfigure(config):
+  del config
+  if _CACHE_DIR:  # this process made the run's cache (module comment above)
+    shutil.rmtree(_CACHE_DIR, ignore_errors=True)

@@ -248,7 +248,9 @@ def _free_port() -> int:
 
 def _env(devices: int) -> dict:
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the children's device count comes from JAX_NUM_CPU_DEVICES
+  # The children's device count comes from JAX_NUM_CPU_DEVICES; their CPU code is compiled at
+  # the tests' optimization level (tests/conftest.py).
+  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
   env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices), PYTHONUNBUFFERED="1",
              PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
   return env

@@ -294,7 +294,8 @@ def _cmd(workdir, overrides, config=TINY):
 
 
 def _env(**extra):
-  return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+  return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1 "
+                                    "--xla_backend_optimization_level=0",
               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **extra)
 
 

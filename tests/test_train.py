@@ -145,7 +145,8 @@ def test_data_ranks_reads_mesh_data_minus_one_once():
 def _run_train(workdir, overrides, env_devices, kill_after_ckpt=None):
   cmd = [sys.executable, "-m", "distca_jax.train", "--config", os.path.join(ROOT, "configs", "tiny_cpu.py"),
          "--workdir", workdir] + [f"--config.{o}" for o in overrides]
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={env_devices}",
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={env_devices} "
+                                   "--xla_backend_optimization_level=0",
              JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)

@@ -7,15 +7,17 @@ import shutil
 import tempfile
 import zlib
 
+from child_env import OPT_LEVEL
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The tests compile hundreds of small programs and run each a few times: most of their time is
-# XLA's CPU backend (LLVM) optimizing machine code. Level 0 skips those LLVM passes (about half
-# the compile time); the programs' HLO is unchanged, only its machine code is less optimized. An
-# XLA_FLAGS that names a level keeps it; GPU runs (JAX_PLATFORMS other than cpu) keep the default.
+# XLA's CPU backend (LLVM) optimizing machine code, which level 0 (``child_env.OPT_LEVEL``; the
+# tests' subprocesses get it from ``child_env.cpu_xla_flags``) mostly skips. An XLA_FLAGS that
+# names a level keeps it; GPU runs (JAX_PLATFORMS other than cpu) keep the default.
 if (os.environ["JAX_PLATFORMS"] == "cpu"
     and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]):
-  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+  os.environ["XLA_FLAGS"] += " " + OPT_LEVEL
 
 import jax  # noqa: E402  (must follow the environment setup above)
 import pytest  # noqa: E402

@@ -14,6 +14,7 @@ import pytest
 
 from distca_jax import configs_io, trainer
 from experiments import config_fit
+from child_env import cpu_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "*.py")))
@@ -59,8 +60,7 @@ def test_shipped_config_trains_two_steps_at_tiny_size(path, tmp_path):
   assert (c.attention.backend, c.mesh.data, c.mesh.tensor, c.mesh.fsdp, c.model.remat) == (
       real.attention.backend, real.mesh.data, real.mesh.tensor, real.mesh.fsdp, real.model.remat)
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={hw.devices} "
-                       "--xla_backend_optimization_level=0")
+             XLA_FLAGS=cpu_xla_flags(hw.devices))
   out = subprocess.run([sys.executable, "-m", "distca_jax.train", "--config", path, "--workdir",
                         str(tmp_path)] + [f"--config.{o}" for o in TINY],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

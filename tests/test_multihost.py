@@ -29,6 +29,7 @@ from distca_jax import config as config_lib
 from distca_jax import launch
 from distca_jax import trainer
 from distca_jax.data import make_source
+from child_env import cpu_xla_flags
 from test_train import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -248,9 +249,7 @@ def _free_port() -> int:
 
 def _env(devices: int) -> dict:
   env = dict(os.environ)
-  # The children's device count comes from JAX_NUM_CPU_DEVICES; their CPU code is compiled at
-  # the tests' optimization level (tests/conftest.py).
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+  env["XLA_FLAGS"] = cpu_xla_flags()  # the device count comes from JAX_NUM_CPU_DEVICES
   env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices), PYTHONUNBUFFERED="1",
              PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
   return env

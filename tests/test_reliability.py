@@ -22,6 +22,7 @@ from distca_jax import checkpoint as ckpt_lib
 from distca_jax import sharding as shard_lib
 from distca_jax.data import DataError, FileSource
 from distca_jax.errors import UserError
+from child_env import cpu_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.py")
@@ -294,8 +295,7 @@ def _cmd(workdir, overrides, config=TINY):
 
 
 def _env(**extra):
-  return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1 "
-                                    "--xla_backend_optimization_level=0",
+  return dict(os.environ, XLA_FLAGS=cpu_xla_flags(1),
               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **extra)
 
 

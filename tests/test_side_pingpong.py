@@ -30,6 +30,7 @@ from custom_ops import side_stream as ss
 from distca_jax import backends
 from distca_jax.dataplane import ExchangeOptions, ragged_exchange, side
 from tests.test_side_stream import _library  # noqa: F401  (autouse: the CPU library)
+from child_env import cpu_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -251,8 +252,7 @@ print("LOSSES", json.dumps(out))
 @pytest.mark.slow
 def test_training_losses_with_the_side_stream_equal_without(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-             XLA_FLAGS="--xla_force_host_platform_device_count=1 "
-                       "--xla_backend_optimization_level=0")
+             XLA_FLAGS=cpu_xla_flags(1))
   r = subprocess.run([sys.executable, "-c", _TRAIN, str(tmp_path)], cwd=ROOT, env=env,
                      capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]

@@ -21,6 +21,7 @@ from distca_jax import aot, configs_io, trainer
 from distca_jax import attention as attn_lib
 from distca_jax import sharding as shard_lib
 from distca_jax.data import make_source
+from child_env import cpu_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
@@ -145,8 +146,7 @@ def test_data_ranks_reads_mesh_data_minus_one_once():
 def _run_train(workdir, overrides, env_devices, kill_after_ckpt=None):
   cmd = [sys.executable, "-m", "distca_jax.train", "--config", os.path.join(ROOT, "configs", "tiny_cpu.py"),
          "--workdir", workdir] + [f"--config.{o}" for o in overrides]
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={env_devices} "
-                                   "--xla_backend_optimization_level=0",
+  env = dict(os.environ, XLA_FLAGS=cpu_xla_flags(env_devices),
              JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
